@@ -1,0 +1,35 @@
+"""jax_ub: tensor-parallel communication overlapped with matmuls, through userbuffers.
+
+Public API:
+  all_gather_matmul(x, w, axis_name, *, impl="auto", return_gathered=False)
+  matmul_reduce_scatter(x, w, axis_name, *, impl="auto")
+  initialize(mesh, axis_name, *, buffer_bytes=None) / finalize()
+  configure(**settings) / config
+"""
+
+from jax_ub._src import extension as _extension  # registers the FFI handlers
+from jax_ub._src.all_gather_matmul import all_gather_matmul
+from jax_ub._src.communicator import Communicator, finalize, initialize, live_communicators
+from jax_ub._src.config import Config, config, configure
+from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.reference import (
+    all_gather_matmul_reference,
+    matmul_reduce_scatter_reference,
+)
+
+__all__ = [
+    "Communicator",
+    "Config",
+    "all_gather_matmul",
+    "all_gather_matmul_reference",
+    "config",
+    "configure",
+    "finalize",
+    "initialize",
+    "live_communicators",
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_reference",
+]
+
+del _extension
+__version__ = "0.1.0"

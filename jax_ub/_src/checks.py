@@ -1,0 +1,69 @@
+"""Argument checks shared by the public ops: all of them run before anything is traced."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+UB_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+IMPLS = ("auto", "ub", "xla")
+
+
+def bound_axis_size(op: str, axis_name: str) -> int:
+    """Size of `axis_name` in the enclosing shard_map, or a ValueError saying what is wrong."""
+    if not isinstance(axis_name, str):
+        raise ValueError(f"{op}: axis_name must be one mesh axis name (str), got {axis_name=}")
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError:
+        mesh = jax.sharding.get_abstract_mesh()
+        names = tuple(getattr(mesh, "axis_names", ()) or ())
+        if not names:
+            raise ValueError(
+                f"{op}: axis {axis_name!r} is not bound; call {op} inside jax.shard_map over "
+                "a mesh that has this axis (like lax.all_gather)"
+            ) from None
+        raise ValueError(f"{op}: axis {axis_name!r} is not in the mesh; {names=}") from None
+
+
+def check_impl(op: str, impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl=}")
+
+
+def check_matmul_shapes(op: str, x: jax.Array, w: jax.Array) -> None:
+    if x.ndim < 2:
+        raise ValueError(f"{op}: x must have at least 2 dims [rows, ..., k], got {x.shape=}")
+    if w.ndim != 2:
+        raise ValueError(f"{op}: w must be 2-D [k, n], got {w.shape=}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"{op}: contracting dims differ: x.shape[-1]={x.shape[-1]} but w.shape[0]="
+            f"{w.shape[0]}; {x.shape=} {w.shape=}"
+        )
+
+
+def ub_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
+    """Why the userbuffer path cannot take these operands, or None if it can."""
+    if x.dtype != w.dtype:
+        return f"x and w have different dtypes ({x.dtype=}, {w.dtype=})"
+    if jnp.dtype(x.dtype) not in UB_DTYPES:
+        return f"dtype {x.dtype} is not supported (supported: float32, bfloat16, float16)"
+    return None
+
+
+def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array) -> bool:
+    """Resolve impl="auto"; raise if impl="ub" cannot run these operands."""
+    from jax_ub._src import extension  # noqa: PLC0415  (keeps import order simple)
+
+    if impl == "xla":
+        return False
+    reason = ub_unsupported_reason(x, w)
+    if reason is None and not extension.supported(jax.default_backend()):
+        reason = f"no userbuffer implementation for platform {jax.default_backend()!r}"
+    if reason is None:
+        return True
+    if impl == "ub":
+        raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
+    return False

@@ -1,0 +1,184 @@
+"""Userbuffer communicators: one per (mesh devices, axis, platform), created on first use.
+
+A communicator covers every tensor-parallel group of one mesh axis: slot
+``group * axis_size + rank`` belongs to the mesh device at that position once the axis is
+moved last. Each slot owns a symmetric buffer that the other ranks of its group write
+into. The compiled op carries the communicator's id; the handler finds its own slot from
+the device it runs on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_ub._src import extension
+from jax_ub._src.config import config
+
+_MIB = 1 << 20
+# Default userbuffer when the config leaves it to us: what the op needs, but at least this,
+# so that a model's first few ops do not each grow it.
+_MIN_BYTES = {"cpu": 1 * _MIB, "cuda": 256 * _MIB}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    platform: str
+    axis_name: str
+    device_ids: tuple[int, ...]  # global device ids, slot order
+    group_size: int
+
+
+@dataclasses.dataclass
+class Communicator:
+    """A live userbuffer communicator (returned by :func:`jax_ub.initialize`)."""
+
+    id: int
+    platform: str
+    axis_name: str
+    group_size: int
+    num_groups: int
+    capacity_bytes: int
+    timeout_s: float
+    devices: tuple[jax.Device, ...]
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(id={self.id}, platform={self.platform!r}, axis={self.axis_name!r}, "
+            f"groups={self.num_groups}x{self.group_size}, buffer={self.capacity_bytes} bytes)"
+        )
+
+
+_lock = threading.RLock()
+_live: dict[_Key, Communicator] = {}
+_retired: list[Communicator] = []  # outgrown, still referenced by compiled programs
+
+
+def slot_devices(mesh: Mesh, axis_name: str) -> list[jax.Device]:
+    """Mesh devices in slot order: the axis last, the other axes flattened into groups."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
+    axis = mesh.axis_names.index(axis_name)
+    devs = np.moveaxis(np.asarray(mesh.devices), axis, -1)
+    return list(devs.reshape(-1))
+
+
+def _device_ordinal(device: jax.Device) -> int:
+    """The ordinal XLA hands an FFI handler running on `device`, or -1 if not ours."""
+    if device.process_index != jax.process_index():
+        return -1
+    hw = getattr(device, "local_hardware_id", None)
+    return int(hw) if hw is not None else int(device.id)
+
+
+def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator:
+    module = extension.module_for(key.platform)
+    if module is None:
+        raise RuntimeError(
+            f"jax_ub has no userbuffer implementation for platform {key.platform!r} in this "
+            "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
+        )
+    ordinals = [_device_ordinal(d) for d in devices]
+    comm_id = module.create_communicator(key.group_size, ordinals, capacity, config.timeout_s)
+    return Communicator(
+        id=comm_id,
+        platform=key.platform,
+        axis_name=key.axis_name,
+        group_size=key.group_size,
+        num_groups=len(devices) // key.group_size,
+        capacity_bytes=capacity,
+        timeout_s=config.timeout_s,
+        devices=tuple(devices),
+    )
+
+
+def get_communicator(
+    mesh: Mesh, axis_name: str, platform: str, needed_bytes: int = 0
+) -> Communicator:
+    """The communicator for (mesh, axis) on `platform`, created or grown as needed."""
+    devices = slot_devices(mesh, axis_name)
+    group_size = mesh.shape[axis_name]
+    key = _Key(platform, axis_name, tuple(d.id for d in devices), group_size)
+    with _lock:
+        comm = _live.get(key)
+        if comm is not None and comm.capacity_bytes >= needed_bytes:
+            return comm
+        if comm is not None and not config.allow_grow:
+            raise ValueError(
+                f"jax_ub: userbuffer too small for this op: it needs {needed_bytes} bytes per "
+                f"device, the communicator for axis {axis_name!r} has {comm.capacity_bytes}; "
+                "pass a larger buffer_bytes to jax_ub.initialize/configure or allow_grow=True"
+            )
+        capacity = max(needed_bytes, config.buffer_bytes or _MIN_BYTES.get(platform, _MIB))
+        if comm is not None:
+            # Programs compiled against the old buffer keep it until finalize().
+            _retired.append(comm)
+            capacity = max(capacity, 2 * comm.capacity_bytes)
+        _live[key] = _create(key, devices, capacity)
+        return _live[key]
+
+
+def initialize(
+    mesh: Mesh,
+    axis_name: str,
+    *,
+    buffer_bytes: int | None = None,
+    platform: str | None = None,
+) -> Communicator:
+    """Create the communicator for `axis_name` of `mesh` now rather than on first use.
+
+    Args:
+      mesh: the mesh the ops will run under (``jax.shard_map(..., mesh=mesh)``).
+      axis_name: the tensor-parallel axis.
+      buffer_bytes: symmetric buffer per device; defaults to ``jax_ub.config.buffer_bytes``.
+      platform: "cpu" or "cuda"; defaults to the platform of the mesh's devices.
+
+    Example::
+
+        mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+        jax_ub.initialize(mesh, "tp", buffer_bytes=512 << 20)
+    """
+    platform = platform or np.asarray(mesh.devices).flat[0].platform
+    needed = buffer_bytes if buffer_bytes is not None else config.buffer_bytes
+    if buffer_bytes is not None and buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes=}")
+    return get_communicator(mesh, axis_name, platform, needed)
+
+
+def finalize() -> None:
+    """Destroy every communicator and free its buffers.
+
+    Compiled programs that used them are dropped from JAX's caches, so the next call
+    traces again and creates fresh communicators.
+    """
+    with _lock:
+        comms = list(_live.values()) + _retired
+        _live.clear()
+        _retired.clear()
+    for comm in comms:
+        module = extension.module_for(comm.platform)
+        if module is not None:
+            module.destroy_communicator(comm.id)
+    if comms:
+        jax.clear_caches()
+
+
+def live_communicators() -> list[Communicator]:
+    with _lock:
+        return list(_live.values())
+
+
+def _finalize_at_exit() -> None:
+    try:
+        finalize()
+    except Exception as e:  # noqa: BLE001  (interpreter is going away; report, don't raise)
+        warnings.warn(f"jax_ub: finalize at exit failed: {e}", stacklevel=1)
+
+
+atexit.register(_finalize_at_exit)

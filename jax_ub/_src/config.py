@@ -1,0 +1,66 @@
+"""Process-wide settings: userbuffer size, peer-wait deadline, growth policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+_MIB = 1 << 20
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+@dataclasses.dataclass
+class Config:
+    """Settings read when a communicator is created.
+
+    Attributes:
+      buffer_bytes: symmetric buffer per device. ``0`` sizes it from the first op that
+        needs one (env ``JAX_UB_BUFFER_BYTES``).
+      timeout_s: how long any rank waits for a peer before the op fails with an error
+        naming the missing rank (env ``JAX_UB_TIMEOUT_S``).
+      allow_grow: when an op needs more than the buffer holds, create a larger buffer
+        at trace time instead of raising (env ``JAX_UB_ALLOW_GROW``).
+      allow_tf32: let float32 GEMMs on GPU use TF32 tensor cores.
+    """
+
+    buffer_bytes: int = dataclasses.field(
+        default_factory=lambda: _env_int("JAX_UB_BUFFER_BYTES", 0)
+    )
+    timeout_s: float = dataclasses.field(
+        default_factory=lambda: _env_float("JAX_UB_TIMEOUT_S", 30.0)
+    )
+    allow_grow: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("JAX_UB_ALLOW_GROW", "1") not in ("0", "")
+    )
+    allow_tf32: bool = False
+
+
+config = Config()
+
+
+def configure(**changes: object) -> Config:
+    """Change settings for communicators created from now on; returns the new config.
+
+    Example::
+
+        jax_ub.configure(timeout_s=5.0, buffer_bytes=512 << 20)
+    """
+    for name, value in changes.items():
+        if not hasattr(config, name):
+            fields = [f.name for f in dataclasses.fields(Config)]
+            raise ValueError(f"unknown jax_ub setting {name!r}; known: {fields}")
+        setattr(config, name, value)
+    if config.timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {config.timeout_s=}")
+    if config.buffer_bytes < 0:
+        raise ValueError(f"buffer_bytes must be >= 0, got {config.buffer_bytes=}")
+    return config

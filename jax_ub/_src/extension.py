@@ -1,0 +1,61 @@
+"""Loads the compiled extensions and registers their FFI handlers with XLA."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from types import ModuleType
+
+import jax
+
+from jax_ub import _host
+
+# Platform name in lowering contexts -> name XLA registers custom calls under.
+_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
+
+
+def _register(module: ModuleType, platform: str) -> None:
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+_register(_host, "cpu")
+
+
+def _preload_cublaslt() -> None:
+    """Make libcublasLt resolvable for the CUDA module from the nvidia-cublas wheel."""
+    try:
+        import nvidia  # noqa: PLC0415
+    except ImportError:
+        return
+    for root in getattr(nvidia, "__path__", []):
+        lib = os.path.join(root, "cu13", "lib", "libcublasLt.so.13")
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return
+
+
+@functools.cache
+def cuda_module() -> ModuleType | None:
+    """The CUDA extension, registered with XLA, or None when it was not built."""
+    try:
+        _preload_cublaslt()
+        from jax_ub import _cuda  # noqa: PLC0415
+    except ImportError:
+        return None
+    _register(_cuda, "CUDA")
+    return _cuda
+
+
+def module_for(platform: str) -> ModuleType | None:
+    """The extension implementing userbuffers on `platform` ("cpu", "cuda"), if any."""
+    if platform == "cpu":
+        return _host
+    if platform == "cuda":
+        return cuda_module()
+    return None
+
+
+def supported(platform: str) -> bool:
+    return platform in _XLA_PLATFORM and module_for(platform) is not None

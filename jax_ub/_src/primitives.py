@@ -1,0 +1,130 @@
+"""JAX primitives that lower to the userbuffer FFI custom calls.
+
+Operands are 2-D here (the public ops flatten leading dims). Lowering is where the
+concrete mesh is known, so that is where the communicator is looked up or created and
+its id baked into the custom call.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax._src import core
+from jax._src.interpreters import mlir
+from jax._src.sharding_impls import SPMDAxisContext
+from jax.sharding import Mesh
+
+from jax_ub._src import communicator
+
+all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
+all_gather_matmul_p.multiple_results = True
+matmul_reduce_scatter_p = core.Primitive("jax_ub_matmul_reduce_scatter")
+
+
+def _varying(aval: core.AbstractValue) -> frozenset:
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _result(x, shape, *operands, extra: frozenset = frozenset()):
+    """x's aval with `shape`, varying over every mesh axis any operand varies over.
+
+    Under shard_map(check_vma=True) that is what the lax reference would produce; the
+    attribute holding it moved between JAX versions, hence the two spellings.
+    """
+    varying = frozenset(extra).union(*(_varying(a) for a in operands))
+    mat = getattr(x, "manual_axis_type", None)
+    if mat is not None:
+        return x.update(shape=shape, manual_axis_type=mat.update(varying=varying))
+    if hasattr(x, "vma"):
+        return x.update(shape=shape, vma=varying)
+    return x.update(shape=shape)
+
+
+def _all_gather_matmul_abstract(x, w, *, axis_name, axis_size, return_gathered):
+    m, k = x.shape
+    out = _result(x, (axis_size * m, w.shape[1]), x, w)
+    gathered = _result(x, (axis_size * m, k) if return_gathered else (0, k), x)
+    return out, gathered
+
+
+def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size):
+    shape = (x.shape[0] // axis_size, w.shape[1])
+    return _result(x, shape, x, w, extra=frozenset([axis_name]))
+
+
+all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
+matmul_reduce_scatter_p.def_abstract_eval(_matmul_reduce_scatter_abstract)
+
+def _concrete_mesh(ctx: mlir.LoweringRuleContext, axis_name: str) -> Mesh:
+    axis_ctx = ctx.module_context.axis_context
+    mesh = getattr(axis_ctx, "mesh", None) if isinstance(axis_ctx, SPMDAxisContext) else None
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            "jax_ub impl='ub' needs the concrete mesh at lowering time: call the op inside "
+            "jax.shard_map(..., mesh=<a jax.sharding.Mesh>) (or use impl='xla')"
+        )
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
+    return mesh
+
+
+def _platform(ctx: mlir.LoweringRuleContext) -> str:
+    platforms = ctx.module_context.platforms
+    if len(platforms) != 1:
+        raise ValueError(f"jax_ub lowers for one platform at a time, got {platforms=}")
+    return platforms[0]
+
+
+def required_bytes(platform: str, chunk_bytes: int, group_size: int, reduce: bool) -> int:
+    """Symmetric buffer one op needs per device.
+
+    All-gather: one chunk of x per rank. Reduce-scatter: one partial per rank, plus on GPU
+    a staging area of the same size for the partials this rank sends.
+    """
+    total = chunk_bytes * group_size
+    if reduce and platform == "cuda":
+        total *= 2
+    return total
+
+
+def _all_gather_matmul_lowering(ctx, x, w, *, axis_name, axis_size, return_gathered):
+    platform = _platform(ctx)
+    mesh = _concrete_mesh(ctx, axis_name)
+    x_aval, w_aval = ctx.avals_in
+    chunk = x_aval.shape[0] * x_aval.shape[1] * np.dtype(x_aval.dtype).itemsize
+    comm = communicator.get_communicator(
+        mesh, axis_name, platform, required_bytes(platform, chunk, axis_size, reduce=False)
+    )
+    rule = jax.ffi.ffi_lowering("jax_ub_all_gather_matmul", has_side_effect=True)
+    return rule(ctx, x, w, comm_id=np.int64(comm.id))
+
+
+def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size):
+    platform = _platform(ctx)
+    mesh = _concrete_mesh(ctx, axis_name)
+    (out_aval,) = ctx.avals_out
+    chunk = out_aval.shape[0] * out_aval.shape[1] * np.dtype(out_aval.dtype).itemsize
+    comm = communicator.get_communicator(
+        mesh, axis_name, platform, required_bytes(platform, chunk, axis_size, reduce=True)
+    )
+    rule = jax.ffi.ffi_lowering("jax_ub_matmul_reduce_scatter", has_side_effect=True)
+    return rule(ctx, x, w, comm_id=np.int64(comm.id))
+
+
+mlir.register_lowering(all_gather_matmul_p, _all_gather_matmul_lowering)
+mlir.register_lowering(matmul_reduce_scatter_p, _matmul_reduce_scatter_lowering)
+
+
+def bind_all_gather_matmul(x, w, axis_name: str, axis_size: int, return_gathered: bool):
+    """2-D x [m, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, k])."""
+    return all_gather_matmul_p.bind(
+        x, w, axis_name=axis_name, axis_size=axis_size, return_gathered=return_gathered
+    )
+
+
+def bind_matmul_reduce_scatter(x, w, axis_name: str, axis_size: int):
+    """2-D x [M, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, n]."""
+    return matmul_reduce_scatter_p.bind(x, w, axis_name=axis_name, axis_size=axis_size)

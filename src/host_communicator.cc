@@ -1,0 +1,261 @@
+#include "host_communicator.h"
+
+#include <cstdarg>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "host_gemm.h"
+#include "schedule.h"
+
+namespace jax_ub {
+namespace {
+
+constexpr uint64_t kMagic = 0x6a61785f75622e31ULL;  // "jax_ub.1"
+
+uint64_t Load(const uint64_t* p) {
+  return std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(p)).load(std::memory_order_acquire);
+}
+void Store(uint64_t* p, uint64_t v) {
+  std::atomic_ref<uint64_t>(*p).store(v, std::memory_order_release);
+}
+
+std::string Fmt(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string Fmt(const char* fmt, ...) {
+  char buf[1024];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, args);
+  va_end(args);
+  return buf;
+}
+
+}  // namespace
+
+const char* OpName(OpKind op) {
+  switch (op) {
+    case OpKind::kAllGatherMatmul:
+      return "all_gather_matmul";
+    case OpKind::kMatmulReduceScatter:
+      return "matmul_reduce_scatter";
+  }
+  return "unknown op";
+}
+
+std::string CallDescriptor::ToString() const {
+  return Fmt("%s(%s, rows=%lld, k=%lld, n=%lld, call #%llu)", OpName(static_cast<OpKind>(op)),
+             DTypeName(static_cast<DType>(dtype)), static_cast<long long>(rows),
+             static_cast<long long>(k), static_cast<long long>(n),
+             static_cast<unsigned long long>(epoch));
+}
+
+struct HostCommunicator::CallContext {
+  OpKind op;
+  int slot;
+  int group;
+  int rank;
+  int size;
+  uint64_t epoch;
+  CallDescriptor desc;
+  int peer_slot(int r) const { return group * size + r; }
+};
+
+Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
+                                std::unique_ptr<HostCommunicator>* out) {
+  if (timeout_s <= 0) return InvalidArgument(Fmt("timeout must be positive, got %g s", timeout_s));
+  std::unique_ptr<HostCommunicator> c(new HostCommunicator());
+  c->capacity_ = (capacity_bytes + 63) / 64 * 64;
+  c->timeout_s_ = timeout_s;
+  c->topology_ = std::move(topology);
+  const int slots = c->topology_.num_slots();
+  c->regions_.assign(slots, nullptr);
+  c->epoch_.assign(slots, 0);
+  const size_t bytes = sizeof(SlotHeader) + c->capacity_;
+  for (int s = 0; s < slots; ++s) {
+    if (!c->topology_.is_local(s))
+      return FailedPrecondition(
+          "the host communicator needs every slot in this process; slots in other processes "
+          "need the multi-process bootstrap");
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == nullptr)
+      return Internal(Fmt("could not allocate %zu bytes of host userbuffer", bytes));
+    std::memset(p, 0, sizeof(SlotHeader));
+    c->regions_[s] = static_cast<char*>(p);
+    c->header(s)->magic = kMagic;
+  }
+  *out = std::move(c);
+  return Status::Ok();
+}
+
+HostCommunicator::~HostCommunicator() {
+  for (int s = 0; s < static_cast<int>(regions_.size()); ++s)
+    if (topology_.is_local(s)) std::free(regions_[s]);
+}
+
+Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int64_t k, int64_t n,
+                               int64_t chunk_bytes, CallContext* ctx) {
+  if (broken_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    return FailedPrecondition(std::string("jax_ub communicator is broken by an earlier error (") +
+                              broken_reason_ +
+                              "); call jax_ub.finalize() and run again to start afresh");
+  }
+  int slot = 0;
+  JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
+  const int size = topology_.group_size();
+  if (static_cast<size_t>(chunk_bytes) * size > capacity_)
+    return InvalidArgument(
+        Fmt("%s: userbuffer too small: the op needs %lld bytes per device (%d chunks of %lld), "
+            "the communicator has %zu; raise jax_ub.configure(buffer_bytes=...)",
+            OpName(op), static_cast<long long>(chunk_bytes) * size, size,
+            static_cast<long long>(chunk_bytes), capacity_));
+  ctx->op = op;
+  ctx->slot = slot;
+  ctx->group = topology_.group_of(slot);
+  ctx->rank = topology_.rank_of(slot);
+  ctx->size = size;
+  ctx->epoch = ++epoch_[slot];
+  ctx->desc = CallDescriptor{static_cast<uint32_t>(op), static_cast<uint32_t>(t), rows, k, n,
+                             ctx->epoch};
+  return Status::Ok();
+}
+
+void HostCommunicator::Fail(const CallContext& ctx, const Status& st) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_reason_.empty()) broken_reason_ = st.message();
+  }
+  broken_.store(true, std::memory_order_release);
+  // Tell the rest of the group, so their waits end now instead of at their deadline.
+  for (int r = 0; r < ctx.size; ++r) {
+    SlotHeader* h = header(ctx.peer_slot(r));
+    if (Load(&h->aborted) == 0) {
+      std::snprintf(h->abort_reason, sizeof(h->abort_reason), "rank %d failed: %s", ctx.rank,
+                    st.message().c_str());
+      Store(&h->aborted, 1);
+    }
+  }
+}
+
+Status HostCommunicator::WaitFlag(const CallContext& ctx, const uint64_t* flag, uint64_t target,
+                                  int peer, const char* what) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration<double>(timeout_s_);
+  const SlotHeader* own = header(ctx.slot);
+  for (int spins = 0;; ++spins) {
+    uint64_t v = Load(flag);
+    if (v >= target) return Status::Ok();
+    if (Load(&own->aborted) != 0)
+      return FailedPrecondition(Fmt("%s: rank %d (group %d) stopped waiting for rank %d: %s",
+                                    OpName(ctx.op), ctx.rank, ctx.group, peer, own->abort_reason));
+    if (Clock::now() > deadline)
+      return DeadlineExceeded(
+          Fmt("%s: rank %d (group %d) timed out after %.1f s waiting for rank %d to %s for call "
+              "#%llu (flag holds #%llu); the peer never arrived, is stuck, or runs a different "
+              "program",
+              OpName(ctx.op), ctx.rank, ctx.group, timeout_s_, peer, what,
+              static_cast<unsigned long long>(target), static_cast<unsigned long long>(v)));
+    // Yield quickly at first (peers are usually close), then sleep so that up to 8 device
+    // threads waiting on 2 cores leave the cores to the ones doing work.
+    if (spins < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 20 : 200));
+    }
+  }
+}
+
+Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {
+  const CallDescriptor& theirs = header(ctx.slot)->desc_from[peer];
+  if (theirs.SameCall(ctx.desc)) return Status::Ok();
+  return InvalidArgument(Fmt("ranks disagree on the call: rank %d runs %s but rank %d sent %s",
+                             ctx.rank, ctx.desc.ToString().c_str(), peer,
+                             theirs.ToString().c_str()));
+}
+
+Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, const void* w,
+                                         void* out, void* gathered, int64_t m, int64_t k,
+                                         int64_t n) {
+  const int64_t es = DTypeSize(t);
+  const int64_t chunk = m * k * es;
+  CallContext ctx;
+  JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, chunk, &ctx));
+  Schedule sched{ctx.rank, ctx.size};
+  SlotHeader* own = header(ctx.slot);
+  auto fail = [&](Status st) {
+    Fail(ctx, st);
+    return st;
+  };
+
+  // Push our shard into every peer's region, once that peer has consumed the last call.
+  for (int p : sched.PushOrder()) {
+    Status st = WaitFlag(ctx, &own->credit_epoch[p], ctx.epoch - 1, p, "free its userbuffer");
+    if (!st.ok()) return fail(st);
+    const int ps = ctx.peer_slot(p);
+    std::memcpy(data(ps) + ctx.rank * chunk, x, chunk);
+    header(ps)->desc_from[ctx.rank] = ctx.desc;
+    Store(&header(ps)->data_epoch[ctx.rank], ctx.epoch);
+  }
+  // Multiply each chunk as it lands, the local one first.
+  for (int j : sched.AllGatherComputeOrder()) {
+    const void* src = x;
+    if (j != ctx.rank) {
+      Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its chunk");
+      if (st.ok()) st = CheckDescriptor(ctx, j);
+      if (!st.ok()) return fail(st);
+      src = data(ctx.slot) + j * chunk;
+    }
+    HostGemm(t, src, w, static_cast<char*>(out) + j * m * n * es, m, k, n);
+    if (gathered != nullptr) std::memcpy(static_cast<char*>(gathered) + j * chunk, src, chunk);
+  }
+  // Our region may be overwritten again: tell every sender.
+  for (int p : sched.PushOrder()) Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
+  return Status::Ok();
+}
+
+Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x, const void* w,
+                                             void* out, int64_t m, int64_t k, int64_t n) {
+  const int64_t es = DTypeSize(t);
+  const int64_t chunk = m * n * es;
+  CallContext ctx;
+  JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kMatmulReduceScatter, t, m, k, n, chunk, &ctx));
+  Schedule sched{ctx.rank, ctx.size};
+  SlotHeader* own = header(ctx.slot);
+  auto fail = [&](Status st) {
+    Fail(ctx, st);
+    return st;
+  };
+  const char* xb = static_cast<const char*>(x);
+
+  // Each peer's partial product goes straight into that peer's region; ours into our own
+  // region's slot for our rank, which no peer writes.
+  for (int d : sched.ReduceScatterComputeOrder()) {
+    const int ds = ctx.peer_slot(d);
+    if (d != ctx.rank) {
+      Status st = WaitFlag(ctx, &own->credit_epoch[d], ctx.epoch - 1, d, "free its userbuffer");
+      if (!st.ok()) return fail(st);
+    }
+    HostGemm(t, xb + d * m * k * es, w, data(ds) + ctx.rank * chunk, m, k, n);
+    if (d != ctx.rank) {
+      header(ds)->desc_from[ctx.rank] = ctx.desc;
+      Store(&header(ds)->data_epoch[ctx.rank], ctx.epoch);
+    }
+  }
+  const void* parts[kMaxRanks];
+  for (int j : sched.ReductionOrder()) {
+    if (j != ctx.rank) {
+      Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its partial sum");
+      if (st.ok()) st = CheckDescriptor(ctx, j);
+      if (!st.ok()) return fail(st);
+    }
+    parts[j] = data(ctx.slot) + j * chunk;
+  }
+  HostSum(t, parts, ctx.size, out, m * n);
+  for (int p : sched.PushOrder()) Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
+  return Status::Ok();
+}
+
+}  // namespace jax_ub

@@ -1,0 +1,103 @@
+// Userbuffer communicator on the host: the CPU implementation of the protocol.
+//
+// Every (group, rank) slot owns one symmetric region in host memory: a header with
+// epoch flags and descriptors, then `capacity` bytes of data. Peers write their chunks
+// straight into each other's regions and raise flags; the receiver computes on each
+// chunk as it lands. This is the same protocol the CUDA communicator runs, with memcpy
+// in place of copy engines and atomics in place of stream memory operations.
+//
+// Threading: XLA's CPU runtime runs the devices of one process concurrently, one thread
+// each, so every device's handler is a real concurrent peer. Waits poll with backoff
+// (CI has 2 cores and up to 8 devices) and give up at a deadline with an error.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+#include "status.h"
+#include "topology.h"
+
+namespace jax_ub {
+
+enum class OpKind : uint32_t { kAllGatherMatmul = 1, kMatmulReduceScatter = 2 };
+
+const char* OpName(OpKind op);
+
+// What one call of an op does, as seen by one rank. Sent with every chunk so that a
+// receiver can tell a peer running a different op or shape from its own call.
+struct CallDescriptor {
+  uint32_t op = 0;
+  uint32_t dtype = 0;
+  int64_t rows = 0;  // rows of the local operand (x for AG, the output for RS)
+  int64_t k = 0;
+  int64_t n = 0;
+  uint64_t epoch = 0;
+
+  bool SameCall(const CallDescriptor& o) const {
+    return op == o.op && dtype == o.dtype && rows == o.rows && k == o.k && n == o.n &&
+           epoch == o.epoch;
+  }
+  std::string ToString() const;
+};
+
+// Layout of the front of every symmetric region. Written by peers; all flag words are
+// accessed atomically.
+struct alignas(64) SlotHeader {
+  uint64_t magic;
+  uint64_t aborted;  // nonzero once any rank of the group failed
+  char abort_reason[512];
+  uint64_t data_epoch[kMaxRanks];    // [j]: chunk from rank j for this epoch is in place
+  uint64_t credit_epoch[kMaxRanks];  // [j]: rank j consumed my chunks through this epoch
+  CallDescriptor desc_from[kMaxRanks];
+};
+
+class HostCommunicator {
+ public:
+  // Allocates the regions of the slots local to this process. `timeout_s` bounds every
+  // wait on a peer.
+  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s,
+                       std::unique_ptr<HostCommunicator>* out);
+  ~HostCommunicator();
+
+  // out = all_gather(x) @ w for the group of the slot owned by `device`. x is [m, k],
+  // w [k, n], out [size*m, n]; gathered, when not null, receives all_gather(x).
+  Status AllGatherMatmul(int device, DType t, const void* x, const void* w, void* out,
+                         void* gathered, int64_t m, int64_t k, int64_t n);
+
+  // out = reduce_scatter(x @ w): x is [size*m, k], w [k, n], out [m, n].
+  Status MatmulReduceScatter(int device, DType t, const void* x, const void* w, void* out,
+                             int64_t m, int64_t k, int64_t n);
+
+  size_t capacity() const { return capacity_; }
+  const Topology& topology() const { return topology_; }
+
+ private:
+  HostCommunicator() = default;
+
+  struct CallContext;
+  Status Begin(int device, OpKind op, DType t, int64_t rows, int64_t k, int64_t n,
+               int64_t chunk_bytes, CallContext* ctx);
+  Status WaitFlag(const CallContext& ctx, const uint64_t* flag, uint64_t target, int peer,
+                  const char* what);
+  Status CheckDescriptor(const CallContext& ctx, int peer);
+  void Fail(const CallContext& ctx, const Status& st);
+  SlotHeader* header(int slot) const { return reinterpret_cast<SlotHeader*>(regions_[slot]); }
+  char* data(int slot) const { return regions_[slot] + sizeof(SlotHeader); }
+
+  Topology topology_;
+  size_t capacity_ = 0;
+  double timeout_s_ = 0;
+  std::vector<char*> regions_;      // every slot's region (local ones owned here)
+  std::vector<uint64_t> epoch_;     // per slot; touched only by the slot's device thread
+  std::mutex broken_mu_;
+  std::string broken_reason_;
+  std::atomic<bool> broken_{false};
+};
+
+}  // namespace jax_ub

@@ -1,0 +1,98 @@
+#include "host_gemm.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace jax_ub {
+namespace {
+
+float BF16ToFloat(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as XLA does; NaN stays NaN.
+uint16_t FloatToBF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float F16ToFloat(uint16_t v) {
+  _Float16 h;
+  std::memcpy(&h, &v, 2);
+  return static_cast<float>(h);
+}
+
+uint16_t FloatToF16(float f) {
+  _Float16 h = static_cast<_Float16>(f);
+  uint16_t v;
+  std::memcpy(&v, &h, 2);
+  return v;
+}
+
+void ToFloat(DType t, const void* src, float* dst, int64_t count) {
+  if (t == DType::kF32) {
+    std::memcpy(dst, src, count * 4);
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  if (t == DType::kBF16) {
+    for (int64_t i = 0; i < count; ++i) dst[i] = BF16ToFloat(s[i]);
+  } else {
+    for (int64_t i = 0; i < count; ++i) dst[i] = F16ToFloat(s[i]);
+  }
+}
+
+void FromFloat(DType t, const float* src, void* dst, int64_t count) {
+  if (t == DType::kF32) {
+    std::memcpy(dst, src, count * 4);
+    return;
+  }
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  if (t == DType::kBF16) {
+    for (int64_t i = 0; i < count; ++i) d[i] = FloatToBF16(src[i]);
+  } else {
+    for (int64_t i = 0; i < count; ++i) d[i] = FloatToF16(src[i]);
+  }
+}
+
+}  // namespace
+
+void HostGemm(DType t, const void* a, const void* b, void* c, int64_t m, int64_t k, int64_t n) {
+  // Scratch is per thread: XLA runs each CPU device's handler on its own thread.
+  thread_local std::vector<float> fb, fa, acc;
+  fb.resize(k * n);
+  fa.resize(k);
+  acc.resize(n);
+  ToFloat(t, b, fb.data(), k * n);
+  const int64_t esize = DTypeSize(t);
+  for (int64_t i = 0; i < m; ++i) {
+    ToFloat(t, static_cast<const char*>(a) + i * k * esize, fa.data(), k);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t p = 0; p < k; ++p) {
+      const float av = fa[p];
+      const float* brow = fb.data() + p * n;
+      for (int64_t j = 0; j < n; ++j) acc[j] += av * brow[j];
+    }
+    FromFloat(t, acc.data(), static_cast<char*>(c) + i * n * esize, n);
+  }
+}
+
+void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count) {
+  thread_local std::vector<float> acc, tmp;
+  acc.assign(count, 0.0f);
+  tmp.resize(count);
+  for (int j = 0; j < num_parts; ++j) {
+    ToFloat(t, parts[j], tmp.data(), count);
+    for (int64_t i = 0; i < count; ++i) acc[i] += tmp[i];
+  }
+  FromFloat(t, acc.data(), c, count);
+}
+
+}  // namespace jax_ub

@@ -1,0 +1,18 @@
+// Reference-quality matrix product on the host, used by the CPU communicator for each
+// chunk as it arrives. Row-major, float accumulation, one rounding to the output type.
+#pragma once
+
+#include <cstdint>
+
+#include "dtype.h"
+
+namespace jax_ub {
+
+// c[m, n] = a[m, k] @ b[k, n], all row-major and of type `t`.
+void HostGemm(DType t, const void* a, const void* b, void* c, int64_t m, int64_t k, int64_t n);
+
+// c[m, n] (type t) = sum over j of parts[j][m, n] (type t), accumulated in float in the
+// order given, rounded once.
+void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count);
+
+}  // namespace jax_ub

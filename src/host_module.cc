@@ -1,0 +1,58 @@
+// nanobind module for the host (CPU) implementation: FFI handler capsules and the
+// communicator lifecycle.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <stdexcept>
+
+#include "host_communicator.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace jax_ub {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmulCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatterCpu);
+}  // namespace jax_ub
+
+namespace {
+
+template <typename T>
+nb::capsule Encapsulate(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+void Raise(const jax_ub::Status& st) {
+  if (st.code() == jax_ub::StatusCode::kInvalidArgument) throw nb::value_error(st.message().c_str());
+  throw std::runtime_error(st.message());
+}
+
+}  // namespace
+
+NB_MODULE(_host, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_ub_all_gather_matmul"] = Encapsulate(jax_ub::AllGatherMatmulCpu);
+    d["jax_ub_matmul_reduce_scatter"] = Encapsulate(jax_ub::MatmulReduceScatterCpu);
+    return d;
+  });
+  m.def(
+      "create_communicator",
+      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s) {
+        jax_ub::Topology topo;
+        jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
+        if (!st.ok()) Raise(st);
+        std::unique_ptr<jax_ub::HostCommunicator> c;
+        st = jax_ub::HostCommunicator::Create(std::move(topo), capacity_bytes, timeout_s, &c);
+        if (!st.ok()) Raise(st);
+        return jax_ub::Registry<jax_ub::HostCommunicator>::Add(std::move(c));
+      },
+      nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
+      nb::arg("timeout_s"));
+  m.def("destroy_communicator",
+        [](int64_t id) { return jax_ub::Registry<jax_ub::HostCommunicator>::Remove(id); });
+  m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::HostCommunicator>::Size(); });
+}

@@ -1,0 +1,55 @@
+// Process-wide table of live communicators, keyed by the int64 id that crosses the FFI
+// as an attribute. Handlers take a shared reference, so a communicator destroyed while a
+// call is in flight lives until that call returns. Clear() is the reset path.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+namespace jax_ub {
+
+template <typename T>
+class Registry {
+ public:
+  static int64_t Add(std::shared_ptr<T> item) {
+    std::lock_guard<std::mutex> lock(mu());
+    int64_t id = ++next_id();
+    items().emplace(id, std::move(item));
+    return id;
+  }
+  static std::shared_ptr<T> Get(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu());
+    auto it = items().find(id);
+    return it == items().end() ? nullptr : it->second;
+  }
+  static bool Remove(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu());
+    return items().erase(id) > 0;
+  }
+  static size_t Size() {
+    std::lock_guard<std::mutex> lock(mu());
+    return items().size();
+  }
+  static void Clear() {
+    std::lock_guard<std::mutex> lock(mu());
+    items().clear();
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static int64_t& next_id() {
+    static int64_t id = 0;
+    return id;
+  }
+  static std::unordered_map<int64_t, std::shared_ptr<T>>& items() {
+    static auto* m = new std::unordered_map<int64_t, std::shared_ptr<T>>();
+    return *m;
+  }
+};
+
+}  // namespace jax_ub
