@@ -85,7 +85,10 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
     ordinals = [_device_ordinal(d) for d in devices]
-    comm_id = module.create_communicator(key.group_size, ordinals, capacity, config.timeout_s)
+    extra = {"allow_tf32": config.allow_tf32} if key.platform == "cuda" else {}
+    comm_id = module.create_communicator(
+        key.group_size, ordinals, capacity, config.timeout_s, **extra
+    )
     return Communicator(
         id=comm_id,
         platform=key.platform,

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
+# Usage (on the GPU machine, repo root): bash benchmarks/device_run.sh [tests|bench|all] [bench args...]
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+cat "$OUT/gpus.txt" | head -12
+t0=$(date +%s)
+timeout 300 bash -c 'cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DPython_EXECUTABLE=$(command -v python3) > '"$OUT"'/build.log 2>&1 && ninja -C build/dev >> '"$OUT"'/build.log 2>&1' \
+  || { echo BUILD FAILED; tail -40 "$OUT/build.log"; exit 1; }
+ln -sf ../build/dev/_host*.so ../build/dev/_cuda*.so jax_ub/ 2>/dev/null
+ln -sf "$(pwd)"/build/dev/_host*.so "$(pwd)"/build/dev/_cuda*.so jax_ub/
+echo "built in $(( $(date +%s) - t0 )) s"
+export PYTHONPATH=$(pwd)
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest -q -x tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 400 python3 -m jax_ub.bench --json "$OUT/bench.json" --png "$OUT/bench.png" "$@" 2>&1 \
+    | tee "$OUT/bench.log" | grep -v "^  .*failed" | tail -60
+fi

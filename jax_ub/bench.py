@@ -1,0 +1,273 @@
+"""Overlap benchmark: jax_ub against GEMM alone, XLA and other collective matmuls.
+
+Run ``python -m jax_ub.bench`` (or ``benchmarks/bench_overlap.py``) on a machine with
+several GPUs. Everything below runs in one process, interleaved round by round, except
+XLA's windowed einsum, which needs its own XLA flags and so its own process.
+
+Device time of an implementation = average over a loop of async calls (after warm-up);
+the reported number is the median over rounds. Per GPU shapes: x [M/tp, K] gathered to
+[M, K] and multiplied by w [K, N/tp] (AG+GEMM); x [M, N/tp] @ w [N/tp, K] reduce-scattered
+to [M/tp, K] (GEMM+RS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+
+AXIS = "tp"
+
+
+def _smap(mesh, f, in_specs, out_specs):
+    return jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    )
+
+
+def loop_time_ms(f, args, iters: int) -> float:
+    """Average device time of f(*args) over `iters` async calls, in ms."""
+    out = f(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def ring_all_gather_matmul(x, w):
+    """Collective matmul from ppermute: each step multiplies the chunk in hand, passes it on."""
+    size = lax.axis_size(AXIS)
+    idx = lax.axis_index(AXIS)
+    m = x.shape[0]
+    out = jnp.zeros((size * m, w.shape[1]), x.dtype)
+    perm = [(j, (j - 1) % size) for j in range(size)]
+    chunk = x
+    for i in range(size):
+        src = (idx + i) % size
+        out = lax.dynamic_update_slice(out, chunk @ w, (src * m, 0))
+        if i < size - 1:
+            chunk = lax.ppermute(chunk, AXIS, perm)
+    return out
+
+
+def _mgpu_all_gather_matmul(mesh, m_local, k, n_local, dtype):
+    """JAX's Pallas Mosaic-GPU collective matmul (Hopper, AG only), or None if unavailable."""
+    try:
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
+    except Exception:  # noqa: BLE001  (optional baseline)
+        return None
+    try:
+        cfg = cm.TuningConfig(
+            tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+            grid_minor_dim=cm.MatmulDimension.M, grid_tile_width=16,
+            wg_dimension=cm.MatmulDimension.N,
+        )
+        fn = functools.partial(cm.all_gather_lhs_matmul, axis_name=AXIS, config=cfg, dtype=dtype)
+    except Exception:  # noqa: BLE001
+        return None
+    return _smap(mesh, fn, (P(AXIS, None), P(None, AXIS)), P(None, AXIS))
+
+
+def build_ag(mesh, M, K, N, dtype, key):
+    tp = mesh.shape[AXIS]
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (M, K), dtype)
+    w = jax.random.normal(kw, (K, N), dtype) / np.sqrt(K)
+    xs = jax.device_put(x, NamedSharding(mesh, P(AXIS, None)))
+    xr = jax.device_put(x, NamedSharding(mesh, P()))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, AXIS)))
+    row, col = (P(AXIS, None), P(None, AXIS)), P(None, AXIS)
+    impls = {
+        "gemm": (_smap(mesh, lambda a, b: a @ b, (P(), P(None, AXIS)), col), (xr, ws)),
+        "comm": (_smap(mesh, lambda a, b: lax.all_gather(a, AXIS, tiled=True), row, P()), (xs, ws)),
+        "xla_seq": (_smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="xla"),
+                          row, col), (xs, ws)),
+        "ring": (_smap(mesh, ring_all_gather_matmul, row, col), (xs, ws)),
+        "jax_ub": (_smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="ub"),
+                         row, col), (xs, ws)),
+    }
+    mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype)
+    if mgpu is not None:
+        impls["pallas_mgpu"] = (mgpu, (xs, ws))
+    return impls, impls["xla_seq"]
+
+
+def build_rs(mesh, M, K, N, dtype, key):
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (M, N), dtype)
+    w = jax.random.normal(kw, (N, K), dtype) / np.sqrt(N)
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, AXIS)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(AXIS, None)))
+    ins, out = (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
+    y_local = jax.device_put(
+        jnp.zeros((M * mesh.shape[AXIS], K), dtype), NamedSharding(mesh, P(AXIS, None))
+    ) + 1.0
+    impls = {
+        "gemm": (_smap(mesh, lambda a, b: a @ b, ins, P(AXIS, None)), (xs, ws)),
+        "comm": (_smap(mesh, lambda a: lax.psum_scatter(a, AXIS, tiled=True), (P(AXIS, None),),
+                       P(AXIS, None)), (y_local,)),
+        "xla_seq": (_smap(mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="xla"),
+                          ins, out), (xs, ws)),
+        "jax_ub": (_smap(mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="ub"),
+                         ins, out), (xs, ws)),
+    }
+    return impls, impls["xla_seq"]
+
+
+def rel_err(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def measure(impls, reference, rounds: int, iters: int) -> tuple[dict, dict]:
+    errs = {}
+    ref_out = reference[0](*reference[1])
+    for name, (f, args) in impls.items():
+        if name in ("gemm", "comm", "xla_seq"):
+            continue
+        try:
+            errs[name] = rel_err(f(*args), ref_out)
+        except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            errs[name] = None
+    live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
+    samples = {n: [] for n in live}
+    for _ in range(rounds):
+        for name, (f, args) in live.items():
+            samples[name].append(loop_time_ms(f, args, iters))
+    return {n: statistics.median(v) for n, v in samples.items()}, errs
+
+
+def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters) -> float | None:
+    """XLA's windowed einsum (its own process: it needs its own XLA flags)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_gpu_threshold_for_windowed_einsum_mib=0"
+        " --xla_gpu_multi_streamed_windowed_einsum=true"
+    )
+    cmd = [sys.executable, "-m", "jax_ub.bench", "--windowed-einsum-child",
+           "--shapes", f"{M}x{K}x{N}", "--dtype", dtype_name,
+           "--rounds", str(rounds), "--iters", str(iters)]
+    try:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        for line in res.stdout.splitlines():
+            if line.startswith("WINDOWED_EINSUM_MS"):
+                return float(line.split()[1])
+        print("  windowed einsum child said:", res.stderr[-500:], flush=True)
+    except subprocess.TimeoutExpired:
+        print("  windowed einsum child timed out", flush=True)
+    return None
+
+
+def _windowed_einsum_child(M, K, N, dtype, rounds, iters) -> None:
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.device_put(jax.random.normal(kx, (M, K), dtype), NamedSharding(mesh, P(AXIS, None)))
+    w = jax.device_put(jax.random.normal(kw, (K, N), dtype), NamedSharding(mesh, P(None, AXIS)))
+    f = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P(None, AXIS)))
+    ts = [loop_time_ms(f, (x, w), iters) for _ in range(rounds)]
+    print(f"WINDOWED_EINSUM_MS {statistics.median(ts):.4f}", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="8192x8192x32768",
+                    help="comma-separated MxKxN (global): AG+GEMM x[M,K]@w[K,N]")
+    ap.add_argument("--sweep-m", default="", help="comma-separated M values at the first K,N")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ops", default="ag,rs")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--no-windowed-einsum", action="store_true")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--png", default="")
+    ap.add_argument("--windowed-einsum-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    if args.sweep_m:
+        _, K, N = shapes[0]
+        shapes += [(int(m), K, N) for m in args.sweep_m.split(",")]
+    if args.windowed_einsum_child:
+        _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters)
+        return
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), (AXIS,))
+    tp = len(devices)
+    print(f"devices: {tp} x {devices[0].device_kind}; jax {jax.__version__}; dtype {dtype}",
+          flush=True)
+    results = []
+    for M, K, N in shapes:
+        for op in args.ops.split(","):
+            build = build_ag if op == "ag" else build_rs
+            impls, ref = build(mesh, M, K, N, dtype, jax.random.key(M + K + N))
+            times, errs = measure(impls, ref, args.rounds, args.iters)
+            if op == "ag" and not args.no_windowed_einsum:
+                we = windowed_einsum_ms(M, K, N, args.dtype, args.rounds, args.iters)
+                if we is not None:
+                    times["xla_windowed_einsum"] = we
+            t_seq, t_gemm, t_ub = times["xla_seq"], times["gemm"], times["jax_ub"]
+            hidden = (t_seq - t_ub) / (t_seq - t_gemm) if t_seq > t_gemm else float("nan")
+            row = dict(op=op, M=M, K=K, N=N, tp=tp, dtype=str(dtype), times_ms=times, rel_err=errs,
+                       speedup_vs_xla_seq=t_seq / t_ub, ub_over_gemm=t_ub / t_gemm,
+                       comm_hidden=hidden)
+            results.append(row)
+            print(f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms (median of "
+                  f"{args.rounds} rounds x {args.iters} calls)", flush=True)
+            for name, t in sorted(times.items(), key=lambda kv: kv[1]):
+                e = errs.get(name)
+                print(f"  {name:22s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
+                      + (f"  rel_err {e:.1e}" if e is not None else ""), flush=True)
+            print(f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=devices[0].device_kind, tp=tp, results=results), fh, indent=1)
+    if args.png:
+        _plot(results, args.png)
+
+
+def _plot(results, path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ops = sorted({r["op"] for r in results})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        rows = [r for r in results if r["op"] == op]
+        labels = [f"{r['M']}x{r['K']}x{r['N']}" for r in rows]
+        names = sorted({n for r in rows for n in r["times_ms"]})
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            ys = [r["times_ms"].get(name, np.nan) / r["times_ms"]["gemm"] for r in rows]
+            ax.bar(np.arange(len(rows)) + i * width, ys, width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(rows)) + 0.4, labels, rotation=30, fontsize=7)
+        ax.set_ylabel("time / GEMM alone")
+        ax.set_title(f"{op.upper()} on {rows[0]['tp']} GPUs")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Framework-free pieces shared by the nnx and linen layers.
+
+Argument checks, the ``PartitionSpec``s of the sequence-parallel layout, and the
+per-shard computations that run inside ``jax.shard_map``. Activations are laid out
+``[seq, *batch, features]``; "sequence-sharded" means dim 0 is split over the tensor
+parallel axis, "feature-sharded" means the last dim is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+
+IMPLS = ("auto", "ub", "xla")
+Params = Mapping[str, jax.Array]
+
+
+# --- argument checks ---------------------------------------------------------------------
+
+
+def tp_size(owner: str, mesh: Any, axis_name: Any) -> int:
+    """Size of ``axis_name`` in ``mesh``, or a ValueError saying what is wrong."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"{owner}: mesh must be a concrete jax.sharding.Mesh (the userbuffer ops need its "
+            f"devices), got {type(mesh).__name__}"
+        )
+    if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"{owner}: axis_name {axis_name!r} is not an axis of the mesh; "
+            f"mesh.axis_names={mesh.axis_names}"
+        )
+    return int(mesh.shape[axis_name])
+
+
+def check_impl(owner: str, impl: Any) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"{owner}: impl must be one of {IMPLS}, got {impl=}")
+
+
+def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) -> None:
+    if value <= 0 or value % tp != 0:
+        raise ValueError(
+            f"{owner}: {what}={value} must be a positive multiple of the size of axis "
+            f"{axis_name!r} ({tp})"
+        )
+
+
+def check_input(owner: str, x: Any, in_features: int, tp: int, axis_name: str) -> None:
+    """x must be ``[seq, *batch, in_features]`` with ``seq`` divisible by ``tp``."""
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 2:
+        raise ValueError(f"{owner}: input must be [seq, *batch, features], got shape {shape}")
+    if shape[-1] != in_features:
+        raise ValueError(
+            f"{owner}: input has {shape[-1]} features (last dim) but the layer expects "
+            f"{in_features}; input shape {shape}"
+        )
+    if shape[0] % tp != 0:
+        raise ValueError(
+            f"{owner}: sequence length (dim 0) {shape[0]} is not divisible by the size of "
+            f"axis {axis_name!r} ({tp}); input shape {shape}"
+        )
+
+
+def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...]) -> None:
+    """mask must broadcast to ``[*batch, 1, seq, seq]`` (one mask for every head)."""
+    seq, batch = x_shape[0], tuple(x_shape[1:-1])
+    target = batch + (1, seq, seq)
+    shape = tuple(getattr(mask, "shape", ()))
+    try:
+        ok = len(shape) <= len(target) and jnp.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{owner}: mask of shape {shape} does not broadcast to [*batch, 1, seq, seq] = "
+            f"{target} (heads are split over devices, so the head dim of the mask must be 1)"
+        )
+
+
+# --- sharding layout ---------------------------------------------------------------------
+
+
+def seq_spec(ndim: int, axis_name: str) -> P:
+    """``[seq, *batch, features]`` split over ``axis_name`` on the sequence dim."""
+    return P(axis_name, *([None] * (ndim - 1)))
+
+
+def feature_spec(ndim: int, axis_name: str) -> P:
+    """``[seq, *batch, features]`` split over ``axis_name`` on the feature dim."""
+    return P(*([None] * (ndim - 1)), axis_name)
+
+
+def column_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
+    specs = {"kernel": P(None, axis_name)}
+    if use_bias:
+        specs["bias"] = P(axis_name)
+    return specs
+
+
+def row_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
+    specs = {"kernel": P(axis_name, None)}
+    if use_bias:
+        specs["bias"] = P(None)  # replicated
+    return specs
+
+
+def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+# --- per-shard computations (run inside shard_map) ---------------------------------------
+
+
+def _promote(dtype: Any, *arrays: jax.Array | None) -> list[jax.Array | None]:
+    """Cast to ``dtype``, or to the arrays' common dtype when it is None (like nnx.Linear)."""
+    present = [a for a in arrays if a is not None]
+    dtype = dtype if dtype is not None else jnp.result_type(*present)
+    return [None if a is None else jnp.asarray(a, dtype) for a in arrays]
+
+
+def column_local(
+    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any
+) -> jax.Array:
+    """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]``: all_gather_matmul, then bias."""
+    x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
+    y = jax_ub.all_gather_matmul(x, kernel, axis_name, impl=impl)
+    return y if bias is None else y + bias  # the bias shard of this rank's columns
+
+
+def row_local(
+    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any
+) -> jax.Array:
+    """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``: matmul_reduce_scatter, then bias."""
+    x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
+    y = jax_ub.matmul_reduce_scatter(x, kernel, axis_name, impl=impl)
+    return y if bias is None else y + bias  # after the reduction, so it is added once
+
+
+def attention_local(qkv: jax.Array, mask: jax.Array | None, *, head_dim: int) -> jax.Array:
+    """Self-attention over the local heads.
+
+    Args:
+      qkv: ``[seq, *batch, heads * 3 * head_dim]``, columns ordered (head, q/k/v, head_dim).
+      mask: boolean, broadcastable to ``[*batch, 1, seq, seq]``; True attends.
+
+    Returns:
+      ``[seq, *batch, heads * head_dim]``, columns ordered (head, head_dim).
+    """
+    seq, batch = qkv.shape[0], qkv.shape[1:-1]
+    qkv = qkv.reshape(seq, *batch, -1, 3, head_dim)
+    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]  # [seq, *batch, heads, head_dim]
+    logits = jnp.einsum("q...hd,k...hd->...hqk", q, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(head_dim)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("...hqk,k...hd->q...hd", probs, v)
+    return out.reshape(seq, *batch, -1)

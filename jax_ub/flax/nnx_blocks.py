@@ -1,0 +1,205 @@
+"""Tensor-parallel MLP and self-attention blocks for Flax NNX, built from the parallel layers.
+
+Each block runs as one ``shard_map``: the column-parallel layer all-gathers the
+sequence-parallel input into its matmul, the middle of the block works on the local
+feature/head shard with no communication, and the row-parallel layer reduce-scatters the
+result back to sequence-parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import Dtype, Initializer
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_ub.flax import _core
+from jax_ub.flax.nnx_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    default_bias_init,
+    default_kernel_init,
+)
+
+
+class ParallelMLP(nnx.Module):
+    """``down_proj(activation(up_proj(x)))`` with tensor-parallel projections.
+
+    ``up_proj`` is a :class:`ColumnParallelLinear` ``in_features -> hidden_features`` and
+    ``down_proj`` a :class:`RowParallelLinear` ``hidden_features -> out_features``; the
+    hidden activations stay feature-sharded on their device.
+
+    Shapes and sharding: input ``[seq, *batch, in_features]`` and output
+    ``[seq, *batch, out_features]``, both sequence-sharded ``P(axis_name, None, ...)``;
+    ``seq`` and ``hidden_features`` are multiples of ``tp``.
+
+    Example::
+
+        >>> mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+        >>> mlp = jax_ub.flax.ParallelMLP(16, 64, mesh=mesh, rngs=nnx.Rngs(0))
+        >>> jax.jit(mlp)(jnp.ones((32, 2, 16))).shape
+        (32, 2, 16)
+
+    Args:
+      in_features: number of input features.
+      hidden_features: number of hidden features; a multiple of ``tp``.
+      out_features: number of output features (default: ``in_features``).
+      activation: elementwise function applied to the hidden features (default: gelu).
+      mesh, axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs:
+        as for :class:`ColumnParallelLinear`, shared by both projections.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        *,
+        out_features: int | None = None,
+        mesh: Mesh,
+        axis_name: str = "tp",
+        impl: str = "auto",
+        activation: Callable[[jax.Array], jax.Array] = nnx.gelu,
+        use_bias: bool = True,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        rngs: nnx.Rngs,
+    ):
+        out_features = in_features if out_features is None else out_features
+        common = dict(
+            mesh=mesh,
+            axis_name=axis_name,
+            impl=impl,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            rngs=rngs,
+        )
+        self.up_proj = ColumnParallelLinear(in_features, hidden_features, **common)
+        self.down_proj = RowParallelLinear(hidden_features, out_features, **common)
+        self.activation = activation
+        self.mesh = mesh
+        self.axis_name = axis_name
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
+        up, down = self.up_proj, self.down_proj
+        _core.check_input(type(self).__name__, inputs, up.in_features, up.tp, self.axis_name)
+
+        def body(x, p_up, p_down):
+            return down.local(self.activation(up.local(x, p_up)), p_down)
+
+        spec = _core.seq_spec(inputs.ndim, self.axis_name)
+        f = _core.shard_map(
+            body, self.mesh, in_specs=(spec, up.param_specs, down.param_specs), out_specs=spec
+        )
+        return f(inputs, up.param_values(), down.param_values())
+
+
+class ParallelSelfAttention(nnx.Module):
+    """Multi-head self-attention with heads split over a tensor-parallel axis.
+
+    ``qkv`` is a :class:`ColumnParallelLinear` ``in_features -> 3 * qkv_features`` whose
+    output columns are ordered ``(head, q/k/v, head_dim)``, so each device's column shard
+    holds the queries, keys and values of ``num_heads / tp`` whole heads. Each device
+    attends over the full sequence for its heads, and ``out`` (a
+    :class:`RowParallelLinear` ``qkv_features -> out_features``, rows ordered
+    ``(head, head_dim)``) reduce-scatters the result back to sequence-parallel.
+
+    Shapes and sharding: input ``[seq, *batch, in_features]`` and output
+    ``[seq, *batch, out_features]``, both sequence-sharded ``P(axis_name, None, ...)``.
+
+    Example::
+
+        >>> attn = jax_ub.flax.ParallelSelfAttention(16, 4, mesh=mesh, rngs=nnx.Rngs(0))
+        >>> causal = jnp.tril(jnp.ones((32, 32), bool))
+        >>> jax.jit(attn)(jnp.ones((32, 2, 16)), mask=causal).shape
+        (32, 2, 16)
+
+    Args:
+      in_features: number of input features.
+      num_heads: number of attention heads; a multiple of ``tp``.
+      qkv_features: total width of the queries (and keys, values) over all heads
+        (default: ``in_features``); a multiple of ``num_heads``.
+      out_features: number of output features (default: ``in_features``).
+      mesh, axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs:
+        as for :class:`ColumnParallelLinear`, shared by both projections.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_heads: int,
+        *,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        mesh: Mesh,
+        axis_name: str = "tp",
+        impl: str = "auto",
+        use_bias: bool = True,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        rngs: nnx.Rngs,
+    ):
+        owner = type(self).__name__
+        qkv_features = in_features if qkv_features is None else qkv_features
+        out_features = in_features if out_features is None else out_features
+        tp = _core.tp_size(owner, mesh, axis_name)
+        _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
+        if qkv_features % num_heads != 0:
+            raise ValueError(
+                f"{owner}: qkv_features={qkv_features} is not divisible by {num_heads=}"
+            )
+        common = dict(
+            mesh=mesh,
+            axis_name=axis_name,
+            impl=impl,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            rngs=rngs,
+        )
+        self.qkv = ColumnParallelLinear(in_features, 3 * qkv_features, **common)
+        self.out = RowParallelLinear(qkv_features, out_features, **common)
+        self.num_heads = num_heads
+        self.head_dim = qkv_features // num_heads
+        self.mesh = mesh
+        self.axis_name = axis_name
+
+    def __call__(self, inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
+
+        Args:
+          inputs: sequence-sharded activations.
+          mask: optional boolean mask broadcastable to ``[*batch, 1, seq, seq]`` (True
+            attends), e.g. ``jnp.tril(jnp.ones((seq, seq), bool))`` for causal attention.
+        """
+        owner = type(self).__name__
+        qkv, out = self.qkv, self.out
+        _core.check_input(owner, inputs, qkv.in_features, qkv.tp, self.axis_name)
+        if mask is not None:
+            _core.check_mask(owner, mask, inputs.shape)
+
+        def body(x, p_qkv, p_out, mask):
+            heads = _core.attention_local(qkv.local(x, p_qkv), mask, head_dim=self.head_dim)
+            return out.local(heads, p_out)
+
+        spec = _core.seq_spec(inputs.ndim, self.axis_name)
+        f = _core.shard_map(
+            body,
+            self.mesh,
+            in_specs=(spec, qkv.param_specs, out.param_specs, None if mask is None else P()),
+            out_specs=spec,
+        )
+        return f(inputs, qkv.param_values(), out.param_values(), mask)

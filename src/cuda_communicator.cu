@@ -1,0 +1,490 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdio>
+
+#include "cuda_check.h"
+#include "cuda_communicator.h"
+#include "schedule.h"
+
+namespace jax_ub {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Stream memory operations come from the driver API; resolve them once through the
+// runtime so the module links no libcuda (it imports on machines without a driver).
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+struct DriverOps {
+  StreamValueFn wait = nullptr;
+  StreamValueFn write = nullptr;
+};
+
+Status LoadDriverOps(const DriverOps** out) {
+  static DriverOps ops;
+  static Status status = [] {
+    cudaDriverEntryPointQueryResult q;
+    void* fn = nullptr;
+    JAX_UB_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000,
+                                                 cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || fn == nullptr)
+      return Internal("driver has no cuStreamWaitValue64");
+    ops.wait = reinterpret_cast<StreamValueFn>(fn);
+    JAX_UB_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000,
+                                                 cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || fn == nullptr)
+      return Internal("driver has no cuStreamWriteValue64");
+    ops.write = reinterpret_cast<StreamValueFn>(fn);
+    return Status::Ok();
+  }();
+  *out = &ops;
+  return status;
+}
+
+__device__ inline float ToF32(float v) { return v; }
+__device__ inline float ToF32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float ToF32(__half v) { return __half2float(v); }
+template <typename T>
+__device__ inline T FromF32(float v);
+template <>
+__device__ inline float FromF32<float>(float v) { return v; }
+template <>
+__device__ inline __nv_bfloat16 FromF32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ inline __half FromF32<__half>(float v) { return __float2half_rn(v); }
+
+// out[i] = sum over j in rank order of parts[j * count + i], accumulated in float.
+// Rank order (not arrival order) keeps results bitwise reproducible.
+template <typename T>
+__global__ void SumChunks(const T* __restrict__ parts, int64_t count, int nparts,
+                          T* __restrict__ out) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t nvec = count / kVec;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < nvec;
+       v += stride) {
+    float acc[kVec] = {};
+    for (int j = 0; j < nparts; ++j) {
+      uint4 raw = reinterpret_cast<const uint4*>(parts + j * count)[v];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) acc[q] += ToF32(e[q]);
+    }
+    uint4 packed;
+    T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) o[q] = FromF32<T>(acc[q]);
+    reinterpret_cast<uint4*>(out)[v] = packed;
+  }
+  for (int64_t i = nvec * kVec + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < count; i += stride) {
+    float acc = 0.f;
+    for (int j = 0; j < nparts; ++j) acc += ToF32(parts[j * count + i]);
+    out[i] = FromF32<T>(acc);
+  }
+}
+
+template <typename T>
+Status LaunchSum(const void* parts, int64_t count, int nparts, void* out, cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  const int threads = 256;
+  const int64_t work = (count + 16 / sizeof(T) - 1) / (16 / sizeof(T));
+  const int blocks = static_cast<int>(std::min<int64_t>((work + threads - 1) / threads, 132 * 8));
+  SumChunks<T><<<blocks, threads, 0, stream>>>(static_cast<const T*>(parts), count, nparts,
+                                               static_cast<T*>(out));
+  return CudaStatus(cudaGetLastError(), "SumChunks launch");
+}
+
+Status LaunchSum(DType t, const void* parts, int64_t count, int nparts, void* out,
+                 cudaStream_t stream) {
+  switch (t) {
+    case DType::kBF16:
+      return LaunchSum<__nv_bfloat16>(parts, count, nparts, out, stream);
+    case DType::kF16:
+      return LaunchSum<__half>(parts, count, nparts, out, stream);
+    default:
+      return LaunchSum<float>(parts, count, nparts, out, stream);
+  }
+}
+
+// Load every kernel of this module on the current device now: lazy loading in the
+// middle of a call could block behind a stream that spins on a peer.
+Status PreloadKernels() {
+  cudaFuncAttributes attr;
+  JAX_UB_CUDA(cudaFuncGetAttributes(&attr, SumChunks<float>));
+  JAX_UB_CUDA(cudaFuncGetAttributes(&attr, SumChunks<__nv_bfloat16>));
+  JAX_UB_CUDA(cudaFuncGetAttributes(&attr, SumChunks<__half>));
+  return Status::Ok();
+}
+
+std::string Describe(const char* op, int rank, int group) {
+  return std::string(op) + ": rank " + std::to_string(rank) + " (group " +
+         std::to_string(group) + ")";
+}
+
+}  // namespace
+
+Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
+                                bool allow_tf32, std::unique_ptr<CudaCommunicator>* out) {
+  if (timeout_s <= 0) return InvalidArgument("timeout must be positive");
+  std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
+  c->topology_ = std::move(topology);
+  JAX_UB_RETURN_IF_ERROR(c->Init(capacity_bytes, timeout_s, allow_tf32));
+  *out = std::move(c);
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Init(size_t capacity_bytes, double timeout_s, bool allow_tf32) {
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
+  capacity_ = (capacity_bytes + 255) / 256 * 256;
+  timeout_s_ = timeout_s;
+  const int size = topology_.group_size();
+  slots_.resize(topology_.num_slots());
+  for (int sl = 0; sl < topology_.num_slots(); ++sl) {
+    if (!topology_.is_local(sl))
+      return FailedPrecondition(
+          "this communicator drives GPUs of one process; slot " + std::to_string(sl) +
+          " is in another process and needs the multi-process bootstrap");
+    auto s = std::make_unique<Slot>();
+    s->device = topology_.device_of(sl);
+    s->rank = topology_.rank_of(sl);
+    s->group = topology_.group_of(sl);
+    JAX_UB_CUDA(cudaSetDevice(s->device));
+    JAX_UB_CUDA(cudaMalloc(&s->buffer, capacity_));
+    JAX_UB_CUDA(cudaMalloc(&s->flags, kNumFlags * sizeof(uint64_t)));
+    JAX_UB_CUDA(cudaMemset(s->flags, 0, kNumFlags * sizeof(uint64_t)));
+    JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->compute, cudaStreamNonBlocking));
+    JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->watchdog_stream, cudaStreamNonBlocking));
+    JAX_UB_CUDA(cudaEventCreateWithFlags(&s->start, cudaEventDisableTiming));
+    JAX_UB_CUDA(cudaEventCreateWithFlags(&s->compute_done, cudaEventDisableTiming));
+    s->comm.assign(size, nullptr);
+    s->comm_done.assign(size, nullptr);
+    s->ready.assign(size, nullptr);
+    for (int r = 0; r < size; ++r) {
+      JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->comm[r], cudaStreamNonBlocking));
+      JAX_UB_CUDA(cudaEventCreateWithFlags(&s->comm_done[r], cudaEventDisableTiming));
+      JAX_UB_CUDA(cudaEventCreateWithFlags(&s->ready[r], cudaEventDisableTiming));
+    }
+    CublasLtGemm* g = nullptr;
+    JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(allow_tf32, &g));
+    s->gemm.reset(g);
+    JAX_UB_RETURN_IF_ERROR(PreloadKernels());
+    slots_[sl] = std::move(s);
+  }
+  // Peer access inside every group, then everyone's pointers to everyone's buffers.
+  for (int sl = 0; sl < topology_.num_slots(); ++sl) {
+    Slot& s = *slots_[sl];
+    s.peer_buffer.assign(size, nullptr);
+    s.peer_flags.assign(size, nullptr);
+    for (int r = 0; r < size; ++r) {
+      Slot& peer = *slots_[topology_.slot(s.group, r)];
+      s.peer_buffer[r] = peer.buffer;
+      s.peer_flags[r] = peer.flags;
+      if (r == s.rank) continue;
+      int can = 0;
+      JAX_UB_CUDA(cudaDeviceCanAccessPeer(&can, s.device, peer.device));
+      if (!can)
+        return FailedPrecondition(
+            "GPU " + std::to_string(s.device) + " cannot access the memory of GPU " +
+            std::to_string(peer.device) +
+            " (no NVLink or PCIe peer access), so they cannot share a userbuffer group; put "
+            "the tensor-parallel axis on peer-connected GPUs or use impl='xla'");
+      JAX_UB_CUDA(cudaSetDevice(s.device));
+      cudaError_t err = cudaDeviceEnablePeerAccess(peer.device, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // clear the sticky-free error the runtime records
+      } else {
+        JAX_UB_CUDA(err);
+      }
+    }
+  }
+  // Check once that stream memory operations reach peer memory, and settle everything.
+  for (auto& sp : slots_) {
+    Slot& s = *sp;
+    JAX_UB_CUDA(cudaSetDevice(s.device));
+    for (int r = 0; r < size; ++r) {
+      if (r == s.rank) continue;
+      JAX_UB_RETURN_IF_ERROR(Signal(s.compute, s.peer_flags[r] + kCreditFlag + s.rank, 0));
+    }
+    JAX_UB_CUDA(cudaStreamSynchronize(s.compute));
+    JAX_UB_CUDA(cudaDeviceSynchronize());
+  }
+  watchdog_ = std::thread([this] { WatchdogLoop(); });
+  return Status::Ok();
+}
+
+CudaCommunicator::~CudaCommunicator() {
+  // Let in-flight calls finish (the watchdog still releases stuck ones), then stop it.
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_ + 5.0);
+  for (auto& sp : slots_) {
+    if (!sp) continue;
+    while (Clock::now() < deadline) {
+      {
+        std::lock_guard<std::mutex> lock(sp->mu);
+        if (sp->pending.empty()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  stop_.store(true);
+  if (watchdog_.joinable()) watchdog_.join();
+  for (auto& sp : slots_) {
+    if (!sp) continue;
+    Slot& s = *sp;
+    cudaSetDevice(s.device);
+    cudaDeviceSynchronize();
+    s.gemm.reset();
+    for (auto& p : s.pending) cudaEventDestroy(p.done);
+    for (cudaEvent_t e : s.free_events) cudaEventDestroy(e);
+    for (int r = 0; r < static_cast<int>(s.comm.size()); ++r) {
+      cudaStreamDestroy(s.comm[r]);
+      cudaEventDestroy(s.comm_done[r]);
+      cudaEventDestroy(s.ready[r]);
+    }
+    cudaEventDestroy(s.start);
+    cudaEventDestroy(s.compute_done);
+    cudaStreamDestroy(s.compute);
+    cudaStreamDestroy(s.watchdog_stream);
+    cudaFree(s.buffer);
+    cudaFree(s.flags);
+  }
+}
+
+void CudaCommunicator::MarkBroken(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_reason_.empty()) broken_reason_ = reason;
+  }
+  broken_.store(true, std::memory_order_release);
+}
+
+Status CudaCommunicator::Begin(int device, const char* op, int64_t need_bytes, Slot** slot,
+                               uint64_t* epoch) {
+  if (broken_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    return FailedPrecondition(std::string(op) +
+                              ": jax_ub communicator is broken by an earlier error (" +
+                              broken_reason_ + "); call jax_ub.finalize() and run again");
+  }
+  int sl = 0;
+  JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &sl));
+  if (need_bytes < 0 || static_cast<size_t>(need_bytes) > capacity_)
+    return InvalidArgument(std::string(op) + ": userbuffer too small: the op needs " +
+                           std::to_string(need_bytes) + " bytes per GPU, the communicator has " +
+                           std::to_string(capacity_) +
+                           "; raise jax_ub.configure(buffer_bytes=...)");
+  Slot* s = slots_[sl].get();
+  JAX_UB_CUDA(cudaSetDevice(s->device));
+  *slot = s;
+  *epoch = ++s->epoch;
+  return Status::Ok();
+}
+
+Status CudaCommunicator::WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target,
+                                  int peer, const char* what, std::vector<Wait>* waits) {
+  if (target == 0) return Status::Ok();  // first call: nothing to wait for
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
+  uint64_t* flag = s.flags + flag_index;
+  JAX_UB_CU(ops->wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(flag),
+                      target, CU_STREAM_WAIT_VALUE_GEQ));
+  waits->push_back(Wait{peer, flag, target, what});
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value) {
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
+  // The default flags order this write after all earlier work of the stream, including
+  // the data copy it announces, with a memory barrier.
+  JAX_UB_CU(ops->write(reinterpret_cast<CUstream>(stream),
+                       reinterpret_cast<CUdeviceptr>(remote_flag), value,
+                       CU_STREAM_WRITE_VALUE_DEFAULT));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
+                                std::vector<Wait> waits) {
+  JAX_UB_CUDA(cudaEventRecord(s.compute_done, s.compute));
+  JAX_UB_CUDA(cudaStreamWaitEvent(xla_stream, s.compute_done));
+  for (int r = 0; r < topology_.group_size(); ++r) {
+    if (r == s.rank) continue;
+    JAX_UB_CUDA(cudaStreamWaitEvent(xla_stream, s.comm_done[r]));
+  }
+  cudaEvent_t done = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.free_events.empty()) {
+      done = s.free_events.back();
+      s.free_events.pop_back();
+    }
+  }
+  if (done == nullptr) JAX_UB_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  JAX_UB_CUDA(cudaEventRecord(done, xla_stream));
+  std::lock_guard<std::mutex> lock(s.mu);
+  const auto since = s.pending.empty() ? Clock::now() : Clock::time_point::max();
+  s.pending.push_back(Pending{done, epoch, op, std::move(waits), since});
+  return Status::Ok();
+}
+
+Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,
+                                         const void* w, void* out, void* gathered, int64_t m,
+                                         int64_t k, int64_t n) {
+  const char* op = "all_gather_matmul";
+  const int size = topology_.group_size();
+  const int64_t es = DTypeSize(t);
+  const int64_t chunk = m * k * es;
+  Slot* s = nullptr;
+  uint64_t e = 0;
+  JAX_UB_RETURN_IF_ERROR(Begin(device, op, chunk * size, &s, &e));
+  const Schedule sched{s->rank, size};
+  std::vector<Wait> waits;
+  JAX_UB_CUDA(cudaEventRecord(s->start, xs));
+  JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
+
+  // Push our shard to every peer at once, one copy-engine stream per peer.
+  for (int p : sched.PushOrder()) {
+    cudaStream_t cs = s->comm[p];
+    JAX_UB_CUDA(cudaStreamWaitEvent(cs, s->start));
+    JAX_UB_RETURN_IF_ERROR(
+        WaitFlag(*s, cs, kCreditFlag + p, e - 1, p, "free its userbuffer", &waits));
+    JAX_UB_CUDA(cudaMemcpyAsync(s->peer_buffer[p] + s->rank * chunk, x, chunk,
+                                cudaMemcpyDeviceToDevice, cs));
+    JAX_UB_RETURN_IF_ERROR(Signal(cs, s->peer_flags[p] + kDataFlag + s->rank, e));
+    JAX_UB_CUDA(cudaEventRecord(s->comm_done[p], cs));
+  }
+  // The gathered copy, when asked for, runs on its own stream beside the GEMMs.
+  cudaStream_t gs = s->comm[s->rank];
+  if (gathered != nullptr) {
+    JAX_UB_CUDA(cudaStreamWaitEvent(gs, s->start));
+    JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + s->rank * chunk, x, chunk,
+                                cudaMemcpyDeviceToDevice, gs));
+  }
+  // Multiply each chunk as it lands, the local one first.
+  for (int j : sched.AllGatherComputeOrder()) {
+    const char* src = static_cast<const char*>(x);
+    if (j != s->rank) {
+      JAX_UB_RETURN_IF_ERROR(
+          WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its chunk", &waits));
+      src = s->buffer + j * chunk;
+      if (gathered != nullptr) {
+        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, gs, kDataFlag + j, e, j, "deliver its chunk", &waits));
+        JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + j * chunk, src, chunk,
+                                    cudaMemcpyDeviceToDevice, gs));
+      }
+    }
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, src, k, w, n, static_cast<char*>(out) + j * m * n * es,
+                                           n, m, k, n, s->compute));
+  }
+  if (gathered != nullptr) {
+    JAX_UB_CUDA(cudaEventRecord(s->ready[s->rank], gs));
+    JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->ready[s->rank]));
+  }
+  // Our buffer is free again: tell every sender.
+  for (int p : sched.PushOrder())
+    JAX_UB_RETURN_IF_ERROR(Signal(s->compute, s->peer_flags[p] + kCreditFlag + s->rank, e));
+  return Finish(*s, xs, op, e, std::move(waits));
+}
+
+Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType t, const void* x,
+                                             const void* w, void* out, int64_t m, int64_t k,
+                                             int64_t n) {
+  const char* op = "matmul_reduce_scatter";
+  const int size = topology_.group_size();
+  const int64_t es = DTypeSize(t);
+  const int64_t chunk = m * n * es;
+  Slot* s = nullptr;
+  uint64_t e = 0;
+  JAX_UB_RETURN_IF_ERROR(Begin(device, op, 2 * chunk * size, &s, &e));
+  const Schedule sched{s->rank, size};
+  std::vector<Wait> waits;
+  char* recv = s->buffer;                 // [size] partials addressed to us, by sender
+  char* stage = s->buffer + size * chunk;  // [size] partials we computed for each peer
+  JAX_UB_CUDA(cudaEventRecord(s->start, xs));
+  JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
+
+  // Each peer's partial first, sent while the next one is computed; ours last.
+  for (int d : sched.ReduceScatterComputeOrder()) {
+    const char* a = static_cast<const char*>(x) + d * m * k * es;
+    char* dst = d == s->rank ? recv + s->rank * chunk : stage + d * chunk;
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, a, k, w, n, dst, n, m, k, n, s->compute));
+    if (d == s->rank) continue;
+    cudaStream_t cs = s->comm[d];
+    JAX_UB_CUDA(cudaEventRecord(s->ready[d], s->compute));
+    JAX_UB_CUDA(cudaStreamWaitEvent(cs, s->ready[d]));
+    JAX_UB_RETURN_IF_ERROR(
+        WaitFlag(*s, cs, kCreditFlag + d, e - 1, d, "free its userbuffer", &waits));
+    JAX_UB_CUDA(cudaMemcpyAsync(s->peer_buffer[d] + s->rank * chunk, dst, chunk,
+                                cudaMemcpyDeviceToDevice, cs));
+    JAX_UB_RETURN_IF_ERROR(Signal(cs, s->peer_flags[d] + kDataFlag + s->rank, e));
+    JAX_UB_CUDA(cudaEventRecord(s->comm_done[d], cs));
+  }
+  for (int j : sched.ReductionOrder()) {
+    if (j == s->rank) continue;
+    JAX_UB_RETURN_IF_ERROR(
+        WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its partial sum", &waits));
+  }
+  JAX_UB_RETURN_IF_ERROR(LaunchSum(t, recv, m * n, size, out, s->compute));
+  for (int p : sched.PushOrder())
+    JAX_UB_RETURN_IF_ERROR(Signal(s->compute, s->peer_flags[p] + kCreditFlag + s->rank, e));
+  return Finish(*s, xs, op, e, std::move(waits));
+}
+
+void CudaCommunicator::WatchdogLoop() {
+  while (!stop_.load()) {
+    bool busy = false;
+    for (auto& sp : slots_) {
+      Slot& s = *sp;
+      std::lock_guard<std::mutex> lock(s.mu);
+      while (!s.pending.empty()) {
+        Pending& f = s.pending.front();
+        cudaSetDevice(s.device);
+        cudaError_t q = cudaEventQuery(f.done);
+        if (q == cudaSuccess) {
+          s.free_events.push_back(f.done);
+          s.pending.pop_front();
+          if (!s.pending.empty()) s.pending.front().since = Clock::now();
+          continue;
+        }
+        if (q != cudaErrorNotReady) {
+          MarkBroken(Describe(f.op, s.rank, s.group) + ": CUDA error while running: " +
+                     cudaGetErrorString(q));
+          break;
+        }
+        if (Clock::now() - f.since > std::chrono::duration<double>(timeout_s_)) {
+          // Name the peer we are stuck on, then release the stream so the job ends
+          // with an error instead of hanging.
+          std::string reason;
+          for (const Wait& wt : f.waits) {
+            uint64_t seen = 0;
+            cudaMemcpyAsync(&seen, wt.flag, sizeof(seen), cudaMemcpyDeviceToHost,
+                            s.watchdog_stream);
+            cudaStreamSynchronize(s.watchdog_stream);
+            if (static_cast<int64_t>(seen - wt.target) >= 0) continue;
+            if (reason.empty())
+              reason = Describe(f.op, s.rank, s.group) + " timed out after " +
+                       std::to_string(timeout_s_) + " s waiting for rank " +
+                       std::to_string(wt.peer) + " to " + wt.what + " for call #" +
+                       std::to_string(wt.target) + " (flag holds #" + std::to_string(seen) +
+                       "); the peer never arrived, is stuck, or runs a different program";
+            uint64_t target = wt.target;
+            cudaMemcpyAsync(const_cast<uint64_t*>(wt.flag), &target, sizeof(target),
+                            cudaMemcpyHostToDevice, s.watchdog_stream);
+            cudaStreamSynchronize(s.watchdog_stream);
+          }
+          if (reason.empty())
+            reason = Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
+          std::fprintf(stderr, "jax_ub: %s\n", reason.c_str());
+          MarkBroken(reason);
+          f.since = Clock::time_point::max();
+        }
+        busy = true;
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(busy ? 1 : 10));
+  }
+}
+
+}  // namespace jax_ub

@@ -1,0 +1,113 @@
+// Userbuffer communicator on CUDA GPUs driven by one process.
+//
+// Each (group, rank) slot owns, on its GPU: a symmetric buffer that the group's peers
+// copy into over NVLink (CUDA peer access, copy engines: no SMs taken from the GEMM),
+// and a small flag array with epoch counters. All cross-device waiting happens on the
+// GPU through stream memory operations; no host thread ever blocks on another device.
+// A watchdog thread bounds every wait: past the deadline it names the missing peer,
+// marks the communicator broken and releases the stuck streams. No NVLink multicast.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_gemm.h"
+#include "dtype.h"
+#include "status.h"
+#include "topology.h"
+
+namespace jax_ub {
+
+class CudaCommunicator {
+ public:
+  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s,
+                       bool allow_tf32, std::unique_ptr<CudaCommunicator>* out);
+  ~CudaCommunicator();
+
+  // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
+  // joined back into it. `gathered` (may be null) receives all_gather(x).
+  Status AllGatherMatmul(int device, cudaStream_t stream, DType t, const void* x, const void* w,
+                         void* out, void* gathered, int64_t m, int64_t k, int64_t n);
+
+  // out[m, n] = reduce_scatter(x[size*m, k] @ w[k, n]).
+  Status MatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x,
+                             const void* w, void* out, int64_t m, int64_t k, int64_t n);
+
+  const Topology& topology() const { return topology_; }
+
+ private:
+  // Flag words per slot: data[j] (chunk from rank j landed, by epoch), credit[j] (rank j
+  // consumed what this slot sent it, by epoch).
+  static constexpr int kDataFlag = 0;
+  static constexpr int kCreditFlag = kMaxRanks;
+  static constexpr int kNumFlags = 2 * kMaxRanks;
+
+  struct Wait {
+    int peer;
+    const uint64_t* flag;  // on this slot's device
+    uint64_t target;
+    const char* what;
+  };
+  struct Pending {
+    cudaEvent_t done;
+    uint64_t epoch;
+    const char* op;
+    std::vector<Wait> waits;
+    std::chrono::steady_clock::time_point since;
+  };
+  struct Slot {
+    int device = -1;
+    int rank = 0;
+    int group = 0;
+    char* buffer = nullptr;     // capacity bytes, symmetric across the group
+    uint64_t* flags = nullptr;  // kNumFlags words
+    std::vector<char*> peer_buffer;      // by rank
+    std::vector<uint64_t*> peer_flags;   // by rank
+    cudaStream_t compute = nullptr;
+    std::vector<cudaStream_t> comm;      // by peer rank
+    cudaEvent_t start = nullptr, compute_done = nullptr;
+    std::vector<cudaEvent_t> comm_done;  // by peer rank
+    std::vector<cudaEvent_t> ready;      // by peer rank: its partial (or gathered copy) is done
+    std::unique_ptr<CublasLtGemm> gemm;
+    uint64_t epoch = 0;  // touched only by the handler thread of this device
+    std::mutex mu;       // pending and free_events: shared with the watchdog
+    std::deque<Pending> pending;
+    std::vector<cudaEvent_t> free_events;
+    cudaStream_t watchdog_stream = nullptr;
+  };
+
+  CudaCommunicator() = default;
+  Status Init(size_t capacity_bytes, double timeout_s, bool allow_tf32);
+  Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
+  Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
+                  const char* what, std::vector<Wait>* waits);
+  Status Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value);
+  Status Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
+                std::vector<Wait> waits);
+  void WatchdogLoop();
+  void MarkBroken(const std::string& reason);
+
+  Topology topology_;
+  size_t capacity_ = 0;
+  double timeout_s_ = 0;
+  std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
+
+  std::atomic<bool> broken_{false};
+  std::mutex broken_mu_;
+  std::string broken_reason_;
+
+  std::atomic<bool> stop_{false};
+  std::thread watchdog_;
+};
+
+}  // namespace jax_ub

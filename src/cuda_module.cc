@@ -1,0 +1,71 @@
+// nanobind module for the CUDA implementation: FFI handler capsules and the
+// communicator lifecycle.
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <stdexcept>
+
+#include "cuda_communicator.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace jax_ub {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmulCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatterCuda);
+}  // namespace jax_ub
+
+namespace {
+
+template <typename T>
+nb::capsule Encapsulate(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+void Raise(const jax_ub::Status& st) {
+  if (st.code() == jax_ub::StatusCode::kInvalidArgument) throw nb::value_error(st.message().c_str());
+  throw std::runtime_error(st.message());
+}
+
+}  // namespace
+
+NB_MODULE(_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_ub_all_gather_matmul"] = Encapsulate(jax_ub::AllGatherMatmulCuda);
+    d["jax_ub_matmul_reduce_scatter"] = Encapsulate(jax_ub::MatmulReduceScatterCuda);
+    return d;
+  });
+  m.def(
+      "create_communicator",
+      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
+         bool allow_tf32) {
+        jax_ub::Topology topo;
+        jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
+        if (!st.ok()) Raise(st);
+        std::unique_ptr<jax_ub::CudaCommunicator> c;
+        {
+          nb::gil_scoped_release release;
+          st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s,
+                                                allow_tf32, &c);
+        }
+        if (!st.ok()) Raise(st);
+        return jax_ub::Registry<jax_ub::CudaCommunicator>::Add(std::move(c));
+      },
+      nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
+      nb::arg("timeout_s"), nb::arg("allow_tf32") = false);
+  m.def("destroy_communicator", [](int64_t id) {
+    nb::gil_scoped_release release;
+    return jax_ub::Registry<jax_ub::CudaCommunicator>::Remove(id);
+  });
+  m.def("num_communicators",
+        []() { return jax_ub::Registry<jax_ub::CudaCommunicator>::Size(); });
+  m.def("device_count", []() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  });
+}

@@ -1,0 +1,125 @@
+"""Shared fixtures for the CPU test suite.
+
+XLA's host platform is split into 8 devices so that every tensor-parallel layout (1, 2, 4, 8
+ranks; 2x4 and 4x2 meshes) runs in one process. The flag must be in the environment before
+jax is imported, hence at the very top of this file.
+"""
+
+import os
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
+
+import dataclasses  # noqa: E402
+import zlib  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import jax_ub  # noqa: E402
+from jax_ub._src.config import config as _config  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+def cpu_devices():
+    return jax.devices("cpu")
+
+
+def make_mesh(*shape_and_names, devices=None) -> Mesh:
+    """Mesh from (size, name) pairs, e.g. make_mesh((2, "dp"), (4, "tp")).
+
+    Built with jax.sharding.Mesh directly: jax.make_mesh gives Explicit axes in this JAX.
+    `devices` (a list of CPU devices) overrides the default order devices[0..n).
+    """
+    sizes = tuple(s for s, _ in shape_and_names)
+    names = tuple(n for _, n in shape_and_names)
+    n = int(np.prod(sizes))
+    devs = list(devices) if devices is not None else cpu_devices()[:n]
+    assert len(devs) == n, (len(devs), n)
+    return Mesh(np.array(devs, dtype=object).reshape(sizes), names)
+
+
+@pytest.fixture
+def mesh1d():
+    """mesh1d(n) -> 1-D mesh ("tp",) over the first n CPU devices."""
+
+    def factory(n: int, name: str = "tp") -> Mesh:
+        return make_mesh((n, name))
+
+    return factory
+
+
+@pytest.fixture
+def mesh2d():
+    """mesh2d(dp, tp, order=("dp", "tp")) -> 2-D mesh; the ops run over "tp"."""
+
+    def factory(dp: int, tp: int, order=("dp", "tp"), devices=None) -> Mesh:
+        sizes = {"dp": dp, "tp": tp}
+        return make_mesh(*[(sizes[a], a) for a in order], devices=devices)
+
+    return factory
+
+
+def smap(f, mesh, in_specs, out_specs, *, jit=True, **kw):
+    g = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
+    return jax.jit(g) if jit else g
+
+
+class Rand:
+    """Fresh random arrays: a different key for every test and every call, never zeros."""
+
+    def __init__(self, seed: int):
+        self._key = jax.random.key(seed)
+
+    def __call__(self, *shape, dtype=jnp.float32, scale=1.0):
+        self._key, sub = jax.random.split(self._key)
+        with jax.default_device(cpu_devices()[0]):
+            x = jax.random.normal(sub, shape, jnp.float32) * scale
+            # Keep every entry away from zero so no test passes on all-zero data.
+            x = x + jnp.where(x >= 0, 0.05, -0.05)
+            return x.astype(dtype)
+
+
+@pytest.fixture
+def rand(request):
+    """rand(*shape, dtype=...) -> random array; seeded from the test's node id."""
+    return Rand(zlib.crc32(request.node.nodeid.encode()))
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float32, failing loudly on NaN/Inf or a shape mismatch."""
+    a = np.asarray(jnp.asarray(a).astype(jnp.float32))
+    b = np.asarray(jnp.asarray(b).astype(jnp.float32))
+    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
+    assert np.all(np.isfinite(a)), "result has NaN/Inf"
+    assert np.all(np.isfinite(b)), "reference has NaN/Inf"
+    nb = float(np.linalg.norm(b))
+    assert nb > 0, "reference is all zeros: the test would prove nothing"
+    return float(np.linalg.norm(a - b)) / nb
+
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+
+
+def tol(dtype) -> float:
+    return TOL[jnp.dtype(dtype).type]
+
+
+@pytest.fixture(autouse=True)
+def _restore_config():
+    """Every test starts from, and leaves behind, the same jax_ub.config."""
+    saved = dataclasses.asdict(_config)
+    yield
+    for name, value in saved.items():
+        setattr(_config, name, value)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _finalize_after_module():
+    yield
+    jax_ub.finalize()
