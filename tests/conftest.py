@@ -12,6 +12,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import zlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -70,19 +71,31 @@ def smap(f, mesh, in_specs, out_specs, *, jit=True, **kw):
     return jax.jit(g) if jit else g
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _normal_pool(key, size):
+    key, sub = jax.random.split(key)
+    return key, jax.random.normal(sub, (size,), jnp.float32)
+
+
 class Rand:
-    """Fresh random arrays: a different key for every test and every call, never zeros."""
+    """Fresh random arrays: a different key for every test and every call, never zeros.
+
+    Numbers come from jax.random in a few fixed pool sizes (one compile each) and are cut
+    to shape on the host: compiling jax.random for every shape would dominate the runtime.
+    """
 
     def __init__(self, seed: int):
         self._key = jax.random.key(seed)
 
     def __call__(self, *shape, dtype=jnp.float32, scale=1.0):
-        self._key, sub = jax.random.split(self._key)
+        size = int(np.prod(shape))
+        pool = 1 << max(12, (size - 1).bit_length())
         with jax.default_device(cpu_devices()[0]):
-            x = jax.random.normal(sub, shape, jnp.float32) * scale
-            # Keep every entry away from zero so no test passes on all-zero data.
-            x = x + jnp.where(x >= 0, 0.05, -0.05)
-            return x.astype(dtype)
+            self._key, values = _normal_pool(self._key, pool)
+        x = np.asarray(values)[:size].reshape(shape) * np.float32(scale)
+        # Keep every entry away from zero so no test passes on all-zero data.
+        x = x + np.where(x >= 0, np.float32(0.05), np.float32(-0.05))
+        return jnp.asarray(x.astype(jnp.dtype(dtype)))
 
 
 @pytest.fixture
@@ -91,10 +104,14 @@ def rand(request):
     return Rand(zlib.crc32(request.node.nodeid.encode()))
 
 
+def to_f32(a) -> np.ndarray:
+    """A host float32 copy of any array (bfloat16 and float16 included)."""
+    return np.asarray(a).astype(np.float32)
+
+
 def rel_err(a, b) -> float:
     """||a - b|| / ||b|| in float32, failing loudly on NaN/Inf or a shape mismatch."""
-    a = np.asarray(jnp.asarray(a).astype(jnp.float32))
-    b = np.asarray(jnp.asarray(b).astype(jnp.float32))
+    a, b = to_f32(a), to_f32(b)
     assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
     assert np.all(np.isfinite(a)), "result has NaN/Inf"
     assert np.all(np.isfinite(b)), "reference has NaN/Inf"

@@ -147,7 +147,7 @@ def initialize(
         mesh = jax.make_mesh((2, 4), ("dp", "tp"))
         jax_ub.initialize(mesh, "tp", buffer_bytes=512 << 20)
     """
-    platform = platform or np.asarray(mesh.devices).flat[0].platform
+    platform = extension.normalize_platform(platform or np.asarray(mesh.devices).flat[0].platform)
     needed = buffer_bytes if buffer_bytes is not None else config.buffer_bytes
     if buffer_bytes is not None and buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes=}")

@@ -48,8 +48,14 @@ def cuda_module() -> ModuleType | None:
     return _cuda
 
 
+def normalize_platform(platform: str) -> str:
+    """JAX calls CUDA devices "gpu" (jax.default_backend, Device.platform); lowering says "cuda"."""
+    return "cuda" if platform == "gpu" else platform
+
+
 def module_for(platform: str) -> ModuleType | None:
     """The extension implementing userbuffers on `platform` ("cpu", "cuda"), if any."""
+    platform = normalize_platform(platform)
     if platform == "cpu":
         return _host
     if platform == "cuda":
@@ -58,4 +64,5 @@ def module_for(platform: str) -> ModuleType | None:
 
 
 def supported(platform: str) -> bool:
+    platform = normalize_platform(platform)
     return platform in _XLA_PLATFORM and module_for(platform) is not None

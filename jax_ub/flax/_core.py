@@ -54,12 +54,15 @@ def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) 
         )
 
 
-def check_input(owner: str, x: Any, in_features: int, tp: int, axis_name: str) -> None:
-    """x must be ``[seq, *batch, in_features]`` with ``seq`` divisible by ``tp``."""
+def check_input(owner: str, x: Any, in_features: int | None, tp: int, axis_name: str) -> None:
+    """x must be ``[seq, *batch, in_features]`` with ``seq`` divisible by ``tp``.
+
+    ``in_features=None`` accepts any feature count (linen infers it from the input).
+    """
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) < 2:
         raise ValueError(f"{owner}: input must be [seq, *batch, features], got shape {shape}")
-    if shape[-1] != in_features:
+    if in_features is not None and shape[-1] != in_features:
         raise ValueError(
             f"{owner}: input has {shape[-1]} features (last dim) but the layer expects "
             f"{in_features}; input shape {shape}"

@@ -1,1 +1,10 @@
-"""placeholder"""
+"""Flax linen versions of the jax_ub tensor-parallel layers, with the NNX modules' names.
+
+Parameters are created with ``nn.with_partitioning`` (boxed as ``nn.Partitioned``), so
+``nn.get_partition_spec(variables)`` gives their sharding over the tensor-parallel axis.
+"""
+
+from jax_ub.flax.linen.blocks import ParallelMLP, ParallelSelfAttention
+from jax_ub.flax.linen.layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear"]
