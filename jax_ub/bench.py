@@ -88,7 +88,7 @@ def build_ag(mesh, M, K, N, dtype, key):
     tp = mesh.shape[AXIS]
     kx, kw = jax.random.split(key)
     x = jax.random.normal(kx, (M, K), dtype)
-    w = jax.random.normal(kw, (K, N), dtype) / np.sqrt(K)
+    w = (jax.random.normal(kw, (K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
     xs = jax.device_put(x, NamedSharding(mesh, P(AXIS, None)))
     xr = jax.device_put(x, NamedSharding(mesh, P()))
     ws = jax.device_put(w, NamedSharding(mesh, P(None, AXIS)))
@@ -111,7 +111,7 @@ def build_ag(mesh, M, K, N, dtype, key):
 def build_rs(mesh, M, K, N, dtype, key):
     kx, kw = jax.random.split(key)
     x = jax.random.normal(kx, (M, N), dtype)
-    w = jax.random.normal(kw, (N, K), dtype) / np.sqrt(N)
+    w = (jax.random.normal(kw, (N, K), jnp.float32) / np.sqrt(N)).astype(dtype)
     xs = jax.device_put(x, NamedSharding(mesh, P(None, AXIS)))
     ws = jax.device_put(w, NamedSharding(mesh, P(AXIS, None)))
     ins, out = (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
