@@ -426,6 +426,9 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
         WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its partial sum", &waits));
   }
   JAX_UB_RETURN_IF_ERROR(LaunchSum(t, recv, m * n, size, out, s->compute));
+  // Credits promise peers the whole buffer, staging area included: wait until our own
+  // partials have left it, or a peer's next push could overwrite one still in flight.
+  for (int p : sched.PushOrder()) JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->comm_done[p]));
   for (int p : sched.PushOrder())
     JAX_UB_RETURN_IF_ERROR(Signal(s->compute, s->peer_flags[p] + kCreditFlag + s->rank, e));
   return Finish(*s, xs, op, e, std::move(waits));

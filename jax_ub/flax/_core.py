@@ -8,6 +8,7 @@ parallel axis, "feature-sharded" means the last dim is.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -117,10 +118,6 @@ def row_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
     return specs
 
 
-def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-
-
 # --- per-shard computations (run inside shard_map) ---------------------------------------
 
 
@@ -169,3 +166,77 @@ def attention_local(qkv: jax.Array, mask: jax.Array | None, *, head_dim: int) ->
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("...hqk,k...hd->q...hd", probs, v)
     return out.reshape(seq, *batch, -1)
+
+
+# --- whole-layer functions: jit(shard_map(per-shard computation)), one per configuration ---
+#
+# Cached so that eager calls compile once per shape (an eager shard_map would dispatch op
+# by op); under an outer jit the inner jit is simply inlined.
+
+
+def _jit_shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+@functools.lru_cache(maxsize=256)
+def column_call(
+    mesh: Mesh, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
+) -> Callable[[jax.Array, Params], jax.Array]:
+    """``f(x, params)``: sequence-sharded ``x`` -> feature-sharded output."""
+    local = functools.partial(column_local, axis_name=axis_name, impl=impl, dtype=dtype)
+    in_specs = (seq_spec(ndim, axis_name), column_param_specs(axis_name, use_bias))
+    return _jit_shard_map(local, mesh, in_specs, feature_spec(ndim, axis_name))
+
+
+@functools.lru_cache(maxsize=256)
+def row_call(
+    mesh: Mesh, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
+) -> Callable[[jax.Array, Params], jax.Array]:
+    """``f(x, params)``: feature-sharded ``x`` -> sequence-sharded output."""
+    local = functools.partial(row_local, axis_name=axis_name, impl=impl, dtype=dtype)
+    in_specs = (feature_spec(ndim, axis_name), row_param_specs(axis_name, use_bias))
+    return _jit_shard_map(local, mesh, in_specs, seq_spec(ndim, axis_name))
+
+
+@functools.lru_cache(maxsize=256)
+def mlp_call(
+    mesh: Mesh,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    activation: Callable[[jax.Array], jax.Array],
+    ndim: int,
+    use_bias: bool,
+) -> Callable[[jax.Array, Params, Params], jax.Array]:
+    """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded."""
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype)
+
+    def body(x, p_up, p_down):
+        return row_local(activation(column_local(x, p_up, **kw)), p_down, **kw)
+
+    col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
+    spec = seq_spec(ndim, axis_name)
+    return _jit_shard_map(body, mesh, (spec, col, row), spec)
+
+
+@functools.lru_cache(maxsize=256)
+def attention_call(
+    mesh: Mesh,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    head_dim: int,
+    ndim: int,
+    use_bias: bool,
+    has_mask: bool,
+) -> Callable[[jax.Array, Params, Params, jax.Array | None], jax.Array]:
+    """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded."""
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype)
+
+    def body(x, p_qkv, p_out, mask):
+        heads = attention_local(column_local(x, p_qkv, **kw), mask, head_dim=head_dim)
+        return row_local(heads, p_out, **kw)
+
+    col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
+    spec = seq_spec(ndim, axis_name)
+    return _jit_shard_map(body, mesh, (spec, col, row, P() if has_mask else None), spec)

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jax_ub.flax import _core
 from jax_ub.flax.nnx_layers import (
@@ -70,6 +69,9 @@ class ParallelMLP(nnx.Module):
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
     ):
+        owner = type(self).__name__
+        tp = _core.tp_size(owner, mesh, axis_name)
+        _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
         out_features = in_features if out_features is None else out_features
         common = dict(
             mesh=mesh,
@@ -85,20 +87,13 @@ class ParallelMLP(nnx.Module):
         self.up_proj = ColumnParallelLinear(in_features, hidden_features, **common)
         self.down_proj = RowParallelLinear(hidden_features, out_features, **common)
         self.activation = activation
-        self.mesh = mesh
-        self.axis_name = axis_name
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
         up, down = self.up_proj, self.down_proj
-        _core.check_input(type(self).__name__, inputs, up.in_features, up.tp, self.axis_name)
-
-        def body(x, p_up, p_down):
-            return down.local(self.activation(up.local(x, p_up)), p_down)
-
-        spec = _core.seq_spec(inputs.ndim, self.axis_name)
-        f = _core.shard_map(
-            body, self.mesh, in_specs=(spec, up.param_specs, down.param_specs), out_specs=spec
+        _core.check_input(type(self).__name__, inputs, up.in_features, up.tp, up.axis_name)
+        f = _core.mlp_call(
+            up.mesh, up.axis_name, up.impl, up.dtype, self.activation, inputs.ndim, up.use_bias
         )
         return f(inputs, up.param_values(), down.param_values())
 
@@ -174,8 +169,6 @@ class ParallelSelfAttention(nnx.Module):
         self.out = RowParallelLinear(qkv_features, out_features, **common)
         self.num_heads = num_heads
         self.head_dim = qkv_features // num_heads
-        self.mesh = mesh
-        self.axis_name = axis_name
 
     def __call__(self, inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
@@ -187,19 +180,17 @@ class ParallelSelfAttention(nnx.Module):
         """
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
-        _core.check_input(owner, inputs, qkv.in_features, qkv.tp, self.axis_name)
+        _core.check_input(owner, inputs, qkv.in_features, qkv.tp, qkv.axis_name)
         if mask is not None:
             _core.check_mask(owner, mask, inputs.shape)
-
-        def body(x, p_qkv, p_out, mask):
-            heads = _core.attention_local(qkv.local(x, p_qkv), mask, head_dim=self.head_dim)
-            return out.local(heads, p_out)
-
-        spec = _core.seq_spec(inputs.ndim, self.axis_name)
-        f = _core.shard_map(
-            body,
-            self.mesh,
-            in_specs=(spec, qkv.param_specs, out.param_specs, None if mask is None else P()),
-            out_specs=spec,
+        f = _core.attention_call(
+            qkv.mesh,
+            qkv.axis_name,
+            qkv.impl,
+            qkv.dtype,
+            self.head_dim,
+            inputs.ndim,
+            qkv.use_bias,
+            mask is not None,
         )
         return f(inputs, qkv.param_values(), out.param_values(), mask)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jax_ub.flax import _core
 
@@ -17,6 +18,10 @@ default_bias_init = nnx.initializers.zeros_init()
 
 class _ParallelLinear(nnx.Module):
     """Shared constructor: global-shaped params, sharded over ``axis_name`` of ``mesh``."""
+
+    # Set by subclasses: which features are split over the axis, and the params' specs.
+    _split: str
+    _param_specs: Callable[[str, bool], dict]
 
     def __init__(
         self,
@@ -34,19 +39,19 @@ class _ParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
-        tp = _core.tp_size(owner, mesh, axis_name)
+        self.tp = _core.tp_size(owner, mesh, axis_name)
         _core.check_impl(owner, impl)
-        self._check_features(owner, in_features, out_features, tp, axis_name)
+        split = {"in_features": in_features, "out_features": out_features}[self._split]
+        _core.check_divisible(owner, self._split, split, self.tp, axis_name)
         self.in_features = in_features
         self.out_features = out_features
         self.mesh = mesh
         self.axis_name = axis_name
-        self.tp = tp
         self.impl = impl
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
-        specs = self.param_specs
+        specs = self._param_specs(axis_name, use_bias)
         self.kernel = nnx.Param(
             kernel_init(rngs.params(), (in_features, out_features), param_dtype),
             out_sharding=tuple(specs["kernel"]),
@@ -62,20 +67,16 @@ class _ParallelLinear(nnx.Module):
         else:
             self.bias = nnx.data(None)
 
-    def _check_features(self, owner, in_features, out_features, tp, axis_name) -> None:
-        raise NotImplementedError
-
-    @property
-    def param_specs(self) -> dict[str, P]:
-        """``PartitionSpec`` of each parameter over the mesh (the ``shard_map`` in_specs)."""
-        raise NotImplementedError
-
     def param_values(self) -> dict[str, jax.Array]:
-        """The global parameter arrays, keyed like :attr:`param_specs`."""
+        """The global parameter arrays: ``kernel`` and, with ``use_bias``, ``bias``."""
         values = {"kernel": self.kernel[...]}
         if self.bias is not None:
             values["bias"] = self.bias[...]
         return values
+
+    def _config(self, inputs: jax.Array) -> tuple:
+        _core.check_input(type(self).__name__, inputs, self.in_features, self.tp, self.axis_name)
+        return (self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -125,29 +126,12 @@ class ColumnParallelLinear(_ParallelLinear):
       rngs: rng key.
     """
 
-    def _check_features(self, owner, in_features, out_features, tp, axis_name) -> None:
-        _core.check_divisible(owner, "out_features", out_features, tp, axis_name)
-
-    @property
-    def param_specs(self) -> dict[str, P]:
-        return _core.column_param_specs(self.axis_name, self.use_bias)
-
-    def local(self, x: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
-        """Per-device computation; call inside ``shard_map`` with :attr:`param_specs`."""
-        return _core.column_local(
-            x, params, axis_name=self.axis_name, impl=self.impl, dtype=self.dtype
-        )
+    _split = "out_features"
+    _param_specs = staticmethod(_core.column_param_specs)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""
-        _core.check_input(type(self).__name__, inputs, self.in_features, self.tp, self.axis_name)
-        f = _core.shard_map(
-            self.local,
-            self.mesh,
-            in_specs=(_core.seq_spec(inputs.ndim, self.axis_name), self.param_specs),
-            out_specs=_core.feature_spec(inputs.ndim, self.axis_name),
-        )
-        return f(inputs, self.param_values())
+        return _core.column_call(*self._config(inputs))(inputs, self.param_values())
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -179,25 +163,9 @@ class RowParallelLinear(_ParallelLinear):
         as for :class:`ColumnParallelLinear`. ``seq`` must be a multiple of ``tp``.
     """
 
-    def _check_features(self, owner, in_features, out_features, tp, axis_name) -> None:
-        _core.check_divisible(owner, "in_features", in_features, tp, axis_name)
-
-    @property
-    def param_specs(self) -> dict[str, P]:
-        return _core.row_param_specs(self.axis_name, self.use_bias)
-
-    def local(self, x: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
-        """Per-device computation; call inside ``shard_map`` with :attr:`param_specs`."""
-        return _core.row_local(x, params, axis_name=self.axis_name, impl=self.impl, dtype=self.dtype)
+    _split = "in_features"
+    _param_specs = staticmethod(_core.row_param_specs)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""
-        _core.check_input(type(self).__name__, inputs, self.in_features, self.tp, self.axis_name)
-        f = _core.shard_map(
-            self.local,
-            self.mesh,
-            in_specs=(_core.feature_spec(inputs.ndim, self.axis_name), self.param_specs),
-            out_specs=_core.seq_spec(inputs.ndim, self.axis_name),
-        )
-        return f(inputs, self.param_values())
-
+        return _core.row_call(*self._config(inputs))(inputs, self.param_values())
