@@ -137,9 +137,7 @@ def column_local(
     return y if bias is None else y + bias  # the bias shard of this rank's columns
 
 
-def row_local(
-    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any
-) -> jax.Array:
+def row_local(x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any) -> jax.Array:
     """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``: matmul_reduce_scatter, then bias."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
     y = jax_ub.matmul_reduce_scatter(x, kernel, axis_name, impl=impl)
