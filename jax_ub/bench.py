@@ -155,7 +155,7 @@ def measure(impls, reference, rounds: int, iters: int) -> tuple[dict, dict]:
     return {n: statistics.median(v) for n, v in samples.items()}, errs
 
 
-def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters) -> float | None:
+def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters, tp) -> float | None:
     """XLA's windowed einsum (its own process: it needs its own XLA flags)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
@@ -164,7 +164,7 @@ def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters) -> float | None:
     )
     cmd = [sys.executable, "-m", "jax_ub.bench", "--windowed-einsum-child",
            "--shapes", f"{M}x{K}x{N}", "--dtype", dtype_name,
-           "--rounds", str(rounds), "--iters", str(iters)]
+           "--rounds", str(rounds), "--iters", str(iters), "--tp", str(tp)]
     try:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         for line in res.stdout.splitlines():
@@ -176,8 +176,8 @@ def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters) -> float | None:
     return None
 
 
-def _windowed_einsum_child(M, K, N, dtype, rounds, iters) -> None:
-    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+def _windowed_einsum_child(M, K, N, dtype, rounds, iters, tp) -> None:
+    mesh = Mesh(np.array(jax.devices()[: tp or None]), (AXIS,))
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.device_put(jax.random.normal(kx, (M, K), dtype), NamedSharding(mesh, P(AXIS, None)))
     w = jax.device_put(jax.random.normal(kw, (K, N), dtype), NamedSharding(mesh, P(None, AXIS)))
@@ -195,10 +195,13 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", default="ag,rs")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
     ap.add_argument("--no-windowed-einsum", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
     ap.add_argument("--windowed-einsum-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--windowed-einsum-only-first", action="store_true",
+                    help="run XLA's windowed einsum (a process per shape) for the first shape only")
     args = ap.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
@@ -206,9 +209,9 @@ def main(argv=None) -> None:
         _, K, N = shapes[0]
         shapes += [(int(m), K, N) for m in args.sweep_m.split(",")]
     if args.windowed_einsum_child:
-        _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters)
+        _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
         return
-    devices = jax.devices()
+    devices = jax.devices()[: args.tp or None]
     mesh = Mesh(np.array(devices), (AXIS,))
     tp = len(devices)
     print(f"devices: {tp} x {devices[0].device_kind}; jax {jax.__version__}; dtype {dtype}",
@@ -219,8 +222,11 @@ def main(argv=None) -> None:
             build = build_ag if op == "ag" else build_rs
             impls, ref = build(mesh, M, K, N, dtype, jax.random.key(M + K + N))
             times, errs = measure(impls, ref, args.rounds, args.iters)
-            if op == "ag" and not args.no_windowed_einsum:
-                we = windowed_einsum_ms(M, K, N, args.dtype, args.rounds, args.iters)
+            first = (M, K, N) == shapes[0]
+            if op == "ag" and not args.no_windowed_einsum and (
+                first or not args.windowed_einsum_only_first
+            ):
+                we = windowed_einsum_ms(M, K, N, args.dtype, args.rounds, args.iters, tp)
                 if we is not None:
                     times["xla_windowed_einsum"] = we
             t_seq, t_gemm, t_ub = times["xla_seq"], times["gemm"], times["jax_ub"]

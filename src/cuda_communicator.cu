@@ -361,21 +361,25 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
     JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + s->rank * chunk, x, chunk,
                                 cudaMemcpyDeviceToDevice, gs));
   }
-  // Multiply each chunk as it lands, the local one first.
-  for (int j : sched.AllGatherComputeOrder()) {
+  // Multiply the local chunk, then the remote ones once they have landed.
+  for (const Schedule::Span& span : sched.AllGatherSpans()) {
     const char* src = static_cast<const char*>(x);
-    if (j != s->rank) {
-      JAX_UB_RETURN_IF_ERROR(
-          WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its chunk", &waits));
-      src = s->buffer + j * chunk;
-      if (gathered != nullptr) {
-        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, gs, kDataFlag + j, e, j, "deliver its chunk", &waits));
-        JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + j * chunk, src, chunk,
-                                    cudaMemcpyDeviceToDevice, gs));
+    if (span.first != s->rank) {
+      for (int j = span.first; j < span.first + span.count; ++j) {
+        JAX_UB_RETURN_IF_ERROR(
+            WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its chunk", &waits));
+        if (gathered != nullptr)
+          JAX_UB_RETURN_IF_ERROR(
+              WaitFlag(*s, gs, kDataFlag + j, e, j, "deliver its chunk", &waits));
       }
+      src = s->buffer + span.first * chunk;
+      if (gathered != nullptr)
+        JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + span.first * chunk, src,
+                                    span.count * chunk, cudaMemcpyDeviceToDevice, gs));
     }
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, src, k, w, n, static_cast<char*>(out) + j * m * n * es,
-                                           n, m, k, n, s->compute));
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, src, k, w, n,
+                                           static_cast<char*>(out) + span.first * m * n * es, n,
+                                           span.count * m, k, n, s->compute));
   }
   if (gathered != nullptr) {
     JAX_UB_CUDA(cudaEventRecord(s->ready[s->rank], gs));

@@ -199,17 +199,20 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
     header(ps)->desc_from[ctx.rank] = ctx.desc;
     Store(&header(ps)->data_epoch[ctx.rank], ctx.epoch);
   }
-  // Multiply each chunk as it lands, the local one first.
-  for (int j : sched.AllGatherComputeOrder()) {
-    const void* src = x;
-    if (j != ctx.rank) {
-      Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its chunk");
-      if (st.ok()) st = CheckDescriptor(ctx, j);
-      if (!st.ok()) return fail(st);
-      src = data(ctx.slot) + j * chunk;
+  // Multiply the local chunk, then the remote ones once they have landed.
+  for (const Schedule::Span& span : sched.AllGatherSpans()) {
+    const char* src = static_cast<const char*>(x);
+    if (span.first != ctx.rank) {
+      for (int j = span.first; j < span.first + span.count; ++j) {
+        Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its chunk");
+        if (st.ok()) st = CheckDescriptor(ctx, j);
+        if (!st.ok()) return fail(st);
+      }
+      src = data(ctx.slot) + span.first * chunk;
     }
-    HostGemm(t, src, w, static_cast<char*>(out) + j * m * n * es, m, k, n);
-    if (gathered != nullptr) std::memcpy(static_cast<char*>(gathered) + j * chunk, src, chunk);
+    HostGemm(t, src, w, static_cast<char*>(out) + span.first * m * n * es, span.count * m, k, n);
+    if (gathered != nullptr)
+      std::memcpy(static_cast<char*>(gathered) + span.first * chunk, src, span.count * chunk);
   }
   // Our region may be overwritten again: tell every sender.
   for (int p : sched.PushOrder()) Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);

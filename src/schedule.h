@@ -20,13 +20,21 @@ struct Schedule {
     return order;
   }
 
-  // Chunks of the all-gathered operand in the order their products are computed:
-  // the local chunk first (it needs no communication), then peers in the order their
-  // pushes are expected to land (rank-1 pushes to us first, see PushOrder).
-  std::vector<int> AllGatherComputeOrder() const {
-    std::vector<int> order{rank};
-    for (int s = 1; s < size; ++s) order.push_back((rank - s + size) % size);
-    return order;
+  // A run of consecutive chunks multiplied by one GEMM once all of them have landed.
+  struct Span {
+    int first;
+    int count;
+  };
+
+  // GEMMs of the all-gather product, in order: the local chunk first (it needs no
+  // communication and hides the pushes, which all start at once), then the remote chunks
+  // as at most two contiguous row ranges (after and before our own rows). Few large GEMMs
+  // run at full efficiency where one small GEMM per chunk would not.
+  std::vector<Span> AllGatherSpans() const {
+    std::vector<Span> spans{{rank, 1}};
+    if (rank + 1 < size) spans.push_back({rank + 1, size - rank - 1});
+    if (rank > 0) spans.push_back({0, rank});
+    return spans;
   }
 
   // Row blocks of the reduce-scatter input in the order their partial products are
