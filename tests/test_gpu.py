@@ -142,7 +142,8 @@ def test_hundred_calls_with_changing_data(tp):
             ec = jnp.linalg.norm((c - d).astype(jnp.float32)) / jnp.linalg.norm(d.astype(jnp.float32))
             return x + (c[: x.shape[0]] * 1e-3).astype(x.dtype), jnp.maximum(worst, jnp.maximum(ea, ec))
 
-        _, worst = lax.fori_loop(0, 100, step, (x, jnp.float32(0)))
+        worst0 = jnp.zeros((), jnp.float32) * x[0, 0].astype(jnp.float32)  # varying over tp
+        _, worst = lax.fori_loop(0, 100, step, (x, worst0))
         return lax.pmax(worst, "tp")
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"),
