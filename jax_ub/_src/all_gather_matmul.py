@@ -8,7 +8,11 @@ import jax
 from jax import lax
 
 from jax_ub._src import checks
-from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.primitives import (
+    bind_all_gather_matmul,
+    bind_matmul_reduce_scatter,
+    match_varying,
+)
 from jax_ub._src.reference import all_gather_matmul_reference
 
 _OP = "all_gather_matmul"
@@ -71,15 +75,15 @@ def _all_gather_matmul(x, w, axis_name, size):
 
 def _fwd(x, w, axis_name, size):
     out, gathered = bind_all_gather_matmul(x, w, axis_name, size, return_gathered=True)
-    return out, (gathered, w)
+    return out, (x, gathered, w)
 
 
 def _bwd(axis_name, size, res, dy):
-    gathered, w = res
+    x, gathered, w = res
     # dx = reduce_scatter(dy @ w.T): the overlapped GEMM+RS, no extra all-gather needed.
     dx = bind_matmul_reduce_scatter(dy, w.T, axis_name, size)
     dw = gathered.T @ dy
-    return dx, dw
+    return match_varying(dx, x), match_varying(dw, w)
 
 
 _all_gather_matmul.defvjp(_fwd, _bwd)
@@ -92,15 +96,17 @@ def _all_gather_matmul_with_gathered(x, w, axis_name, size):
 
 def _fwd_gathered(x, w, axis_name, size):
     out, gathered = bind_all_gather_matmul(x, w, axis_name, size, return_gathered=True)
-    return (out, gathered), (gathered, w)
+    return (out, gathered), (x, gathered, w)
 
 
 def _bwd_gathered(axis_name, size, res, cts):
-    gathered, w = res
+    x, gathered, w = res
     dy, dgathered = cts
     dx = bind_matmul_reduce_scatter(dy, w.T, axis_name, size)
-    dx = dx + lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True)
-    return dx, gathered.T @ dy
+    dx = match_varying(dx, x) + match_varying(
+        lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True), x
+    )
+    return dx, match_varying(gathered.T @ dy, w)
 
 
 _all_gather_matmul_with_gathered.defvjp(_fwd_gathered, _bwd_gathered)

@@ -7,7 +7,11 @@ from functools import partial
 import jax
 
 from jax_ub._src import checks
-from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.primitives import (
+    bind_all_gather_matmul,
+    bind_matmul_reduce_scatter,
+    match_varying,
+)
 from jax_ub._src.reference import matmul_reduce_scatter_reference
 
 _OP = "matmul_reduce_scatter"
@@ -69,7 +73,7 @@ def _bwd(axis_name, size, res, dy):
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
     dx, dy_gathered = bind_all_gather_matmul(dy, w.T, axis_name, size, return_gathered=True)
-    return dx, x.T @ dy_gathered
+    return match_varying(dx, x), match_varying(x.T @ dy_gathered, w)
 
 
 _matmul_reduce_scatter.defvjp(_fwd, _bwd)

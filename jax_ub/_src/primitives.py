@@ -8,9 +8,11 @@ its id baked into the custom call.
 from __future__ import annotations
 
 import jax
+import jax._src.config
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core
-from jax._src.interpreters import mlir
+from jax._src.interpreters import batching, mlir
 from jax._src.sharding_impls import SPMDAxisContext
 from jax.sharding import Mesh
 
@@ -28,12 +30,36 @@ def _varying(aval: core.AbstractValue) -> frozenset:
     return frozenset(getattr(aval, "vma", frozenset()))
 
 
+def _check_vma() -> bool:
+    state = getattr(jax._src.config, "_check_vma", None)
+    return bool(state.value) if state is not None else True
+
+
+def match_varying(ct, like):
+    """Cotangent `ct` cast to vary over exactly the mesh axes `like` varies over.
+
+    Under shard_map(check_vma=True) the reference's autodiff sums a weight's gradient over
+    the axes the weight is replicated on (the transpose of the implicit pvary); the custom
+    VJPs do the same here. Without vma tracking there is nothing to match.
+    """
+    if not _check_vma():
+        return ct
+    have, want = _varying(jax.typeof(ct)), _varying(jax.typeof(like))
+    if have - want:
+        ct = jax.lax.psum(ct, tuple(sorted(have - want)))
+    if want - have:
+        ct = jax.lax.pcast(ct, tuple(sorted(want - have)), to="varying")
+    return ct
+
+
 def _result(x, shape, *operands, extra: frozenset = frozenset()):
     """x's aval with `shape`, varying over every mesh axis any operand varies over.
 
     Under shard_map(check_vma=True) that is what the lax reference would produce; the
     attribute holding it moved between JAX versions, hence the two spellings.
     """
+    if not _check_vma():
+        return x.update(shape=shape)
     varying = frozenset(extra).union(*(_varying(a) for a in operands))
     mat = getattr(x, "manual_axis_type", None)
     if mat is not None:
@@ -116,6 +142,32 @@ def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size):
 
 mlir.register_lowering(all_gather_matmul_p, _all_gather_matmul_lowering)
 mlir.register_lowering(matmul_reduce_scatter_p, _matmul_reduce_scatter_lowering)
+
+
+# Spelled `not_mapped` in older JAX; None in newer.
+_NOT_MAPPED = getattr(batching, "not_mapped", None)
+
+
+def _batched(prim, args, dims, **params):
+    """vmap by calling the op once per batch element: every rank loops over the same batch,
+    so the collective calls still pair up across the group."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+    args = [
+        jnp.broadcast_to(a, (size,) + a.shape) if d is _NOT_MAPPED else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    outs = [prim.bind(*(a[i] for a in args), **params) for i in range(size)]
+    if prim.multiple_results:
+        return [jnp.stack(o) for o in zip(*outs)], [0] * len(outs[0])
+    return jnp.stack(outs), 0
+
+
+batching.primitive_batchers[all_gather_matmul_p] = (
+    lambda args, dims, **kw: _batched(all_gather_matmul_p, args, dims, **kw)
+)
+batching.primitive_batchers[matmul_reduce_scatter_p] = (
+    lambda args, dims, **kw: _batched(matmul_reduce_scatter_p, args, dims, **kw)
+)
 
 
 def bind_all_gather_matmul(x, w, axis_name: str, axis_size: int, return_gathered: bool):
