@@ -128,7 +128,8 @@ def test_dp_by_tp_mesh(tp):
 def test_hundred_calls_with_changing_data(tp):
     """100 back-to-back calls in one compiled loop, new data each: catches stale flags."""
     mesh = _mesh(tp)
-    x0, w, v = _data(jax.random.key(11), [(1024, 512), (512, 768), (768, 512)], jnp.bfloat16)
+    x0, w, v = _data(jax.random.key(11), [(1024, 512), (512, 768), (768, 512)], jnp.float32)
+    x0, w, v = (a.astype(jnp.bfloat16) for a in (x0, w / np.sqrt(512), v / np.sqrt(768)))
 
     def body(x, w, v):
         def step(i, carry):
@@ -140,7 +141,8 @@ def test_hundred_calls_with_changing_data(tp):
             c = jax_ub.matmul_reduce_scatter(a, v, "tp", impl="ub")
             d = jax_ub.matmul_reduce_scatter(a, v, "tp", impl="xla")
             ec = jnp.linalg.norm((c - d).astype(jnp.float32)) / jnp.linalg.norm(d.astype(jnp.float32))
-            return x + (c[: x.shape[0]] * 1e-3).astype(x.dtype), jnp.maximum(worst, jnp.maximum(ea, ec))
+            # New data every call (xi depends on i); nothing fed back, so values stay O(1).
+            return x, jnp.maximum(worst, jnp.maximum(ea, ec))
 
         worst0 = jnp.zeros((), jnp.float32) * x[0, 0].astype(jnp.float32)  # varying over tp
         _, worst = lax.fori_loop(0, 100, step, (x, worst0))
