@@ -102,9 +102,18 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
 
 
 def get_communicator(
-    mesh: Mesh, axis_name: str, platform: str, needed_bytes: int = 0
+    mesh: Mesh,
+    axis_name: str,
+    platform: str,
+    needed_bytes: int = 0,
+    requested_bytes: int | None = None,
 ) -> Communicator:
-    """The communicator for (mesh, axis) on `platform`, created or grown as needed."""
+    """The communicator for (mesh, axis) on `platform`, created or grown as needed.
+
+    `requested_bytes` is an explicit size (from initialize); otherwise the buffer is sized
+    from the config, or from what the op needs with a floor that spares a model's first
+    few ops from each growing it.
+    """
     devices = slot_devices(mesh, axis_name)
     group_size = mesh.shape[axis_name]
     key = _Key(platform, axis_name, tuple(d.id for d in devices), group_size)
@@ -118,7 +127,8 @@ def get_communicator(
                 f"device, the communicator for axis {axis_name!r} has {comm.capacity_bytes}; "
                 "pass a larger buffer_bytes to jax_ub.initialize/configure or allow_grow=True"
             )
-        capacity = max(needed_bytes, config.buffer_bytes or _MIN_BYTES.get(platform, _MIB))
+        base = requested_bytes or config.buffer_bytes or _MIN_BYTES.get(platform, _MIB)
+        capacity = max(needed_bytes, base)
         if comm is not None:
             # Programs compiled against the old buffer keep it until finalize().
             _retired.append(comm)
@@ -148,10 +158,9 @@ def initialize(
         jax_ub.initialize(mesh, "tp", buffer_bytes=512 << 20)
     """
     platform = extension.normalize_platform(platform or np.asarray(mesh.devices).flat[0].platform)
-    needed = buffer_bytes if buffer_bytes is not None else config.buffer_bytes
     if buffer_bytes is not None and buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes=}")
-    return get_communicator(mesh, axis_name, platform, needed)
+    return get_communicator(mesh, axis_name, platform, requested_bytes=buffer_bytes)
 
 
 def finalize() -> None:
@@ -164,6 +173,9 @@ def finalize() -> None:
         comms = list(_live.values()) + _retired
         _live.clear()
         _retired.clear()
+    if comms:
+        # Calls already dispatched may still run on these communicators: let them finish.
+        jax.block_until_ready(jax.live_arrays())
     for comm in comms:
         module = extension.module_for(comm.platform)
         if module is not None:

@@ -54,13 +54,17 @@ def configure(**changes: object) -> Config:
 
         jax_ub.configure(timeout_s=5.0, buffer_bytes=512 << 20)
     """
-    for name, value in changes.items():
-        if not hasattr(config, name):
-            fields = [f.name for f in dataclasses.fields(Config)]
-            raise ValueError(f"unknown jax_ub setting {name!r}; known: {fields}")
-        setattr(config, name, value)
-    if config.timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {config.timeout_s=}")
-    if config.buffer_bytes < 0:
-        raise ValueError(f"buffer_bytes must be >= 0, got {config.buffer_bytes=}")
+    fields = [f.name for f in dataclasses.fields(Config)]
+    unknown = [name for name in changes if name not in fields]
+    if unknown:
+        names = ", ".join(repr(u) for u in unknown)
+        raise ValueError(f"unknown jax_ub setting {names}; known: {fields}")
+    # Validate the whole change before applying any of it.
+    new = dataclasses.replace(config, **changes)
+    if new.timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {new.timeout_s=}")
+    if new.buffer_bytes < 0:
+        raise ValueError(f"buffer_bytes must be >= 0, got {new.buffer_bytes=}")
+    for name in changes:
+        setattr(config, name, getattr(new, name))
     return config
