@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -173,7 +173,19 @@ def attention_local(qkv: jax.Array, mask: jax.Array | None, *, head_dim: int) ->
 
 
 def _jit_shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    if AxisType.Explicit not in tuple(mesh.axis_types):
+        return jax.jit(mapped)
+
+    def resharded(*args):
+        # Explicit mesh axes: shard_map takes inputs only in exactly the in_specs' layout.
+        def reshard(spec, a):
+            return a if spec is None else jax.reshard(a, NamedSharding(mesh, spec))
+
+        is_spec = lambda s: s is None or isinstance(s, P)  # noqa: E731
+        return mapped(*jax.tree.map(reshard, in_specs, args, is_leaf=is_spec))
+
+    return jax.jit(resharded)
 
 
 @functools.lru_cache(maxsize=256)

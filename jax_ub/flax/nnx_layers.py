@@ -106,10 +106,10 @@ class ColumnParallelLinear(_ParallelLinear):
         >>> mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
         >>> layer = jax_ub.flax.ColumnParallelLinear(16, 64, mesh=mesh, rngs=nnx.Rngs(0))
         >>> layer.kernel.shape, layer.kernel[...].sharding.spec
-        ((16, 64), PartitionSpec(None, 'tp'))
+        ((16, 64), P(None, 'tp'))
         >>> y = jax.jit(layer)(jnp.ones((32, 2, 16)))  # [seq, batch, features]
         >>> y.shape, y.sharding.spec
-        ((32, 2, 64), PartitionSpec(None, None, 'tp'))
+        ((32, 2, 64), P(None, None, 'tp'))
 
     Args:
       in_features: number of input features.
@@ -154,7 +154,7 @@ class RowParallelLinear(_ParallelLinear):
         >>> layer = jax_ub.flax.RowParallelLinear(64, 16, mesh=mesh, rngs=nnx.Rngs(0))
         >>> y = jax.jit(layer)(jnp.ones((32, 2, 64)))
         >>> y.shape, y.sharding.spec
-        ((32, 2, 16), PartitionSpec('tp', None, None))
+        ((32, 2, 16), P('tp',))
 
     Args:
       in_features: number of input features; a multiple of ``tp``.
