@@ -1,0 +1,176 @@
+"""Tensor-parallel MLP and self-attention blocks for Flax linen.
+
+Same math, parameter names and sharding as the NNX blocks in :mod:`jax_ub.flax`; each
+block runs as one ``shard_map`` around its two parallel layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.typing import Dtype, Initializer
+from jax.sharding import Mesh
+
+from jax_ub.flax import _core
+from jax_ub.flax.linen.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    default_bias_init,
+    default_kernel_init,
+)
+
+_SHARED = (
+    "mesh",
+    "axis_name",
+    "impl",
+    "use_bias",
+    "dtype",
+    "param_dtype",
+    "kernel_init",
+    "bias_init",
+)
+
+
+def _layer_kwargs(block: nn.Module) -> dict[str, Any]:
+    """The settings a block passes on to both of its parallel layers."""
+    return {name: getattr(block, name) for name in _SHARED}
+
+
+class ParallelMLP(nn.Module):
+    """Linen version of :class:`jax_ub.flax.ParallelMLP`.
+
+    ``down_proj(activation(up_proj(x)))``: a :class:`ColumnParallelLinear` to
+    ``hidden_features`` and a :class:`RowParallelLinear` back to ``out_features``. Input and
+    output ``[seq, *batch, features]`` are sequence-sharded ``P(axis_name, None, ...)``.
+
+    Example::
+
+        >>> mlp = jax_ub.flax.linen.ParallelMLP(64, mesh=mesh)
+        >>> variables = mlp.init(jax.random.key(0), x)  # x: [seq, batch, 16]
+        >>> jax.jit(mlp.apply)(variables, x).shape
+        (32, 2, 16)
+
+    Attributes:
+      hidden_features: number of hidden features; a multiple of ``tp``.
+      mesh: the concrete :class:`jax.sharding.Mesh` to run on.
+      out_features: number of output features (default: the input's).
+      activation: elementwise function applied to the hidden features (default: gelu).
+      axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
+        :class:`ColumnParallelLinear`, shared by both projections.
+    """
+
+    hidden_features: int
+    mesh: Mesh
+    axis_name: str = "tp"
+    impl: str = "auto"
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    out_features: int | None = None
+    activation: Callable[[jax.Array], jax.Array] = nn.gelu
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
+        owner = type(self).__name__
+        in_features = inputs.shape[-1] if inputs.ndim else 0
+        out_features = in_features if self.out_features is None else self.out_features
+        up = ColumnParallelLinear(self.hidden_features, name="up_proj", **_layer_kwargs(self))
+        down = RowParallelLinear(out_features, name="down_proj", **_layer_kwargs(self))
+        tp = up.tp_size()
+        _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
+        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        p_up = up.get_params(in_features)
+        p_down = down.get_params(self.hidden_features)
+        f = _core.mlp_call(
+            self.mesh,
+            self.axis_name,
+            self.impl,
+            self.dtype,
+            self.activation,
+            inputs.ndim,
+            self.use_bias,
+        )
+        return f(inputs, p_up, p_down)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Linen version of :class:`jax_ub.flax.ParallelSelfAttention`.
+
+    ``qkv`` (column-parallel, columns ordered ``(head, q/k/v, head_dim)``) splits the heads
+    over ``axis_name``; each device attends over the full sequence for its heads and
+    ``out`` (row-parallel) reduce-scatters back. Input and output
+    ``[seq, *batch, features]`` are sequence-sharded ``P(axis_name, None, ...)``.
+
+    Example::
+
+        >>> attn = jax_ub.flax.linen.ParallelSelfAttention(num_heads=4, mesh=mesh)
+        >>> causal = jnp.tril(jnp.ones((32, 32), bool))
+        >>> variables = attn.init(jax.random.key(0), x, causal)
+        >>> jax.jit(attn.apply)(variables, x, causal).shape
+        (32, 2, 16)
+
+    Attributes:
+      num_heads: number of attention heads; a multiple of ``tp``.
+      mesh: the concrete :class:`jax.sharding.Mesh` to run on.
+      qkv_features: total query (and key, value) width over all heads (default: the
+        input's features); a multiple of ``num_heads``.
+      out_features: number of output features (default: the input's).
+      axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
+        :class:`ColumnParallelLinear`, shared by both projections.
+    """
+
+    num_heads: int
+    mesh: Mesh
+    axis_name: str = "tp"
+    impl: str = "auto"
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    qkv_features: int | None = None
+    out_features: int | None = None
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
+
+        ``mask``: optional boolean mask broadcastable to ``[*batch, 1, seq, seq]`` (True
+        attends), e.g. ``jnp.tril(jnp.ones((seq, seq), bool))`` for causal attention.
+        """
+        owner = type(self).__name__
+        in_features = inputs.shape[-1] if inputs.ndim else 0
+        qkv_features = in_features if self.qkv_features is None else self.qkv_features
+        out_features = in_features if self.out_features is None else self.out_features
+        qkv = ColumnParallelLinear(3 * qkv_features, name="qkv", **_layer_kwargs(self))
+        out = RowParallelLinear(out_features, name="out", **_layer_kwargs(self))
+        tp = qkv.tp_size()
+        _core.check_divisible(owner, "num_heads", self.num_heads, tp, self.axis_name)
+        if qkv_features % self.num_heads != 0:
+            raise ValueError(
+                f"{owner}: qkv_features={qkv_features} is not divisible by "
+                f"num_heads={self.num_heads}"
+            )
+        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        if mask is not None:
+            _core.check_mask(owner, mask, inputs.shape)
+        p_qkv = qkv.get_params(in_features)
+        p_out = out.get_params(qkv_features)
+        f = _core.attention_call(
+            self.mesh,
+            self.axis_name,
+            self.impl,
+            self.dtype,
+            qkv_features // self.num_heads,
+            inputs.ndim,
+            self.use_bias,
+            mask is not None,
+        )
+        return f(inputs, p_qkv, p_out, mask)

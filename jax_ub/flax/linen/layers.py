@@ -1,0 +1,156 @@
+"""Tensor-parallel linear layers for Flax linen, overlapped through jax_ub."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.typing import Dtype, Initializer
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_ub.flax import _core
+
+default_kernel_init = nn.initializers.lecun_normal()
+default_bias_init = nn.initializers.zeros_init()
+
+
+class _ParallelLinear(nn.Module):
+    """Shared fields, checks and parameter creation of the two parallel layers."""
+
+    features: int
+    mesh: Mesh
+    axis_name: str = "tp"
+    impl: str = "auto"
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+
+    # Set by subclasses: the params' PartitionSpecs.
+    _param_specs: ClassVar[Callable[[str, bool], dict[str, P]]]
+
+    @nn.nowrap
+    def tp_size(self) -> int:
+        """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name`` and ``impl``."""
+        owner = type(self).__name__
+        tp = _core.tp_size(owner, self.mesh, self.axis_name)
+        _core.check_impl(owner, self.impl)
+        return tp
+
+    @nn.compact
+    def get_params(self, in_features: int) -> dict[str, jax.Array]:
+        """Create (at init) or fetch the global ``kernel`` and (with ``use_bias``) ``bias``.
+
+        Blocks call this to run several layers in one ``shard_map``.
+        """
+        specs = self._param_specs(self.axis_name, self.use_bias)
+
+        def init(base, spec):
+            return nn.with_partitioning(base, tuple(spec), mesh=self.mesh)
+
+        params = {
+            "kernel": self.param(
+                "kernel",
+                init(self.kernel_init, specs["kernel"]),
+                (in_features, self.features),
+                self.param_dtype,
+            )
+        }
+        if self.use_bias:
+            params["bias"] = self.param(
+                "bias", init(self.bias_init, specs["bias"]), (self.features,), self.param_dtype
+            )
+        return params
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Linen version of :class:`jax_ub.flax.ColumnParallelLinear`.
+
+    Output features are split over ``axis_name``: the sequence-parallel input is
+    all-gathered into the matmul with :func:`jax_ub.all_gather_matmul`, and each device adds
+    its shard of the bias.
+
+    Shapes and sharding (``tp`` = size of ``axis_name``):
+
+    * input ``[seq, *batch, in_features]``, sequence-sharded ``P(axis_name, None, ...)``
+    * output ``[seq, *batch, features]``, feature-sharded ``P(None, ..., axis_name)``
+    * params ``kernel [in_features, features]`` boxed as ``nn.Partitioned`` with names
+      ``(None, axis_name)``, ``bias [features]`` with ``(axis_name,)``
+
+    Example::
+
+        >>> layer = jax_ub.flax.linen.ColumnParallelLinear(64, mesh=mesh)
+        >>> x = jnp.ones((32, 2, 16))
+        >>> variables = layer.init(jax.random.key(0), x)
+        >>> nn.get_partition_spec(variables)["params"]["kernel"]
+        P(None, 'tp')
+        >>> jax.jit(layer.apply)(variables, x).shape
+        (32, 2, 64)
+
+    Attributes:
+      features: number of output features; a multiple of ``tp``.
+      mesh: the concrete :class:`jax.sharding.Mesh` to run on.
+      axis_name: the tensor-parallel mesh axis (default ``"tp"``).
+      impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
+      use_bias, dtype, param_dtype, kernel_init, bias_init: as for ``nn.Dense``.
+    """
+
+    _param_specs = staticmethod(_core.column_param_specs)
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
+        tp = self.tp_size()
+        owner = type(self).__name__
+        _core.check_divisible(owner, "features", self.features, tp, self.axis_name)
+        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        params = self.get_params(inputs.shape[-1])
+        f = _core.column_call(
+            self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias
+        )
+        return f(inputs, params)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Linen version of :class:`jax_ub.flax.RowParallelLinear`.
+
+    Input features are split over ``axis_name``:
+    :func:`jax_ub.matmul_reduce_scatter` sums the per-device partial products and scatters
+    the sequence back over the devices; the bias is added once, after the reduction.
+
+    Shapes and sharding (``tp`` = size of ``axis_name``):
+
+    * input ``[seq, *batch, in_features]``, feature-sharded ``P(None, ..., axis_name)``;
+      ``in_features`` and ``seq`` multiples of ``tp``
+    * output ``[seq, *batch, features]``, sequence-sharded ``P(axis_name, None, ...)``
+    * params ``kernel [in_features, features]`` with names ``(axis_name, None)``,
+      ``bias [features]`` replicated
+
+    Example::
+
+        >>> layer = jax_ub.flax.linen.RowParallelLinear(16, mesh=mesh)
+        >>> h = jnp.ones((32, 2, 64))
+        >>> variables = layer.init(jax.random.key(0), h)
+        >>> jax.jit(layer.apply)(variables, h).shape
+        (32, 2, 16)
+
+    Attributes: as for :class:`ColumnParallelLinear`.
+    """
+
+    _param_specs = staticmethod(_core.row_param_specs)
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
+        tp = self.tp_size()
+        owner = type(self).__name__
+        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        _core.check_divisible(owner, "in_features", inputs.shape[-1], tp, self.axis_name)
+        params = self.get_params(inputs.shape[-1])
+        f = _core.row_call(
+            self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias
+        )
+        return f(inputs, params)

@@ -1,0 +1,290 @@
+"""jax_ub.flax.linen layers and blocks against plain linen models with explicit lax collectives."""
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ub.flax
+import jax_ub.flax.linen as ubl
+
+TP = 4
+SEQ, BATCH, D, HIDDEN, HEADS = 16, 2, 16, 32, 4
+IMPLS = ["ub", "xla"]
+TOL = dict(rtol=2e-5, atol=2e-5)
+CAUSAL = np.tril(np.ones((SEQ, SEQ), bool))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    devices = jax.devices()
+    if len(devices) < TP:
+        pytest.skip(f"needs {TP} devices, have {len(devices)}")
+    return Mesh(np.array(devices[:TP]), ("tp",))
+
+
+# --- plain linen reference: same parameter names, explicit lax collectives ----------------
+
+
+def _feature_spec(ndim):
+    return P(*[None] * (ndim - 1), "tp")
+
+
+class RefColumn(nn.Module):
+    features: int
+    mesh: Mesh
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.normal(), (x.shape[-1], self.features))
+        b = (
+            self.param("bias", nn.initializers.normal(), (self.features,))
+            if self.use_bias
+            else None
+        )
+
+        def f(x, k, b):
+            y = lax.all_gather(x, "tp", axis=0, tiled=True) @ k
+            return y if b is None else y + b
+
+        b_spec = None if b is None else P("tp")
+        return jax.shard_map(
+            f,
+            mesh=self.mesh,
+            in_specs=(P("tp"), P(None, "tp"), b_spec),
+            out_specs=_feature_spec(x.ndim),
+        )(x, k, b)
+
+
+class RefRow(nn.Module):
+    features: int
+    mesh: Mesh
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, h):
+        k = self.param("kernel", nn.initializers.normal(), (h.shape[-1], self.features))
+        b = (
+            self.param("bias", nn.initializers.normal(), (self.features,))
+            if self.use_bias
+            else None
+        )
+
+        def f(h, k, b):
+            y = lax.psum_scatter(h @ k, "tp", scatter_dimension=0, tiled=True)
+            return y if b is None else y + b
+
+        b_spec = None if b is None else P()
+        return jax.shard_map(
+            f,
+            mesh=self.mesh,
+            in_specs=(_feature_spec(h.ndim), P("tp", None), b_spec),
+            out_specs=P("tp"),
+        )(h, k, b)
+
+
+class RefMLP(nn.Module):
+    hidden: int
+    mesh: Mesh
+
+    @nn.compact
+    def __call__(self, x):
+        h = RefColumn(self.hidden, self.mesh, name="up_proj")(x)
+        return RefRow(x.shape[-1], self.mesh, name="down_proj")(nn.gelu(h))
+
+
+class RefAttention(nn.Module):
+    heads: int
+    mesh: Mesh
+
+    @nn.compact
+    def __call__(self, x, mask=None):
+        seq, batch, d = x.shape[0], x.shape[1:-1], x.shape[-1]
+        hd = d // self.heads
+        qkv = RefColumn(3 * d, self.mesh, name="qkv")(x).reshape(seq, *batch, self.heads, 3, hd)
+        q, k, v = (jnp.moveaxis(qkv[..., i, :], 0, -2) for i in range(3))  # [*b, h, s, hd]
+        logits = q @ jnp.swapaxes(k, -1, -2) / math.sqrt(hd)
+        if mask is not None:
+            logits = jnp.where(mask, logits, -1e30)
+        o = jnp.moveaxis(jax.nn.softmax(logits, axis=-1) @ v, -2, 0)  # [s, *b, h, hd]
+        return RefRow(d, self.mesh, name="out")(o.reshape(seq, *batch, -1))
+
+
+# --- cases ----------------------------------------------------------------------------------
+
+
+def make_pair(kind, mesh, impl, use_bias=True):
+    """(jax_ub module, reference module, input shape, extra call args)."""
+    kw = dict(mesh=mesh, impl=impl, use_bias=use_bias, bias_init=nn.initializers.normal(1.0))
+    if kind == "column":
+        return (
+            ubl.ColumnParallelLinear(HIDDEN, **kw),
+            RefColumn(HIDDEN, mesh, use_bias),
+            (SEQ, BATCH, D),
+            (),
+        )
+    if kind == "row":
+        return ubl.RowParallelLinear(D, **kw), RefRow(D, mesh, use_bias), (SEQ, BATCH, HIDDEN), ()
+    if kind == "mlp":
+        return ubl.ParallelMLP(HIDDEN, **kw), RefMLP(HIDDEN, mesh), (SEQ, BATCH, D), ()
+    if kind == "attention_causal":
+        return (
+            ubl.ParallelSelfAttention(HEADS, **kw),
+            RefAttention(HEADS, mesh),
+            (SEQ, BATCH, D),
+            (jnp.asarray(CAUSAL),),
+        )
+    raise AssertionError(kind)
+
+
+def forward_and_grads(module, params, x, ct, extra):
+    """module(x) and the gradients of <module(x), ct> w.r.t. params and x, in one jit."""
+
+    @jax.jit
+    def run(params, x):
+        y, vjp = jax.vjp(lambda p, x: module.apply({"params": p}, x, *extra), params, x)
+        return (y, *vjp(ct))
+
+    return run(params, x)
+
+
+def assert_trees_close(a, b, **tol):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), **tol), a, b)
+
+
+_REF_CACHE = {}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["column", "row", "mlp", "attention_causal"])
+def test_matches_reference_forward_and_grads(mesh, kind, impl):
+    module, ref, shape, extra = make_pair(kind, mesh, impl)
+    x = jax.random.normal(jax.random.key(2), shape)
+    variables = jax.jit(module.init)(jax.random.key(0), x, *extra)
+    params = nn.meta.unbox(variables["params"])
+    y_shape = jax.eval_shape(lambda: module.apply(variables, x, *extra)).shape
+    ct = jax.random.normal(jax.random.key(3), y_shape)
+
+    y, g_params, g_x = forward_and_grads(module, params, x, ct, extra)
+    if kind not in _REF_CACHE:  # the reference does not depend on impl
+        _REF_CACHE[kind] = forward_and_grads(ref, params, x, ct, extra)
+    y_ref, g_ref, g_x_ref = _REF_CACHE[kind]
+    np.testing.assert_allclose(y, y_ref, **TOL)
+    np.testing.assert_allclose(g_x, g_x_ref, **TOL)
+    assert_trees_close(g_params, g_ref, **TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bias_added_once(mesh, impl):
+    module, _, shape, _ = make_pair("row", mesh, impl)
+    h = jax.random.normal(jax.random.key(2), shape)
+    variables = module.init(jax.random.key(0), h)
+    p = nn.meta.unbox(variables["params"])
+    np.testing.assert_allclose(module.apply(variables, h), h @ p["kernel"] + p["bias"], **TOL)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_without_bias(mesh, kind):
+    module, ref, shape, _ = make_pair(kind, mesh, "auto", use_bias=False)
+    x = jax.random.normal(jax.random.key(2), shape)
+    variables = module.init(jax.random.key(0), x)
+    assert set(variables["params"]) == {"kernel"}
+    np.testing.assert_allclose(module.apply(variables, x), ref.apply(variables, x), **TOL)
+
+
+def test_partition_specs_and_sharded_init(mesh):
+    attn = ubl.ParallelSelfAttention(HEADS, mesh=mesh)
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    abstract = jax.eval_shape(attn.init, jax.random.key(0), x)
+    specs = nn.get_partition_spec(abstract)["params"]
+    assert specs["qkv"] == {"kernel": P(None, "tp"), "bias": P("tp")}
+    assert specs["out"] == {"kernel": P("tp", None), "bias": P(None)}
+
+    shardings = nn.get_sharding(abstract, mesh)  # init straight into the sharded layout
+    variables = jax.jit(attn.init, out_shardings=shardings)(jax.random.key(0), x)
+    kernel = variables["params"]["qkv"]["kernel"].unbox()
+    assert kernel.shape == (D, 3 * D) and kernel.sharding.spec == P(None, "tp")
+    y = jax.jit(attn.apply)(variables, x, CAUSAL)
+    assert y.shape == x.shape
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("tp")), y.ndim)
+
+
+def test_pytree_roundtrip(mesh):
+    """Variables hold only arrays (boxed by flax); they save and restore as plain numpy."""
+    mlp = ubl.ParallelMLP(HIDDEN, mesh=mesh)
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    variables = mlp.init(jax.random.key(0), x)
+    assert "jax_ub" not in str(jax.tree.structure(variables))
+    saved = jax.tree.map(np.asarray, nn.meta.unbox(variables))  # e.g. for np.savez / pickle
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(saved))
+    restored = jax.tree.map(jnp.asarray, saved)
+    np.testing.assert_array_equal(mlp.apply(restored, x), mlp.apply(variables, x))
+
+
+def test_orbax_roundtrip(mesh, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    attn = ubl.ParallelSelfAttention(HEADS, mesh=mesh)
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    abstract = jax.eval_shape(attn.init, jax.random.key(0), x)
+    shardings = nn.get_sharding(abstract, mesh)
+    params = nn.meta.unbox(jax.jit(attn.init, out_shardings=shardings)(jax.random.key(0), x))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "params", params)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(
+            tmp_path / "params", jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
+        )
+    kernel = restored["params"]["out"]["kernel"]
+    assert kernel.sharding.spec == P("tp", None)
+    np.testing.assert_array_equal(attn.apply(restored, x, CAUSAL), attn.apply(params, x, CAUSAL))
+
+
+def test_same_as_nnx_with_same_params(mesh):
+    """linen and NNX blocks share parameter names and math."""
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    model = jax_ub.flax.ParallelSelfAttention(D, HEADS, mesh=mesh, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    module = ubl.ParallelSelfAttention(HEADS, mesh=mesh)
+    y = module.apply({"params": params}, x, CAUSAL)
+    np.testing.assert_allclose(y, model(x, mask=CAUSAL), **TOL)
+
+
+def test_argument_errors(mesh):
+    x = jnp.ones((SEQ, BATCH, D))
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="features=30 must be a positive multiple"):
+        ubl.ColumnParallelLinear(30, mesh=mesh).init(key, x)
+    with pytest.raises(ValueError, match="in_features=18 must be a positive multiple"):
+        ubl.RowParallelLinear(D, mesh=mesh).init(key, jnp.ones((SEQ, BATCH, 18)))
+    with pytest.raises(ValueError, match="hidden_features=30 must be a positive multiple"):
+        ubl.ParallelMLP(30, mesh=mesh).init(key, x)
+    with pytest.raises(ValueError, match="num_heads=6 must be a positive multiple"):
+        ubl.ParallelSelfAttention(6, mesh=mesh).init(key, x)
+    with pytest.raises(ValueError, match="qkv_features=16 is not divisible by num_heads=12"):
+        ubl.ParallelSelfAttention(12, mesh=mesh).init(key, x)
+    with pytest.raises(ValueError, match="axis_name 'model' is not an axis of the mesh"):
+        ubl.ColumnParallelLinear(HIDDEN, mesh=mesh, axis_name="model").init(key, x)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ubl.ColumnParallelLinear(HIDDEN, mesh=mesh, impl="nccl").init(key, x)
+    with pytest.raises(ValueError, match="sequence length .* 18 is not divisible"):
+        ubl.ColumnParallelLinear(HIDDEN, mesh=mesh).init(key, jnp.ones((18, BATCH, D)))
+    with pytest.raises(ValueError, match="head dim of the mask must be 1"):
+        ubl.ParallelSelfAttention(HEADS, mesh=mesh).init(
+            key, x, jnp.ones((BATCH, HEADS, SEQ, SEQ), bool)
+        )

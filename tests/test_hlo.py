@@ -1,0 +1,157 @@
+"""impl="ub" programs contain the userbuffer custom calls and no XLA collectives.
+
+Both the lowered StableHLO and the compiled (SPMD-partitioned, optimized) HLO are checked:
+the first shows what jax_ub emits, the second that XLA added no collective of its own.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import smap
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+
+AG_TARGET = "jax_ub_all_gather_matmul"
+RS_TARGET = "jax_ub_matmul_reduce_scatter"
+
+# Collective ops by their StableHLO and HLO spellings. The custom call targets contain
+# "all_gather" / "reduce_scatter" too, hence matching the op syntax rather than the words.
+_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "collective_permute", "all_to_all",
+                "collective_broadcast")
+_STABLEHLO_COLLECTIVE = re.compile(r"\b(?:stablehlo|mhlo)\.(" + "|".join(_COLLECTIVES) + r")\b")
+_HLO_COLLECTIVE = re.compile(
+    r"\b(" + "|".join(c.replace("_", "-") for c in _COLLECTIVES) + r")(?:-start|-done)?\("
+)
+
+
+def _custom_call_targets(text: str) -> list[str]:
+    """Targets of every custom call, in StableHLO (`@name`) or HLO (`custom_call_target=`)."""
+    return re.findall(r"custom_call @(\w+)", text) + re.findall(
+        r'custom_call_target="(\w+)"', text
+    )
+
+
+def _texts(f, *args):
+    lowered = f.lower(*args)
+    return {"lowered": lowered.as_text(), "compiled": lowered.compile().as_text()}
+
+
+def _collectives(kind: str, text: str) -> list[str]:
+    pattern = _STABLEHLO_COLLECTIVE if kind == "lowered" else _HLO_COLLECTIVE
+    return sorted(set(pattern.findall(text)))
+
+
+def _ag(mesh, impl, **kw):
+    return smap(
+        lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl=impl, **kw),
+        mesh,
+        in_specs=(P("tp"), P(None, "tp")),
+        out_specs=(P(None, "tp"), P("tp")) if kw.get("return_gathered") else P(None, "tp"),
+    )
+
+
+def _rs(mesh, impl):
+    return smap(
+        lambda x, w: jax_ub.matmul_reduce_scatter(x, w, "tp", impl=impl),
+        mesh,
+        in_specs=(P(None, "tp"), P("tp")),
+        out_specs=P("tp"),
+    )
+
+
+def _local_grad(op, impl):
+    """d/d(x, w) of a per-rank loss, all inside shard_map: no collective beyond the op's."""
+
+    def body(x, w):
+        def loss(x, w):
+            return jnp.sum(jnp.sin(op(x, w, "tp", impl=impl)))
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    return body
+
+
+@pytest.fixture
+def operands(rand):
+    # 4 ranks; shapes valid for both ops' layouts below.
+    return rand(4 * 8, 16), rand(16, 4 * 8)
+
+
+@pytest.mark.parametrize("kind", ["lowered", "compiled"])
+@pytest.mark.parametrize("return_gathered", [False, True])
+def test_all_gather_matmul_ub_has_no_collectives(mesh1d, operands, kind, return_gathered):
+    text = _texts(_ag(mesh1d(4), "ub", return_gathered=return_gathered), *operands)[kind]
+    assert _custom_call_targets(text).count(AG_TARGET) == 1, text
+    assert _collectives(kind, text) == [], text
+
+
+@pytest.mark.parametrize("kind", ["lowered", "compiled"])
+def test_matmul_reduce_scatter_ub_has_no_collectives(mesh1d, rand, kind):
+    x, w = rand(4 * 8, 4 * 8), rand(4 * 8, 16)
+    text = _texts(_rs(mesh1d(4), "ub"), x, w)[kind]
+    assert _custom_call_targets(text).count(RS_TARGET) == 1, text
+    assert _collectives(kind, text) == [], text
+
+
+@pytest.mark.parametrize("kind", ["lowered", "compiled"])
+def test_all_gather_matmul_grad_has_only_custom_calls(mesh1d, operands, kind):
+    """Forward: AG+GEMM (keeping the gathered x); backward: dx by the GEMM+RS custom call."""
+    f = smap(
+        _local_grad(jax_ub.all_gather_matmul, "ub"),
+        mesh1d(4),
+        in_specs=(P("tp"), P(None, "tp")),
+        out_specs=(P("tp"), P(None, "tp")),
+    )
+    text = _texts(f, *operands)[kind]
+    targets = _custom_call_targets(text)
+    assert targets.count(AG_TARGET) == 1, text
+    assert targets.count(RS_TARGET) == 1, text
+    assert _collectives(kind, text) == [], text
+
+
+@pytest.mark.parametrize("kind", ["lowered", "compiled"])
+def test_matmul_reduce_scatter_grad_has_only_custom_calls(mesh1d, rand, kind):
+    """Forward: GEMM+RS; backward: dy gathered once by the AG+GEMM custom call."""
+    x, w = rand(4 * 8, 4 * 8), rand(4 * 8, 16)
+    f = smap(
+        _local_grad(jax_ub.matmul_reduce_scatter, "ub"),
+        mesh1d(4),
+        in_specs=(P(None, "tp"), P("tp")),
+        out_specs=(P(None, "tp"), P("tp")),
+    )
+    text = _texts(f, x, w)[kind]
+    targets = _custom_call_targets(text)
+    assert targets.count(RS_TARGET) == 1, text
+    assert targets.count(AG_TARGET) == 1, text
+    assert _collectives(kind, text) == [], text
+
+
+def test_custom_calls_carry_the_communicator_id(mesh1d, operands):
+    text = _ag(mesh1d(4), "ub").lower(*operands).as_text()
+    (comm,) = [c for c in jax_ub.live_communicators() if c.group_size == 4]
+    assert re.search(rf"comm_id = {comm.id} : i64", text), text
+
+
+@pytest.mark.parametrize("kind", ["lowered", "compiled"])
+def test_xla_impl_uses_collectives(mesh1d, operands, rand, kind):
+    """Sanity check of the matchers: the reference path does show its collectives."""
+    ag = _texts(_ag(mesh1d(4), "xla"), *operands)[kind]
+    assert _collectives(kind, ag) == ["all_gather" if kind == "lowered" else "all-gather"]
+    assert AG_TARGET not in _custom_call_targets(ag)
+    rs = _texts(_rs(mesh1d(4), "xla"), rand(4 * 8, 4 * 8), rand(4 * 8, 16))[kind]
+    assert _collectives(kind, rs) == ["reduce_scatter" if kind == "lowered" else "reduce-scatter"]
+    assert RS_TARGET not in _custom_call_targets(rs)
+
+
+def test_xla_impl_grad_uses_collectives(mesh1d, operands):
+    f = smap(
+        _local_grad(jax_ub.all_gather_matmul, "xla"),
+        mesh1d(4),
+        in_specs=(P("tp"), P(None, "tp")),
+        out_specs=(P("tp"), P(None, "tp")),
+    )
+    text = _texts(f, *operands)["compiled"]
+    assert _collectives("compiled", text) == ["all-gather", "reduce-scatter"]

@@ -1,0 +1,264 @@
+"""Communicator lifecycle: initialize/finalize, several communicators, buffer growth."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err, smap, to_f32
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+from jax_ub import _host
+
+AG = jax_ub.all_gather_matmul
+RS = jax_ub.matmul_reduce_scatter
+
+
+def _ag(mesh, axis="tp"):
+    return smap(
+        lambda x, w: AG(x, w, axis, impl="ub"),
+        mesh,
+        in_specs=(P(axis), P(None, axis)),
+        out_specs=P(None, axis),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    """Each test starts and ends with no communicator alive."""
+    jax_ub.finalize()
+    assert _host.num_communicators() == 0
+    yield
+    jax_ub.finalize()
+
+
+def test_initialize_finalize_repeated(mesh1d, rand):
+    """20 rounds of initialize / run / finalize, always through the same jitted function.
+
+    finalize() destroys the communicator the compiled program points at, so each round
+    must trace and compile again; a stale executable would fail with "finalized".
+    """
+    mesh = mesh1d(4)
+    f = _ag(mesh)
+    w = rand(16, 4 * 8)
+    xs = [rand(4 * 4, 16) for _ in range(20)]  # before the loop: finalize() clears jit caches
+    seen = set()
+    for i, x in enumerate(xs):
+        comm = jax_ub.initialize(mesh, "tp")
+        assert comm.id not in seen
+        seen.add(comm.id)
+        assert jax_ub.live_communicators() == [comm]
+        assert _host.num_communicators() == 1
+        assert rel_err(f(x, w), to_f32(x) @ to_f32(w)) < 1e-5, f"round {i}"
+        assert [c.id for c in jax_ub.live_communicators()] == [comm.id]  # used, not replaced
+        jax_ub.finalize()
+        assert jax_ub.live_communicators() == []
+        assert _host.num_communicators() == 0
+
+
+def test_op_after_finalize_creates_communicator(mesh1d, rand):
+    mesh = mesh1d(2)
+    f = _ag(mesh)
+    x, w = rand(2 * 4, 8), rand(8, 2 * 4)
+    first = jax.block_until_ready(f(x, w))
+    (c1,) = jax_ub.live_communicators()
+    jax_ub.finalize()
+    jax_ub.finalize()  # idempotent
+    second = f(x, w)  # traced again, no initialize() needed
+    (c2,) = jax_ub.live_communicators()
+    assert c2.id != c1.id
+    assert rel_err(first, to_f32(x) @ to_f32(w)) < 1e-5
+    assert rel_err(second, first) == 0.0
+
+
+def test_grad_after_finalize(mesh1d, rand):
+    mesh = mesh1d(4)
+
+    def loss(x, w):
+        out = smap(lambda x, w: RS(x, w, "tp", impl="ub"), mesh, (P(None, "tp"), P("tp")),
+                   P("tp"), jit=False)(x, w)
+        return (out**2).sum()
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    x, w = rand(4 * 4, 4 * 8), rand(4 * 8, 8)
+    dx1, dw1 = jax.block_until_ready(g(x, w))  # finalize() with work in flight: see below
+    jax_ub.finalize()
+    dx2, dw2 = g(x, w)
+    # d/dx sum((x @ w)^2) = 2 (x @ w) w.T ;  d/dw = 2 x.T (x @ w)
+    y = to_f32(x) @ to_f32(w)
+    assert rel_err(dx1, 2 * y @ to_f32(w).T) < 1e-5
+    assert rel_err(dw1, 2 * to_f32(x).T @ y) < 1e-5
+    assert rel_err(dx2, dx1) == 0.0 and rel_err(dw2, dw1) == 0.0
+
+
+def test_initialize_returns_the_live_communicator(mesh1d, mesh2d):
+    mesh = mesh1d(4)
+    c1 = jax_ub.initialize(mesh, "tp")
+    c2 = jax_ub.initialize(mesh, "tp")
+    assert c1 is c2
+    assert (c1.platform, c1.axis_name, c1.group_size, c1.num_groups) == ("cpu", "tp", 4, 1)
+    c3 = jax_ub.initialize(mesh2d(2, 4), "dp")
+    assert (c3.axis_name, c3.group_size, c3.num_groups) == ("dp", 2, 4)
+    assert c3.id != c1.id
+    assert _host.num_communicators() == 2
+
+
+def test_initialize_buffer_bytes_is_honoured(mesh1d):
+    """initialize(buffer_bytes=N) allocates N bytes per device, as documented.
+
+    (A floor meant for lazily sized buffers must not override an explicit size: on CUDA
+    that floor is 256 MiB, so asking for 64 MiB would silently take 256 MiB per GPU.)
+    """
+    comm = jax_ub.initialize(mesh1d(2), "tp", buffer_bytes=64 << 10)
+    assert comm.capacity_bytes == 64 << 10
+
+
+def test_configured_settings_reach_the_communicator(mesh1d):
+    jax_ub.configure(buffer_bytes=3 << 20, timeout_s=7.5)
+    comm = jax_ub.initialize(mesh1d(2), "tp")
+    assert comm.capacity_bytes == 3 << 20
+    assert comm.timeout_s == 7.5
+
+
+def test_two_communicators_in_one_program(mesh2d, rand):
+    """Ops over "dp" and over "tp" of one 2-D mesh, interleaved in a single program."""
+    mesh = mesh2d(2, 4)
+    both = ("dp", "tp")
+
+    def body(impl):
+        def f(x, w_tp, w_dp, h):
+            a = AG(x, w_tp, "tp", impl=impl)  # [4m, n] per (dp, tp)
+            b = AG(x, w_dp, "dp", impl=impl)  # [2m, n]
+            c = RS(h, w_tp.T, "tp", impl=impl)  # [M/4, k]
+            d = RS(h, w_tp.T, "dp", impl=impl)  # [M/2, k]
+            return a, b, c, d
+
+        return f
+
+    def run(impl):
+        return smap(
+            body(impl),
+            mesh,
+            in_specs=(P(both), P(), P(), P(both)),
+            # every device's output, stacked: a and b are replicated in value over the
+            # gathered axis, and each copy is checked.
+            out_specs=(P(both),) * 4,
+        )(x, w_tp, w_dp, h)
+
+    x = rand(8 * 4, 16)
+    w_tp, w_dp = rand(16, 8), rand(16, 8)
+    h = rand(8 * 8, 8)
+    for _ in range(3):  # the two communicators' epochs advance independently
+        out, ref = run("ub"), run("xla")
+        for i, (o, r) in enumerate(zip(out, ref)):
+            assert rel_err(o, r) < 1e-5, f"output {i}"
+        x = rand(8 * 4, 16)
+        h = rand(8 * 8, 8)
+    comms = {c.axis_name: c for c in jax_ub.live_communicators()}
+    assert sorted(comms) == ["dp", "tp"]
+    assert (comms["dp"].group_size, comms["dp"].num_groups) == (2, 4)
+    assert (comms["tp"].group_size, comms["tp"].num_groups) == (4, 2)
+
+
+def test_growth(mesh1d, rand):
+    """A bigger op grows the buffer; programs compiled against the old one keep working."""
+    mesh = mesh1d(4)
+    jax_ub.configure(buffer_bytes=4096, allow_grow=True)
+    f_small, f_big = _ag(mesh), _ag(mesh)
+    w = rand(16, 4 * 8)
+    x_small = rand(4 * 4, 16)  # 4 ranks x 4 x 16 x 4 bytes = 1 KiB
+    x_big = rand(4 * 64, 16)  # 4 ranks x 64 x 16 x 4 bytes = 16 KiB
+
+    assert rel_err(f_small(x_small, w), to_f32(x_small) @ to_f32(w)) < 1e-5
+    (small,) = jax_ub.live_communicators()
+    assert small.capacity_bytes == 4096
+
+    assert rel_err(f_big(x_big, w), to_f32(x_big) @ to_f32(w)) < 1e-5
+    (big,) = jax_ub.live_communicators()
+    assert big.id != small.id
+    assert big.capacity_bytes >= 16 << 10
+    assert _host.num_communicators() == 2  # the old one stays for f_small's executable
+
+    # Interleave the two executables (old and new buffer) with fresh data.
+    for i in range(5):
+        xs, xb = rand(4 * 4, 16), rand(4 * 64, 16)
+        out_s, out_b = f_small(xs, w), f_big(xb, w)
+        assert rel_err(out_s, to_f32(xs) @ to_f32(w)) < 1e-5, f"round {i}"
+        assert rel_err(out_b, to_f32(xb) @ to_f32(w)) < 1e-5, f"round {i}"
+    jax_ub.finalize()
+    assert _host.num_communicators() == 0
+
+
+def test_growth_within_one_program(mesh1d, rand):
+    """The second op of a program outgrows the buffer the first one was lowered with."""
+    mesh = mesh1d(4)
+    jax_ub.configure(buffer_bytes=4096, allow_grow=True)
+
+    def body(x_small, x_big, w):
+        return AG(x_small, w, "tp", impl="ub"), AG(x_big, w, "tp", impl="ub")
+
+    f = smap(body, mesh, (P("tp"), P("tp"), P(None, "tp")), (P(None, "tp"), P(None, "tp")))
+    w = rand(16, 4 * 8)
+    for i in range(3):
+        xs, xb = rand(4 * 4, 16), rand(4 * 64, 16)
+        out_s, out_b = f(xs, xb, w)
+        assert rel_err(out_s, to_f32(xs) @ to_f32(w)) < 1e-5, f"round {i}"
+        assert rel_err(out_b, to_f32(xb) @ to_f32(w)) < 1e-5, f"round {i}"
+    (comm,) = jax_ub.live_communicators()
+    assert comm.capacity_bytes >= 16 << 10
+
+
+def test_user_clear_caches_reuses_communicator(mesh1d, rand):
+    """jax.clear_caches() alone re-traces but keeps (and reuses) the live communicator."""
+    mesh = mesh1d(2)
+    f = _ag(mesh)
+    x, w = rand(2 * 4, 8), rand(8, 2 * 4)
+    a = jax.block_until_ready(f(x, w))
+    (c1,) = jax_ub.live_communicators()
+    jax.clear_caches()
+    b = f(x, w)
+    assert jax_ub.live_communicators() == [c1]
+    assert rel_err(b, a) == 0.0
+
+
+def test_finalize_with_work_in_flight(mesh1d, rand):
+    """finalize() right after dispatch (no block_until_ready) must not break that work.
+
+    Dispatch is asynchronous: when finalize() returns, the program may not have reached
+    the custom call on every device yet. The communicator's registry entry keeps alive
+    only the calls already running, so ranks that start later find it "finalized" while
+    their peers wait for them until timeout_s: an error (after a hang of timeout_s) for a
+    program that was valid when it was launched.
+    """
+    mesh = mesh1d(4)
+    jax_ub.configure(timeout_s=1.0)  # bound the hang when this fails
+
+    def body(x, w):
+        def step(i, x):
+            y = AG(x, w, "tp", impl="ub")  # [4m, 4m]
+            return jnp.tanh(RS(y, w.T, "tp", impl="ub") * 0.1 + x)
+
+        return lax.fori_loop(0, 30, step, x)
+
+    f = smap(body, mesh, (P("tp"), P()), P("tp"))
+    w = rand(16, 16, scale=0.3)
+    x1, x2 = rand(4 * 4, 16), rand(4 * 4, 16)
+    expected = np.asarray(jax.block_until_ready(f(x2, w)))  # compiled, and the answer
+    jax.block_until_ready(f(x1, w))
+    jax_ub.finalize()
+
+    out = f(x2, w)  # compiles afresh against a new communicator
+    jax.block_until_ready(out)
+    out = f(x2, w)  # cached executable: dispatch returns at once, work still in flight
+    jax_ub.finalize()
+    try:
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6, atol=1e-6)
+    finally:
+        # Wait out every shard so that no device thread is still blocked in a wait when
+        # the next test runs.
+        for shard in out.addressable_shards:
+            try:
+                shard.data.block_until_ready()
+            except jax.errors.JaxRuntimeError:
+                pass

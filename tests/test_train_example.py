@@ -1,0 +1,57 @@
+"""The tensor-parallel training example: the loss falls, and impl="ub" matches impl="xla"."""
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import importlib.util
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tp_transformer.py"
+STEPS = 50
+# Small enough for a few seconds per run on 2 CPU cores; 4 heads over tp=4.
+CONFIG = dict(seq=32, batch=4, hidden=32, layers=1, heads=4, vocab=32, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("train_tp_transformer", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def devices():
+    devices = jax.devices()
+    if len(devices) < 4:
+        pytest.skip(f"needs 4 devices, have {len(devices)}")
+    return devices[:4]
+
+
+@pytest.fixture(scope="module")
+def runs(example, devices):
+    """impl="ub" through train(), impl="xla" through the command line, same seed and data."""
+    ub = example.train(steps=STEPS, impl="ub", devices=devices, progress=False, **CONFIG)
+    flags = [f"--{k}={v}" for k, v in CONFIG.items()]
+    results = example.main([f"--steps={STEPS}", "--impl=xla", "--no-progress", *flags])
+    return {"ub": ub, "xla": results["xla"]}
+
+
+def test_loss_decreases(runs):
+    losses = np.asarray(runs["ub"].losses)
+    assert losses.shape == (STEPS,) and np.all(np.isfinite(losses))
+    assert losses[0] > 0.9 * np.log(CONFIG["vocab"])  # starts near chance
+    assert losses[-5:].mean() < 0.5 * losses[:5].mean()
+    assert runs["ub"].step_time_s > 0
+
+
+def test_ub_matches_xla(runs):
+    np.testing.assert_allclose(runs["ub"].losses, runs["xla"].losses, rtol=1e-3, atol=1e-4)
