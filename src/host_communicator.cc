@@ -4,8 +4,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <thread>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "host_gemm.h"
 #include "schedule.h"
@@ -63,35 +69,105 @@ struct HostCommunicator::CallContext {
 };
 
 Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
+                                const std::string& shm_prefix,
                                 std::unique_ptr<HostCommunicator>* out) {
   if (timeout_s <= 0) return InvalidArgument(Fmt("timeout must be positive, got %g s", timeout_s));
   std::unique_ptr<HostCommunicator> c(new HostCommunicator());
   c->capacity_ = (capacity_bytes + 63) / 64 * 64;
   c->timeout_s_ = timeout_s;
   c->topology_ = std::move(topology);
+  c->shared_ = !shm_prefix.empty();
   const int slots = c->topology_.num_slots();
   c->regions_.assign(slots, nullptr);
+  c->mapped_.assign(slots, false);
+  c->names_.assign(slots, "");
   c->epoch_.assign(slots, 0);
-  const size_t bytes = sizeof(SlotHeader) + c->capacity_;
+  c->region_bytes_ = sizeof(SlotHeader) + c->capacity_;
   for (int s = 0; s < slots; ++s) {
-    if (!c->topology_.is_local(s))
-      return FailedPrecondition(
-          "the host communicator needs every slot in this process; slots in other processes "
-          "need the multi-process bootstrap");
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (p == nullptr)
-      return Internal(Fmt("could not allocate %zu bytes of host userbuffer", bytes));
-    std::memset(p, 0, sizeof(SlotHeader));
-    c->regions_[s] = static_cast<char*>(p);
+    if (!c->topology_.is_local(s)) {
+      if (!c->shared_)
+        return FailedPrecondition(
+            "slot " + std::to_string(s) +
+            " lives in another process: the host communicator needs the multi-process "
+            "bootstrap (jax.distributed) for that");
+      continue;
+    }
+    if (c->shared_) {
+      const std::string name = shm_prefix + "_" + std::to_string(s);
+      int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) return Internal("shm_open(" + name + ") failed: " + std::strerror(errno));
+      c->names_[s] = name;  // from here on the destructor unlinks it
+      if (ftruncate(fd, static_cast<off_t>(c->region_bytes_)) != 0) {
+        close(fd);
+        return Internal("ftruncate(" + name + ") failed: " + std::strerror(errno));
+      }
+      void* p = mmap(nullptr, c->region_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      if (p == MAP_FAILED) return Internal("mmap(" + name + ") failed: " + std::strerror(errno));
+      c->regions_[s] = static_cast<char*>(p);
+      c->mapped_[s] = true;
+    } else {
+      void* p = std::aligned_alloc(64, (c->region_bytes_ + 63) / 64 * 64);
+      if (p == nullptr)
+        return Internal(Fmt("could not allocate %zu bytes of host userbuffer", c->region_bytes_));
+      c->regions_[s] = static_cast<char*>(p);
+    }
+    std::memset(c->regions_[s], 0, sizeof(SlotHeader));
     c->header(s)->magic = kMagic;
   }
   *out = std::move(c);
   return Status::Ok();
 }
 
+Status HostCommunicator::Connect(const std::vector<std::string>& names) {
+  const int slots = topology_.num_slots();
+  if (static_cast<int>(names.size()) != slots)
+    return InvalidArgument(Fmt("Connect needs %d names, got %zu", slots, names.size()));
+  for (int s = 0; s < slots; ++s) {
+    if (topology_.is_local(s) || regions_[s] != nullptr) continue;
+    const std::string& name = names[s];
+    int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd < 0)
+      return FailedPrecondition("cannot open the userbuffer of slot " + std::to_string(s) + " (" +
+                                name + "): " + std::strerror(errno) +
+                                "; its process is gone or on another host");
+    struct stat st;
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != region_bytes_) {
+      close(fd);
+      return FailedPrecondition(Fmt(
+          "the userbuffer of slot %d holds %lld bytes, this process expects %zu: the processes "
+          "were started with different shapes or buffer sizes",
+          s, static_cast<long long>(st.st_size), region_bytes_));
+    }
+    void* p = mmap(nullptr, region_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return Internal("mmap(" + name + ") failed: " + std::strerror(errno));
+    regions_[s] = static_cast<char*>(p);
+    mapped_[s] = true;
+    if (header(s)->magic != kMagic)
+      return FailedPrecondition("slot " + std::to_string(s) + " (" + name +
+                                ") is not a jax_ub userbuffer");
+  }
+  return Status::Ok();
+}
+
+void HostCommunicator::Unlink() {
+  for (std::string& name : names_) {
+    if (!name.empty()) shm_unlink(name.c_str());
+    name.clear();
+  }
+}
+
 HostCommunicator::~HostCommunicator() {
-  for (int s = 0; s < static_cast<int>(regions_.size()); ++s)
-    if (topology_.is_local(s)) std::free(regions_[s]);
+  Unlink();
+  for (int s = 0; s < static_cast<int>(regions_.size()); ++s) {
+    if (regions_[s] == nullptr) continue;
+    if (mapped_[s]) {
+      munmap(regions_[s], region_bytes_);
+    } else {
+      std::free(regions_[s]);
+    }
+  }
 }
 
 Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int64_t k, int64_t n,

@@ -60,10 +60,20 @@ struct alignas(64) SlotHeader {
 class HostCommunicator {
  public:
   // Allocates the regions of the slots local to this process. `timeout_s` bounds every
-  // wait on a peer.
+  // wait on a peer. With a non-empty `shm_prefix` the local regions are POSIX shared
+  // memory objects named `<prefix>_<slot>`, which processes holding the other slots map
+  // with Connect(); otherwise every slot must be local and plain memory is used.
   static Status Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                       std::unique_ptr<HostCommunicator>* out);
+                       const std::string& shm_prefix, std::unique_ptr<HostCommunicator>* out);
   ~HostCommunicator();
+
+  // Shared-memory names of the local slots, by slot ("" for remote slots).
+  const std::vector<std::string>& region_names() const { return names_; }
+  // Map the regions of remote slots; names[slot] is ignored for local slots.
+  Status Connect(const std::vector<std::string>& names);
+  // Remove the local shared-memory names once every peer has mapped them: the mappings
+  // stay, and nothing is left behind in /dev/shm if a process dies later.
+  void Unlink();
 
   // out = all_gather(x) @ w for the group of the slot owned by `device`. x is [m, k],
   // w [k, n], out [size*m, n]; gathered, when not null, receives all_gather(x).
@@ -93,7 +103,11 @@ class HostCommunicator {
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
+  size_t region_bytes_ = 0;
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
+  std::vector<bool> mapped_;        // region came from mmap (shared memory), by slot
+  std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
+  bool shared_ = false;
   std::vector<uint64_t> epoch_;     // per slot; touched only by the slot's device thread
   std::mutex broken_mu_;
   std::string broken_reason_;

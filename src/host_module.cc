@@ -41,17 +41,34 @@ NB_MODULE(_host, m) {
   });
   m.def(
       "create_communicator",
-      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s) {
+      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
+         std::string shm_prefix) {
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
         if (!st.ok()) Raise(st);
         std::unique_ptr<jax_ub::HostCommunicator> c;
-        st = jax_ub::HostCommunicator::Create(std::move(topo), capacity_bytes, timeout_s, &c);
+        st = jax_ub::HostCommunicator::Create(std::move(topo), capacity_bytes, timeout_s,
+                                              shm_prefix, &c);
         if (!st.ok()) Raise(st);
         return jax_ub::Registry<jax_ub::HostCommunicator>::Add(std::move(c));
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
-      nb::arg("timeout_s"));
+      nb::arg("timeout_s"), nb::arg("shm_prefix") = "");
+  m.def("region_names", [](int64_t id) {
+    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
+    if (!c) throw nb::value_error("no such communicator");
+    return c->region_names();
+  });
+  m.def("connect", [](int64_t id, std::vector<std::string> names) {
+    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
+    if (!c) throw nb::value_error("no such communicator");
+    jax_ub::Status st = c->Connect(names);
+    if (!st.ok()) Raise(st);
+  });
+  m.def("unlink", [](int64_t id) {
+    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
+    if (c) c->Unlink();
+  });
   m.def("destroy_communicator",
         [](int64_t id) { return jax_ub::Registry<jax_ub::HostCommunicator>::Remove(id); });
   m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::HostCommunicator>::Size(); });

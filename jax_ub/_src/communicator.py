@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub._src import extension
+from jax_ub._src import bootstrap, extension
 from jax_ub._src.config import config
 
 _MIB = 1 << 20
@@ -70,9 +70,14 @@ def slot_devices(mesh: Mesh, axis_name: str) -> list[jax.Device]:
 
 
 def _device_ordinal(device: jax.Device) -> int:
-    """The ordinal XLA hands an FFI handler running on `device`, or -1 if not ours."""
+    """The ordinal XLA hands an FFI handler running on `device`, or -1 if not ours.
+
+    XLA's CPU client passes the global device id; the GPU client the local CUDA ordinal.
+    """
     if device.process_index != jax.process_index():
         return -1
+    if device.platform == "cpu":
+        return int(device.id)
     hw = getattr(device, "local_hardware_id", None)
     return int(hw) if hw is not None else int(device.id)
 
@@ -85,10 +90,22 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
     ordinals = [_device_ordinal(d) for d in devices]
-    extra = {"allow_tf32": config.allow_tf32} if key.platform == "cuda" else {}
-    comm_id = module.create_communicator(
-        key.group_size, ordinals, capacity, config.timeout_s, **extra
-    )
+    if all(o >= 0 for o in ordinals):
+        extra = {"allow_tf32": config.allow_tf32} if key.platform == "cuda" else {}
+        comm_id = module.create_communicator(
+            key.group_size, ordinals, capacity, config.timeout_s, **extra
+        )
+    elif key.platform == "cpu":
+        comm_id = bootstrap.create_across_processes(
+            module, dataclasses.astuple(key), key.group_size, ordinals,
+            [d.process_index for d in devices], capacity, config.timeout_s,
+        )
+    else:
+        raise RuntimeError(
+            f"jax_ub: the mesh for axis {key.axis_name!r} spans several processes; on "
+            f"{key.platform} a communicator needs all its GPUs in one process so far (one "
+            "process per host, the tp axis inside it), or use impl='xla'"
+        )
     return Communicator(
         id=comm_id,
         platform=key.platform,

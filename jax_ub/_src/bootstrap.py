@@ -1,0 +1,89 @@
+"""Bootstrap of communicators whose groups span processes, through jax.distributed's
+key-value store: no MPI, no launcher, no files.
+
+Each process creates the regions of its own slots, publishes their handles under a key
+namespace unique to the communicator, maps its peers' regions, and waits until every peer
+process has mapped its own; then the names are removed (the mappings stay), so a process
+that dies later leaves nothing behind. On CPU the handles are POSIX shared-memory names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from types import ModuleType
+
+import jax
+
+# Communicators are created in program order, which is the same in every process of an
+# SPMD job; the count keeps keys of successive communicators (and of re-initializations
+# after finalize) apart, so a stale key is never picked up.
+_sequence = itertools.count()
+
+
+def kv_client():
+    from jax._src import distributed  # noqa: PLC0415
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "jax_ub: this mesh spans several processes; call jax.distributed.initialize() "
+            "in every process before the first op"
+        )
+    return client
+
+
+def create_across_processes(
+    module: ModuleType,
+    describe: tuple,
+    group_size: int,
+    ordinals: list[int],
+    process_of_slot: list[int],
+    capacity: int,
+    timeout_s: float,
+) -> int:
+    """Create a host communicator over slots held by several processes; returns its id."""
+    client = kv_client()
+    seq = next(_sequence)
+    digest = hashlib.sha1(repr(describe).encode()).hexdigest()[:12]
+    ns = f"jax_ub/{seq}/{digest}"
+    me = jax.process_index()
+    timeout_ms = max(1, int(timeout_s * 1000))
+    comm_id = module.create_communicator(
+        group_size, ordinals, capacity, timeout_s, shm_prefix=f"/jax_ub_{os.getpid()}_{seq}"
+    )
+    try:
+        names = list(module.region_names(comm_id))
+        mine = {s: n for s, n in enumerate(names) if n}
+        client.key_value_set(f"{ns}/p{me}", json.dumps({"names": mine, "capacity": capacity}))
+        peers = sorted(set(process_of_slot) - {me})
+        for p in peers:
+            info = json.loads(_get(client, f"{ns}/p{p}", timeout_ms, p, "publish its userbuffers"))
+            if info["capacity"] != capacity:
+                raise ValueError(
+                    f"jax_ub: process {p} sized its userbuffer {info['capacity']} bytes, this "
+                    f"process {capacity}: the processes run different shapes or settings"
+                )
+            for slot, name in info["names"].items():
+                names[int(slot)] = name
+        module.connect(comm_id, names)
+        client.key_value_set(f"{ns}/mapped/p{me}", "1")
+        for p in peers:
+            _get(client, f"{ns}/mapped/p{p}", timeout_ms, p, "map this process's userbuffers")
+        module.unlink(comm_id)
+    except BaseException:
+        module.destroy_communicator(comm_id)
+        raise
+    return comm_id
+
+
+def _get(client, key: str, timeout_ms: int, process: int, what: str) -> str:
+    try:
+        return client.blocking_key_value_get(key, timeout_ms)
+    except Exception as e:  # noqa: BLE001  (the KV client raises its own error types)
+        raise RuntimeError(
+            f"jax_ub: process {process} did not {what} within {timeout_ms / 1000:.1f} s "
+            f"(key {key!r}): it never arrived, died, or runs a different program ({e})"
+        ) from None

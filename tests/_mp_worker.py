@@ -1,0 +1,104 @@
+"""One process of a multi-process jax_ub test (started by tests/test_multiprocess.py).
+
+argv: scenario process_id num_processes port devices_per_process
+Prints "RESULT <json>" on success; exits non-zero with the error text otherwise.
+"""
+
+import json
+import os
+import sys
+import time
+
+scenario, pid, nproc, port, ndev = sys.argv[1], *map(int, sys.argv[2:6])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+os.environ.setdefault("JAX_UB_TIMEOUT_S", "8")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+    initialization_timeout=60,
+)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ub  # noqa: E402
+
+
+def global_array(mesh, spec, shape, seed):
+    full = np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda idx: full[idx])
+
+
+def relerr(a, b):
+    return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
+
+
+def run_ops(mesh, axis, other, m=8, k=16, n=24):
+    """Both ops and their grads, ub vs xla, inside one shard_map; returns replicated errors."""
+    tp = mesh.shape[axis]
+    rows = P((*other, axis), None) if other else P(axis, None)
+
+    def body(x, w1, w2):
+        errs = []
+        for op, a, b in (
+            (jax_ub.all_gather_matmul, x, w1),
+            (jax_ub.matmul_reduce_scatter, jnp.tile(x, (tp, 1)), w1),
+        ):
+            u, r = op(a, b, axis, impl="ub"), op(a, b, axis, impl="xla")
+            errs.append(lax.pmax(relerr(u, r), mesh.axis_names))
+
+        def loss(impl, x, w1, w2):
+            h = jax_ub.all_gather_matmul(x, w1, axis, impl=impl)
+            y = jax_ub.matmul_reduce_scatter(jnp.tanh(h), w2, axis, impl=impl)
+            return lax.psum(jnp.sum(jnp.sin(y)), mesh.axis_names)
+
+        gu = jax.grad(loss, argnums=(1, 2, 3))("ub", x, w1, w2)
+        gr = jax.grad(loss, argnums=(1, 2, 3))("xla", x, w1, w2)
+        errs += [lax.pmax(relerr(a, b), mesh.axis_names) for a, b in zip(gu, gr)]
+        return jnp.stack(errs)
+
+    f = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(rows, P(None, axis), P(axis, None)), out_specs=P(),
+        check_vma=False))
+    x = global_array(mesh, rows, (mesh.size * m, k), 1)
+    w1 = global_array(mesh, P(None, axis), (k, n * tp), 2)
+    w2 = global_array(mesh, P(axis, None), (n * tp, k), 3)
+    return [float(e) for e in f(x, w1, w2) / np.array([1, 1, 1, 1, 1])]
+
+
+t0 = time.time()
+devices = np.array(jax.devices())
+try:
+    if scenario == "tp_across_processes":
+        result = run_ops(Mesh(devices, ("tp",)), "tp", ())
+    elif scenario == "dp_across_tp_inside":
+        result = run_ops(Mesh(devices.reshape(nproc, ndev), ("dp", "tp")), "tp", ("dp",))
+    elif scenario == "mismatched_shape":
+        # Only the ub op (no XLA collective, which would trip over the mismatch first).
+        mesh = Mesh(devices, ("tp",))
+        m = 8 if pid == 0 else 16
+        x = global_array(mesh, P("tp", None), (mesh.size * m, 16), 1)
+        w = global_array(mesh, P(None, "tp"), (16, 8 * mesh.size), 2)
+        f = jax.jit(jax.shard_map(
+            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"), mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+        out = f(x, w)
+        result = [float(np.abs(np.asarray(s.data)).sum()) for s in out.addressable_shards]
+    elif scenario == "absent_peer":
+        if pid == nproc - 1:
+            time.sleep(30)  # never calls the op; the others must give up with an error
+            sys.exit(0)
+        result = run_ops(Mesh(devices, ("tp",)), "tp", ())
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+except Exception as e:  # noqa: BLE001
+    print(f"ERROR after {time.time() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)
+    os._exit(3)  # skip jax.distributed's shutdown barrier, which would wait for the peers
+print("RESULT " + json.dumps({"errs": result, "seconds": time.time() - t0}), flush=True)
+jax_ub.finalize()

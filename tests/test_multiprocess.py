@@ -1,0 +1,87 @@
+"""Multi-process tier on CPU: processes joined by jax.distributed, one TP group spanning
+them, the host protocol running over POSIX shared memory bootstrapped through the
+key-value store. Each test starts real processes (tests/_mp_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "_mp_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(scenario: str, nproc: int, ndev: int, timeout: float = 150) -> list[tuple[int, str]]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(i), str(nproc), str(port), str(ndev)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for i in range(nproc)
+    ]
+    out = []
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{scenario}: processes hung past {timeout} s")
+        out.append((p.returncode, text))
+    return out
+
+
+def _results(out):
+    res = []
+    for code, text in out:
+        assert code == 0, text[-3000:]
+        line = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        assert line, text[-3000:]
+        res.append(json.loads(line[0][len("RESULT "):]))
+    return res
+
+
+@pytest.mark.parametrize("nproc,ndev", [(2, 1), (4, 1), (2, 2)])
+def test_tp_group_across_processes(nproc, ndev):
+    for r in _results(_run("tp_across_processes", nproc, ndev)):
+        assert len(r["errs"]) == 5
+        assert all(e < 1e-5 for e in r["errs"]), r["errs"]
+
+
+def test_dp_across_processes_tp_inside():
+    for r in _results(_run("dp_across_tp_inside", 2, 2)):
+        assert all(e < 1e-5 for e in r["errs"]), r["errs"]
+
+
+def test_mismatched_shape_fails_clearly():
+    out = _run("mismatched_shape", 2, 1)
+    assert all(code != 0 for code, _ in out), [t[-500:] for _, t in out]
+    text = "\n".join(t for _, t in out)
+    assert "ranks disagree on the call" in text, text[-3000:]
+    assert "rows=8" in text and "rows=16" in text, text[-3000:]
+
+
+def test_absent_peer_fails_with_timeout_not_hang():
+    """The last process never calls the op: the others fail with an error naming it within
+    the deadline (JAX_UB_TIMEOUT_S=8 in the worker). jax.distributed then takes the idle
+    process down too, which is its documented reaction to a failed task."""
+    t0 = time.time()
+    out = _run("absent_peer", 3, 1)
+    for code, text in out[:-1]:
+        assert code != 0, text[-2000:]
+        assert "process 2" in text and "did not" in text, text[-2000:]
+    assert time.time() - t0 < 120
