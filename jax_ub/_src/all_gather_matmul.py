@@ -47,7 +47,7 @@ def all_gather_matmul(
 
     Example::
 
-        mesh = jax.make_mesh((4,), ("tp",))
+        mesh = jax.sharding.Mesh(jax.devices()[:4], ("tp",))
         f = jax.jit(jax.shard_map(
             lambda x, w: jax_ub.all_gather_matmul(x, w, "tp"),
             mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))

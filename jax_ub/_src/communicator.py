@@ -171,7 +171,7 @@ def initialize(
 
     Example::
 
-        mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
         jax_ub.initialize(mesh, "tp", buffer_bytes=512 << 20)
     """
     platform = extension.normalize_platform(platform or np.asarray(mesh.devices).flat[0].platform)
