@@ -25,15 +25,18 @@ def loss(impl):
         y = jax_ub.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", impl=impl)
         return lax.psum(jnp.sum(jnp.sin(y.astype(jnp.float32))), "tp")
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)),
-                      out_specs=P())
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P()
+    )
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
 
 for _ in range(3):
     (l_ub, g_ub), (l_ref, g_ref) = loss("ub")(x, w1, w2), loss("xla")(x, w1, w2)
-errs = [float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
-        for a, b in zip(g_ub, g_ref)]
+errs = [
+    float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+    for a, b in zip(g_ub, g_ref)
+]
 print("loss", float(l_ub), float(l_ref), "grad rel errs", errs)
 assert all(e < 3e-2 for e in errs)
 jax_ub.finalize()

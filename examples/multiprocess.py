@@ -9,7 +9,8 @@ through the distributed key-value store. Launch, for example, 2 processes on one
 
 Under SLURM (or any launcher that sets the usual variables) leave the flags out:
 jax.distributed.initialize() reads the coordinator address, process count and id from the
-environment (SLURM, Open MPI, ...), e.g. `srun -N2 --ntasks-per-node=1 python3 examples/multiprocess.py`.
+environment (SLURM, Open MPI, ...), e.g.
+`srun -N2 --ntasks-per-node=1 python3 examples/multiprocess.py`.
 With GPUs, give each host one process and keep the tp axis inside the host: the mesh
 (dp, tp) = (num_hosts, gpus_per_host), as below with --layout dp_tp.
 """
@@ -17,6 +18,7 @@ With GPUs, give each host one process and keep the tp axis inside the host: the 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -24,12 +26,17 @@ ap.add_argument("--coordinator", default="127.0.0.1:29477")
 ap.add_argument("--process-id", type=int, default=None)
 ap.add_argument("--num-processes", type=int, default=None)
 ap.add_argument("--cpu-devices", type=int, default=2, help="CPU devices per process")
-ap.add_argument("--layout", choices=["tp", "dp_tp"], default="tp",
-                help="tp: one group over all devices; dp_tp: dp across processes, tp inside")
+ap.add_argument(
+    "--layout",
+    choices=["tp", "dp_tp"],
+    default="tp",
+    help="tp: one group over all devices; dp_tp: dp across processes, tp inside",
+)
 args = ap.parse_args()
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={args.cpu_devices}"
     ).strip()
 
 import jax  # noqa: E402
@@ -61,7 +68,9 @@ seq, d, f = 32 * mesh.size, 64, 32 * tp
 
 
 def make(spec, shape, seed):
-    full = np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32)) / np.sqrt(shape[0])
+    full = np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32)) / np.sqrt(
+        shape[0]
+    )
     return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda i: full[i])
 
 
@@ -76,13 +85,21 @@ def mlp(x, w1, w2, impl):
 
 losses = {}
 for impl in ("ub", "xla"):
-    step = jax.jit(jax.shard_map(
-        jax.value_and_grad(lambda x, a, b: mlp(x, a, b, impl), argnums=(1, 2)), mesh=mesh,
-        in_specs=(rows, P(None, "tp"), P("tp", None)), out_specs=(P(), (P(None, "tp"), P("tp", None))),
-        check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            jax.value_and_grad(functools.partial(mlp, impl=impl), argnums=(1, 2)),
+            mesh=mesh,
+            in_specs=(rows, P(None, "tp"), P("tp", None)),
+            out_specs=(P(), (P(None, "tp"), P("tp", None))),
+            check_vma=False,
+        )
+    )
     loss, grads = step(x, w1, w2)
     losses[impl] = float(loss)
-print(f"process {jax.process_index()}/{jax.process_count()}: mesh {dict(mesh.shape)}, "
-      f"loss ub {losses['ub']:.6f} vs xla {losses['xla']:.6f}", flush=True)
+print(
+    f"process {jax.process_index()}/{jax.process_count()}: mesh {dict(mesh.shape)}, "
+    f"loss ub {losses['ub']:.6f} vs xla {losses['xla']:.6f}",
+    flush=True,
+)
 assert abs(losses["ub"] - losses["xla"]) <= 1e-4 * abs(losses["xla"])
 jax_ub.finalize()

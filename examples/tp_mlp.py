@@ -86,7 +86,9 @@ def main() -> None:
     assert abs(loss_ub - loss_ref) <= 1e-2 * abs(loss_ref), (loss_ub, loss_ref)
     print("OK: jax_ub matches XLA's collectives")
     if not on_gpu:
-        print("(on CPU the host protocol runs for correctness, not speed: its GEMM is a plain loop)")
+        print(
+            "(on CPU the host protocol runs for correctness, not speed: its GEMM is a plain loop)"
+        )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,12 @@ def _mgpu_all_gather_matmul(mesh, m_local, k, n_local, dtype):
         return None
     try:
         cfg = cm.TuningConfig(
-            tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
-            grid_minor_dim=cm.MatmulDimension.M, grid_tile_width=16,
+            tile_m=128,
+            tile_n=128,
+            tile_k=64,
+            max_concurrent_steps=4,
+            grid_minor_dim=cm.MatmulDimension.M,
+            grid_tile_width=16,
             wg_dimension=cm.MatmulDimension.N,
         )
         fn = functools.partial(cm.all_gather_lhs_matmul, axis_name=AXIS, config=cfg, dtype=dtype)
@@ -96,11 +100,15 @@ def build_ag(mesh, M, K, N, dtype, key):
     impls = {
         "gemm": (_smap(mesh, lambda a, b: a @ b, (P(), P(None, AXIS)), col), (xr, ws)),
         "comm": (_smap(mesh, lambda a, b: lax.all_gather(a, AXIS, tiled=True), row, P()), (xs, ws)),
-        "xla_seq": (_smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="xla"),
-                          row, col), (xs, ws)),
+        "xla_seq": (
+            _smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="xla"), row, col),
+            (xs, ws),
+        ),
         "ring": (_smap(mesh, ring_all_gather_matmul, row, col), (xs, ws)),
-        "jax_ub": (_smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="ub"),
-                         row, col), (xs, ws)),
+        "jax_ub": (
+            _smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="ub"), row, col),
+            (xs, ws),
+        ),
     }
     mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype)
     if mgpu is not None:
@@ -115,17 +123,33 @@ def build_rs(mesh, M, K, N, dtype, key):
     xs = jax.device_put(x, NamedSharding(mesh, P(None, AXIS)))
     ws = jax.device_put(w, NamedSharding(mesh, P(AXIS, None)))
     ins, out = (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
-    y_local = jax.device_put(
-        jnp.zeros((M * mesh.shape[AXIS], K), dtype), NamedSharding(mesh, P(AXIS, None))
-    ) + 1.0
+    y_local = (
+        jax.device_put(
+            jnp.zeros((M * mesh.shape[AXIS], K), dtype), NamedSharding(mesh, P(AXIS, None))
+        )
+        + 1.0
+    )
     impls = {
         "gemm": (_smap(mesh, lambda a, b: a @ b, ins, P(AXIS, None)), (xs, ws)),
-        "comm": (_smap(mesh, lambda a: lax.psum_scatter(a, AXIS, tiled=True), (P(AXIS, None),),
-                       P(AXIS, None)), (y_local,)),
-        "xla_seq": (_smap(mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="xla"),
-                          ins, out), (xs, ws)),
-        "jax_ub": (_smap(mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="ub"),
-                         ins, out), (xs, ws)),
+        "comm": (
+            _smap(
+                mesh,
+                lambda a: lax.psum_scatter(a, AXIS, tiled=True),
+                (P(AXIS, None),),
+                P(AXIS, None),
+            ),
+            (y_local,),
+        ),
+        "xla_seq": (
+            _smap(
+                mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="xla"), ins, out
+            ),
+            (xs, ws),
+        ),
+        "jax_ub": (
+            _smap(mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="ub"), ins, out),
+            (xs, ws),
+        ),
     }
     return impls, impls["xla_seq"]
 
@@ -162,9 +186,22 @@ def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters, tp) -> float | None:
         env.get("XLA_FLAGS", "") + " --xla_gpu_threshold_for_windowed_einsum_mib=0"
         " --xla_gpu_multi_streamed_windowed_einsum=true"
     )
-    cmd = [sys.executable, "-m", "jax_ub.bench", "--windowed-einsum-child",
-           "--shapes", f"{M}x{K}x{N}", "--dtype", dtype_name,
-           "--rounds", str(rounds), "--iters", str(iters), "--tp", str(tp)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_ub.bench",
+        "--windowed-einsum-child",
+        "--shapes",
+        f"{M}x{K}x{N}",
+        "--dtype",
+        dtype_name,
+        "--rounds",
+        str(rounds),
+        "--iters",
+        str(iters),
+        "--tp",
+        str(tp),
+    ]
     try:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         for line in res.stdout.splitlines():
@@ -188,8 +225,11 @@ def _windowed_einsum_child(M, K, N, dtype, rounds, iters, tp) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="8192x8192x32768",
-                    help="comma-separated MxKxN (global): AG+GEMM x[M,K]@w[K,N]")
+    ap.add_argument(
+        "--shapes",
+        default="8192x8192x32768",
+        help="comma-separated MxKxN (global): AG+GEMM x[M,K]@w[K,N]",
+    )
     ap.add_argument("--sweep-m", default="", help="comma-separated M values at the first K,N")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ops", default="ag,rs")
@@ -200,8 +240,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
     ap.add_argument("--windowed-einsum-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--windowed-einsum-only-first", action="store_true",
-                    help="run XLA's windowed einsum (a process per shape) for the first shape only")
+    ap.add_argument(
+        "--windowed-einsum-only-first",
+        action="store_true",
+        help="run XLA's windowed einsum (a process per shape) for the first shape only",
+    )
     args = ap.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
@@ -214,8 +257,10 @@ def main(argv=None) -> None:
     devices = jax.devices()[: args.tp or None]
     mesh = Mesh(np.array(devices), (AXIS,))
     tp = len(devices)
-    print(f"devices: {tp} x {devices[0].device_kind}; jax {jax.__version__}; dtype {dtype}",
-          flush=True)
+    print(
+        f"devices: {tp} x {devices[0].device_kind}; jax {jax.__version__}; dtype {dtype}",
+        flush=True,
+    )
     results = []
     for M, K, N in shapes:
         for op in args.ops.split(","):
@@ -223,26 +268,46 @@ def main(argv=None) -> None:
             impls, ref = build(mesh, M, K, N, dtype, jax.random.key(M + K + N))
             times, errs = measure(impls, ref, args.rounds, args.iters)
             first = (M, K, N) == shapes[0]
-            if op == "ag" and not args.no_windowed_einsum and (
-                first or not args.windowed_einsum_only_first
+            if (
+                op == "ag"
+                and not args.no_windowed_einsum
+                and (first or not args.windowed_einsum_only_first)
             ):
                 we = windowed_einsum_ms(M, K, N, args.dtype, args.rounds, args.iters, tp)
                 if we is not None:
                     times["xla_windowed_einsum"] = we
             t_seq, t_gemm, t_ub = times["xla_seq"], times["gemm"], times["jax_ub"]
             hidden = (t_seq - t_ub) / (t_seq - t_gemm) if t_seq > t_gemm else float("nan")
-            row = dict(op=op, M=M, K=K, N=N, tp=tp, dtype=str(dtype), times_ms=times, rel_err=errs,
-                       speedup_vs_xla_seq=t_seq / t_ub, ub_over_gemm=t_ub / t_gemm,
-                       comm_hidden=hidden)
+            row = dict(
+                op=op,
+                M=M,
+                K=K,
+                N=N,
+                tp=tp,
+                dtype=str(dtype),
+                times_ms=times,
+                rel_err=errs,
+                speedup_vs_xla_seq=t_seq / t_ub,
+                ub_over_gemm=t_ub / t_gemm,
+                comm_hidden=hidden,
+            )
             results.append(row)
-            print(f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms (median of "
-                  f"{args.rounds} rounds x {args.iters} calls)", flush=True)
+            print(
+                f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms (median of "
+                f"{args.rounds} rounds x {args.iters} calls)",
+                flush=True,
+            )
             for name, t in sorted(times.items(), key=lambda kv: kv[1]):
                 e = errs.get(name)
-                print(f"  {name:22s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
-                      + (f"  rel_err {e:.1e}" if e is not None else ""), flush=True)
-            print(f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
-                  flush=True)
+                print(
+                    f"  {name:22s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
+                    + (f"  rel_err {e:.1e}" if e is not None else ""),
+                    flush=True,
+                )
+            print(
+                f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=devices[0].device_kind, tp=tp, results=results), fh, indent=1)

@@ -25,8 +25,8 @@ Status LoadDriverOps(const DriverOps** out) {
   static Status status = [] {
     cudaDriverEntryPointQueryResult q;
     void* fn = nullptr;
-    JAX_UB_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000,
-                                                 cudaEnableDefault, &q));
+    JAX_UB_CUDA(
+        cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault, &q));
     if (q != cudaDriverEntryPointSuccess || fn == nullptr)
       return Internal("driver has no cuStreamWaitValue64");
     ops.wait = reinterpret_cast<StreamValueFn>(fn);
@@ -47,11 +47,17 @@ __device__ inline float ToF32(__half v) { return __half2float(v); }
 template <typename T>
 __device__ inline T FromF32(float v);
 template <>
-__device__ inline float FromF32<float>(float v) { return v; }
+__device__ inline float FromF32<float>(float v) {
+  return v;
+}
 template <>
-__device__ inline __nv_bfloat16 FromF32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ inline __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 template <>
-__device__ inline __half FromF32<__half>(float v) { return __float2half_rn(v); }
+__device__ inline __half FromF32<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 // out[i] = sum over j in rank order of parts[j * count + i], accumulated in float.
 // Rank order (not arrival order) keeps results bitwise reproducible.
@@ -118,8 +124,8 @@ Status PreloadKernels() {
 }
 
 std::string Describe(const char* op, int rank, int group) {
-  return std::string(op) + ": rank " + std::to_string(rank) + " (group " +
-         std::to_string(group) + ")";
+  return std::string(op) + ": rank " + std::to_string(rank) + " (group " + std::to_string(group) +
+         ")";
 }
 
 }  // namespace
@@ -143,9 +149,9 @@ Status CudaCommunicator::Init(size_t capacity_bytes, double timeout_s, bool allo
   slots_.resize(topology_.num_slots());
   for (int sl = 0; sl < topology_.num_slots(); ++sl) {
     if (!topology_.is_local(sl))
-      return FailedPrecondition(
-          "this communicator drives GPUs of one process; slot " + std::to_string(sl) +
-          " is in another process and needs the multi-process bootstrap");
+      return FailedPrecondition("this communicator drives GPUs of one process; slot " +
+                                std::to_string(sl) +
+                                " is in another process and needs the multi-process bootstrap");
     auto s = std::make_unique<Slot>();
     s->device = topology_.device_of(sl);
     s->rank = topology_.rank_of(sl);
@@ -403,7 +409,7 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
   JAX_UB_RETURN_IF_ERROR(Begin(device, op, 2 * chunk * size, &s, &e));
   const Schedule sched{s->rank, size};
   std::vector<Wait> waits;
-  char* recv = s->buffer;                 // [size] partials addressed to us, by sender
+  char* recv = s->buffer;                  // [size] partials addressed to us, by sender
   char* stage = s->buffer + size * chunk;  // [size] partials we computed for each peer
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
@@ -455,8 +461,8 @@ void CudaCommunicator::WatchdogLoop() {
           continue;
         }
         if (q != cudaErrorNotReady) {
-          MarkBroken(Describe(f.op, s.rank, s.group) + ": CUDA error while running: " +
-                     cudaGetErrorString(q));
+          MarkBroken(Describe(f.op, s.rank, s.group) +
+                     ": CUDA error while running: " + cudaGetErrorString(q));
           break;
         }
         if (Clock::now() - f.since > std::chrono::duration<double>(timeout_s_)) {

@@ -30,8 +30,8 @@ namespace jax_ub {
 
 class CudaCommunicator {
  public:
-  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                       bool allow_tf32, std::unique_ptr<CudaCommunicator>* out);
+  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s, bool allow_tf32,
+                       std::unique_ptr<CudaCommunicator>* out);
   ~CudaCommunicator();
 
   // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
@@ -40,8 +40,8 @@ class CudaCommunicator {
                          void* out, void* gathered, int64_t m, int64_t k, int64_t n);
 
   // out[m, n] = reduce_scatter(x[size*m, k] @ w[k, n]).
-  Status MatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x,
-                             const void* w, void* out, int64_t m, int64_t k, int64_t n);
+  Status MatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x, const void* w,
+                             void* out, int64_t m, int64_t k, int64_t n);
 
   const Topology& topology() const { return topology_; }
 
@@ -69,12 +69,12 @@ class CudaCommunicator {
     int device = -1;
     int rank = 0;
     int group = 0;
-    char* buffer = nullptr;     // capacity bytes, symmetric across the group
-    uint64_t* flags = nullptr;  // kNumFlags words
-    std::vector<char*> peer_buffer;      // by rank
-    std::vector<uint64_t*> peer_flags;   // by rank
+    char* buffer = nullptr;             // capacity bytes, symmetric across the group
+    uint64_t* flags = nullptr;          // kNumFlags words
+    std::vector<char*> peer_buffer;     // by rank
+    std::vector<uint64_t*> peer_flags;  // by rank
     cudaStream_t compute = nullptr;
-    std::vector<cudaStream_t> comm;      // by peer rank
+    std::vector<cudaStream_t> comm;  // by peer rank
     cudaEvent_t start = nullptr, compute_done = nullptr;
     std::vector<cudaEvent_t> comm_done;  // by peer rank
     std::vector<cudaEvent_t> ready;      // by peer rank: its partial (or gathered copy) is done

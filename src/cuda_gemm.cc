@@ -24,7 +24,8 @@ Status CublasLtGemm::Create(bool allow_tf32, CublasLtGemm** out) {
   auto* g = new CublasLtGemm();
   g->allow_tf32_ = allow_tf32;
   Status st = CublasStatus(cublasLtCreate(&g->handle_), "cublasLtCreate");
-  if (st.ok()) st = CudaStatus(cudaMalloc(&g->workspace_, kWorkspaceBytes), "cudaMalloc(workspace)");
+  if (st.ok())
+    st = CudaStatus(cudaMalloc(&g->workspace_, kWorkspaceBytes), "cudaMalloc(workspace)");
   if (!st.ok()) {
     delete g;
     return st;
@@ -69,8 +70,8 @@ Status CublasLtGemm::GetPlan(const Key& key, Plan** plan) {
                                        sizeof(ws));
   cublasLtMatmulHeuristicResult_t result;
   int found = 0;
-  cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1,
-                                                     &result, &found);
+  cublasStatus_t hs =
+      cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   JAX_UB_CUBLAS(hs);
   if (found == 0)
@@ -88,8 +89,8 @@ Status CublasLtGemm::Matmul(DType t, const void* a, int64_t lda, const void* b, 
   Plan* p = nullptr;
   JAX_UB_RETURN_IF_ERROR(GetPlan(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc}, &p));
   const float alpha = 1.0f, beta = 0.0f;
-  JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c,
-                               p->c, &p->algo, workspace_, workspace_bytes_, stream));
+  JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c, p->c,
+                               &p->algo, workspace_, workspace_bytes_, stream));
   return Status::Ok();
 }
 

@@ -27,7 +27,8 @@ nb::capsule Encapsulate(T* fn) {
 }
 
 void Raise(const jax_ub::Status& st) {
-  if (st.code() == jax_ub::StatusCode::kInvalidArgument) throw nb::value_error(st.message().c_str());
+  if (st.code() == jax_ub::StatusCode::kInvalidArgument)
+    throw nb::value_error(st.message().c_str());
   throw std::runtime_error(st.message());
 }
 
@@ -62,8 +63,7 @@ NB_MODULE(_cuda, m) {
     nb::gil_scoped_release release;
     return jax_ub::Registry<jax_ub::CudaCommunicator>::Remove(id);
   });
-  m.def("num_communicators",
-        []() { return jax_ub::Registry<jax_ub::CudaCommunicator>::Size(); });
+  m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::CudaCommunicator>::Size(); });
   m.def("device_count", []() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

@@ -38,8 +38,8 @@ ffi::Error MatmulReduceScatterGpu(cudaStream_t stream, int32_t device, ffi::AnyB
   const int64_t m = out->dimensions()[0], k = x.dimensions()[1], n = w.dimensions()[1];
   if (x.dimensions()[0] != m * comm->topology().group_size())
     return ToFfiError(InvalidArgument("matmul_reduce_scatter: input rows do not match the group"));
-  return ToFfiError(comm->MatmulReduceScatter(device, stream, t, x.untyped_data(),
-                                              w.untyped_data(), out->untyped_data(), m, k, n));
+  return ToFfiError(comm->MatmulReduceScatter(device, stream, t, x.untyped_data(), w.untyped_data(),
+                                              out->untyped_data(), m, k, n));
 }
 
 }  // namespace

@@ -1,17 +1,17 @@
 #include "host_communicator.h"
 
-#include <cstdarg>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <cerrno>
-#include <cstring>
-#include <thread>
-
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
 
 #include "host_gemm.h"
 #include "schedule.h"
@@ -134,10 +134,10 @@ Status HostCommunicator::Connect(const std::vector<std::string>& names) {
     struct stat st;
     if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != region_bytes_) {
       close(fd);
-      return FailedPrecondition(Fmt(
-          "the userbuffer of slot %d holds %lld bytes, this process expects %zu: the processes "
-          "were started with different shapes or buffer sizes",
-          s, static_cast<long long>(st.st_size), region_bytes_));
+      return FailedPrecondition(
+          Fmt("the userbuffer of slot %d holds %lld bytes, this process expects %zu: the processes "
+              "were started with different shapes or buffer sizes",
+              s, static_cast<long long>(st.st_size), region_bytes_));
     }
     void* p = mmap(nullptr, region_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
@@ -193,8 +193,8 @@ Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int
   ctx->rank = topology_.rank_of(slot);
   ctx->size = size;
   ctx->epoch = ++epoch_[slot];
-  ctx->desc = CallDescriptor{static_cast<uint32_t>(op), static_cast<uint32_t>(t), rows, k, n,
-                             ctx->epoch};
+  ctx->desc =
+      CallDescriptor{static_cast<uint32_t>(op), static_cast<uint32_t>(t), rows, k, n, ctx->epoch};
   return Status::Ok();
 }
 
@@ -291,7 +291,8 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
       std::memcpy(static_cast<char*>(gathered) + span.first * chunk, src, span.count * chunk);
   }
   // Our region may be overwritten again: tell every sender.
-  for (int p : sched.PushOrder()) Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
+  for (int p : sched.PushOrder())
+    Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
   return Status::Ok();
 }
 
@@ -333,7 +334,8 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
     parts[j] = data(ctx.slot) + j * chunk;
   }
   HostSum(t, parts, ctx.size, out, m * n);
-  for (int p : sched.PushOrder()) Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
+  for (int p : sched.PushOrder())
+    Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
   return Status::Ok();
 }
 

@@ -108,7 +108,7 @@ class HostCommunicator {
   std::vector<bool> mapped_;        // region came from mmap (shared memory), by slot
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;
-  std::vector<uint64_t> epoch_;     // per slot; touched only by the slot's device thread
+  std::vector<uint64_t> epoch_;  // per slot; touched only by the slot's device thread
   std::mutex broken_mu_;
   std::string broken_reason_;
   std::atomic<bool> broken_{false};

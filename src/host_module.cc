@@ -26,7 +26,8 @@ nb::capsule Encapsulate(T* fn) {
 }
 
 void Raise(const jax_ub::Status& st) {
-  if (st.code() == jax_ub::StatusCode::kInvalidArgument) throw nb::value_error(st.message().c_str());
+  if (st.code() == jax_ub::StatusCode::kInvalidArgument)
+    throw nb::value_error(st.message().c_str());
   throw std::runtime_error(st.message());
 }
 

@@ -34,10 +34,10 @@ inline Status FailedPrecondition(std::string m) {
 }
 inline Status Internal(std::string m) { return Status(StatusCode::kInternal, std::move(m)); }
 
-#define JAX_UB_RETURN_IF_ERROR(expr)     \
-  do {                                   \
-    ::jax_ub::Status _st = (expr);       \
-    if (!_st.ok()) return _st;           \
+#define JAX_UB_RETURN_IF_ERROR(expr) \
+  do {                               \
+    ::jax_ub::Status _st = (expr);   \
+    if (!_st.ok()) return _st;       \
   } while (0)
 
 }  // namespace jax_ub

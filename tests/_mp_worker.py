@@ -17,7 +17,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=nproc,
+    process_id=pid,
     initialization_timeout=60,
 )
 
@@ -63,9 +65,15 @@ def run_ops(mesh, axis, other, m=8, k=16, n=24):
         errs += [lax.pmax(relerr(a, b), mesh.axis_names) for a, b in zip(gu, gr)]
         return jnp.stack(errs)
 
-    f = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(rows, P(None, axis), P(axis, None)), out_specs=P(),
-        check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(rows, P(None, axis), P(axis, None)),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
     x = global_array(mesh, rows, (mesh.size * m, k), 1)
     w1 = global_array(mesh, P(None, axis), (k, n * tp), 2)
     w2 = global_array(mesh, P(axis, None), (n * tp, k), 3)
@@ -85,9 +93,14 @@ try:
         m = 8 if pid == 0 else 16
         x = global_array(mesh, P("tp", None), (mesh.size * m, 16), 1)
         w = global_array(mesh, P(None, "tp"), (16, 8 * mesh.size), 2)
-        f = jax.jit(jax.shard_map(
-            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"), mesh=mesh,
-            in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+        f = jax.jit(
+            jax.shard_map(
+                lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"),
+                mesh=mesh,
+                in_specs=(P("tp", None), P(None, "tp")),
+                out_specs=P(None, "tp"),
+            )
+        )
         out = f(x, w)
         result = [float(np.abs(np.asarray(s.data)).sum()) for s in out.addressable_shards]
     elif scenario == "absent_peer":

@@ -136,6 +136,15 @@ def _restore_config():
         setattr(_config, name, value)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _check_device_count():
+    n = len(cpu_devices())
+    assert n >= NUM_DEVICES, (
+        f"the CPU suite needs {NUM_DEVICES} host devices, got {n}: was jax imported before "
+        "tests/conftest.py could set XLA_FLAGS=--xla_force_host_platform_device_count?"
+    )
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _finalize_after_module():
     yield

@@ -199,8 +199,14 @@ def test_vmap_over_shard_map(mesh1d, rand, impl):
 
 def _grads(mesh, in_specs, out_specs, x, w, impl, check_vma=True, **kw):
     def loss(x, w):
-        out = smap(lambda x, w: AG(x, w, "tp", impl=impl, **kw), mesh, in_specs, out_specs,
-                   jit=False, check_vma=check_vma)(x, w)
+        out = smap(
+            lambda x, w: AG(x, w, "tp", impl=impl, **kw),
+            mesh,
+            in_specs,
+            out_specs,
+            jit=False,
+            check_vma=check_vma,
+        )(x, w)
         return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
@@ -242,8 +248,9 @@ def test_grad_return_gathered(mesh1d, rand):
             out, g = AG(x, w, "tp", impl=impl, return_gathered=True)
             return out, g[None]
 
-        out, g = smap(body, mesh, (P("tp"), P(None, "tp")), (P(None, "tp"), P("tp")),
-                      jit=False)(x, w)
+        out, g = smap(body, mesh, (P("tp"), P(None, "tp")), (P(None, "tp"), P("tp")), jit=False)(
+            x, w
+        )
         return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(g) * jnp.arange(g.shape[0])[:, None, None])
 
     g_ub = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, "ub")
@@ -386,7 +393,9 @@ def test_back_to_back_independent_calls(mesh1d, rand):
         def body(xs, w):
             return lax.scan(lambda c, x: (c, AG(x, w, "tp", impl=impl)), 0.0, xs)[1]
 
-        return smap(body, mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp"))
+        return smap(
+            body, mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp")
+        )
 
     f_ub = f("ub")
     ref = np.asarray(f("xla")(xs, w))

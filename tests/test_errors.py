@@ -60,11 +60,19 @@ def test_mismatched_k(mesh1d, rand, op):
 def test_bad_ranks(mesh1d, rand, op):
     mesh = mesh1d(2)
     with pytest.raises(ValueError, match=r"x must have at least 2 dims"):
-        smap(lambda x, w: (AG if op == "ag" else RS)(x, w, "tp", impl="ub"), mesh,
-             (P("tp"), P()), P("tp"))(rand(16), rand(8, 4))
+        smap(
+            lambda x, w: (AG if op == "ag" else RS)(x, w, "tp", impl="ub"),
+            mesh,
+            (P("tp"), P()),
+            P("tp"),
+        )(rand(16), rand(8, 4))
     with pytest.raises(ValueError, match=r"w must be 2-D"):
-        smap(lambda x, w: (AG if op == "ag" else RS)(x, w, "tp", impl="ub"), mesh,
-             (P("tp"), P()), P("tp"))(rand(4, 8), rand(8, 4, 1))
+        smap(
+            lambda x, w: (AG if op == "ag" else RS)(x, w, "tp", impl="ub"),
+            mesh,
+            (P("tp"), P()),
+            P("tp"),
+        )(rand(4, 8), rand(8, 4, 1))
 
 
 @pytest.mark.parametrize("impl", ["ub", "xla", "auto"])
@@ -159,8 +167,11 @@ def test_buffer_too_small_without_growth(mesh1d, rand):
         (comm,) = jax_ub.live_communicators()
         assert comm.capacity_bytes == 4096
         # Needs 2 ranks x (64 x 16 float32) = 8192 bytes.
-        with pytest.raises(ValueError, match=r"userbuffer too small for this op: it needs 8192 "
-                                             r"bytes.*has 4096.*allow_grow=True"):
+        with pytest.raises(
+            ValueError,
+            match=r"userbuffer too small for this op: it needs 8192 "
+            r"bytes.*has 4096.*allow_grow=True",
+        ):
             _ag(mesh)(rand(2 * 64, 16), w)
         with pytest.raises(ValueError, match=r"userbuffer too small"):
             _rs(mesh)(rand(2 * 64, 2 * 8), rand(2 * 8, 16))
@@ -230,14 +241,20 @@ def test_peer_timeout(mesh1d, rand):
     x, w = rand(2 * 4, 8), rand(8, 4)
     f = _only_rank0_calls(mesh, 2 * 4)
     try:
-        with pytest.raises(jax.errors.JaxRuntimeError, match=r"DEADLINE_EXCEEDED: jax_ub: "
-                           r"all_gather_matmul: rank 0 \(group 0\) timed out after 0\.5 s "
-                           r"waiting for rank 1 to deliver its chunk"):
+        with pytest.raises(
+            jax.errors.JaxRuntimeError,
+            match=r"DEADLINE_EXCEEDED: jax_ub: "
+            r"all_gather_matmul: rank 0 \(group 0\) timed out after 0\.5 s "
+            r"waiting for rank 1 to deliver its chunk",
+        ):
             jax.block_until_ready(f(x, w))
         # The communicator is now broken: later calls fail fast and say how to recover.
         g = _ag(mesh)
-        with pytest.raises(jax.errors.JaxRuntimeError, match=r"communicator is broken by an "
-                           r"earlier error .*timed out.*call jax_ub.finalize\(\)"):
+        with pytest.raises(
+            jax.errors.JaxRuntimeError,
+            match=r"communicator is broken by an "
+            r"earlier error .*timed out.*call jax_ub.finalize\(\)",
+        ):
             jax.block_until_ready(g(x, rand(8, 2 * 4)))
     finally:
         jax_ub.finalize()
@@ -260,9 +277,12 @@ def test_ranks_disagree_on_the_call(mesh1d, rand):
 
     f = smap(body, mesh, in_specs=(P("tp"), P()), out_specs=P("tp"))
     try:
-        with pytest.raises(jax.errors.JaxRuntimeError, match=r"ranks disagree on the call: rank "
-                           r"\d runs all_gather_matmul\(float32, rows=4, k=16, n=\d.*but rank \d "
-                           r"sent all_gather_matmul\(float32, rows=4, k=16, n=\d"):
+        with pytest.raises(
+            jax.errors.JaxRuntimeError,
+            match=r"ranks disagree on the call: rank "
+            r"\d runs all_gather_matmul\(float32, rows=4, k=16, n=\d.*but rank \d "
+            r"sent all_gather_matmul\(float32, rows=4, k=16, n=\d",
+        ):
             jax.block_until_ready(f(x, w))
     finally:
         jax_ub.finalize()
@@ -288,8 +308,10 @@ def _ffi_all_gather_matmul(cid, out_rows, n, dtype=jnp.float32):
     def call(x, w):
         return jax.ffi.ffi_call(
             "jax_ub_all_gather_matmul",
-            (jax.ShapeDtypeStruct((out_rows, n), dtype),
-             jax.ShapeDtypeStruct((0, x.shape[1]), dtype)),
+            (
+                jax.ShapeDtypeStruct((out_rows, n), dtype),
+                jax.ShapeDtypeStruct((0, x.shape[1]), dtype),
+            ),
             has_side_effect=True,
         )(x, w, comm_id=np.int64(cid))
 
@@ -302,8 +324,12 @@ def host_comm():
     ids = []
 
     def create(group_size=2, slot_devices=(0, 1), capacity_bytes=1 << 20, timeout_s=0.5):
-        cid = _host.create_communicator(group_size=group_size, slot_devices=list(slot_devices),
-                                        capacity_bytes=capacity_bytes, timeout_s=timeout_s)
+        cid = _host.create_communicator(
+            group_size=group_size,
+            slot_devices=list(slot_devices),
+            capacity_bytes=capacity_bytes,
+            timeout_s=timeout_s,
+        )
         ids.append(cid)
         return cid
 
@@ -317,22 +343,30 @@ def test_low_level_peer_timeout(host_comm, rand):
     cid = host_comm(timeout_s=0.5)
     f = _ffi_all_gather_matmul(cid, 2 * 4, 6)
     x, w = rand(4, 8), rand(8, 6)
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"DEADLINE_EXCEEDED.*rank 0 \(group 0\) "
-                       r"timed out after 0\.5 s waiting for rank 1 .*call #1 \(flag holds #0\)"):
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"DEADLINE_EXCEEDED.*rank 0 \(group 0\) "
+        r"timed out after 0\.5 s waiting for rank 1 .*call #1 \(flag holds #0\)",
+    ):
         jax.block_until_ready(f(x, w))
 
 
 def test_low_level_device_not_in_communicator(host_comm, rand):
     cid = host_comm(slot_devices=(4, 5))
-    with pytest.raises(jax.errors.JaxRuntimeError,
-                       match=r"device ordinal 0 is not part of this communicator's mesh"):
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"device ordinal 0 is not part of this communicator's mesh",
+    ):
         jax.block_until_ready(_ffi_all_gather_matmul(cid, 2 * 4, 6)(rand(4, 8), rand(8, 6)))
 
 
 def test_low_level_buffer_too_small_at_runtime(host_comm, rand):
     cid = host_comm(group_size=1, slot_devices=(0,), capacity_bytes=64)
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"INVALID_ARGUMENT.*userbuffer too small"
-                       r": the op needs 128 bytes per device"):
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"INVALID_ARGUMENT.*userbuffer too small"
+        r": the op needs 128 bytes per device",
+    ):
         jax.block_until_ready(_ffi_all_gather_matmul(cid, 4, 6)(rand(4, 8), rand(8, 6)))
 
 

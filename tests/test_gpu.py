@@ -49,15 +49,25 @@ def _data(key, shapes, dtype):
 
 
 def _ag(mesh, impl):
-    return jax.jit(jax.shard_map(
-        lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl=impl), mesh=mesh,
-        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    return jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl=impl),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
 
 
 def _rs(mesh, impl):
-    return jax.jit(jax.shard_map(
-        lambda x, w: jax_ub.matmul_reduce_scatter(x, w, "tp", impl=impl), mesh=mesh,
-        in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+    return jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.matmul_reduce_scatter(x, w, "tp", impl=impl),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P("tp", None),
+        )
+    )
 
 
 SHAPES = [  # (M, K, N) global
@@ -100,8 +110,9 @@ def test_grads_match_xla(tp):
             y = jax_ub.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", impl=impl)
             return lax.psum(jnp.sum(jnp.sin(y.astype(jnp.float32))), "tp")
 
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)),
-                          out_specs=P())
+        f = jax.shard_map(
+            body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P()
+        )
         return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
     for g_ub, g_ref in zip(loss("ub")(x, w1, w2), loss("xla")(x, w1, w2)):
@@ -117,9 +128,14 @@ def test_dp_by_tp_mesh(tp):
     x, w = _data(jax.random.key(3), [(512, 256), (256, 384)], jnp.bfloat16)
 
     def f(impl):
-        return jax.jit(jax.shard_map(
-            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl=impl), mesh=mesh,
-            in_specs=(P(("dp", "tp"), None), P(None, "tp")), out_specs=P("dp", "tp")))
+        return jax.jit(
+            jax.shard_map(
+                lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl=impl),
+                mesh=mesh,
+                in_specs=(P(("dp", "tp"), None), P(None, "tp")),
+                out_specs=P("dp", "tp"),
+            )
+        )
 
     assert _rel(f("ub")(x, w), f("xla")(x, w)) < 2e-2
 
@@ -137,10 +153,14 @@ def test_hundred_calls_with_changing_data(tp):
             xi = x + jnp.asarray(i, x.dtype) * 0.01
             a = jax_ub.all_gather_matmul(xi, w, "tp", impl="ub")
             b = jax_ub.all_gather_matmul(xi, w, "tp", impl="xla")
-            ea = jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32))
+            ea = jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(
+                b.astype(jnp.float32)
+            )
             c = jax_ub.matmul_reduce_scatter(a, v, "tp", impl="ub")
             d = jax_ub.matmul_reduce_scatter(a, v, "tp", impl="xla")
-            ec = jnp.linalg.norm((c - d).astype(jnp.float32)) / jnp.linalg.norm(d.astype(jnp.float32))
+            ec = jnp.linalg.norm((c - d).astype(jnp.float32)) / jnp.linalg.norm(
+                d.astype(jnp.float32)
+            )
             # New data every call (xi depends on i); nothing fed back, so values stay O(1).
             return x, jnp.maximum(worst, jnp.maximum(ea, ec))
 
@@ -148,8 +168,11 @@ def test_hundred_calls_with_changing_data(tp):
         _, worst = lax.fori_loop(0, 100, step, (x, worst0))
         return lax.pmax(worst, "tp")
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"),
-                                                         P("tp", None)), out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P()
+        )
+    )
     worst = float(f(x0, w, v))
     assert np.isfinite(worst) and worst < 2e-2, worst
 
@@ -167,10 +190,15 @@ def test_hlo_has_only_custom_calls():
 def test_return_gathered(tp):
     mesh = _mesh(tp)
     x, w = _data(jax.random.key(13), [(1024, 512), (512, 256)], jnp.bfloat16)
-    f = jax.jit(jax.shard_map(
-        lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub", return_gathered=True),
-        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=(P(None, "tp"), P()),
-        check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub", return_gathered=True),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=(P(None, "tp"), P()),
+            check_vma=False,
+        )
+    )
     out, gathered = f(x, w)
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(x))
     assert _rel(out, _ag(mesh, "xla")(x, w)) < 2e-2

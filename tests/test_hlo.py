@@ -19,8 +19,14 @@ RS_TARGET = "jax_ub_matmul_reduce_scatter"
 
 # Collective ops by their StableHLO and HLO spellings. The custom call targets contain
 # "all_gather" / "reduce_scatter" too, hence matching the op syntax rather than the words.
-_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "collective_permute", "all_to_all",
-                "collective_broadcast")
+_COLLECTIVES = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "collective_permute",
+    "all_to_all",
+    "collective_broadcast",
+)
 _STABLEHLO_COLLECTIVE = re.compile(r"\b(?:stablehlo|mhlo)\.(" + "|".join(_COLLECTIVES) + r")\b")
 _HLO_COLLECTIVE = re.compile(
     r"\b(" + "|".join(c.replace("_", "-") for c in _COLLECTIVES) + r")(?:-start|-done)?\("
@@ -29,9 +35,7 @@ _HLO_COLLECTIVE = re.compile(
 
 def _custom_call_targets(text: str) -> list[str]:
     """Targets of every custom call, in StableHLO (`@name`) or HLO (`custom_call_target=`)."""
-    return re.findall(r"custom_call @(\w+)", text) + re.findall(
-        r'custom_call_target="(\w+)"', text
-    )
+    return re.findall(r"custom_call @(\w+)", text) + re.findall(r'custom_call_target="(\w+)"', text)
 
 
 def _texts(f, *args):

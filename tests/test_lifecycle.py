@@ -76,8 +76,13 @@ def test_grad_after_finalize(mesh1d, rand):
     mesh = mesh1d(4)
 
     def loss(x, w):
-        out = smap(lambda x, w: RS(x, w, "tp", impl="ub"), mesh, (P(None, "tp"), P("tp")),
-                   P("tp"), jit=False)(x, w)
+        out = smap(
+            lambda x, w: RS(x, w, "tp", impl="ub"),
+            mesh,
+            (P(None, "tp"), P("tp")),
+            P("tp"),
+            jit=False,
+        )(x, w)
         return (out**2).sum()
 
     g = jax.jit(jax.grad(loss, argnums=(0, 1)))

@@ -94,9 +94,10 @@ def test_local_partials_differ_per_rank(mesh1d, rand):
     xs, ws = to_f32(x), to_f32(w)
     for r in range(n_dev):
         want = sum(
-            xs[r * m:(r + 1) * m, j * k:(j + 1) * k] @ ws[j * k:(j + 1) * k] for j in range(n_dev)
+            xs[r * m : (r + 1) * m, j * k : (j + 1) * k] @ ws[j * k : (j + 1) * k]
+            for j in range(n_dev)
         )
-        np.testing.assert_allclose(out[r * m:(r + 1) * m], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[r * m : (r + 1) * m], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -180,8 +181,14 @@ def test_vmap_over_shard_map(mesh1d, rand, impl):
 
 def _grads(mesh, in_specs, out_specs, x, w, impl, check_vma=True):
     def loss(x, w):
-        out = smap(lambda x, w: RS(x, w, "tp", impl=impl), mesh, in_specs, out_specs,
-                   jit=False, check_vma=check_vma)(x, w)
+        out = smap(
+            lambda x, w: RS(x, w, "tp", impl=impl),
+            mesh,
+            in_specs,
+            out_specs,
+            jit=False,
+            check_vma=check_vma,
+        )(x, w)
         return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)

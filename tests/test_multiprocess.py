@@ -28,7 +28,10 @@ def _run(scenario: str, nproc: int, ndev: int, timeout: float = 150) -> list[tup
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, scenario, str(i), str(nproc), str(port), str(ndev)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         for i in range(nproc)
     ]
@@ -51,7 +54,7 @@ def _results(out):
         assert code == 0, text[-3000:]
         line = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
         assert line, text[-3000:]
-        res.append(json.loads(line[0][len("RESULT "):]))
+        res.append(json.loads(line[0][len("RESULT ") :]))
     return res
 
 

@@ -97,8 +97,13 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
         )
     elif key.platform == "cpu":
         comm_id = bootstrap.create_across_processes(
-            module, dataclasses.astuple(key), key.group_size, ordinals,
-            [d.process_index for d in devices], capacity, config.timeout_s,
+            module,
+            dataclasses.astuple(key),
+            key.group_size,
+            ordinals,
+            [d.process_index for d in devices],
+            capacity,
+            config.timeout_s,
         )
     else:
         raise RuntimeError(

@@ -84,6 +84,7 @@ def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size):
 all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
 matmul_reduce_scatter_p.def_abstract_eval(_matmul_reduce_scatter_abstract)
 
+
 def _concrete_mesh(ctx: mlir.LoweringRuleContext, axis_name: str) -> Mesh:
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None) if isinstance(axis_ctx, SPMDAxisContext) else None
@@ -162,11 +163,11 @@ def _batched(prim, args, dims, **params):
     return jnp.stack(outs), 0
 
 
-batching.primitive_batchers[all_gather_matmul_p] = (
-    lambda args, dims, **kw: _batched(all_gather_matmul_p, args, dims, **kw)
+batching.primitive_batchers[all_gather_matmul_p] = lambda args, dims, **kw: _batched(
+    all_gather_matmul_p, args, dims, **kw
 )
-batching.primitive_batchers[matmul_reduce_scatter_p] = (
-    lambda args, dims, **kw: _batched(matmul_reduce_scatter_p, args, dims, **kw)
+batching.primitive_batchers[matmul_reduce_scatter_p] = lambda args, dims, **kw: _batched(
+    matmul_reduce_scatter_p, args, dims, **kw
 )
 
 
