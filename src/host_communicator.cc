@@ -58,6 +58,7 @@ std::string CallDescriptor::ToString() const {
 }
 
 struct HostCommunicator::CallContext {
+  std::unique_lock<std::timed_mutex> lock;
   OpKind op;
   int slot;
   int group;
@@ -82,6 +83,7 @@ Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double
   c->mapped_.assign(slots, false);
   c->names_.assign(slots, "");
   c->epoch_.assign(slots, 0);
+  c->slot_mu_.reset(new std::timed_mutex[slots]);
   c->region_bytes_ = sizeof(SlotHeader) + c->capacity_;
   for (int s = 0; s < slots; ++s) {
     if (!c->topology_.is_local(s)) {
@@ -187,6 +189,10 @@ Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int
             "the communicator has %zu; raise jax_ub.configure(buffer_bytes=...)",
             OpName(op), static_cast<long long>(chunk_bytes) * size, size,
             static_cast<long long>(chunk_bytes), capacity_));
+  ctx->lock = std::unique_lock<std::timed_mutex>(slot_mu_[slot], std::defer_lock);
+  if (!ctx->lock.try_lock_for(std::chrono::duration<double>(timeout_s_)))
+    return DeadlineExceeded(Fmt("%s: device %d waited %.1f s for its previous jax_ub call to end",
+                                OpName(op), device, timeout_s_));
   ctx->op = op;
   ctx->slot = slot;
   ctx->group = topology_.group_of(slot);

@@ -108,7 +108,11 @@ class HostCommunicator {
   std::vector<bool> mapped_;        // region came from mmap (shared memory), by slot
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;
-  std::vector<uint64_t> epoch_;  // per slot; touched only by the slot's device thread
+  std::vector<uint64_t> epoch_;  // per slot; guarded by slot_mu_
+  // One call at a time per slot: should XLA's CPU runtime ever run two independent
+  // side-effecting custom calls of one device concurrently, they queue here instead of
+  // interleaving their chunks (the descriptor check then reports any order mismatch).
+  std::unique_ptr<std::timed_mutex[]> slot_mu_;
   std::mutex broken_mu_;
   std::string broken_reason_;
   std::atomic<bool> broken_{false};

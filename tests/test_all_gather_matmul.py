@@ -183,17 +183,23 @@ def test_auto_is_ub_on_cpu(mesh1d, rand):
     assert rel_err(f(x, w), _ag_1d(mesh, "xla")(x, w)) < 1e-5
 
 
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (1, 0)], ids=["x", "w", "both"])
 @pytest.mark.parametrize("impl", ["auto", "ub"])
-def test_vmap_over_shard_map(mesh1d, rand, impl):
+def test_vmap_over_shard_map(mesh1d, rand, impl, in_axes):
     """jax.vmap of a shard_mapped op (e.g. over micro-batches) computes what the reference does.
 
-    impl="auto" is the default, so a missing batching rule breaks vmap for every caller
-    who did not ask for the xla path.
+    impl="auto" is the default, so vmap must work on the userbuffer path too.
     """
     mesh = mesh1d(4)
-    xs, w = rand(3, 4 * 4, 16), rand(16, 4 * 8)
-    out = jax.jit(jax.vmap(_ag_1d(mesh, impl), in_axes=(0, None)))(xs, w)
-    ref = jax.jit(jax.vmap(_ag_1d(mesh, "xla"), in_axes=(0, None)))(xs, w)
+    b = 3
+    x_shape, w_shape = (4 * 4, 16), (16, 4 * 8)
+    if in_axes[0] is not None:  # the batch dim where vmap takes it from
+        x_shape = x_shape[: in_axes[0]] + (b,) + x_shape[in_axes[0] :]
+    x = rand(*x_shape)
+    w = rand(*(w_shape if in_axes[1] is None else (b,) + w_shape))
+    out = jax.jit(jax.vmap(_ag_1d(mesh, impl), in_axes=in_axes))(x, w)
+    ref = jax.jit(jax.vmap(_ag_1d(mesh, "xla"), in_axes=in_axes))(x, w)
+    assert out.shape == ref.shape
     assert rel_err(out, ref) < 1e-5
 
 
@@ -403,3 +409,29 @@ def test_back_to_back_independent_calls(mesh1d, rand):
         out = np.asarray(f_ub(xs, w))
         bad = [i for i in range(xs.shape[0]) if rel_err(out[i], ref[i]) > 1e-5]
         assert not bad, f"run {run}: wrong iterations {bad}"
+
+
+def test_independent_ops_in_one_program(mesh1d, rand):
+    """Several ub ops with no data dependency between them in one program, repeated: the
+    CPU runtime may schedule them freely, yet every device must pair its calls with its
+    peers' in the same order (else the descriptor check fails the run)."""
+    mesh = mesh1d(8)
+
+    def body(x, w, v):
+        outs = [
+            AG(x, w, "tp", impl=impl) for impl in ("ub", "xla") for _ in range(1)
+        ]  # one of each first, so the checks below compare like with like
+        for impl in ("ub", "xla"):
+            outs += [
+                AG(x * 2, w, "tp", impl=impl),
+                jax_ub.matmul_reduce_scatter(jnp.tile(x, (8, 1)), v, "tp", impl=impl),
+                AG(x + 1, w, "tp", impl=impl),
+            ]
+        ub, ref = [outs[0]] + outs[2:5], [outs[1]] + outs[5:8]
+        err = sum(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)) for a, b in zip(ub, ref))
+        return lax.pmax(err, "tp")
+
+    f = smap(body, mesh, in_specs=(P("tp"), P(None, "tp"), P()), out_specs=P(), check_vma=False)
+    w, v = rand(16, 8 * 4), rand(16, 16)
+    for _ in range(10):
+        assert float(f(rand(8 * 4, 16), w, v)) < 1e-5
