@@ -418,17 +418,16 @@ def test_independent_ops_in_one_program(mesh1d, rand):
     mesh = mesh1d(8)
 
     def body(x, w, v):
-        outs = [
-            AG(x, w, "tp", impl=impl) for impl in ("ub", "xla") for _ in range(1)
-        ]  # one of each first, so the checks below compare like with like
-        for impl in ("ub", "xla"):
-            outs += [
+        def ops(impl):
+            return [
+                AG(x, w, "tp", impl=impl),
                 AG(x * 2, w, "tp", impl=impl),
                 jax_ub.matmul_reduce_scatter(jnp.tile(x, (8, 1)), v, "tp", impl=impl),
                 AG(x + 1, w, "tp", impl=impl),
             ]
-        ub, ref = [outs[0]] + outs[2:5], [outs[1]] + outs[5:8]
-        err = sum(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)) for a, b in zip(ub, ref))
+
+        pairs = zip(ops("ub"), ops("xla"))
+        err = sum(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)) for a, b in pairs)
         return lax.pmax(err, "tp")
 
     f = smap(body, mesh, in_specs=(P("tp"), P(None, "tp"), P()), out_specs=P(), check_vma=False)

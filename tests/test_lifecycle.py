@@ -1,5 +1,7 @@
 """Communicator lifecycle: initialize/finalize, several communicators, buffer growth."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,17 +229,8 @@ def test_user_clear_caches_reuses_communicator(mesh1d, rand):
     assert rel_err(b, a) == 0.0
 
 
-def test_finalize_with_work_in_flight(mesh1d, rand):
-    """finalize() right after dispatch (no block_until_ready) must not break that work.
-
-    Dispatch is asynchronous: when finalize() returns, the program may not have reached
-    the custom call on every device yet. The communicator's registry entry keeps alive
-    only the calls already running, so ranks that start later find it "finalized" while
-    their peers wait for them until timeout_s: an error (after a hang of timeout_s) for a
-    program that was valid when it was launched.
-    """
-    mesh = mesh1d(4)
-    jax_ub.configure(timeout_s=1.0)  # bound the hang when this fails
+def _loop_program(mesh):
+    """30 AG + RS rounds in one program: long enough to still run when dispatch returns."""
 
     def body(x, w):
         def step(i, x):
@@ -246,16 +239,22 @@ def test_finalize_with_work_in_flight(mesh1d, rand):
 
         return lax.fori_loop(0, 30, step, x)
 
-    f = smap(body, mesh, (P("tp"), P()), P("tp"))
-    w = rand(16, 16, scale=0.3)
-    x1, x2 = rand(4 * 4, 16), rand(4 * 4, 16)
-    expected = np.asarray(jax.block_until_ready(f(x2, w)))  # compiled, and the answer
-    jax.block_until_ready(f(x1, w))
-    jax_ub.finalize()
+    return smap(body, mesh, (P("tp"), P()), P("tp"))
 
-    out = f(x2, w)  # compiles afresh against a new communicator
-    jax.block_until_ready(out)
-    out = f(x2, w)  # cached executable: dispatch returns at once, work still in flight
+
+def test_finalize_with_work_in_flight(mesh1d, rand):
+    """finalize() right after dispatch (no block_until_ready) must not break that work.
+
+    Dispatch is asynchronous: when finalize() is called, the program may not have reached
+    the custom call on every device yet. Ranks that start after the communicator is gone
+    must not fail while their peers wait for them until timeout_s.
+    """
+    mesh = mesh1d(4)
+    jax_ub.configure(timeout_s=1.0)  # bound the hang when this fails
+    f = _loop_program(mesh)
+    w, x = rand(16, 16, scale=0.3), rand(4 * 4, 16)
+    expected = np.asarray(f(x, w))  # compiles; the answer
+    out = f(x, w)  # cached executable: dispatch returns at once, work still in flight
     jax_ub.finalize()
     try:
         np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6, atol=1e-6)
@@ -267,3 +266,27 @@ def test_finalize_with_work_in_flight(mesh1d, rand):
                 shard.data.block_until_ready()
             except jax.errors.JaxRuntimeError:
                 pass
+
+
+def test_finalize_with_discarded_work_in_flight(mesh1d, rand):
+    """The same with the in-flight result already dropped (fire and forget, then finalize).
+
+    Nothing references that result any more, but its program still runs. If finalize()
+    destroys the communicator under it, the ranks that had not started fail at once while
+    those that had wait for them until timeout_s; the error goes nowhere, and the next
+    program on those devices sits behind the stuck ranks for the whole timeout_s.
+    """
+    mesh = mesh1d(4)
+    timeout_s = 6.0
+    jax_ub.configure(timeout_s=timeout_s)
+    f = _loop_program(mesh)
+    w, x = rand(16, 16, scale=0.3), rand(4 * 4, 16)
+    expected = np.asarray(f(x, w))
+    f(x, w)  # result discarded at once; the work is still in flight
+    jax_ub.finalize()
+    start = time.monotonic()
+    out = np.asarray(f(x, w))  # traced again, on a new communicator
+    elapsed = time.monotonic() - start
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+    # A re-trace and a run take well under a second here; a stuck rank costs timeout_s.
+    assert elapsed < timeout_s / 2, f"next call took {elapsed:.1f} s (timeout_s={timeout_s})"

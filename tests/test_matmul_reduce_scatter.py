@@ -165,17 +165,23 @@ def test_auto_is_ub_on_cpu(mesh1d, rand):
     assert rel_err(f(x, w), _rs_1d(mesh, "xla")(x, w)) < 1e-5
 
 
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (1, 0)], ids=["x", "w", "both"])
 @pytest.mark.parametrize("impl", ["auto", "ub"])
-def test_vmap_over_shard_map(mesh1d, rand, impl):
+def test_vmap_over_shard_map(mesh1d, rand, impl, in_axes):
     """jax.vmap of a shard_mapped op (e.g. over micro-batches) computes what the reference does.
 
-    impl="auto" is the default, so a missing batching rule breaks vmap for every caller
-    who did not ask for the xla path.
+    impl="auto" is the default, so vmap must work on the userbuffer path too.
     """
     mesh = mesh1d(4)
-    xs, w = rand(3, 4 * 4, 4 * 8), rand(4 * 8, 8)
-    out = jax.jit(jax.vmap(_rs_1d(mesh, impl), in_axes=(0, None)))(xs, w)
-    ref = jax.jit(jax.vmap(_rs_1d(mesh, "xla"), in_axes=(0, None)))(xs, w)
+    b = 3
+    x_shape, w_shape = (4 * 4, 4 * 8), (4 * 8, 8)
+    if in_axes[0] is not None:  # the batch dim where vmap takes it from
+        x_shape = x_shape[: in_axes[0]] + (b,) + x_shape[in_axes[0]:]
+    x = rand(*x_shape)
+    w = rand(*(w_shape if in_axes[1] is None else (b,) + w_shape))
+    out = jax.jit(jax.vmap(_rs_1d(mesh, impl), in_axes=in_axes))(x, w)
+    ref = jax.jit(jax.vmap(_rs_1d(mesh, "xla"), in_axes=in_axes))(x, w)
+    assert out.shape == ref.shape
     assert rel_err(out, ref) < 1e-5
 
 
