@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "cuda_communicator.h"
+#include "nb_helpers.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -19,26 +20,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmulCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatterCuda);
 }  // namespace jax_ub
 
-namespace {
-
-template <typename T>
-nb::capsule Encapsulate(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
-void Raise(const jax_ub::Status& st) {
-  if (st.code() == jax_ub::StatusCode::kInvalidArgument)
-    throw nb::value_error(st.message().c_str());
-  throw std::runtime_error(st.message());
-}
-
-}  // namespace
-
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_ub_all_gather_matmul"] = Encapsulate(jax_ub::AllGatherMatmulCuda);
-    d["jax_ub_matmul_reduce_scatter"] = Encapsulate(jax_ub::MatmulReduceScatterCuda);
+    d["jax_ub_all_gather_matmul"] = jax_ub::EncapsulateFfiHandler(jax_ub::AllGatherMatmulCuda);
+    d["jax_ub_matmul_reduce_scatter"] =
+        jax_ub::EncapsulateFfiHandler(jax_ub::MatmulReduceScatterCuda);
     return d;
   });
   m.def(
@@ -47,14 +34,14 @@ NB_MODULE(_cuda, m) {
          bool allow_tf32) {
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
-        if (!st.ok()) Raise(st);
+        jax_ub::RaiseIfError(st);
         std::unique_ptr<jax_ub::CudaCommunicator> c;
         {
           nb::gil_scoped_release release;
           st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s,
                                                 allow_tf32, &c);
         }
-        if (!st.ok()) Raise(st);
+        jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::CudaCommunicator>::Add(std::move(c));
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),

@@ -2,9 +2,12 @@
 // checks every handler repeats.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
 
 #include "dtype.h"
+#include "registry.h"
 #include "status.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,6 +52,46 @@ inline Status CheckMatmulOperands(const char* op, ffi::AnyBuffer x, ffi::AnyBuff
                            ": x, w and the output must share one dtype among float32, "
                            "bfloat16 and float16");
   *dtype = static_cast<DType>(raw);
+  return Status::Ok();
+}
+
+// What a handler hands its communicator: the live communicator and the decoded problem.
+template <typename Comm>
+struct MatmulCall {
+  std::shared_ptr<Comm> comm;
+  DType t;
+  int64_t m, k, n;           // local rows (x for AG, the output for RS), contraction, columns
+  void* gathered = nullptr;  // AG only: where all_gather(x) goes, if asked for
+};
+
+// Decode and check an all_gather_matmul call: x [m, k], w [k, n], out [size*m, n].
+template <typename Comm>
+Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out,
+                        ffi::AnyBuffer gathered, int64_t comm_id, MatmulCall<Comm>* call) {
+  JAX_UB_RETURN_IF_ERROR(CheckMatmulOperands("all_gather_matmul", x, w, out, &call->t));
+  call->comm = Registry<Comm>::Get(comm_id);
+  if (!call->comm) return FailedPrecondition("communicator was finalized");
+  call->m = x.dimensions()[0];
+  call->k = x.dimensions()[1];
+  call->n = w.dimensions()[1];
+  if (out.dimensions()[0] != call->m * call->comm->topology().group_size())
+    return InvalidArgument("all_gather_matmul: output rows do not match the group");
+  call->gathered = gathered.element_count() > 0 ? gathered.untyped_data() : nullptr;
+  return Status::Ok();
+}
+
+// Decode and check a matmul_reduce_scatter call: x [size*m, k], w [k, n], out [m, n].
+template <typename Comm>
+Status PrepareReduceScatter(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out, int64_t comm_id,
+                            MatmulCall<Comm>* call) {
+  JAX_UB_RETURN_IF_ERROR(CheckMatmulOperands("matmul_reduce_scatter", x, w, out, &call->t));
+  call->comm = Registry<Comm>::Get(comm_id);
+  if (!call->comm) return FailedPrecondition("communicator was finalized");
+  call->m = out.dimensions()[0];
+  call->k = x.dimensions()[1];
+  call->n = w.dimensions()[1];
+  if (x.dimensions()[0] != call->m * call->comm->topology().group_size())
+    return InvalidArgument("matmul_reduce_scatter: input rows do not match the group");
   return Status::Ok();
 }
 

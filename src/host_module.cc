@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "host_communicator.h"
+#include "nb_helpers.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -18,26 +19,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmulCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatterCpu);
 }  // namespace jax_ub
 
-namespace {
-
-template <typename T>
-nb::capsule Encapsulate(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
-void Raise(const jax_ub::Status& st) {
-  if (st.code() == jax_ub::StatusCode::kInvalidArgument)
-    throw nb::value_error(st.message().c_str());
-  throw std::runtime_error(st.message());
-}
-
-}  // namespace
-
 NB_MODULE(_host, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_ub_all_gather_matmul"] = Encapsulate(jax_ub::AllGatherMatmulCpu);
-    d["jax_ub_matmul_reduce_scatter"] = Encapsulate(jax_ub::MatmulReduceScatterCpu);
+    d["jax_ub_all_gather_matmul"] = jax_ub::EncapsulateFfiHandler(jax_ub::AllGatherMatmulCpu);
+    d["jax_ub_matmul_reduce_scatter"] =
+        jax_ub::EncapsulateFfiHandler(jax_ub::MatmulReduceScatterCpu);
     return d;
   });
   m.def(
@@ -46,11 +33,11 @@ NB_MODULE(_host, m) {
          std::string shm_prefix) {
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
-        if (!st.ok()) Raise(st);
+        jax_ub::RaiseIfError(st);
         std::unique_ptr<jax_ub::HostCommunicator> c;
         st = jax_ub::HostCommunicator::Create(std::move(topo), capacity_bytes, timeout_s,
                                               shm_prefix, &c);
-        if (!st.ok()) Raise(st);
+        jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::HostCommunicator>::Add(std::move(c));
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
@@ -64,7 +51,7 @@ NB_MODULE(_host, m) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (!c) throw nb::value_error("no such communicator");
     jax_ub::Status st = c->Connect(names);
-    if (!st.ok()) Raise(st);
+    jax_ub::RaiseIfError(st);
   });
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
