@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdio>
+#include <cstring>
 
 #include "cuda_check.h"
 #include "cuda_communicator.h"
@@ -131,16 +132,76 @@ std::string Describe(const char* op, int rank, int group) {
 }  // namespace
 
 Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                                bool allow_tf32, std::unique_ptr<CudaCommunicator>* out) {
+                                bool allow_tf32, bool multiprocess,
+                                std::unique_ptr<CudaCommunicator>* out) {
   if (timeout_s <= 0) return InvalidArgument("timeout must be positive");
   std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
   c->topology_ = std::move(topology);
-  JAX_UB_RETURN_IF_ERROR(c->Init(capacity_bytes, timeout_s, allow_tf32));
+  JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, timeout_s, allow_tf32, multiprocess));
+  // Across processes the peers' buffers arrive later, through Connect().
+  if (!multiprocess) JAX_UB_RETURN_IF_ERROR(c->Wire());
   *out = std::move(c);
   return Status::Ok();
 }
 
-Status CudaCommunicator::Init(size_t capacity_bytes, double timeout_s, bool allow_tf32) {
+Status CudaCommunicator::ExportHandles(std::vector<std::string>* handles) const {
+  handles->assign(slots_.size(), "");
+  for (size_t sl = 0; sl < slots_.size(); ++sl) {
+    const Slot& s = *slots_[sl];
+    if (!s.local) continue;
+    JAX_UB_CUDA(cudaSetDevice(s.device));
+    cudaIpcMemHandle_t hb, hf;
+    JAX_UB_CUDA(cudaIpcGetMemHandle(&hb, s.buffer));
+    JAX_UB_CUDA(cudaIpcGetMemHandle(&hf, s.flags));
+    (*handles)[sl] = std::string(reinterpret_cast<const char*>(&hb), sizeof(hb)) +
+                     std::string(reinterpret_cast<const char*>(&hf), sizeof(hf));
+  }
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Connect(const std::vector<std::string>& handles) {
+  if (handles.size() != slots_.size())
+    return InvalidArgument("Connect needs one handle per slot, got " +
+                           std::to_string(handles.size()));
+  constexpr size_t kHandle = sizeof(cudaIpcMemHandle_t);
+  for (size_t sl = 0; sl < slots_.size(); ++sl) {
+    Slot& s = *slots_[sl];
+    if (s.local) continue;
+    // Open a remote slot only where this process has a rank of its group, on that GPU.
+    int opener = -1;
+    for (int r = 0; r < topology_.group_size() && opener < 0; ++r) {
+      const Slot& q = *slots_[topology_.slot(s.group, r)];
+      if (q.local) opener = q.device;
+    }
+    if (opener < 0) continue;
+    if (handles[sl].size() != 2 * kHandle)
+      return FailedPrecondition("no CUDA IPC handle arrived for slot " + std::to_string(sl));
+    cudaIpcMemHandle_t hb, hf;
+    std::memcpy(&hb, handles[sl].data(), kHandle);
+    std::memcpy(&hf, handles[sl].data() + kHandle, kHandle);
+    JAX_UB_CUDA(cudaSetDevice(opener));
+    void* b = nullptr;
+    void* f = nullptr;
+    cudaError_t err = cudaIpcOpenMemHandle(&b, hb, cudaIpcMemLazyEnablePeerAccess);
+    if (err == cudaSuccess) err = cudaIpcOpenMemHandle(&f, hf, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      if (b != nullptr) cudaIpcCloseMemHandle(b);
+      return FailedPrecondition(
+          "GPU " + std::to_string(opener) + " cannot map the userbuffer of slot " +
+          std::to_string(sl) + " (rank " + std::to_string(s.rank) + " of group " +
+          std::to_string(s.group) + ", another process): " + cudaGetErrorString(err) +
+          ". GPUs of different hosts, or without peer access, cannot share a userbuffer "
+          "group: keep the tensor-parallel axis inside one NVLink host, or use impl='xla'");
+    }
+    s.buffer = static_cast<char*>(b);
+    s.flags = static_cast<uint64_t*>(f);
+    s.device = opener;  // the context the mapping belongs to, for closing it
+  }
+  return Wire();
+}
+
+Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, bool allow_tf32,
+                                  bool multiprocess) {
   const DriverOps* ops;
   JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
   capacity_ = (capacity_bytes + 255) / 256 * 256;
@@ -148,14 +209,19 @@ Status CudaCommunicator::Init(size_t capacity_bytes, double timeout_s, bool allo
   const int size = topology_.group_size();
   slots_.resize(topology_.num_slots());
   for (int sl = 0; sl < topology_.num_slots(); ++sl) {
-    if (!topology_.is_local(sl))
-      return FailedPrecondition("this communicator drives GPUs of one process; slot " +
-                                std::to_string(sl) +
-                                " is in another process and needs the multi-process bootstrap");
     auto s = std::make_unique<Slot>();
-    s->device = topology_.device_of(sl);
     s->rank = topology_.rank_of(sl);
     s->group = topology_.group_of(sl);
+    if (!topology_.is_local(sl)) {
+      if (!multiprocess)
+        return FailedPrecondition("slot " + std::to_string(sl) +
+                                  " is in another process and needs the multi-process "
+                                  "bootstrap (jax.distributed)");
+      slots_[sl] = std::move(s);  // filled in by Connect()
+      continue;
+    }
+    s->local = true;
+    s->device = topology_.device_of(sl);
     JAX_UB_CUDA(cudaSetDevice(s->device));
     JAX_UB_CUDA(cudaMalloc(&s->buffer, capacity_));
     JAX_UB_CUDA(cudaMalloc(&s->flags, kNumFlags * sizeof(uint64_t)));
@@ -178,16 +244,25 @@ Status CudaCommunicator::Init(size_t capacity_bytes, double timeout_s, bool allo
     JAX_UB_RETURN_IF_ERROR(PreloadKernels());
     slots_[sl] = std::move(s);
   }
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Wire() {
+  const int size = topology_.group_size();
   // Peer access inside every group, then everyone's pointers to everyone's buffers.
   for (int sl = 0; sl < topology_.num_slots(); ++sl) {
     Slot& s = *slots_[sl];
+    if (!s.local) continue;
     s.peer_buffer.assign(size, nullptr);
     s.peer_flags.assign(size, nullptr);
     for (int r = 0; r < size; ++r) {
       Slot& peer = *slots_[topology_.slot(s.group, r)];
+      if (peer.buffer == nullptr || peer.flags == nullptr)
+        return FailedPrecondition("rank " + std::to_string(r) + " of group " +
+                                  std::to_string(s.group) + " has no userbuffer mapped here");
       s.peer_buffer[r] = peer.buffer;
       s.peer_flags[r] = peer.flags;
-      if (r == s.rank) continue;
+      if (r == s.rank || !peer.local) continue;  // remote peers: mapped through CUDA IPC
       int can = 0;
       JAX_UB_CUDA(cudaDeviceCanAccessPeer(&can, s.device, peer.device));
       if (!can)
@@ -208,6 +283,7 @@ Status CudaCommunicator::Init(size_t capacity_bytes, double timeout_s, bool allo
   // Check once that stream memory operations reach peer memory, and settle everything.
   for (auto& sp : slots_) {
     Slot& s = *sp;
+    if (!s.local) continue;
     JAX_UB_CUDA(cudaSetDevice(s.device));
     for (int r = 0; r < size; ++r) {
       if (r == s.rank) continue;
@@ -224,7 +300,7 @@ CudaCommunicator::~CudaCommunicator() {
   // Let in-flight calls finish (the watchdog still releases stuck ones), then stop it.
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_ + 5.0);
   for (auto& sp : slots_) {
-    if (!sp) continue;
+    if (!sp || !sp->local) continue;
     while (Clock::now() < deadline) {
       {
         std::lock_guard<std::mutex> lock(sp->mu);
@@ -235,8 +311,14 @@ CudaCommunicator::~CudaCommunicator() {
   }
   stop_.store(true);
   if (watchdog_.joinable()) watchdog_.join();
+  for (auto& sp : slots_) {  // mappings of remote buffers first, while peers still exist
+    if (!sp || sp->local || sp->buffer == nullptr) continue;
+    cudaSetDevice(sp->device);
+    cudaIpcCloseMemHandle(sp->buffer);
+    cudaIpcCloseMemHandle(sp->flags);
+  }
   for (auto& sp : slots_) {
-    if (!sp) continue;
+    if (!sp || !sp->local) continue;
     Slot& s = *sp;
     cudaSetDevice(s.device);
     cudaDeviceSynchronize();
@@ -449,6 +531,7 @@ void CudaCommunicator::WatchdogLoop() {
     bool busy = false;
     for (auto& sp : slots_) {
       Slot& s = *sp;
+      if (!s.local) continue;
       std::lock_guard<std::mutex> lock(s.mu);
       while (!s.pending.empty()) {
         Pending& f = s.pending.front();

@@ -30,8 +30,14 @@ namespace jax_ub {
 
 class CudaCommunicator {
  public:
+  // With `multiprocess`, slots of other processes are mapped later: ExportHandles() gives
+  // this process's CUDA IPC handles, Connect() opens the others' (through jax.distributed's
+  // key-value store in between). Otherwise every slot must be local.
   static Status Create(Topology topology, size_t capacity_bytes, double timeout_s, bool allow_tf32,
-                       std::unique_ptr<CudaCommunicator>* out);
+                       bool multiprocess, std::unique_ptr<CudaCommunicator>* out);
+  // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
+  Status ExportHandles(std::vector<std::string>* handles) const;
+  Status Connect(const std::vector<std::string>& handles);
   ~CudaCommunicator();
 
   // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
@@ -66,6 +72,7 @@ class CudaCommunicator {
     std::chrono::steady_clock::time_point since;
   };
   struct Slot {
+    bool local = false;  // remote slots hold only the IPC-mapped buffer and flags
     int device = -1;
     int rank = 0;
     int group = 0;
@@ -87,7 +94,8 @@ class CudaCommunicator {
   };
 
   CudaCommunicator() = default;
-  Status Init(size_t capacity_bytes, double timeout_s, bool allow_tf32);
+  Status Allocate(size_t capacity_bytes, double timeout_s, bool allow_tf32, bool multiprocess);
+  Status Wire();
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
   Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
                   const char* what, std::vector<Wait>* waits);

@@ -31,7 +31,7 @@ NB_MODULE(_cuda, m) {
   m.def(
       "create_communicator",
       [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
-         bool allow_tf32) {
+         bool allow_tf32, bool multiprocess) {
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
         jax_ub::RaiseIfError(st);
@@ -39,13 +39,49 @@ NB_MODULE(_cuda, m) {
         {
           nb::gil_scoped_release release;
           st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s,
-                                                allow_tf32, &c);
+                                                allow_tf32, multiprocess, &c);
         }
         jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::CudaCommunicator>::Add(std::move(c));
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
-      nb::arg("timeout_s"), nb::arg("allow_tf32") = false);
+      nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("multiprocess") = false);
+  // Same names as the host module's, so one bootstrap serves both: "region names" are the
+  // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
+  m.def("region_names", [](int64_t id) {
+    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
+    if (!c) throw nb::value_error("no such communicator");
+    std::vector<std::string> raw, hex;
+    jax_ub::RaiseIfError(c->ExportHandles(&raw));
+    static const char* digits = "0123456789abcdef";
+    for (const std::string& h : raw) {
+      std::string out;
+      for (unsigned char ch : h) {
+        out.push_back(digits[ch >> 4]);
+        out.push_back(digits[ch & 15]);
+      }
+      hex.push_back(out);
+    }
+    return hex;
+  });
+  m.def("connect", [](int64_t id, std::vector<std::string> hex) {
+    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
+    if (!c) throw nb::value_error("no such communicator");
+    std::vector<std::string> raw;
+    for (const std::string& h : hex) {
+      std::string out;
+      for (size_t i = 0; i + 1 < h.size(); i += 2)
+        out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
+      raw.push_back(out);
+    }
+    jax_ub::Status st;
+    {
+      nb::gil_scoped_release release;
+      st = c->Connect(raw);
+    }
+    jax_ub::RaiseIfError(st);
+  });
+  m.def("unlink", [](int64_t id) {});
   m.def("destroy_communicator", [](int64_t id) {
     nb::gil_scoped_release release;
     return jax_ub::Registry<jax_ub::CudaCommunicator>::Remove(id);

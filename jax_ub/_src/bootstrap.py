@@ -4,7 +4,9 @@ key-value store: no MPI, no launcher, no files.
 Each process creates the regions of its own slots, publishes their handles under a key
 namespace unique to the communicator, maps its peers' regions, and waits until every peer
 process has mapped its own; then the names are removed (the mappings stay), so a process
-that dies later leaves nothing behind. On CPU the handles are POSIX shared-memory names.
+that dies later leaves nothing behind. On CPU the handles are POSIX shared-memory names, on
+CUDA GPUs the buffers' CUDA IPC handles (hex-encoded). Teardown waits, with a deadline, until
+every peer process is done with the communicator before anything is freed.
 """
 
 from __future__ import annotations
@@ -37,28 +39,36 @@ def kv_client():
 
 def create_across_processes(
     module: ModuleType,
+    platform: str,
     describe: tuple,
     group_size: int,
     ordinals: list[int],
     process_of_slot: list[int],
     capacity: int,
     timeout_s: float,
-) -> int:
-    """Create a host communicator over slots held by several processes; returns its id."""
+    **create_kwargs,
+) -> tuple[int, str, list[int]]:
+    """Create a communicator over slots held by several processes.
+
+    Returns (communicator id, key namespace, peer process indices); the last two are what
+    teardown() needs.
+    """
     client = kv_client()
     seq = next(_sequence)
     digest = hashlib.sha1(repr(describe).encode()).hexdigest()[:12]
     ns = f"jax_ub/{seq}/{digest}"
     me = jax.process_index()
     timeout_ms = max(1, int(timeout_s * 1000))
-    comm_id = module.create_communicator(
-        group_size, ordinals, capacity, timeout_s, shm_prefix=f"/jax_ub_{os.getpid()}_{seq}"
-    )
+    if platform == "cpu":
+        create_kwargs["shm_prefix"] = f"/jax_ub_{os.getpid()}_{seq}"
+    else:
+        create_kwargs["multiprocess"] = True
+    comm_id = module.create_communicator(group_size, ordinals, capacity, timeout_s, **create_kwargs)
+    peers = sorted(set(process_of_slot) - {me})
     try:
         names = list(module.region_names(comm_id))
         mine = {s: n for s, n in enumerate(names) if n}
         client.key_value_set(f"{ns}/p{me}", json.dumps({"names": mine, "capacity": capacity}))
-        peers = sorted(set(process_of_slot) - {me})
         for p in peers:
             info = json.loads(_get(client, f"{ns}/p{p}", timeout_ms, p, "publish its userbuffers"))
             if info["capacity"] != capacity:
@@ -76,7 +86,28 @@ def create_across_processes(
     except BaseException:
         module.destroy_communicator(comm_id)
         raise
-    return comm_id
+    return comm_id, ns, peers
+
+
+def teardown(ns: str, peers: list[int], timeout_s: float) -> None:
+    """Wait until every peer process is done with communicator `ns` before it is freed (a
+    peer may still read or write our buffers). A peer that never arrives costs the deadline
+    and a warning, not a hang."""
+    client = kv_client()
+    client.key_value_set(f"{ns}/done/p{jax.process_index()}", "1")
+    timeout_ms = max(1, int(timeout_s * 1000))
+    for p in peers:
+        try:
+            client.blocking_key_value_get(f"{ns}/done/p{p}", timeout_ms)
+        except Exception:  # noqa: BLE001
+            import warnings  # noqa: PLC0415
+
+            warnings.warn(
+                f"jax_ub: process {p} did not finalize communicator {ns} within {timeout_s} s; "
+                "freeing it anyway",
+                stacklevel=3,
+            )
+            return
 
 
 def _get(client, key: str, timeout_ms: int, process: int, what: str) -> str:

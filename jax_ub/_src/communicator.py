@@ -47,6 +47,8 @@ class Communicator:
     capacity_bytes: int
     timeout_s: float
     devices: tuple[jax.Device, ...]
+    bootstrap_namespace: str | None = None  # set when the groups span processes
+    peer_processes: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -90,26 +92,23 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
     ordinals = [_device_ordinal(d) for d in devices]
+    extra = {"allow_tf32": config.allow_tf32} if key.platform == "cuda" else {}
+    ns, peers = None, []
     if all(o >= 0 for o in ordinals):
-        extra = {"allow_tf32": config.allow_tf32} if key.platform == "cuda" else {}
         comm_id = module.create_communicator(
             key.group_size, ordinals, capacity, config.timeout_s, **extra
         )
-    elif key.platform == "cpu":
-        comm_id = bootstrap.create_across_processes(
+    else:
+        comm_id, ns, peers = bootstrap.create_across_processes(
             module,
+            key.platform,
             dataclasses.astuple(key),
             key.group_size,
             ordinals,
             [d.process_index for d in devices],
             capacity,
             config.timeout_s,
-        )
-    else:
-        raise RuntimeError(
-            f"jax_ub: the mesh for axis {key.axis_name!r} spans several processes; on "
-            f"{key.platform} a communicator needs all its GPUs in one process so far (one "
-            "process per host, the tp axis inside it), or use impl='xla'"
+            **extra,
         )
     return Communicator(
         id=comm_id,
@@ -120,6 +119,8 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
         capacity_bytes=capacity,
         timeout_s=config.timeout_s,
         devices=tuple(devices),
+        bootstrap_namespace=ns,
+        peer_processes=tuple(peers),
     )
 
 
@@ -199,6 +200,8 @@ def finalize() -> None:
         # Calls already dispatched may still run on these communicators: let them finish.
         jax.block_until_ready(jax.live_arrays())
     for comm in comms:
+        if comm.bootstrap_namespace is not None:
+            bootstrap.teardown(comm.bootstrap_namespace, list(comm.peer_processes), comm.timeout_s)
         module = extension.module_for(comm.platform)
         if module is not None:
             module.destroy_communicator(comm.id)
