@@ -18,7 +18,7 @@ ln -sf "$(pwd)"/build/dev/_host*.so "$(pwd)"/build/dev/_cuda*.so jax_ub/
 echo "built in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$(pwd)
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -x tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 480 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 400 python3 -m jax_ub.bench --json "$OUT/bench.json" --png "$OUT/bench.png" "$@" 2>&1 \

@@ -10,7 +10,14 @@ import sys
 import time
 
 scenario, pid, nproc, port, ndev = sys.argv[1], *map(int, sys.argv[2:6])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
+if ON_GPU:
+    # This process drives GPUs [pid * ndev, (pid + 1) * ndev) of the machine.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(pid * ndev + i) for i in range(ndev))
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+else:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("JAX_UB_TIMEOUT_S", "8")
 
 import jax  # noqa: E402

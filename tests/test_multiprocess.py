@@ -22,9 +22,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(scenario: str, nproc: int, ndev: int, timeout: float = 150) -> list[tuple[int, str]]:
+def _run(
+    scenario: str, nproc: int, ndev: int, timeout: float = 150, gpu: bool = False
+) -> list[tuple[int, str]]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_UB_TEST_GPU"] = "1" if gpu else "0"
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, scenario, str(i), str(nproc), str(port), str(ndev)],

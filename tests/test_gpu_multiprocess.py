@@ -1,0 +1,40 @@
+"""GPU tier, several processes: TP groups spanning processes on one host, their userbuffers
+shared through CUDA IPC handles bootstrapped over jax.distributed. Same worker and checks
+as the CPU multi-process tests. Skipped without at least 2 GPUs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from test_multiprocess import _results, _run
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_count() -> int:
+    # Count without initializing CUDA in this process (JAX would take 75% of every GPU).
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+GPUS = _gpu_count()
+
+
+@pytest.mark.parametrize("nproc,ndev", [(2, 1), (4, 1), (2, 2)])
+def test_tp_group_across_processes_on_gpus(nproc, ndev):
+    if GPUS < nproc * ndev:
+        pytest.skip(f"needs {nproc * ndev} GPUs, found {GPUS}")
+    for r in _results(_run("tp_across_processes", nproc, ndev, timeout=300, gpu=True)):
+        # f32 on GPU: XLA's reference dot runs in TF32 by default, jax_ub in full f32.
+        assert all(e < 5e-3 for e in r["errs"]), r["errs"]
+
+
+def test_dp_across_processes_tp_inside_on_gpus():
+    if GPUS < 4:
+        pytest.skip("needs 4 GPUs")
+    for r in _results(_run("dp_across_tp_inside", 2, 2, timeout=300, gpu=True)):
+        assert all(e < 5e-3 for e in r["errs"]), r["errs"]
