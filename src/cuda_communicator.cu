@@ -339,6 +339,27 @@ CudaCommunicator::~CudaCommunicator() {
   }
 }
 
+bool CudaCommunicator::Quiesce(double timeout_s) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  do {
+    bool idle = true;
+    uint64_t first = 0;
+    bool have_first = false;
+    for (auto& sp : slots_) {
+      if (!sp || !sp->local) continue;
+      const uint64_t e = sp->epoch.load();
+      if (have_first && e != first) idle = false;
+      first = e;
+      have_first = true;
+      std::lock_guard<std::mutex> lock(sp->mu);
+      if (!sp->pending.empty()) idle = false;
+    }
+    if (idle) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  } while (Clock::now() < deadline);
+  return false;
+}
+
 void CudaCommunicator::MarkBroken(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(broken_mu_);

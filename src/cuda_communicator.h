@@ -49,6 +49,10 @@ class CudaCommunicator {
   Status MatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x, const void* w,
                              void* out, int64_t m, int64_t k, int64_t n);
 
+  // Wait up to `timeout_s` until every local slot has made the same number of calls and
+  // all their GPU work has finished. Returns whether that state was reached.
+  bool Quiesce(double timeout_s);
+
   const Topology& topology() const { return topology_; }
 
  private:
@@ -86,8 +90,8 @@ class CudaCommunicator {
     std::vector<cudaEvent_t> comm_done;  // by peer rank
     std::vector<cudaEvent_t> ready;      // by peer rank: its partial (or gathered copy) is done
     std::unique_ptr<CublasLtGemm> gemm;
-    uint64_t epoch = 0;  // touched only by the handler thread of this device
-    std::mutex mu;       // pending and free_events: shared with the watchdog
+    std::atomic<uint64_t> epoch{0};  // advanced by this device's handler thread
+    std::mutex mu;                   // pending and free_events: shared with the watchdog
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;

@@ -82,6 +82,11 @@ NB_MODULE(_cuda, m) {
     jax_ub::RaiseIfError(st);
   });
   m.def("unlink", [](int64_t id) {});
+  m.def("quiesce", [](int64_t id, double timeout_s) {
+    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
+    nb::gil_scoped_release release;
+    return c ? c->Quiesce(timeout_s) : true;
+  });
   m.def("destroy_communicator", [](int64_t id) {
     nb::gil_scoped_release release;
     return jax_ub::Registry<jax_ub::CudaCommunicator>::Remove(id);

@@ -153,6 +153,30 @@ Status HostCommunicator::Connect(const std::vector<std::string>& names) {
   return Status::Ok();
 }
 
+bool HostCommunicator::Quiesce(double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  do {
+    bool idle = true;
+    uint64_t first = 0;
+    bool have_first = false;
+    for (int s = 0; s < topology_.num_slots() && idle; ++s) {
+      if (!topology_.is_local(s)) continue;
+      std::unique_lock<std::timed_mutex> lock(slot_mu_[s], std::try_to_lock);
+      if (!lock.owns_lock()) {
+        idle = false;  // a call is running on this slot
+      } else if (!have_first) {
+        first = epoch_[s];
+        have_first = true;
+      } else if (epoch_[s] != first) {
+        idle = false;  // some device has a call still to make
+      }
+    }
+    if (idle) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  } while (std::chrono::steady_clock::now() < deadline);
+  return false;
+}
+
 void HostCommunicator::Unlink() {
   for (std::string& name : names_) {
     if (!name.empty()) shm_unlink(name.c_str());

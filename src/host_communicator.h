@@ -84,6 +84,11 @@ class HostCommunicator {
   Status MatmulReduceScatter(int device, DType t, const void* x, const void* w, void* out,
                              int64_t m, int64_t k, int64_t n);
 
+  // Wait up to `timeout_s` until no call is running and every local slot has made the
+  // same number of calls: then no rank is left waiting for a peer whose call was
+  // dispatched but has not started yet. Returns whether that state was reached.
+  bool Quiesce(double timeout_s);
+
   size_t capacity() const { return capacity_; }
   const Topology& topology() const { return topology_; }
 

@@ -53,6 +53,11 @@ NB_MODULE(_host, m) {
     jax_ub::Status st = c->Connect(names);
     jax_ub::RaiseIfError(st);
   });
+  m.def("quiesce", [](int64_t id, double timeout_s) {
+    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
+    nb::gil_scoped_release release;
+    return c ? c->Quiesce(timeout_s) : true;
+  });
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -271,22 +271,33 @@ def test_finalize_with_work_in_flight(mesh1d, rand):
 def test_finalize_with_discarded_work_in_flight(mesh1d, rand):
     """The same with the in-flight result already dropped (fire and forget, then finalize).
 
-    Nothing references that result any more, but its program still runs. If finalize()
-    destroys the communicator under it, the ranks that had not started fail at once while
-    those that had wait for them until timeout_s; the error goes nowhere, and the next
-    program on those devices sits behind the stuck ranks for the whole timeout_s.
+    Nothing references that result any more, but its program still runs. Here rank 3 is
+    busy before the op, so ranks 0-2 are inside it, waiting for rank 3, when finalize()
+    runs. If finalize() destroys the communicator under them, rank 3 then fails at once
+    ("finalized") while ranks 0-2 wait for it until timeout_s: the error goes nowhere,
+    and the next program on those devices sits behind them for the whole timeout_s.
     """
     mesh = mesh1d(4)
     timeout_s = 6.0
     jax_ub.configure(timeout_s=timeout_s)
-    f = _loop_program(mesh)
-    w, x = rand(16, 16, scale=0.3), rand(4 * 4, 16)
-    expected = np.asarray(f(x, w))
-    f(x, w)  # result discarded at once; the work is still in flight
+
+    def body(x, w, m):
+        def busy(x, m):
+            y = lax.fori_loop(0, 20000, lambda i, y: jnp.tanh(y @ m), m)  # ~0.2 s
+            return x + 0.0 * y[0, 0]
+
+        x = lax.cond(lax.axis_index("tp") == 3, busy, lambda x, m: x, x, m)
+        return AG(x, w, "tp", impl="ub")
+
+    f = smap(body, mesh, (P("tp"), P(None, "tp"), P()), P(None, "tp"))
+    x, w, m = rand(4 * 4, 16), rand(16, 4 * 8), rand(64, 64, scale=0.1)
+    expected = np.asarray(f(x, w, m))
+    f(x, w, m)  # result discarded at once; the work is still in flight
+    time.sleep(0.02)  # ranks 0-2 enter the op; rank 3 is still busy
     jax_ub.finalize()
     start = time.monotonic()
-    out = np.asarray(f(x, w))  # traced again, on a new communicator
+    out = np.asarray(f(x, w, m))  # traced again, on a new communicator
     elapsed = time.monotonic() - start
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
-    # A re-trace and a run take well under a second here; a stuck rank costs timeout_s.
+    # A re-trace and a run take about a second here; stuck ranks cost timeout_s.
     assert elapsed < timeout_s / 2, f"next call took {elapsed:.1f} s (timeout_s={timeout_s})"

@@ -176,7 +176,7 @@ def test_vmap_over_shard_map(mesh1d, rand, impl, in_axes):
     b = 3
     x_shape, w_shape = (4 * 4, 4 * 8), (4 * 8, 8)
     if in_axes[0] is not None:  # the batch dim where vmap takes it from
-        x_shape = x_shape[: in_axes[0]] + (b,) + x_shape[in_axes[0]:]
+        x_shape = x_shape[: in_axes[0]] + (b,) + x_shape[in_axes[0] :]
     x = rand(*x_shape)
     w = rand(*(w_shape if in_axes[1] is None else (b,) + w_shape))
     out = jax.jit(jax.vmap(_rs_1d(mesh, impl), in_axes=in_axes))(x, w)

@@ -200,9 +200,17 @@ def finalize() -> None:
         # Calls already dispatched may still run on these communicators: let them finish.
         jax.block_until_ready(jax.live_arrays())
     for comm in comms:
+        module = extension.module_for(comm.platform)
+        # A call dispatched to some devices but not started on others must not find its
+        # communicator gone while its peers wait inside the op for it.
+        if module is not None and not module.quiesce(comm.id, comm.timeout_s):
+            warnings.warn(
+                f"jax_ub: {comm} still had calls in flight after {comm.timeout_s} s; "
+                "destroying it anyway",
+                stacklevel=2,
+            )
         if comm.bootstrap_namespace is not None:
             bootstrap.teardown(comm.bootstrap_namespace, list(comm.peer_processes), comm.timeout_s)
-        module = extension.module_for(comm.platform)
         if module is not None:
             module.destroy_communicator(comm.id)
     if comms:
