@@ -342,6 +342,7 @@ CudaCommunicator::~CudaCommunicator() {
 bool CudaCommunicator::Quiesce(double timeout_s) {
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
   do {
+    if (broken_.load(std::memory_order_acquire)) return true;  // no more progress to wait for
     bool idle = true;
     uint64_t first = 0;
     bool have_first = false;

@@ -156,6 +156,8 @@ Status HostCommunicator::Connect(const std::vector<std::string>& names) {
 bool HostCommunicator::Quiesce(double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   do {
+    // A broken communicator makes no more progress: nothing to wait for.
+    if (broken_.load(std::memory_order_acquire)) return true;
     bool idle = true;
     uint64_t first = 0;
     bool have_first = false;
