@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -134,7 +135,8 @@ std::string Describe(const char* op, int rank, int group) {
 Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
                                 bool allow_tf32, bool multiprocess,
                                 std::unique_ptr<CudaCommunicator>* out) {
-  if (timeout_s <= 0) return InvalidArgument("timeout must be positive");
+  if (!(timeout_s > 0) || !std::isfinite(timeout_s))  // NaN and inf would disable deadlines
+    return InvalidArgument("timeout must be positive and finite, got " + std::to_string(timeout_s));
   std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
   c->topology_ = std::move(topology);
   JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, timeout_s, allow_tf32, multiprocess));

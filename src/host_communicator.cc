@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -72,7 +73,8 @@ struct HostCommunicator::CallContext {
 Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
                                 const std::string& shm_prefix,
                                 std::unique_ptr<HostCommunicator>* out) {
-  if (timeout_s <= 0) return InvalidArgument(Fmt("timeout must be positive, got %g s", timeout_s));
+  if (!(timeout_s > 0) || !std::isfinite(timeout_s))  // NaN and inf would disable deadlines
+    return InvalidArgument(Fmt("timeout must be positive and finite, got %g s", timeout_s));
   std::unique_ptr<HostCommunicator> c(new HostCommunicator());
   c->capacity_ = (capacity_bytes + 63) / 64 * 64;
   c->timeout_s_ = timeout_s;

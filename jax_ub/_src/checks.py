@@ -48,6 +48,8 @@ def ub_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
     """Why the userbuffer path cannot take these operands, or None if it can."""
     if x.dtype != w.dtype:
         return f"x and w have different dtypes ({x.dtype=}, {w.dtype=})"
+    if x.shape[-1] == 0:
+        return f"the contraction is empty (k = x.shape[-1] = 0; {x.shape=})"
     if jnp.dtype(x.dtype) not in UB_DTYPES:
         return f"dtype {x.dtype} is not supported (supported: float32, bfloat16, float16)"
     return None

@@ -196,9 +196,21 @@ def finalize() -> None:
         comms = list(_live.values()) + _retired
         _live.clear()
         _retired.clear()
-    if comms:
-        # Calls already dispatched may still run on these communicators: let them finish.
-        jax.block_until_ready(jax.live_arrays())
+    try:
+        _destroy(comms)
+    finally:
+        if comms:
+            jax.clear_caches()
+
+
+def _destroy(comms: list[Communicator]) -> None:
+    # Calls already dispatched may still run on these communicators: let them finish. A
+    # result that failed (say, a timeout) re-raises its error here; it is already known.
+    for array in jax.live_arrays() if comms else ():
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001
+            continue
     for comm in comms:
         module = extension.module_for(comm.platform)
         # A call dispatched to some devices but not started on others must not find its
@@ -209,12 +221,14 @@ def finalize() -> None:
                 "destroying it anyway",
                 stacklevel=2,
             )
-        if comm.bootstrap_namespace is not None:
-            bootstrap.teardown(comm.bootstrap_namespace, list(comm.peer_processes), comm.timeout_s)
-        if module is not None:
-            module.destroy_communicator(comm.id)
-    if comms:
-        jax.clear_caches()
+        try:
+            if comm.bootstrap_namespace is not None:
+                bootstrap.teardown(
+                    comm.bootstrap_namespace, list(comm.peer_processes), comm.timeout_s
+                )
+        finally:
+            if module is not None:
+                module.destroy_communicator(comm.id)
 
 
 def live_communicators() -> list[Communicator]:

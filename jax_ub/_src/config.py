@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 _MIB = 1 << 20
@@ -10,12 +11,35 @@ _MIB = 1 << 20
 
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
-    return float(value) if value else default
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not a number") from None
 
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
-    return int(value) if value else default
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _check(cfg: Config, source: str = "") -> None:
+    """Raise a ValueError naming the setting (and `source`, e.g. an env var) if it is bad."""
+    where = f" (from {source})" if source else ""
+    if isinstance(cfg.timeout_s, bool) or not isinstance(cfg.timeout_s, (int, float)):
+        raise ValueError(f"timeout_s must be a number of seconds, got {cfg.timeout_s!r}{where}")
+    if not (math.isfinite(cfg.timeout_s) and cfg.timeout_s > 0):
+        raise ValueError(f"timeout_s must be positive and finite, got {cfg.timeout_s}{where}")
+    if isinstance(cfg.buffer_bytes, bool) or not isinstance(cfg.buffer_bytes, int):
+        raise ValueError(f"buffer_bytes must be an integer, got {cfg.buffer_bytes!r}{where}")
+    if cfg.buffer_bytes < 0:
+        raise ValueError(f"buffer_bytes must be >= 0, got {cfg.buffer_bytes}{where}")
 
 
 @dataclasses.dataclass
@@ -43,6 +67,9 @@ class Config:
     )
     allow_tf32: bool = False
 
+    def __post_init__(self) -> None:
+        _check(self, "JAX_UB_TIMEOUT_S / JAX_UB_BUFFER_BYTES or the constructor")
+
 
 config = Config()
 
@@ -61,10 +88,6 @@ def configure(**changes: object) -> Config:
         raise ValueError(f"unknown jax_ub setting {names}; known: {fields}")
     # Validate the whole change before applying any of it.
     new = dataclasses.replace(config, **changes)
-    if new.timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {new.timeout_s=}")
-    if new.buffer_bytes < 0:
-        raise ValueError(f"buffer_bytes must be >= 0, got {new.buffer_bytes=}")
     for name in changes:
         setattr(config, name, getattr(new, name))
     return config

@@ -1,0 +1,173 @@
+"""One process of a multi-process fault test (started by tests/test_reliability.py).
+
+argv: scenario process_id num_processes port
+One CPU device per process; one tensor-parallel group spans all processes.
+
+Scenario "killed_peer": every process runs a loop of userbuffer ops (all_gather_matmul and
+matmul_reduce_scatter, alternating, each checked against numpy). The last process SIGKILLs
+itself right after op KILL_AT completes. The survivors must then:
+  1. fail the next op within the deadline (JAX_UB_TIMEOUT_S) with an error naming the op
+     and the dead rank, not hang;
+  2. fail the op after that at once, saying the communicator is broken;
+  3. after jax_ub.finalize(), run both ops correctly on a mesh of the surviving processes
+     (re-initialize after an error).
+Each survivor prints "RESULT <json>" and exits 0; any other outcome prints "ERROR ..." and
+exits non-zero. Only userbuffer ops run (no XLA collective, which would itself block on
+the dead process).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+scenario, pid, nproc, port = sys.argv[1], *map(int, sys.argv[2:5])
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("JAX_UB_TIMEOUT_S", "5")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=nproc,
+    process_id=pid,
+    initialization_timeout=60,
+)
+
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ub  # noqa: E402
+
+KILL_AT = 3  # the victim dies after this many ops have completed
+M, K, N = 8, 16, 12  # per-rank row block, contracting dim, per-rank columns
+
+
+def global_array(mesh, spec, full):
+    return jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec), lambda i: full[i])
+
+
+def make_ops(mesh):
+    tp = mesh.shape["tp"]
+    ag = jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
+    rs = jax.jit(
+        jax.shard_map(
+            lambda h, v: jax_ub.matmul_reduce_scatter(h, v, "tp", impl="ub"),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P("tp", None),
+        )
+    )
+    rng = np.random.default_rng(0)  # same data in every process
+    x = rng.standard_normal((tp * M, K), np.float32)
+    w = rng.standard_normal((K, tp * N), np.float32)
+    h = rng.standard_normal((tp * M, tp * K), np.float32)
+    v = rng.standard_normal((tp * K, N), np.float32)
+    args_ag = (global_array(mesh, P("tp", None), x), global_array(mesh, P(None, "tp"), w))
+    args_rs = (global_array(mesh, P(None, "tp"), h), global_array(mesh, P("tp", None), v))
+    return [
+        ("all_gather_matmul", ag, args_ag, x @ w),
+        ("matmul_reduce_scatter", rs, args_rs, h @ v),
+    ]
+
+
+def check(out, expected):
+    """Compares every local shard of `out` with the same block of the numpy product."""
+    worst = 0.0
+    for shard in out.addressable_shards:
+        got, want = np.asarray(shard.data), expected[shard.index]
+        worst = max(worst, float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+    if not worst < 1e-5:
+        raise AssertionError(f"wrong result: relative error {worst}")
+    return worst
+
+
+def exit_together(code):
+    """Survivors leave together: process 0 hosts jax.distributed's coordination service, and
+    if it left first, the other survivors' agents would abort them."""
+    from jax._src import distributed  # noqa: PLC0415
+
+    client = distributed.global_state.client
+    client.key_value_set(f"fault_test/done/p{pid}", str(code))
+    if pid == 0:
+        for p in range(1, nproc - 1):
+            client.blocking_key_value_get(f"fault_test/done/p{p}", 60_000)
+    os._exit(code)
+
+
+def _run_expecting_failure(f, args, key):
+    """Runs f(*args), which must fail; returns what failed, how and how fast. Nothing of the
+    failed result stays referenced (finalize() would wait on it: see RELIABILITY.md)."""
+    t0 = time.monotonic()
+    try:
+        jax.block_until_ready(f(*args))
+    except Exception as e:  # noqa: BLE001
+        return {
+            f"{key}_type": type(e).__name__,
+            f"{key}_seconds": time.monotonic() - t0,
+            f"{key}_error": str(e),
+        }
+    raise AssertionError(f"{key}: the op succeeded although a peer process is dead")
+
+
+def killed_peer():
+    victim = nproc - 1
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    ops = make_ops(mesh)
+    for i in range(KILL_AT):
+        name, f, args, expected = ops[i % 2]
+        check(f(*args), expected)
+    if pid == victim:
+        print(f"KILLING myself (pid {os.getpid()}) after {KILL_AT} ops", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    result = {}
+    # 1. The next op cannot complete: it must fail within the deadline. (In a multi-process
+    # CPU run JAX raises the op's error from the call itself, as a ValueError, not as
+    # jax.errors.JaxRuntimeError from block_until_ready: catch broadly, record the type.)
+    name, f, args, _ = ops[KILL_AT % 2]
+    result.update(failed_op=name, **_run_expecting_failure(f, args, "failed"))
+    # 2. The communicator is broken: the next op fails at once.
+    name, f, args, _ = ops[(KILL_AT + 1) % 2]
+    result.update(broken_op=name, **_run_expecting_failure(f, args, "broken"))
+
+    # 3. finalize() and start afresh on the surviving processes.
+    t0 = time.monotonic()
+    jax_ub.finalize()  # waits up to the deadline for the dead process's teardown, then warns
+    result.update(finalize_seconds=time.monotonic() - t0)
+    t0 = time.monotonic()
+    survivors = [d for d in jax.devices() if d.process_index != victim]
+    sub = Mesh(np.array(survivors), ("tp",))
+    errs = []
+    for _ in range(2):
+        for _name, f, args, expected in make_ops(sub):
+            errs.append(check(f(*args), expected))
+    result.update(
+        rerun_errs=errs,
+        rerun_seconds=time.monotonic() - t0,
+        comms=[c.group_size for c in jax_ub.live_communicators()],
+    )
+    jax_ub.finalize()
+    print("RESULT " + json.dumps(result), flush=True)
+    exit_together(0)
+
+
+try:
+    if scenario == "killed_peer":
+        killed_peer()
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+except BaseException as e:  # noqa: BLE001
+    print(f"ERROR: {type(e).__name__}: {e}", flush=True)
+    os._exit(3)  # skip jax.distributed's shutdown barrier, which would wait for the peers
