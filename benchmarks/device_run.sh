@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/device_run.sh [tests|bench|all] [bench args...]
+# Usage (on the GPU machine, repo root):
+#   bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize] [bench args...]
+# flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
+# memcheck on a small 2-GPU run (slow: several minutes).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -23,4 +26,14 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 400 python3 -m jax_ub.bench --json "$OUT/bench.json" --png "$OUT/bench.png" "$@" 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^  .*failed" | tail -60
+fi
+if [ "$what" = flax ]; then
+  timeout 500 python3 examples/train_tp_transformer.py --compare-xla --steps 30 "$@" 2>&1 \
+    | tee "$OUT/flax.log" | tail -30
+fi
+if [ "$what" = sanitize ]; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  timeout 560 compute-sanitizer --tool memcheck --target-processes all --print-limit 50 \
+    python3 benchmarks/sanitize_small.py > "$OUT/memcheck.log" 2>&1
+  echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|SANITIZE_SMALL_OK|Invalid" "$OUT/memcheck.log" | head
 fi
