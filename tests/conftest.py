@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
 from jax_ub._src.config import config as _config  # noqa: E402
@@ -149,3 +150,23 @@ def _check_device_count():
 def _finalize_after_module():
     yield
     jax_ub.finalize()
+
+
+def ag_fn(mesh, impl="ub", axis="tp", **kw):
+    """jit(shard_map(all_gather_matmul)): x row-sharded, w column-sharded over tp."""
+    return smap(
+        lambda x, w: jax_ub.all_gather_matmul(x, w, axis, impl=impl, **kw),
+        mesh,
+        in_specs=(P("tp"), P(None, "tp")),
+        out_specs=P(None, "tp"),
+    )
+
+
+def rs_fn(mesh, impl="ub", axis="tp"):
+    """jit(shard_map(matmul_reduce_scatter)): x column-sharded, w row-sharded over tp."""
+    return smap(
+        lambda x, w: jax_ub.matmul_reduce_scatter(x, w, axis, impl=impl),
+        mesh,
+        in_specs=(P(None, "tp"), P("tp")),
+        out_specs=P("tp"),
+    )

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ag_fn as _ag
 from conftest import rel_err, smap, to_f32
+from conftest import rs_fn as _rs
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -15,24 +17,6 @@ from jax_ub import _host
 
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
-
-
-def _ag(mesh, impl="ub", axis="tp", **kw):
-    return smap(
-        lambda x, w: AG(x, w, axis, impl=impl, **kw),
-        mesh,
-        in_specs=(P("tp"), P(None, "tp")),
-        out_specs=P(None, "tp"),
-    )
-
-
-def _rs(mesh, impl="ub", axis="tp"):
-    return smap(
-        lambda x, w: RS(x, w, axis, impl=impl),
-        mesh,
-        in_specs=(P(None, "tp"), P("tp")),
-        out_specs=P("tp"),
-    )
 
 
 # --------------------------------------------------------------------------- argument checks

@@ -13,7 +13,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,10 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ag_fn as _ag
 from conftest import make_mesh, rel_err, smap, to_f32, tol
+from conftest import rs_fn as _rs
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_multiprocess import _free_port
 
 import jax_ub
 from jax_ub import _host
@@ -44,24 +46,6 @@ def _fresh():
     jax_ub.finalize()
     yield
     jax_ub.finalize()
-
-
-def _ag(mesh, impl="ub", axis="tp", **kw):
-    return smap(
-        lambda x, w: AG(x, w, axis, impl=impl, **kw),
-        mesh,
-        in_specs=(P("tp"), P(None, "tp")),
-        out_specs=P(None, "tp"),
-    )
-
-
-def _rs(mesh, impl="ub", axis="tp"):
-    return smap(
-        lambda x, w: RS(x, w, axis, impl=impl),
-        mesh,
-        in_specs=(P(None, "tp"), P("tp")),
-        out_specs=P("tp"),
-    )
 
 
 def _put(mesh, spec, array):
@@ -856,12 +840,6 @@ def test_empty_contraction(op):
 # =========================================================================================
 # 6. A process killed in the middle of a multi-process run
 # =========================================================================================
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_killed_process_fails_peers_within_deadline_then_recovers():

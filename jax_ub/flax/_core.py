@@ -19,8 +19,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
+from jax_ub._src import checks
 
-IMPLS = ("auto", "ub", "xla")
 Params = Mapping[str, jax.Array]
 
 
@@ -42,9 +42,8 @@ def tp_size(owner: str, mesh: Any, axis_name: Any) -> int:
     return int(mesh.shape[axis_name])
 
 
-def check_impl(owner: str, impl: Any) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"{owner}: impl must be one of {IMPLS}, got {impl=}")
+# One spelling of the impl check for the ops and the layers.
+check_impl = checks.check_impl
 
 
 def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) -> None:
