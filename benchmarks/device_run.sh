@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
-#   bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize] [bench args...]
+#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize] [bench args...]
+# TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench").
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
 # memcheck on a small 2-GPU run (slow: several minutes).
 set -u
@@ -21,11 +22,14 @@ ln -sf "$(pwd)"/build/dev/_host*.so "$(pwd)"/build/dev/_cuda*.so jax_ub/
 echo "built in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$(pwd)
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 480 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 480 python3 -m pytest -v -rsxX -m gpu tests -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED" "$OUT/gpu_tests.log" | grep -v "^tests.*PASSED" | tail -30
+  grep -cE "PASSED" "$OUT/gpu_tests.log"; tail -3 "$OUT/gpu_tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 400 python3 -m jax_ub.bench --json "$OUT/bench.json" --png "$OUT/bench.png" "$@" 2>&1 \
-    | tee "$OUT/bench.log" | grep -v "^  .*failed" | tail -60
+  tag=${TAG:-bench}
+  timeout 400 python3 -m jax_ub.bench --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
+    | tee "$OUT/$tag.log" | grep -v "^  .*failed" | tail -60
 fi
 if [ "$what" = flax ]; then
   timeout 500 python3 examples/train_tp_transformer.py --compare-xla --steps 30 "$@" 2>&1 \

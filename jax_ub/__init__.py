@@ -3,13 +3,19 @@
 Public API:
   all_gather_matmul(x, w, axis_name, *, impl="auto", return_gathered=False)
   matmul_reduce_scatter(x, w, axis_name, *, impl="auto")
-  initialize(mesh, axis_name, *, buffer_bytes=None) / finalize()
+  initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
   configure(**settings) / config
 """
 
 from jax_ub._src import extension as _extension  # registers the FFI handlers
 from jax_ub._src.all_gather_matmul import all_gather_matmul
-from jax_ub._src.communicator import Communicator, finalize, initialize, live_communicators
+from jax_ub._src.communicator import (
+    Communicator,
+    check_health,
+    finalize,
+    initialize,
+    live_communicators,
+)
 from jax_ub._src.config import Config, config, configure
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.reference import (
@@ -22,6 +28,7 @@ __all__ = [
     "Config",
     "all_gather_matmul",
     "all_gather_matmul_reference",
+    "check_health",
     "config",
     "configure",
     "finalize",

@@ -4,6 +4,10 @@ Run ``python -m jax_ub.bench`` (or ``benchmarks/bench_overlap.py``) on a machine
 several GPUs. Everything below runs in one process, interleaved round by round, except
 XLA's windowed einsum, which needs its own XLA flags and so its own process.
 
+With ``--processes P`` the same benchmark runs as P processes on this host, each driving
+``--gpus-per-process`` GPUs, joined by ``jax.distributed`` (userbuffers shared through
+CUDA IPC): compare with the one-process numbers of the same shapes.
+
 Device time of an implementation = average over a loop of async calls (after warm-up);
 the reported number is the median over rounds. Per GPU shapes: x [M/tp, K] gathered to
 [M, K] and multiplied by w [K, N/tp] (AG+GEMM); x [M, N/tp] @ w [N/tp, K] reduce-scattered
@@ -16,6 +20,7 @@ import argparse
 import functools
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -88,14 +93,23 @@ def _mgpu_all_gather_matmul(mesh, m_local, k, n_local, dtype):
     return _smap(mesh, fn, (P(AXIS, None), P(None, AXIS)), P(None, AXIS))
 
 
-def build_ag(mesh, M, K, N, dtype, key):
+def _put(host: np.ndarray, mesh, spec) -> jax.Array:
+    """A global array from the same host data in every process (works with several)."""
+    return jax.make_array_from_callback(
+        host.shape, NamedSharding(mesh, spec), lambda index: host[index]
+    )
+
+
+def _random(seed: int, shape, dtype, scale: float = 1.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape, np.float32) * scale).astype(dtype)
+
+
+def build_ag(mesh, M, K, N, dtype, seed):
     tp = mesh.shape[AXIS]
-    kx, kw = jax.random.split(key)
-    x = jax.random.normal(kx, (M, K), dtype)
-    w = (jax.random.normal(kw, (K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
-    xs = jax.device_put(x, NamedSharding(mesh, P(AXIS, None)))
-    xr = jax.device_put(x, NamedSharding(mesh, P()))
-    ws = jax.device_put(w, NamedSharding(mesh, P(None, AXIS)))
+    x = _random(seed, (M, K), dtype)
+    w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
+    xs, xr, ws = _put(x, mesh, P(AXIS, None)), _put(x, mesh, P()), _put(w, mesh, P(None, AXIS))
     row, col = (P(AXIS, None), P(None, AXIS)), P(None, AXIS)
     impls = {
         "gemm": (_smap(mesh, lambda a, b: a @ b, (P(), P(None, AXIS)), col), (xr, ws)),
@@ -110,25 +124,21 @@ def build_ag(mesh, M, K, N, dtype, key):
             (xs, ws),
         ),
     }
-    mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype)
-    if mgpu is not None:
-        impls["pallas_mgpu"] = (mgpu, (xs, ws))
+    if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
+        mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype)
+        if mgpu is not None:
+            impls["pallas_mgpu"] = (mgpu, (xs, ws))
+    else:
+        del impls["ring"]
     return impls, impls["xla_seq"]
 
 
-def build_rs(mesh, M, K, N, dtype, key):
-    kx, kw = jax.random.split(key)
-    x = jax.random.normal(kx, (M, N), dtype)
-    w = (jax.random.normal(kw, (N, K), jnp.float32) / np.sqrt(N)).astype(dtype)
-    xs = jax.device_put(x, NamedSharding(mesh, P(None, AXIS)))
-    ws = jax.device_put(w, NamedSharding(mesh, P(AXIS, None)))
+def build_rs(mesh, M, K, N, dtype, seed):
+    x = _random(seed, (M, N), dtype)
+    w = _random(seed + 1, (N, K), dtype, 1 / np.sqrt(N))
+    xs, ws = _put(x, mesh, P(None, AXIS)), _put(w, mesh, P(AXIS, None))
     ins, out = (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
-    y_local = (
-        jax.device_put(
-            jnp.zeros((M * mesh.shape[AXIS], K), dtype), NamedSharding(mesh, P(AXIS, None))
-        )
-        + 1.0
-    )
+    y_local = _put(np.ones((M * mesh.shape[AXIS], K), dtype), mesh, P(AXIS, None))
     impls = {
         "gemm": (_smap(mesh, lambda a, b: a @ b, ins, P(AXIS, None)), (xs, ws)),
         "comm": (
@@ -154,10 +164,15 @@ def build_rs(mesh, M, K, N, dtype, key):
     return impls, impls["xla_seq"]
 
 
+@jax.jit
+def _rel_err(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+
+
 def rel_err(a, b) -> float:
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    b = np.asarray(jnp.asarray(b, jnp.float32))
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    # On the devices: with several processes no one process holds the whole result.
+    return float(np.asarray(_rel_err(a, b)))
 
 
 def measure(impls, reference, rounds: int, iters: int) -> tuple[dict, dict]:
@@ -239,6 +254,15 @@ def main(argv=None) -> None:
     ap.add_argument("--no-windowed-einsum", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="run as this many processes on this host (jax.distributed), GPUs split evenly",
+    )
+    ap.add_argument("--gpus-per-process", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     ap.add_argument("--windowed-einsum-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--windowed-einsum-only-first",
@@ -254,18 +278,25 @@ def main(argv=None) -> None:
     if args.windowed_einsum_child:
         _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
         return
+    if args.processes and args.process_id < 0:
+        sys.exit(_launch(args, argv if argv is not None else sys.argv[1:]))
+    if args.processes:
+        jax.distributed.initialize(args.coordinator, args.processes, args.process_id)
+        args.no_windowed_einsum = True  # its child process would not join the others
+    lead = jax.process_index() == 0
+    say = functools.partial(print, flush=True) if lead else (lambda *a, **k: None)
     devices = jax.devices()[: args.tp or None]
     mesh = Mesh(np.array(devices), (AXIS,))
     tp = len(devices)
-    print(
-        f"devices: {tp} x {devices[0].device_kind}; jax {jax.__version__}; dtype {dtype}",
-        flush=True,
+    say(
+        f"devices: {tp} x {devices[0].device_kind} in {jax.process_count()} process(es); "
+        f"jax {jax.__version__}; dtype {dtype}"
     )
     results = []
     for M, K, N in shapes:
         for op in args.ops.split(","):
             build = build_ag if op == "ag" else build_rs
-            impls, ref = build(mesh, M, K, N, dtype, jax.random.key(M + K + N))
+            impls, ref = build(mesh, M, K, N, dtype, M + K + N)
             times, errs = measure(impls, ref, args.rounds, args.iters)
             first = (M, K, N) == shapes[0]
             if (
@@ -292,27 +323,43 @@ def main(argv=None) -> None:
                 comm_hidden=hidden,
             )
             results.append(row)
-            print(
+            say(
                 f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms (median of "
                 f"{args.rounds} rounds x {args.iters} calls)",
                 flush=True,
             )
             for name, t in sorted(times.items(), key=lambda kv: kv[1]):
                 e = errs.get(name)
-                print(
+                say(
                     f"  {name:22s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
                     + (f"  rel_err {e:.1e}" if e is not None else ""),
                     flush=True,
                 )
-            print(
+            say(
                 f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
                 flush=True,
             )
-    if args.json:
+    if args.json and lead:
         with open(args.json, "w") as fh:
-            json.dump(dict(device=devices[0].device_kind, tp=tp, results=results), fh, indent=1)
-    if args.png:
+            info = dict(device=devices[0].device_kind, tp=tp, processes=jax.process_count())
+            json.dump(dict(**info, results=results), fh, indent=1)
+    if args.png and lead:
         _plot(results, args.png)
+
+
+def _launch(args, argv: list[str]) -> int:
+    """Start args.processes copies of this benchmark, each on its own GPUs; wait for all."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    g = args.gpus_per_process
+    procs = []
+    for i in range(args.processes):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i * g + d) for d in range(g)))
+        cmd = [sys.executable, "-m", "jax_ub.bench", *argv]
+        cmd += ["--process-id", str(i), "--coordinator", f"127.0.0.1:{port}"]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return max(p.wait() for p in procs)
 
 
 def _plot(results, path) -> None:

@@ -17,9 +17,11 @@ using Clock = std::chrono::steady_clock;
 // Stream memory operations come from the driver API; resolve them once through the
 // runtime so the module links no libcuda (it imports on machines without a driver).
 using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using StreamBatchFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 struct DriverOps {
   StreamValueFn wait = nullptr;
   StreamValueFn write = nullptr;
+  StreamBatchFn batch = nullptr;
 };
 
 Status LoadDriverOps(const DriverOps** out) {
@@ -37,6 +39,11 @@ Status LoadDriverOps(const DriverOps** out) {
     if (q != cudaDriverEntryPointSuccess || fn == nullptr)
       return Internal("driver has no cuStreamWriteValue64");
     ops.write = reinterpret_cast<StreamValueFn>(fn);
+    JAX_UB_CUDA(
+        cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &fn, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || fn == nullptr)
+      return Internal("driver has no cuStreamBatchMemOp");
+    ops.batch = reinterpret_cast<StreamBatchFn>(fn);
     return Status::Ok();
   }();
   *out = &ops;
@@ -115,6 +122,47 @@ Status LaunchSum(DType t, const void* parts, int64_t count, int nparts, void* ou
   }
 }
 
+// Compares the descriptors that every peer sent with this rank's own call (`mine`).
+// Healthy calls return at once. On a mismatch (first one only) block 0 writes the report
+// and raises the slot's health word; while the health word is raised, for this call or
+// any later one, every block fills the outputs with 0xFF bytes, a NaN in bf16, fp16 and
+// f32, so a failed call can never hand plausible numbers to the program.
+__global__ void VerifyCall(const uint64_t* desc_from, CallDescriptor mine, int size, int rank,
+                           uint64_t* health, CudaCommunicator::DeviceReport* report, char* out0,
+                           size_t bytes0, char* out1, size_t bytes1) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) {
+    const uint64_t* own = reinterpret_cast<const uint64_t*>(&mine);
+    int peer = -1;
+    for (int j = 0; j < size && peer < 0; ++j) {
+      if (j == rank) continue;
+      const volatile uint64_t* d = desc_from + j * CallDescriptor::kWords;
+      for (int q = 0; q < CallDescriptor::kWords; ++q)
+        if (d[q] != own[q]) peer = j;
+    }
+    volatile uint64_t* h = health;
+    const uint64_t was = *h;
+    if (peer >= 0 && was == 0 && blockIdx.x == 0) {
+      volatile uint64_t* r = reinterpret_cast<volatile uint64_t*>(report);
+      r[1] = static_cast<uint64_t>(peer);
+      for (int q = 0; q < CallDescriptor::kWords; ++q) {
+        r[2 + q] = own[q];
+        r[2 + CallDescriptor::kWords + q] = desc_from[peer * CallDescriptor::kWords + q];
+      }
+      __threadfence_system();
+      r[0] = 1;
+      *h = 2;
+    }
+    bad = peer >= 0 || was != 0;
+  }
+  __syncthreads();
+  if (!bad) return;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  for (size_t i = first; i < bytes0; i += stride) out0[i] = static_cast<char>(0xFF);
+  for (size_t i = first; i < bytes1; i += stride) out1[i] = static_cast<char>(0xFF);
+}
+
 // Load every kernel of this module on the current device now: lazy loading in the
 // middle of a call could block behind a stream that spins on a peer.
 Status PreloadKernels() {
@@ -122,6 +170,7 @@ Status PreloadKernels() {
   JAX_UB_CUDA(cudaFuncGetAttributes(&attr, SumChunks<float>));
   JAX_UB_CUDA(cudaFuncGetAttributes(&attr, SumChunks<__nv_bfloat16>));
   JAX_UB_CUDA(cudaFuncGetAttributes(&attr, SumChunks<__half>));
+  JAX_UB_CUDA(cudaFuncGetAttributes(&attr, VerifyCall));
   return Status::Ok();
 }
 
@@ -133,13 +182,13 @@ std::string Describe(const char* op, int rank, int group) {
 }  // namespace
 
 Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                                bool allow_tf32, bool multiprocess,
+                                GemmOptions gemm, bool multiprocess,
                                 std::unique_ptr<CudaCommunicator>* out) {
   if (!(timeout_s > 0) || !std::isfinite(timeout_s))  // NaN and inf would disable deadlines
     return InvalidArgument("timeout must be positive and finite, got " + std::to_string(timeout_s));
   std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
   c->topology_ = std::move(topology);
-  JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, timeout_s, allow_tf32, multiprocess));
+  JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, timeout_s, gemm, multiprocess));
   // Across processes the peers' buffers arrive later, through Connect().
   if (!multiprocess) JAX_UB_RETURN_IF_ERROR(c->Wire());
   *out = std::move(c);
@@ -202,7 +251,7 @@ Status CudaCommunicator::Connect(const std::vector<std::string>& handles) {
   return Wire();
 }
 
-Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, bool allow_tf32,
+Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm,
                                   bool multiprocess) {
   const DriverOps* ops;
   JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
@@ -230,6 +279,7 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, bool 
     JAX_UB_CUDA(cudaMemset(s->flags, 0, kNumFlags * sizeof(uint64_t)));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->compute, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->watchdog_stream, cudaStreamNonBlocking));
+    JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->tune, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaEventCreateWithFlags(&s->start, cudaEventDisableTiming));
     JAX_UB_CUDA(cudaEventCreateWithFlags(&s->compute_done, cudaEventDisableTiming));
     s->comm.assign(size, nullptr);
@@ -240,8 +290,12 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, bool 
       JAX_UB_CUDA(cudaEventCreateWithFlags(&s->comm_done[r], cudaEventDisableTiming));
       JAX_UB_CUDA(cudaEventCreateWithFlags(&s->ready[r], cudaEventDisableTiming));
     }
+    void* report = nullptr;
+    JAX_UB_CUDA(cudaHostAlloc(&report, sizeof(DeviceReport), cudaHostAllocMapped));
+    s->report = static_cast<DeviceReport*>(report);
+    std::memset(report, 0, sizeof(DeviceReport));
     CublasLtGemm* g = nullptr;
-    JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(allow_tf32, &g));
+    JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(gemm, &g));
     s->gemm.reset(g);
     JAX_UB_RETURN_IF_ERROR(PreloadKernels());
     slots_[sl] = std::move(s);
@@ -336,8 +390,10 @@ CudaCommunicator::~CudaCommunicator() {
     cudaEventDestroy(s.compute_done);
     cudaStreamDestroy(s.compute);
     cudaStreamDestroy(s.watchdog_stream);
+    cudaStreamDestroy(s.tune);
     cudaFree(s.buffer);
     cudaFree(s.flags);
+    if (s.report != nullptr) cudaFreeHost(s.report);
   }
 }
 
@@ -361,6 +417,12 @@ bool CudaCommunicator::Quiesce(double timeout_s) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   } while (Clock::now() < deadline);
   return false;
+}
+
+std::string CudaCommunicator::BrokenReason() {
+  if (!broken_.load(std::memory_order_acquire)) return "";
+  std::lock_guard<std::mutex> lock(broken_mu_);
+  return broken_reason_;
 }
 
 void CudaCommunicator::MarkBroken(const std::string& reason) {
@@ -416,6 +478,34 @@ Status CudaCommunicator::Signal(cudaStream_t stream, uint64_t* remote_flag, uint
   return Status::Ok();
 }
 
+Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc) {
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
+  const uint64_t* words = reinterpret_cast<const uint64_t*>(&desc);
+  uint64_t* dst = s.peer_flags[p] + kDescFlag + s.rank * CallDescriptor::kWords;
+  CUstreamBatchMemOpParams params[CallDescriptor::kWords] = {};
+  for (int q = 0; q < CallDescriptor::kWords; ++q) {
+    params[q].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    params[q].writeValue.address = reinterpret_cast<CUdeviceptr>(dst + q);
+    params[q].writeValue.value64 = words[q];
+    params[q].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  }
+  JAX_UB_CU(ops->batch(reinterpret_cast<CUstream>(stream), CallDescriptor::kWords, params, 0));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Verify(Slot& s, const CallDescriptor& desc, void* out0, size_t bytes0,
+                                void* out1, size_t bytes1) {
+  if (topology_.group_size() == 1) return Status::Ok();  // no peer to disagree with
+  DeviceReport* report = nullptr;
+  JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report), s.report, 0));
+  // A few blocks: a healthy call only reads ~40 words; a failed one fills its outputs.
+  VerifyCall<<<16, 256, 0, s.compute>>>(s.flags + kDescFlag, desc, topology_.group_size(), s.rank,
+                                        s.flags + kHealthFlag, report, static_cast<char*>(out0),
+                                        bytes0, static_cast<char*>(out1), bytes1);
+  return CudaStatus(cudaGetLastError(), "VerifyCall launch");
+}
+
 Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
                                 std::vector<Wait> waits) {
   JAX_UB_CUDA(cudaEventRecord(s.compute_done, s.compute));
@@ -451,6 +541,8 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
   uint64_t e = 0;
   JAX_UB_RETURN_IF_ERROR(Begin(device, op, chunk * size, &s, &e));
   const Schedule sched{s->rank, size};
+  const CallDescriptor desc{
+      static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};
   std::vector<Wait> waits;
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
@@ -461,6 +553,7 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
     JAX_UB_CUDA(cudaStreamWaitEvent(cs, s->start));
     JAX_UB_RETURN_IF_ERROR(
         WaitFlag(*s, cs, kCreditFlag + p, e - 1, p, "free its userbuffer", &waits));
+    JAX_UB_RETURN_IF_ERROR(Publish(*s, cs, p, desc));
     JAX_UB_CUDA(cudaMemcpyAsync(s->peer_buffer[p] + s->rank * chunk, x, chunk,
                                 cudaMemcpyDeviceToDevice, cs));
     JAX_UB_RETURN_IF_ERROR(Signal(cs, s->peer_flags[p] + kDataFlag + s->rank, e));
@@ -472,6 +565,16 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
     JAX_UB_CUDA(cudaStreamWaitEvent(gs, s->start));
     JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + s->rank * chunk, x, chunk,
                                 cudaMemcpyDeviceToDevice, gs));
+  }
+  // First call of a shape: pick the GEMM algorithms (timing them with the real operands
+  // once the inputs are ready; remote chunks may still be landing, which only matters for
+  // their values, and `out` is rewritten below).
+  JAX_UB_CUDA(cudaStreamWaitEvent(s->tune, s->start));
+  for (const Schedule::Span& span : sched.AllGatherSpans()) {
+    const void* src = span.first == s->rank ? x : s->buffer + span.first * chunk;
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, n,
+                                            static_cast<char*>(out) + span.first * m * n * es, n,
+                                            span.count * m, k, n, s->tune));
   }
   // Multiply the local chunk, then the remote ones once they have landed.
   for (const Schedule::Span& span : sched.AllGatherSpans()) {
@@ -497,6 +600,8 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
     JAX_UB_CUDA(cudaEventRecord(s->ready[s->rank], gs));
     JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->ready[s->rank]));
   }
+  JAX_UB_RETURN_IF_ERROR(
+      Verify(*s, desc, out, size * m * n * es, gathered, gathered == nullptr ? 0 : size * chunk));
   // Our buffer is free again: tell every sender.
   for (int p : sched.PushOrder())
     JAX_UB_RETURN_IF_ERROR(Signal(s->compute, s->peer_flags[p] + kCreditFlag + s->rank, e));
@@ -514,12 +619,19 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
   uint64_t e = 0;
   JAX_UB_RETURN_IF_ERROR(Begin(device, op, 2 * chunk * size, &s, &e));
   const Schedule sched{s->rank, size};
+  const CallDescriptor desc{
+      static_cast<uint32_t>(OpKind::kMatmulReduceScatter), static_cast<uint32_t>(t), m, k, n, e};
   std::vector<Wait> waits;
   char* recv = s->buffer;                  // [size] partials addressed to us, by sender
   char* stage = s->buffer + size * chunk;  // [size] partials we computed for each peer
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
 
+  // First call of a shape: pick the GEMM algorithm (see AllGatherMatmul). Peers may be
+  // writing their partials into `recv` meanwhile; tuning writes only our own slot of it.
+  JAX_UB_CUDA(cudaStreamWaitEvent(s->tune, s->start));
+  JAX_UB_RETURN_IF_ERROR(
+      s->gemm->Prepare(t, x, k, w, n, recv + s->rank * chunk, n, m, k, n, s->tune));
   // Each peer's partial first, sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     const char* a = static_cast<const char*>(x) + d * m * k * es;
@@ -531,6 +643,7 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
     JAX_UB_CUDA(cudaStreamWaitEvent(cs, s->ready[d]));
     JAX_UB_RETURN_IF_ERROR(
         WaitFlag(*s, cs, kCreditFlag + d, e - 1, d, "free its userbuffer", &waits));
+    JAX_UB_RETURN_IF_ERROR(Publish(*s, cs, d, desc));
     JAX_UB_CUDA(cudaMemcpyAsync(s->peer_buffer[d] + s->rank * chunk, dst, chunk,
                                 cudaMemcpyDeviceToDevice, cs));
     JAX_UB_RETURN_IF_ERROR(Signal(cs, s->peer_flags[d] + kDataFlag + s->rank, e));
@@ -542,6 +655,7 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
         WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its partial sum", &waits));
   }
   JAX_UB_RETURN_IF_ERROR(LaunchSum(t, recv, m * n, size, out, s->compute));
+  JAX_UB_RETURN_IF_ERROR(Verify(*s, desc, out, chunk, nullptr, 0));
   // Credits promise peers the whole buffer, staging area included: wait until our own
   // partials have left it, or a peer's next push could overwrite one still in flight.
   for (int p : sched.PushOrder()) JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->comm_done[p]));
@@ -562,6 +676,20 @@ void CudaCommunicator::WatchdogLoop() {
         cudaSetDevice(s.device);
         cudaError_t q = cudaEventQuery(f.done);
         if (q == cudaSuccess) {
+          const volatile DeviceReport* r = s.report;
+          if (r->code != 0 && !s.reported) {
+            s.reported = true;
+            CallDescriptor mine, theirs;
+            std::memcpy(&mine, const_cast<const CallDescriptor*>(&r->mine), sizeof(mine));
+            std::memcpy(&theirs, const_cast<const CallDescriptor*>(&r->theirs), sizeof(theirs));
+            const std::string reason =
+                Describe(f.op, s.rank, s.group) + ": ranks disagree on the call: rank " +
+                std::to_string(s.rank) + " runs " + mine.ToString() + " but rank " +
+                std::to_string(r->peer) + " sent " + theirs.ToString() +
+                "; the outputs of this call were filled with NaN";
+            std::fprintf(stderr, "jax_ub: %s\n", reason.c_str());
+            MarkBroken(reason);
+          }
           s.free_events.push_back(f.done);
           s.pending.pop_front();
           if (!s.pending.empty()) s.pending.front().since = Clock::now();
@@ -574,7 +702,12 @@ void CudaCommunicator::WatchdogLoop() {
         }
         if (Clock::now() - f.since > std::chrono::duration<double>(timeout_s_)) {
           // Name the peer we are stuck on, then release the stream so the job ends
-          // with an error instead of hanging.
+          // with an error instead of hanging. The health word goes up first, so the
+          // released call fills its outputs with NaN instead of computing on stale data.
+          const uint64_t unhealthy = 1;
+          cudaMemcpyAsync(s.flags + kHealthFlag, &unhealthy, sizeof(unhealthy),
+                          cudaMemcpyHostToDevice, s.watchdog_stream);
+          cudaStreamSynchronize(s.watchdog_stream);
           std::string reason;
           for (const Wait& wt : f.waits) {
             uint64_t seen = 0;
@@ -587,7 +720,8 @@ void CudaCommunicator::WatchdogLoop() {
                        std::to_string(timeout_s_) + " s waiting for rank " +
                        std::to_string(wt.peer) + " to " + wt.what + " for call #" +
                        std::to_string(wt.target) + " (flag holds #" + std::to_string(seen) +
-                       "); the peer never arrived, is stuck, or runs a different program";
+                       "); the peer never arrived, is stuck, or runs a different program. The "
+                       "outputs of this call are NaN";
             uint64_t target = wt.target;
             cudaMemcpyAsync(const_cast<uint64_t*>(wt.flag), &target, sizeof(target),
                             cudaMemcpyHostToDevice, s.watchdog_stream);

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "call_descriptor.h"
 #include "cuda_gemm.h"
 #include "dtype.h"
 #include "status.h"
@@ -33,7 +34,7 @@ class CudaCommunicator {
   // With `multiprocess`, slots of other processes are mapped later: ExportHandles() gives
   // this process's CUDA IPC handles, Connect() opens the others' (through jax.distributed's
   // key-value store in between). Otherwise every slot must be local.
-  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s, bool allow_tf32,
+  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s, GemmOptions gemm,
                        bool multiprocess, std::unique_ptr<CudaCommunicator>* out);
   // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
   Status ExportHandles(std::vector<std::string>* handles) const;
@@ -54,13 +55,28 @@ class CudaCommunicator {
   bool Quiesce(double timeout_s);
 
   const Topology& topology() const { return topology_; }
+  // Why the communicator is broken, or "" while it is healthy.
+  std::string BrokenReason();
+
+  // Written by the device (host-mapped memory) when a peer's call descriptor differs from
+  // this slot's own; read by the watchdog once the call has finished.
+  struct DeviceReport {
+    uint64_t code;  // nonzero once written
+    uint64_t peer;
+    CallDescriptor mine;
+    CallDescriptor theirs;
+  };
 
  private:
   // Flag words per slot: data[j] (chunk from rank j landed, by epoch), credit[j] (rank j
-  // consumed what this slot sent it, by epoch).
+  // consumed what this slot sent it, by epoch), health (nonzero once a wait of this slot
+  // timed out or a peer's call differed: every later output of the slot is poisoned with
+  // NaN), then the call descriptor each rank sent with its latest chunk.
   static constexpr int kDataFlag = 0;
   static constexpr int kCreditFlag = kMaxRanks;
-  static constexpr int kNumFlags = 2 * kMaxRanks;
+  static constexpr int kHealthFlag = 2 * kMaxRanks;
+  static constexpr int kDescFlag = 2 * kMaxRanks + 8;
+  static constexpr int kNumFlags = kDescFlag + kMaxRanks * CallDescriptor::kWords;
 
   struct Wait {
     int peer;
@@ -95,15 +111,26 @@ class CudaCommunicator {
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;
+    cudaStream_t tune = nullptr;     // GEMM autotuning: waits only on this device's own work
+    DeviceReport* report = nullptr;  // host-mapped, written by VerifyCall
+    bool reported = false;           // watchdog only
   };
 
   CudaCommunicator() = default;
-  Status Allocate(size_t capacity_bytes, double timeout_s, bool allow_tf32, bool multiprocess);
+  Status Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm, bool multiprocess);
   Status Wire();
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
   Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
                   const char* what, std::vector<Wait>* waits);
   Status Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value);
+  // Write `desc` into peer `p`'s descriptor words for this slot's rank (stream memory
+  // operations: no SMs, ordered before the data flag that follows on `stream`).
+  Status Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc);
+  // On the compute stream, after every peer's chunk has landed: compare the peers'
+  // descriptors with `desc`; on a mismatch, or once the slot is unhealthy, fill the
+  // outputs with NaN and report. Outputs of a failed call are never plausible numbers.
+  Status Verify(Slot& s, const CallDescriptor& desc, void* out0, size_t bytes0, void* out1,
+                size_t bytes1);
   Status Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
                 std::vector<Wait> waits);
   void WatchdogLoop();

@@ -1,11 +1,16 @@
 #include "cuda_gemm.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "cuda_check.h"
 
 namespace jax_ub {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt asks for on Hopper
+constexpr int kCandidates = 8;                 // heuristic results timed when autotuning
+constexpr int kTimedRuns = 3;
 
 cudaDataType_t CudaType(DType t) {
   switch (t) {
@@ -20,9 +25,9 @@ cudaDataType_t CudaType(DType t) {
 
 }  // namespace
 
-Status CublasLtGemm::Create(bool allow_tf32, CublasLtGemm** out) {
+Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
   auto* g = new CublasLtGemm();
-  g->allow_tf32_ = allow_tf32;
+  g->options_ = options;
   Status st = CublasStatus(cublasLtCreate(&g->handle_), "cublasLtCreate");
   if (st.ok())
     st = CudaStatus(cudaMalloc(&g->workspace_, kWorkspaceBytes), "cudaMalloc(workspace)");
@@ -46,7 +51,8 @@ CublasLtGemm::~CublasLtGemm() {
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
-Status CublasLtGemm::GetPlan(const Key& key, Plan** plan) {
+Status CublasLtGemm::GetPlan(const Key& key, bool tune, const void* a, const void* b, void* c,
+                             cudaStream_t stream, Plan** plan) {
   auto it = plans_.find(key);
   if (it != plans_.end()) {
     *plan = &it->second;
@@ -57,7 +63,7 @@ Status CublasLtGemm::GetPlan(const Key& key, Plan** plan) {
   const cudaDataType_t dt = CudaType(t);
   Plan p;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  if (t == DType::kF32 && allow_tf32_) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  if (t == DType::kF32 && options_.allow_tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   // Row-major C = A @ B is column-major C^T = B^T @ A^T: pass B as the first operand.
   JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p.desc, compute, CUDA_R_32F));
   JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, dt, n, k, ldb));  // B^T: n x k
@@ -68,18 +74,74 @@ Status CublasLtGemm::GetPlan(const Key& key, Plan** plan) {
   size_t ws = workspace_bytes_;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                        sizeof(ws));
-  cublasLtMatmulHeuristicResult_t result;
+  cublasLtMatmulHeuristicResult_t results[kCandidates];
   int found = 0;
-  cublasStatus_t hs =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref,
+                                                     tune ? kCandidates : 1, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  JAX_UB_CUBLAS(hs);
-  if (found == 0)
-    return Internal("cuBLASLt found no algorithm for m=" + std::to_string(m) +
-                    " k=" + std::to_string(k) + " n=" + std::to_string(n));
-  p.algo = result.algo;
+  Status st = CublasStatus(hs, "cublasLtMatmulAlgoGetHeuristic");
+  if (st.ok() && found == 0)
+    st = Internal("cuBLASLt found no algorithm for m=" + std::to_string(m) +
+                  " k=" + std::to_string(k) + " n=" + std::to_string(n));
+  if (st.ok()) {
+    p.algo = results[0].algo;
+    if (tune && found > 1) st = PickFastest(p, results, found, a, b, c, stream);
+  }
+  if (!st.ok()) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
+    cublasLtMatmulDescDestroy(p.desc);
+    return st;
+  }
   *plan = &plans_.emplace(key, p).first->second;
   return Status::Ok();
+}
+
+Status CublasLtGemm::PickFastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count,
+                                 const void* a, const void* b, void* c, cudaStream_t stream) {
+  cudaEvent_t begin = nullptr, end = nullptr;
+  Status st = CudaStatus(cudaEventCreate(&begin), "cudaEventCreate");
+  if (st.ok()) st = CudaStatus(cudaEventCreate(&end), "cudaEventCreate");
+  const float alpha = 1.0f, beta = 0.0f;
+  float best = -1.0f;
+  for (int i = 0; i < count && st.ok(); ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    auto run = [&] {
+      return cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c,
+                            &results[i].algo, workspace_, workspace_bytes_, stream);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here
+    std::vector<float> ms;
+    for (int r = 0; r < kTimedRuns && st.ok(); ++r) {
+      st = CudaStatus(cudaEventRecord(begin, stream), "cudaEventRecord");
+      if (st.ok()) st = CublasStatus(run(), "cublasLtMatmul (autotune)");
+      if (st.ok()) st = CudaStatus(cudaEventRecord(end, stream), "cudaEventRecord");
+      if (st.ok()) st = CudaStatus(cudaEventSynchronize(end), "cudaEventSynchronize");
+      float t = 0;
+      if (st.ok()) st = CudaStatus(cudaEventElapsedTime(&t, begin, end), "cudaEventElapsedTime");
+      ms.push_back(t);
+    }
+    if (!st.ok()) break;
+    std::sort(ms.begin(), ms.end());
+    const float median = ms[ms.size() / 2];
+    if (best < 0 || median < best) {
+      best = median;
+      p.algo = results[i].algo;
+    }
+  }
+  if (begin != nullptr) cudaEventDestroy(begin);
+  if (end != nullptr) cudaEventDestroy(end);
+  return st;
+}
+
+Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
+                             void* c, int64_t ldc, int64_t m, int64_t k, int64_t n,
+                             cudaStream_t tune_stream) {
+  if (m == 0 || n == 0) return Status::Ok();
+  Plan* p = nullptr;
+  return GetPlan(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc}, options_.autotune, a, b, c,
+                 tune_stream, &p);
 }
 
 Status CublasLtGemm::Matmul(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
@@ -87,7 +149,8 @@ Status CublasLtGemm::Matmul(DType t, const void* a, int64_t lda, const void* b, 
                             cudaStream_t stream) {
   if (m == 0 || n == 0) return Status::Ok();
   Plan* p = nullptr;
-  JAX_UB_RETURN_IF_ERROR(GetPlan(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc}, &p));
+  JAX_UB_RETURN_IF_ERROR(
+      GetPlan(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc}, false, a, b, c, stream, &p));
   const float alpha = 1.0f, beta = 0.0f;
   JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c, p->c,
                                &p->algo, workspace_, workspace_bytes_, stream));

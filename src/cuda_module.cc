@@ -31,7 +31,7 @@ NB_MODULE(_cuda, m) {
   m.def(
       "create_communicator",
       [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
-         bool allow_tf32, bool multiprocess) {
+         bool allow_tf32, bool autotune, bool multiprocess) {
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
         jax_ub::RaiseIfError(st);
@@ -39,13 +39,15 @@ NB_MODULE(_cuda, m) {
         {
           nb::gil_scoped_release release;
           st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s,
-                                                allow_tf32, multiprocess, &c);
+                                                jax_ub::GemmOptions{allow_tf32, autotune},
+                                                multiprocess, &c);
         }
         jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::CudaCommunicator>::Add(std::move(c));
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
-      nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("multiprocess") = false);
+      nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("autotune") = true,
+      nb::arg("multiprocess") = false);
   // Same names as the host module's, so one bootstrap serves both: "region names" are the
   // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
   m.def("region_names", [](int64_t id) {
@@ -82,6 +84,10 @@ NB_MODULE(_cuda, m) {
     jax_ub::RaiseIfError(st);
   });
   m.def("unlink", [](int64_t id) {});
+  m.def("broken_reason", [](int64_t id) {
+    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
+    return c ? c->BrokenReason() : std::string();
+  });
   m.def("quiesce", [](int64_t id, double timeout_s) {
     auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
     nb::gil_scoped_release release;

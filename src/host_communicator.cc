@@ -41,23 +41,6 @@ std::string Fmt(const char* fmt, ...) {
 
 }  // namespace
 
-const char* OpName(OpKind op) {
-  switch (op) {
-    case OpKind::kAllGatherMatmul:
-      return "all_gather_matmul";
-    case OpKind::kMatmulReduceScatter:
-      return "matmul_reduce_scatter";
-  }
-  return "unknown op";
-}
-
-std::string CallDescriptor::ToString() const {
-  return Fmt("%s(%s, rows=%lld, k=%lld, n=%lld, call #%llu)", OpName(static_cast<OpKind>(op)),
-             DTypeName(static_cast<DType>(dtype)), static_cast<long long>(rows),
-             static_cast<long long>(k), static_cast<long long>(n),
-             static_cast<unsigned long long>(epoch));
-}
-
 struct HostCommunicator::CallContext {
   std::unique_lock<std::timed_mutex> lock;
   OpKind op;

@@ -19,32 +19,12 @@
 #include <string>
 #include <vector>
 
+#include "call_descriptor.h"
 #include "dtype.h"
 #include "status.h"
 #include "topology.h"
 
 namespace jax_ub {
-
-enum class OpKind : uint32_t { kAllGatherMatmul = 1, kMatmulReduceScatter = 2 };
-
-const char* OpName(OpKind op);
-
-// What one call of an op does, as seen by one rank. Sent with every chunk so that a
-// receiver can tell a peer running a different op or shape from its own call.
-struct CallDescriptor {
-  uint32_t op = 0;
-  uint32_t dtype = 0;
-  int64_t rows = 0;  // rows of the local operand (x for AG, the output for RS)
-  int64_t k = 0;
-  int64_t n = 0;
-  uint64_t epoch = 0;
-
-  bool SameCall(const CallDescriptor& o) const {
-    return op == o.op && dtype == o.dtype && rows == o.rows && k == o.k && n == o.n &&
-           epoch == o.epoch;
-  }
-  std::string ToString() const;
-};
 
 // Layout of the front of every symmetric region. Written by peers; all flag words are
 // accessed atomically.
@@ -88,6 +68,13 @@ class HostCommunicator {
   // same number of calls: then no rank is left waiting for a peer whose call was
   // dispatched but has not started yet. Returns whether that state was reached.
   bool Quiesce(double timeout_s);
+
+  // Why the communicator is broken, or "" while it is healthy.
+  std::string BrokenReason() {
+    if (!broken_.load(std::memory_order_acquire)) return "";
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    return broken_reason_;
+  }
 
   size_t capacity() const { return capacity_; }
   const Topology& topology() const { return topology_; }

@@ -53,6 +53,10 @@ NB_MODULE(_host, m) {
     jax_ub::Status st = c->Connect(names);
     jax_ub::RaiseIfError(st);
   });
+  m.def("broken_reason", [](int64_t id) {
+    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
+    return c ? c->BrokenReason() : std::string();
+  });
   m.def("quiesce", [](int64_t id, double timeout_s) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     nb::gil_scoped_release release;

@@ -92,7 +92,11 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
     ordinals = [_device_ordinal(d) for d in devices]
-    extra = {"allow_tf32": config.allow_tf32} if key.platform == "cuda" else {}
+    extra = (
+        {"allow_tf32": config.allow_tf32, "autotune": config.autotune_gemm}
+        if key.platform == "cuda"
+        else {}
+    )
     ns, peers = None, []
     if all(o >= 0 for o in ordinals):
         comm_id = module.create_communicator(
@@ -229,6 +233,37 @@ def _destroy(comms: list[Communicator]) -> None:
         finally:
             if module is not None:
                 module.destroy_communicator(comm.id)
+
+
+def check_health() -> None:
+    """Raise ``RuntimeError`` if a live communicator has failed, with the reason.
+
+    On CPU a failed call raises by itself. On GPUs an op has returned to XLA before the
+    device finds that a peer timed out or ran a different call: the watchdog then prints
+    the reason, fills that call's outputs with NaN and marks the communicator broken, so the
+    *next* jax_ub call raises. This function raises it without another call: it waits (up
+    to the timeout) until the calls already dispatched have been checked. Call it after
+    ``jax.block_until_ready`` where a NaN would otherwise go unexplained, e.g. once per
+    training step or when a loss turns NaN.
+
+    Example::
+
+        loss = jax.block_until_ready(train_step(state, batch))
+        jax_ub.check_health()  # RuntimeError: ... ranks disagree on the call ...
+    """
+    with _lock:
+        comms = list(_live.values()) + list(_retired)
+    problems = []
+    for comm in comms:
+        module = extension.module_for(comm.platform)
+        if module is None:
+            continue
+        module.quiesce(comm.id, comm.timeout_s)  # returns early once broken
+        reason = module.broken_reason(comm.id)
+        if reason:
+            problems.append(f"{comm}: {reason}")
+    if problems:
+        raise RuntimeError("jax_ub: " + "\n".join(problems))
 
 
 def live_communicators() -> list[Communicator]:

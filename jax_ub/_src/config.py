@@ -54,6 +54,10 @@ class Config:
       allow_grow: when an op needs more than the buffer holds, create a larger buffer
         at trace time instead of raising (env ``JAX_UB_ALLOW_GROW``).
       allow_tf32: let float32 GEMMs on GPU use TF32 tensor cores.
+      autotune_gemm: on GPU, time cuBLASLt's candidate algorithms the first time each
+        GEMM shape runs and keep the fastest (env ``JAX_UB_AUTOTUNE_GEMM``; ``0`` keeps
+        the heuristic's first pick). The first call of a shape blocks its device's
+        thread for the tuning runs, typically tens of milliseconds.
     """
 
     buffer_bytes: int = dataclasses.field(
@@ -66,6 +70,9 @@ class Config:
         default_factory=lambda: os.environ.get("JAX_UB_ALLOW_GROW", "1") not in ("0", "")
     )
     allow_tf32: bool = False
+    autotune_gemm: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("JAX_UB_AUTOTUNE_GEMM", "1") not in ("0", "")
+    )
 
     def __post_init__(self) -> None:
         _check(self, "JAX_UB_TIMEOUT_S / JAX_UB_BUFFER_BYTES or the constructor")

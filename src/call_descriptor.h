@@ -1,0 +1,54 @@
+// What one call of an op does, as seen by one rank. Every rank sends its descriptor with
+// its chunks, and a receiver compares it with its own: a peer running a different op,
+// shape, dtype or call number is an error naming both sides, never wrong numbers.
+// Shared by the host and CUDA communicators; on GPUs it travels as five 64-bit words.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "dtype.h"
+
+namespace jax_ub {
+
+enum class OpKind : uint32_t { kAllGatherMatmul = 1, kMatmulReduceScatter = 2 };
+
+inline const char* OpName(OpKind op) {
+  switch (op) {
+    case OpKind::kAllGatherMatmul:
+      return "all_gather_matmul";
+    case OpKind::kMatmulReduceScatter:
+      return "matmul_reduce_scatter";
+  }
+  return "unknown op";
+}
+
+struct CallDescriptor {
+  uint32_t op = 0;
+  uint32_t dtype = 0;
+  int64_t rows = 0;  // rows of the local operand (x for AG, the output for RS)
+  int64_t k = 0;
+  int64_t n = 0;
+  uint64_t epoch = 0;
+
+  static constexpr int kWords = 5;
+
+  bool SameCall(const CallDescriptor& o) const {
+    return op == o.op && dtype == o.dtype && rows == o.rows && k == o.k && n == o.n &&
+           epoch == o.epoch;
+  }
+  std::string ToString() const {
+    if (op == 0 && epoch == 0) return "nothing (no call arrived)";
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "%s(%s, rows=%lld, k=%lld, n=%lld, call #%llu)",
+                  OpName(static_cast<OpKind>(op)), DTypeName(static_cast<DType>(dtype)),
+                  static_cast<long long>(rows), static_cast<long long>(k),
+                  static_cast<long long>(n), static_cast<unsigned long long>(epoch));
+    return buf;
+  }
+};
+static_assert(sizeof(CallDescriptor) == CallDescriptor::kWords * sizeof(uint64_t),
+              "CallDescriptor must pack into whole 64-bit words");
+
+}  // namespace jax_ub
