@@ -4,7 +4,7 @@
 #   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize] [bench args...]
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench").
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
-# memcheck on a small 2-GPU run (slow: several minutes).
+# memcheck and racecheck on a small 2-GPU run (slow: minutes each).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -37,7 +37,10 @@ if [ "$what" = flax ]; then
 fi
 if [ "$what" = sanitize ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  timeout 560 compute-sanitizer --tool memcheck --target-processes all --print-limit 50 \
-    python3 benchmarks/sanitize_small.py > "$OUT/memcheck.log" 2>&1
-  echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|SANITIZE_SMALL_OK|Invalid" "$OUT/memcheck.log" | head
+  for tool in memcheck racecheck; do
+    timeout ${SANITIZE_S:-270} compute-sanitizer --tool $tool --print-limit 50 \
+      python3 benchmarks/sanitize_small.py > "$OUT/$tool.log" 2>&1
+    echo "$tool rc=$?"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE_SMALL_OK|rel errs|Invalid|Error" "$OUT/$tool.log" | head
+  done
 fi

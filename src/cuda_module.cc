@@ -2,12 +2,14 @@
 // communicator lifecycle.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <stdexcept>
 
+#include "cuda_check.h"
 #include "cuda_communicator.h"
 #include "nb_helpers.h"
 #include "registry.h"
@@ -98,6 +100,17 @@ NB_MODULE(_cuda, m) {
     return jax_ub::Registry<jax_ub::CudaCommunicator>::Remove(id);
   });
   m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::CudaCommunicator>::Size(); });
+  // (free, total) bytes of a GPU's memory, for leak checks; the current device is kept.
+  m.def("memory_info", [](int device) {
+    int current = 0;
+    size_t free = 0, total = 0;
+    jax_ub::Status st = jax_ub::CudaStatus(cudaGetDevice(&current), "cudaGetDevice");
+    if (st.ok()) st = jax_ub::CudaStatus(cudaSetDevice(device), "cudaSetDevice");
+    if (st.ok()) st = jax_ub::CudaStatus(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    cudaSetDevice(current);
+    jax_ub::RaiseIfError(st);
+    return std::make_pair(free, total);
+  });
   m.def("device_count", []() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

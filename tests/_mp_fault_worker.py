@@ -1,7 +1,8 @@
 """One process of a multi-process fault test (started by tests/test_reliability.py).
 
 argv: scenario process_id num_processes port
-One CPU device per process; one tensor-parallel group spans all processes.
+One device per process (a CPU device, or with JAX_UB_TEST_GPU=1 GPU number process_id);
+one tensor-parallel group spans all processes.
 
 Scenario "killed_peer": every process runs a loop of userbuffer ops (all_gather_matmul and
 matmul_reduce_scatter, alternating, each checked against numpy). The last process SIGKILLs
@@ -12,8 +13,10 @@ itself right after op KILL_AT completes. The survivors must then:
   3. after jax_ub.finalize(), run both ops correctly on a mesh of the surviving processes
      (re-initialize after an error).
 Each survivor prints "RESULT <json>" and exits 0; any other outcome prints "ERROR ..." and
-exits non-zero. Only userbuffer ops run (no XLA collective, which would itself block on
-the dead process).
+exits non-zero. On GPUs step 1 differs: the op has returned before the device finds the
+peer gone, so the timed-out call must hand back NaN (never stale numbers) within the
+deadline, and jax_ub.check_health() must raise naming the dead rank. Only userbuffer ops
+run (no XLA collective, which would itself block on the dead process).
 """
 
 import json
@@ -23,8 +26,13 @@ import sys
 import time
 
 scenario, pid, nproc, port = sys.argv[1], *map(int, sys.argv[2:5])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-os.environ["JAX_PLATFORMS"] = "cpu"
+ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
+if ON_GPU:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(pid)
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+else:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("JAX_UB_TIMEOUT_S", "5")
 
 import jax  # noqa: E402
@@ -121,6 +129,22 @@ def _run_expecting_failure(f, args, key):
     raise AssertionError(f"{key}: the op succeeded although a peer process is dead")
 
 
+def _run_expecting_nan(f, args):
+    """GPU: the call returns; its outputs must be NaN, and check_health() must say why."""
+    t0 = time.monotonic()
+    out = f(*args)
+    local = [np.asarray(s.data) for s in out.addressable_shards]
+    del out
+    seconds = time.monotonic() - t0
+    if not all(np.isnan(a).all() for a in local):
+        raise AssertionError("the timed-out call returned numbers instead of NaN")
+    try:
+        jax_ub.check_health()
+    except RuntimeError as e:
+        return {"failed_type": "NaN", "failed_seconds": seconds, "failed_error": str(e)}
+    raise AssertionError("check_health() found nothing wrong although a peer process is dead")
+
+
 def killed_peer():
     victim = nproc - 1
     mesh = Mesh(np.array(jax.devices()), ("tp",))
@@ -137,7 +161,10 @@ def killed_peer():
     # CPU run JAX raises the op's error from the call itself, as a ValueError, not as
     # jax.errors.JaxRuntimeError from block_until_ready: catch broadly, record the type.)
     name, f, args, _ = ops[KILL_AT % 2]
-    result.update(failed_op=name, **_run_expecting_failure(f, args, "failed"))
+    if ON_GPU:
+        result.update(failed_op=name, **_run_expecting_nan(f, args))
+    else:
+        result.update(failed_op=name, **_run_expecting_failure(f, args, "failed"))
     # 2. The communicator is broken: the next op fails at once.
     name, f, args, _ = ops[(KILL_AT + 1) % 2]
     result.update(broken_op=name, **_run_expecting_failure(f, args, "broken"))

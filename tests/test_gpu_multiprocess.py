@@ -4,21 +4,10 @@ as the CPU multi-process tests. Skipped without at least 2 GPUs."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
-from test_multiprocess import _results, _run
+from test_multiprocess import _gpu_count, _results, _run
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpu_count() -> int:
-    # Count without initializing CUDA in this process (JAX would take 75% of every GPU).
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
 GPUS = _gpu_count()
