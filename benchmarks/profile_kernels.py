@@ -1,0 +1,83 @@
+"""Which GPU kernels an implementation runs, and for how long (no nsys needed).
+
+python benchmarks/profile_kernels.py --tp 2 --shape 2048x8192x32768 [--op ag|rs] [--out DIR]
+
+Traces a few calls of GEMM alone, XLA's all-gather-then-dot and jax_ub with JAX's profiler
+(CUPTI; a Perfetto trace), then prints per implementation the kernels on the devices:
+count per call, average duration, and name. Used to see whether a gap between jax_ub and
+GEMM alone is the GEMM kernel itself or time between kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_ub.bench import build_ag, build_rs
+
+
+def kernels(trace_dir: str) -> list[tuple[str, float]]:
+    """(name, microseconds) of every device event in the trace, in order."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    # Device streams are the processes whose name starts with /device:GPU.
+    gpu_pids = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and "/device:GPU" in e.get("args", {}).get("name", "")
+    }
+    return [
+        (e["name"], float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--shape", default="2048x8192x32768")
+    ap.add_argument("--op", default="ag", choices=["ag", "rs"])
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    M, K, N = (int(v) for v in args.shape.split("x"))
+    mesh = Mesh(np.array(jax.devices()[: args.tp]), ("tp",))
+    build = build_ag if args.op == "ag" else build_rs
+    impls, _ = build(mesh, M, K, N, jax.numpy.bfloat16, 0)
+    for name in ("gemm", "xla_seq", "jax_ub"):
+        f, fargs = impls[name]
+        jax.block_until_ready(f(*fargs))  # compile and warm up (and autotune) outside
+        jax.block_until_ready(f(*fargs))
+        trace_dir = tempfile.mkdtemp(dir=args.out or None, prefix=f"trace_{name}_")
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(args.calls):
+                out = f(*fargs)
+            jax.block_until_ready(out)
+        ks = kernels(trace_dir)
+        per = collections.defaultdict(list)
+        for kname, us in ks:
+            per[kname].append(us)
+        ndev = args.tp
+        total = sum(us for _, us in ks) / args.calls / ndev
+        print(f"\n{name}: {total:.1f} us of device events per call per GPU")
+        for kname, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:8]:
+            print(
+                f"  {len(v) / args.calls / ndev:5.2f}/call  avg {np.mean(v):8.1f} us  {kname[:100]}"
+            )
+
+
+if __name__ == "__main__":
+    main()
