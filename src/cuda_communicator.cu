@@ -294,6 +294,7 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     JAX_UB_CUDA(cudaHostAlloc(&report, sizeof(DeviceReport), cudaHostAllocMapped));
     s->report = static_cast<DeviceReport*>(report);
     std::memset(report, 0, sizeof(DeviceReport));
+    JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->report_device), report, 0));
     CublasLtGemm* g = nullptr;
     JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(gemm, &g));
     s->gemm.reset(g);
@@ -497,12 +498,10 @@ Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const Call
 Status CudaCommunicator::Verify(Slot& s, const CallDescriptor& desc, void* out0, size_t bytes0,
                                 void* out1, size_t bytes1) {
   if (topology_.group_size() == 1) return Status::Ok();  // no peer to disagree with
-  DeviceReport* report = nullptr;
-  JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report), s.report, 0));
   // A few blocks: a healthy call only reads ~40 words; a failed one fills its outputs.
-  VerifyCall<<<16, 256, 0, s.compute>>>(s.flags + kDescFlag, desc, topology_.group_size(), s.rank,
-                                        s.flags + kHealthFlag, report, static_cast<char*>(out0),
-                                        bytes0, static_cast<char*>(out1), bytes1);
+  VerifyCall<<<16, 256, 0, s.compute>>>(
+      s.flags + kDescFlag, desc, topology_.group_size(), s.rank, s.flags + kHealthFlag,
+      s.report_device, static_cast<char*>(out0), bytes0, static_cast<char*>(out1), bytes1);
   return CudaStatus(cudaGetLastError(), "VerifyCall launch");
 }
 
@@ -569,12 +568,11 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
   // First call of a shape: pick the GEMM algorithms (timing them with the real operands
   // once the inputs are ready; remote chunks may still be landing, which only matters for
   // their values, and `out` is rewritten below).
-  JAX_UB_CUDA(cudaStreamWaitEvent(s->tune, s->start));
   for (const Schedule::Span& span : sched.AllGatherSpans()) {
     const void* src = span.first == s->rank ? x : s->buffer + span.first * chunk;
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, n,
                                             static_cast<char*>(out) + span.first * m * n * es, n,
-                                            span.count * m, k, n, s->tune));
+                                            span.count * m, k, n, s->tune, s->start));
   }
   // Multiply the local chunk, then the remote ones once they have landed.
   for (const Schedule::Span& span : sched.AllGatherSpans()) {
@@ -629,9 +627,8 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
 
   // First call of a shape: pick the GEMM algorithm (see AllGatherMatmul). Peers may be
   // writing their partials into `recv` meanwhile; tuning writes only our own slot of it.
-  JAX_UB_CUDA(cudaStreamWaitEvent(s->tune, s->start));
   JAX_UB_RETURN_IF_ERROR(
-      s->gemm->Prepare(t, x, k, w, n, recv + s->rank * chunk, n, m, k, n, s->tune));
+      s->gemm->Prepare(t, x, k, w, n, recv + s->rank * chunk, n, m, k, n, s->tune, s->start));
   // Each peer's partial first, sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     const char* a = static_cast<const char*>(x) + d * m * k * es;

@@ -111,9 +111,10 @@ class CudaCommunicator {
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;
-    cudaStream_t tune = nullptr;     // GEMM autotuning: waits only on this device's own work
-    DeviceReport* report = nullptr;  // host-mapped, written by VerifyCall
-    bool reported = false;           // watchdog only
+    cudaStream_t tune = nullptr;            // GEMM autotuning: waits only on this device's own work
+    DeviceReport* report = nullptr;         // host-mapped, written by VerifyCall
+    DeviceReport* report_device = nullptr;  // the same memory, as the device sees it
+    bool reported = false;                  // watchdog only
   };
 
   CudaCommunicator() = default;

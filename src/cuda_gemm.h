@@ -26,12 +26,13 @@ class CublasLtGemm {
 
   // Chooses the algorithm for this GEMM's shape if it has none yet (later calls with the
   // shape return at once). With autotuning, cuBLASLt's best few candidates are timed on
-  // `tune_stream` with the real operands, `c` being overwritten, and the calling thread
-  // waits for that stream: enqueue on it only work that depends on nothing but this
-  // device. XLA's own dot is autotuned; the heuristic's first pick alone ran up to ~5%
-  // slower than it at some of our chunk shapes.
+  // `tune_stream`, after `inputs_ready`, with the real operands, `c` being overwritten, and
+  // the calling thread waits for that stream: `inputs_ready` must depend on nothing but
+  // this device's own work. XLA's own dot is autotuned; the heuristic's first pick alone ran up to
+  // ~5% slower than it at some of our chunk shapes.
   Status Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
-                 int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream);
+                 int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream,
+                 cudaEvent_t inputs_ready);
 
   // c[m, n] = a[m, k] @ b[k, n], row-major, with leading dims lda/ldb/ldc (elements).
   // Accumulates in float32; output in `t`.
