@@ -263,6 +263,9 @@ def test_same_as_nnx_with_same_params(mesh):
     module = ubl.ParallelSelfAttention(HEADS, mesh=mesh)
     y = module.apply({"params": params}, x, CAUSAL)
     np.testing.assert_allclose(y, model(x, mask=CAUSAL), **TOL)
+    y_causal = module.apply({"params": params}, x, is_causal=True)
+    np.testing.assert_allclose(y_causal, model(x, is_causal=True), **TOL)
+    np.testing.assert_allclose(y_causal, y, **TOL)  # is_causal == the tril mask
 
 
 def test_argument_errors(mesh):
@@ -284,6 +287,8 @@ def test_argument_errors(mesh):
         ubl.ColumnParallelLinear(HIDDEN, mesh=mesh, impl="nccl").init(key, x)
     with pytest.raises(ValueError, match="sequence length .* 18 is not divisible"):
         ubl.ColumnParallelLinear(HIDDEN, mesh=mesh).init(key, jnp.ones((18, BATCH, D)))
+    with pytest.raises(ValueError, match="'cudnn' needs GPU devices"):
+        ubl.ParallelSelfAttention(HEADS, mesh=mesh, attention_implementation="cudnn").init(key, x)
     with pytest.raises(ValueError, match="head dim of the mask must be 1"):
         ubl.ParallelSelfAttention(HEADS, mesh=mesh).init(
             key, x, jnp.ones((BATCH, HEADS, SEQ, SEQ), bool)

@@ -99,9 +99,11 @@ class RefAttention(nnx.Module):
         self.out = RefRow(d, d, mesh, rngs=rngs)
         self.heads = heads
 
-    def __call__(self, x, mask=None):
+    def __call__(self, x, mask=None, is_causal=False):
         seq, batch = x.shape[0], x.shape[1:-1]
         hd = x.shape[-1] // self.heads
+        if is_causal:
+            mask = np.tril(np.ones((seq, seq), bool))
         qkv = self.qkv(x).reshape(seq, *batch, self.heads, 3, hd)
         q, k, v = (jnp.moveaxis(qkv[..., i, :], 0, -2) for i in range(3))  # [*b, h, s, hd]
         logits = q @ jnp.swapaxes(k, -1, -2) / math.sqrt(hd)
@@ -138,11 +140,15 @@ def make_pair(kind, mesh, impl, use_bias=True):
         model = ubf.ParallelMLP(D, HIDDEN, **kw)
         ref = RefMLP(D, HIDDEN, mesh, rngs=rngs)
         shape, extra = (SEQ, BATCH, D), {}
-    elif kind in ("attention", "attention_causal"):
+    elif kind in ("attention", "attention_causal", "attention_is_causal"):
         model = ubf.ParallelSelfAttention(D, HEADS, **kw)
         ref = RefAttention(D, HEADS, mesh, rngs=rngs)
         shape = (SEQ, BATCH, D)
-        extra = {"mask": jnp.asarray(CAUSAL)} if kind == "attention_causal" else {}
+        extra = {
+            "attention": {},
+            "attention_causal": {"mask": jnp.asarray(CAUSAL)},
+            "attention_is_causal": {"is_causal": True},
+        }[kind]
     else:
         raise AssertionError(kind)
     nnx.update(ref, nnx.state(model, nnx.Param))  # same parameter values
@@ -179,7 +185,7 @@ def assert_trees_close(a, b, **tol):
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 _REF_CACHE = {}
-KINDS = ["column", "column2d", "row", "mlp", "attention", "attention_causal"]
+KINDS = ["column", "column2d", "row", "mlp", "attention", "attention_causal", "attention_is_causal"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -347,6 +353,10 @@ def test_argument_errors(mesh):
         ubf.ColumnParallelLinear(D, HIDDEN, mesh=mesh.abstract_mesh, rngs=rngs)
     with pytest.raises(ValueError, match="impl must be one of"):
         ubf.RowParallelLinear(HIDDEN, D, mesh=mesh, impl="nccl", rngs=rngs)
+    with pytest.raises(ValueError, match="attention_implementation must be one of"):
+        ubf.ParallelSelfAttention(D, HEADS, mesh=mesh, attention_implementation="flash", rngs=rngs)
+    with pytest.raises(ValueError, match="'cudnn' needs GPU devices, but the mesh is on 'cpu'"):
+        ubf.ParallelSelfAttention(D, HEADS, mesh=mesh, attention_implementation="cudnn", rngs=rngs)
 
     col = ubf.ColumnParallelLinear(D, HIDDEN, mesh=mesh, rngs=rngs)
     with pytest.raises(ValueError, match="sequence length .* 18 is not divisible"):

@@ -9,7 +9,6 @@ parallel axis, "feature-sharded" means the last dim is.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -143,26 +142,79 @@ def row_local(x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype:
     return y if bias is None else y + bias  # after the reduction, so it is added once
 
 
-def attention_local(qkv: jax.Array, mask: jax.Array | None, *, head_dim: int) -> jax.Array:
-    """Self-attention over the local heads.
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def check_attention_implementation(owner: str, implementation: Any, mesh: Mesh) -> None:
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"{owner}: attention_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+            f"got {implementation!r}"
+        )
+    platform = mesh.devices.flat[0].platform
+    if implementation == "cudnn" and platform not in ("gpu", "cuda"):
+        raise ValueError(
+            f"{owner}: attention_implementation='cudnn' needs GPU devices, but the mesh is "
+            f"on {platform!r}; use None (picks per platform) or 'xla'"
+        )
+
+
+def _attention_backend(
+    requested: str | None, platform: str, dtype: Any, head_dim: int, has_mask: bool
+) -> str:
+    """What ``implementation=None`` means: cuDNN flash attention where it applies, else XLA.
+
+    XLA's attention materialises the ``[heads, seq, seq]`` logits in f32, which dominates
+    a long-sequence step; cuDNN's fused kernel does not. It takes 16-bit inputs and head
+    sizes up to 128; an arbitrary boolean mask stays on XLA (``is_causal`` does not need one).
+    """
+    if requested is not None:
+        return requested
+    eligible = (
+        platform in ("gpu", "cuda")
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim <= 128
+        and head_dim % 8 == 0
+        and not has_mask
+    )
+    return "cudnn" if eligible else "xla"
+
+
+def attention_local(
+    qkv: jax.Array,
+    mask: jax.Array | None,
+    *,
+    head_dim: int,
+    is_causal: bool = False,
+    implementation: str | None = None,
+    platform: str = "cpu",
+) -> jax.Array:
+    """Self-attention over the local heads, with ``jax.nn.dot_product_attention``.
 
     Args:
       qkv: ``[seq, *batch, heads * 3 * head_dim]``, columns ordered (head, q/k/v, head_dim).
       mask: boolean, broadcastable to ``[*batch, 1, seq, seq]``; True attends.
+      is_causal: attend only to earlier positions (no mask array needed).
+      implementation: ``"xla"``, ``"cudnn"``, or None (cuDNN on GPUs where it applies).
+      platform: the devices' platform, for ``implementation=None``.
 
     Returns:
       ``[seq, *batch, heads * head_dim]``, columns ordered (head, head_dim).
     """
     seq, batch = qkv.shape[0], qkv.shape[1:-1]
     qkv = qkv.reshape(seq, *batch, -1, 3, head_dim)
-    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]  # [seq, *batch, heads, head_dim]
-    logits = jnp.einsum("q...hd,k...hd->...hqk", q, k, preferred_element_type=jnp.float32)
-    logits = logits / math.sqrt(head_dim)
+    heads = qkv.shape[-3]
+    # dot_product_attention takes [batch, seq, heads, head_dim]: fold the batch dims.
+    qkv = jnp.moveaxis(qkv, 0, len(batch)).reshape(-1, seq, heads, 3, head_dim)
+    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("...hqk,k...hd->q...hd", probs, v)
-    return out.reshape(seq, *batch, -1)
+        mask = jnp.broadcast_to(mask, (*batch, 1, seq, seq)).reshape(-1, 1, seq, seq)
+    backend = _attention_backend(implementation, platform, q.dtype, head_dim, mask is not None)
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=is_causal, implementation=backend
+    )
+    out = out.reshape(*batch, seq, heads * head_dim)
+    return jnp.moveaxis(out, len(batch), 0)
 
 
 # --- whole-layer functions: jit(shard_map(per-shard computation)), one per configuration ---
@@ -238,13 +290,21 @@ def attention_call(
     ndim: int,
     use_bias: bool,
     has_mask: bool,
+    is_causal: bool = False,
+    attention_implementation: str | None = None,
 ) -> Callable[[jax.Array, Params, Params, jax.Array | None], jax.Array]:
     """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded."""
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype)
+    attend = functools.partial(
+        attention_local,
+        head_dim=head_dim,
+        is_causal=is_causal,
+        implementation=attention_implementation,
+        platform=mesh.devices.flat[0].platform,
+    )
 
     def body(x, p_qkv, p_out, mask):
-        heads = attention_local(column_local(x, p_qkv, **kw), mask, head_dim=head_dim)
-        return row_local(heads, p_out, **kw)
+        return row_local(attend(column_local(x, p_qkv, **kw), mask), p_out, **kw)
 
     col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
     spec = seq_spec(ndim, axis_name)

@@ -114,8 +114,7 @@ class ParallelSelfAttention(nnx.Module):
     Example::
 
         >>> attn = jax_ub.flax.ParallelSelfAttention(16, 4, mesh=mesh, rngs=nnx.Rngs(0))
-        >>> causal = jnp.tril(jnp.ones((32, 32), bool))
-        >>> jax.jit(attn)(jnp.ones((32, 2, 16)), mask=causal).shape
+        >>> attn(jnp.ones((32, 2, 16)), is_causal=True).shape
         (32, 2, 16)
 
     Args:
@@ -124,6 +123,10 @@ class ParallelSelfAttention(nnx.Module):
       qkv_features: total width of the queries (and keys, values) over all heads
         (default: ``in_features``); a multiple of ``num_heads``.
       out_features: number of output features (default: ``in_features``).
+      attention_implementation: the attention core, as ``jax.nn.dot_product_attention``'s
+        ``implementation``: ``"xla"``, ``"cudnn"`` (fused flash attention, GPUs only), or
+        None (default): cuDNN on GPUs for 16-bit dtypes and head sizes up to 128 without
+        a mask array, XLA otherwise.
       mesh, axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs:
         as for :class:`ColumnParallelLinear`, shared by both projections.
     """
@@ -135,6 +138,7 @@ class ParallelSelfAttention(nnx.Module):
         *,
         qkv_features: int | None = None,
         out_features: int | None = None,
+        attention_implementation: str | None = None,
         mesh: Mesh,
         axis_name: str = "tp",
         impl: str = "auto",
@@ -150,6 +154,7 @@ class ParallelSelfAttention(nnx.Module):
         out_features = in_features if out_features is None else out_features
         tp = _core.tp_size(owner, mesh, axis_name)
         _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
+        _core.check_attention_implementation(owner, attention_implementation, mesh)
         if qkv_features % num_heads != 0:
             raise ValueError(
                 f"{owner}: qkv_features={qkv_features} is not divisible by {num_heads=}"
@@ -169,14 +174,20 @@ class ParallelSelfAttention(nnx.Module):
         self.out = RowParallelLinear(qkv_features, out_features, **common)
         self.num_heads = num_heads
         self.head_dim = qkv_features // num_heads
+        self.attention_implementation = attention_implementation
 
-    def __call__(self, inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, inputs: jax.Array, mask: jax.Array | None = None, *, is_causal: bool = False
+    ) -> jax.Array:
         """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
 
         Args:
           inputs: sequence-sharded activations.
           mask: optional boolean mask broadcastable to ``[*batch, 1, seq, seq]`` (True
-            attends), e.g. ``jnp.tril(jnp.ones((seq, seq), bool))`` for causal attention.
+            attends).
+          is_causal: each position attends only to itself and earlier ones; the same as
+            ``mask=jnp.tril(jnp.ones((seq, seq), bool))`` but with no mask array, so the
+            fused cuDNN kernel can run it.
         """
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
@@ -192,5 +203,7 @@ class ParallelSelfAttention(nnx.Module):
             inputs.ndim,
             qkv.use_bias,
             mask is not None,
+            bool(is_causal),
+            self.attention_implementation,
         )
         return f(inputs, qkv.param_values(), out.param_values(), mask)

@@ -122,6 +122,8 @@ class ParallelSelfAttention(nn.Module):
       qkv_features: total query (and key, value) width over all heads (default: the
         input's features); a multiple of ``num_heads``.
       out_features: number of output features (default: the input's).
+      attention_implementation: ``"xla"``, ``"cudnn"`` or None (cuDNN flash attention on
+        GPUs where it applies, else XLA); see :class:`jax_ub.flax.ParallelSelfAttention`.
       axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
         :class:`ColumnParallelLinear`, shared by both projections.
     """
@@ -137,13 +139,17 @@ class ParallelSelfAttention(nn.Module):
     bias_init: Initializer = default_bias_init
     qkv_features: int | None = None
     out_features: int | None = None
+    attention_implementation: str | None = None
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, inputs: jax.Array, mask: jax.Array | None = None, is_causal: bool = False
+    ) -> jax.Array:
         """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
 
         ``mask``: optional boolean mask broadcastable to ``[*batch, 1, seq, seq]`` (True
-        attends), e.g. ``jnp.tril(jnp.ones((seq, seq), bool))`` for causal attention.
+        attends). ``is_causal``: attend only to earlier positions, with no mask array (so
+        the fused cuDNN kernel can run it).
         """
         owner = type(self).__name__
         in_features = inputs.shape[-1] if inputs.ndim else 0
@@ -159,6 +165,7 @@ class ParallelSelfAttention(nn.Module):
                 f"num_heads={self.num_heads}"
             )
         _core.check_input(owner, inputs, None, tp, self.axis_name)
+        _core.check_attention_implementation(owner, self.attention_implementation, self.mesh)
         if mask is not None:
             _core.check_mask(owner, mask, inputs.shape)
         p_qkv = qkv.get_params(in_features)
@@ -172,5 +179,7 @@ class ParallelSelfAttention(nn.Module):
             inputs.ndim,
             self.use_bias,
             mask is not None,
+            bool(is_causal),
+            self.attention_implementation,
         )
         return f(inputs, p_qkv, p_out, mask)
