@@ -160,11 +160,13 @@ def train(
     devices: list[jax.Device] | None = None,
     progress: bool = True,
     desc: str | None = None,
+    trace_dir: str | None = None,
 ) -> TrainResult:
     """Train the model for `steps` steps of adamw on fresh synthetic batches.
 
     The same `seed` gives the same initial parameters and batches for every `impl`, so
-    runs differ only in how the collectives are done.
+    runs differ only in how the collectives are done. With `trace_dir`, the last 3 steps
+    are traced with JAX's profiler into it (benchmarks/profile_train_step.py reads it).
     """
     devices = default_devices() if devices is None else devices
     mesh = Mesh(np.array(devices), (AXIS,))
@@ -217,6 +219,9 @@ def train(
     compile_time = time.perf_counter() - start
     start = time.perf_counter()
     for step in range(1, steps):
+        if trace_dir and step == max(1, steps - 3):
+            jax.block_until_ready(loss)
+            jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         params, opt_state, loss = train_step(params, opt_state, step)
         losses.append(loss)
         if step % log_every == 0 or step == steps - 1:
@@ -225,6 +230,8 @@ def train(
             update(step + 1, f"loss {value:.4f} {ms:.1f} ms/step")
     jax.block_until_ready(loss)
     step_time = (time.perf_counter() - start) / max(1, steps - 1)
+    if trace_dir and steps > 1:
+        jax.profiler.stop_trace()
     close()
     return TrainResult([float(x) for x in losses], step_time, compile_time)
 
