@@ -3,8 +3,8 @@
 
 Every block is a sequence-parallel :class:`jax_ub.flax.ParallelSelfAttention` and
 :class:`jax_ub.flax.ParallelMLP`, whose all-gathers and reduce-scatters are overlapped
-with their matmuls by jax_ub. The data is synthetic: each sequence follows a fixed random
-permutation of the vocabulary (token ``t`` is always followed by ``perm[t]``), so the
+with their matmuls by jax_ub. The data is synthetic: each sequence walks a fixed random
+cycle through the vocabulary (``perm[i]`` is always followed by ``perm[i + 1]``), so the
 next-token loss falls from ``log(vocab)`` towards zero as the model learns it.
 
 Runs on all GPUs, or on 4 CPU devices (it sets ``XLA_FLAGS`` for that when run as a
@@ -82,7 +82,13 @@ class TransformerLM(nnx.Module):
         impl: str, dtype, rngs: nnx.Rngs,
     ):  # fmt: skip
         self.embed = nnx.Embed(vocab, hidden, rngs=rngs)
-        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq, 1, hidden)))
+        # Sequence-sharded like the activations it is added to, so its gradient needs no
+        # all-gather.
+        self.pos = nnx.Param(
+            0.02 * jax.random.normal(rngs.params(), (seq, 1, hidden)),
+            out_sharding=(AXIS, None, None),
+            mesh=mesh,
+        )
         self.blocks = nnx.List(
             [
                 Block(hidden, heads, mesh=mesh, impl=impl, dtype=dtype, rngs=rngs)
@@ -189,11 +195,13 @@ def train(
     tokens_sharding = NamedSharding(mesh, P(AXIS, None))  # sequence-parallel
 
     def make_batch(key):
-        first = jax.random.randint(key, (batch,), 0, vocab)
-        _, rest = jax.lax.scan(lambda t, _: (perm[t], perm[t]), first, length=seq)
-        tokens = jnp.concatenate([first[None], rest])  # [seq + 1, batch]
+        # Closed form, not a scan over seq: a loop of seq tiny steps would cost more than
+        # the model on a GPU.
+        start = jax.random.randint(key, (batch,), 0, vocab)
+        tokens = perm[(start[None, :] + jnp.arange(seq + 1)[:, None]) % vocab]  # [seq+1, b]
         inputs, targets = tokens[:-1], tokens[1:]
-        return (jax.lax.with_sharding_constraint(inputs, tokens_sharding), targets)
+        constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=tokens_sharding)
+        return constrain(inputs), constrain(targets)
 
     def loss_fn(params, inputs, targets):
         logits = nnx.merge(graphdef, params)(inputs).astype(jnp.float32)
