@@ -543,6 +543,15 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};
   std::vector<Wait> waits;
+  // A shape's first call picks (and loads) its GEMM kernels before anything waits on a
+  // peer (see CublasLtGemm::Prepare). Remote chunks may still be landing in `buffer`,
+  // which only matters for their values; `out` is rewritten below.
+  for (const Schedule::Span& span : sched.AllGatherSpans()) {
+    const void* src = span.first == s->rank ? x : s->buffer + span.first * chunk;
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, n,
+                                            static_cast<char*>(out) + span.first * m * n * es, n,
+                                            span.count * m, k, n, s->tune));
+  }
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
 
@@ -564,15 +573,6 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
     JAX_UB_CUDA(cudaStreamWaitEvent(gs, s->start));
     JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + s->rank * chunk, x, chunk,
                                 cudaMemcpyDeviceToDevice, gs));
-  }
-  // First call of a shape: pick the GEMM algorithms (timing them with the real operands
-  // once the inputs are ready; remote chunks may still be landing, which only matters for
-  // their values, and `out` is rewritten below).
-  for (const Schedule::Span& span : sched.AllGatherSpans()) {
-    const void* src = span.first == s->rank ? x : s->buffer + span.first * chunk;
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, n,
-                                            static_cast<char*>(out) + span.first * m * n * es, n,
-                                            span.count * m, k, n, s->tune, s->start));
   }
   // Multiply the local chunk, then the remote ones once they have landed.
   for (const Schedule::Span& span : sched.AllGatherSpans()) {
@@ -622,13 +622,13 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
   std::vector<Wait> waits;
   char* recv = s->buffer;                  // [size] partials addressed to us, by sender
   char* stage = s->buffer + size * chunk;  // [size] partials we computed for each peer
+  // A shape's first call picks (and loads) its GEMM kernel before anything waits on a peer
+  // (see CublasLtGemm::Prepare). Peers may be writing their partials into `recv`
+  // meanwhile; this writes only our own slot of it.
+  JAX_UB_RETURN_IF_ERROR(
+      s->gemm->Prepare(t, x, k, w, n, recv + s->rank * chunk, n, m, k, n, s->tune));
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
-
-  // First call of a shape: pick the GEMM algorithm (see AllGatherMatmul). Peers may be
-  // writing their partials into `recv` meanwhile; tuning writes only our own slot of it.
-  JAX_UB_RETURN_IF_ERROR(
-      s->gemm->Prepare(t, x, k, w, n, recv + s->rank * chunk, n, m, k, n, s->tune, s->start));
   // Each peer's partial first, sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     const char* a = static_cast<const char*>(x) + d * m * k * es;

@@ -137,13 +137,24 @@ Status CublasLtGemm::PickFastest(Plan& p, const cublasLtMatmulHeuristicResult_t*
 
 Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
                              void* c, int64_t ldc, int64_t m, int64_t k, int64_t n,
-                             cudaStream_t tune_stream, cudaEvent_t inputs_ready) {
+                             cudaStream_t tune_stream) {
   if (m == 0 || n == 0) return Status::Ok();
   const Key key{static_cast<int>(t), m, k, n, lda, ldb, ldc};
   if (plans_.count(key) != 0) return Status::Ok();  // every call after a shape's first
-  if (options_.autotune) JAX_UB_CUDA(cudaStreamWaitEvent(tune_stream, inputs_ready));
+  // Drain the device first (see the header): the kernels launched below may be loaded
+  // now, and a load waits for the device to go idle while holding its context.
+  JAX_UB_CUDA(cudaDeviceSynchronize());
   Plan* p = nullptr;
-  return GetPlan(key, options_.autotune, a, b, c, tune_stream, &p);
+  JAX_UB_RETURN_IF_ERROR(GetPlan(key, options_.autotune, a, b, c, tune_stream, &p));
+  // Run the chosen algorithm once (autotuning already did), so its kernel is loaded before
+  // any call of this shape has a peer wait in flight.
+  if (!options_.autotune) {
+    const float alpha = 1.0f, beta = 0.0f;
+    JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c,
+                                 p->c, &p->algo, workspace_, workspace_bytes_, tune_stream));
+  }
+  JAX_UB_CUDA(cudaStreamSynchronize(tune_stream));
+  return Status::Ok();
 }
 
 Status CublasLtGemm::Matmul(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,

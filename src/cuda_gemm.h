@@ -25,14 +25,18 @@ class CublasLtGemm {
   ~CublasLtGemm();
 
   // Chooses the algorithm for this GEMM's shape if it has none yet (later calls with the
-  // shape return at once). With autotuning, cuBLASLt's best few candidates are timed on
-  // `tune_stream`, after `inputs_ready`, with the real operands, `c` being overwritten, and
-  // the calling thread waits for that stream: `inputs_ready` must depend on nothing but
-  // this device's own work. XLA's own dot is autotuned; the heuristic's first pick alone ran up to
-  // ~5% slower than it at some of our chunk shapes.
+  // shape return at once) and runs it once on `tune_stream`, overwriting `c`; the calling
+  // thread waits. With autotuning, cuBLASLt's best few candidates are timed there with the
+  // real operands (XLA's own dot is autotuned; the heuristic's first pick alone ran up to
+  // ~5% slower than it at some of our chunk shapes).
+  //
+  // Call it before the op enqueues anything that waits on a peer. A shape's first call
+  // drains the device: CUDA loads kernels lazily, and the first launch of a cuBLASLt
+  // kernel waits for the device to go idle while holding its context lock. Were the device
+  // then waiting on a peer whose host thread needs that lock to enqueue its copy into our
+  // memory, both would hang (seen on 2x H200 with autotuning).
   Status Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
-                 int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream,
-                 cudaEvent_t inputs_ready);
+                 int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream);
 
   // c[m, n] = a[m, k] @ b[k, n], row-major, with leading dims lda/ldb/ldc (elements).
   // Accumulates in float32; output in `t`.
