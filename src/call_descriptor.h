@@ -24,6 +24,17 @@ inline const char* OpName(OpKind op) {
   return "unknown op";
 }
 
+// The OpKind an op's name (as OpName spells it) stands for; false for any other name.
+inline bool OpKindFromName(const std::string& name, OpKind* op) {
+  for (OpKind k : {OpKind::kAllGatherMatmul, OpKind::kMatmulReduceScatter}) {
+    if (name == OpName(k)) {
+      *op = k;
+      return true;
+    }
+  }
+  return false;
+}
+
 struct CallDescriptor {
   uint32_t op = 0;
   uint32_t dtype = 0;

@@ -538,7 +538,8 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
   const int64_t chunk = m * k * es;
   Slot* s = nullptr;
   uint64_t e = 0;
-  JAX_UB_RETURN_IF_ERROR(Begin(device, op, chunk * size, &s, &e));
+  JAX_UB_RETURN_IF_ERROR(
+      Begin(device, op, RequiredBytes(OpKind::kAllGatherMatmul, chunk, size), &s, &e));
   const Schedule sched{s->rank, size};
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};
@@ -615,7 +616,8 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
   const int64_t chunk = m * n * es;
   Slot* s = nullptr;
   uint64_t e = 0;
-  JAX_UB_RETURN_IF_ERROR(Begin(device, op, 2 * chunk * size, &s, &e));
+  JAX_UB_RETURN_IF_ERROR(
+      Begin(device, op, RequiredBytes(OpKind::kMatmulReduceScatter, chunk, size), &s, &e));
   const Schedule sched{s->rank, size};
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kMatmulReduceScatter), static_cast<uint32_t>(t), m, k, n, e};

@@ -36,6 +36,13 @@ class CudaCommunicator {
   // key-value store in between). Otherwise every slot must be local.
   static Status Create(Topology topology, size_t capacity_bytes, double timeout_s, GemmOptions gemm,
                        bool multiprocess, std::unique_ptr<CudaCommunicator>* out);
+  // Userbuffer bytes per GPU that one call of `op` needs, `chunk_bytes` being one rank's
+  // chunk (x for AG, the output for RS). AG: a chunk per rank. RS: a received partial per
+  // rank, plus as many staged for sending (a peer may still be reading our last push).
+  static int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size) {
+    const int64_t per_rank = op == OpKind::kMatmulReduceScatter ? 2 * chunk_bytes : chunk_bytes;
+    return per_rank * group_size;
+  }
   // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
   Status ExportHandles(std::vector<std::string>* handles) const;
   Status Connect(const std::vector<std::string>& handles);

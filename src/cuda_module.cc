@@ -100,6 +100,7 @@ NB_MODULE(_cuda, m) {
     return jax_ub::Registry<jax_ub::CudaCommunicator>::Remove(id);
   });
   m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::CudaCommunicator>::Size(); });
+  jax_ub::DefRequiredBytes<jax_ub::CudaCommunicator>(m);
   // (free, total) bytes of a GPU's memory, for leak checks; the current device is kept.
   m.def("memory_info", [](int device) {
     int current = 0;

@@ -194,12 +194,13 @@ Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int
   int slot = 0;
   JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
   const int size = topology_.group_size();
-  if (static_cast<size_t>(chunk_bytes) * size > capacity_)
+  const int64_t need = RequiredBytes(op, chunk_bytes, size);
+  if (static_cast<size_t>(need) > capacity_)
     return InvalidArgument(
         Fmt("%s: userbuffer too small: the op needs %lld bytes per device (%d chunks of %lld), "
             "the communicator has %zu; raise jax_ub.configure(buffer_bytes=...)",
-            OpName(op), static_cast<long long>(chunk_bytes) * size, size,
-            static_cast<long long>(chunk_bytes), capacity_));
+            OpName(op), static_cast<long long>(need), size, static_cast<long long>(chunk_bytes),
+            capacity_));
   ctx->lock = std::unique_lock<std::timed_mutex>(slot_mu_[slot], std::defer_lock);
   if (!ctx->lock.try_lock_for(std::chrono::duration<double>(timeout_s_)))
     return DeadlineExceeded(Fmt("%s: device %d waited %.1f s for its previous jax_ub call to end",

@@ -45,6 +45,11 @@ class HostCommunicator {
   // with Connect(); otherwise every slot must be local and plain memory is used.
   static Status Create(Topology topology, size_t capacity_bytes, double timeout_s,
                        const std::string& shm_prefix, std::unique_ptr<HostCommunicator>* out);
+  // Region bytes per device that one call of `op` needs, `chunk_bytes` being one rank's
+  // chunk (x for AG, the output for RS): one chunk or partial per rank, for either op.
+  static int64_t RequiredBytes(OpKind /*op*/, int64_t chunk_bytes, int group_size) {
+    return chunk_bytes * group_size;
+  }
   ~HostCommunicator();
 
   // Shared-memory names of the local slots, by slot ("" for remote slots).

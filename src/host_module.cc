@@ -69,4 +69,5 @@ NB_MODULE(_host, m) {
   m.def("destroy_communicator",
         [](int64_t id) { return jax_ub::Registry<jax_ub::HostCommunicator>::Remove(id); });
   m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::HostCommunicator>::Size(); });
+  jax_ub::DefRequiredBytes<jax_ub::HostCommunicator>(m);
 }

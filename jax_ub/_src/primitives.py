@@ -16,7 +16,7 @@ from jax._src.interpreters import batching, mlir
 from jax._src.sharding_impls import SPMDAxisContext
 from jax.sharding import Mesh
 
-from jax_ub._src import communicator
+from jax_ub._src import communicator, extension
 
 all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
@@ -105,16 +105,9 @@ def _platform(ctx: mlir.LoweringRuleContext) -> str:
     return platforms[0]
 
 
-def required_bytes(platform: str, chunk_bytes: int, group_size: int, reduce: bool) -> int:
-    """Symmetric buffer one op needs per device.
-
-    All-gather: one chunk of x per rank. Reduce-scatter: one partial per rank, plus on GPU
-    a staging area of the same size for the partials this rank sends.
-    """
-    total = chunk_bytes * group_size
-    if reduce and platform == "cuda":
-        total *= 2
-    return total
+def required_bytes(platform: str, op: str, chunk_bytes: int, group_size: int) -> int:
+    """Symmetric buffer bytes one call of ``op`` needs per device, as the C++ side sizes it."""
+    return int(extension.module_for(platform).required_bytes(op, chunk_bytes, group_size))
 
 
 def _all_gather_matmul_lowering(ctx, x, w, *, axis_name, axis_size, return_gathered):
@@ -123,7 +116,7 @@ def _all_gather_matmul_lowering(ctx, x, w, *, axis_name, axis_size, return_gathe
     x_aval, w_aval = ctx.avals_in
     chunk = x_aval.shape[0] * x_aval.shape[1] * np.dtype(x_aval.dtype).itemsize
     comm = communicator.get_communicator(
-        mesh, axis_name, platform, required_bytes(platform, chunk, axis_size, reduce=False)
+        mesh, axis_name, platform, required_bytes(platform, "all_gather_matmul", chunk, axis_size)
     )
     rule = jax.ffi.ffi_lowering("jax_ub_all_gather_matmul", has_side_effect=True)
     return rule(ctx, x, w, comm_id=np.int64(comm.id))
@@ -135,7 +128,10 @@ def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size):
     (out_aval,) = ctx.avals_out
     chunk = out_aval.shape[0] * out_aval.shape[1] * np.dtype(out_aval.dtype).itemsize
     comm = communicator.get_communicator(
-        mesh, axis_name, platform, required_bytes(platform, chunk, axis_size, reduce=True)
+        mesh,
+        axis_name,
+        platform,
+        required_bytes(platform, "matmul_reduce_scatter", chunk, axis_size),
     )
     rule = jax.ffi.ffi_lowering("jax_ub_matmul_reduce_scatter", has_side_effect=True)
     return rule(ctx, x, w, comm_id=np.int64(comm.id))
