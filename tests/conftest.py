@@ -32,6 +32,14 @@ def cpu_devices():
     return jax.devices("cpu")
 
 
+def gpus() -> list:
+    """This process's GPUs (an empty list without any)."""
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
 def make_mesh(*shape_and_names, devices=None) -> Mesh:
     """Mesh from (size, name) pairs, e.g. make_mesh((2, "dp"), (4, "tp")).
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gpus
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -17,15 +18,7 @@ import jax_ub
 
 pytestmark = pytest.mark.gpu
 
-
-def _gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-GPUS = _gpus()
+GPUS = gpus()
 if len(GPUS) < 2:
     pytest.skip("needs at least 2 GPUs", allow_module_level=True)
 

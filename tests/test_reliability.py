@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ag_fn as _ag
-from conftest import make_mesh, rel_err, smap, to_f32, tol
+from conftest import gpus, make_mesh, rel_err, smap, to_f32, tol
 from conftest import rs_fn as _rs
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -913,18 +913,10 @@ def test_killed_process_fails_peers_within_deadline_then_recovers(platform):
 
 
 # =========================================================================================
-# 7. GPU variants (skipped without at least 2 GPUs; not yet run on GPUs)
+# 7. GPU variants (skipped without at least 2 GPUs; results in tests/RELIABILITY.md)
 # =========================================================================================
 
-
-def _gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-GPUS = _gpus()
+GPUS = gpus()
 GPU_TPS = sorted({2, len(GPUS)}) if len(GPUS) >= 2 else [2]
 needs_gpus = pytest.mark.skipif(len(GPUS) < 2, reason="needs at least 2 GPUs")
 
