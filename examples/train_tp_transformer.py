@@ -14,7 +14,8 @@ script). With ``--compare-xla`` it trains the same model again on XLA's collecti
 Usage::
 
     python examples/train_tp_transformer.py                  # CPU: 300 steps, ~1 minute
-    python examples/train_tp_transformer.py --compare-xla    # GPUs: ub vs XLA step time
+    python examples/train_tp_transformer.py --compare-xla --rounds 3  # GPUs: ub vs XLA,
+                                                             # alternating, median ms/step
     python examples/train_tp_transformer.py --steps 50 --hidden 128 --heads 8 --dtype bfloat16
 """
 
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--impl", choices=["auto", "ub", "xla"], default="auto")
     parser.add_argument("--compare-xla", action="store_true", help="also train with impl=xla")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="with --compare-xla: alternate the runs this often"
+    )
     for name in ("seq", "batch", "hidden", "layers", "heads", "vocab"):
         parser.add_argument(f"--{name}", type=int, help="default depends on the platform")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype")
@@ -266,23 +270,33 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     kw = dict(steps=args.steps, lr=args.lr, seed=args.seed, devices=devices, **config)
     kw["progress"] = not args.no_progress
 
-    result = train(impl=args.impl, **kw)
-    results = {args.impl: result}
-    losses = result.losses
-    print(
-        f"impl={args.impl}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-        f"{1e3 * result.step_time_s:.2f} ms/step (first step {result.compile_time_s:.1f} s)"
-    )
+    rounds = args.rounds if args.compare_xla else 1
+    times: dict[str, list[float]] = {args.impl: [], "xla": []}
+    results: dict[str, TrainResult] = {}
+    for r in range(rounds):  # alternate, so drift on the machine hits both alike
+        for impl in (args.impl, "xla") if args.compare_xla else (args.impl,):
+            res = train(impl=impl, **kw)
+            results.setdefault(impl, res)
+            times[impl].append(res.step_time_s)
+            print(
+                f"round {r + 1}/{rounds} impl={impl}: loss {res.losses[0]:.4f} -> "
+                f"{res.losses[-1]:.4f}, {1e3 * res.step_time_s:.2f} ms/step "
+                f"(first step {res.compile_time_s:.1f} s)"
+            )
     if args.compare_xla:
         if platform == "cpu":
             print("note: CPU devices share the host's cores; step times say nothing about GPUs")
-        xla = results["xla"] = train(impl="xla", **kw)
-        diff = float(np.max(np.abs(np.asarray(losses) - np.asarray(xla.losses))))
+        a, b = np.asarray(results[args.impl].losses), np.asarray(results["xla"].losses)
+        early = min(10, len(a))
+        t_impl, t_xla = float(np.median(times[args.impl])), float(np.median(times["xla"]))
         print(
-            f"impl=xla: loss {xla.losses[0]:.4f} -> {xla.losses[-1]:.4f}, "
-            f"{1e3 * xla.step_time_s:.2f} ms/step; max loss difference {diff:.2e}"
+            f"loss difference impl={args.impl} vs xla: max {np.max(np.abs(a - b)):.2e}, "
+            f"first {early} steps {np.max(np.abs(a[:early] - b[:early])):.2e}"
         )
-        print(f"speedup of impl={args.impl} over xla: {xla.step_time_s / result.step_time_s:.2f}x")
+        print(
+            f"median over {rounds} round(s): impl={args.impl} {1e3 * t_impl:.2f} ms/step, "
+            f"xla {1e3 * t_xla:.2f} ms/step; speedup {t_xla / t_impl:.3f}x"
+        )
     return results
 
 
