@@ -15,6 +15,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
 import tempfile
 
@@ -25,8 +26,8 @@ from jax.sharding import Mesh
 from jax_ub.bench import build_ag, build_rs
 
 
-def kernels(trace_dir: str) -> list[tuple[str, float]]:
-    """(name, microseconds) of every device event in the trace, in order."""
+def device_events(trace_dir: str) -> list[dict]:
+    """Every device event (kernel, copy) in the trace, in order; `pid` names the GPU."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     with gzip.open(path) as fh:
         events = json.load(fh)["traceEvents"]
@@ -38,11 +39,38 @@ def kernels(trace_dir: str) -> list[tuple[str, float]]:
         and e.get("name") == "process_name"
         and "/device:GPU" in e.get("args", {}).get("name", "")
     }
-    return [
-        (e["name"], float(e["dur"]))
-        for e in events
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e
-    ]
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+
+
+def kernels(trace_dir: str) -> list[tuple[str, float]]:
+    """(name, microseconds) of every device event in the trace, in order."""
+    return [(e["name"], float(e["dur"])) for e in device_events(trace_dir)]
+
+
+def busy_and_span(trace_dir: str, exclude: str = "memcpy") -> dict[int, tuple[float, float]]:
+    """Per GPU: (microseconds in which some kernel ran, first start to last end).
+
+    Kernels on all streams count once where they overlap; events whose name contains
+    `exclude` (copy-engine transfers by default) do not count as busy.
+    """
+    spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        if exclude and exclude in e["name"].lower():
+            continue
+        spans[e["pid"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    out = {}
+    for pid, iv in spans.items():
+        iv.sort()
+        busy, end = 0.0, -math.inf
+        for a, b in iv:
+            if a > end:
+                busy += b - a
+                end = b
+            elif b > end:
+                busy += b - end
+                end = b
+        out[pid] = (busy, iv[-1][1] - iv[0][0] if iv else 0.0)
+    return out
 
 
 def main() -> None:

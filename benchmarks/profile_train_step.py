@@ -7,7 +7,8 @@ Trains `examples/train_tp_transformer.py`'s model for a few steps per impl, trac
 three with JAX's profiler (CUPTI, no nsys needed) and prints, per step and GPU, the summed
 duration of the device kernels by kind (GEMMs, attention, collectives, copies, jax_ub's own
 kernels, other XLA fusions) and the largest kernels. Kernels on different streams overlap,
-so the sums can exceed the step time; the step time printed is the wall time per step.
+so the sums can exceed the step time. Per GPU it also prints how much of the traced steps
+some kernel was running (copies excluded) and how long the GPU sat idle.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pathlib
 import re
 import tempfile
 
-from profile_kernels import kernels
+from profile_kernels import busy_and_span, kernels
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tp_transformer.py"
 TRACED_STEPS = 3
@@ -71,7 +72,13 @@ def main() -> None:
             per_kind[kind_of(name)] += us
             per_name[name].append(us)
         scale = 1e-3 / TRACED_STEPS / ndev  # us -> ms per step per GPU
-        print(f"\nimpl={impl}: {1e3 * result.step_time_s:.2f} ms/step (wall, untraced steps)")
+        print(f"\nimpl={impl}: {1e3 * result.step_time_s:.2f} ms/step (mean over all steps)")
+        for gpu, (busy, span) in sorted(busy_and_span(trace_dir).items()):
+            print(
+                f"  GPU pid {gpu}: traced steps span {span * 1e-3 / TRACED_STEPS:.2f} ms/step, "
+                f"some kernel running {busy * 1e-3 / TRACED_STEPS:.2f}, idle "
+                f"{(span - busy) * 1e-3 / TRACED_STEPS:.2f}"
+            )
         for kind, _ in KINDS:
             print(f"  {kind:20s} {per_kind[kind] * scale:8.2f} ms/step/GPU")
         print("  largest kernels (ms/step/GPU, calls/step/GPU, name):")
