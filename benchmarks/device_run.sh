@@ -32,7 +32,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     | tee "$OUT/$tag.log" | grep -v "^  .*failed" | tail -60
 fi
 if [ "$what" = flax ]; then
-  timeout 500 python3 examples/train_tp_transformer.py --compare-xla --steps 30 "$@" 2>&1 \
+  timeout 500 python3 examples/train_tp_transformer.py --compare-xla --rounds 3 --steps 30 "$@" 2>&1 \
     | tee "$OUT/flax.log" | tail -30
 fi
 if [ "$what" = sanitize ]; then
