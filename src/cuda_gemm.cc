@@ -51,13 +51,8 @@ CublasLtGemm::~CublasLtGemm() {
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
-Status CublasLtGemm::GetPlan(const Key& key, bool tune, const void* a, const void* b, void* c,
-                             cudaStream_t stream, Plan** plan) {
-  auto it = plans_.find(key);
-  if (it != plans_.end()) {
-    *plan = &it->second;
-    return Status::Ok();
-  }
+Status CublasLtGemm::MakePlan(const Key& key, bool tune, const void* a, const void* b, void* c,
+                              cudaStream_t stream, Plan** plan) {
   auto [t_raw, m, k, n, lda, ldb, ldc] = key;
   const DType t = static_cast<DType>(t_raw);
   const cudaDataType_t dt = CudaType(t);
@@ -145,7 +140,7 @@ Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b,
   // now, and a load waits for the device to go idle while holding its context.
   JAX_UB_CUDA(cudaDeviceSynchronize());
   Plan* p = nullptr;
-  JAX_UB_RETURN_IF_ERROR(GetPlan(key, options_.autotune, a, b, c, tune_stream, &p));
+  JAX_UB_RETURN_IF_ERROR(MakePlan(key, options_.autotune, a, b, c, tune_stream, &p));
   // Run the chosen algorithm once (autotuning already did), so its kernel is loaded before
   // any call of this shape has a peer wait in flight.
   if (!options_.autotune) {
@@ -161,9 +156,12 @@ Status CublasLtGemm::Matmul(DType t, const void* a, int64_t lda, const void* b, 
                             void* c, int64_t ldc, int64_t m, int64_t k, int64_t n,
                             cudaStream_t stream) {
   if (m == 0 || n == 0) return Status::Ok();
-  Plan* p = nullptr;
-  JAX_UB_RETURN_IF_ERROR(
-      GetPlan(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc}, false, a, b, c, stream, &p));
+  // Only Prepare makes plans: it is where a new kernel may be loaded safely.
+  auto it = plans_.find(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc});
+  if (it == plans_.end())
+    return Internal("CublasLtGemm::Matmul: no plan for m=" + std::to_string(m) + " k=" +
+                    std::to_string(k) + " n=" + std::to_string(n) + "; Prepare must run first");
+  const Plan* p = &it->second;
   const float alpha = 1.0f, beta = 0.0f;
   JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c, p->c,
                                &p->algo, workspace_, workspace_bytes_, stream));
