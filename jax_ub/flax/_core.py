@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src import checks
+from jax_ub._src.extension import normalize_platform
 
 Params = Mapping[str, jax.Array]
 
@@ -152,7 +153,7 @@ def check_attention_implementation(owner: str, implementation: Any, mesh: Mesh) 
             f"got {implementation!r}"
         )
     platform = mesh.devices.flat[0].platform
-    if implementation == "cudnn" and platform not in ("gpu", "cuda"):
+    if implementation == "cudnn" and normalize_platform(platform) != "cuda":
         raise ValueError(
             f"{owner}: attention_implementation='cudnn' needs GPU devices, but the mesh is "
             f"on {platform!r}; use None (picks per platform) or 'xla'"
@@ -171,7 +172,7 @@ def _attention_backend(
     if requested is not None:
         return requested
     eligible = (
-        platform in ("gpu", "cuda")
+        normalize_platform(platform) == "cuda"
         and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim <= 128
         and head_dim % 8 == 0
