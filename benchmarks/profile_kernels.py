@@ -73,6 +73,34 @@ def busy_and_span(trace_dir: str, exclude: str = "memcpy") -> dict[int, tuple[fl
     return out
 
 
+def idle_gaps(
+    trace_dir: str, min_us: float = 5.0, exclude: str = "memcpy"
+) -> dict[int, list[tuple[float, str, str]]]:
+    """Per GPU: every stretch of at least `min_us` in which no kernel ran, as
+    (microseconds, the kernel that ended last before it, the kernel that started it).
+
+    Copy-engine transfers (`exclude`) do not count as running, as in `busy_and_span`.
+    """
+    per_gpu: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        if exclude and exclude in e["name"].lower():
+            continue
+        start = float(e["ts"])
+        per_gpu[e["pid"]].append((start, start + float(e["dur"]), e["name"]))
+    out: dict[int, list[tuple[float, str, str]]] = {}
+    for pid, iv in per_gpu.items():
+        iv.sort()
+        gaps = []
+        end, last = iv[0][1], iv[0][2]
+        for a, b, name in iv[1:]:
+            if a - end >= min_us:
+                gaps.append((a - end, last, name))
+            if b > end:
+                end, last = b, name
+        out[pid] = gaps
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2)

@@ -20,7 +20,7 @@ import pathlib
 import re
 import tempfile
 
-from profile_kernels import busy_and_span, kernels
+from profile_kernels import busy_and_span, idle_gaps, kernels
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tp_transformer.py"
 TRACED_STEPS = 3
@@ -39,6 +39,11 @@ def kind_of(name: str) -> str:
     return next(kind for kind, pattern in KINDS if re.search(pattern, low))
 
 
+def short(name: str) -> str:
+    """A kernel's kind and the start of its name, for tables."""
+    return f"[{kind_of(name)}] {name[:48]}"
+
+
 def load_example():
     spec = importlib.util.spec_from_file_location("train_tp_transformer", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
@@ -52,6 +57,7 @@ def main() -> None:
                           ("heads", 64), ("vocab", 1024), ("steps", 8)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--impls", default="auto,xla")
+    ap.add_argument("--log-every", type=int, help="the example's: wait for the loss every N steps")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     example = load_example()
@@ -64,7 +70,7 @@ def main() -> None:
         trace_dir = tempfile.mkdtemp(dir=args.out or None, prefix=f"trace_step_{impl}_")
         result = example.train(
             impl=impl, steps=args.steps, lr=3e-4, devices=devices, progress=False,
-            trace_dir=trace_dir, **config,
+            trace_dir=trace_dir, log_every=args.log_every, **config,
         )  # fmt: skip
         per_kind: dict[str, float] = collections.defaultdict(float)
         per_name: dict[str, list[float]] = collections.defaultdict(list)
@@ -79,6 +85,15 @@ def main() -> None:
                 f"some kernel running {busy * 1e-3 / TRACED_STEPS:.2f}, idle "
                 f"{(span - busy) * 1e-3 / TRACED_STEPS:.2f}"
             )
+        # Where the idle time sits: gaps summed by the kinds of kernel around them.
+        around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        for gaps in idle_gaps(trace_dir).values():
+            for us, before, after in gaps:
+                around[(short(before), short(after))].append(us)
+        print("  idle gaps >= 5 us by (kernel before -> kernel after): ms/step/GPU, gaps/step/GPU")
+        for (before, after), v in sorted(around.items(), key=lambda kv: -sum(kv[1]))[:12]:
+            per_step = len(v) / TRACED_STEPS / ndev
+            print(f"    {sum(v) * scale:6.2f}  {per_step:5.1f}  {before} -> {after}")
         for kind, _ in KINDS:
             print(f"  {kind:20s} {per_kind[kind] * scale:8.2f} ms/step/GPU")
         print("  largest kernels (ms/step/GPU, calls/step/GPU, name):")

@@ -168,12 +168,15 @@ def train(
     progress: bool = True,
     desc: str | None = None,
     trace_dir: str | None = None,
+    log_every: int | None = None,
 ) -> TrainResult:
     """Train the model for `steps` steps of adamw on fresh synthetic batches.
 
     The same `seed` gives the same initial parameters and batches for every `impl`, so
     runs differ only in how the collectives are done. With `trace_dir`, the last 3 steps
     are traced with JAX's profiler into it (benchmarks/profile_train_step.py reads it).
+    Every `log_every` steps (default: 50 times a run) the host waits for the loss to show
+    it; in between, steps are dispatched ahead of the GPUs.
     """
     devices = default_devices() if devices is None else devices
     mesh = Mesh(np.array(devices), (AXIS,))
@@ -219,7 +222,7 @@ def train(
 
     desc = desc or f"impl={impl}"
     update, close = _progress(steps, desc, progress)
-    log_every = max(1, steps // 50)
+    log_every = max(1, steps // 50) if log_every is None else max(1, log_every)
     losses = []
     start = time.perf_counter()
     params, opt_state, loss = train_step(params, opt_state, 0)
@@ -260,6 +263,9 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--log-every", type=int, help="show the loss every N steps (waits for it); default steps/50"
+    )
     args = parser.parse_args(argv)
 
     devices = default_devices()
@@ -269,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     print(f"{len(devices)} {platform} devices, tp={len(devices)}; {config}")
     kw = dict(steps=args.steps, lr=args.lr, seed=args.seed, devices=devices, **config)
     kw["progress"] = not args.no_progress
+    kw["log_every"] = args.log_every
 
     rounds = args.rounds if args.compare_xla else 1
     times: dict[str, list[float]] = {args.impl: [], "xla": []}
