@@ -218,35 +218,31 @@ Status CudaCommunicator::Connect(const std::vector<std::string>& handles) {
   for (size_t sl = 0; sl < slots_.size(); ++sl) {
     Slot& s = *slots_[sl];
     if (s.local) continue;
-    // Open a remote slot only where this process has a rank of its group, on that GPU.
-    int opener = -1;
-    for (int r = 0; r < topology_.group_size() && opener < 0; ++r) {
+    // Open a remote slot on every GPU where this process has a rank of its group.
+    for (int r = 0; r < topology_.group_size(); ++r) {
       const Slot& q = *slots_[topology_.slot(s.group, r)];
-      if (q.local) opener = q.device;
+      if (!q.local) continue;
+      if (handles[sl].size() != 2 * kHandle)
+        return FailedPrecondition("no CUDA IPC handle arrived for slot " + std::to_string(sl));
+      cudaIpcMemHandle_t hb, hf;
+      std::memcpy(&hb, handles[sl].data(), kHandle);
+      std::memcpy(&hf, handles[sl].data() + kHandle, kHandle);
+      JAX_UB_CUDA(cudaSetDevice(q.device));
+      void* b = nullptr;
+      void* f = nullptr;
+      cudaError_t err = cudaIpcOpenMemHandle(&b, hb, cudaIpcMemLazyEnablePeerAccess);
+      if (err == cudaSuccess) err = cudaIpcOpenMemHandle(&f, hf, cudaIpcMemLazyEnablePeerAccess);
+      if (err != cudaSuccess) {
+        if (b != nullptr) cudaIpcCloseMemHandle(b);
+        return FailedPrecondition(
+            "GPU " + std::to_string(q.device) + " cannot map the userbuffer of slot " +
+            std::to_string(sl) + " (rank " + std::to_string(s.rank) + " of group " +
+            std::to_string(s.group) + ", another process): " + cudaGetErrorString(err) +
+            ". GPUs of different hosts, or without peer access, cannot share a userbuffer "
+            "group: keep the tensor-parallel axis inside one NVLink host, or use impl='xla'");
+      }
+      s.mappings.push_back({q.device, static_cast<char*>(b), static_cast<uint64_t*>(f)});
     }
-    if (opener < 0) continue;
-    if (handles[sl].size() != 2 * kHandle)
-      return FailedPrecondition("no CUDA IPC handle arrived for slot " + std::to_string(sl));
-    cudaIpcMemHandle_t hb, hf;
-    std::memcpy(&hb, handles[sl].data(), kHandle);
-    std::memcpy(&hf, handles[sl].data() + kHandle, kHandle);
-    JAX_UB_CUDA(cudaSetDevice(opener));
-    void* b = nullptr;
-    void* f = nullptr;
-    cudaError_t err = cudaIpcOpenMemHandle(&b, hb, cudaIpcMemLazyEnablePeerAccess);
-    if (err == cudaSuccess) err = cudaIpcOpenMemHandle(&f, hf, cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      if (b != nullptr) cudaIpcCloseMemHandle(b);
-      return FailedPrecondition(
-          "GPU " + std::to_string(opener) + " cannot map the userbuffer of slot " +
-          std::to_string(sl) + " (rank " + std::to_string(s.rank) + " of group " +
-          std::to_string(s.group) + ", another process): " + cudaGetErrorString(err) +
-          ". GPUs of different hosts, or without peer access, cannot share a userbuffer "
-          "group: keep the tensor-parallel axis inside one NVLink host, or use impl='xla'");
-    }
-    s.buffer = static_cast<char*>(b);
-    s.flags = static_cast<uint64_t*>(f);
-    s.device = opener;  // the context the mapping belongs to, for closing it
   }
   return Wire();
 }
@@ -314,11 +310,19 @@ Status CudaCommunicator::Wire() {
     s.peer_flags.assign(size, nullptr);
     for (int r = 0; r < size; ++r) {
       Slot& peer = *slots_[topology_.slot(s.group, r)];
-      if (peer.buffer == nullptr || peer.flags == nullptr)
+      if (peer.local) {
+        s.peer_buffer[r] = peer.buffer;
+        s.peer_flags[r] = peer.flags;
+      }
+      for (const Slot::Mapping& m : peer.mappings) {
+        if (m.device != s.device) continue;
+        s.peer_buffer[r] = m.buffer;
+        s.peer_flags[r] = m.flags;
+      }
+      if (s.peer_buffer[r] == nullptr || s.peer_flags[r] == nullptr)
         return FailedPrecondition("rank " + std::to_string(r) + " of group " +
-                                  std::to_string(s.group) + " has no userbuffer mapped here");
-      s.peer_buffer[r] = peer.buffer;
-      s.peer_flags[r] = peer.flags;
+                                  std::to_string(s.group) + " has no userbuffer mapped on GPU " +
+                                  std::to_string(s.device));
       if (r == s.rank || !peer.local) continue;  // remote peers: mapped through CUDA IPC
       int can = 0;
       JAX_UB_CUDA(cudaDeviceCanAccessPeer(&can, s.device, peer.device));
@@ -369,10 +373,12 @@ CudaCommunicator::~CudaCommunicator() {
   stop_.store(true);
   if (watchdog_.joinable()) watchdog_.join();
   for (auto& sp : slots_) {  // mappings of remote buffers first, while peers still exist
-    if (!sp || sp->local || sp->buffer == nullptr) continue;
-    cudaSetDevice(sp->device);
-    cudaIpcCloseMemHandle(sp->buffer);
-    cudaIpcCloseMemHandle(sp->flags);
+    if (!sp || sp->local) continue;
+    for (const Slot::Mapping& m : sp->mappings) {
+      cudaSetDevice(m.device);
+      cudaIpcCloseMemHandle(m.buffer);
+      cudaIpcCloseMemHandle(m.flags);
+    }
   }
   for (auto& sp : slots_) {
     if (!sp || !sp->local) continue;

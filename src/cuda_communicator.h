@@ -99,12 +99,21 @@ class CudaCommunicator {
     std::chrono::steady_clock::time_point since;
   };
   struct Slot {
-    bool local = false;  // remote slots hold only the IPC-mapped buffer and flags
+    // A remote slot's buffer and flags, mapped through CUDA IPC into one local GPU.
+    struct Mapping {
+      int device = -1;
+      char* buffer = nullptr;
+      uint64_t* flags = nullptr;
+    };
+    bool local = false;  // remote slots hold only their IPC mappings
     int device = -1;
     int rank = 0;
     int group = 0;
-    char* buffer = nullptr;             // capacity bytes, symmetric across the group
-    uint64_t* flags = nullptr;          // kNumFlags words
+    char* buffer = nullptr;     // capacity bytes, symmetric across the group
+    uint64_t* flags = nullptr;  // kNumFlags words
+    // Remote slots: one mapping per local GPU of the group, as an IPC mapping is usable
+    // only from the GPU that opened it (several local GPUs: P processes x G GPUs).
+    std::vector<Mapping> mappings;
     std::vector<char*> peer_buffer;     // by rank
     std::vector<uint64_t*> peer_flags;  // by rank
     cudaStream_t compute = nullptr;

@@ -23,6 +23,8 @@ os.environ.setdefault("JAX_UB_TIMEOUT_S", "8")
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+# The reference in full f32: XLA's GPU dots default to TF32, jax_ub's f32 GEMM does not.
+jax.config.update("jax_default_matmul_precision", "highest")
 jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{port}",
     num_processes=nproc,

@@ -18,12 +18,12 @@ def test_tp_group_across_processes_on_gpus(nproc, ndev):
     if GPUS < nproc * ndev:
         pytest.skip(f"needs {nproc * ndev} GPUs, found {GPUS}")
     for r in _results(_run("tp_across_processes", nproc, ndev, timeout=300, gpu=True)):
-        # f32 on GPU: XLA's reference dot runs in TF32 by default, jax_ub in full f32.
-        assert all(e < 5e-3 for e in r["errs"]), r["errs"]
+        # f32 on both sides (the worker asks XLA for full-precision dots, not TF32).
+        assert all(e < 1e-4 for e in r["errs"]), r["errs"]
 
 
 def test_dp_across_processes_tp_inside_on_gpus():
     if GPUS < 4:
         pytest.skip("needs 4 GPUs")
     for r in _results(_run("dp_across_tp_inside", 2, 2, timeout=300, gpu=True)):
-        assert all(e < 5e-3 for e in r["errs"]), r["errs"]
+        assert all(e < 1e-4 for e in r["errs"]), r["errs"]
