@@ -8,6 +8,7 @@
 #include "cuda_check.h"
 #include "cuda_communicator.h"
 #include "schedule.h"
+#include "trace.h"
 
 namespace jax_ub {
 namespace {
@@ -459,6 +460,8 @@ Status CudaCommunicator::Begin(int device, const char* op, int64_t need_bytes, S
   JAX_UB_CUDA(cudaSetDevice(s->device));
   *slot = s;
   *epoch = ++s->epoch;
+  JAX_UB_TRACE("GPU %d %s call #%llu begins", s->device, op,
+               static_cast<unsigned long long>(*epoch));
   return Status::Ok();
 }
 
@@ -529,9 +532,51 @@ Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op
   }
   if (done == nullptr) JAX_UB_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   JAX_UB_CUDA(cudaEventRecord(done, xla_stream));
-  std::lock_guard<std::mutex> lock(s.mu);
-  const auto since = s.pending.empty() ? Clock::now() : Clock::time_point::max();
-  s.pending.push_back(Pending{done, epoch, op, std::move(waits), since});
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    const auto since = s.pending.empty() ? Clock::now() : Clock::time_point::max();
+    s.pending.push_back(Pending{done, epoch, op, std::move(waits), since});
+  }
+  JAX_UB_TRACE("GPU %d %s call #%llu enqueued", s.device, op,
+               static_cast<unsigned long long>(epoch));
+  return AwaitLocalPeers(s, op, epoch);
+}
+
+Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch) {
+  s.enqueued.store(epoch, std::memory_order_release);
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration<double>(timeout_s_);
+  for (int r = 0; r < topology_.group_size(); ++r) {
+    const Slot& q = *slots_[topology_.slot(s.group, r)];
+    if (!q.local || &q == &s) continue;
+    for (int spin = 0; q.enqueued.load(std::memory_order_acquire) < epoch; ++spin) {
+      if (broken_.load(std::memory_order_acquire)) {
+        std::lock_guard<std::mutex> lock(broken_mu_);
+        return FailedPrecondition(Describe(op, s.rank, s.group) +
+                                  ": jax_ub communicator is broken (" + broken_reason_ + ")");
+      }
+      if (Clock::now() > deadline) {
+        const std::string reason =
+            Describe(op, s.rank, s.group) + " (GPU " + std::to_string(s.device) +
+            ") timed out after " + std::to_string(timeout_s_) + " s waiting for rank " +
+            std::to_string(q.rank) + " (GPU " + std::to_string(q.device) +
+            ", same process) to enqueue call #" + std::to_string(epoch) + " (it has reached #" +
+            std::to_string(q.enqueued.load()) +
+            "); the GPUs of one process must make the same jax_ub calls in the same order";
+        MarkBroken(reason);
+        return DeadlineExceeded(reason);
+      }
+      if (spin < 1000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+  }
+  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+  if (waited > 0.1)
+    JAX_UB_TRACE("GPU %d %s call #%llu waited %.3f s for the process's other GPUs", s.device, op,
+                 static_cast<unsigned long long>(epoch), waited);
   return Status::Ok();
 }
 
@@ -670,12 +715,21 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
 }
 
 void CudaCommunicator::WatchdogLoop() {
+  auto last_trace = Clock::now();
   while (!stop_.load()) {
     bool busy = false;
+    // With tracing on, say every 2 s what is pending; if these lines stop, the watchdog
+    // itself is stuck in a CUDA call.
+    const bool trace = TraceEnabled() && Clock::now() - last_trace > std::chrono::seconds(2);
+    if (trace) last_trace = Clock::now();
     for (auto& sp : slots_) {
       Slot& s = *sp;
       if (!s.local) continue;
       std::lock_guard<std::mutex> lock(s.mu);
+      if (trace && !s.pending.empty())
+        JAX_UB_TRACE("watchdog: GPU %d has %zu calls in flight, the oldest %s #%llu", s.device,
+                     s.pending.size(), s.pending.front().op,
+                     static_cast<unsigned long long>(s.pending.front().epoch));
       while (!s.pending.empty()) {
         Pending& f = s.pending.front();
         cudaSetDevice(s.device);

@@ -2,8 +2,12 @@
 //
 // Each (group, rank) slot owns, on its GPU: a symmetric buffer that the group's peers
 // copy into over NVLink (CUDA peer access, copy engines: no SMs taken from the GEMM),
-// and a small flag array with epoch counters. All cross-device waiting happens on the
-// GPU through stream memory operations; no host thread ever blocks on another device.
+// and a small flag array with epoch counters. All waiting for peers' data happens on the
+// GPU through stream memory operations; no host thread ever waits for another device's
+// work. The host threads of one process do meet once per call, after each has enqueued
+// its whole call (see AwaitLocalPeers): a GPU must never wait on work that a peer's host
+// thread has yet to enqueue, or a driver call that drains a device (a kernel module that
+// cuDNN or cuBLAS loads on first use holds the driver's lock while it waits) deadlocks.
 // A watchdog thread bounds every wait: past the deadline it names the missing peer,
 // marks the communicator broken and releases the stuck streams. No NVLink multicast.
 #pragma once
@@ -122,8 +126,9 @@ class CudaCommunicator {
     std::vector<cudaEvent_t> comm_done;  // by peer rank
     std::vector<cudaEvent_t> ready;      // by peer rank: its partial (or gathered copy) is done
     std::unique_ptr<CublasLtGemm> gemm;
-    std::atomic<uint64_t> epoch{0};  // advanced by this device's handler thread
-    std::mutex mu;                   // pending and free_events: shared with the watchdog
+    std::atomic<uint64_t> epoch{0};     // advanced by this device's handler thread
+    std::atomic<uint64_t> enqueued{0};  // the last call whose work is fully enqueued
+    std::mutex mu;                      // pending and free_events: shared with the watchdog
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;
@@ -150,6 +155,10 @@ class CudaCommunicator {
                 size_t bytes1);
   Status Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
                 std::vector<Wait> waits);
+  // Host side, end of every call: wait until every slot of this process in `s`'s group
+  // has enqueued call `epoch` too, so no GPU of the process waits on work not yet
+  // enqueued once any handler returns to XLA. Bounded by the timeout.
+  Status AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch);
   void WatchdogLoop();
   void MarkBroken(const std::string& reason);
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "trace.h"
 
 namespace jax_ub {
 namespace {
@@ -138,6 +139,8 @@ Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b,
   if (plans_.count(key) != 0) return Status::Ok();  // every call after a shape's first
   // Drain the device first (see the header): the kernels launched below may be loaded
   // now, and a load waits for the device to go idle while holding its context.
+  JAX_UB_TRACE("first call of GEMM m=%lld k=%lld n=%lld: draining the device",
+               static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n));
   JAX_UB_CUDA(cudaDeviceSynchronize());
   Plan* p = nullptr;
   JAX_UB_RETURN_IF_ERROR(MakePlan(key, options_.autotune, a, b, c, tune_stream, &p));
