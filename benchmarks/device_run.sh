@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
-#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize] [bench args...]
+#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize|processes] [args...]
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench").
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
-# memcheck and racecheck on a small 2-GPU run (slow: minutes each).
+# memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
+# one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs). Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -55,6 +56,20 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout -k 10 400 python3 -m jax_ub.bench --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
     | tee "$OUT/$tag.log" | grep -v "^  .*failed" | grep -v "^[WI][0-9]\{4\} \|GRPC\|grpc_util\|Source Location\|^:" | tail -60
   cleanup
+fi
+if [ "$what" = processes ]; then
+  # Issue #5: the same bench as one process, as 4 x 1 and as 2 x 2 processes x GPUs, one
+  # after the other in one call, so drift between them stays small. Prints jax_ub/GEMM.
+  for layout in "1 0" "4 1" "2 2"; do
+    set -- $layout; procs=$1; per=$2
+    extra=""; [ "$procs" != 1 ] && extra="--processes $procs --gpus-per-process $per"
+    timeout -k 10 ${PROCESS_BENCH_S:-150} python3 -m jax_ub.bench --json "$OUT/procs_${procs}x${per}.json" \
+      --shapes ${SHAPE:-8192x8192x32768} --rounds 3 --iters 20 --no-windowed-einsum $extra \
+      > "$OUT/procs_${procs}x${per}.log" 2>&1
+    echo "== processes ${procs} x ${per} GPUs (0: one process, all GPUs): rc=$?"
+    grep -E "^(AG|RS) |jax_ub / gemm" "$OUT/procs_${procs}x${per}.log"
+    cleanup
+  done
 fi
 if [ "$what" = flax ]; then
   timeout -k 10 500 python3 examples/train_tp_transformer.py --compare-xla --rounds 3 --steps 30 "$@" 2>&1 \
