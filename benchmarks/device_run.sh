@@ -72,7 +72,7 @@ if [ "$what" = processes ]; then
   done
 fi
 if [ "$what" = flax ]; then
-  timeout -k 10 500 python3 examples/train_tp_transformer.py --compare-xla --rounds 3 --steps 30 "$@" 2>&1 \
+  timeout -k 10 500 python3 examples/train_tp_transformer.py --compare-xla --rounds 3 --steps 30 --log-every 10 "$@" 2>&1 \
     | tee "$OUT/flax.log" | tail -30
   cleanup
 fi
