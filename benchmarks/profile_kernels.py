@@ -47,29 +47,33 @@ def kernels(trace_dir: str) -> list[tuple[str, float]]:
     return [(e["name"], float(e["dur"])) for e in device_events(trace_dir)]
 
 
+def _intervals(trace_dir: str, exclude: str) -> dict[int, list[tuple[float, float, str]]]:
+    """Per GPU: (start, end, name) of its device events, sorted, leaving out those whose
+    name contains `exclude` (case-insensitive)."""
+    per_gpu: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        if exclude and exclude in e["name"].lower():
+            continue
+        start = float(e["ts"])
+        per_gpu[e["pid"]].append((start, start + float(e["dur"]), e["name"]))
+    for iv in per_gpu.values():
+        iv.sort()
+    return per_gpu
+
+
 def busy_and_span(trace_dir: str, exclude: str = "memcpy") -> dict[int, tuple[float, float]]:
     """Per GPU: (microseconds in which some kernel ran, first start to last end).
 
     Kernels on all streams count once where they overlap; events whose name contains
     `exclude` (copy-engine transfers by default) do not count as busy.
     """
-    spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
-    for e in device_events(trace_dir):
-        if exclude and exclude in e["name"].lower():
-            continue
-        spans[e["pid"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     out = {}
-    for pid, iv in spans.items():
-        iv.sort()
+    for pid, iv in _intervals(trace_dir, exclude).items():
         busy, end = 0.0, -math.inf
-        for a, b in iv:
-            if a > end:
-                busy += b - a
-                end = b
-            elif b > end:
-                busy += b - end
-                end = b
-        out[pid] = (busy, iv[-1][1] - iv[0][0] if iv else 0.0)
+        for a, b, _ in iv:
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        out[pid] = (busy, max(b for _, b, _ in iv) - iv[0][0])
     return out
 
 
@@ -81,15 +85,8 @@ def idle_gaps(
 
     Copy-engine transfers (`exclude`) do not count as running, as in `busy_and_span`.
     """
-    per_gpu: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
-    for e in device_events(trace_dir):
-        if exclude and exclude in e["name"].lower():
-            continue
-        start = float(e["ts"])
-        per_gpu[e["pid"]].append((start, start + float(e["dur"]), e["name"]))
     out: dict[int, list[tuple[float, str, str]]] = {}
-    for pid, iv in per_gpu.items():
-        iv.sort()
+    for pid, iv in _intervals(trace_dir, exclude).items():
         gaps = []
         end, last = iv[0][1], iv[0][2]
         for a, b, name in iv[1:]:

@@ -408,7 +408,7 @@ CudaCommunicator::~CudaCommunicator() {
 bool CudaCommunicator::Quiesce(double timeout_s) {
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
   do {
-    if (broken_.load(std::memory_order_acquire)) return true;  // no more progress to wait for
+    if (broken_.broken()) return true;  // no more progress to wait for
     bool idle = true;
     uint64_t first = 0;
     bool have_first = false;
@@ -427,28 +427,12 @@ bool CudaCommunicator::Quiesce(double timeout_s) {
   return false;
 }
 
-std::string CudaCommunicator::BrokenReason() {
-  if (!broken_.load(std::memory_order_acquire)) return "";
-  std::lock_guard<std::mutex> lock(broken_mu_);
-  return broken_reason_;
-}
-
-void CudaCommunicator::MarkBroken(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    if (broken_reason_.empty()) broken_reason_ = reason;
-  }
-  broken_.store(true, std::memory_order_release);
-}
-
 Status CudaCommunicator::Begin(int device, const char* op, int64_t need_bytes, Slot** slot,
                                uint64_t* epoch) {
-  if (broken_.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(broken_mu_);
+  if (broken_.broken())
     return FailedPrecondition(std::string(op) +
                               ": jax_ub communicator is broken by an earlier error (" +
-                              broken_reason_ + "); call jax_ub.finalize() and run again");
-  }
+                              broken_.reason() + "); call jax_ub.finalize() and run again");
   int sl = 0;
   JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &sl));
   if (need_bytes < 0 || static_cast<size_t>(need_bytes) > capacity_)
@@ -550,11 +534,9 @@ Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch
     const Slot& q = *slots_[topology_.slot(s.group, r)];
     if (!q.local || &q == &s) continue;
     for (int spin = 0; q.enqueued.load(std::memory_order_acquire) < epoch; ++spin) {
-      if (broken_.load(std::memory_order_acquire)) {
-        std::lock_guard<std::mutex> lock(broken_mu_);
+      if (broken_.broken())
         return FailedPrecondition(Describe(op, s.rank, s.group) +
-                                  ": jax_ub communicator is broken (" + broken_reason_ + ")");
-      }
+                                  ": jax_ub communicator is broken (" + broken_.reason() + ")");
       if (Clock::now() > deadline) {
         const std::string reason =
             Describe(op, s.rank, s.group) + " (GPU " + std::to_string(s.device) +
@@ -563,7 +545,7 @@ Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch
             ", same process) to enqueue call #" + std::to_string(epoch) + " (it has reached #" +
             std::to_string(q.enqueued.load()) +
             "); the GPUs of one process must make the same jax_ub calls in the same order";
-        MarkBroken(reason);
+        broken_.Mark(reason);
         return DeadlineExceeded(reason);
       }
       if (spin < 1000) {
@@ -747,7 +729,7 @@ void CudaCommunicator::WatchdogLoop() {
                 std::to_string(r->peer) + " sent " + theirs.ToString() +
                 "; the outputs of this call were filled with NaN";
             std::fprintf(stderr, "jax_ub: %s\n", reason.c_str());
-            MarkBroken(reason);
+            broken_.Mark(reason);
           }
           s.free_events.push_back(f.done);
           s.pending.pop_front();
@@ -755,8 +737,8 @@ void CudaCommunicator::WatchdogLoop() {
           continue;
         }
         if (q != cudaErrorNotReady) {
-          MarkBroken(Describe(f.op, s.rank, s.group) +
-                     ": CUDA error while running: " + cudaGetErrorString(q));
+          broken_.Mark(Describe(f.op, s.rank, s.group) +
+                       ": CUDA error while running: " + cudaGetErrorString(q));
           break;
         }
         if (Clock::now() - f.since > std::chrono::duration<double>(timeout_s_)) {
@@ -789,7 +771,7 @@ void CudaCommunicator::WatchdogLoop() {
           if (reason.empty())
             reason = Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
           std::fprintf(stderr, "jax_ub: %s\n", reason.c_str());
-          MarkBroken(reason);
+          broken_.Mark(reason);
           f.since = Clock::time_point::max();
         }
         busy = true;

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "broken_state.h"
 #include "call_descriptor.h"
 #include "cuda_gemm.h"
 #include "dtype.h"
@@ -67,7 +68,7 @@ class CudaCommunicator {
 
   const Topology& topology() const { return topology_; }
   // Why the communicator is broken, or "" while it is healthy.
-  std::string BrokenReason();
+  std::string BrokenReason() const { return broken_.reason(); }
 
   // Written by the device (host-mapped memory) when a peer's call descriptor differs from
   // this slot's own; read by the watchdog once the call has finished.
@@ -160,16 +161,13 @@ class CudaCommunicator {
   // enqueued once any handler returns to XLA. Bounded by the timeout.
   Status AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch);
   void WatchdogLoop();
-  void MarkBroken(const std::string& reason);
 
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
-  std::atomic<bool> broken_{false};
-  std::mutex broken_mu_;
-  std::string broken_reason_;
+  BrokenState broken_;
 
   std::atomic<bool> stop_{false};
   std::thread watchdog_;

@@ -52,8 +52,9 @@ CublasLtGemm::~CublasLtGemm() {
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
-Status CublasLtGemm::MakePlan(const Key& key, bool tune, const void* a, const void* b, void* c,
+Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
                               cudaStream_t stream, Plan** plan) {
+  const bool tune = options_.autotune;
   auto [t_raw, m, k, n, lda, ldb, ldc] = key;
   const DType t = static_cast<DType>(t_raw);
   const cudaDataType_t dt = CudaType(t);
@@ -143,7 +144,7 @@ Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b,
                static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n));
   JAX_UB_CUDA(cudaDeviceSynchronize());
   Plan* p = nullptr;
-  JAX_UB_RETURN_IF_ERROR(MakePlan(key, options_.autotune, a, b, c, tune_stream, &p));
+  JAX_UB_RETURN_IF_ERROR(MakePlan(key, a, b, c, tune_stream, &p));
   // Run the chosen algorithm once (autotuning already did), so its kernel is loaded before
   // any call of this shape has a peer wait in flight.
   if (!options_.autotune) {

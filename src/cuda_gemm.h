@@ -50,10 +50,10 @@ class CublasLtGemm {
     cublasLtMatmulAlgo_t algo;
   };
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
-  // A new plan for `key` (cuBLASLt's heuristic pick, or with `tune` the fastest of its
-  // candidates, timed on `stream`), stored in plans_.
-  Status MakePlan(const Key& key, bool tune, const void* a, const void* b, void* c,
-                  cudaStream_t stream, Plan** plan);
+  // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
+  // of its candidates, timed on `stream`), stored in plans_.
+  Status MakePlan(const Key& key, const void* a, const void* b, void* c, cudaStream_t stream,
+                  Plan** plan);
   // Fastest of `count` candidate algorithms on `stream`, by the median of a few runs.
   Status PickFastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count,
                      const void* a, const void* b, void* c, cudaStream_t stream);

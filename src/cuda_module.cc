@@ -53,8 +53,7 @@ NB_MODULE(_cuda, m) {
   // Same names as the host module's, so one bootstrap serves both: "region names" are the
   // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
   m.def("region_names", [](int64_t id) {
-    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
-    if (!c) throw nb::value_error("no such communicator");
+    auto c = jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id);
     std::vector<std::string> raw, hex;
     jax_ub::RaiseIfError(c->ExportHandles(&raw));
     static const char* digits = "0123456789abcdef";
@@ -69,8 +68,7 @@ NB_MODULE(_cuda, m) {
     return hex;
   });
   m.def("connect", [](int64_t id, std::vector<std::string> hex) {
-    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
-    if (!c) throw nb::value_error("no such communicator");
+    auto c = jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id);
     std::vector<std::string> raw;
     for (const std::string& h : hex) {
       std::string out;
@@ -86,21 +84,7 @@ NB_MODULE(_cuda, m) {
     jax_ub::RaiseIfError(st);
   });
   m.def("unlink", [](int64_t id) {});
-  m.def("broken_reason", [](int64_t id) {
-    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
-    return c ? c->BrokenReason() : std::string();
-  });
-  m.def("quiesce", [](int64_t id, double timeout_s) {
-    auto c = jax_ub::Registry<jax_ub::CudaCommunicator>::Get(id);
-    nb::gil_scoped_release release;
-    return c ? c->Quiesce(timeout_s) : true;
-  });
-  m.def("destroy_communicator", [](int64_t id) {
-    nb::gil_scoped_release release;
-    return jax_ub::Registry<jax_ub::CudaCommunicator>::Remove(id);
-  });
-  m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::CudaCommunicator>::Size(); });
-  jax_ub::DefRequiredBytes<jax_ub::CudaCommunicator>(m);
+  jax_ub::DefCommonBindings<jax_ub::CudaCommunicator>(m);
   // (free, total) bytes of a GPU's memory, for leak checks; the current device is kept.
   m.def("memory_info", [](int device) {
     int current = 0;

@@ -65,7 +65,6 @@ Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double
   c->shared_ = !shm_prefix.empty();
   const int slots = c->topology_.num_slots();
   c->regions_.assign(slots, nullptr);
-  c->mapped_.assign(slots, false);
   c->names_.assign(slots, "");
   c->epoch_.assign(slots, 0);
   c->slot_mu_.reset(new std::timed_mutex[slots]);
@@ -92,7 +91,6 @@ Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double
       close(fd);
       if (p == MAP_FAILED) return Internal("mmap(" + name + ") failed: " + std::strerror(errno));
       c->regions_[s] = static_cast<char*>(p);
-      c->mapped_[s] = true;
     } else {
       void* p = std::aligned_alloc(64, (c->region_bytes_ + 63) / 64 * 64);
       if (p == nullptr)
@@ -130,7 +128,6 @@ Status HostCommunicator::Connect(const std::vector<std::string>& names) {
     close(fd);
     if (p == MAP_FAILED) return Internal("mmap(" + name + ") failed: " + std::strerror(errno));
     regions_[s] = static_cast<char*>(p);
-    mapped_[s] = true;
     if (header(s)->magic != kMagic)
       return FailedPrecondition("slot " + std::to_string(s) + " (" + name +
                                 ") is not a jax_ub userbuffer");
@@ -142,7 +139,7 @@ bool HostCommunicator::Quiesce(double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   do {
     // A broken communicator makes no more progress: nothing to wait for.
-    if (broken_.load(std::memory_order_acquire)) return true;
+    if (broken_.broken()) return true;
     bool idle = true;
     uint64_t first = 0;
     bool have_first = false;
@@ -175,7 +172,7 @@ HostCommunicator::~HostCommunicator() {
   Unlink();
   for (int s = 0; s < static_cast<int>(regions_.size()); ++s) {
     if (regions_[s] == nullptr) continue;
-    if (mapped_[s]) {
+    if (shared_) {
       munmap(regions_[s], region_bytes_);
     } else {
       std::free(regions_[s]);
@@ -185,12 +182,10 @@ HostCommunicator::~HostCommunicator() {
 
 Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int64_t k, int64_t n,
                                int64_t chunk_bytes, CallContext* ctx) {
-  if (broken_.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(broken_mu_);
+  if (broken_.broken())
     return FailedPrecondition(std::string("jax_ub communicator is broken by an earlier error (") +
-                              broken_reason_ +
+                              broken_.reason() +
                               "); call jax_ub.finalize() and run again to start afresh");
-  }
   int slot = 0;
   JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
   const int size = topology_.group_size();
@@ -217,11 +212,7 @@ Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int
 }
 
 void HostCommunicator::Fail(const CallContext& ctx, const Status& st) {
-  {
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    if (broken_reason_.empty()) broken_reason_ = st.message();
-  }
-  broken_.store(true, std::memory_order_release);
+  broken_.Mark(st.message());
   // Tell the rest of the group, so their waits end now instead of at their deadline.
   for (int r = 0; r < ctx.size; ++r) {
     SlotHeader* h = header(ctx.peer_slot(r));

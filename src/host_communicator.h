@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "broken_state.h"
 #include "call_descriptor.h"
 #include "dtype.h"
 #include "status.h"
@@ -75,11 +76,7 @@ class HostCommunicator {
   bool Quiesce(double timeout_s);
 
   // Why the communicator is broken, or "" while it is healthy.
-  std::string BrokenReason() {
-    if (!broken_.load(std::memory_order_acquire)) return "";
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    return broken_reason_;
-  }
+  std::string BrokenReason() const { return broken_.reason(); }
 
   size_t capacity() const { return capacity_; }
   const Topology& topology() const { return topology_; }
@@ -102,17 +99,14 @@ class HostCommunicator {
   double timeout_s_ = 0;
   size_t region_bytes_ = 0;
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
-  std::vector<bool> mapped_;        // region came from mmap (shared memory), by slot
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
-  bool shared_ = false;
-  std::vector<uint64_t> epoch_;  // per slot; guarded by slot_mu_
+  bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
+  std::vector<uint64_t> epoch_;     // per slot; guarded by slot_mu_
   // One call at a time per slot: should XLA's CPU runtime ever run two independent
   // side-effecting custom calls of one device concurrently, they queue here instead of
   // interleaving their chunks (the descriptor check then reports any order mismatch).
   std::unique_ptr<std::timed_mutex[]> slot_mu_;
-  std::mutex broken_mu_;
-  std::string broken_reason_;
-  std::atomic<bool> broken_{false};
+  BrokenState broken_;
 };
 
 }  // namespace jax_ub

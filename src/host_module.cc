@@ -43,31 +43,17 @@ NB_MODULE(_host, m) {
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
       nb::arg("timeout_s"), nb::arg("shm_prefix") = "");
   m.def("region_names", [](int64_t id) {
-    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
-    if (!c) throw nb::value_error("no such communicator");
+    auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
     return c->region_names();
   });
   m.def("connect", [](int64_t id, std::vector<std::string> names) {
-    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
-    if (!c) throw nb::value_error("no such communicator");
+    auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
     jax_ub::Status st = c->Connect(names);
     jax_ub::RaiseIfError(st);
-  });
-  m.def("broken_reason", [](int64_t id) {
-    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
-    return c ? c->BrokenReason() : std::string();
-  });
-  m.def("quiesce", [](int64_t id, double timeout_s) {
-    auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
-    nb::gil_scoped_release release;
-    return c ? c->Quiesce(timeout_s) : true;
   });
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();
   });
-  m.def("destroy_communicator",
-        [](int64_t id) { return jax_ub::Registry<jax_ub::HostCommunicator>::Remove(id); });
-  m.def("num_communicators", []() { return jax_ub::Registry<jax_ub::HostCommunicator>::Size(); });
-  jax_ub::DefRequiredBytes<jax_ub::HostCommunicator>(m);
+  jax_ub::DefCommonBindings<jax_ub::HostCommunicator>(m);
 }
