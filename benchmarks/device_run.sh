@@ -34,7 +34,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # A file that times out runs again with JAX_UB_TRACE=1 for a minute: the last trace
   # lines of each GPU say where it stopped.
   : > "$OUT/gpu_tests.log"
-  for spec in test_gpu.py:300 test_gpu_flax.py:150 test_gpu_multiprocess.py:200 test_reliability.py:200; do
+  # TEST_SPECS overrides the files and their limits ("file:seconds ...").
+  for spec in ${TEST_SPECS:-test_gpu.py:300 test_gpu_flax.py:150 test_gpu_multiprocess.py:200 test_reliability.py:200}; do
     file=${spec%%:*}; limit=${spec##*:}
     timeout -k 10 "$limit" python3 -m pytest -v -rsxX -m gpu "tests/$file" -p no:cacheprovider \
       >> "$OUT/gpu_tests.log" 2>&1
