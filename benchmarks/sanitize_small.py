@@ -1,4 +1,5 @@
-"""Small jax_ub run for compute-sanitizer: both ops, forward and backward, on 2 GPUs.
+"""Small jax_ub run for compute-sanitizer: both ops, forward and backward, on 2 GPUs
+(SANITIZE_TP=4: on 4).
 
 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py
 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_small.py
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
 
-TP = 2
+TP = int(os.environ.get("SANITIZE_TP", "2"))
 mesh = Mesh(np.array(jax.devices()[:TP]), ("tp",))
 rng = np.random.default_rng(0)
 M, K, H = 256, 128, 256
