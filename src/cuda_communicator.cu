@@ -562,9 +562,35 @@ Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch
   return Status::Ok();
 }
 
+Status CudaCommunicator::AbandonOnError(Slot* s, const char* op, Status st) {
+  // Before Begin nothing was enqueued and every rank checks the same things; after it,
+  // peers wait (on their GPUs and in AwaitLocalPeers) for work this call will never
+  // enqueue. Failing them now beats letting each run into its timeout.
+  if (!st.ok() && s != nullptr)
+    broken_.Mark(Describe(op, s->rank, s->group) + " failed on GPU " + std::to_string(s->device) +
+                 " after it began: " + st.message());
+  return st;
+}
+
 Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,
                                          const void* w, void* out, void* gathered, int64_t m,
                                          int64_t k, int64_t n) {
+  Slot* s = nullptr;
+  Status st = EnqueueAllGatherMatmul(device, xs, t, x, w, out, gathered, m, k, n, &s);
+  return AbandonOnError(s, "all_gather_matmul", std::move(st));
+}
+
+Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType t, const void* x,
+                                             const void* w, void* out, int64_t m, int64_t k,
+                                             int64_t n) {
+  Slot* s = nullptr;
+  Status st = EnqueueMatmulReduceScatter(device, xs, t, x, w, out, m, k, n, &s);
+  return AbandonOnError(s, "matmul_reduce_scatter", std::move(st));
+}
+
+Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,
+                                                const void* w, void* out, void* gathered, int64_t m,
+                                                int64_t k, int64_t n, Slot** began) {
   const char* op = "all_gather_matmul";
   const int size = topology_.group_size();
   const int64_t es = DTypeSize(t);
@@ -573,6 +599,7 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
   uint64_t e = 0;
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, op, RequiredBytes(OpKind::kAllGatherMatmul, chunk, size), &s, &e));
+  *began = s;
   const Schedule sched{s->rank, size};
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};
@@ -640,9 +667,9 @@ Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, c
   return Finish(*s, xs, op, e, std::move(waits));
 }
 
-Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType t, const void* x,
-                                             const void* w, void* out, int64_t m, int64_t k,
-                                             int64_t n) {
+Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs, DType t,
+                                                    const void* x, const void* w, void* out,
+                                                    int64_t m, int64_t k, int64_t n, Slot** began) {
   const char* op = "matmul_reduce_scatter";
   const int size = topology_.group_size();
   const int64_t es = DTypeSize(t);
@@ -651,6 +678,7 @@ Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType 
   uint64_t e = 0;
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, op, RequiredBytes(OpKind::kMatmulReduceScatter, chunk, size), &s, &e));
+  *began = s;
   const Schedule sched{s->rank, size};
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kMatmulReduceScatter), static_cast<uint32_t>(t), m, k, n, e};

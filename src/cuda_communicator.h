@@ -143,6 +143,15 @@ class CudaCommunicator {
   Status Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm, bool multiprocess);
   Status Wire();
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
+  // The ops' bodies; `began` is set once Begin has succeeded.
+  Status EnqueueAllGatherMatmul(int device, cudaStream_t stream, DType t, const void* x,
+                                const void* w, void* out, void* gathered, int64_t m, int64_t k,
+                                int64_t n, Slot** began);
+  Status EnqueueMatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x,
+                                    const void* w, void* out, int64_t m, int64_t k, int64_t n,
+                                    Slot** began);
+  // Marks the communicator broken when a call that has begun (`s` not null) fails.
+  Status AbandonOnError(Slot* s, const char* op, Status st);
   Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
                   const char* what, std::vector<Wait>* waits);
   Status Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value);
