@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
+from jax_ub._src.communicator import host_times
 
 AXIS = "tp"
 
@@ -188,10 +189,30 @@ def measure(impls, reference, rounds: int, iters: int) -> tuple[dict, dict]:
             errs[name] = None
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
     samples = {n: [] for n in live}
+    host = []  # jax_ub's host time per call and GPU, each round
     for _ in range(rounds):
         for name, (f, args) in live.items():
+            before = host_times() if name == "jax_ub" else None
             samples[name].append(loop_time_ms(f, args, iters))
-    return {n: statistics.median(v) for n, v in samples.items()}, errs
+            if before is not None:
+                host.append(_host_ms_per_call(before, host_times()))
+    times = {n: statistics.median(v) for n, v in samples.items()}
+    if host and all(h is not None for h in host):
+        times["jax_ub_host"] = statistics.median(h[0] for h in host)
+        times["jax_ub_host_await"] = statistics.median(h[1] for h in host)
+    return times, errs
+
+
+def _host_ms_per_call(before: dict, after: dict) -> tuple[float, float] | None:
+    """Mean over local GPUs of the host ms per jax_ub call (and of its waiting part)."""
+    per = []
+    for dev, (calls, tot, aw) in after.items():
+        c0, t0, a0 = before.get(dev, (0, 0.0, 0.0))
+        if calls > c0:
+            per.append(((tot - t0) / (calls - c0) * 1e3, (aw - a0) / (calls - c0) * 1e3))
+    if not per:
+        return None
+    return float(np.mean([p[0] for p in per])), float(np.mean([p[1] for p in per]))
 
 
 def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters, tp) -> float | None:
@@ -328,6 +349,8 @@ def main(argv=None) -> None:
                 f"{args.rounds} rounds x {args.iters} calls)",
                 flush=True,
             )
+            host_ms = times.pop("jax_ub_host", None)
+            await_ms = times.pop("jax_ub_host_await", None)
             for name, t in sorted(times.items(), key=lambda kv: kv[1]):
                 e = errs.get(name)
                 say(
@@ -339,6 +362,14 @@ def main(argv=None) -> None:
                 f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
                 flush=True,
             )
+            if host_ms is not None:
+                # Host-bound when this approaches jax_ub's device time per call.
+                row.update(jax_ub_host_ms=host_ms, jax_ub_host_await_ms=await_ms)
+                say(
+                    f"  jax_ub host time per call and GPU: {host_ms:.3f} ms "
+                    f"({await_ms:.3f} ms of it waiting for the process's other GPUs)",
+                    flush=True,
+                )
     if args.json and lead:
         with open(args.json, "w") as fh:
             info = dict(device=devices[0].device_kind, tp=tp, processes=jax.process_count())

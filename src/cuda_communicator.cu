@@ -555,6 +555,9 @@ Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch
       }
     }
   }
+  s.await_ns.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
+      std::memory_order_relaxed);
   const double waited = std::chrono::duration<double>(Clock::now() - start).count();
   if (waited > 0.1)
     JAX_UB_TRACE("GPU %d %s call #%llu waited %.3f s for the process's other GPUs", s.device, op,
@@ -562,11 +565,25 @@ Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch
   return Status::Ok();
 }
 
-Status CudaCommunicator::AbandonOnError(Slot* s, const char* op, Status st) {
+std::vector<CudaCommunicator::HostTime> CudaCommunicator::HostTimes() const {
+  std::vector<HostTime> out;
+  for (const auto& sp : slots_)
+    if (sp && sp->local)
+      out.push_back(
+          HostTime{sp->device, sp->host_calls.load(), sp->host_ns.load(), sp->await_ns.load()});
+  return out;
+}
+
+Status CudaCommunicator::EndCall(Slot* s, const char* op, Clock::time_point since, Status st) {
+  if (s == nullptr) return st;
+  s->host_calls.fetch_add(1, std::memory_order_relaxed);
+  s->host_ns.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count(),
+      std::memory_order_relaxed);
   // Before Begin nothing was enqueued and every rank checks the same things; after it,
   // peers wait (on their GPUs and in AwaitLocalPeers) for work this call will never
   // enqueue. Failing them now beats letting each run into its timeout.
-  if (!st.ok() && s != nullptr)
+  if (!st.ok())
     broken_.Mark(Describe(op, s->rank, s->group) + " failed on GPU " + std::to_string(s->device) +
                  " after it began: " + st.message());
   return st;
@@ -575,17 +592,19 @@ Status CudaCommunicator::AbandonOnError(Slot* s, const char* op, Status st) {
 Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,
                                          const void* w, void* out, void* gathered, int64_t m,
                                          int64_t k, int64_t n) {
+  const auto since = Clock::now();
   Slot* s = nullptr;
   Status st = EnqueueAllGatherMatmul(device, xs, t, x, w, out, gathered, m, k, n, &s);
-  return AbandonOnError(s, "all_gather_matmul", std::move(st));
+  return EndCall(s, "all_gather_matmul", since, std::move(st));
 }
 
 Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType t, const void* x,
                                              const void* w, void* out, int64_t m, int64_t k,
                                              int64_t n) {
+  const auto since = Clock::now();
   Slot* s = nullptr;
   Status st = EnqueueMatmulReduceScatter(device, xs, t, x, w, out, m, k, n, &s);
-  return AbandonOnError(s, "matmul_reduce_scatter", std::move(st));
+  return EndCall(s, "matmul_reduce_scatter", since, std::move(st));
 }
 
 Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,

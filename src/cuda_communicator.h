@@ -66,6 +66,17 @@ class CudaCommunicator {
   // all their GPU work has finished. Returns whether that state was reached.
   bool Quiesce(double timeout_s);
 
+  // Host time the handler threads spend per call, for finding whether small ops are
+  // bound by the host: by local GPU, the calls made, the nanoseconds inside the op
+  // (enqueueing included) and the part of it spent in AwaitLocalPeers.
+  struct HostTime {
+    int device;
+    int64_t calls;
+    int64_t total_ns;
+    int64_t await_ns;
+  };
+  std::vector<HostTime> HostTimes() const;
+
   const Topology& topology() const { return topology_; }
   // Why the communicator is broken, or "" while it is healthy.
   std::string BrokenReason() const { return broken_.reason(); }
@@ -129,7 +140,9 @@ class CudaCommunicator {
     std::unique_ptr<CublasLtGemm> gemm;
     std::atomic<uint64_t> epoch{0};     // advanced by this device's handler thread
     std::atomic<uint64_t> enqueued{0};  // the last call whose work is fully enqueued
-    std::mutex mu;                      // pending and free_events: shared with the watchdog
+    // HostTimes(); written by this device's handler thread only.
+    std::atomic<int64_t> host_calls{0}, host_ns{0}, await_ns{0};
+    std::mutex mu;  // pending and free_events: shared with the watchdog
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;
@@ -150,8 +163,9 @@ class CudaCommunicator {
   Status EnqueueMatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x,
                                     const void* w, void* out, int64_t m, int64_t k, int64_t n,
                                     Slot** began);
-  // Marks the communicator broken when a call that has begun (`s` not null) fails.
-  Status AbandonOnError(Slot* s, const char* op, Status st);
+  // Marks the communicator broken when a call that has begun (`s` not null) fails, and
+  // counts the call's host time from `since`.
+  Status EndCall(Slot* s, const char* op, std::chrono::steady_clock::time_point since, Status st);
   Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
                   const char* what, std::vector<Wait>* waits);
   Status Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value);

@@ -4,10 +4,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <stdexcept>
+#include <tuple>
 
 #include "cuda_check.h"
 #include "cuda_communicator.h"
@@ -84,6 +86,14 @@ NB_MODULE(_cuda, m) {
     jax_ub::RaiseIfError(st);
   });
   m.def("unlink", [](int64_t id) {});
+  // [(device, calls, host ns in the ops, of which ns waiting for the process's other GPUs)]
+  m.def("host_times", [](int64_t id) {
+    auto c = jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id);
+    std::vector<std::tuple<int, int64_t, int64_t, int64_t>> out;
+    for (const auto& t : c->HostTimes())
+      out.emplace_back(t.device, t.calls, t.total_ns, t.await_ns);
+    return out;
+  });
   jax_ub::DefCommonBindings<jax_ub::CudaCommunicator>(m);
   // (free, total) bytes of a GPU's memory, for leak checks; the current device is kept.
   m.def("memory_info", [](int device) {
