@@ -590,29 +590,31 @@ Status CudaCommunicator::EndCall(Slot* s, const char* op, Clock::time_point sinc
 }
 
 Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,
-                                         const void* w, void* out, void* gathered, int64_t m,
-                                         int64_t k, int64_t n) {
+                                         const void* w, bool w_transposed, void* out,
+                                         void* gathered, int64_t m, int64_t k, int64_t n) {
   const auto since = Clock::now();
   Slot* s = nullptr;
-  Status st = EnqueueAllGatherMatmul(device, xs, t, x, w, out, gathered, m, k, n, &s);
+  Status st = EnqueueAllGatherMatmul(device, xs, t, x, w, w_transposed, out, gathered, m, k, n, &s);
   return EndCall(s, "all_gather_matmul", since, std::move(st));
 }
 
 Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType t, const void* x,
-                                             const void* w, void* out, int64_t m, int64_t k,
-                                             int64_t n) {
+                                             const void* w, bool w_transposed, void* out, int64_t m,
+                                             int64_t k, int64_t n) {
   const auto since = Clock::now();
   Slot* s = nullptr;
-  Status st = EnqueueMatmulReduceScatter(device, xs, t, x, w, out, m, k, n, &s);
+  Status st = EnqueueMatmulReduceScatter(device, xs, t, x, w, w_transposed, out, m, k, n, &s);
   return EndCall(s, "matmul_reduce_scatter", since, std::move(st));
 }
 
 Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,
-                                                const void* w, void* out, void* gathered, int64_t m,
-                                                int64_t k, int64_t n, Slot** began) {
+                                                const void* w, bool w_transposed, void* out,
+                                                void* gathered, int64_t m, int64_t k, int64_t n,
+                                                Slot** began) {
   const char* op = "all_gather_matmul";
   const int size = topology_.group_size();
   const int64_t es = DTypeSize(t);
+  const int64_t ldw = w_transposed ? k : n;  // w is [k, n], or [n, k] when transposed
   const int64_t chunk = m * k * es;
   Slot* s = nullptr;
   uint64_t e = 0;
@@ -628,7 +630,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   // which only matters for their values; `out` is rewritten below.
   for (const Schedule::Span& span : sched.AllGatherSpans()) {
     const void* src = span.first == s->rank ? x : s->buffer + span.first * chunk;
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, n,
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, ldw, w_transposed,
                                             static_cast<char*>(out) + span.first * m * n * es, n,
                                             span.count * m, k, n, s->tune));
   }
@@ -670,7 +672,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
         JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + span.first * chunk, src,
                                     span.count * chunk, cudaMemcpyDeviceToDevice, gs));
     }
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, src, k, w, n,
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, src, k, w, ldw, w_transposed,
                                            static_cast<char*>(out) + span.first * m * n * es, n,
                                            span.count * m, k, n, s->compute));
   }
@@ -687,11 +689,13 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
 }
 
 Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs, DType t,
-                                                    const void* x, const void* w, void* out,
-                                                    int64_t m, int64_t k, int64_t n, Slot** began) {
+                                                    const void* x, const void* w, bool w_transposed,
+                                                    void* out, int64_t m, int64_t k, int64_t n,
+                                                    Slot** began) {
   const char* op = "matmul_reduce_scatter";
   const int size = topology_.group_size();
   const int64_t es = DTypeSize(t);
+  const int64_t ldw = w_transposed ? k : n;  // w is [k, n], or [n, k] when transposed
   const int64_t chunk = m * n * es;
   Slot* s = nullptr;
   uint64_t e = 0;
@@ -708,14 +712,15 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   // (see CublasLtGemm::Prepare). Peers may be writing their partials into `recv`
   // meanwhile; this writes only our own slot of it.
   JAX_UB_RETURN_IF_ERROR(
-      s->gemm->Prepare(t, x, k, w, n, recv + s->rank * chunk, n, m, k, n, s->tune));
+      s->gemm->Prepare(t, x, k, w, ldw, w_transposed, recv + s->rank * chunk, n, m, k, n, s->tune));
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
   // Each peer's partial first, sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     const char* a = static_cast<const char*>(x) + d * m * k * es;
     char* dst = d == s->rank ? recv + s->rank * chunk : stage + d * chunk;
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, a, k, w, n, dst, n, m, k, n, s->compute));
+    JAX_UB_RETURN_IF_ERROR(
+        s->gemm->Matmul(t, a, k, w, ldw, w_transposed, dst, n, m, k, n, s->compute));
     if (d == s->rank) continue;
     cudaStream_t cs = s->comm[d];
     JAX_UB_CUDA(cudaEventRecord(s->ready[d], s->compute));

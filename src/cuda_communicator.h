@@ -55,12 +55,14 @@ class CudaCommunicator {
 
   // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
   // joined back into it. `gathered` (may be null) receives all_gather(x).
+  // With `w_transposed`, w is stored as its transpose [n, k] (see CublasLtGemm::Matmul).
   Status AllGatherMatmul(int device, cudaStream_t stream, DType t, const void* x, const void* w,
-                         void* out, void* gathered, int64_t m, int64_t k, int64_t n);
+                         bool w_transposed, void* out, void* gathered, int64_t m, int64_t k,
+                         int64_t n);
 
   // out[m, n] = reduce_scatter(x[size*m, k] @ w[k, n]).
   Status MatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x, const void* w,
-                             void* out, int64_t m, int64_t k, int64_t n);
+                             bool w_transposed, void* out, int64_t m, int64_t k, int64_t n);
 
   // Wait up to `timeout_s` until every local slot has made the same number of calls and
   // all their GPU work has finished. Returns whether that state was reached.
@@ -158,11 +160,11 @@ class CudaCommunicator {
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
   // The ops' bodies; `began` is set once Begin has succeeded.
   Status EnqueueAllGatherMatmul(int device, cudaStream_t stream, DType t, const void* x,
-                                const void* w, void* out, void* gathered, int64_t m, int64_t k,
-                                int64_t n, Slot** began);
+                                const void* w, bool w_transposed, void* out, void* gathered,
+                                int64_t m, int64_t k, int64_t n, Slot** began);
   Status EnqueueMatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x,
-                                    const void* w, void* out, int64_t m, int64_t k, int64_t n,
-                                    Slot** began);
+                                    const void* w, bool w_transposed, void* out, int64_t m,
+                                    int64_t k, int64_t n, Slot** began);
   // Marks the communicator broken when a call that has begun (`s` not null) fails, and
   // counts the call's host time from `since`.
   Status EndCall(Slot* s, const char* op, std::chrono::steady_clock::time_point since, Status st);

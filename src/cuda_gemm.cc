@@ -55,15 +55,24 @@ CublasLtGemm::~CublasLtGemm() {
 Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
                               cudaStream_t stream, Plan** plan) {
   const bool tune = options_.autotune;
-  auto [t_raw, m, k, n, lda, ldb, ldc] = key;
+  auto [t_raw, m, k, n, lda, ldb, ldc, b_transposed] = key;
   const DType t = static_cast<DType>(t_raw);
   const cudaDataType_t dt = CudaType(t);
   Plan p;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (t == DType::kF32 && options_.allow_tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   // Row-major C = A @ B is column-major C^T = B^T @ A^T: pass B as the first operand.
+  // A transposed B [n, k] row-major is B^T stored column-major as k x n: cuBLASLt
+  // transposes it on the fly.
   JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p.desc, compute, CUDA_R_32F));
-  JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, dt, n, k, ldb));  // B^T: n x k
+  if (b_transposed) {
+    const cublasOperation_t op_t = CUBLAS_OP_T;
+    JAX_UB_CUBLAS(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, dt, k, n, ldb));  // (B^T)^T: k x n
+  } else {
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, dt, n, k, ldb));  // B^T: n x k
+  }
   JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, dt, k, m, lda));  // A^T: k x m
   JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, dt, n, m, ldc));  // C^T: n x m
   cublasLtMatmulPreference_t pref;
@@ -133,10 +142,10 @@ Status CublasLtGemm::PickFastest(Plan& p, const cublasLtMatmulHeuristicResult_t*
 }
 
 Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
-                             void* c, int64_t ldc, int64_t m, int64_t k, int64_t n,
-                             cudaStream_t tune_stream) {
+                             bool b_transposed, void* c, int64_t ldc, int64_t m, int64_t k,
+                             int64_t n, cudaStream_t tune_stream) {
   if (m == 0 || n == 0) return Status::Ok();
-  const Key key{static_cast<int>(t), m, k, n, lda, ldb, ldc};
+  const Key key{static_cast<int>(t), m, k, n, lda, ldb, ldc, b_transposed};
   if (plans_.count(key) != 0) return Status::Ok();  // every call after a shape's first
   // Drain the device first (see the header): the kernels launched below may be loaded
   // now, and a load waits for the device to go idle while holding its context.
@@ -157,11 +166,11 @@ Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b,
 }
 
 Status CublasLtGemm::Matmul(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
-                            void* c, int64_t ldc, int64_t m, int64_t k, int64_t n,
-                            cudaStream_t stream) {
+                            bool b_transposed, void* c, int64_t ldc, int64_t m, int64_t k,
+                            int64_t n, cudaStream_t stream) {
   if (m == 0 || n == 0) return Status::Ok();
   // Only Prepare makes plans: it is where a new kernel may be loaded safely.
-  auto it = plans_.find(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc});
+  auto it = plans_.find(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc, b_transposed});
   if (it == plans_.end())
     return Internal("CublasLtGemm::Matmul: no plan for m=" + std::to_string(m) + " k=" +
                     std::to_string(k) + " n=" + std::to_string(n) + "; Prepare must run first");

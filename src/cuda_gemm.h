@@ -35,13 +35,14 @@ class CublasLtGemm {
   // kernel waits for the device to go idle while holding its context lock. Were the device
   // then waiting on a peer whose host thread needs that lock to enqueue its copy into our
   // memory, both would hang (seen on 2x H200 with autotuning).
-  Status Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
-                 int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream);
+  Status Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, bool b_transposed,
+                 void* c, int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream);
 
-  // c[m, n] = a[m, k] @ b[k, n], row-major, with leading dims lda/ldb/ldc (elements).
-  // Accumulates in float32; output in `t`.
-  Status Matmul(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
-                int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t stream);
+  // c[m, n] = a[m, k] @ b[k, n], row-major, with leading dims lda/ldb/ldc (elements). With
+  // `b_transposed`, b is stored as its transpose [n, k] (a backward pass's w.T, read in
+  // place instead of copied). Accumulates in float32; output in `t`.
+  Status Matmul(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, bool b_transposed,
+                void* c, int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t stream);
 
  private:
   struct Plan {
@@ -49,7 +50,8 @@ class CublasLtGemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo;
   };
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+  // dtype, m, k, n, lda, ldb, ldc, b transposed
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
   // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
   // of its candidates, timed on `stream`), stored in plans_.
   Status MakePlan(const Key& key, const void* a, const void* b, void* c, cudaStream_t stream,

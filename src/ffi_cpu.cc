@@ -9,22 +9,24 @@ namespace {
 
 ffi::Error AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id) {
+                               ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
+                               bool transpose_w) {
   MatmulCall<HostCommunicator> c;
-  Status st = PrepareAllGather(x, w, *out, *gathered, comm_id, &c);
+  Status st = PrepareAllGather(x, w, transpose_w, *out, *gathered, comm_id, &c);
   if (st.ok())
-    st = c.comm->AllGatherMatmul(device, c.t, x.untyped_data(), w.untyped_data(),
+    st = c.comm->AllGatherMatmul(device, c.t, x.untyped_data(), w.untyped_data(), c.w_transposed,
                                  out->untyped_data(), c.gathered, c.m, c.k, c.n);
   return ToFfiError(st);
 }
 
 ffi::Error MatmulReduceScatterHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                   ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+                                   ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                                   bool transpose_w) {
   MatmulCall<HostCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, *out, comm_id, &c);
+  Status st = PrepareReduceScatter(x, w, transpose_w, *out, comm_id, &c);
   if (st.ok())
     st = c.comm->MatmulReduceScatter(device, c.t, x.untyped_data(), w.untyped_data(),
-                                     out->untyped_data(), c.m, c.k, c.n);
+                                     c.w_transposed, out->untyped_data(), c.m, c.k, c.n);
   return ToFfiError(st);
 }
 
@@ -37,7 +39,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCpu, AllGatherMatmulHost,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_id"));
+                                  .Attr<int64_t>("comm_id")
+                                  .Attr<bool>("transpose_w"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCpu, MatmulReduceScatterHost,
                               ffi::Ffi::Bind()
@@ -45,6 +48,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCpu, MatmulReduceScatterHost,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_id"));
+                                  .Attr<int64_t>("comm_id")
+                                  .Attr<bool>("transpose_w"));
 
 }  // namespace jax_ub

@@ -12,23 +12,24 @@ namespace {
 
 ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                               ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id) {
+                              ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
+                              bool transpose_w) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareAllGather(x, w, *out, *gathered, comm_id, &c);
+  Status st = PrepareAllGather(x, w, transpose_w, *out, *gathered, comm_id, &c);
   if (st.ok())
     st = c.comm->AllGatherMatmul(device, stream, c.t, x.untyped_data(), w.untyped_data(),
-                                 out->untyped_data(), c.gathered, c.m, c.k, c.n);
+                                 c.w_transposed, out->untyped_data(), c.gathered, c.m, c.k, c.n);
   return ToFfiError(st);
 }
 
 ffi::Error MatmulReduceScatterGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                                  int64_t comm_id) {
+                                  int64_t comm_id, bool transpose_w) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, *out, comm_id, &c);
+  Status st = PrepareReduceScatter(x, w, transpose_w, *out, comm_id, &c);
   if (st.ok())
     st = c.comm->MatmulReduceScatter(device, stream, c.t, x.untyped_data(), w.untyped_data(),
-                                     out->untyped_data(), c.m, c.k, c.n);
+                                     c.w_transposed, out->untyped_data(), c.m, c.k, c.n);
   return ToFfiError(st);
 }
 
@@ -42,7 +43,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCuda, AllGatherMatmulGpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_id"));
+                                  .Attr<int64_t>("comm_id")
+                                  .Attr<bool>("transpose_w"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCuda, MatmulReduceScatterGpu,
                               ffi::Ffi::Bind()
@@ -51,6 +53,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCuda, MatmulReduceScatterGpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_id"));
+                                  .Attr<int64_t>("comm_id")
+                                  .Attr<bool>("transpose_w"));
 
 }  // namespace jax_ub

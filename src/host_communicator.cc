@@ -262,8 +262,8 @@ Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {
 }
 
 Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, const void* w,
-                                         void* out, void* gathered, int64_t m, int64_t k,
-                                         int64_t n) {
+                                         bool w_transposed, void* out, void* gathered, int64_t m,
+                                         int64_t k, int64_t n) {
   const int64_t es = DTypeSize(t);
   const int64_t chunk = m * k * es;
   CallContext ctx;
@@ -295,7 +295,8 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
       }
       src = data(ctx.slot) + span.first * chunk;
     }
-    HostGemm(t, src, w, static_cast<char*>(out) + span.first * m * n * es, span.count * m, k, n);
+    HostGemm(t, src, w, w_transposed, static_cast<char*>(out) + span.first * m * n * es,
+             span.count * m, k, n);
     if (gathered != nullptr)
       std::memcpy(static_cast<char*>(gathered) + span.first * chunk, src, span.count * chunk);
   }
@@ -306,7 +307,8 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
 }
 
 Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x, const void* w,
-                                             void* out, int64_t m, int64_t k, int64_t n) {
+                                             bool w_transposed, void* out, int64_t m, int64_t k,
+                                             int64_t n) {
   const int64_t es = DTypeSize(t);
   const int64_t chunk = m * n * es;
   CallContext ctx;
@@ -327,7 +329,7 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
       Status st = WaitFlag(ctx, &own->credit_epoch[d], ctx.epoch - 1, d, "free its userbuffer");
       if (!st.ok()) return fail(st);
     }
-    HostGemm(t, xb + d * m * k * es, w, data(ds) + ctx.rank * chunk, m, k, n);
+    HostGemm(t, xb + d * m * k * es, w, w_transposed, data(ds) + ctx.rank * chunk, m, k, n);
     if (d != ctx.rank) {
       header(ds)->desc_from[ctx.rank] = ctx.desc;
       Store(&header(ds)->data_epoch[ctx.rank], ctx.epoch);

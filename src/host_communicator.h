@@ -63,12 +63,12 @@ class HostCommunicator {
 
   // out = all_gather(x) @ w for the group of the slot owned by `device`. x is [m, k],
   // w [k, n], out [size*m, n]; gathered, when not null, receives all_gather(x).
-  Status AllGatherMatmul(int device, DType t, const void* x, const void* w, void* out,
-                         void* gathered, int64_t m, int64_t k, int64_t n);
+  Status AllGatherMatmul(int device, DType t, const void* x, const void* w, bool w_transposed,
+                         void* out, void* gathered, int64_t m, int64_t k, int64_t n);
 
   // out = reduce_scatter(x @ w): x is [size*m, k], w [k, n], out [m, n].
-  Status MatmulReduceScatter(int device, DType t, const void* x, const void* w, void* out,
-                             int64_t m, int64_t k, int64_t n);
+  Status MatmulReduceScatter(int device, DType t, const void* x, const void* w, bool w_transposed,
+                             void* out, int64_t m, int64_t k, int64_t n);
 
   // Wait up to `timeout_s` until no call is running and every local slot has made the
   // same number of calls: then no rank is left waiting for a peer whose call was

@@ -159,3 +159,27 @@ def test_xla_impl_grad_uses_collectives(mesh1d, operands):
     )
     text = _texts(f, *operands)["compiled"]
     assert _collectives("compiled", text) == ["all-gather", "reduce-scatter"]
+
+
+def _custom_call_weights(text: str) -> dict[str, str]:
+    """Compiled HLO: the second operand (the weight) of each jax_ub custom call, by target."""
+    calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"(jax_ub_\w+)\"", text)
+    return {target: operands.split(",")[1].strip() for operands, target in calls}
+
+
+@pytest.mark.parametrize(
+    "op, in_specs",
+    [
+        (jax_ub.all_gather_matmul, (P("tp"), P(None, "tp"))),
+        (jax_ub.matmul_reduce_scatter, (P(None, "tp"), P("tp"))),
+    ],
+)
+def test_backward_reads_the_weight_in_place(mesh1d, rand, op, in_specs):
+    """The backward op multiplies by w.T without a transposed copy: both custom calls take
+    the weight parameter itself, and the compiled program has no transpose."""
+    f = smap(_local_grad(op, "ub"), mesh1d(4), in_specs=in_specs, out_specs=in_specs)
+    text = _texts(f, rand(4 * 8, 4 * 8), rand(4 * 8, 4 * 8))["compiled"]
+    weights = _custom_call_weights(text)
+    assert set(weights) == {AG_TARGET, RS_TARGET}, text
+    assert weights[AG_TARGET] == weights[RS_TARGET], weights
+    assert not re.search(r"\btranspose\(%", text), text  # an op, not op_name metadata

@@ -80,8 +80,8 @@ def _fwd(x, w, axis_name, size):
 
 def _bwd(axis_name, size, res, dy):
     x, gathered, w = res
-    # dx = reduce_scatter(dy @ w.T): the overlapped GEMM+RS, no extra all-gather needed.
-    dx = bind_matmul_reduce_scatter(dy, w.T, axis_name, size)
+    # dx = reduce_scatter(dy @ w.T): the overlapped GEMM+RS, reading w transposed in place.
+    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True)
     dw = gathered.T @ dy
     return match_varying(dx, x), match_varying(dw, w)
 
@@ -102,7 +102,7 @@ def _fwd_gathered(x, w, axis_name, size):
 def _bwd_gathered(axis_name, size, res, cts):
     x, gathered, w = res
     dy, dgathered = cts
-    dx = bind_matmul_reduce_scatter(dy, w.T, axis_name, size)
+    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True)
     dx = match_varying(dx, x) + match_varying(
         lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True), x
     )

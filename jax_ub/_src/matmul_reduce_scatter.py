@@ -72,7 +72,9 @@ def _bwd(axis_name, size, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
-    dx, dy_gathered = bind_all_gather_matmul(dy, w.T, axis_name, size, return_gathered=True)
+    dx, dy_gathered = bind_all_gather_matmul(
+        dy, w, axis_name, size, return_gathered=True, transpose_w=True
+    )
     return match_varying(dx, x), match_varying(x.T @ dy_gathered, w)
 
 

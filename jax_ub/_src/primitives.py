@@ -69,15 +69,20 @@ def _result(x, shape, *operands, extra: frozenset = frozenset()):
     return x.update(shape=shape)
 
 
-def _all_gather_matmul_abstract(x, w, *, axis_name, axis_size, return_gathered):
+def _columns(w, transpose_w: bool) -> int:
+    """n of a weight that is [k, n], or [n, k] when passed transposed."""
+    return w.shape[0] if transpose_w else w.shape[1]
+
+
+def _all_gather_matmul_abstract(x, w, *, axis_name, axis_size, return_gathered, transpose_w):
     m, k = x.shape
-    out = _result(x, (axis_size * m, w.shape[1]), x, w)
+    out = _result(x, (axis_size * m, _columns(w, transpose_w)), x, w)
     gathered = _result(x, (axis_size * m, k) if return_gathered else (0, k), x)
     return out, gathered
 
 
-def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size):
-    shape = (x.shape[0] // axis_size, w.shape[1])
+def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size, transpose_w):
+    shape = (x.shape[0] // axis_size, _columns(w, transpose_w))
     return _result(x, shape, x, w, extra=frozenset([axis_name]))
 
 
@@ -110,7 +115,7 @@ def required_bytes(platform: str, op: str, chunk_bytes: int, group_size: int) ->
     return int(extension.module_for(platform).required_bytes(op, chunk_bytes, group_size))
 
 
-def _all_gather_matmul_lowering(ctx, x, w, *, axis_name, axis_size, return_gathered):
+def _all_gather_matmul_lowering(ctx, x, w, *, axis_name, axis_size, return_gathered, transpose_w):
     platform = _platform(ctx)
     mesh = _concrete_mesh(ctx, axis_name)
     x_aval, w_aval = ctx.avals_in
@@ -119,10 +124,10 @@ def _all_gather_matmul_lowering(ctx, x, w, *, axis_name, axis_size, return_gathe
         mesh, axis_name, platform, required_bytes(platform, "all_gather_matmul", chunk, axis_size)
     )
     rule = jax.ffi.ffi_lowering("jax_ub_all_gather_matmul", has_side_effect=True)
-    return rule(ctx, x, w, comm_id=np.int64(comm.id))
+    return rule(ctx, x, w, comm_id=np.int64(comm.id), transpose_w=bool(transpose_w))
 
 
-def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size):
+def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w):
     platform = _platform(ctx)
     mesh = _concrete_mesh(ctx, axis_name)
     (out_aval,) = ctx.avals_out
@@ -134,7 +139,7 @@ def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size):
         required_bytes(platform, "matmul_reduce_scatter", chunk, axis_size),
     )
     rule = jax.ffi.ffi_lowering("jax_ub_matmul_reduce_scatter", has_side_effect=True)
-    return rule(ctx, x, w, comm_id=np.int64(comm.id))
+    return rule(ctx, x, w, comm_id=np.int64(comm.id), transpose_w=bool(transpose_w))
 
 
 mlir.register_lowering(all_gather_matmul_p, _all_gather_matmul_lowering)
@@ -167,13 +172,29 @@ batching.primitive_batchers[matmul_reduce_scatter_p] = lambda args, dims, **kw: 
 )
 
 
-def bind_all_gather_matmul(x, w, axis_name: str, axis_size: int, return_gathered: bool):
-    """2-D x [m, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, k])."""
+def bind_all_gather_matmul(
+    x, w, axis_name: str, axis_size: int, return_gathered: bool, transpose_w: bool = False
+):
+    """2-D x [m, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, k]).
+
+    With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
+    backward passes multiply by ``w.T`` without materialising it).
+    """
     return all_gather_matmul_p.bind(
-        x, w, axis_name=axis_name, axis_size=axis_size, return_gathered=return_gathered
+        x,
+        w,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        return_gathered=return_gathered,
+        transpose_w=transpose_w,
     )
 
 
-def bind_matmul_reduce_scatter(x, w, axis_name: str, axis_size: int):
-    """2-D x [M, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, n]."""
-    return matmul_reduce_scatter_p.bind(x, w, axis_name=axis_name, axis_size=axis_size)
+def bind_matmul_reduce_scatter(x, w, axis_name: str, axis_size: int, transpose_w: bool = False):
+    """2-D x [M, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, n].
+
+    With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place.
+    """
+    return matmul_reduce_scatter_p.bind(
+        x, w, axis_name=axis_name, axis_size=axis_size, transpose_w=transpose_w
+    )
