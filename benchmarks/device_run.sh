@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
-#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize|processes] [args...]
+#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize|processes|profile] [args...]
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench").
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
 # memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
-# one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs). Anything else only builds.
+# one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
+# both ops (args: --tp, --shape). Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -26,7 +27,7 @@ export PYTHONPATH=$(pwd)
 # every later measurement). Matches command lines: keep these words out of the command
 # that starts this script.
 cleanup() {
-  pkill -9 -f "pytest|jax_ub.bench|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small" 2>/dev/null
+  pkill -9 -f "pytest|jax_ub.bench|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels" 2>/dev/null
   sleep 1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -76,6 +77,16 @@ if [ "$what" = flax ]; then
   timeout -k 10 500 python3 examples/train_tp_transformer.py --compare-xla --rounds 3 --steps 30 --log-every 10 "$@" 2>&1 \
     | tee "$OUT/flax.log" | tail -30
   cleanup
+fi
+if [ "$what" = profile ]; then
+  # Kernels and the idle time between them, per call: GEMM alone, XLA, jax_ub (both ops).
+  for op in ag rs; do
+    timeout -k 10 ${PROFILE_S:-150} python3 benchmarks/profile_kernels.py --op $op "$@" \
+      > "$OUT/profile_$op.log" 2>&1
+    echo "profile $op: rc=$?"
+    grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/profile_$op.log" | tail -45
+    cleanup
+  done
 fi
 if [ "$what" = sanitize ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -130,6 +130,20 @@ def main() -> None:
             print(
                 f"  {len(v) / args.calls / ndev:5.2f}/call  avg {np.mean(v):8.1f} us  {kname[:100]}"
             )
+        # Where the time between kernels goes: busy vs span, and the idle stretches grouped
+        # by the kernels on either side (copy-engine transfers do not count as running).
+        spans = busy_and_span(trace_dir)
+        busy = np.mean([b for b, _ in spans.values()]) / args.calls
+        span = np.mean([t for _, t in spans.values()]) / args.calls
+        print(f"  per call and GPU: span {span:.1f} us, some kernel running {busy:.1f} us")
+        grouped = collections.defaultdict(list)
+        for gaps in idle_gaps(trace_dir, min_us=2.0).values():
+            for us, before, after in gaps:
+                grouped[(before[:40], after[:40])].append(us)
+        for (before, after), v in sorted(grouped.items(), key=lambda kv: -sum(kv[1]))[:6]:
+            per_call = sum(v) / args.calls / ndev
+            count = len(v) / args.calls / ndev
+            print(f"  idle {per_call:7.1f} us/call ({count:4.2f}x)  after {before}  before {after}")
 
 
 if __name__ == "__main__":

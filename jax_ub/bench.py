@@ -45,14 +45,21 @@ def _smap(mesh, f, in_specs, out_specs):
     )
 
 
-def loop_time_ms(f, args, iters: int) -> float:
-    """Average device time of f(*args) over `iters` async calls, in ms."""
+def loop_time_ms(f, args, iters: int, dispatch: list | None = None) -> float:
+    """Average device time of f(*args) over `iters` async calls, in ms.
+
+    With `dispatch`, also appends the ms per call until the host had issued them all: when
+    that approaches the loop time, the loop is bound by the host, not by the device.
+    """
     out = f(*args)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(iters):
         out = f(*args)
+    issued = time.perf_counter()
     jax.block_until_ready(out)
+    if dispatch is not None:
+        dispatch.append((issued - t0) / iters * 1e3)
     return (time.perf_counter() - t0) / iters * 1e3
 
 
@@ -189,14 +196,16 @@ def measure(impls, reference, rounds: int, iters: int) -> tuple[dict, dict]:
             errs[name] = None
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
     samples = {n: [] for n in live}
+    dispatch = {n: [] for n in live}
     host = []  # jax_ub's host time per call and GPU, each round
     for _ in range(rounds):
         for name, (f, args) in live.items():
             before = host_times() if name == "jax_ub" else None
-            samples[name].append(loop_time_ms(f, args, iters))
+            samples[name].append(loop_time_ms(f, args, iters, dispatch[name]))
             if before is not None:
                 host.append(_host_ms_per_call(before, host_times()))
     times = {n: statistics.median(v) for n, v in samples.items()}
+    times.update({f"{n}_dispatch": statistics.median(v) for n, v in dispatch.items()})
     if host and all(h is not None for h in host):
         times["jax_ub_host"] = statistics.median(h[0] for h in host)
         times["jax_ub_host_await"] = statistics.median(h[1] for h in host)
@@ -346,15 +355,22 @@ def main(argv=None) -> None:
             results.append(row)
             say(
                 f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms (median of "
-                f"{args.rounds} rounds x {args.iters} calls)",
+                f"{args.rounds} rounds x {args.iters} calls; 'issued in': per call, until "
+                "the host had issued the whole loop)",
                 flush=True,
             )
             host_ms = times.pop("jax_ub_host", None)
             await_ms = times.pop("jax_ub_host_await", None)
+            issued = {
+                n[: -len("_dispatch")]: times.pop(n) for n in list(times) if n.endswith("_dispatch")
+            }
+            row["dispatch_ms"] = issued
             for name, t in sorted(times.items(), key=lambda kv: kv[1]):
                 e = errs.get(name)
+                d = issued.get(name)
                 say(
                     f"  {name:22s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
+                    + (f"  issued in {d:6.3f}" if d is not None else "")
                     + (f"  rel_err {e:.1e}" if e is not None else ""),
                     flush=True,
                 )
