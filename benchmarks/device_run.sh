@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
-#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize|processes|profile] [args...]
+#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize|processes|profile|stepprofile] [args...]
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench").
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
 # memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
 # one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
-# both ops (args: --tp, --shape). Anything else only builds.
+# both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args). Anything
+# else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -27,7 +28,7 @@ export PYTHONPATH=$(pwd)
 # every later measurement). Matches command lines: keep these words out of the command
 # that starts this script.
 cleanup() {
-  pkill -9 -f "pytest|jax_ub.bench|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels" 2>/dev/null
+  pkill -9 -f "pytest|jax_ub.bench|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step" 2>/dev/null
   sleep 1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -87,6 +88,14 @@ if [ "$what" = profile ]; then
     grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/profile_$op.log" | tail -45
     cleanup
   done
+fi
+if [ "$what" = stepprofile ]; then
+  # The Flax step's kernels by kind and its idle gaps, jax_ub vs XLA (profile_train_step.py).
+  timeout -k 10 ${PROFILE_S:-250} python3 benchmarks/profile_train_step.py "$@" \
+    > "$OUT/step_profile.log" 2>&1
+  echo "step profile: rc=$?"
+  grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/step_profile.log" | tail -70
+  cleanup
 fi
 if [ "$what" = sanitize ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
