@@ -195,3 +195,24 @@ def test_return_gathered(tp):
     out, gathered = f(x, w)
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(x))
     assert _rel(out, _ag(mesh, "xla")(x, w)) < 2e-2
+
+
+def test_host_times_count_each_call():
+    """The benchmark's host-time counters: each GPU counts every call of both ops, with a
+    positive host time, of which the wait for the process's other GPUs is a part."""
+    from jax_ub._src.communicator import host_times
+
+    mesh = _mesh(2)
+    x, w = _data(jax.random.key(11), [(256, 128), (128, 256)], jnp.bfloat16)
+    ag, rs = _ag(mesh, "ub"), _rs(mesh, "ub")
+    jax.block_until_ready((ag(x, w), rs(x @ w, w.T)))  # compile; communicators exist now
+    before = host_times()
+    for _ in range(5):
+        out = (ag(x, w), rs(x @ w, w.T))
+    jax.block_until_ready(out)
+    after = host_times()
+    ordinals = sorted(d.id for d in GPUS[:2])
+    for d in ordinals:
+        calls, total_s, await_s = (a - b for a, b in zip(after[d], before.get(d, (0, 0.0, 0.0))))
+        assert calls == 10, (d, calls)
+        assert 0 < total_s < 10 and 0 <= await_s <= total_s, (d, total_s, await_s)
