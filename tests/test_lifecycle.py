@@ -1,5 +1,6 @@
 """Communicator lifecycle: initialize/finalize, several communicators, buffer growth."""
 
+import os
 import time
 
 import jax
@@ -301,3 +302,24 @@ def test_finalize_with_discarded_work_in_flight(mesh1d, rand):
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
     # A re-trace and a run take about a second here; stuck ranks cost timeout_s.
     assert elapsed < timeout_s / 2, f"next call took {elapsed:.1f} s (timeout_s={timeout_s})"
+
+
+def test_stale_shared_memory_names_are_removed(tmp_path, monkeypatch):
+    """Names a crashed bootstrap left in /dev/shm go once older than any bootstrap runs;
+    fresh names (a bootstrap in progress) and other files stay."""
+    from jax_ub._src import bootstrap
+
+    monkeypatch.setattr(bootstrap, "_SHM_DIR", str(tmp_path))
+    now = time.time()
+    stale, fresh, other = (tmp_path / n for n in ("jax_ub_4242_3_0", "jax_ub_4242_3_1", "x_1_2"))
+    for p in (stale, fresh, other):
+        p.write_bytes(b"\0" * 64)
+    os.utime(stale, (now - 3600, now - 3600))
+    os.utime(other, (now - 3600, now - 3600))
+    os.utime(fresh, (now - 60, now - 60))
+    assert bootstrap.remove_stale_regions(timeout_s=30.0, now=now) == ["jax_ub_4242_3_0"]
+    assert not stale.exists() and fresh.exists() and other.exists()
+    # A long timeout stretches the limit: 4 timeouts of 1000 s outlast an hour.
+    os.utime(fresh, (now - 3600, now - 3600))
+    assert bootstrap.remove_stale_regions(timeout_s=1000.0, now=now) == []
+    assert fresh.exists()

@@ -15,6 +15,8 @@ import hashlib
 import itertools
 import json
 import os
+import re
+import time
 from types import ModuleType
 
 import jax
@@ -23,6 +25,40 @@ import jax
 # SPMD job; the count keeps keys of successive communicators (and of re-initializations
 # after finalize) apart, so a stale key is never picked up.
 _sequence = itertools.count()
+
+
+_SHM_DIR = "/dev/shm"
+_REGION_NAME = re.compile(r"jax_ub_\d+_\d+_\d+")
+# A region's name lives only while its bootstrap runs, and every wait of a bootstrap has a
+# deadline; a name older than this outlived its bootstrap: its process died in between.
+_STALE_AFTER_S = 600.0
+
+
+def remove_stale_regions(timeout_s: float, now: float | None = None) -> list[str]:
+    """Unlink shared-memory names that crashed bootstraps left behind; returns them.
+
+    A name is stale once it is older than any bootstrap can run (the larger of 10 minutes
+    and 4 timeouts). Age, not the owner's pid, decides: a process in another PID namespace
+    that shares /dev/shm would look dead while its bootstrap runs. Unlinking removes only the
+    name; memory still mapped by a live process stays valid.
+    """
+    try:
+        entries = list(os.scandir(_SHM_DIR))
+    except OSError:  # no /dev/shm here: nothing to clean
+        return []
+    limit = max(_STALE_AFTER_S, 4 * timeout_s)
+    now = time.time() if now is None else now
+    removed = []
+    for entry in entries:
+        if not _REGION_NAME.fullmatch(entry.name):
+            continue
+        try:
+            if now - entry.stat().st_mtime > limit:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    return removed
 
 
 def kv_client():
@@ -60,6 +96,7 @@ def create_across_processes(
     me = jax.process_index()
     timeout_ms = max(1, int(timeout_s * 1000))
     if platform == "cpu":
+        remove_stale_regions(timeout_s)
         create_kwargs["shm_prefix"] = f"/jax_ub_{os.getpid()}_{seq}"
     else:
         create_kwargs["multiprocess"] = True
