@@ -17,6 +17,7 @@ to [M/tp, K] (GEMM+RS).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -183,7 +184,21 @@ def rel_err(a, b) -> float:
     return float(np.asarray(_rel_err(a, b)))
 
 
-def measure(impls, reference, rounds: int, iters: int) -> tuple[dict, dict]:
+@dataclasses.dataclass
+class Measured:
+    """One op and shape, per implementation: medians over rounds of the loop time (ms per
+    call), the spread of the rounds ((max - min) / median), how long the host took to issue
+    each loop (ms per call), the error against the reference; and jax_ub's host time per
+    call and GPU (ms; of it, waiting for the process's other GPUs), where measured."""
+
+    times: dict
+    spread: dict
+    issued: dict
+    errs: dict
+    host_ms: tuple[float, float] | None = None
+
+
+def measure(impls, reference, rounds: int, iters: int) -> Measured:
     errs = {}
     ref_out = reference[0](*reference[1])
     for name, (f, args) in impls.items():
@@ -196,20 +211,26 @@ def measure(impls, reference, rounds: int, iters: int) -> tuple[dict, dict]:
             errs[name] = None
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
     samples = {n: [] for n in live}
-    dispatch = {n: [] for n in live}
+    issued = {n: [] for n in live}
     host = []  # jax_ub's host time per call and GPU, each round
     for _ in range(rounds):
         for name, (f, args) in live.items():
             before = host_times() if name == "jax_ub" else None
-            samples[name].append(loop_time_ms(f, args, iters, dispatch[name]))
+            samples[name].append(loop_time_ms(f, args, iters, issued[name]))
             if before is not None:
                 host.append(_host_ms_per_call(before, host_times()))
     times = {n: statistics.median(v) for n, v in samples.items()}
-    times.update({f"{n}_dispatch": statistics.median(v) for n, v in dispatch.items()})
-    if host and all(h is not None for h in host):
-        times["jax_ub_host"] = statistics.median(h[0] for h in host)
-        times["jax_ub_host_await"] = statistics.median(h[1] for h in host)
-    return times, errs
+    return Measured(
+        times=times,
+        spread={n: (max(v) - min(v)) / times[n] for n, v in samples.items()},
+        issued={n: statistics.median(v) for n, v in issued.items()},
+        errs=errs,
+        host_ms=(
+            (statistics.median(h[0] for h in host), statistics.median(h[1] for h in host))
+            if host and all(h is not None for h in host)
+            else None
+        ),
+    )
 
 
 def _host_ms_per_call(before: dict, after: dict) -> tuple[float, float] | None:
@@ -327,7 +348,8 @@ def main(argv=None) -> None:
         for op in args.ops.split(","):
             build = build_ag if op == "ag" else build_rs
             impls, ref = build(mesh, M, K, N, dtype, M + K + N)
-            times, errs = measure(impls, ref, args.rounds, args.iters)
+            measured = measure(impls, ref, args.rounds, args.iters)
+            times, errs = measured.times, measured.errs
             first = (M, K, N) == shapes[0]
             if (
                 op == "ag"
@@ -347,6 +369,8 @@ def main(argv=None) -> None:
                 tp=tp,
                 dtype=str(dtype),
                 times_ms=times,
+                spread=measured.spread,
+                issued_ms=measured.issued,
                 rel_err=errs,
                 speedup_vs_xla_seq=t_seq / t_ub,
                 ub_over_gemm=t_ub / t_gemm,
@@ -354,23 +378,16 @@ def main(argv=None) -> None:
             )
             results.append(row)
             say(
-                f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms (median of "
-                f"{args.rounds} rounds x {args.iters} calls; 'issued in': per call, until "
-                "the host had issued the whole loop)",
+                f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms, median of "
+                f"{args.rounds} rounds x {args.iters} calls; the rounds' spread; per call, how "
+                "long the host took to issue the loop",
                 flush=True,
             )
-            host_ms = times.pop("jax_ub_host", None)
-            await_ms = times.pop("jax_ub_host_await", None)
-            issued = {
-                n[: -len("_dispatch")]: times.pop(n) for n in list(times) if n.endswith("_dispatch")
-            }
-            row["dispatch_ms"] = issued
             for name, t in sorted(times.items(), key=lambda kv: kv[1]):
-                e = errs.get(name)
-                d = issued.get(name)
+                e, sp, d = errs.get(name), measured.spread.get(name), measured.issued.get(name)
                 say(
                     f"  {name:22s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
-                    + (f"  issued in {d:6.3f}" if d is not None else "")
+                    + (f"  spread {100 * sp:4.1f}%  issued in {d:6.3f}" if d is not None else "")
                     + (f"  rel_err {e:.1e}" if e is not None else ""),
                     flush=True,
                 )
@@ -378,8 +395,9 @@ def main(argv=None) -> None:
                 f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
                 flush=True,
             )
-            if host_ms is not None:
+            if measured.host_ms is not None:
                 # Host-bound when this approaches jax_ub's device time per call.
+                host_ms, await_ms = measured.host_ms
                 row.update(jax_ub_host_ms=host_ms, jax_ub_host_await_ms=await_ms)
                 say(
                     f"  jax_ub host time per call and GPU: {host_ms:.3f} ms "
