@@ -106,6 +106,14 @@ NB_MODULE(_cuda, m) {
     jax_ub::RaiseIfError(st);
     return std::make_pair(free, total);
   });
+  // Whether GPU a can map GPU b's memory (NVLink or PCIe peer access); the current device
+  // is kept.
+  m.def("can_access_peer", [](int a, int b) {
+    int can = 0;
+    jax_ub::RaiseIfError(
+        jax_ub::CudaStatus(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer"));
+    return can != 0;
+  });
   m.def("device_count", []() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

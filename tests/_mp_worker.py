@@ -19,6 +19,8 @@ else:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("JAX_UB_TIMEOUT_S", "8")
+if scenario == "different_hosts":
+    os.environ["JAX_UB_HOST_ID"] = f"host{pid}"  # each process claims a machine of its own
 
 import jax  # noqa: E402
 
@@ -50,8 +52,9 @@ def relerr(a, b):
     return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
 
 
-def run_ops(mesh, axis, other, m=8, k=16, n=24):
-    """Both ops and their grads, ub vs xla, inside one shard_map; returns replicated errors."""
+def run_ops(mesh, axis, other, m=8, k=16, n=24, impl="ub"):
+    """Both ops and their grads, `impl` vs xla, inside one shard_map; returns replicated
+    errors."""
     tp = mesh.shape[axis]
     rows = P((*other, axis), None) if other else P(axis, None)
 
@@ -61,7 +64,7 @@ def run_ops(mesh, axis, other, m=8, k=16, n=24):
             (jax_ub.all_gather_matmul, x, w1),
             (jax_ub.matmul_reduce_scatter, jnp.tile(x, (tp, 1)), w1),
         ):
-            u, r = op(a, b, axis, impl="ub"), op(a, b, axis, impl="xla")
+            u, r = op(a, b, axis, impl=impl), op(a, b, axis, impl="xla")
             errs.append(lax.pmax(relerr(u, r), mesh.axis_names))
 
         def loss(impl, x, w1, w2):
@@ -69,7 +72,7 @@ def run_ops(mesh, axis, other, m=8, k=16, n=24):
             y = jax_ub.matmul_reduce_scatter(jnp.tanh(h), w2, axis, impl=impl)
             return lax.psum(jnp.sum(jnp.sin(y)), mesh.axis_names)
 
-        gu = jax.grad(loss, argnums=(1, 2, 3))("ub", x, w1, w2)
+        gu = jax.grad(loss, argnums=(1, 2, 3))(impl, x, w1, w2)
         gr = jax.grad(loss, argnums=(1, 2, 3))("xla", x, w1, w2)
         errs += [lax.pmax(relerr(a, b), mesh.axis_names) for a, b in zip(gu, gr)]
         return jnp.stack(errs)
@@ -117,6 +120,22 @@ try:
             time.sleep(30)  # never calls the op; the others must give up with an error
             sys.exit(0)
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
+    elif scenario == "different_hosts":
+        # The group spans "hosts": impl="auto" runs on XLA's collectives with one warning,
+        # impl="ub" fails naming the devices and hosts.
+        import warnings
+
+        mesh = Mesh(devices, ("tp",))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            errs = run_ops(mesh, "tp", (), impl="auto")
+        fallbacks = [str(w.message) for w in caught if "impl='auto' uses XLA" in str(w.message)]
+        try:
+            run_ops(mesh, "tp", (), k=32, impl="ub")  # another shape: compiled anew
+            ub_error = ""
+        except Exception as e:  # noqa: BLE001
+            ub_error = f"{type(e).__name__}: {e}"
+        result = {"errs": errs, "fallback_warnings": fallbacks, "ub_error": ub_error}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 except Exception as e:  # noqa: BLE001

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -80,6 +81,25 @@ def test_tp_group_across_processes(nproc, ndev):
 def test_dp_across_processes_tp_inside():
     for r in _results(_run("dp_across_tp_inside", 2, 2)):
         assert all(e < 1e-5 for e in r["errs"]), r["errs"]
+
+
+def test_group_across_hosts_falls_back_or_fails_clearly():
+    """Each process claims its own host (JAX_UB_HOST_ID), so the tp group cannot share
+    memory: impl="auto" gives XLA's results with exactly one warning naming the hosts,
+    impl="ub" raises naming the devices and hosts. No process hangs."""
+    for r in _results(_run("different_hosts", 2, 2)):
+        res = r["errs"]
+        assert all(e < 1e-5 for e in res["errs"]), res["errs"]
+        assert len(res["fallback_warnings"]) == 1, res["fallback_warnings"]
+        for text in (res["fallback_warnings"][0], res["ub_error"]):
+            assert "must be on one host" in text, text
+            # Global device ids: CPU devices of process 1 are numbered from 2048.
+            assert re.search(
+                r"devices \[\d+, \d+\] on host 'host0'; devices \[\d+, \d+\] "
+                r"on host 'host1'",
+                text,
+            ), text
+        assert res["ub_error"].startswith("ValueError: all_gather_matmul: impl='ub' cannot"), res
 
 
 def test_mismatched_shape_fails_clearly():

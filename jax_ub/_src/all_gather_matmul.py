@@ -59,31 +59,32 @@ def all_gather_matmul(
     if not checks.use_ub(_OP, impl, x, w):
         return all_gather_matmul_reference(x, w, axis_name, return_gathered)
     x2 = x.reshape(-1, x.shape[-1])
+    fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
     if return_gathered:
-        out, gathered = _all_gather_matmul_with_gathered(x2, w, axis_name, size)
+        out, gathered = _all_gather_matmul_with_gathered(x2, w, axis_name, size, fallback)
         lead = (size * x.shape[0],) + x.shape[1:-1]
         return out.reshape(lead + (w.shape[1],)), gathered.reshape(lead + (x.shape[-1],))
-    out = _all_gather_matmul(x2, w, axis_name, size)
+    out = _all_gather_matmul(x2, w, axis_name, size, fallback)
     return out.reshape((size * x.shape[0],) + x.shape[1:-1] + (w.shape[1],))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _all_gather_matmul(x, w, axis_name, size):
-    out, _ = bind_all_gather_matmul(x, w, axis_name, size, return_gathered=False)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _all_gather_matmul(x, w, axis_name, size, fallback):
+    out, _ = bind_all_gather_matmul(x, w, axis_name, size, False, fallback=fallback)
     return out
 
 
-def _fwd(x, w, axis_name, size):
-    out, gathered = bind_all_gather_matmul(x, w, axis_name, size, return_gathered=True)
+def _fwd(x, w, axis_name, size, fallback):
+    out, gathered = bind_all_gather_matmul(x, w, axis_name, size, True, fallback=fallback)
     # The backward needs only x's type (the mesh axes it varies over), not its values: an
     # empty slice carries that type without keeping the activation alive.
     return out, (x[:0], gathered, w)
 
 
-def _bwd(axis_name, size, res, dy):
+def _bwd(axis_name, size, fallback, res, dy):
     x, gathered, w = res
     # dx = reduce_scatter(dy @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True)
+    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True, fallback=fallback)
     dw = gathered.T @ dy
     return match_varying(dx, x), match_varying(dw, w)
 
@@ -91,20 +92,20 @@ def _bwd(axis_name, size, res, dy):
 _all_gather_matmul.defvjp(_fwd, _bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _all_gather_matmul_with_gathered(x, w, axis_name, size):
-    return tuple(bind_all_gather_matmul(x, w, axis_name, size, return_gathered=True))
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _all_gather_matmul_with_gathered(x, w, axis_name, size, fallback):
+    return tuple(bind_all_gather_matmul(x, w, axis_name, size, True, fallback=fallback))
 
 
-def _fwd_gathered(x, w, axis_name, size):
-    out, gathered = bind_all_gather_matmul(x, w, axis_name, size, return_gathered=True)
+def _fwd_gathered(x, w, axis_name, size, fallback):
+    out, gathered = bind_all_gather_matmul(x, w, axis_name, size, True, fallback=fallback)
     return (out, gathered), (x[:0], gathered, w)
 
 
-def _bwd_gathered(axis_name, size, res, cts):
+def _bwd_gathered(axis_name, size, fallback, res, cts):
     x, gathered, w = res
     dy, dgathered = cts
-    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True)
+    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True, fallback=fallback)
     dx = match_varying(dx, x) + match_varying(
         lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True), x
     )

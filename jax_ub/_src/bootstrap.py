@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import re
+import socket
 import time
 from types import ModuleType
 
@@ -61,6 +62,46 @@ def remove_stale_regions(timeout_s: float, now: float | None = None) -> list[str
     return removed
 
 
+class PeersUnreachable(RuntimeError):
+    """The devices of a group cannot share memory (different hosts, no peer access)."""
+
+
+def host_identity() -> str:
+    """Which machine this process runs on, for deciding which processes can share memory.
+
+    The hostname and the kernel's boot id; ``JAX_UB_HOST_ID`` overrides both (for launchers
+    whose containers share a hostname, and for tests).
+    """
+    override = os.environ.get("JAX_UB_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _check_hosts(group_size, device_ids, process_of_slot, host_of_process) -> None:
+    """Raise PeersUnreachable naming every group whose processes are on different hosts."""
+    problems = []
+    for g in range(len(process_of_slot) // group_size):
+        slots = range(g * group_size, (g + 1) * group_size)
+        hosts: dict[str, list[int]] = {}
+        for s in slots:
+            hosts.setdefault(host_of_process[process_of_slot[s]], []).append(device_ids[s])
+        if len(hosts) > 1:
+            where = "; ".join(f"devices {ids} on host {h!r}" for h, ids in hosts.items())
+            problems.append(f"group {g}: {where}")
+    if problems:
+        raise PeersUnreachable(
+            "the devices of a tensor-parallel group must be on one host to share userbuffers, "
+            "but " + " | ".join(problems) + ". Put the tensor-parallel axis inside a host "
+            "(e.g. a (dp, tp) mesh with tp over one node's GPUs)"
+        )
+
+
 def kv_client():
     from jax._src import distributed  # noqa: PLC0415
 
@@ -80,6 +121,7 @@ def create_across_processes(
     group_size: int,
     ordinals: list[int],
     process_of_slot: list[int],
+    device_ids: list[int],
     capacity: int,
     timeout_s: float,
     **create_kwargs,
@@ -87,7 +129,9 @@ def create_across_processes(
     """Create a communicator over slots held by several processes.
 
     Returns (communicator id, key namespace, peer process indices); the last two are what
-    teardown() needs.
+    teardown() needs. Raises PeersUnreachable, in every process alike, where a group spans
+    hosts: each process publishes its host with its handles and checks all of them before
+    mapping any.
     """
     client = kv_client()
     seq = next(_sequence)
@@ -105,7 +149,10 @@ def create_across_processes(
     try:
         names = list(module.region_names(comm_id))
         mine = {s: n for s, n in enumerate(names) if n}
-        client.key_value_set(f"{ns}/p{me}", json.dumps({"names": mine, "capacity": capacity}))
+        host = host_identity()
+        info = {"names": mine, "capacity": capacity, "host": host}
+        client.key_value_set(f"{ns}/p{me}", json.dumps(info))
+        host_of_process = {me: host}
         for p in peers:
             info = json.loads(_get(client, f"{ns}/p{p}", timeout_ms, p, "publish its userbuffers"))
             if info["capacity"] != capacity:
@@ -113,8 +160,10 @@ def create_across_processes(
                     f"jax_ub: process {p} sized its userbuffer {info['capacity']} bytes, this "
                     f"process {capacity}: the processes run different shapes or settings"
                 )
+            host_of_process[p] = info["host"]
             for slot, name in info["names"].items():
                 names[int(slot)] = name
+        _check_hosts(group_size, device_ids, process_of_slot, host_of_process)
         module.connect(comm_id, names)
         client.key_value_set(f"{ns}/mapped/p{me}", "1")
         for p in peers:

@@ -60,6 +60,12 @@ class Communicator:
 _lock = threading.RLock()
 _live: dict[_Key, Communicator] = {}
 _retired: list[Communicator] = []  # outgrown, still referenced by compiled programs
+# Groups found unable to share memory, with the reason: asked again, every process answers
+# alike without another bootstrap round. Cleared by finalize().
+_unreachable: dict[_Key, str] = {}
+_warned: set[_Key] = set()
+
+PeersUnreachable = bootstrap.PeersUnreachable
 
 
 def slot_devices(mesh: Mesh, axis_name: str) -> list[jax.Device]:
@@ -99,6 +105,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
     )
     ns, peers = None, []
     if all(o >= 0 for o in ordinals):
+        _check_peer_access(module, key, devices, ordinals)
         comm_id = module.create_communicator(
             key.group_size, ordinals, capacity, config.timeout_s, **extra
         )
@@ -110,6 +117,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             key.group_size,
             ordinals,
             [d.process_index for d in devices],
+            [d.id for d in devices],
             capacity,
             config.timeout_s,
             **extra,
@@ -125,6 +133,39 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
         devices=tuple(devices),
         bootstrap_namespace=ns,
         peer_processes=tuple(peers),
+    )
+
+
+def _check_peer_access(module, key: _Key, devices, ordinals) -> None:
+    """GPUs of one process: raise PeersUnreachable for a group with a pair of GPUs that
+    cannot map each other's memory (no NVLink or PCIe peer access)."""
+    can_access = getattr(module, "can_access_peer", None)  # CUDA only
+    if can_access is None:
+        return
+    g = key.group_size
+    for start in range(0, len(ordinals), g):
+        group = ordinals[start : start + g]
+        for a in group:
+            for b in group:
+                if a != b and not can_access(a, b):
+                    raise PeersUnreachable(
+                        f"GPU {a} cannot access the memory of GPU {b} (no NVLink or PCIe peer "
+                        f"access), so devices {[d.id for d in devices[start : start + g]]} "
+                        "cannot share userbuffers; put the tensor-parallel axis on "
+                        "peer-connected GPUs"
+                    )
+
+
+def warn_fallback(axis_name: str, reason: Exception) -> None:
+    """Warn once per group layout that impl="auto" uses XLA's collectives instead."""
+    key = (axis_name, str(reason))
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"jax_ub: impl='auto' uses XLA's collectives on axis {axis_name!r}: {reason}",
+        stacklevel=2,
     )
 
 
@@ -145,6 +186,8 @@ def get_communicator(
     group_size = mesh.shape[axis_name]
     key = _Key(platform, axis_name, tuple(d.id for d in devices), group_size)
     with _lock:
+        if key in _unreachable:
+            raise PeersUnreachable(_unreachable[key])
         comm = _live.get(key)
         if comm is not None and comm.capacity_bytes >= needed_bytes:
             return comm
@@ -160,7 +203,11 @@ def get_communicator(
             # Programs compiled against the old buffer keep it until finalize().
             _retired.append(comm)
             capacity = max(capacity, 2 * comm.capacity_bytes)
-        _live[key] = _create(key, devices, capacity)
+        try:
+            _live[key] = _create(key, devices, capacity)
+        except PeersUnreachable as e:
+            _unreachable[key] = str(e)
+            raise
         return _live[key]
 
 
@@ -200,6 +247,8 @@ def finalize() -> None:
         comms = list(_live.values()) + _retired
         _live.clear()
         _retired.clear()
+        _unreachable.clear()
+        _warned.clear()
     try:
         _destroy(comms)
     finally:

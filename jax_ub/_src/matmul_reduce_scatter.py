@@ -55,25 +55,26 @@ def matmul_reduce_scatter(
         )
     if not checks.use_ub(_OP, impl, x, w):
         return matmul_reduce_scatter_reference(x, w, axis_name)
-    out = _matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), w, axis_name, size)
+    # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
+    out = _matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), w, axis_name, size, impl == "auto")
     return out.reshape((x.shape[0] // size,) + x.shape[1:-1] + (w.shape[1],))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul_reduce_scatter(x, w, axis_name, size):
-    return bind_matmul_reduce_scatter(x, w, axis_name, size)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul_reduce_scatter(x, w, axis_name, size, fallback):
+    return bind_matmul_reduce_scatter(x, w, axis_name, size, fallback=fallback)
 
 
-def _fwd(x, w, axis_name, size):
-    return bind_matmul_reduce_scatter(x, w, axis_name, size), (x, w)
+def _fwd(x, w, axis_name, size, fallback):
+    return bind_matmul_reduce_scatter(x, w, axis_name, size, fallback=fallback), (x, w)
 
 
-def _bwd(axis_name, size, res, dy):
+def _bwd(axis_name, size, fallback, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
     dx, dy_gathered = bind_all_gather_matmul(
-        dy, w, axis_name, size, return_gathered=True, transpose_w=True
+        dy, w, axis_name, size, True, transpose_w=True, fallback=fallback
     )
     return match_varying(dx, x), match_varying(x.T @ dy_gathered, w)
 

@@ -17,6 +17,7 @@ from jax._src.sharding_impls import SPMDAxisContext
 from jax.sharding import Mesh
 
 from jax_ub._src import communicator, extension
+from jax_ub._src.reference import all_gather_matmul_reference, matmul_reduce_scatter_reference
 
 all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
@@ -74,14 +75,16 @@ def _columns(w, transpose_w: bool) -> int:
     return w.shape[0] if transpose_w else w.shape[1]
 
 
-def _all_gather_matmul_abstract(x, w, *, axis_name, axis_size, return_gathered, transpose_w):
+def _all_gather_matmul_abstract(
+    x, w, *, axis_name, axis_size, return_gathered, transpose_w, fallback
+):
     m, k = x.shape
     out = _result(x, (axis_size * m, _columns(w, transpose_w)), x, w)
     gathered = _result(x, (axis_size * m, k) if return_gathered else (0, k), x)
     return out, gathered
 
 
-def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size, transpose_w):
+def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size, transpose_w, fallback):
     shape = (x.shape[0] // axis_size, _columns(w, transpose_w))
     return _result(x, shape, x, w, extra=frozenset([axis_name]))
 
@@ -115,29 +118,61 @@ def required_bytes(platform: str, op: str, chunk_bytes: int, group_size: int) ->
     return int(extension.module_for(platform).required_bytes(op, chunk_bytes, group_size))
 
 
-def _all_gather_matmul_lowering(ctx, x, w, *, axis_name, axis_size, return_gathered, transpose_w):
+def _communicator_or_fallback(op, mesh, axis_name, platform, needed, fallback):
+    """The communicator, or None where impl="auto" may use XLA's collectives instead: the
+    group's devices cannot share memory (different hosts, no peer access)."""
+    try:
+        return communicator.get_communicator(mesh, axis_name, platform, needed)
+    except communicator.PeersUnreachable as e:
+        if not fallback:
+            raise ValueError(f"{op}: impl='ub' cannot run on this mesh: {e}") from None
+        communicator.warn_fallback(axis_name, e)
+        return None
+
+
+def _weight(w, transpose_w: bool):
+    return w.T if transpose_w else w
+
+
+def _all_gather_matmul_lowering(
+    ctx, x, w, *, axis_name, axis_size, return_gathered, transpose_w, fallback
+):
     platform = _platform(ctx)
     mesh = _concrete_mesh(ctx, axis_name)
     x_aval, w_aval = ctx.avals_in
     chunk = x_aval.shape[0] * x_aval.shape[1] * np.dtype(x_aval.dtype).itemsize
-    comm = communicator.get_communicator(
-        mesh, axis_name, platform, required_bytes(platform, "all_gather_matmul", chunk, axis_size)
+    needed = required_bytes(platform, "all_gather_matmul", chunk, axis_size)
+    comm = _communicator_or_fallback(
+        "all_gather_matmul", mesh, axis_name, platform, needed, fallback
     )
+    if comm is None:
+
+        def unfused(x, w):
+            out, gathered = all_gather_matmul_reference(
+                x, _weight(w, transpose_w), axis_name, return_gathered=True
+            )
+            return out, gathered if return_gathered else gathered[:0]
+
+        return mlir.lower_fun(unfused, multiple_results=True)(ctx, x, w)
     rule = jax.ffi.ffi_lowering("jax_ub_all_gather_matmul", has_side_effect=True)
     return rule(ctx, x, w, comm_id=np.int64(comm.id), transpose_w=bool(transpose_w))
 
 
-def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w):
+def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, fallback):
     platform = _platform(ctx)
     mesh = _concrete_mesh(ctx, axis_name)
     (out_aval,) = ctx.avals_out
     chunk = out_aval.shape[0] * out_aval.shape[1] * np.dtype(out_aval.dtype).itemsize
-    comm = communicator.get_communicator(
-        mesh,
-        axis_name,
-        platform,
-        required_bytes(platform, "matmul_reduce_scatter", chunk, axis_size),
+    needed = required_bytes(platform, "matmul_reduce_scatter", chunk, axis_size)
+    comm = _communicator_or_fallback(
+        "matmul_reduce_scatter", mesh, axis_name, platform, needed, fallback
     )
+    if comm is None:
+
+        def unfused(x, w):
+            return matmul_reduce_scatter_reference(x, _weight(w, transpose_w), axis_name)
+
+        return mlir.lower_fun(unfused, multiple_results=False)(ctx, x, w)
     rule = jax.ffi.ffi_lowering("jax_ub_matmul_reduce_scatter", has_side_effect=True)
     return rule(ctx, x, w, comm_id=np.int64(comm.id), transpose_w=bool(transpose_w))
 
@@ -173,12 +208,19 @@ batching.primitive_batchers[matmul_reduce_scatter_p] = lambda args, dims, **kw: 
 
 
 def bind_all_gather_matmul(
-    x, w, axis_name: str, axis_size: int, return_gathered: bool, transpose_w: bool = False
+    x,
+    w,
+    axis_name: str,
+    axis_size: int,
+    return_gathered: bool,
+    transpose_w: bool = False,
+    fallback: bool = False,
 ):
     """2-D x [m, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, k]).
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
-    backward passes multiply by ``w.T`` without materialising it).
+    backward passes multiply by ``w.T`` without materialising it). With ``fallback``
+    (impl="auto"), a group whose devices cannot share memory lowers to XLA's collectives.
     """
     return all_gather_matmul_p.bind(
         x,
@@ -187,14 +229,18 @@ def bind_all_gather_matmul(
         axis_size=axis_size,
         return_gathered=return_gathered,
         transpose_w=transpose_w,
+        fallback=fallback,
     )
 
 
-def bind_matmul_reduce_scatter(x, w, axis_name: str, axis_size: int, transpose_w: bool = False):
+def bind_matmul_reduce_scatter(
+    x, w, axis_name: str, axis_size: int, transpose_w: bool = False, fallback: bool = False
+):
     """2-D x [M, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, n].
 
-    With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place.
+    With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place; with
+    ``fallback``, as for :func:`bind_all_gather_matmul`.
     """
     return matmul_reduce_scatter_p.bind(
-        x, w, axis_name=axis_name, axis_size=axis_size, transpose_w=transpose_w
+        x, w, axis_name=axis_name, axis_size=axis_size, transpose_w=transpose_w, fallback=fallback
     )
