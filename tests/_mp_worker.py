@@ -120,6 +120,24 @@ try:
             time.sleep(30)  # never calls the op; the others must give up with an error
             sys.exit(0)
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
+    elif scenario == "killed_in_bootstrap":
+        # The last process dies in the middle of the bootstrap: after publishing its
+        # userbuffers, before mapping its peers'. The others must fail naming it.
+        if pid == nproc - 1:
+            from jax_ub._src import extension
+
+            class DiesOnConnect:
+                def __init__(self, module):
+                    self._module = module
+
+                def __getattr__(self, name):
+                    return getattr(self._module, name)
+
+                def connect(self, *args):
+                    os._exit(9)
+
+            extension._host = DiesOnConnect(extension._host)
+        result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario == "different_hosts":
         # The group spans "hosts": impl="auto" runs on XLA's collectives with one warning,
         # impl="ub" fails naming the devices and hosts.

@@ -83,6 +83,25 @@ def test_dp_across_processes_tp_inside():
         assert all(e < 1e-5 for e in r["errs"]), r["errs"]
 
 
+def test_peer_killed_during_bootstrap_fails_clearly():
+    """A process dies after publishing its userbuffers and before mapping its peers': the
+    other fails within the deadline (JAX_UB_TIMEOUT_S=8), naming it, instead of hanging."""
+    shm = "/dev/shm"
+    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
+    t0 = time.time()
+    out = _run("killed_in_bootstrap", 2, 1)
+    elapsed = time.time() - t0
+    # The dead process could not unlink its shared-memory names: remove them here.
+    for name in (set(os.listdir(shm)) if os.path.isdir(shm) else set()) - before:
+        if name.startswith("jax_ub_"):
+            os.unlink(os.path.join(shm, name))
+    (code0, text0), (code1, _) = out
+    assert code1 == 9, "the process meant to die did not"
+    assert code0 != 0, text0[-2000:]
+    assert "process 1 did not map this process's userbuffers" in text0, text0[-2000:]
+    assert elapsed < 90
+
+
 def test_group_across_hosts_falls_back_or_fails_clearly():
     """Each process claims its own host (JAX_UB_HOST_ID), so the tp group cannot share
     memory: impl="auto" gives XLA's results with exactly one warning naming the hosts,
