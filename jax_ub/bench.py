@@ -46,10 +46,10 @@ def _smap(mesh, f, in_specs, out_specs):
     )
 
 
-def loop_time_ms(f, args, iters: int, dispatch: list | None = None) -> float:
+def loop_time_ms(f, args, iters: int, issued: list | None = None) -> float:
     """Average device time of f(*args) over `iters` async calls, in ms.
 
-    With `dispatch`, also appends the ms per call until the host had issued them all: when
+    With `issued`, also appends the ms per call until the host had issued them all: when
     that approaches the loop time, the loop is bound by the host, not by the device.
     """
     out = f(*args)
@@ -57,10 +57,10 @@ def loop_time_ms(f, args, iters: int, dispatch: list | None = None) -> float:
     t0 = time.perf_counter()
     for _ in range(iters):
         out = f(*args)
-    issued = time.perf_counter()
+    t_issued = time.perf_counter()
     jax.block_until_ready(out)
-    if dispatch is not None:
-        dispatch.append((issued - t0) / iters * 1e3)
+    if issued is not None:
+        issued.append((t_issued - t0) / iters * 1e3)
     return (time.perf_counter() - t0) / iters * 1e3
 
 

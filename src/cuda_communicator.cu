@@ -555,13 +555,12 @@ Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch
       }
     }
   }
-  s.await_ns.fetch_add(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
-      std::memory_order_relaxed);
-  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-  if (waited > 0.1)
+  const int64_t waited_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+  s.await_ns.fetch_add(waited_ns, std::memory_order_relaxed);
+  if (waited_ns > 100'000'000)
     JAX_UB_TRACE("GPU %d %s call #%llu waited %.3f s for the process's other GPUs", s.device, op,
-                 static_cast<unsigned long long>(epoch), waited);
+                 static_cast<unsigned long long>(epoch), waited_ns * 1e-9);
   return Status::Ok();
 }
 

@@ -62,9 +62,8 @@ template <typename Comm>
 struct MatmulCall {
   std::shared_ptr<Comm> comm;
   DType t;
-  int64_t m, k, n;            // local rows (x for AG, the output for RS), contraction, columns
-  bool w_transposed = false;  // w stored as [n, k]
-  void* gathered = nullptr;   // AG only: where all_gather(x) goes, if asked for
+  int64_t m, k, n;           // local rows (x for AG, the output for RS), contraction, columns
+  void* gathered = nullptr;  // AG only: where all_gather(x) goes, if asked for
 };
 
 // Decode and check an all_gather_matmul call: x [m, k], w [k, n] (or [n, k] transposed),
@@ -79,7 +78,6 @@ Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed, f
   call->m = x.dimensions()[0];
   call->k = x.dimensions()[1];
   call->n = w.dimensions()[w_transposed ? 0 : 1];
-  call->w_transposed = w_transposed;
   if (out.dimensions()[0] != call->m * call->comm->topology().group_size())
     return InvalidArgument("all_gather_matmul: output rows do not match the group");
   call->gathered = gathered.element_count() > 0 ? gathered.untyped_data() : nullptr;
@@ -98,7 +96,6 @@ Status PrepareReduceScatter(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transpose
   call->m = out.dimensions()[0];
   call->k = x.dimensions()[1];
   call->n = w.dimensions()[w_transposed ? 0 : 1];
-  call->w_transposed = w_transposed;
   if (x.dimensions()[0] != call->m * call->comm->topology().group_size())
     return InvalidArgument("matmul_reduce_scatter: input rows do not match the group");
   return Status::Ok();

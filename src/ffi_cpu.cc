@@ -14,7 +14,7 @@ ffi::Error AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer 
   MatmulCall<HostCommunicator> c;
   Status st = PrepareAllGather(x, w, transpose_w, *out, *gathered, comm_id, &c);
   if (st.ok())
-    st = c.comm->AllGatherMatmul(device, c.t, x.untyped_data(), w.untyped_data(), c.w_transposed,
+    st = c.comm->AllGatherMatmul(device, c.t, x.untyped_data(), w.untyped_data(), transpose_w,
                                  out->untyped_data(), c.gathered, c.m, c.k, c.n);
   return ToFfiError(st);
 }
@@ -25,8 +25,8 @@ ffi::Error MatmulReduceScatterHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuf
   MatmulCall<HostCommunicator> c;
   Status st = PrepareReduceScatter(x, w, transpose_w, *out, comm_id, &c);
   if (st.ok())
-    st = c.comm->MatmulReduceScatter(device, c.t, x.untyped_data(), w.untyped_data(),
-                                     c.w_transposed, out->untyped_data(), c.m, c.k, c.n);
+    st = c.comm->MatmulReduceScatter(device, c.t, x.untyped_data(), w.untyped_data(), transpose_w,
+                                     out->untyped_data(), c.m, c.k, c.n);
   return ToFfiError(st);
 }
 

@@ -18,7 +18,7 @@ ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   Status st = PrepareAllGather(x, w, transpose_w, *out, *gathered, comm_id, &c);
   if (st.ok())
     st = c.comm->AllGatherMatmul(device, stream, c.t, x.untyped_data(), w.untyped_data(),
-                                 c.w_transposed, out->untyped_data(), c.gathered, c.m, c.k, c.n);
+                                 transpose_w, out->untyped_data(), c.gathered, c.m, c.k, c.n);
   return ToFfiError(st);
 }
 
@@ -29,7 +29,7 @@ ffi::Error MatmulReduceScatterGpu(cudaStream_t stream, int32_t device, ffi::AnyB
   Status st = PrepareReduceScatter(x, w, transpose_w, *out, comm_id, &c);
   if (st.ok())
     st = c.comm->MatmulReduceScatter(device, stream, c.t, x.untyped_data(), w.untyped_data(),
-                                     c.w_transposed, out->untyped_data(), c.m, c.k, c.n);
+                                     transpose_w, out->untyped_data(), c.m, c.k, c.n);
   return ToFfiError(st);
 }
 

@@ -67,19 +67,19 @@ void FromFloat(DType t, const float* src, void* dst, int64_t count) {
 void HostGemm(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
               int64_t k, int64_t n) {
   // Scratch is per thread: XLA runs each CPU device's handler on its own thread.
-  thread_local std::vector<float> fb, fbt, fa, acc;
+  thread_local std::vector<float> fb, fa, acc;
   fb.resize(k * n);
   fa.resize(k);
   acc.resize(n);
-  if (b_transposed) {
-    fbt.resize(k * n);
-    ToFloat(t, b, fbt.data(), k * n);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t p = 0; p < k; ++p) fb[p * n + j] = fbt[j * k + p];
+  const int64_t esize = DTypeSize(t);
+  if (b_transposed) {  // row j of the stored [n, k] is column j of b
+    for (int64_t j = 0; j < n; ++j) {
+      ToFloat(t, static_cast<const char*>(b) + j * k * esize, fa.data(), k);
+      for (int64_t p = 0; p < k; ++p) fb[p * n + j] = fa[p];
+    }
   } else {
     ToFloat(t, b, fb.data(), k * n);
   }
-  const int64_t esize = DTypeSize(t);
   for (int64_t i = 0; i < m; ++i) {
     ToFloat(t, static_cast<const char*>(a) + i * k * esize, fa.data(), k);
     std::fill(acc.begin(), acc.end(), 0.0f);

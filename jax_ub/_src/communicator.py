@@ -63,7 +63,7 @@ _retired: list[Communicator] = []  # outgrown, still referenced by compiled prog
 # Groups found unable to share memory, with the reason: asked again, every process answers
 # alike without another bootstrap round. Cleared by finalize().
 _unreachable: dict[_Key, str] = {}
-_warned: set[_Key] = set()
+_warned: set[str] = set()  # reasons already warned about (they name the devices)
 
 PeersUnreachable = bootstrap.PeersUnreachable
 
@@ -158,11 +158,10 @@ def _check_peer_access(module, key: _Key, devices, ordinals) -> None:
 
 def warn_fallback(axis_name: str, reason: Exception) -> None:
     """Warn once per group layout that impl="auto" uses XLA's collectives instead."""
-    key = (axis_name, str(reason))
     with _lock:
-        if key in _warned:
+        if str(reason) in _warned:
             return
-        _warned.add(key)
+        _warned.add(str(reason))
     warnings.warn(
         f"jax_ub: impl='auto' uses XLA's collectives on axis {axis_name!r}: {reason}",
         stacklevel=2,
