@@ -6,8 +6,9 @@
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
 # memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
 # one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
-# both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args). Anything
-# else only builds.
+# both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args); gemm:
+# benchmarks/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py.
+# Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -28,7 +29,7 @@ export PYTHONPATH=$(pwd)
 # every later measurement). Matches command lines: keep these words out of the command
 # that starts this script.
 cleanup() {
-  pkill -9 -f "pytest|jax_ub.bench|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step" 2>/dev/null
+  pkill -9 -f "pytest|jax_ub.bench|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step" 2>/dev/null
   sleep 1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -96,6 +97,23 @@ if [ "$what" = stepprofile ]; then
   echo "step profile: rc=$?"
   grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/step_profile.log" | tail -70
   cleanup
+fi
+if [ "$what" = power ]; then
+  # SM clock and power per implementation (benchmarks/power_clocks.py; args: its own).
+  for op in ag rs; do
+    timeout -k 10 ${POWER_S:-200} python3 benchmarks/power_clocks.py --op $op "$@" > "$OUT/power_$op.log" 2>&1
+    echo "power $op: rc=$?"
+    grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/power_$op.log" | tail -12
+    cleanup
+  done
+fi
+if [ "$what" = gemm ]; then
+  # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same
+  # shapes (args: m,k,n ...).
+  timeout 120 ninja -C build/dev gemm_candidates >> "$OUT/build.log" 2>&1 || { echo GEMM TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
+  timeout -k 5 ${GEMM_S:-240} build/dev/gemm_candidates --candidates ${GEMM_CANDIDATES:-24} "$@" > "$OUT/gemm_candidates.log" 2>&1
+  echo "gemm_candidates: rc=$?"; grep -E "^==|best|#" "$OUT/gemm_candidates.log" | head -${GEMM_LINES:-150}
+  timeout -k 5 120 python3 benchmarks/xla_dot_times.py "$@" 2>&1 | grep "xla dot"
 fi
 if [ "$what" = sanitize ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
