@@ -627,11 +627,13 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   // A shape's first call picks (and loads) its GEMM kernels before anything waits on a
   // peer (see CublasLtGemm::Prepare). Remote chunks may still be landing in `buffer`,
   // which only matters for their values; `out` is rewritten below.
-  for (const Schedule::Span& span : sched.AllGatherSpans()) {
-    const void* src = span.first == s->rank ? x : s->buffer + span.first * chunk;
+  const std::vector<Schedule::Span> spans = sched.AllGatherSpans();
+  std::vector<const CublasLtGemm::Plan*> plans(spans.size());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const void* src = spans[i].first == s->rank ? x : s->buffer + spans[i].first * chunk;
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, ldw, w_transposed,
-                                            static_cast<char*>(out) + span.first * m * n * es, n,
-                                            span.count * m, k, n, s->tune));
+                                            static_cast<char*>(out) + spans[i].first * m * n * es,
+                                            n, spans[i].count * m, k, n, s->tune, &plans[i]));
   }
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
@@ -656,7 +658,8 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
                                 cudaMemcpyDeviceToDevice, gs));
   }
   // Multiply the local chunk, then the remote ones once they have landed.
-  for (const Schedule::Span& span : sched.AllGatherSpans()) {
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const Schedule::Span& span = spans[i];
     const char* src = static_cast<const char*>(x);
     if (span.first != s->rank) {
       for (int j = span.first; j < span.first + span.count; ++j) {
@@ -671,9 +674,8 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
         JAX_UB_CUDA(cudaMemcpyAsync(static_cast<char*>(gathered) + span.first * chunk, src,
                                     span.count * chunk, cudaMemcpyDeviceToDevice, gs));
     }
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(t, src, k, w, ldw, w_transposed,
-                                           static_cast<char*>(out) + span.first * m * n * es, n,
-                                           span.count * m, k, n, s->compute));
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(
+        plans[i], src, w, static_cast<char*>(out) + span.first * m * n * es, s->compute));
   }
   if (gathered != nullptr) {
     JAX_UB_CUDA(cudaEventRecord(s->ready[s->rank], gs));
@@ -710,16 +712,16 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   // A shape's first call picks (and loads) its GEMM kernel before anything waits on a peer
   // (see CublasLtGemm::Prepare). Peers may be writing their partials into `recv`
   // meanwhile; this writes only our own slot of it.
-  JAX_UB_RETURN_IF_ERROR(
-      s->gemm->Prepare(t, x, k, w, ldw, w_transposed, recv + s->rank * chunk, n, m, k, n, s->tune));
+  const CublasLtGemm::Plan* plan = nullptr;
+  JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, x, k, w, ldw, w_transposed, recv + s->rank * chunk, n,
+                                          m, k, n, s->tune, &plan));
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
   // Each peer's partial first, sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     const char* a = static_cast<const char*>(x) + d * m * k * es;
     char* dst = d == s->rank ? recv + s->rank * chunk : stage + d * chunk;
-    JAX_UB_RETURN_IF_ERROR(
-        s->gemm->Matmul(t, a, k, w, ldw, w_transposed, dst, n, m, k, n, s->compute));
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(plan, a, w, dst, s->compute));
     if (d == s->rank) continue;
     cudaStream_t cs = s->comm[d];
     JAX_UB_CUDA(cudaEventRecord(s->ready[d], s->compute));

@@ -10,8 +10,9 @@ namespace jax_ub {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt asks for on Hopper
-constexpr int kCandidates = 8;                 // heuristic results timed when autotuning
-constexpr int kTimedRuns = 3;
+constexpr int kCandidates = 8;                 // heuristic results timed per description
+constexpr int kTimedRounds = 3;                // a candidate's time: median of the rounds,
+constexpr int kRunsPerRound = 3;               // each this many runs back to back
 
 cudaDataType_t CudaType(DType t) {
   switch (t) {
@@ -42,142 +43,201 @@ Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
 }
 
 CublasLtGemm::~CublasLtGemm() {
-  for (auto& [key, p] : plans_) {
-    cublasLtMatrixLayoutDestroy(p.a);
-    cublasLtMatrixLayoutDestroy(p.b);
-    cublasLtMatrixLayoutDestroy(p.c);
-    cublasLtMatmulDescDestroy(p.desc);
-  }
+  for (auto& [key, p] : plans_) Destroy(p);
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
-Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
-                              cudaStream_t stream, Plan** plan) {
-  const bool tune = options_.autotune;
+void CublasLtGemm::Destroy(Plan& p) {
+  if (p.first != nullptr) cublasLtMatrixLayoutDestroy(p.first);
+  if (p.second != nullptr) cublasLtMatrixLayoutDestroy(p.second);
+  if (p.out != nullptr) cublasLtMatrixLayoutDestroy(p.out);
+  if (p.desc != nullptr) cublasLtMatmulDescDestroy(p.desc);
+  p = Plan{};
+}
+
+Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
   auto [t_raw, m, k, n, lda, ldb, ldc, b_transposed] = key;
-  const DType t = static_cast<DType>(t_raw);
-  const cudaDataType_t dt = CudaType(t);
-  Plan p;
+  const cudaDataType_t dt = CudaType(static_cast<DType>(t_raw));
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  if (t == DType::kF32 && options_.allow_tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
-  // Row-major C = A @ B is column-major C^T = B^T @ A^T: pass B as the first operand.
-  // A transposed B [n, k] row-major is B^T stored column-major as k x n: cuBLASLt
-  // transposes it on the fly.
-  JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p.desc, compute, CUDA_R_32F));
-  if (b_transposed) {
-    const cublasOperation_t op_t = CUBLAS_OP_T;
-    JAX_UB_CUBLAS(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
-    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, dt, k, n, ldb));  // (B^T)^T: k x n
+  if (static_cast<DType>(t_raw) == DType::kF32 && options_.allow_tf32)
+    compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  p->row = row;
+  JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
+  // The stored transpose of b is read with op T on whichever operand b is.
+  const cublasOperation_t op_t = CUBLAS_OP_T;
+  if (b_transposed)
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(
+        p->desc, row ? CUBLASLT_MATMUL_DESC_TRANSB : CUBLASLT_MATMUL_DESC_TRANSA, &op_t,
+        sizeof(op_t)));
+  if (row) {
+    // C[m, n] = A[m, k] @ B[k, n] as stored; B's stored transpose is [n, k].
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, dt, m, k, lda));
+    if (b_transposed) {
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, dt, n, k, ldb));
+    } else {
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, dt, k, n, ldb));
+    }
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, dt, m, n, ldc));
+    const cublasLtOrder_t order = CUBLASLT_ORDER_ROW;
+    for (cublasLtMatrixLayout_t l : {p->first, p->second, p->out})
+      JAX_UB_CUBLAS(
+          cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ORDER, &order, sizeof(order)));
   } else {
-    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, dt, n, k, ldb));  // B^T: n x k
+    // Row-major C = A @ B is column-major C^T = B^T @ A^T: B is the first operand. A
+    // transposed B [n, k] row-major is B^T stored column-major as k x n: cuBLASLt
+    // transposes it on the fly.
+    if (b_transposed) {
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, dt, k, n, ldb));  // (B^T)^T: k x n
+    } else {
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, dt, n, k, ldb));  // B^T: n x k
+    }
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, dt, k, m, lda));  // A^T: k x m
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, dt, n, m, ldc));     // C^T: n x m
   }
-  JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, dt, k, m, lda));  // A^T: k x m
-  JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, dt, n, m, ldc));  // C^T: n x m
-  cublasLtMatmulPreference_t pref;
-  JAX_UB_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
-  size_t ws = workspace_bytes_;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                       sizeof(ws));
-  cublasLtMatmulHeuristicResult_t results[kCandidates];
-  int found = 0;
-  cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref,
-                                                     tune ? kCandidates : 1, results, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  Status st = CublasStatus(hs, "cublasLtMatmulAlgoGetHeuristic");
-  if (st.ok() && found == 0)
-    st = Internal("cuBLASLt found no algorithm for m=" + std::to_string(m) +
-                  " k=" + std::to_string(k) + " n=" + std::to_string(n));
-  if (st.ok()) {
-    p.algo = results[0].algo;
-    if (tune && found > 1) st = PickFastest(p, results, found, a, b, c, stream);
-  }
-  if (!st.ok()) {
-    cublasLtMatrixLayoutDestroy(p.a);
-    cublasLtMatrixLayoutDestroy(p.b);
-    cublasLtMatrixLayoutDestroy(p.c);
-    cublasLtMatmulDescDestroy(p.desc);
-    return st;
-  }
-  *plan = &plans_.emplace(key, p).first->second;
   return Status::Ok();
 }
 
-Status CublasLtGemm::PickFastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count,
-                                 const void* a, const void* b, void* c, cudaStream_t stream) {
+Status CublasLtGemm::Heuristic(const Plan& p, int want,
+                               std::vector<cublasLtMatmulHeuristicResult_t>* out) const {
+  cublasLtMatmulPreference_t pref = nullptr;
+  JAX_UB_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  size_t ws = workspace_bytes_;
+  out->resize(want);
+  int found = 0;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.first, p.second, p.out, p.out, pref,
+                                        want, out->data(), &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  JAX_UB_RETURN_IF_ERROR(CublasStatus(st, "cublasLtMatmulAlgoGetHeuristic"));
+  out->resize(found);
+  if (found == 0) return Internal("cuBLASLt found no algorithm");
+  return Status::Ok();
+}
+
+Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
+                              cudaStream_t stream, const Plan** plan) {
+  const bool tune = options_.autotune;
+  std::vector<bool> descriptions;  // GemmOrder::kRow or not, in the order tried
+  if (options_.order != GemmOrder::kRow) descriptions.push_back(false);
+  if (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune))
+    descriptions.push_back(true);
+  Plan best;
+  float best_ms = -1.0f;
+  std::string declined;  // why cuBLASLt served no description, should none be served
+  for (bool row : descriptions) {
+    Plan p;
+    std::vector<cublasLtMatmulHeuristicResult_t> results;
+    Status st = Describe(key, row, &p);
+    if (st.ok()) st = Heuristic(p, tune ? kCandidates : 1, &results);
+    if (!st.ok()) {  // a description cuBLASLt cannot serve; the other may do
+      declined +=
+          std::string(declined.empty() ? "" : "; ") + (row ? "row: " : "column: ") + st.message();
+      Destroy(p);
+      continue;
+    }
+    bool kept = false;
+    for (const cublasLtMatmulHeuristicResult_t& r : results) {
+      if (r.state != CUBLAS_STATUS_SUCCESS) continue;
+      float ms = 0.0f;
+      if (tune) {
+        st = Time(p, r.algo, a, b, c, stream, &ms);
+        if (!st.ok()) break;  // a CUDA failure, not a candidate that cannot run
+        if (ms < 0) continue;
+      }
+      if (best_ms < 0 || ms < best_ms) {
+        if (!kept) Destroy(best);  // best came from an earlier description
+        best = p;
+        best.algo = r.algo;
+        best_ms = ms;
+        kept = true;
+      }
+      if (!tune) break;  // the heuristic's first pick
+    }
+    if (!kept) Destroy(p);
+    if (!st.ok()) {
+      Destroy(best);
+      return st;
+    }
+  }
+  if (best.desc == nullptr)
+    return Internal("cuBLASLt has no algorithm for m=" + std::to_string(std::get<1>(key)) +
+                    " k=" + std::to_string(std::get<2>(key)) +
+                    " n=" + std::to_string(std::get<3>(key)) + " (" + declined + ")");
+  JAX_UB_TRACE("GEMM m=%lld k=%lld n=%lld: %s description, %.3f ms",
+               static_cast<long long>(std::get<1>(key)), static_cast<long long>(std::get<2>(key)),
+               static_cast<long long>(std::get<3>(key)), best.row ? "row" : "column", best_ms);
+  *plan = &plans_.emplace(key, best).first->second;
+  return Status::Ok();
+}
+
+Status CublasLtGemm::Time(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
+                          const void* b, void* c, cudaStream_t stream, float* ms) {
+  const float alpha = 1.0f, beta = 0.0f;
+  const void* first = p.row ? a : b;
+  const void* second = p.row ? b : a;
+  auto run = [&] {
+    return cublasLtMatmul(handle_, p.desc, &alpha, first, p.first, second, p.second, &beta, c,
+                          p.out, c, p.out, &algo, workspace_, workspace_bytes_, stream);
+  };
+  *ms = -1.0f;
+  if (run() != CUBLAS_STATUS_SUCCESS) return Status::Ok();  // cannot run here: skipped
   cudaEvent_t begin = nullptr, end = nullptr;
   Status st = CudaStatus(cudaEventCreate(&begin), "cudaEventCreate");
   if (st.ok()) st = CudaStatus(cudaEventCreate(&end), "cudaEventCreate");
-  const float alpha = 1.0f, beta = 0.0f;
-  float best = -1.0f;
-  for (int i = 0; i < count && st.ok(); ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    auto run = [&] {
-      return cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c,
-                            &results[i].algo, workspace_, workspace_bytes_, stream);
-    };
-    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here
-    std::vector<float> ms;
-    for (int r = 0; r < kTimedRuns && st.ok(); ++r) {
-      st = CudaStatus(cudaEventRecord(begin, stream), "cudaEventRecord");
-      if (st.ok()) st = CublasStatus(run(), "cublasLtMatmul (autotune)");
-      if (st.ok()) st = CudaStatus(cudaEventRecord(end, stream), "cudaEventRecord");
-      if (st.ok()) st = CudaStatus(cudaEventSynchronize(end), "cudaEventSynchronize");
-      float t = 0;
-      if (st.ok()) st = CudaStatus(cudaEventElapsedTime(&t, begin, end), "cudaEventElapsedTime");
-      ms.push_back(t);
-    }
-    if (!st.ok()) break;
-    std::sort(ms.begin(), ms.end());
-    const float median = ms[ms.size() / 2];
-    if (best < 0 || median < best) {
-      best = median;
-      p.algo = results[i].algo;
-    }
+  std::vector<float> per_run;
+  for (int r = 0; r < kTimedRounds && st.ok(); ++r) {
+    st = CudaStatus(cudaEventRecord(begin, stream), "cudaEventRecord");
+    for (int i = 0; i < kRunsPerRound && st.ok(); ++i)
+      st = CublasStatus(run(), "cublasLtMatmul (autotune)");
+    if (st.ok()) st = CudaStatus(cudaEventRecord(end, stream), "cudaEventRecord");
+    if (st.ok()) st = CudaStatus(cudaEventSynchronize(end), "cudaEventSynchronize");
+    float t = 0;
+    if (st.ok()) st = CudaStatus(cudaEventElapsedTime(&t, begin, end), "cudaEventElapsedTime");
+    per_run.push_back(t / kRunsPerRound);
   }
   if (begin != nullptr) cudaEventDestroy(begin);
   if (end != nullptr) cudaEventDestroy(end);
-  return st;
+  JAX_UB_RETURN_IF_ERROR(st);
+  std::sort(per_run.begin(), per_run.end());
+  *ms = per_run[per_run.size() / 2];
+  return Status::Ok();
 }
 
 Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
                              bool b_transposed, void* c, int64_t ldc, int64_t m, int64_t k,
-                             int64_t n, cudaStream_t tune_stream) {
+                             int64_t n, cudaStream_t tune_stream, const Plan** plan) {
+  *plan = nullptr;
   if (m == 0 || n == 0) return Status::Ok();
   const Key key{static_cast<int>(t), m, k, n, lda, ldb, ldc, b_transposed};
-  if (plans_.count(key) != 0) return Status::Ok();  // every call after a shape's first
+  if (auto it = plans_.find(key); it != plans_.end()) {  // every call after a shape's first
+    *plan = &it->second;
+    return Status::Ok();
+  }
   // Drain the device first (see the header): the kernels launched below may be loaded
   // now, and a load waits for the device to go idle while holding its context.
   JAX_UB_TRACE("first call of GEMM m=%lld k=%lld n=%lld: draining the device",
                static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n));
   JAX_UB_CUDA(cudaDeviceSynchronize());
-  Plan* p = nullptr;
+  const Plan* p = nullptr;
   JAX_UB_RETURN_IF_ERROR(MakePlan(key, a, b, c, tune_stream, &p));
   // Run the chosen algorithm once (autotuning already did), so its kernel is loaded before
   // any call of this shape has a peer wait in flight.
-  if (!options_.autotune) {
-    const float alpha = 1.0f, beta = 0.0f;
-    JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c,
-                                 p->c, &p->algo, workspace_, workspace_bytes_, tune_stream));
-  }
+  if (!options_.autotune) JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream));
   JAX_UB_CUDA(cudaStreamSynchronize(tune_stream));
+  *plan = p;
   return Status::Ok();
 }
 
-Status CublasLtGemm::Matmul(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
-                            bool b_transposed, void* c, int64_t ldc, int64_t m, int64_t k,
-                            int64_t n, cudaStream_t stream) {
-  if (m == 0 || n == 0) return Status::Ok();
-  // Only Prepare makes plans: it is where a new kernel may be loaded safely.
-  auto it = plans_.find(Key{static_cast<int>(t), m, k, n, lda, ldb, ldc, b_transposed});
-  if (it == plans_.end())
-    return Internal("CublasLtGemm::Matmul: no plan for m=" + std::to_string(m) + " k=" +
-                    std::to_string(k) + " n=" + std::to_string(n) + "; Prepare must run first");
-  const Plan* p = &it->second;
+Status CublasLtGemm::Matmul(const Plan* p, const void* a, const void* b, void* c,
+                            cudaStream_t stream) {
+  if (p == nullptr) return Status::Ok();  // an empty shape
   const float alpha = 1.0f, beta = 0.0f;
-  JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c, p->c,
-                               &p->algo, workspace_, workspace_bytes_, stream));
+  JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, p->row ? a : b, p->first, p->row ? b : a,
+                               p->second, &beta, c, p->out, c, p->out, &p->algo, workspace_,
+                               workspace_bytes_, stream));
   return Status::Ok();
 }
 

@@ -7,15 +7,24 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <vector>
 
 #include "dtype.h"
 #include "status.h"
 
 namespace jax_ub {
 
+// How a row-major GEMM is described to cuBLASLt. kColumn: as the column-major product
+// C^T = B^T @ A^T (no layout attributes). kRow: as C = A @ B with every matrix in
+// CUBLASLT_ORDER_ROW. The two get different candidate kernels, and neither is fastest at
+// every shape (up to ~10% apart on an H200; benchmarks/gemm_candidates.cu).
+enum class GemmOrder { kAuto = 0, kColumn = 1, kRow = 2 };
+
 struct GemmOptions {
   bool allow_tf32 = false;  // float32 GEMMs may use TF32 tensor cores
   bool autotune = true;     // time cuBLASLt's candidates once per shape (see Prepare)
+  // kAuto: with autotuning, time both descriptions' candidates; without, kColumn.
+  GemmOrder order = GemmOrder::kAuto;
 };
 
 class CublasLtGemm {
@@ -24,41 +33,55 @@ class CublasLtGemm {
   static Status Create(GemmOptions options, CublasLtGemm** out);
   ~CublasLtGemm();
 
-  // Chooses the algorithm for this GEMM's shape if it has none yet (later calls with the
-  // shape return at once) and runs it once on `tune_stream`, overwriting `c`; the calling
-  // thread waits. With autotuning, cuBLASLt's best few candidates are timed there with the
-  // real operands (XLA's own dot is autotuned; the heuristic's first pick alone ran up to
-  // ~5% slower than it at some of our chunk shapes).
+  // What Matmul runs for one GEMM shape: made once per shape by Prepare, owned here.
+  struct Plan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
+    cublasLtMatmulAlgo_t algo;
+    bool row = false;  // GemmOrder::kRow: a is the first operand, else b is
+  };
+
+  // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
+  // `tune_stream`, overwriting `c`; the calling thread waits. Later calls return the same
+  // plan at once; an empty shape (m or n zero) gets null. With autotuning, cuBLASLt's best few
+  // candidates of each description (GemmOrder) are timed there, back to back, with the real
+  // operands (XLA's own dot is autotuned; a heuristic's first pick alone ran up to ~10% slower than
+  // it at some of our chunk shapes).
   //
   // Call it before the op enqueues anything that waits on a peer. A shape's first call
   // drains the device: CUDA loads kernels lazily, and the first launch of a cuBLASLt
   // kernel waits for the device to go idle while holding its context lock. Were the device
   // then waiting on a peer whose host thread needs that lock to enqueue its copy into our
   // memory, both would hang (seen on 2x H200 with autotuning).
-  Status Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, bool b_transposed,
-                 void* c, int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream);
-
+  //
   // c[m, n] = a[m, k] @ b[k, n], row-major, with leading dims lda/ldb/ldc (elements). With
   // `b_transposed`, b is stored as its transpose [n, k] (a backward pass's w.T, read in
   // place instead of copied). Accumulates in float32; output in `t`.
-  Status Matmul(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, bool b_transposed,
-                void* c, int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t stream);
+  Status Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, bool b_transposed,
+                 void* c, int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream,
+                 const Plan** plan);
+
+  // Enqueues `plan`'s GEMM on `stream` for operands laid out as the shape it was made for.
+  // A null plan (Prepare's for an empty shape) runs nothing.
+  Status Matmul(const Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream);
 
  private:
-  struct Plan {
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo;
-  };
   // dtype, m, k, n, lda, ldb, ldc, b transposed
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+  // The descriptor and layouts of `key` as `row` describes it.
+  Status Describe(const Key& key, bool row, Plan* p) const;
+  static void Destroy(Plan& p);
+  // cuBLASLt's best `want` candidates for `p` (at least one, else an error).
+  Status Heuristic(const Plan& p, int want,
+                   std::vector<cublasLtMatmulHeuristicResult_t>* out) const;
   // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
-  // of its candidates, timed on `stream`), stored in plans_.
+  // candidate, timed on `stream`), stored in plans_.
   Status MakePlan(const Key& key, const void* a, const void* b, void* c, cudaStream_t stream,
-                  Plan** plan);
-  // Fastest of `count` candidate algorithms on `stream`, by the median of a few runs.
-  Status PickFastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count,
-                     const void* a, const void* b, void* c, cudaStream_t stream);
+                  const Plan** plan);
+  // Median time per run of `algo` on `stream`, runs back to back; a negative time when the
+  // candidate cannot run here.
+  Status Time(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b,
+              void* c, cudaStream_t stream, float* ms);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -35,15 +35,23 @@ NB_MODULE(_cuda, m) {
   m.def(
       "create_communicator",
       [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
-         bool allow_tf32, bool autotune, bool multiprocess) {
+         bool allow_tf32, bool autotune, const std::string& gemm_order, bool multiprocess) {
+        jax_ub::GemmOptions gemm{allow_tf32, autotune, jax_ub::GemmOrder::kAuto};
+        if (gemm_order == "column") {
+          gemm.order = jax_ub::GemmOrder::kColumn;
+        } else if (gemm_order == "row") {
+          gemm.order = jax_ub::GemmOrder::kRow;
+        } else if (gemm_order != "auto") {
+          throw nb::value_error(
+              ("gemm_order must be 'auto', 'column' or 'row', got '" + gemm_order + "'").c_str());
+        }
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
         jax_ub::RaiseIfError(st);
         std::unique_ptr<jax_ub::CudaCommunicator> c;
         {
           nb::gil_scoped_release release;
-          st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s,
-                                                jax_ub::GemmOptions{allow_tf32, autotune},
+          st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s, gemm,
                                                 multiprocess, &c);
         }
         jax_ub::RaiseIfError(st);
@@ -51,7 +59,7 @@ NB_MODULE(_cuda, m) {
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
       nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("autotune") = true,
-      nb::arg("multiprocess") = false);
+      nb::arg("gemm_order") = "auto", nb::arg("multiprocess") = false);
   // Same names as the host module's, so one bootstrap serves both: "region names" are the
   // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
   m.def("region_names", [](int64_t id) {

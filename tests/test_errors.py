@@ -219,11 +219,21 @@ def test_buffer_too_small_without_growth(mesh1d, rand):
         (dict(buffer_size=1), r"unknown jax_ub setting 'buffer_size'"),
         (dict(timeout_s=0), r"timeout_s must be positive"),
         (dict(buffer_bytes=-1), r"buffer_bytes must be >= 0"),
+        (
+            dict(gemm_order="rows"),
+            r"gemm_order must be one of \('auto', 'column', 'row'\), got 'rows'",
+        ),
     ],
 )
 def test_configure_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jax_ub.configure(**kwargs)
+
+
+def test_gemm_order_env_var_is_validated(monkeypatch):
+    monkeypatch.setenv("JAX_UB_GEMM_ORDER", "rows")
+    with pytest.raises(ValueError, match=r"gemm_order must be one of .*JAX_UB_GEMM_ORDER"):
+        jax_ub.Config()  # what `import jax_ub` builds from the environment
 
 
 def test_configure_error_leaves_config_unchanged():

@@ -112,6 +112,41 @@ def test_grads_match_xla(tp):
         assert _rel(g_ub, g_ref) < 3e-2
 
 
+@pytest.mark.parametrize("order", ["column", "row"])
+def test_each_gemm_order_matches_xla(order):
+    """Autotuning picks a GEMM description per shape ("auto"), so the tests above check
+    whichever one won. Forcing each checks both, forward (w as stored) and backward (w
+    read transposed in place), at an odd shape and in f32 (true f32, no TF32)."""
+    jax_ub.finalize()  # communicators take the GEMM settings when they are created
+    jax_ub.configure(gemm_order=order)
+    try:
+        mesh = _mesh(2)
+        for dtype in (jnp.bfloat16, jnp.float32):
+            x, w = _data(jax.random.key(3), [(3 * 256, 640), (640, 3 * 128)], dtype)
+            with jax.default_matmul_precision("highest"):
+                ref = _ag(mesh, "xla")(x, w)
+                ref_rs = _rs(mesh, "xla")(ref, w.T)
+            assert _rel(_ag(mesh, "ub")(x, w), ref) < TOL[dtype], (order, dtype)
+            assert _rel(_rs(mesh, "ub")(ref, w.T), ref_rs) < TOL[dtype], (order, dtype)
+
+        def loss(impl):
+            def body(x, w):
+                y = jax_ub.all_gather_matmul(x, w, "tp", impl=impl)
+                return lax.psum(jnp.sum(jnp.sin(y.astype(jnp.float32))), "tp")
+
+            f = jax.shard_map(
+                body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P()
+            )
+            return jax.jit(jax.grad(f, argnums=(0, 1)))
+
+        x, w = _data(jax.random.key(5), [(3 * 256, 640), (640, 3 * 128)], jnp.float32)
+        x, w = x.astype(jnp.bfloat16), (w / np.sqrt(640)).astype(jnp.bfloat16)
+        for g_ub, g_ref in zip(loss("ub")(x, w), loss("xla")(x, w)):
+            assert _rel(g_ub, g_ref) < 3e-2, order
+    finally:
+        jax_ub.finalize()
+
+
 @pytest.mark.parametrize("tp", TPS)
 def test_dp_by_tp_mesh(tp):
     dp = len(GPUS) // tp

@@ -99,7 +99,11 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
         )
     ordinals = [_device_ordinal(d) for d in devices]
     extra = (
-        {"allow_tf32": config.allow_tf32, "autotune": config.autotune_gemm}
+        {
+            "allow_tf32": config.allow_tf32,
+            "autotune": config.autotune_gemm,
+            "gemm_order": config.gemm_order,
+        }
         if key.platform == "cuda"
         else {}
     )

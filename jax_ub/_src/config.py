@@ -7,6 +7,7 @@ import math
 import os
 
 _MIB = 1 << 20
+_GEMM_ORDERS = ("auto", "column", "row")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -40,6 +41,8 @@ def _check(cfg: Config, source: str = "") -> None:
         raise ValueError(f"buffer_bytes must be an integer, got {cfg.buffer_bytes!r}{where}")
     if cfg.buffer_bytes < 0:
         raise ValueError(f"buffer_bytes must be >= 0, got {cfg.buffer_bytes}{where}")
+    if cfg.gemm_order not in _GEMM_ORDERS:
+        raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {cfg.gemm_order!r}{where}")
 
 
 @dataclasses.dataclass
@@ -57,7 +60,13 @@ class Config:
       autotune_gemm: on GPU, time cuBLASLt's candidate algorithms the first time each
         GEMM shape runs and keep the fastest (env ``JAX_UB_AUTOTUNE_GEMM``; ``0`` keeps
         the heuristic's first pick). The first call of a shape blocks its device's
-        thread for the tuning runs, typically tens of milliseconds.
+        thread for the tuning runs: milliseconds for small shapes, about a second for
+        GEMMs of several TFLOP.
+      gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
+        for each: ``"column"`` (the transposed column-major product), ``"row"`` (row-major
+        layouts) or ``"auto"`` (with ``autotune_gemm``, time both and keep the fastest;
+        without, ``"column"``). Env ``JAX_UB_GEMM_ORDER``; results are the same up to
+        float rounding.
     """
 
     buffer_bytes: int = dataclasses.field(
@@ -73,9 +82,14 @@ class Config:
     autotune_gemm: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("JAX_UB_AUTOTUNE_GEMM", "1") not in ("0", "")
     )
+    gemm_order: str = dataclasses.field(
+        default_factory=lambda: os.environ.get("JAX_UB_GEMM_ORDER", "auto")
+    )
 
     def __post_init__(self) -> None:
-        _check(self, "JAX_UB_TIMEOUT_S / JAX_UB_BUFFER_BYTES or the constructor")
+        _check(
+            self, "JAX_UB_TIMEOUT_S / JAX_UB_BUFFER_BYTES / JAX_UB_GEMM_ORDER or the constructor"
+        )
 
 
 config = Config()
