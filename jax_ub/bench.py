@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import socket
 import statistics
@@ -188,17 +189,22 @@ def rel_err(a, b) -> float:
 class Measured:
     """One op and shape, per implementation: medians over rounds of the loop time (ms per
     call), the spread of the rounds ((max - min) / median), how long the host took to issue
-    each loop (ms per call), the error against the reference; and jax_ub's host time per
-    call and GPU (ms; of it, waiting for the process's other GPUs), where measured."""
+    each loop (ms per call), the error against the reference, the calls per loop; and
+    jax_ub's host time per call and GPU (ms; of it, waiting for the process's other
+    GPUs), where measured."""
 
     times: dict
     spread: dict
     issued: dict
     errs: dict
+    calls: dict = dataclasses.field(default_factory=dict)
     host_ms: tuple[float, float] | None = None
 
 
-def measure(impls, reference, rounds: int, iters: int) -> Measured:
+def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0) -> Measured:
+    """Each implementation's loop time, rounds interleaved. With `loop_seconds`, every loop
+    runs at least that long (more calls than `iters` where needed): long loops reach the
+    GPU's steady, power-capped clock, where short ones start cooler and drift."""
     errs = {}
     ref_out = reference[0](*reference[1])
     for name, (f, args) in impls.items():
@@ -210,17 +216,23 @@ def measure(impls, reference, rounds: int, iters: int) -> Measured:
             print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             errs[name] = None
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
+    calls = {n: iters for n in live}
+    if loop_seconds > 0:
+        for name, (f, args) in live.items():
+            estimate_ms = loop_time_ms(f, args, 3)
+            calls[name] = max(iters, math.ceil(loop_seconds * 1e3 / estimate_ms))
     samples = {n: [] for n in live}
     issued = {n: [] for n in live}
     host = []  # jax_ub's host time per call and GPU, each round
     for _ in range(rounds):
         for name, (f, args) in live.items():
             before = host_times() if name == "jax_ub" else None
-            samples[name].append(loop_time_ms(f, args, iters, issued[name]))
+            samples[name].append(loop_time_ms(f, args, calls[name], issued[name]))
             if before is not None:
                 host.append(_host_ms_per_call(before, host_times()))
     times = {n: statistics.median(v) for n, v in samples.items()}
     return Measured(
+        calls=calls,
         times=times,
         spread={n: (max(v) - min(v)) / times[n] for n, v in samples.items()},
         issued={n: statistics.median(v) for n, v in issued.items()},
@@ -301,6 +313,13 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", default="ag,rs")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--loop-seconds",
+        type=float,
+        default=0.0,
+        help="make every timed loop last at least this long (more calls than --iters where "
+        "needed), so the GPU reaches its steady, power-capped clock; one process only",
+    )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
     ap.add_argument("--no-windowed-einsum", action="store_true")
     ap.add_argument("--json", default="")
@@ -329,6 +348,9 @@ def main(argv=None) -> None:
     if args.windowed_einsum_child:
         _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
         return
+    if args.processes and args.loop_seconds:
+        # Each process would choose its own number of calls, and their collectives must match.
+        ap.error("--loop-seconds needs one process (its call counts are chosen per process)")
     if args.processes and args.process_id < 0:
         sys.exit(_launch(args, argv if argv is not None else sys.argv[1:]))
     if args.processes:
@@ -348,7 +370,7 @@ def main(argv=None) -> None:
         for op in args.ops.split(","):
             build = build_ag if op == "ag" else build_rs
             impls, ref = build(mesh, M, K, N, dtype, M + K + N)
-            measured = measure(impls, ref, args.rounds, args.iters)
+            measured = measure(impls, ref, args.rounds, args.iters, args.loop_seconds)
             times, errs = measured.times, measured.errs
             first = (M, K, N) == shapes[0]
             if (
@@ -377,9 +399,14 @@ def main(argv=None) -> None:
                 comm_hidden=hidden,
             )
             results.append(row)
+            loops = f"{args.iters} calls"
+            if args.loop_seconds:
+                loops = f">= {args.loop_seconds:g} s loops ({min(measured.calls.values())}"
+                loops += f"-{max(measured.calls.values())} calls)"
+                row.update(calls=measured.calls)
             say(
                 f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms, median of "
-                f"{args.rounds} rounds x {args.iters} calls; the rounds' spread; per call, how "
+                f"{args.rounds} rounds x {loops}; the rounds' spread; per call, how "
                 "long the host took to issue the loop",
                 flush=True,
             )

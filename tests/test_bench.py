@@ -1,0 +1,31 @@
+"""The benchmark's plumbing on CPU devices (no timings are checked: those vary by machine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jax_ub import bench
+
+
+def test_bench_writes_every_implementation_and_checks_results(tmp_path):
+    out = tmp_path / "bench.json"
+    bench.main(
+        "--shapes 64x32x64 --tp 2 --rounds 2 --iters 2 --loop-seconds 0.02 "
+        f"--no-windowed-einsum --json {out}".split()
+    )
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["op"], r["M"], r["tp"]) for r in rows] == [("ag", 64, 2), ("rs", 64, 2)]
+    for r in rows:
+        assert {"gemm", "comm", "xla_seq", "jax_ub"} <= set(r["times_ms"]), r["times_ms"]
+        assert all(t > 0 for t in r["times_ms"].values())
+        # jax_ub's output was compared with XLA's on fresh random data.
+        assert r["rel_err"]["jax_ub"] < 2e-2
+        # Loops of >= 20 ms took at least --iters calls each.
+        assert min(r["calls"].values()) >= 2
+
+
+def test_bench_refuses_loop_seconds_across_processes():
+    with pytest.raises(SystemExit):
+        bench.main("--processes 2 --loop-seconds 1".split())
