@@ -1,6 +1,7 @@
 #include "cuda_gemm.h"
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "cuda_check.h"
@@ -13,6 +14,10 @@ constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt asks for on Hopp
 constexpr int kCandidates = 8;                 // heuristic results timed per description
 constexpr int kTimedRounds = 3;                // a candidate's time: median of the rounds,
 constexpr int kRunsPerRound = 3;               // each this many runs back to back
+// Tuning stops trying candidates once a shape has taken this long, keeping the best so
+// far: the heuristic lists its likeliest candidates first, and a GPU's peers wait for it
+// (under the op's deadline) while its first call of a shape tunes.
+constexpr double kTuneBudgetS = 2.0;
 
 cudaDataType_t CudaType(DType t) {
   switch (t) {
@@ -127,7 +132,13 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
   Plan best;
   float best_ms = -1.0f;
   std::string declined;  // why cuBLASLt served no description, should none be served
+  const auto start = std::chrono::steady_clock::now();
+  auto over_budget = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
+           kTuneBudgetS;
+  };
   for (bool row : descriptions) {
+    if (best.desc != nullptr && over_budget()) break;
     Plan p;
     std::vector<cublasLtMatmulHeuristicResult_t> results;
     Status st = Describe(key, row, &p);
@@ -154,7 +165,7 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
         best_ms = ms;
         kept = true;
       }
-      if (!tune) break;  // the heuristic's first pick
+      if (!tune || over_budget()) break;  // the heuristic's first pick, or out of time
     }
     if (!kept) Destroy(p);
     if (!st.ok()) {

@@ -43,10 +43,10 @@ class CublasLtGemm {
 
   // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
   // `tune_stream`, overwriting `c`; the calling thread waits. Later calls return the same
-  // plan at once; an empty shape (m or n zero) gets null. With autotuning, cuBLASLt's best few
-  // candidates of each description (GemmOrder) are timed there, back to back, with the real
-  // operands (XLA's own dot is autotuned; a heuristic's first pick alone ran up to ~10% slower than
-  // it at some of our chunk shapes).
+  // plan at once; an empty shape (m or n zero) gets null. With autotuning, cuBLASLt's best
+  // few candidates of each description (GemmOrder) are timed there, back to back, with the
+  // real operands, for up to about two seconds per shape. XLA's own dot is autotuned; a
+  // heuristic's first pick alone ran up to ~10% slower than it at some of our chunk shapes.
   //
   // Call it before the op enqueues anything that waits on a peer. A shape's first call
   // drains the device: CUDA loads kernels lazily, and the first launch of a cuBLASLt
