@@ -7,7 +7,8 @@
 # memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
 # one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
 # both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args); gemm:
-# benchmarks/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py.
+# benchmarks/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
+# copytax: benchmarks/gemm_beside_copy.cu.
 # Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -106,6 +107,11 @@ if [ "$what" = power ]; then
     grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/power_$op.log" | tail -12
     cleanup
   done
+fi
+if [ "$what" = copytax ]; then
+  # A GEMM's time with peer copies beside it (args: m,k,n copy_mib [seconds]).
+  timeout 120 ninja -C build/dev gemm_beside_copy >> "$OUT/build.log" 2>&1 || { echo TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
+  timeout -k 5 ${COPYTAX_S:-120} build/dev/gemm_beside_copy "$@" 2>&1 | tee "$OUT/gemm_beside_copy.log"
 fi
 if [ "$what" = gemm ]; then
   # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same
