@@ -58,7 +58,7 @@ struct Gpu {
   __nv_bfloat16 *a = nullptr, *b = nullptr, *c = nullptr;
   char *send = nullptr, *recv = nullptr;
   cudaStream_t compute = nullptr, copy = nullptr;
-  cudaEvent_t begin = nullptr, end = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr, copies_done = nullptr;
 };
 
 constexpr size_t kWorkspace = 32u << 20;
@@ -77,6 +77,7 @@ void Setup(Gpu& g, int device, long long m, long long k, long long n, size_t cop
   Check(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "stream");
   Check(cudaEventCreate(&g.begin), "event");
   Check(cudaEventCreate(&g.end), "event");
+  Check(cudaEventCreate(&g.copies_done), "event");
   FillRandom<<<1024, 256, 0, g.compute>>>(g.a, m * k, 1 + device, 1.0f);
   FillRandom<<<1024, 256, 0, g.compute>>>(g.b, k * n, 7 + device, 0.01f);
   FillRandom<<<1024, 256, 0, g.compute>>>(reinterpret_cast<__nv_bfloat16*>(g.send), copy_bytes / 2,
@@ -109,6 +110,7 @@ void Teardown(Gpu& g) {
   Check(cudaSetDevice(g.device), "cudaSetDevice");
   cudaEventDestroy(g.begin);
   cudaEventDestroy(g.end);
+  cudaEventDestroy(g.copies_done);
   cudaStreamDestroy(g.compute);
   cudaStreamDestroy(g.copy);
   for (void* p : {static_cast<void*>(g.a), static_cast<void*>(g.b), static_cast<void*>(g.c),
@@ -129,12 +131,15 @@ void Gemm(Gpu& g) {
 }
 
 // `iters` GEMMs on both GPUs at once, each GPU pushing `copy_bytes` into the other per
-// GEMM when `copies`; returns ms per GEMM, averaged over the two GPUs.
+// GEMM when `copies`; returns ms per GEMM, averaged over the two GPUs, and the rate at
+// which the pushes actually completed (from the first GEMM's start to the last copy).
 double Phase(Gpu* gpus, int iters, bool copies, size_t copy_bytes, double* copy_gbps) {
   for (int i = 0; i < 2; ++i) {
     Check(cudaSetDevice(gpus[i].device), "cudaSetDevice");
     Check(cudaDeviceSynchronize(), "sync");
     Check(cudaEventRecord(gpus[i].begin, gpus[i].compute), "record");
+    // Copies start with the GEMMs, not before them.
+    Check(cudaStreamWaitEvent(gpus[i].copy, gpus[i].begin), "wait");
   }
   for (int it = 0; it < iters; ++it) {
     for (int i = 0; i < 2; ++i) {
@@ -147,22 +152,25 @@ double Phase(Gpu* gpus, int iters, bool copies, size_t copy_bytes, double* copy_
             "push");
     }
   }
-  double ms_sum = 0;
   for (int i = 0; i < 2; ++i) {
     Check(cudaSetDevice(gpus[i].device), "cudaSetDevice");
     Check(cudaEventRecord(gpus[i].end, gpus[i].compute), "record");
+    Check(cudaEventRecord(gpus[i].copies_done, gpus[i].copy), "record");
   }
+  double gemm_ms = 0, copy_ms = 0;
   for (int i = 0; i < 2; ++i) {
     Check(cudaSetDevice(gpus[i].device), "cudaSetDevice");
     Check(cudaEventSynchronize(gpus[i].end), "sync");
+    Check(cudaEventSynchronize(gpus[i].copies_done), "sync");
     float ms = 0;
     Check(cudaEventElapsedTime(&ms, gpus[i].begin, gpus[i].end), "elapsed");
-    ms_sum += ms;
-    Check(cudaStreamSynchronize(gpus[i].copy), "copy sync");
+    gemm_ms += ms / 2;
+    Check(cudaEventElapsedTime(&ms, gpus[i].begin, gpus[i].copies_done), "elapsed");
+    copy_ms += ms / 2;
   }
-  const double per_gemm = ms_sum / 2 / iters;
-  if (copy_gbps != nullptr) *copy_gbps = copies ? copy_bytes / (per_gemm * 1e-3) / 1e9 : 0;
-  return per_gemm;
+  if (copy_gbps != nullptr)
+    *copy_gbps = copies ? double(copy_bytes) * iters / (copy_ms * 1e-3) / 1e9 : 0;
+  return gemm_ms / iters;
 }
 
 }  // namespace
