@@ -29,6 +29,8 @@ export PYTHONPATH=$(pwd)
 # Kill what a step left behind (a hung test's processes would hold the GPUs and skew
 # every later measurement). Matches command lines: keep these words out of the command
 # that starts this script.
+# Log lines of JAX/XLA/gRPC that say nothing about the run; filtered from what is printed.
+NOISE='^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:'
 cleanup() {
   pkill -9 -f "pytest|jax_ub.bench|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step" 2>/dev/null
   sleep 1
@@ -59,7 +61,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   tag=${TAG:-bench}
   timeout -k 10 400 python3 -m jax_ub.bench --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
-    | tee "$OUT/$tag.log" | grep -v "^  .*failed" | grep -v "^[WI][0-9]\{4\} \|GRPC\|grpc_util\|Source Location\|^:" | tail -60
+    | tee "$OUT/$tag.log" | grep -v "^  .*failed" | grep -vE "$NOISE" | tail -60
   cleanup
 fi
 if [ "$what" = processes ]; then
@@ -87,7 +89,7 @@ if [ "$what" = profile ]; then
     timeout -k 10 ${PROFILE_S:-150} python3 benchmarks/profile_kernels.py --op $op "$@" \
       > "$OUT/profile_$op.log" 2>&1
     echo "profile $op: rc=$?"
-    grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/profile_$op.log" | tail -45
+    grep -vE "$NOISE" "$OUT/profile_$op.log" | tail -45
     cleanup
   done
 fi
@@ -96,7 +98,7 @@ if [ "$what" = stepprofile ]; then
   timeout -k 10 ${PROFILE_S:-250} python3 benchmarks/profile_train_step.py "$@" \
     > "$OUT/step_profile.log" 2>&1
   echo "step profile: rc=$?"
-  grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/step_profile.log" | tail -70
+  grep -vE "$NOISE" "$OUT/step_profile.log" | tail -70
   cleanup
 fi
 if [ "$what" = power ]; then
@@ -104,7 +106,7 @@ if [ "$what" = power ]; then
   for op in ag rs; do
     timeout -k 10 ${POWER_S:-200} python3 benchmarks/power_clocks.py --op $op "$@" > "$OUT/power_$op.log" 2>&1
     echo "power $op: rc=$?"
-    grep -vE "^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:" "$OUT/power_$op.log" | tail -12
+    grep -vE "$NOISE" "$OUT/power_$op.log" | tail -12
     cleanup
   done
 fi

@@ -8,66 +8,45 @@
 // the hardware's price of moving the data at the power cap, not the protocol's.
 // Not part of the library.
 //
+// The GEMM is jax_ub's own CublasLtGemm (same autotuned plan as the ops), so the time is
+// the chunk GEMM jax_ub runs.
+//
 // Usage: gemm_beside_copy m,k,n copy_mib [seconds]
 // (tp=2 AG at M=32768, K=8192, N=32768: 16384,8192,16384 with 128 MiB per GEMM.)
-#include <cublasLt.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
+#include "cuda_gemm.h"
+#include "cuda_tool.h"
+
 namespace {
 
-void Check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+using jax_ub_tool::Check;
+using jax_ub_tool::FillRandom;
+
+void Check(const jax_ub::Status& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.message().c_str());
     std::exit(1);
   }
 }
 
-void Check(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) {
-    std::fprintf(stderr, "%s: %s\n", what, cublasLtGetStatusName(s));
-    std::exit(1);
-  }
-}
-
-__global__ void FillRandom(__nv_bfloat16* p, int64_t count, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = __float2bfloat16((float(h & 0xffff) / 32768.0f - 1.0f) * scale);
-  }
-}
-
-// One GPU's GEMM (row-major c[m, n] = a[m, k] @ b[k, n], described column-major as jax_ub
-// does by default) and its send / receive buffers.
+// One GPU's GEMM c[m, n] = a[m, k] @ b[k, n] (row-major) and its send / receive buffers.
 struct Gpu {
   int device = 0;
-  cublasLtHandle_t handle = nullptr;
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-  cublasLtMatmulAlgo_t algo;
-  void* workspace = nullptr;
+  jax_ub::CublasLtGemm* gemm = nullptr;
+  const jax_ub::CublasLtGemm::Plan* plan = nullptr;
   __nv_bfloat16 *a = nullptr, *b = nullptr, *c = nullptr;
   char *send = nullptr, *recv = nullptr;
   cudaStream_t compute = nullptr, copy = nullptr;
   cudaEvent_t begin = nullptr, end = nullptr, copies_done = nullptr;
 };
 
-constexpr size_t kWorkspace = 32u << 20;
-
 void Setup(Gpu& g, int device, long long m, long long k, long long n, size_t copy_bytes) {
   g.device = device;
   Check(cudaSetDevice(device), "cudaSetDevice");
-  Check(cublasLtCreate(&g.handle), "cublasLtCreate");
-  Check(cudaMalloc(&g.workspace, kWorkspace), "workspace");
   Check(cudaMalloc(&g.a, m * k * 2), "a");
   Check(cudaMalloc(&g.b, k * n * 2), "b");
   Check(cudaMalloc(&g.c, m * n * 2), "c");
@@ -78,57 +57,31 @@ void Setup(Gpu& g, int device, long long m, long long k, long long n, size_t cop
   Check(cudaEventCreate(&g.begin), "event");
   Check(cudaEventCreate(&g.end), "event");
   Check(cudaEventCreate(&g.copies_done), "event");
-  FillRandom<<<1024, 256, 0, g.compute>>>(g.a, m * k, 1 + device, 1.0f);
-  FillRandom<<<1024, 256, 0, g.compute>>>(g.b, k * n, 7 + device, 0.01f);
-  FillRandom<<<1024, 256, 0, g.compute>>>(reinterpret_cast<__nv_bfloat16*>(g.send), copy_bytes / 2,
-                                          13 + device, 1.0f);
-  Check(cudaGetLastError(), "fill");
-  Check(cublasLtMatmulDescCreate(&g.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-  Check(cublasLtMatrixLayoutCreate(&g.la, CUDA_R_16BF, n, k, n), "layout");  // B^T
-  Check(cublasLtMatrixLayoutCreate(&g.lb, CUDA_R_16BF, k, m, k), "layout");  // A^T
-  Check(cublasLtMatrixLayoutCreate(&g.lc, CUDA_R_16BF, n, m, n), "layout");  // C^T
-  cublasLtMatmulPreference_t pref;
-  Check(cublasLtMatmulPreferenceCreate(&pref), "pref");
-  size_t ws = kWorkspace;
-  Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                             sizeof(ws)),
-        "pref ws");
-  cublasLtMatmulHeuristicResult_t result;
-  int found = 0;
-  Check(cublasLtMatmulAlgoGetHeuristic(g.handle, g.desc, g.la, g.lb, g.lc, g.lc, pref, 1, &result,
-                                       &found),
-        "heuristic");
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (found == 0) {
-    std::fprintf(stderr, "no cuBLASLt algorithm\n");
-    std::exit(1);
-  }
-  g.algo = result.algo;
+  FillRandom(g.a, m * k, 1 + device, 1.0f, g.compute);
+  FillRandom(g.b, k * n, 7 + device, 0.01f, g.compute);
+  FillRandom(reinterpret_cast<__nv_bfloat16*>(g.send), copy_bytes / 2, 13 + device, 1.0f,
+             g.compute);
+  Check(cudaStreamSynchronize(g.compute), "fill");
+  Check(jax_ub::CublasLtGemm::Create(jax_ub::GemmOptions{}, &g.gemm), "CublasLtGemm::Create");
+  Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, k, g.b, n, false, g.c, n, m, k, n, g.compute,
+                        &g.plan),
+        "CublasLtGemm::Prepare");
 }
 
 void Teardown(Gpu& g) {
   Check(cudaSetDevice(g.device), "cudaSetDevice");
+  delete g.gemm;
   cudaEventDestroy(g.begin);
   cudaEventDestroy(g.end);
   cudaEventDestroy(g.copies_done);
   cudaStreamDestroy(g.compute);
   cudaStreamDestroy(g.copy);
   for (void* p : {static_cast<void*>(g.a), static_cast<void*>(g.b), static_cast<void*>(g.c),
-                  static_cast<void*>(g.send), static_cast<void*>(g.recv), g.workspace})
+                  static_cast<void*>(g.send), static_cast<void*>(g.recv)})
     cudaFree(p);
-  cublasLtMatrixLayoutDestroy(g.la);
-  cublasLtMatrixLayoutDestroy(g.lb);
-  cublasLtMatrixLayoutDestroy(g.lc);
-  cublasLtMatmulDescDestroy(g.desc);
-  cublasLtDestroy(g.handle);
 }
 
-void Gemm(Gpu& g) {
-  const float alpha = 1.0f, beta = 0.0f;
-  Check(cublasLtMatmul(g.handle, g.desc, &alpha, g.b, g.la, g.a, g.lb, &beta, g.c, g.lc, g.c, g.lc,
-                       &g.algo, g.workspace, kWorkspace, g.compute),
-        "matmul");
-}
+void Gemm(Gpu& g) { Check(g.gemm->Matmul(g.plan, g.a, g.b, g.c, g.compute), "Matmul"); }
 
 // `iters` GEMMs on both GPUs at once, each GPU pushing `copy_bytes` into the other per
 // GEMM when `copies`; returns ms per GEMM, averaged over the two GPUs, and the rate at

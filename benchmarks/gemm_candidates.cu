@@ -6,10 +6,6 @@
 // XLA's dot at some shapes (profile: a different kernel). Not part of the library.
 //
 // Usage: gemm_candidates [--candidates N] [--runs R] m,k,n [m,k,n ...]
-#include <cublasLt.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -18,32 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "cuda_tool.h"
+
 namespace {
 
-void Check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-
-void Check(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) {
-    std::fprintf(stderr, "%s: %s\n", what, cublasLtGetStatusName(s));
-    std::exit(1);
-  }
-}
-
-__global__ void FillRandom(__nv_bfloat16* p, int64_t count, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = __float2bfloat16((float(h & 0xffff) / 32768.0f - 1.0f) * scale);
-  }
-}
+using jax_ub_tool::Check;
+using jax_ub_tool::FillRandom;
 
 struct Problem {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -125,9 +101,8 @@ int main(int argc, char** argv) {
     Check(cudaMalloc(&a, m * k * 2), "a");
     Check(cudaMalloc(&b, k * n * 2), "b");
     Check(cudaMalloc(&c, m * n * 2), "c");
-    FillRandom<<<1024, 256, 0, stream>>>(a, m * k, 1, 1.0f);
-    FillRandom<<<1024, 256, 0, stream>>>(b, k * n, 2, 0.01f);
-    Check(cudaGetLastError(), "fill");
+    FillRandom(a, m * k, 1, 1.0f, stream);
+    FillRandom(b, k * n, 2, 0.01f, stream);
     const double tflop = 2.0 * m * k * n / 1e12;
     std::printf("\n== m=%lld k=%lld n=%lld (%.3f TFLOP per GEMM)\n", m, k, n, tflop);
     for (bool row : {false, true}) {

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub.bench import build_ag, build_rs, loop_time_ms
+from jax_ub.bench import build_ag, build_rs, calls_lasting, loop_time_ms
 
 _QUERY = ",".join(
     [
@@ -69,7 +69,7 @@ def main() -> None:
         "-lms",
         "100",
     ]
-    per_call = {n: loop_time_ms(*impls[n], 3) for n in names}  # warm-up and a first estimate
+    calls = {n: calls_lasting(*impls[n], args.seconds, 10) for n in names}
     print(
         f"{args.op.upper()} M={M} K={K} N={N} tp={len(devices)}: each loop ~{args.seconds} s, "
         "nvidia-smi every 100 ms"
@@ -77,9 +77,7 @@ def main() -> None:
     print(f"  {'impl':8} {'ms/call':>8} {'SM MHz':>7} {'W':>6} {'power cap':>9} {'thermal':>7}")
     for r in range(args.rounds):
         for name in names:
-            f, a = impls[name]
-            iters = max(10, int(args.seconds * 1e3 / per_call[name]))
-            ms, rows = _sample(command, f, a, iters)
+            ms, rows = _sample(command, *impls[name], calls[name])
             rows = [row for row in rows if len(row) == 6 and row[1].replace(".", "").isdigit()]
             if not rows:
                 print(f"  {name:8} {ms:8.3f}  (no nvidia-smi samples)")

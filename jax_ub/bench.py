@@ -65,6 +65,12 @@ def loop_time_ms(f, args, iters: int, issued: list | None = None) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def calls_lasting(f, args, seconds: float, minimum: int) -> int:
+    """How many calls of f(*args) make a loop of at least `seconds` (and `minimum` calls)."""
+    estimate_ms = loop_time_ms(f, args, 3)
+    return max(minimum, math.ceil(seconds * 1e3 / estimate_ms))
+
+
 def ring_all_gather_matmul(x, w):
     """Collective matmul from ppermute: each step multiplies the chunk in hand, passes it on."""
     size = lax.axis_size(AXIS)
@@ -218,9 +224,7 @@ def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
     calls = {n: iters for n in live}
     if loop_seconds > 0:
-        for name, (f, args) in live.items():
-            estimate_ms = loop_time_ms(f, args, 3)
-            calls[name] = max(iters, math.ceil(loop_seconds * 1e3 / estimate_ms))
+        calls = {n: calls_lasting(f, args, loop_seconds, iters) for n, (f, args) in live.items()}
     samples = {n: [] for n in live}
     issued = {n: [] for n in live}
     host = []  # jax_ub's host time per call and GPU, each round
