@@ -8,7 +8,8 @@
 # one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
 # both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args); gemm:
 # benchmarks/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
-# copytax: benchmarks/gemm_beside_copy.cu.
+# overlapcost: benchmarks/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the
+# whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2).
 # Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -110,10 +111,17 @@ if [ "$what" = power ]; then
     cleanup
   done
 fi
-if [ "$what" = copytax ]; then
-  # A GEMM's time with peer copies beside it (args: m,k,n copy_mib [seconds]).
-  timeout 120 ninja -C build/dev gemm_beside_copy >> "$OUT/build.log" 2>&1 || { echo TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
-  timeout -k 5 ${COPYTAX_S:-120} build/dev/gemm_beside_copy "$@" 2>&1 | tee "$OUT/gemm_beside_copy.log"
+if [ "$what" = overlapcost ]; then
+  # tp=2's overlapped schedules rebuilt from the library's GEMM and copies, phase by
+  # phase (args: m,k,n ...: one rank's chunk), then XLA's dot of the same whole GEMMs.
+  secs=${OVERLAP_SECONDS:-2}
+  timeout 120 ninja -C build/dev overlap_cost >> "$OUT/build.log" 2>&1 || { echo TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
+  whole=""
+  for shape in "$@"; do
+    timeout -k 5 120 build/dev/overlap_cost "$shape" "$secs" 2>&1 | tee -a "$OUT/overlap_cost.log"
+    IFS=, read -r m k n <<< "$shape"; whole="$whole $((2 * m)),$k,$n"
+  done
+  timeout -k 5 120 python3 benchmarks/xla_dot_times.py --loop-seconds "$secs" $whole 2>&1 | grep "xla dot"
 fi
 if [ "$what" = gemm ]; then
   # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same
