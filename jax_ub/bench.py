@@ -39,6 +39,7 @@ import jax_ub
 from jax_ub._src.communicator import host_times
 
 AXIS = "tp"
+SOLO = "solo"  # a size-1 axis: jax_ub's op as a GEMM alone
 
 
 def _smap(mesh, f, in_specs, out_specs):
@@ -121,12 +122,18 @@ def _random(seed: int, shape, dtype, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape, np.float32) * scale).astype(dtype)
 
 
+def _solo_mesh(mesh) -> Mesh:
+    """The same GPUs, each in a tensor-parallel group of its own (axis SOLO, size 1)."""
+    return Mesh(np.array(mesh.devices).reshape(-1, 1), (AXIS, SOLO))
+
+
 def build_ag(mesh, M, K, N, dtype, seed):
     tp = mesh.shape[AXIS]
     x = _random(seed, (M, K), dtype)
     w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
     xs, xr, ws = _put(x, mesh, P(AXIS, None)), _put(x, mesh, P()), _put(w, mesh, P(None, AXIS))
     row, col = (P(AXIS, None), P(None, AXIS)), P(None, AXIS)
+    row_solo = (P(), P(None, AXIS))
     impls = {
         "gemm": (_smap(mesh, lambda a, b: a @ b, (P(), P(None, AXIS)), col), (xr, ws)),
         "comm": (_smap(mesh, lambda a, b: lax.all_gather(a, AXIS, tiled=True), row, P()), (xs, ws)),
@@ -141,6 +148,14 @@ def build_ag(mesh, M, K, N, dtype, seed):
         ),
     }
     if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
+        # jax_ub's own GEMM alone: the op on groups of one GPU, the "gemm" row's shapes.
+        solo = _solo_mesh(mesh)
+        impls["ub_gemm"] = (
+            _smap(
+                solo, lambda a, b: jax_ub.all_gather_matmul(a, b, SOLO, impl="ub"), row_solo, col
+            ),
+            (_put(x, solo, P()), _put(w, solo, P(None, AXIS))),
+        )
         mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype)
         if mgpu is not None:
             impls["pallas_mgpu"] = (mgpu, (xs, ws))
@@ -177,6 +192,12 @@ def build_rs(mesh, M, K, N, dtype, seed):
             (xs, ws),
         ),
     }
+    if jax.process_count() == 1:
+        solo = _solo_mesh(mesh)
+        impls["ub_gemm"] = (
+            _smap(solo, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, SOLO, impl="ub"), ins, out),
+            (_put(x, solo, P(None, AXIS)), _put(w, solo, P(AXIS, None))),
+        )
     return impls, impls["xla_seq"]
 
 
@@ -214,13 +235,16 @@ def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0
     errs = {}
     ref_out = reference[0](*reference[1])
     for name, (f, args) in impls.items():
-        if name in ("gemm", "comm", "xla_seq"):
+        if name in ("gemm", "comm", "xla_seq", "ub_gemm"):
             continue
         try:
             errs[name] = rel_err(f(*args), ref_out)
         except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)
             print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             errs[name] = None
+    if "ub_gemm" in impls:  # the GEMM alone, checked against XLA's
+        (f, args), (g, gargs) = impls["ub_gemm"], impls["gemm"]
+        errs["ub_gemm"] = rel_err(f(*args), g(*gargs))
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
     calls = {n: iters for n in live}
     if loop_seconds > 0:
@@ -426,6 +450,16 @@ def main(argv=None) -> None:
                 f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
                 flush=True,
             )
+            if "ub_gemm" in times:
+                # Splits a miss: jax_ub's GEMM kernels against XLA's, and the overlapped op
+                # against its own GEMM run alone.
+                t_own = times["ub_gemm"]
+                row.update(ub_over_own_gemm=t_ub / t_own)
+                say(
+                    f"  jax_ub's GEMM alone / gemm = {t_own / t_gemm:.3f}, "
+                    f"jax_ub / jax_ub's GEMM alone = {t_ub / t_own:.3f}",
+                    flush=True,
+                )
             if measured.host_ms is not None:
                 # Host-bound when this approaches jax_ub's device time per call.
                 host_ms, await_ms = measured.host_ms

@@ -14,10 +14,24 @@ constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt asks for on Hopp
 constexpr int kCandidates = 8;                 // heuristic results timed per description
 constexpr int kTimedRounds = 3;                // a candidate's time: median of the rounds,
 constexpr int kRunsPerRound = 3;               // each this many runs back to back
-// Tuning stops trying candidates once a shape has taken this long, keeping the best so
-// far: the heuristic lists its likeliest candidates first, and a GPU's peers wait for it
-// (under the op's deadline) while its first call of a shape tunes.
+// Tuning a shape takes about this long at most (a GPU's peers wait for it, under the op's
+// deadline, while its first call of a shape tunes): candidates beyond what three rounds
+// can time in it are dropped, the slowest first, and rounds stop once it is spent.
 constexpr double kTuneBudgetS = 2.0;
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int AlgoAttr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  uint32_t v = 0;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) !=
+      CUBLAS_STATUS_SUCCESS)
+    return -1;
+  return static_cast<int>(v);
+}
 
 cudaDataType_t CudaType(DType t) {
   switch (t) {
@@ -125,23 +139,18 @@ Status CublasLtGemm::Heuristic(const Plan& p, int want,
 Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
                               cudaStream_t stream, const Plan** plan) {
   const bool tune = options_.autotune;
-  std::vector<bool> descriptions;  // GemmOrder::kRow or not, in the order tried
-  if (options_.order != GemmOrder::kRow) descriptions.push_back(false);
+  std::vector<bool> rows;  // the descriptions tried: GemmOrder::kRow or not
+  if (options_.order != GemmOrder::kRow) rows.push_back(false);
   if (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune))
-    descriptions.push_back(true);
-  Plan best;
-  float best_ms = -1.0f;
+    rows.push_back(true);
+  std::vector<Plan> described;  // one per description cuBLASLt serves
+  std::vector<Candidate> candidates;
   std::string declined;  // why cuBLASLt served no description, should none be served
-  const auto start = std::chrono::steady_clock::now();
-  auto over_budget = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
-           kTuneBudgetS;
-  };
-  for (bool row : descriptions) {
-    if (best.desc != nullptr && over_budget()) break;
+  Status st;
+  for (bool row : rows) {
     Plan p;
     std::vector<cublasLtMatmulHeuristicResult_t> results;
-    Status st = Describe(key, row, &p);
+    st = Describe(key, row, &p);
     if (st.ok()) st = Heuristic(p, tune ? kCandidates : 1, &results);
     if (!st.ok()) {  // a description cuBLASLt cannot serve; the other may do
       declined +=
@@ -149,71 +158,127 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
       Destroy(p);
       continue;
     }
-    bool kept = false;
-    for (const cublasLtMatmulHeuristicResult_t& r : results) {
-      if (r.state != CUBLAS_STATUS_SUCCESS) continue;
-      float ms = 0.0f;
-      if (tune) {
-        st = Time(p, r.algo, a, b, c, stream, &ms);
-        if (!st.ok()) break;  // a CUDA failure, not a candidate that cannot run
-        if (ms < 0) continue;
-      }
-      if (best_ms < 0 || ms < best_ms) {
-        if (!kept) Destroy(best);  // best came from an earlier description
-        best = p;
-        best.algo = r.algo;
-        best_ms = ms;
-        kept = true;
-      }
-      if (!tune || over_budget()) break;  // the heuristic's first pick, or out of time
-    }
-    if (!kept) Destroy(p);
-    if (!st.ok()) {
-      Destroy(best);
-      return st;
-    }
+    for (const cublasLtMatmulHeuristicResult_t& r : results)
+      if (r.state == CUBLAS_STATUS_SUCCESS)
+        candidates.push_back(Candidate{static_cast<int>(described.size()), r.algo, {}});
+    described.push_back(p);
   }
-  if (best.desc == nullptr)
-    return Internal("cuBLASLt has no algorithm for m=" + std::to_string(std::get<1>(key)) +
-                    " k=" + std::to_string(std::get<2>(key)) +
-                    " n=" + std::to_string(std::get<3>(key)) + " (" + declined + ")");
-  JAX_UB_TRACE("GEMM m=%lld k=%lld n=%lld: %s description, %.3f ms",
+  st = Status::Ok();
+  int best = candidates.empty() ? -1 : 0;
+  if (tune && !candidates.empty()) st = Tune(described, a, b, c, stream, &candidates, &best);
+  if (st.ok() && best < 0)
+    st = Internal("cuBLASLt has no algorithm for m=" + std::to_string(std::get<1>(key)) + " k=" +
+                  std::to_string(std::get<2>(key)) + " n=" + std::to_string(std::get<3>(key)) +
+                  (declined.empty() ? "" : " (" + declined + ")"));
+  if (!st.ok()) {
+    for (Plan& p : described) Destroy(p);
+    return st;
+  }
+  const Candidate& chosen = candidates[best];
+  Plan kept = described[chosen.description];
+  kept.algo = chosen.algo;
+  for (size_t i = 0; i < described.size(); ++i)
+    if (static_cast<int>(i) != chosen.description) Destroy(described[i]);
+  JAX_UB_TRACE("GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, %.3f ms",
                static_cast<long long>(std::get<1>(key)), static_cast<long long>(std::get<2>(key)),
-               static_cast<long long>(std::get<3>(key)), best.row ? "row" : "column", best_ms);
-  *plan = &plans_.emplace(key, best).first->second;
+               static_cast<long long>(std::get<3>(key)), kept.row ? "row" : "column",
+               AlgoAttr(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
+               AlgoAttr(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+               AlgoAttr(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+               chosen.ms.empty() ? -1.0f : Median(chosen.ms));
+  *plan = &plans_.emplace(key, kept).first->second;
   return Status::Ok();
 }
 
-Status CublasLtGemm::Time(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
-                          const void* b, void* c, cudaStream_t stream, float* ms) {
+Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
+                         const void* b, void* c, cudaStream_t stream) {
   const float alpha = 1.0f, beta = 0.0f;
-  const void* first = p.row ? a : b;
-  const void* second = p.row ? b : a;
-  auto run = [&] {
-    return cublasLtMatmul(handle_, p.desc, &alpha, first, p.first, second, p.second, &beta, c,
-                          p.out, c, p.out, &algo, workspace_, workspace_bytes_, stream);
+  return CublasStatus(
+      cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a, p.second,
+                     &beta, c, p.out, c, p.out, &algo, workspace_, workspace_bytes_, stream),
+      "cublasLtMatmul");
+}
+
+Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
+                          cudaStream_t stream, std::vector<Candidate>* candidates, int* best) {
+  // Events bracket each candidate's runs of a round: 2 per candidate, made once.
+  const size_t count = candidates->size();
+  std::vector<cudaEvent_t> events(2 * count, nullptr);
+  Status st;
+  for (size_t i = 0; i < events.size() && st.ok(); ++i)
+    st = CudaStatus(cudaEventCreate(&events[i]), "cudaEventCreate");
+  const auto start = std::chrono::steady_clock::now();
+  auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  *ms = -1.0f;
-  if (run() != CUBLAS_STATUS_SUCCESS) return Status::Ok();  // cannot run here: skipped
-  cudaEvent_t begin = nullptr, end = nullptr;
-  Status st = CudaStatus(cudaEventCreate(&begin), "cudaEventCreate");
-  if (st.ok()) st = CudaStatus(cudaEventCreate(&end), "cudaEventCreate");
-  std::vector<float> per_run;
-  for (int r = 0; r < kTimedRounds && st.ok(); ++r) {
-    st = CudaStatus(cudaEventRecord(begin, stream), "cudaEventRecord");
-    for (int i = 0; i < kRunsPerRound && st.ok(); ++i)
-      st = CublasStatus(run(), "cublasLtMatmul (autotune)");
-    if (st.ok()) st = CudaStatus(cudaEventRecord(end, stream), "cudaEventRecord");
-    if (st.ok()) st = CudaStatus(cudaEventSynchronize(end), "cudaEventSynchronize");
-    float t = 0;
-    if (st.ok()) st = CudaStatus(cudaEventElapsedTime(&t, begin, end), "cudaEventElapsedTime");
-    per_run.push_back(t / kRunsPerRound);
+  // Timed rounds of runs back to back over every candidate that still counts, without the
+  // host stopping the GPU in between: each round is timed at the clock a busy GPU holds
+  // (a power-capped H200 runs long GEMMs ~25% below its boost clock, and candidates differ
+  // in power as well as in speed), and every candidate at the same one, instead of the
+  // first ones cooler than the last. Round 0 is one run each: it tells which candidates
+  // can run here, loads their kernels and warms the GPU up. The later rounds keep the
+  // candidates the time budget allows, fastest first.
+  std::vector<size_t> order(count);
+  for (size_t i = 0; i < count; ++i) order[i] = i;
+  std::vector<float> first_ms(count, -1.0f);
+  for (int round = 0; round <= kTimedRounds && st.ok(); ++round) {
+    const int runs = round == 0 ? 1 : kRunsPerRound;
+    std::vector<bool> ran(count, false);
+    for (size_t i : order) {
+      const Candidate& cand = (*candidates)[i];
+      const Plan& p = described[cand.description];
+      st = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
+      for (int r = 0; r < runs && st.ok(); ++r) {
+        Status run = Run(p, cand.algo, a, b, c, stream);
+        if (!run.ok() && round == 0) break;  // cannot run here: skipped from now on
+        st = run;
+        ran[i] = true;
+      }
+      if (st.ok()) st = CudaStatus(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
+      if (!st.ok()) break;
+    }
+    if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    std::vector<size_t> next;
+    for (size_t i : order) {
+      if (!st.ok() || !ran[i]) continue;
+      float ms = 0;
+      st = CudaStatus(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]),
+                      "cudaEventElapsedTime");
+      if (round == 0) {
+        first_ms[i] = ms;
+      } else {
+        (*candidates)[i].ms.push_back(ms / runs);
+      }
+      next.push_back(i);
+    }
+    if (round == 0) {
+      // Fastest first; keep as many as three timed rounds fit in the budget left.
+      std::sort(next.begin(), next.end(),
+                [&](size_t x, size_t y) { return first_ms[x] < first_ms[y]; });
+      const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
+      double planned_ms = 0;
+      size_t keep = 0;
+      while (keep < next.size() &&
+             (keep < 1 ||
+              planned_ms + first_ms[next[keep]] * kRunsPerRound * kTimedRounds <= left_ms)) {
+        planned_ms += first_ms[next[keep]] * kRunsPerRound * kTimedRounds;
+        ++keep;
+      }
+      next.resize(keep);
+    }
+    order = next;
+    if (round > 0 && seconds() > kTuneBudgetS) break;  // the rounds so far decide
   }
-  if (begin != nullptr) cudaEventDestroy(begin);
-  if (end != nullptr) cudaEventDestroy(end);
+  for (cudaEvent_t e : events)
+    if (e != nullptr) cudaEventDestroy(e);
   JAX_UB_RETURN_IF_ERROR(st);
-  std::sort(per_run.begin(), per_run.end());
-  *ms = per_run[per_run.size() / 2];
+  *best = -1;
+  for (size_t i : order) {
+    const Candidate& cand = (*candidates)[i];
+    if (cand.ms.empty()) continue;
+    if (*best < 0 || Median(cand.ms) < Median((*candidates)[*best].ms)) *best = static_cast<int>(i);
+  }
+  if (*best < 0 && !order.empty()) *best = static_cast<int>(order[0]);
   return Status::Ok();
 }
 
@@ -245,11 +310,7 @@ Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b,
 Status CublasLtGemm::Matmul(const Plan* p, const void* a, const void* b, void* c,
                             cudaStream_t stream) {
   if (p == nullptr) return Status::Ok();  // an empty shape
-  const float alpha = 1.0f, beta = 0.0f;
-  JAX_UB_CUBLAS(cublasLtMatmul(handle_, p->desc, &alpha, p->row ? a : b, p->first, p->row ? b : a,
-                               p->second, &beta, c, p->out, c, p->out, &p->algo, workspace_,
-                               workspace_bytes_, stream));
-  return Status::Ok();
+  return Run(*p, p->algo, a, b, c, stream);
 }
 
 }  // namespace jax_ub

@@ -44,9 +44,10 @@ class CublasLtGemm {
   // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
   // `tune_stream`, overwriting `c`; the calling thread waits. Later calls return the same
   // plan at once; an empty shape (m or n zero) gets null. With autotuning, cuBLASLt's best
-  // few candidates of each description (GemmOrder) are timed there, back to back, with the
-  // real operands, for up to about two seconds per shape. XLA's own dot is autotuned; a
-  // heuristic's first pick alone ran up to ~10% slower than it at some of our chunk shapes.
+  // few candidates of each description (GemmOrder) are timed there with the real operands,
+  // in interleaved rounds that keep the GPU busy, for up to about two seconds per shape.
+  // XLA's own dot is autotuned; a heuristic's first pick alone ran up to ~10% slower than
+  // it at some of our chunk shapes.
   //
   // Call it before the op enqueues anything that waits on a peer. A shape's first call
   // drains the device: CUDA loads kernels lazily, and the first launch of a cuBLASLt
@@ -74,14 +75,24 @@ class CublasLtGemm {
   // cuBLASLt's best `want` candidates for `p` (at least one, else an error).
   Status Heuristic(const Plan& p, int want,
                    std::vector<cublasLtMatmulHeuristicResult_t>* out) const;
+  // One of cuBLASLt's candidates for a shape: its description (an index into the plans
+  // MakePlan describes), algorithm, and time per run in each timed round.
+  struct Candidate {
+    int description;
+    cublasLtMatmulAlgo_t algo;
+    std::vector<float> ms;
+  };
   // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
   // candidate, timed on `stream`), stored in plans_.
   Status MakePlan(const Key& key, const void* a, const void* b, void* c, cudaStream_t stream,
                   const Plan** plan);
-  // Median time per run of `algo` on `stream`, runs back to back; a negative time when the
-  // candidate cannot run here.
-  Status Time(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b,
-              void* c, cudaStream_t stream, float* ms);
+  // Times `candidates` on `stream` (see the .cc) and sets `best` to the fastest one's index,
+  // or -1 if none can run here.
+  Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
+              cudaStream_t stream, std::vector<Candidate>* candidates, int* best);
+  // Enqueues one GEMM of `p`'s shape with `algo`.
+  Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
+             cudaStream_t stream);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

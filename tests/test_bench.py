@@ -18,10 +18,13 @@ def test_bench_writes_every_implementation_and_checks_results(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [(r["op"], r["M"], r["tp"]) for r in rows] == [("ag", 64, 2), ("rs", 64, 2)]
     for r in rows:
-        assert {"gemm", "comm", "xla_seq", "jax_ub"} <= set(r["times_ms"]), r["times_ms"]
+        assert {"gemm", "comm", "xla_seq", "jax_ub", "ub_gemm"} <= set(r["times_ms"]), r["times_ms"]
         assert all(t > 0 for t in r["times_ms"].values())
         # jax_ub's output was compared with XLA's on fresh random data.
         assert r["rel_err"]["jax_ub"] < 2e-2
+        # jax_ub's GEMM alone (groups of one device) was compared with XLA's dot.
+        assert r["rel_err"]["ub_gemm"] < 2e-2
+        assert r["ub_over_own_gemm"] > 0
         # Loops of >= 20 ms took at least --iters calls each.
         assert min(r["calls"].values()) >= 2
 
