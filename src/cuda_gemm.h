@@ -24,7 +24,9 @@ struct GemmOptions {
   bool allow_tf32 = false;  // float32 GEMMs may use TF32 tensor cores
   bool autotune = true;     // time cuBLASLt's candidates once per shape (see Prepare)
   // kAuto: with autotuning, time both descriptions' candidates; without, kColumn.
-  GemmOrder order = GemmOrder::kAuto;
+  // kColumn by default: tuning times kernels alone, and "auto" once kept a row kernel
+  // that was as fast alone but slower beside the op's copies (benchmarks/RESULTS.md).
+  GemmOrder order = GemmOrder::kColumn;
 };
 
 class CublasLtGemm {

@@ -36,12 +36,12 @@ NB_MODULE(_cuda, m) {
       "create_communicator",
       [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
          bool allow_tf32, bool autotune, const std::string& gemm_order, bool multiprocess) {
-        jax_ub::GemmOptions gemm{allow_tf32, autotune, jax_ub::GemmOrder::kAuto};
-        if (gemm_order == "column") {
-          gemm.order = jax_ub::GemmOrder::kColumn;
+        jax_ub::GemmOptions gemm{allow_tf32, autotune, jax_ub::GemmOrder::kColumn};
+        if (gemm_order == "auto") {
+          gemm.order = jax_ub::GemmOrder::kAuto;
         } else if (gemm_order == "row") {
           gemm.order = jax_ub::GemmOrder::kRow;
-        } else if (gemm_order != "auto") {
+        } else if (gemm_order != "column") {
           throw nb::value_error(
               ("gemm_order must be 'auto', 'column' or 'row', got '" + gemm_order + "'").c_str());
         }
@@ -59,7 +59,7 @@ NB_MODULE(_cuda, m) {
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
       nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("autotune") = true,
-      nb::arg("gemm_order") = "auto", nb::arg("multiprocess") = false);
+      nb::arg("gemm_order") = "column", nb::arg("multiprocess") = false);
   // Same names as the host module's, so one bootstrap serves both: "region names" are the
   // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
   m.def("region_names", [](int64_t id) {

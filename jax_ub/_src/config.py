@@ -63,10 +63,12 @@ class Config:
         thread for the tuning runs: milliseconds for small shapes, up to about two
         seconds for the largest (then the best candidate so far is kept).
       gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
-        for each: ``"column"`` (the transposed column-major product), ``"row"`` (row-major
-        layouts) or ``"auto"`` (with ``autotune_gemm``, time both and keep the fastest;
-        without, ``"column"``). Env ``JAX_UB_GEMM_ORDER``; results are the same up to
-        float rounding.
+        for each: ``"column"`` (the transposed column-major product; the default),
+        ``"row"`` (row-major layouts) or ``"auto"`` (with ``autotune_gemm``, time both and
+        keep the fastest; without, ``"column"``). Tuning times kernels alone, not beside
+        the op's copies: on 2 H200s ``"auto"`` once kept a row-major kernel that was as
+        fast alone but made the overlapped op 9% slower, hence the default. Env
+        ``JAX_UB_GEMM_ORDER``; results are the same up to float rounding.
     """
 
     buffer_bytes: int = dataclasses.field(
@@ -83,7 +85,7 @@ class Config:
         default_factory=lambda: os.environ.get("JAX_UB_AUTOTUNE_GEMM", "1") not in ("0", "")
     )
     gemm_order: str = dataclasses.field(
-        default_factory=lambda: os.environ.get("JAX_UB_GEMM_ORDER", "auto")
+        default_factory=lambda: os.environ.get("JAX_UB_GEMM_ORDER", "column")
     )
 
     def __post_init__(self) -> None:
