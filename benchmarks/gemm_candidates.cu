@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_gemm.h"
 #include "cuda_tool.h"
 
 namespace {
@@ -56,15 +57,6 @@ Problem Describe(bool row, int64_t m, int64_t k, int64_t n, const void* a, const
     p.second_ptr = a;
   }
   return p;
-}
-
-int ConfigAttr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  uint32_t v = 0;
-  size_t written = 0;
-  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) !=
-      CUBLAS_STATUS_SUCCESS)
-    return -1;
-  return int(v);
 }
 
 }  // namespace
@@ -154,12 +146,12 @@ int main(int argc, char** argv) {
             "%s #%2d: %8.4f ms %6.1f TFLOP/s  algo %d tile %d stages %d cluster %d "
             "splitk %d swizzle %d\n",
             name, i, med, tflop / (med * 1e-3),
-            ConfigAttr(results[i].algo, CUBLASLT_ALGO_CONFIG_ID),
-            ConfigAttr(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
-            ConfigAttr(results[i].algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-            ConfigAttr(results[i].algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
-            ConfigAttr(results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-            ConfigAttr(results[i].algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
+            jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_ID),
+            jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+            jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+            jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+            jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+            jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
       }
       std::printf("%s best: #%d %.4f ms of %d candidates\n", name, best_i, best, found);
       cublasLtMatrixLayoutDestroy(p.first);

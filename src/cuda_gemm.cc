@@ -24,15 +24,6 @@ float Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-int AlgoAttr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  uint32_t v = 0;
-  size_t written = 0;
-  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) !=
-      CUBLAS_STATUS_SUCCESS)
-    return -1;
-  return static_cast<int>(v);
-}
-
 cudaDataType_t CudaType(DType t) {
   switch (t) {
     case DType::kBF16:
@@ -45,6 +36,15 @@ cudaDataType_t CudaType(DType t) {
 }
 
 }  // namespace
+
+int AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  uint32_t v = 0;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) !=
+      CUBLAS_STATUS_SUCCESS)
+    return -1;
+  return static_cast<int>(v);
+}
 
 Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
   auto* g = new CublasLtGemm();
@@ -182,9 +182,9 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
   JAX_UB_TRACE("GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, %.3f ms",
                static_cast<long long>(std::get<1>(key)), static_cast<long long>(std::get<2>(key)),
                static_cast<long long>(std::get<3>(key)), kept.row ? "row" : "column",
-               AlgoAttr(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
-               AlgoAttr(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
-               AlgoAttr(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+               AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
+               AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+               AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
                chosen.ms.empty() ? -1.0f : Median(chosen.ms));
   *plan = &plans_.emplace(key, kept).first->second;
   return Status::Ok();

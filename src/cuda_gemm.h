@@ -29,6 +29,10 @@ struct GemmOptions {
   GemmOrder order = GemmOrder::kColumn;
 };
 
+// One of a cuBLASLt algorithm's configuration values (its id, tile, stages, ...), or -1
+// where it has none: for saying which kernel a plan runs.
+int AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr);
+
 class CublasLtGemm {
  public:
   // Creates the handle and a workspace on the current device.
