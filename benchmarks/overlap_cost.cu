@@ -8,9 +8,9 @@
 //   halves    the same as two GEMMs of m rows each: the overlapped ops' chunking
 //   ag        halves, while a[0:m] is pushed into the peer's a[m:2m]; the second GEMM waits
 //             for the peer's push: all_gather_matmul's schedule at tp=2
-//   rs        halves; c[0:m] (the peer's partial) is pushed into the peer's receive buffer
-//             while the second GEMM runs, then c[m:2m] + the received partial -> out:
-//             matmul_reduce_scatter's schedule at tp=2
+//   rs        halves; c[0:m] (the peer's partial) is pushed into the peer's c[2m:3m]
+//             while the second GEMM runs, then the library's sum of c[m:2m] and the
+//             received partial -> out: matmul_reduce_scatter's schedule at tp=2
 //   rs_nosum  rs without the final sum pass
 // A push waits until the peer has finished its previous iteration (jax_ub's credit).
 // Prints ms per iteration (median of rounds) and its ratio to "gemm". Not part of the
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cuda_gemm.h"
+#include "cuda_sum.h"
 #include "cuda_tool.h"
 
 namespace {
@@ -39,22 +40,16 @@ void Check(const jax_ub::Status& st, const char* what) {
   }
 }
 
-__global__ void AddKernel(const __nv_bfloat16* x, const __nv_bfloat16* y, __nv_bfloat16* out,
-                          int64_t count) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
-       i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(y[i]));
-}
-
 enum Phase { kGemm, kHalves, kAg, kRs, kRsNoSum, kPhases };
 const char* const kNames[kPhases] = {"gemm", "halves", "ag", "rs", "rs_nosum"};
 
-// One GPU: a[2m, k], b[k, n], c[2m, n]; recv and out hold m x n.
+// One GPU: a[2m, k], b[k, n], c[3m, n] (rows 2m.. receive the peer's partial, next to
+// the second half's, as the library's sum reads them), out[m, n].
 struct Gpu {
   int device = 0;
   jax_ub::CublasLtGemm* gemm = nullptr;
   const jax_ub::CublasLtGemm::Plan *full = nullptr, *half = nullptr;
-  __nv_bfloat16 *a = nullptr, *b = nullptr, *c = nullptr, *recv = nullptr, *out = nullptr;
+  __nv_bfloat16 *a = nullptr, *b = nullptr, *c = nullptr, *out = nullptr;
   cudaStream_t compute = nullptr, copy = nullptr;
   cudaEvent_t begin = nullptr, end = nullptr;  // timing
   cudaEvent_t start = nullptr, half_done = nullptr, pushed = nullptr, done = nullptr;
@@ -69,8 +64,7 @@ void Setup(Gpu& g, int device, Shape s) {
   Check(cudaSetDevice(device), "cudaSetDevice");
   Check(cudaMalloc(&g.a, 2 * s.m * s.k * 2), "a");
   Check(cudaMalloc(&g.b, s.k * s.n * 2), "b");
-  Check(cudaMalloc(&g.c, 2 * s.m * s.n * 2), "c");
-  Check(cudaMalloc(&g.recv, s.m * s.n * 2), "recv");
+  Check(cudaMalloc(&g.c, 3 * s.m * s.n * 2), "c");
   Check(cudaMalloc(&g.out, s.m * s.n * 2), "out");
   Check(cudaStreamCreateWithFlags(&g.compute, cudaStreamNonBlocking), "stream");
   Check(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "stream");
@@ -97,7 +91,7 @@ void Teardown(Gpu& g) {
   cudaStreamDestroy(g.compute);
   cudaStreamDestroy(g.copy);
   for (void* p : {static_cast<void*>(g.a), static_cast<void*>(g.b), static_cast<void*>(g.c),
-                  static_cast<void*>(g.recv), static_cast<void*>(g.out)})
+                  static_cast<void*>(g.out)})
     cudaFree(p);
 }
 
@@ -135,7 +129,7 @@ void Iteration(Gpu* gpus, Phase phase, Shape s) {
       default:  // kRs, kRsNoSum
         gemm(g, g.half, 0);
         Check(cudaEventRecord(g.half_done, g.compute), "record");
-        push(g, peer, g.half_done, g.c, peer.recv, c_half * 2);
+        push(g, peer, g.half_done, g.c, peer.c + 2 * c_half, c_half * 2);
         gemm(g, g.half, s.m);
         break;
     }
@@ -148,8 +142,8 @@ void Iteration(Gpu* gpus, Phase phase, Shape s) {
     Check(cudaStreamWaitEvent(g.compute, gpus[1 - i].pushed), "wait");
     if (phase == kAg) gemm(g, g.half, s.m);
     if (phase == kRs) {
-      AddKernel<<<132 * 8, 256, 0, g.compute>>>(g.c + c_half, g.recv, g.out, c_half);
-      Check(cudaGetLastError(), "AddKernel");
+      Check(jax_ub::LaunchSum(jax_ub::DType::kBF16, g.c + c_half, c_half, 2, g.out, g.compute),
+            "LaunchSum");
     }
     Check(cudaEventRecord(g.done, g.compute), "record");
   }
