@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
-#   [TAG=name] bash benchmarks/device_run.sh [tests|bench|all|flax|sanitize|processes|profile|stepprofile] [args...]
+#   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
+#   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench").
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
 # memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in

@@ -537,7 +537,6 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   const char* op = "all_gather_matmul";
   const int size = topology_.group_size();
   const int64_t es = DTypeSize(t);
-  const int64_t ldw = w_transposed ? k : n;  // w is [k, n], or [n, k] when transposed
   const int64_t chunk = m * k * es;
   Slot* s = nullptr;
   uint64_t e = 0;
@@ -545,6 +544,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
       Begin(device, op, RequiredBytes(OpKind::kAllGatherMatmul, chunk, size), &s, &e));
   *began = s;
   const Schedule sched{s->rank, size};
+  const std::vector<int> peers = sched.PushOrder();
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};
   std::vector<Wait> waits;
@@ -555,15 +555,15 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   std::vector<const CublasLtGemm::Plan*> plans(spans.size());
   for (size_t i = 0; i < spans.size(); ++i) {
     const void* src = spans[i].first == s->rank ? x : s->buffer + spans[i].first * chunk;
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, k, w, ldw, w_transposed,
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, w, w_transposed,
                                             static_cast<char*>(out) + spans[i].first * m * n * es,
-                                            n, spans[i].count * m, k, n, s->tune, &plans[i]));
+                                            spans[i].count * m, k, n, s->tune, &plans[i]));
   }
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
 
   // Push our shard to every peer at once, one copy-engine stream per peer.
-  for (int p : sched.PushOrder()) {
+  for (int p : peers) {
     cudaStream_t cs = s->comm[p];
     JAX_UB_CUDA(cudaStreamWaitEvent(cs, s->start));
     JAX_UB_RETURN_IF_ERROR(
@@ -608,7 +608,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   JAX_UB_RETURN_IF_ERROR(
       Verify(*s, desc, out, size * m * n * es, gathered, gathered == nullptr ? 0 : size * chunk));
   // Our buffer is free again: tell every sender.
-  for (int p : sched.PushOrder())
+  for (int p : peers)
     JAX_UB_RETURN_IF_ERROR(Signal(s->compute, s->peer_flags[p] + kCreditFlag + s->rank, e));
   return Finish(*s, xs, op, e, std::move(waits));
 }
@@ -620,7 +620,6 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   const char* op = "matmul_reduce_scatter";
   const int size = topology_.group_size();
   const int64_t es = DTypeSize(t);
-  const int64_t ldw = w_transposed ? k : n;  // w is [k, n], or [n, k] when transposed
   const int64_t chunk = m * n * es;
   Slot* s = nullptr;
   uint64_t e = 0;
@@ -637,8 +636,8 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   // (see CublasLtGemm::Prepare). Peers may be writing their partials into `recv`
   // meanwhile; this writes only our own slot of it.
   const CublasLtGemm::Plan* plan = nullptr;
-  JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, x, k, w, ldw, w_transposed, recv + s->rank * chunk, n,
-                                          m, k, n, s->tune, &plan));
+  JAX_UB_RETURN_IF_ERROR(
+      s->gemm->Prepare(t, x, w, w_transposed, recv + s->rank * chunk, m, k, n, s->tune, &plan));
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
   // Each peer's partial first, sent while the next one is computed; ours last.
@@ -667,8 +666,9 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   JAX_UB_RETURN_IF_ERROR(Verify(*s, desc, out, chunk, nullptr, 0));
   // Credits promise peers the whole buffer, staging area included: wait until our own
   // partials have left it, or a peer's next push could overwrite one still in flight.
-  for (int p : sched.PushOrder()) JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->comm_done[p]));
-  for (int p : sched.PushOrder())
+  const std::vector<int> peers = sched.PushOrder();
+  for (int p : peers) JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->comm_done[p]));
+  for (int p : peers)
     JAX_UB_RETURN_IF_ERROR(Signal(s->compute, s->peer_flags[p] + kCreditFlag + s->rank, e));
   return Finish(*s, xs, op, e, std::move(waits));
 }

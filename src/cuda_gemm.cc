@@ -76,7 +76,9 @@ void CublasLtGemm::Destroy(Plan& p) {
 }
 
 Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
-  auto [t_raw, m, k, n, lda, ldb, ldc, b_transposed] = key;
+  auto [t_raw, m, k, n, b_transposed] = key;
+  // Dense row-major operands: a[m, k], b[k, n] (stored [n, k] when transposed), c[m, n].
+  const int64_t lda = k, ldb = b_transposed ? k : n, ldc = n;
   const cudaDataType_t dt = CudaType(static_cast<DType>(t_raw));
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (static_cast<DType>(t_raw) == DType::kF32 && options_.allow_tf32)
@@ -282,12 +284,12 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   return Status::Ok();
 }
 
-Status CublasLtGemm::Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb,
-                             bool b_transposed, void* c, int64_t ldc, int64_t m, int64_t k,
-                             int64_t n, cudaStream_t tune_stream, const Plan** plan) {
+Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c,
+                             int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream,
+                             const Plan** plan) {
   *plan = nullptr;
   if (m == 0 || n == 0) return Status::Ok();
-  const Key key{static_cast<int>(t), m, k, n, lda, ldb, ldc, b_transposed};
+  const Key key{static_cast<int>(t), m, k, n, b_transposed};
   if (auto it = plans_.find(key); it != plans_.end()) {  // every call after a shape's first
     *plan = &it->second;
     return Status::Ok();

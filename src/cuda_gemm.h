@@ -61,20 +61,19 @@ class CublasLtGemm {
   // then waiting on a peer whose host thread needs that lock to enqueue its copy into our
   // memory, both would hang (seen on 2x H200 with autotuning).
   //
-  // c[m, n] = a[m, k] @ b[k, n], row-major, with leading dims lda/ldb/ldc (elements). With
-  // `b_transposed`, b is stored as its transpose [n, k] (a backward pass's w.T, read in
-  // place instead of copied). Accumulates in float32; output in `t`.
-  Status Prepare(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, bool b_transposed,
-                 void* c, int64_t ldc, int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream,
-                 const Plan** plan);
+  // c[m, n] = a[m, k] @ b[k, n], row-major and dense. With `b_transposed`, b is stored
+  // as its transpose [n, k] (a backward pass's w.T, read in place instead of copied).
+  // Accumulates in float32; output in `t`.
+  Status Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
+                 int64_t k, int64_t n, cudaStream_t tune_stream, const Plan** plan);
 
   // Enqueues `plan`'s GEMM on `stream` for operands laid out as the shape it was made for.
   // A null plan (Prepare's for an empty shape) runs nothing.
   Status Matmul(const Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream);
 
  private:
-  // dtype, m, k, n, lda, ldb, ldc, b transposed
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+  // dtype, m, k, n, b transposed
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, bool>;
   // The descriptor and layouts of `key` as `row` describes it.
   Status Describe(const Key& key, bool row, Plan* p) const;
   static void Destroy(Plan& p);

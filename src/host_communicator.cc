@@ -269,6 +269,7 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, chunk, &ctx));
   Schedule sched{ctx.rank, ctx.size};
+  const std::vector<int> peers = sched.PushOrder();
   SlotHeader* own = header(ctx.slot);
   auto fail = [&](Status st) {
     Fail(ctx, st);
@@ -276,7 +277,7 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
   };
 
   // Push our shard into every peer's region, once that peer has consumed the last call.
-  for (int p : sched.PushOrder()) {
+  for (int p : peers) {
     Status st = WaitFlag(ctx, &own->credit_epoch[p], ctx.epoch - 1, p, "free its userbuffer");
     if (!st.ok()) return fail(st);
     const int ps = ctx.peer_slot(p);
@@ -301,8 +302,7 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
       std::memcpy(static_cast<char*>(gathered) + span.first * chunk, src, span.count * chunk);
   }
   // Our region may be overwritten again: tell every sender.
-  for (int p : sched.PushOrder())
-    Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
+  for (int p : peers) Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
   return Status::Ok();
 }
 

@@ -61,7 +61,7 @@ class Config:
         GEMM shape runs and keep the fastest (env ``JAX_UB_AUTOTUNE_GEMM``; ``0`` keeps
         the heuristic's first pick). The first call of a shape blocks its device's
         thread for the tuning runs: milliseconds for small shapes, up to about two
-        seconds for the largest (then the best candidate so far is kept).
+        seconds for the largest (candidates that do not fit that are left out).
       gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
         for each: ``"column"`` (the transposed column-major product; the default),
         ``"row"`` (row-major layouts) or ``"auto"`` (with ``autotune_gemm``, time both and
