@@ -557,7 +557,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
     const void* src = spans[i].first == s->rank ? x : s->buffer + spans[i].first * chunk;
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, w, w_transposed,
                                             static_cast<char*>(out) + spans[i].first * m * n * es,
-                                            spans[i].count * m, k, n, s->tune, &plans[i]));
+                                            spans[i].count * m, k, n, false, s->tune, &plans[i]));
   }
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
@@ -632,37 +632,71 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   std::vector<Wait> waits;
   char* recv = s->buffer;                  // [size] partials addressed to us, by sender
   char* stage = s->buffer + size * chunk;  // [size] partials we computed for each peer
-  // A shape's first call picks (and loads) its GEMM kernel before anything waits on a peer
-  // (see CublasLtGemm::Prepare). Peers may be writing their partials into `recv`
-  // meanwhile; this writes only our own slot of it.
-  const CublasLtGemm::Plan* plan = nullptr;
-  JAX_UB_RETURN_IF_ERROR(
-      s->gemm->Prepare(t, x, w, w_transposed, recv + s->rank * chunk, m, k, n, s->tune, &plan));
+  char* own = recv + s->rank * chunk;      // our own partial, when it is summed in a pass
+  // Each block in `pieces` row ranges (Schedule::ReduceScatterPieces); with `fold`, our
+  // own product adds the peer's partial in its epilogue and writes `out`, with no sum pass.
+  const int pieces = sched.ReduceScatterPieces();
+  const bool fold = sched.ReduceScatterFolds();
+  if (pieces > 2) return Internal("a reduce-scatter chunk is sent in at most two pieces");
+  auto rows = [&](int p) {
+    return Schedule::PieceBegin(m, p + 1, pieces) - Schedule::PieceBegin(m, p, pieces);
+  };
+  auto offset = [&](int p) { return Schedule::PieceBegin(m, p, pieces) * n * es; };
+  // A shape's first call picks (and loads) its GEMM kernels before anything waits on a
+  // peer (see CublasLtGemm::Prepare). Peers may be writing their partials into `recv`
+  // meanwhile; this writes only `out` and our own slot of it, which no peer writes.
+  std::vector<const CublasLtGemm::Plan*> plans(pieces);
+  for (int p = 0; p < pieces; ++p)
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(
+        t, x, w, w_transposed, (size == 1 || fold ? static_cast<char*>(out) : own) + offset(p),
+        rows(p), k, n, fold, s->tune, &plans[p]));
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
-  // Each peer's partial first, sent while the next one is computed; ours last.
+  // Each peer's partial first, each piece sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
-    const char* a = static_cast<const char*>(x) + d * m * k * es;
-    char* dst = d == s->rank ? recv + s->rank * chunk : stage + d * chunk;
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(plan, a, w, dst, s->compute));
-    if (d == s->rank) continue;
-    cudaStream_t cs = s->comm[d];
-    JAX_UB_CUDA(cudaEventRecord(s->ready[d], s->compute));
-    JAX_UB_CUDA(cudaStreamWaitEvent(cs, s->ready[d]));
-    JAX_UB_RETURN_IF_ERROR(
-        WaitFlag(*s, cs, kCreditFlag + d, e - 1, d, "free its userbuffer", &waits));
-    JAX_UB_RETURN_IF_ERROR(Publish(*s, cs, d, desc));
-    JAX_UB_CUDA(cudaMemcpyAsync(s->peer_buffer[d] + s->rank * chunk, dst, chunk,
-                                cudaMemcpyDeviceToDevice, cs));
-    JAX_UB_RETURN_IF_ERROR(Signal(cs, s->peer_flags[d] + kDataFlag + s->rank, e));
-    JAX_UB_CUDA(cudaEventRecord(s->comm_done[d], cs));
+    for (int p = 0; p < pieces; ++p) {
+      const char* a =
+          static_cast<const char*>(x) + (d * m + Schedule::PieceBegin(m, p, pieces)) * k * es;
+      if (d == s->rank) {
+        if (size == 1 || fold) {
+          const char* addend = nullptr;
+          if (fold) {
+            const int peer = 1 - s->rank;
+            JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, s->compute, PieceFlag(p, pieces) + peer, e, peer,
+                                            "deliver its partial sum", &waits));
+            addend = recv + peer * chunk + offset(p);
+          }
+          JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(
+              plans[p], a, w, static_cast<char*>(out) + offset(p), s->compute, addend));
+        } else {
+          JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(plans[p], a, w, own + offset(p), s->compute));
+        }
+        continue;
+      }
+      char* dst = stage + d * chunk + offset(p);
+      JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(plans[p], a, w, dst, s->compute));
+      cudaStream_t cs = s->comm[d];
+      JAX_UB_CUDA(cudaEventRecord(s->ready[d], s->compute));
+      JAX_UB_CUDA(cudaStreamWaitEvent(cs, s->ready[d]));
+      if (p == 0) {
+        JAX_UB_RETURN_IF_ERROR(
+            WaitFlag(*s, cs, kCreditFlag + d, e - 1, d, "free its userbuffer", &waits));
+        JAX_UB_RETURN_IF_ERROR(Publish(*s, cs, d, desc));
+      }
+      JAX_UB_CUDA(cudaMemcpyAsync(s->peer_buffer[d] + s->rank * chunk + offset(p), dst,
+                                  rows(p) * n * es, cudaMemcpyDeviceToDevice, cs));
+      JAX_UB_RETURN_IF_ERROR(Signal(cs, s->peer_flags[d] + PieceFlag(p, pieces) + s->rank, e));
+    }
+    if (d != s->rank) JAX_UB_CUDA(cudaEventRecord(s->comm_done[d], s->comm[d]));
   }
-  for (int j : sched.ReductionOrder()) {
-    if (j == s->rank) continue;
-    JAX_UB_RETURN_IF_ERROR(
-        WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its partial sum", &waits));
+  if (size > 1 && !fold) {
+    for (int j : sched.ReductionOrder()) {
+      if (j == s->rank) continue;
+      JAX_UB_RETURN_IF_ERROR(
+          WaitFlag(*s, s->compute, kDataFlag + j, e, j, "deliver its partial sum", &waits));
+    }
+    JAX_UB_RETURN_IF_ERROR(LaunchSum(t, recv, m * n, size, out, s->compute));
   }
-  JAX_UB_RETURN_IF_ERROR(LaunchSum(t, recv, m * n, size, out, s->compute));
   JAX_UB_RETURN_IF_ERROR(Verify(*s, desc, out, chunk, nullptr, 0));
   // Credits promise peers the whole buffer, staging area included: wait until our own
   // partials have left it, or a peer's next push could overwrite one still in flight.

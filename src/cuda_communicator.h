@@ -93,14 +93,20 @@ class CudaCommunicator {
   };
 
  private:
-  // Flag words per slot: data[j] (chunk from rank j landed, by epoch), credit[j] (rank j
+  // Flag words per slot: data[j] (chunk from rank j landed, by epoch), first_piece[j] (the
+  // first piece of a chunk sent in two, Schedule::ReduceScatterPieces), credit[j] (rank j
   // consumed what this slot sent it, by epoch), health (nonzero once a wait of this slot
   // timed out or a peer's call differed: every later output of the slot is poisoned with
   // NaN), then the call descriptor each rank sent with its latest chunk.
   static constexpr int kDataFlag = 0;
-  static constexpr int kCreditFlag = kMaxRanks;
-  static constexpr int kHealthFlag = 2 * kMaxRanks;
-  static constexpr int kDescFlag = 2 * kMaxRanks + 8;
+  static constexpr int kFirstPieceFlag = kMaxRanks;
+  static constexpr int kCreditFlag = 2 * kMaxRanks;
+  static constexpr int kHealthFlag = 3 * kMaxRanks;
+  static constexpr int kDescFlag = 3 * kMaxRanks + 8;
+  // The flag announcing piece `piece` of `pieces` of a chunk: the data flag for the last.
+  static int PieceFlag(int piece, int pieces) {
+    return piece + 1 == pieces ? kDataFlag : kFirstPieceFlag;
+  }
   static constexpr int kNumFlags = kDescFlag + kMaxRanks * CallDescriptor::kWords;
 
   struct Wait {

@@ -139,7 +139,7 @@ Status CublasLtGemm::Heuristic(const Plan& p, int want,
 }
 
 Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
-                              cudaStream_t stream, const Plan** plan) {
+                              cudaStream_t stream, Plan** plan) {
   const bool tune = options_.autotune;
   std::vector<bool> rows;  // the descriptions tried: GemmOrder::kRow or not
   if (options_.order != GemmOrder::kRow) rows.push_back(false);
@@ -193,12 +193,12 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
 }
 
 Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
-                         const void* b, void* c, cudaStream_t stream) {
-  const float alpha = 1.0f, beta = 0.0f;
-  return CublasStatus(
-      cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a, p.second,
-                     &beta, c, p.out, c, p.out, &algo, workspace_, workspace_bytes_, stream),
-      "cublasLtMatmul");
+                         const void* b, void* c, cudaStream_t stream, const void* addend) {
+  const float alpha = 1.0f, beta = addend == nullptr ? 0.0f : 1.0f;
+  return CublasStatus(cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a,
+                                     p.second, &beta, addend == nullptr ? c : addend, p.out, c,
+                                     p.out, &algo, workspace_, workspace_bytes_, stream),
+                      "cublasLtMatmul");
 }
 
 Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
@@ -285,34 +285,44 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
 }
 
 Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c,
-                             int64_t m, int64_t k, int64_t n, cudaStream_t tune_stream,
-                             const Plan** plan) {
+                             int64_t m, int64_t k, int64_t n, bool with_addend,
+                             cudaStream_t tune_stream, const Plan** plan) {
   *plan = nullptr;
   if (m == 0 || n == 0) return Status::Ok();
   const Key key{static_cast<int>(t), m, k, n, b_transposed};
-  if (auto it = plans_.find(key); it != plans_.end()) {  // every call after a shape's first
-    *plan = &it->second;
+  auto it = plans_.find(key);
+  if (it != plans_.end() && (!with_addend || it->second.ran_with_addend)) {
+    *plan = &it->second;  // every call after a shape's first
     return Status::Ok();
   }
   // Drain the device first (see the header): the kernels launched below may be loaded
   // now, and a load waits for the device to go idle while holding its context.
-  JAX_UB_TRACE("first call of GEMM m=%lld k=%lld n=%lld: draining the device",
-               static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n));
+  JAX_UB_TRACE("first call of GEMM m=%lld k=%lld n=%lld%s: draining the device",
+               static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n),
+               with_addend ? " with an addend" : "");
   JAX_UB_CUDA(cudaDeviceSynchronize());
-  const Plan* p = nullptr;
-  JAX_UB_RETURN_IF_ERROR(MakePlan(key, a, b, c, tune_stream, &p));
-  // Run the chosen algorithm once (autotuning already did), so its kernel is loaded before
-  // any call of this shape has a peer wait in flight.
-  if (!options_.autotune) JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream));
+  Plan* p = nullptr;
+  if (it == plans_.end()) {
+    JAX_UB_RETURN_IF_ERROR(MakePlan(key, a, b, c, tune_stream, &p));
+    // Run the chosen algorithm once (autotuning already did), so its kernel is loaded
+    // before any call of this shape has a peer wait in flight.
+    if (!options_.autotune) JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream));
+  } else {
+    p = &it->second;
+  }
+  if (with_addend) {  // c as its own addend: its value does not matter here
+    JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream, c));
+    p->ran_with_addend = true;
+  }
   JAX_UB_CUDA(cudaStreamSynchronize(tune_stream));
   *plan = p;
   return Status::Ok();
 }
 
 Status CublasLtGemm::Matmul(const Plan* p, const void* a, const void* b, void* c,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const void* addend) {
   if (p == nullptr) return Status::Ok();  // an empty shape
-  return Run(*p, p->algo, a, b, c, stream);
+  return Run(*p, p->algo, a, b, c, stream, addend);
 }
 
 }  // namespace jax_ub

@@ -44,7 +44,8 @@ class CublasLtGemm {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
     cublasLtMatmulAlgo_t algo;
-    bool row = false;  // GemmOrder::kRow: a is the first operand, else b is
+    bool row = false;              // GemmOrder::kRow: a is the first operand, else b is
+    bool ran_with_addend = false;  // its kernels for a nonzero beta are loaded
   };
 
   // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
@@ -63,13 +64,18 @@ class CublasLtGemm {
   //
   // c[m, n] = a[m, k] @ b[k, n], row-major and dense. With `b_transposed`, b is stored
   // as its transpose [n, k] (a backward pass's w.T, read in place instead of copied).
-  // Accumulates in float32; output in `t`.
+  // Accumulates in float32; output in `t`. With `with_addend` the plan will also be run
+  // with an addend (see Matmul): its first such Prepare runs it once that way too, since
+  // cuBLASLt may launch another kernel when beta is nonzero.
   Status Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
-                 int64_t k, int64_t n, cudaStream_t tune_stream, const Plan** plan);
+                 int64_t k, int64_t n, bool with_addend, cudaStream_t tune_stream,
+                 const Plan** plan);
 
-  // Enqueues `plan`'s GEMM on `stream` for operands laid out as the shape it was made for.
-  // A null plan (Prepare's for an empty shape) runs nothing.
-  Status Matmul(const Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream);
+  // Enqueues `plan`'s GEMM on `stream` for operands laid out as the shape it was made for:
+  // c = a @ b, or with an `addend` (laid out as c) c = a @ b + addend, added in the
+  // epilogue in float32. A null plan (Prepare's for an empty shape) runs nothing.
+  Status Matmul(const Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream,
+                const void* addend = nullptr);
 
  private:
   // dtype, m, k, n, b transposed
@@ -90,14 +96,14 @@ class CublasLtGemm {
   // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
   // candidate, timed on `stream`), stored in plans_.
   Status MakePlan(const Key& key, const void* a, const void* b, void* c, cudaStream_t stream,
-                  const Plan** plan);
+                  Plan** plan);
   // Times `candidates` on `stream` (see the .cc) and sets `best` to the fastest one's index,
   // or -1 if none can run here.
   Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
               cudaStream_t stream, std::vector<Candidate>* candidates, int* best);
   // Enqueues one GEMM of `p`'s shape with `algo`.
   Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
-             cudaStream_t stream);
+             cudaStream_t stream, const void* addend = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

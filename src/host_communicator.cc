@@ -322,29 +322,58 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
   const char* xb = static_cast<const char*>(x);
 
   // Each peer's partial product goes straight into that peer's region; ours into our own
-  // region's slot for our rank, which no peer writes.
+  // region's slot for our rank, which no peer writes. Blocks are computed in pieces and,
+  // at size 2, our own block's pieces are summed with the peer's as each one lands
+  // (Schedule::ReduceScatterFolds; the CUDA GEMM adds it in its epilogue).
+  const int pieces = sched.ReduceScatterPieces();
+  const bool fold = sched.ReduceScatterFolds();
+  auto piece_flag = [&](SlotHeader* h, int p, int j) {
+    return p + 1 == pieces ? &h->data_epoch[j] : &h->first_piece_epoch[j];
+  };
+  char* mine = data(ctx.slot) + ctx.rank * chunk;
   for (int d : sched.ReduceScatterComputeOrder()) {
     const int ds = ctx.peer_slot(d);
     if (d != ctx.rank) {
       Status st = WaitFlag(ctx, &own->credit_epoch[d], ctx.epoch - 1, d, "free its userbuffer");
       if (!st.ok()) return fail(st);
     }
-    HostGemm(t, xb + d * m * k * es, w, w_transposed, data(ds) + ctx.rank * chunk, m, k, n);
-    if (d != ctx.rank) {
-      header(ds)->desc_from[ctx.rank] = ctx.desc;
-      Store(&header(ds)->data_epoch[ctx.rank], ctx.epoch);
+    for (int p = 0; p < pieces; ++p) {
+      const int64_t r0 = Schedule::PieceBegin(m, p, pieces);
+      const int64_t rows = Schedule::PieceBegin(m, p + 1, pieces) - r0;
+      const char* a = xb + (d * m + r0) * k * es;
+      const int64_t off = r0 * n * es;
+      if (d != ctx.rank) {
+        HostGemm(t, a, w, w_transposed, data(ds) + ctx.rank * chunk + off, rows, k, n);
+        if (p == 0) header(ds)->desc_from[ctx.rank] = ctx.desc;
+        Store(piece_flag(header(ds), p, ctx.rank), ctx.epoch);
+      } else if (ctx.size == 1) {
+        HostGemm(t, a, w, w_transposed, static_cast<char*>(out) + off, rows, k, n);
+      } else {
+        HostGemm(t, a, w, w_transposed, mine + off, rows, k, n);
+        if (!fold) continue;
+        const int peer = 1 - ctx.rank;
+        Status st =
+            WaitFlag(ctx, piece_flag(own, p, peer), ctx.epoch, peer, "deliver its partial sum");
+        if (st.ok()) st = CheckDescriptor(ctx, peer);
+        if (!st.ok()) return fail(st);
+        const void* parts[2];
+        for (int j : sched.ReductionOrder()) parts[j] = data(ctx.slot) + j * chunk + off;
+        HostSum(t, parts, 2, static_cast<char*>(out) + off, rows * n);
+      }
     }
   }
-  const void* parts[kMaxRanks];
-  for (int j : sched.ReductionOrder()) {
-    if (j != ctx.rank) {
-      Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its partial sum");
-      if (st.ok()) st = CheckDescriptor(ctx, j);
-      if (!st.ok()) return fail(st);
+  if (ctx.size > 1 && !fold) {
+    const void* parts[kMaxRanks];
+    for (int j : sched.ReductionOrder()) {
+      if (j != ctx.rank) {
+        Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its partial sum");
+        if (st.ok()) st = CheckDescriptor(ctx, j);
+        if (!st.ok()) return fail(st);
+      }
+      parts[j] = data(ctx.slot) + j * chunk;
     }
-    parts[j] = data(ctx.slot) + j * chunk;
+    HostSum(t, parts, ctx.size, out, m * n);
   }
-  HostSum(t, parts, ctx.size, out, m * n);
   for (int p : sched.PushOrder())
     Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
   return Status::Ok();

@@ -3,6 +3,7 @@
 // the same order that runs on GPUs.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 namespace jax_ub {
@@ -45,6 +46,20 @@ struct Schedule {
     order.push_back(rank);
     return order;
   }
+
+  // How many row pieces each reduce-scatter block is computed and sent in, and whether this
+  // rank's own block folds in the partial it receives instead of a separate sum pass.
+  // At size 2 the one peer partial becomes the accumulator (C, beta = 1) of our own
+  // product, piece by piece: the peer sends its first piece while computing its second,
+  // and its second while computing our first, so no wait is exposed and the sum pass
+  // (~0.2 ms at M=32768 on an H200, benchmarks/RESULTS.md) is gone. With more ranks a
+  // fold would need the peers' partials summed first, so they keep one piece and the sum.
+  bool ReduceScatterFolds() const { return size == 2; }
+  int ReduceScatterPieces() const { return ReduceScatterFolds() ? 2 : 1; }
+
+  // First row of `piece` (of ReduceScatterPieces()) in a block of `rows` rows; piece
+  // `pieces` gives `rows`.
+  static int64_t PieceBegin(int64_t rows, int piece, int pieces) { return rows * piece / pieces; }
 
   // Partials are summed in rank order, independent of arrival, so results are
   // bitwise reproducible run to run.

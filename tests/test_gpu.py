@@ -89,6 +89,20 @@ def test_forward_matches_xla(tp, shape, dtype):
     assert _rel(_rs(mesh, "ub")(h, v), rs_ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("rows", [1, 129])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype):
+    """At tp=2 each block is sent in two row pieces and our own block's product adds the
+    peer's partial in its epilogue (Schedule::ReduceScatterFolds); blocks of 129 rows and 1
+    row make uneven and empty pieces. On a group of one the GEMM writes the output itself."""
+    mesh = _mesh(tp)
+    h, v = _data(jax.random.key(rows + 10 * tp), [(tp * rows, 256), (256, 384)], dtype)
+    with jax.default_matmul_precision("highest"):
+        ref = _rs(mesh, "xla")(h, v)
+    assert _rel(_rs(mesh, "ub")(h, v), ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("tp", TPS)
 def test_grads_match_xla(tp):
     mesh = _mesh(tp)
