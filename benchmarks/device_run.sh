@@ -42,16 +42,17 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # A file that times out runs again with JAX_UB_TRACE=1 for a minute: the last trace
   # lines of each GPU say where it stopped.
   : > "$OUT/gpu_tests.log"
-  # TEST_SPECS overrides the files and their limits ("file:seconds ...").
+  # TEST_SPECS overrides the files and their limits ("file:seconds ..."); TEST_K selects
+  # tests by pytest's -k expression. The trace rerun does not capture output (-s).
   for spec in ${TEST_SPECS:-test_gpu.py:300 test_gpu_flax.py:150 test_gpu_multiprocess.py:200 test_reliability.py:200}; do
     file=${spec%%:*}; limit=${spec##*:}
-    timeout -k 10 "$limit" python3 -m pytest -v -rsxX -m gpu "tests/$file" -p no:cacheprovider \
+    timeout -k 10 "$limit" python3 -m pytest -v -rsxX -m gpu "tests/$file" -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} \
       >> "$OUT/gpu_tests.log" 2>&1
     rc=$?; cleanup
     echo "tests/$file: rc=$rc"
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
       echo "tests/$file TIMED OUT after $limit s" >> "$OUT/gpu_tests.log"
-      JAX_UB_TRACE=1 timeout -k 5 60 python3 -m pytest -x -q -m gpu "tests/$file" \
+      JAX_UB_TRACE=1 timeout -k 5 60 python3 -m pytest -x -q -s -m gpu "tests/$file" ${TEST_K:+-k "$TEST_K"} \
         -p no:cacheprovider > "$OUT/trace_$file.log" 2>&1
       cleanup
       grep "jax_ub trace" "$OUT/trace_$file.log" | tail -12

@@ -75,11 +75,11 @@ void Setup(Gpu& g, int device, Shape s) {
   FillRandom(g.b, s.k * s.n, 7 + device, 0.01f, g.compute);
   Check(cudaStreamSynchronize(g.compute), "fill");
   Check(jax_ub::CublasLtGemm::Create(jax_ub::GemmOptions{}, &g.gemm), "CublasLtGemm::Create");
-  Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, g.b, false, g.c, 2 * s.m, s.k, s.n, false,
+  Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, g.b, false, g.c, 2 * s.m, s.k, s.n, nullptr,
                         g.compute, &g.full),
         "Prepare (full)");
-  Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, g.b, false, g.c, s.m, s.k, s.n, false, g.compute,
-                        &g.half),
+  Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, g.b, false, g.c, s.m, s.k, s.n, nullptr,
+                        g.compute, &g.half),
         "Prepare (half)");
 }
 

@@ -557,7 +557,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
     const void* src = spans[i].first == s->rank ? x : s->buffer + spans[i].first * chunk;
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, w, w_transposed,
                                             static_cast<char*>(out) + spans[i].first * m * n * es,
-                                            spans[i].count * m, k, n, false, s->tune, &plans[i]));
+                                            spans[i].count * m, k, n, nullptr, s->tune, &plans[i]));
   }
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
@@ -642,35 +642,37 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
     return Schedule::PieceBegin(m, p + 1, pieces) - Schedule::PieceBegin(m, p, pieces);
   };
   auto offset = [&](int p) { return Schedule::PieceBegin(m, p, pieces) * n * es; };
+  auto input = [&](int d, int p) {  // piece p of row block d of x
+    return static_cast<const char*>(x) + (d * m + Schedule::PieceBegin(m, p, pieces)) * k * es;
+  };
+  // Where our own block's piece p goes, and what it adds (null: nothing).
+  char* own_out = size == 1 || fold ? static_cast<char*>(out) : own;
+  auto addend = [&](int p) -> const char* {
+    return fold ? recv + (1 - s->rank) * chunk + offset(p) : nullptr;
+  };
   // A shape's first call picks (and loads) its GEMM kernels before anything waits on a
-  // peer (see CublasLtGemm::Prepare). Peers may be writing their partials into `recv`
-  // meanwhile; this writes only `out` and our own slot of it, which no peer writes.
+  // peer (see CublasLtGemm::Prepare), with our own block's operands. Peers may be writing
+  // their partials into `recv` meanwhile, which only matters for values; this writes
+  // only `out` and our own slot of `recv`, which no peer writes.
   std::vector<const CublasLtGemm::Plan*> plans(pieces);
   for (int p = 0; p < pieces; ++p)
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(
-        t, x, w, w_transposed, (size == 1 || fold ? static_cast<char*>(out) : own) + offset(p),
-        rows(p), k, n, fold, s->tune, &plans[p]));
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, input(s->rank, p), w, w_transposed,
+                                            own_out + offset(p), rows(p), k, n, addend(p), s->tune,
+                                            &plans[p]));
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
   // Each peer's partial first, each piece sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     for (int p = 0; p < pieces; ++p) {
-      const char* a =
-          static_cast<const char*>(x) + (d * m + Schedule::PieceBegin(m, p, pieces)) * k * es;
+      const char* a = input(d, p);
       if (d == s->rank) {
-        if (size == 1 || fold) {
-          const char* addend = nullptr;
-          if (fold) {
-            const int peer = 1 - s->rank;
-            JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, s->compute, PieceFlag(p, pieces) + peer, e, peer,
-                                            "deliver its partial sum", &waits));
-            addend = recv + peer * chunk + offset(p);
-          }
-          JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(
-              plans[p], a, w, static_cast<char*>(out) + offset(p), s->compute, addend));
-        } else {
-          JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(plans[p], a, w, own + offset(p), s->compute));
+        if (fold) {
+          const int peer = 1 - s->rank;
+          JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, s->compute, PieceFlag(p, pieces) + peer, e, peer,
+                                          "deliver its partial sum", &waits));
         }
+        JAX_UB_RETURN_IF_ERROR(
+            s->gemm->Matmul(plans[p], a, w, own_out + offset(p), s->compute, addend(p)));
         continue;
       }
       char* dst = stage + d * chunk + offset(p);
@@ -767,11 +769,20 @@ void CudaCommunicator::WatchdogLoop() {
                             s.watchdog_stream);
             cudaStreamSynchronize(s.watchdog_stream);
             if (static_cast<int64_t>(seen - wt.target) >= 0) continue;
+            // Only pieced calls write a first-piece flag; the peer's data flag tells
+            // which call it last delivered.
+            const ptrdiff_t index = wt.flag - s.flags;
+            uint64_t last = seen;
+            if (index >= kFirstPieceFlag && index < kFirstPieceFlag + kMaxRanks) {
+              cudaMemcpyAsync(&last, s.flags + kDataFlag + (index - kFirstPieceFlag), sizeof(last),
+                              cudaMemcpyDeviceToHost, s.watchdog_stream);
+              cudaStreamSynchronize(s.watchdog_stream);
+            }
             if (reason.empty())
               reason = Describe(f.op, s.rank, s.group) + " timed out after " +
                        std::to_string(timeout_s_) + " s waiting for rank " +
                        std::to_string(wt.peer) + " to " + wt.what + " for call #" +
-                       std::to_string(wt.target) + " (flag holds #" + std::to_string(seen) +
+                       std::to_string(wt.target) + " (flag holds #" + std::to_string(last) +
                        "); the peer never arrived, is stuck, or runs a different program. The "
                        "outputs of this call are NaN";
             uint64_t target = wt.target;

@@ -285,13 +285,13 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
 }
 
 Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c,
-                             int64_t m, int64_t k, int64_t n, bool with_addend,
+                             int64_t m, int64_t k, int64_t n, const void* addend,
                              cudaStream_t tune_stream, const Plan** plan) {
   *plan = nullptr;
   if (m == 0 || n == 0) return Status::Ok();
   const Key key{static_cast<int>(t), m, k, n, b_transposed};
   auto it = plans_.find(key);
-  if (it != plans_.end() && (!with_addend || it->second.ran_with_addend)) {
+  if (it != plans_.end() && (addend == nullptr || it->second.ran_with_addend)) {
     *plan = &it->second;  // every call after a shape's first
     return Status::Ok();
   }
@@ -299,7 +299,7 @@ Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_trans
   // now, and a load waits for the device to go idle while holding its context.
   JAX_UB_TRACE("first call of GEMM m=%lld k=%lld n=%lld%s: draining the device",
                static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n),
-               with_addend ? " with an addend" : "");
+               addend != nullptr ? " with an addend" : "");
   JAX_UB_CUDA(cudaDeviceSynchronize());
   Plan* p = nullptr;
   if (it == plans_.end()) {
@@ -310,8 +310,8 @@ Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_trans
   } else {
     p = &it->second;
   }
-  if (with_addend) {  // c as its own addend: its value does not matter here
-    JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream, c));
+  if (addend != nullptr) {  // its values do not matter here: c is rewritten by the caller
+    JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream, addend));
     p->ran_with_addend = true;
   }
   JAX_UB_CUDA(cudaStreamSynchronize(tune_stream));

@@ -64,11 +64,12 @@ class CublasLtGemm {
   //
   // c[m, n] = a[m, k] @ b[k, n], row-major and dense. With `b_transposed`, b is stored
   // as its transpose [n, k] (a backward pass's w.T, read in place instead of copied).
-  // Accumulates in float32; output in `t`. With `with_addend` the plan will also be run
-  // with an addend (see Matmul): its first such Prepare runs it once that way too, since
-  // cuBLASLt may launch another kernel when beta is nonzero.
+  // Accumulates in float32; output in `t`. With an `addend` the plan will also be run with
+  // one (see Matmul): its first such Prepare runs it once with exactly these operands,
+  // since cuBLASLt may launch other kernels for a nonzero beta or a separate addend (a
+  // first launch after a peer wait is enqueued can hang a process that drives both GPUs).
   Status Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
-                 int64_t k, int64_t n, bool with_addend, cudaStream_t tune_stream,
+                 int64_t k, int64_t n, const void* addend, cudaStream_t tune_stream,
                  const Plan** plan);
 
   // Enqueues `plan`'s GEMM on `stream` for operands laid out as the shape it was made for:
