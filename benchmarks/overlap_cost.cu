@@ -12,6 +12,11 @@
 //             while the second GEMM runs, then the library's sum of c[m:2m] and the
 //             received partial -> out: matmul_reduce_scatter's schedule at tp=2
 //   rs_nosum  rs without the final sum pass
+//   quarters  the GEMM as four GEMMs of m/2 rows: the folded schedule's chunking
+//   rs_fold   matmul_reduce_scatter's folded schedule at tp=2 (Schedule::ReduceScatterFolds):
+//             the peer's partial in two pieces of m/2 rows, each pushed while the next GEMM
+//             runs, then our own two pieces, each adding the peer's piece that landed for
+//             it in the GEMM's epilogue, straight into out; no sum pass
 // A push waits until the peer has finished its previous iteration (jax_ub's credit).
 // Prints ms per iteration (median of rounds) and its ratio to "gemm". Not part of the
 // library.
@@ -40,19 +45,21 @@ void Check(const jax_ub::Status& st, const char* what) {
   }
 }
 
-enum Phase { kGemm, kHalves, kAg, kRs, kRsNoSum, kPhases };
-const char* const kNames[kPhases] = {"gemm", "halves", "ag", "rs", "rs_nosum"};
+enum Phase { kGemm, kHalves, kAg, kRs, kRsNoSum, kQuarters, kRsFold, kPhases };
+const char* const kNames[kPhases] = {"gemm",     "halves",   "ag",     "rs",
+                                     "rs_nosum", "quarters", "rs_fold"};
 
 // One GPU: a[2m, k], b[k, n], c[3m, n] (rows 2m.. receive the peer's partial, next to
 // the second half's, as the library's sum reads them), out[m, n].
 struct Gpu {
   int device = 0;
   jax_ub::CublasLtGemm* gemm = nullptr;
-  const jax_ub::CublasLtGemm::Plan *full = nullptr, *half = nullptr;
+  const jax_ub::CublasLtGemm::Plan *full = nullptr, *half = nullptr, *quarter = nullptr;
   __nv_bfloat16 *a = nullptr, *b = nullptr, *c = nullptr, *out = nullptr;
   cudaStream_t compute = nullptr, copy = nullptr;
   cudaEvent_t begin = nullptr, end = nullptr;  // timing
   cudaEvent_t start = nullptr, half_done = nullptr, pushed = nullptr, done = nullptr;
+  cudaEvent_t pushed_first = nullptr;  // rs_fold: the first piece has landed in the peer
 };
 
 struct Shape {
@@ -69,7 +76,7 @@ void Setup(Gpu& g, int device, Shape s) {
   Check(cudaStreamCreateWithFlags(&g.compute, cudaStreamNonBlocking), "stream");
   Check(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "stream");
   for (cudaEvent_t* e : {&g.begin, &g.end}) Check(cudaEventCreate(e), "event");
-  for (cudaEvent_t* e : {&g.start, &g.half_done, &g.pushed, &g.done})
+  for (cudaEvent_t* e : {&g.start, &g.half_done, &g.pushed, &g.done, &g.pushed_first})
     Check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "event");
   FillRandom(g.a, 2 * s.m * s.k, 1 + device, 1.0f, g.compute);
   FillRandom(g.b, s.k * s.n, 7 + device, 0.01f, g.compute);
@@ -81,12 +88,16 @@ void Setup(Gpu& g, int device, Shape s) {
   Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, g.b, false, g.c, s.m, s.k, s.n, nullptr,
                         g.compute, &g.half),
         "Prepare (half)");
+  // With an addend, as rs_fold runs it: out plus the received partial's first piece.
+  Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, g.b, false, g.out, s.m / 2, s.k, s.n,
+                        g.c + 2 * s.m * s.n, g.compute, &g.quarter),
+        "Prepare (quarter)");
 }
 
 void Teardown(Gpu& g) {
   Check(cudaSetDevice(g.device), "cudaSetDevice");
   delete g.gemm;
-  for (cudaEvent_t e : {g.begin, g.end, g.start, g.half_done, g.pushed, g.done})
+  for (cudaEvent_t e : {g.begin, g.end, g.start, g.half_done, g.pushed, g.done, g.pushed_first})
     cudaEventDestroy(e);
   cudaStreamDestroy(g.compute);
   cudaStreamDestroy(g.copy);
@@ -121,6 +132,18 @@ void Iteration(Gpu* gpus, Phase phase, Shape s) {
         gemm(g, g.half, 0);
         gemm(g, g.half, s.m);
         break;
+      case kQuarters:
+        for (int q = 0; q < 4; ++q) gemm(g, g.quarter, q * s.m / 2);
+        break;
+      case kRsFold:  // the peer's partial in two pieces, each pushed once computed
+        for (int q = 0; q < 2; ++q) {
+          gemm(g, g.quarter, q * s.m / 2);
+          Check(cudaEventRecord(g.half_done, g.compute), "record");
+          push(g, peer, g.half_done, g.c + q * c_half / 2, peer.c + 2 * c_half + q * c_half / 2,
+               c_half);
+          if (q == 0) Check(cudaEventRecord(g.pushed_first, g.copy), "record");
+        }
+        break;
       case kAg:
         Check(cudaEventRecord(g.start, g.compute), "record");
         push(g, peer, g.start, g.a, peer.a + a_half, a_half * 2);
@@ -134,13 +157,23 @@ void Iteration(Gpu* gpus, Phase phase, Shape s) {
         break;
     }
   }
-  if (phase == kGemm || phase == kHalves) return;
+  if (phase == kGemm || phase == kHalves || phase == kQuarters) return;
   // Second halves: after the peer's push has landed (both pushes are enqueued by now).
   for (int i = 0; i < 2; ++i) {
     Gpu& g = gpus[i];
     Check(cudaSetDevice(g.device), "cudaSetDevice");
-    Check(cudaStreamWaitEvent(g.compute, gpus[1 - i].pushed), "wait");
+    if (phase != kRsFold) Check(cudaStreamWaitEvent(g.compute, gpus[1 - i].pushed), "wait");
     if (phase == kAg) gemm(g, g.half, s.m);
+    if (phase == kRsFold) {  // our own pieces, each adding the peer's piece for it
+      for (int q = 0; q < 2; ++q) {
+        Check(
+            cudaStreamWaitEvent(g.compute, q == 0 ? gpus[1 - i].pushed_first : gpus[1 - i].pushed),
+            "wait");
+        Check(g.gemm->Matmul(g.quarter, g.a + (s.m + q * s.m / 2) * s.k, g.b,
+                             g.out + q * c_half / 2, g.compute, g.c + 2 * c_half + q * c_half / 2),
+              "Matmul (addend)");
+      }
+    }
     if (phase == kRs) {
       Check(jax_ub::LaunchSum(jax_ub::DType::kBF16, g.c + c_half, c_half, 2, g.out, g.compute),
             "LaunchSum");
@@ -179,6 +212,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const double seconds = argc > 2 ? std::atof(argv[2]) : 2.0;
+  if (s.m % 2 != 0) {
+    std::fprintf(stderr, "m must be even (rs_fold splits it in two pieces), got %lld\n", s.m);
+    return 2;
+  }
   int count = 0;
   Check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (count < 2) {
