@@ -543,7 +543,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, op, RequiredBytes(OpKind::kAllGatherMatmul, chunk, size), &s, &e));
   *began = s;
-  const Schedule sched{s->rank, size};
+  const Schedule sched{s->rank, size, allow_fold_};
   const std::vector<int> peers = sched.PushOrder();
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};
@@ -626,7 +626,7 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, op, RequiredBytes(OpKind::kMatmulReduceScatter, chunk, size), &s, &e));
   *began = s;
-  const Schedule sched{s->rank, size};
+  const Schedule sched{s->rank, size, allow_fold_};
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kMatmulReduceScatter), static_cast<uint32_t>(t), m, k, n, e};
   std::vector<Wait> waits;

@@ -51,6 +51,9 @@ class CudaCommunicator {
   // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
   Status ExportHandles(std::vector<std::string>* handles) const;
   Status Connect(const std::vector<std::string>& handles);
+  // Whether GEMM+RS may fold the reduction into the GEMM (Schedule::ReduceScatterFolds).
+  // Set before the first call; every rank of a group must use the same value.
+  void SetReduceScatterFold(bool on) { allow_fold_ = on; }
   ~CudaCommunicator();
 
   // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
@@ -196,6 +199,7 @@ class CudaCommunicator {
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
+  bool allow_fold_ = true;
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;

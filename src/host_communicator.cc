@@ -268,7 +268,7 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
   const int64_t chunk = m * k * es;
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, chunk, &ctx));
-  Schedule sched{ctx.rank, ctx.size};
+  Schedule sched{ctx.rank, ctx.size, allow_fold_};
   const std::vector<int> peers = sched.PushOrder();
   SlotHeader* own = header(ctx.slot);
   auto fail = [&](Status st) {
@@ -313,7 +313,7 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
   const int64_t chunk = m * n * es;
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kMatmulReduceScatter, t, m, k, n, chunk, &ctx));
-  Schedule sched{ctx.rank, ctx.size};
+  Schedule sched{ctx.rank, ctx.size, allow_fold_};
   SlotHeader* own = header(ctx.slot);
   auto fail = [&](Status st) {
     Fail(ctx, st);

@@ -38,7 +38,7 @@ std::shared_ptr<Communicator> FindCommunicator(int64_t id) {
 
 // The bindings both platform modules share, with the same names, so the Python side
 // (bootstrap, finalize, check_health, buffer sizing) serves either:
-// broken_reason, quiesce, destroy_communicator, num_communicators, and
+// broken_reason, quiesce, destroy_communicator, set_reduce_scatter_fold, num_communicators, and
 // `required_bytes(op, chunk_bytes, group_size)`, the communicator's own buffer sizing.
 template <typename Communicator>
 void DefCommonBindings(nanobind::module_& m) {
@@ -55,6 +55,8 @@ void DefCommonBindings(nanobind::module_& m) {
     nanobind::gil_scoped_release release;  // the destructor may wait for calls in flight
     return Registry<Communicator>::Remove(id);
   });
+  m.def("set_reduce_scatter_fold",
+        [](int64_t id, bool on) { FindCommunicator<Communicator>(id)->SetReduceScatterFold(on); });
   m.def("num_communicators", []() { return Registry<Communicator>::Size(); });
   m.def("required_bytes", [](const std::string& op, int64_t chunk_bytes, int group_size) {
     OpKind kind;

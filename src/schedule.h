@@ -12,6 +12,7 @@ namespace jax_ub {
 struct Schedule {
   int rank;
   int size;
+  bool allow_fold = true;  // jax_ub.configure(reduce_scatter_fold=...)
 
   // Peers in the order this rank pushes its data to them: nearest first, so every
   // rank's first push goes to a different peer and no link is hit twice at once.
@@ -54,7 +55,7 @@ struct Schedule {
   // and its second while computing our first, so no wait is exposed and the sum pass
   // (~0.2 ms at M=32768 on an H200, benchmarks/RESULTS.md) is gone. With more ranks a
   // fold would need the peers' partials summed first, so they keep one piece and the sum.
-  bool ReduceScatterFolds() const { return size == 2; }
+  bool ReduceScatterFolds() const { return allow_fold && size == 2; }
   int ReduceScatterPieces() const { return ReduceScatterFolds() ? 2 : 1; }
 
   // First row of `piece` (of ReduceScatterPieces()) in a block of `rows` rows; piece

@@ -47,6 +47,22 @@ def test_f32(mesh1d, rand, n_dev, shape):
     _check(mesh1d(n_dev), x, w, jnp.float32)
 
 
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_fold_on_and_off(mesh1d, rand, fold, m):
+    """At 2 devices the partial goes in two row pieces and the peer's is added to our own
+    piece by piece (fold on, the default), or in one piece and a sum pass (off); m = 1
+    and 3 make empty and uneven pieces. Both schedules must give the reference's result."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    jax_ub.configure(reduce_scatter_fold=fold)
+    try:
+        x = rand(2 * m, 2 * 6, dtype=jnp.bfloat16)
+        w = rand(2 * 6, 10, dtype=jnp.bfloat16)
+        _check(mesh1d(2), x, w, jnp.bfloat16)
+    finally:
+        jax_ub.finalize()
+
+
 @pytest.mark.parametrize("n_dev", [1, 2, 4, 8])
 def test_bf16(mesh1d, rand, n_dev):
     x = rand(n_dev * 8, n_dev * 16, dtype=jnp.bfloat16)
