@@ -543,7 +543,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, op, RequiredBytes(OpKind::kAllGatherMatmul, chunk, size), &s, &e));
   *began = s;
-  const Schedule sched{s->rank, size, allow_fold_};
+  const Schedule sched{s->rank, size, fold_rows_};
   const std::vector<int> peers = sched.PushOrder();
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};
@@ -626,7 +626,7 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, op, RequiredBytes(OpKind::kMatmulReduceScatter, chunk, size), &s, &e));
   *began = s;
-  const Schedule sched{s->rank, size, allow_fold_};
+  const Schedule sched{s->rank, size, fold_rows_};
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kMatmulReduceScatter), static_cast<uint32_t>(t), m, k, n, e};
   std::vector<Wait> waits;
@@ -635,8 +635,8 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   char* own = recv + s->rank * chunk;      // our own partial, when it is summed in a pass
   // Each block in `pieces` row ranges (Schedule::ReduceScatterPieces); with `fold`, our
   // own product adds the peer's partial in its epilogue and writes `out`, with no sum pass.
-  const int pieces = sched.ReduceScatterPieces();
-  const bool fold = sched.ReduceScatterFolds();
+  const int pieces = sched.ReduceScatterPieces(m);
+  const bool fold = sched.ReduceScatterFolds(m);
   if (pieces > 2) return Internal("a reduce-scatter chunk is sent in at most two pieces");
   auto rows = [&](int p) {
     return Schedule::PieceBegin(m, p + 1, pieces) - Schedule::PieceBegin(m, p, pieces);

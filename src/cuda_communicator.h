@@ -51,9 +51,9 @@ class CudaCommunicator {
   // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
   Status ExportHandles(std::vector<std::string>* handles) const;
   Status Connect(const std::vector<std::string>& handles);
-  // Whether GEMM+RS may fold the reduction into the GEMM (Schedule::ReduceScatterFolds).
-  // Set before the first call; every rank of a group must use the same value.
-  void SetReduceScatterFold(bool on) { allow_fold_ = on; }
+  // Smallest piece for which GEMM+RS folds the reduction into the GEMM (Schedule::
+  // fold_rows). Set before the first call; every rank of a group must use the same value.
+  void SetReduceScatterFoldRows(int64_t rows) { fold_rows_ = rows; }
   ~CudaCommunicator();
 
   // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
@@ -199,7 +199,7 @@ class CudaCommunicator {
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
-  bool allow_fold_ = true;
+  int64_t fold_rows_ = 2048;
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;

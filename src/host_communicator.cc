@@ -268,7 +268,7 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
   const int64_t chunk = m * k * es;
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, chunk, &ctx));
-  Schedule sched{ctx.rank, ctx.size, allow_fold_};
+  Schedule sched{ctx.rank, ctx.size, fold_rows_};
   const std::vector<int> peers = sched.PushOrder();
   SlotHeader* own = header(ctx.slot);
   auto fail = [&](Status st) {
@@ -313,7 +313,7 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
   const int64_t chunk = m * n * es;
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kMatmulReduceScatter, t, m, k, n, chunk, &ctx));
-  Schedule sched{ctx.rank, ctx.size, allow_fold_};
+  Schedule sched{ctx.rank, ctx.size, fold_rows_};
   SlotHeader* own = header(ctx.slot);
   auto fail = [&](Status st) {
     Fail(ctx, st);
@@ -325,8 +325,8 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
   // region's slot for our rank, which no peer writes. Blocks are computed in pieces and,
   // at size 2, our own block's pieces are summed with the peer's as each one lands
   // (Schedule::ReduceScatterFolds; the CUDA GEMM adds it in its epilogue).
-  const int pieces = sched.ReduceScatterPieces();
-  const bool fold = sched.ReduceScatterFolds();
+  const int pieces = sched.ReduceScatterPieces(m);
+  const bool fold = sched.ReduceScatterFolds(m);
   auto piece_flag = [&](SlotHeader* h, int p, int j) {
     return p + 1 == pieces ? &h->data_epoch[j] : &h->first_piece_epoch[j];
   };

@@ -58,9 +58,9 @@ class HostCommunicator {
   const std::vector<std::string>& region_names() const { return names_; }
   // Map the regions of remote slots; names[slot] is ignored for local slots.
   Status Connect(const std::vector<std::string>& names);
-  // Whether GEMM+RS may fold the reduction into the GEMM (Schedule::ReduceScatterFolds).
-  // Set before the first call; every rank of a group must use the same value.
-  void SetReduceScatterFold(bool on) { allow_fold_ = on; }
+  // Smallest piece for which GEMM+RS folds the reduction into the GEMM (Schedule::
+  // fold_rows). Set before the first call; every rank of a group must use the same value.
+  void SetReduceScatterFoldRows(int64_t rows) { fold_rows_ = rows; }
   // Remove the local shared-memory names once every peer has mapped them: the mappings
   // stay, and nothing is left behind in /dev/shm if a process dies later.
   void Unlink();
@@ -105,7 +105,7 @@ class HostCommunicator {
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
-  bool allow_fold_ = true;
+  int64_t fold_rows_ = 2048;
   std::vector<uint64_t> epoch_;  // per slot; guarded by slot_mu_
   // One call at a time per slot: should XLA's CPU runtime ever run two independent
   // side-effecting custom calls of one device concurrently, they queue here instead of

@@ -12,7 +12,9 @@ namespace jax_ub {
 struct Schedule {
   int rank;
   int size;
-  bool allow_fold = true;  // jax_ub.configure(reduce_scatter_fold=...)
+  // Smallest piece (rows) worth folding a reduce-scatter for; negative: never. From
+  // jax_ub.configure(reduce_scatter_fold_rows=...).
+  int64_t fold_rows = 2048;
 
   // Peers in the order this rank pushes its data to them: nearest first, so every
   // rank's first push goes to a different peer and no link is hit twice at once.
@@ -48,15 +50,18 @@ struct Schedule {
     return order;
   }
 
-  // How many row pieces each reduce-scatter block is computed and sent in, and whether this
-  // rank's own block folds in the partial it receives instead of a separate sum pass.
-  // At size 2 the one peer partial becomes the accumulator (C, beta = 1) of our own
-  // product, piece by piece: the peer sends its first piece while computing its second,
-  // and its second while computing our first, so no wait is exposed and the sum pass
-  // (~0.2 ms at M=32768 on an H200, benchmarks/RESULTS.md) is gone. With more ranks a
-  // fold would need the peers' partials summed first, so they keep one piece and the sum.
-  bool ReduceScatterFolds() const { return allow_fold && size == 2; }
-  int ReduceScatterPieces() const { return ReduceScatterFolds() ? 2 : 1; }
+  // How many row pieces a reduce-scatter block of `rows` rows is computed and sent in, and
+  // whether this rank's own block folds in the partial it receives instead of a separate
+  // sum pass. At size 2 the one peer partial becomes the accumulator (C, beta = 1) of our
+  // own product, piece by piece: the peer sends its first piece while computing its
+  // second, and its second while computing our first, so no wait is exposed and the sum
+  // pass (~2% of the call on an H200) is gone. Pieces of few rows cost GEMM efficiency
+  // (on 2 H200s the fold was 1% slower with 512-row pieces and tied with 2048), hence
+  // `fold_rows`. With more ranks a fold would need the peers' partials summed first.
+  bool ReduceScatterFolds(int64_t rows) const {
+    return size == 2 && fold_rows >= 0 && rows / 2 >= fold_rows;
+  }
+  int ReduceScatterPieces(int64_t rows) const { return ReduceScatterFolds(rows) ? 2 : 1; }
 
   // First row of `piece` (of ReduceScatterPieces()) in a block of `rows` rows; piece
   // `pieces` gives `rows`.

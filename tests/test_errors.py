@@ -219,7 +219,7 @@ def test_buffer_too_small_without_growth(mesh1d, rand):
         (dict(buffer_size=1), r"unknown jax_ub setting 'buffer_size'"),
         (dict(timeout_s=0), r"timeout_s must be positive"),
         (dict(buffer_bytes=-1), r"buffer_bytes must be >= 0"),
-        (dict(reduce_scatter_fold="yes"), r"reduce_scatter_fold must be True or False"),
+        (dict(reduce_scatter_fold_rows=True), r"reduce_scatter_fold_rows must be an integer"),
         (
             dict(gemm_order="rows"),
             r"gemm_order must be one of \('auto', 'column', 'row'\), got 'rows'",

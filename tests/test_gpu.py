@@ -95,13 +95,13 @@ def test_forward_matches_xla(tp, shape, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold):
     """At tp=2 each block is sent in two row pieces and our own block's product adds the
-    peer's partial in its epilogue (Schedule::ReduceScatterFolds), or with the fold off in
-    one piece and a sum pass; blocks of 129 rows and 1 row make uneven and empty pieces.
-    On a group of one the GEMM writes the output itself."""
+    peer's partial in its epilogue (Schedule::ReduceScatterFolds, forced here for any
+    size), or with the fold off in one piece and a sum pass; blocks of 129 rows and 1 row
+    make uneven and empty pieces. On a group of one the GEMM writes the output itself."""
     if tp == 1 and not fold:
         pytest.skip("a group of one has nothing to fold")
     jax_ub.finalize()  # communicators take the setting when they are created
-    jax_ub.configure(reduce_scatter_fold=fold)
+    jax_ub.configure(reduce_scatter_fold_rows=0 if fold else -1)
     try:
         mesh = _mesh(tp)
         h, v = _data(jax.random.key(rows + 10 * tp), [(tp * rows, 256), (256, 384)], dtype)

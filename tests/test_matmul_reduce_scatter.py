@@ -47,14 +47,19 @@ def test_f32(mesh1d, rand, n_dev, shape):
     _check(mesh1d(n_dev), x, w, jnp.float32)
 
 
-@pytest.mark.parametrize("fold", [True, False])
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_fold_on_and_off(mesh1d, rand, fold, m):
-    """At 2 devices the partial goes in two row pieces and the peer's is added to our own
-    piece by piece (fold on, the default), or in one piece and a sum pass (off); m = 1
-    and 3 make empty and uneven pieces. Both schedules must give the reference's result."""
+@pytest.mark.parametrize(
+    "fold_rows,m",
+    [(0, 1), (0, 3), (0, 8), (-1, 3), (-1, 8), (4, 7), (4, 8)],
+    ids=lambda v: str(v),
+)
+def test_fold_on_and_off(mesh1d, rand, fold_rows, m):
+    """At 2 devices a block of m rows goes in two row pieces and the peer's is added to our
+    own piece by piece when each piece has at least `fold_rows` rows (0: always, -1:
+    never), else in one piece and a sum pass. m = 1 and 3 make empty and uneven pieces;
+    (4, 7) and (4, 8) sit either side of the threshold. Every case must give the
+    reference's result."""
     jax_ub.finalize()  # communicators take the setting when they are created
-    jax_ub.configure(reduce_scatter_fold=fold)
+    jax_ub.configure(reduce_scatter_fold_rows=fold_rows)
     try:
         x = rand(2 * m, 2 * 6, dtype=jnp.bfloat16)
         w = rand(2 * 6, 10, dtype=jnp.bfloat16)

@@ -126,7 +126,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             config.timeout_s,
             **extra,
         )
-    module.set_reduce_scatter_fold(comm_id, config.reduce_scatter_fold)
+    module.set_reduce_scatter_fold_rows(comm_id, config.reduce_scatter_fold_rows)
     return Communicator(
         id=comm_id,
         platform=key.platform,

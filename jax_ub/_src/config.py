@@ -41,10 +41,9 @@ def _check(cfg: Config, source: str = "") -> None:
         raise ValueError(f"buffer_bytes must be an integer, got {cfg.buffer_bytes!r}{where}")
     if cfg.buffer_bytes < 0:
         raise ValueError(f"buffer_bytes must be >= 0, got {cfg.buffer_bytes}{where}")
-    if not isinstance(cfg.reduce_scatter_fold, bool):
-        raise ValueError(
-            f"reduce_scatter_fold must be True or False, got {cfg.reduce_scatter_fold!r}{where}"
-        )
+    rows = cfg.reduce_scatter_fold_rows
+    if isinstance(rows, bool) or not isinstance(rows, int):
+        raise ValueError(f"reduce_scatter_fold_rows must be an integer, got {rows!r}{where}")
     if cfg.gemm_order not in _GEMM_ORDERS:
         raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {cfg.gemm_order!r}{where}")
 
@@ -73,11 +72,14 @@ class Config:
         the op's copies: on 2 H200s ``"auto"`` once kept a row-major kernel that was as
         fast alone but made the overlapped op 9% slower, hence the default. Env
         ``JAX_UB_GEMM_ORDER``; results are the same up to float rounding.
-      reduce_scatter_fold: on groups of 2, ``matmul_reduce_scatter`` sends each partial in
-        two row pieces and adds the peer's partial in its own GEMM's epilogue instead of
-        a separate sum pass (env ``JAX_UB_REDUCE_SCATTER_FOLD``; ``0`` turns it off). Every
-        process of a group must use the same value. Results are the same up to float
-        rounding; which is faster depends on the shape (``benchmarks/RESULTS.md``).
+      reduce_scatter_fold_rows: on groups of 2, ``matmul_reduce_scatter`` may send each
+        partial in two row pieces and add the peer's partial in its own GEMM's epilogue
+        instead of a separate sum pass. It does so when each piece has at least this many
+        rows (default 2048: on 2 H200s smaller pieces made the op ~1% slower, see
+        ``benchmarks/RESULTS.md``); ``0`` always, negative never (env
+        ``JAX_UB_REDUCE_SCATTER_FOLD_ROWS``). Every process of a group must use the same
+        value. Results agree to float rounding (the fold rounds the local partial once
+        less).
     """
 
     buffer_bytes: int = dataclasses.field(
@@ -96,13 +98,15 @@ class Config:
     gemm_order: str = dataclasses.field(
         default_factory=lambda: os.environ.get("JAX_UB_GEMM_ORDER", "column")
     )
-    reduce_scatter_fold: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("JAX_UB_REDUCE_SCATTER_FOLD", "1") not in ("0", "")
+    reduce_scatter_fold_rows: int = dataclasses.field(
+        default_factory=lambda: _env_int("JAX_UB_REDUCE_SCATTER_FOLD_ROWS", 2048)
     )
 
     def __post_init__(self) -> None:
         _check(
-            self, "JAX_UB_TIMEOUT_S / JAX_UB_BUFFER_BYTES / JAX_UB_GEMM_ORDER or the constructor"
+            self,
+            "JAX_UB_TIMEOUT_S / JAX_UB_BUFFER_BYTES / JAX_UB_GEMM_ORDER / "
+            "JAX_UB_REDUCE_SCATTER_FOLD_ROWS or the constructor",
         )
 
 
