@@ -543,7 +543,7 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, op, RequiredBytes(OpKind::kAllGatherMatmul, chunk, size), &s, &e));
   *began = s;
-  const Schedule sched{s->rank, size, fold_rows_};
+  const Schedule sched{s->rank, size};
   const std::vector<int> peers = sched.PushOrder();
   const CallDescriptor desc{
       static_cast<uint32_t>(OpKind::kAllGatherMatmul), static_cast<uint32_t>(t), m, k, n, e};

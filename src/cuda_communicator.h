@@ -29,6 +29,7 @@
 #include "call_descriptor.h"
 #include "cuda_gemm.h"
 #include "dtype.h"
+#include "schedule.h"
 #include "status.h"
 #include "topology.h"
 
@@ -199,7 +200,7 @@ class CudaCommunicator {
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
-  int64_t fold_rows_ = 2048;
+  int64_t fold_rows_ = Schedule::kDefaultFoldRows;
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;

@@ -268,7 +268,7 @@ Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, con
   const int64_t chunk = m * k * es;
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, chunk, &ctx));
-  Schedule sched{ctx.rank, ctx.size, fold_rows_};
+  Schedule sched{ctx.rank, ctx.size};
   const std::vector<int> peers = sched.PushOrder();
   SlotHeader* own = header(ctx.slot);
   auto fail = [&](Status st) {
@@ -322,9 +322,10 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
   const char* xb = static_cast<const char*>(x);
 
   // Each peer's partial product goes straight into that peer's region; ours into our own
-  // region's slot for our rank, which no peer writes. Blocks are computed in pieces and,
-  // at size 2, our own block's pieces are summed with the peer's as each one lands
-  // (Schedule::ReduceScatterFolds; the CUDA GEMM adds it in its epilogue).
+  // region's slot for our rank, which no peer writes. Where the schedule folds (size 2,
+  // pieces large enough: Schedule::ReduceScatterFolds), blocks go in two pieces and each
+  // of our own is summed with the peer's as it lands (the CUDA GEMM adds it in its
+  // epilogue); otherwise one piece each and a sum pass.
   const int pieces = sched.ReduceScatterPieces(m);
   const bool fold = sched.ReduceScatterFolds(m);
   auto piece_flag = [&](SlotHeader* h, int p, int j) {

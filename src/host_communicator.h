@@ -22,6 +22,7 @@
 #include "broken_state.h"
 #include "call_descriptor.h"
 #include "dtype.h"
+#include "schedule.h"
 #include "status.h"
 #include "topology.h"
 
@@ -105,7 +106,7 @@ class HostCommunicator {
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
-  int64_t fold_rows_ = 2048;
+  int64_t fold_rows_ = Schedule::kDefaultFoldRows;
   std::vector<uint64_t> epoch_;  // per slot; guarded by slot_mu_
   // One call at a time per slot: should XLA's CPU runtime ever run two independent
   // side-effecting custom calls of one device concurrently, they queue here instead of

@@ -14,7 +14,8 @@ struct Schedule {
   int size;
   // Smallest piece (rows) worth folding a reduce-scatter for; negative: never. From
   // jax_ub.configure(reduce_scatter_fold_rows=...).
-  int64_t fold_rows = 2048;
+  static constexpr int64_t kDefaultFoldRows = 2048;
+  int64_t fold_rows = kDefaultFoldRows;
 
   // Peers in the order this rank pushes its data to them: nearest first, so every
   // rank's first push goes to a different peer and no link is hit twice at once.
