@@ -39,9 +39,12 @@ class CudaCommunicator {
  public:
   // With `multiprocess`, slots of other processes are mapped later: ExportHandles() gives
   // this process's CUDA IPC handles, Connect() opens the others' (through jax.distributed's
-  // key-value store in between). Otherwise every slot must be local.
+  // key-value store in between). Otherwise every slot must be local. `fold_rows`: the
+  // smallest piece for which GEMM+RS folds its reduction into the GEMM (Schedule::
+  // fold_rows); every rank of a group must use the same value.
   static Status Create(Topology topology, size_t capacity_bytes, double timeout_s, GemmOptions gemm,
-                       bool multiprocess, std::unique_ptr<CudaCommunicator>* out);
+                       int64_t fold_rows, bool multiprocess,
+                       std::unique_ptr<CudaCommunicator>* out);
   // Userbuffer bytes per GPU that one call of `op` needs, `chunk_bytes` being one rank's
   // chunk (x for AG, the output for RS). AG: a chunk per rank. RS: a received partial per
   // rank, plus as many staged for sending (a peer may still be reading our last push).
@@ -52,9 +55,6 @@ class CudaCommunicator {
   // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
   Status ExportHandles(std::vector<std::string>* handles) const;
   Status Connect(const std::vector<std::string>& handles);
-  // Smallest piece for which GEMM+RS folds the reduction into the GEMM (Schedule::
-  // fold_rows). Set before the first call; every rank of a group must use the same value.
-  void SetReduceScatterFoldRows(int64_t rows) { fold_rows_ = rows; }
   ~CudaCommunicator();
 
   // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
@@ -200,8 +200,8 @@ class CudaCommunicator {
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
-  int64_t fold_rows_ = Schedule::kDefaultFoldRows;
-  std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
+  int64_t fold_rows_ = Schedule::kDefaultFoldRows;  // see Create
+  std::vector<std::unique_ptr<Slot>> slots_;        // by slot index; null where not local
 
   BrokenState broken_;
 

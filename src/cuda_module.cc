@@ -35,7 +35,8 @@ NB_MODULE(_cuda, m) {
   m.def(
       "create_communicator",
       [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
-         bool allow_tf32, bool autotune, const std::string& gemm_order, bool multiprocess) {
+         bool allow_tf32, bool autotune, const std::string& gemm_order, int64_t fold_rows,
+         bool multiprocess) {
         jax_ub::GemmOptions gemm{allow_tf32, autotune, jax_ub::GemmOrder::kColumn};
         if (gemm_order == "auto") {
           gemm.order = jax_ub::GemmOrder::kAuto;
@@ -52,14 +53,16 @@ NB_MODULE(_cuda, m) {
         {
           nb::gil_scoped_release release;
           st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s, gemm,
-                                                multiprocess, &c);
+                                                fold_rows, multiprocess, &c);
         }
         jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::CudaCommunicator>::Add(std::move(c));
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
       nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("autotune") = true,
-      nb::arg("gemm_order") = "column", nb::arg("multiprocess") = false);
+      nb::arg("gemm_order") = "column",
+      nb::arg("reduce_scatter_fold_rows") = jax_ub::Schedule::kDefaultFoldRows,
+      nb::arg("multiprocess") = false);
   // Same names as the host module's, so one bootstrap serves both: "region names" are the
   // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
   m.def("region_names", [](int64_t id) {

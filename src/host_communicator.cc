@@ -54,13 +54,14 @@ struct HostCommunicator::CallContext {
 };
 
 Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                                const std::string& shm_prefix,
+                                int64_t fold_rows, const std::string& shm_prefix,
                                 std::unique_ptr<HostCommunicator>* out) {
   if (!(timeout_s > 0) || !std::isfinite(timeout_s))  // NaN and inf would disable deadlines
     return InvalidArgument(Fmt("timeout must be positive and finite, got %g s", timeout_s));
   std::unique_ptr<HostCommunicator> c(new HostCommunicator());
   c->capacity_ = (capacity_bytes + 63) / 64 * 64;
   c->timeout_s_ = timeout_s;
+  c->fold_rows_ = fold_rows;
   c->topology_ = std::move(topology);
   c->shared_ = !shm_prefix.empty();
   const int slots = c->topology_.num_slots();

@@ -46,8 +46,11 @@ class HostCommunicator {
   // wait on a peer. With a non-empty `shm_prefix` the local regions are POSIX shared
   // memory objects named `<prefix>_<slot>`, which processes holding the other slots map
   // with Connect(); otherwise every slot must be local and plain memory is used.
+  // `fold_rows`: the smallest piece for which GEMM+RS folds its reduction (Schedule::
+  // fold_rows); every rank of a group must use the same value.
   static Status Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                       const std::string& shm_prefix, std::unique_ptr<HostCommunicator>* out);
+                       int64_t fold_rows, const std::string& shm_prefix,
+                       std::unique_ptr<HostCommunicator>* out);
   // Region bytes per device that one call of `op` needs, `chunk_bytes` being one rank's
   // chunk (x for AG, the output for RS): one chunk or partial per rank, for either op.
   static int64_t RequiredBytes(OpKind /*op*/, int64_t chunk_bytes, int group_size) {
@@ -59,9 +62,6 @@ class HostCommunicator {
   const std::vector<std::string>& region_names() const { return names_; }
   // Map the regions of remote slots; names[slot] is ignored for local slots.
   Status Connect(const std::vector<std::string>& names);
-  // Smallest piece for which GEMM+RS folds the reduction into the GEMM (Schedule::
-  // fold_rows). Set before the first call; every rank of a group must use the same value.
-  void SetReduceScatterFoldRows(int64_t rows) { fold_rows_ = rows; }
   // Remove the local shared-memory names once every peer has mapped them: the mappings
   // stay, and nothing is left behind in /dev/shm if a process dies later.
   void Unlink();
@@ -106,8 +106,8 @@ class HostCommunicator {
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
-  int64_t fold_rows_ = Schedule::kDefaultFoldRows;
-  std::vector<uint64_t> epoch_;  // per slot; guarded by slot_mu_
+  int64_t fold_rows_ = Schedule::kDefaultFoldRows;  // see Create
+  std::vector<uint64_t> epoch_;                     // per slot; guarded by slot_mu_
   // One call at a time per slot: should XLA's CPU runtime ever run two independent
   // side-effecting custom calls of one device concurrently, they queue here instead of
   // interleaving their chunks (the descriptor check then reports any order mismatch).

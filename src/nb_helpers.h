@@ -38,8 +38,8 @@ std::shared_ptr<Communicator> FindCommunicator(int64_t id) {
 
 // The bindings both platform modules share, with the same names, so the Python side
 // (bootstrap, finalize, check_health, buffer sizing) serves either:
-// broken_reason, quiesce, destroy_communicator, set_reduce_scatter_fold_rows, num_communicators,
-// and `required_bytes(op, chunk_bytes, group_size)`, the communicator's own buffer sizing.
+// broken_reason, quiesce, destroy_communicator, num_communicators, and
+// `required_bytes(op, chunk_bytes, group_size)`, the communicator's own buffer sizing.
 template <typename Communicator>
 void DefCommonBindings(nanobind::module_& m) {
   m.def("broken_reason", [](int64_t id) {
@@ -54,9 +54,6 @@ void DefCommonBindings(nanobind::module_& m) {
   m.def("destroy_communicator", [](int64_t id) {
     nanobind::gil_scoped_release release;  // the destructor may wait for calls in flight
     return Registry<Communicator>::Remove(id);
-  });
-  m.def("set_reduce_scatter_fold_rows", [](int64_t id, int64_t rows) {
-    FindCommunicator<Communicator>(id)->SetReduceScatterFoldRows(rows);
   });
   m.def("num_communicators", []() { return Registry<Communicator>::Size(); });
   m.def("required_bytes", [](const std::string& op, int64_t chunk_bytes, int group_size) {

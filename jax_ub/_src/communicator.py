@@ -98,15 +98,13 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
     ordinals = [_device_ordinal(d) for d in devices]
-    extra = (
-        {
-            "allow_tf32": config.allow_tf32,
-            "autotune": config.autotune_gemm,
-            "gemm_order": config.gemm_order,
-        }
-        if key.platform == "cuda"
-        else {}
-    )
+    extra = {"reduce_scatter_fold_rows": config.reduce_scatter_fold_rows}
+    if key.platform == "cuda":
+        extra.update(
+            allow_tf32=config.allow_tf32,
+            autotune=config.autotune_gemm,
+            gemm_order=config.gemm_order,
+        )
     ns, peers = None, []
     if all(o >= 0 for o in ordinals):
         _check_peer_access(module, key, devices, ordinals)
@@ -126,7 +124,6 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             config.timeout_s,
             **extra,
         )
-    module.set_reduce_scatter_fold_rows(comm_id, config.reduce_scatter_fold_rows)
     return Communicator(
         id=comm_id,
         platform=key.platform,
