@@ -636,15 +636,12 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   char* own = recv + s->rank * chunk;      // our own partial, when it is summed in a pass
   // Each block in `pieces` row ranges (Schedule::ReduceScatterPieces); with `fold`, our
   // own product adds the peer's partial in its epilogue and writes `out`, with no sum pass.
-  const int pieces = sched.ReduceScatterPieces(m);
+  const std::vector<Schedule::Rows> piece_rows = sched.ReduceScatterPieces(m);
+  const int pieces = static_cast<int>(piece_rows.size());
   const bool fold = sched.ReduceScatterFolds(m);
-  if (pieces > 2) return Internal("a reduce-scatter chunk is sent in at most two pieces");
-  auto rows = [&](int p) {
-    return Schedule::PieceBegin(m, p + 1, pieces) - Schedule::PieceBegin(m, p, pieces);
-  };
-  auto offset = [&](int p) { return Schedule::PieceBegin(m, p, pieces) * n * es; };
-  auto input = [&](int d, int p) {  // piece p of row block d of x
-    return static_cast<const char*>(x) + (d * m + Schedule::PieceBegin(m, p, pieces)) * k * es;
+  auto offset = [&](int p) { return piece_rows[p].first * n * es; };  // in a partial
+  auto input = [&](int d, int p) {                                    // piece p of row block d of x
+    return static_cast<const char*>(x) + (d * m + piece_rows[p].first) * k * es;
   };
   // Where our own block's piece p goes, and what it adds (null: nothing).
   char* own_out = size == 1 || fold ? static_cast<char*>(out) : own;
@@ -658,8 +655,8 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   std::vector<const CublasLtGemm::Plan*> plans(pieces);
   for (int p = 0; p < pieces; ++p)
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, input(s->rank, p), w, w_transposed,
-                                            own_out + offset(p), rows(p), k, n, addend(p), s->tune,
-                                            &plans[p]));
+                                            own_out + offset(p), piece_rows[p].count, k, n,
+                                            addend(p), s->tune, &plans[p]));
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
   // Each peer's partial first, each piece sent while the next one is computed; ours last.
@@ -687,7 +684,7 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
         JAX_UB_RETURN_IF_ERROR(Publish(*s, cs, d, desc));
       }
       JAX_UB_CUDA(cudaMemcpyAsync(s->peer_buffer[d] + s->rank * chunk + offset(p), dst,
-                                  rows(p) * n * es, cudaMemcpyDeviceToDevice, cs));
+                                  piece_rows[p].count * n * es, cudaMemcpyDeviceToDevice, cs));
       JAX_UB_RETURN_IF_ERROR(Signal(cs, s->peer_flags[d] + PieceFlag(p, pieces) + s->rank, e));
     }
     if (d != s->rank) JAX_UB_CUDA(cudaEventRecord(s->comm_done[d], s->comm[d]));

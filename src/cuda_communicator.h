@@ -107,7 +107,8 @@ class CudaCommunicator {
   static constexpr int kCreditFlag = 2 * kMaxRanks;
   static constexpr int kHealthFlag = 3 * kMaxRanks;
   static constexpr int kDescFlag = 3 * kMaxRanks + 8;
-  // The flag announcing piece `piece` of `pieces` of a chunk: the data flag for the last.
+  // The flag announcing piece `piece` of `pieces` of a chunk (Schedule sends at most two):
+  // the data flag for the last.
   static int PieceFlag(int piece, int pieces) {
     return piece + 1 == pieces ? kDataFlag : kFirstPieceFlag;
   }

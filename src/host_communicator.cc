@@ -327,7 +327,8 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
   // pieces large enough: Schedule::ReduceScatterFolds), blocks go in two pieces and each
   // of our own is summed with the peer's as it lands (the CUDA GEMM adds it in its
   // epilogue); otherwise one piece each and a sum pass.
-  const int pieces = sched.ReduceScatterPieces(m);
+  const std::vector<Schedule::Rows> piece_rows = sched.ReduceScatterPieces(m);
+  const int pieces = static_cast<int>(piece_rows.size());
   const bool fold = sched.ReduceScatterFolds(m);
   auto piece_flag = [&](SlotHeader* h, int p, int j) {
     return p + 1 == pieces ? &h->data_epoch[j] : &h->first_piece_epoch[j];
@@ -340,8 +341,7 @@ Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x,
       if (!st.ok()) return fail(st);
     }
     for (int p = 0; p < pieces; ++p) {
-      const int64_t r0 = Schedule::PieceBegin(m, p, pieces);
-      const int64_t rows = Schedule::PieceBegin(m, p + 1, pieces) - r0;
+      const int64_t r0 = piece_rows[p].first, rows = piece_rows[p].count;
       const char* a = xb + (d * m + r0) * k * es;
       const int64_t off = r0 * n * es;
       if (d != ctx.rank) {

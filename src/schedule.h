@@ -62,11 +62,19 @@ struct Schedule {
   bool ReduceScatterFolds(int64_t rows) const {
     return size == 2 && fold_rows >= 0 && rows / 2 >= fold_rows;
   }
-  int ReduceScatterPieces(int64_t rows) const { return ReduceScatterFolds(rows) ? 2 : 1; }
 
-  // First row of `piece` (of ReduceScatterPieces()) in a block of `rows` rows; piece
-  // `pieces` gives `rows`.
-  static int64_t PieceBegin(int64_t rows, int piece, int pieces) { return rows * piece / pieces; }
+  // A run of rows of a block.
+  struct Rows {
+    int64_t first;
+    int64_t count;
+  };
+
+  // The row ranges, in order, that each reduce-scatter block of `rows` rows is computed
+  // and sent in: its two halves where it folds (the first may be empty), else the block.
+  std::vector<Rows> ReduceScatterPieces(int64_t rows) const {
+    if (!ReduceScatterFolds(rows)) return {{0, rows}};
+    return {{0, rows / 2}, {rows / 2, rows - rows / 2}};
+  }
 
   // Partials are summed in rank order, independent of arrival, so results are
   // bitwise reproducible run to run.
