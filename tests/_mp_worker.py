@@ -115,6 +115,12 @@ try:
         )
         out = f(x, w)
         result = [float(np.abs(np.asarray(s.data)).sum()) for s in out.addressable_shards]
+    elif scenario == "mismatched_setting":
+        # The last process folds every reduce-scatter, its peers none: left to run, the
+        # folding side would wait for a first piece never sent. Both ops must refuse at the
+        # communicator's creation, naming the setting, in every process.
+        jax_ub.configure(reduce_scatter_fold_rows=0 if pid == nproc - 1 else -1)
+        result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario == "absent_peer":
         if pid == nproc - 1:
             time.sleep(30)  # never calls the op; the others must give up with an error

@@ -129,6 +129,17 @@ def test_mismatched_shape_fails_clearly():
     assert "rows=8" in text and "rows=16" in text, text[-3000:]
 
 
+def test_mismatched_setting_fails_clearly():
+    """One process sets reduce_scatter_fold_rows otherwise: every process fails when the
+    communicator is created, naming the setting and both values, before any op can wait
+    for a piece its peer will never send."""
+    out = _run("mismatched_setting", 2, 1)
+    for code, text in out:
+        assert code != 0, text[-2000:]
+        assert "configured jax_ub differently: reduce_scatter_fold_rows=" in text, text[-2000:]
+        assert re.search(r"=(0 there, -1|-1 there, 0) here", text), text[-2000:]
+
+
 def test_absent_peer_fails_with_timeout_not_hang():
     """The last process never calls the op: the others fail with an error naming it within
     the deadline (JAX_UB_TIMEOUT_S=8 in the worker). jax.distributed then takes the idle

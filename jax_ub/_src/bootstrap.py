@@ -102,6 +102,23 @@ def _check_hosts(group_size, device_ids, process_of_slot, host_of_process) -> No
         )
 
 
+def _check_agreed(process: int, theirs: dict, ours: dict[str, object]) -> None:
+    """Raise ValueError naming each setting that process `process` has set otherwise."""
+    # Through JSON and back, so that both sides compare as the peer's values arrived.
+    ours = json.loads(json.dumps(ours))
+    differ = [
+        f"{name}={theirs.get(name)!r} there, {value!r} here"
+        for name, value in ours.items()
+        if theirs.get(name) != value
+    ]
+    if differ:
+        raise ValueError(
+            f"jax_ub: process {process} configured jax_ub differently: {'; '.join(differ)}. "
+            "Every process of a job must make the same jax_ub.configure(...) calls and set "
+            "the same JAX_UB_* variables"
+        )
+
+
 def kv_client():
     from jax._src import distributed  # noqa: PLC0415
 
@@ -124,9 +141,15 @@ def create_across_processes(
     device_ids: list[int],
     capacity: int,
     timeout_s: float,
+    agreed: dict[str, object],
     **create_kwargs,
 ) -> tuple[int, str, list[int]]:
     """Create a communicator over slots held by several processes.
+
+    `agreed` holds the settings every process must share because the protocol depends on
+    them (a process that splits its blocks differently from its peer would leave it waiting
+    for a piece that never comes); each process publishes its own with its handles, and a
+    difference is a ValueError naming the setting and both values, in every process.
 
     Returns (communicator id, key namespace, peer process indices); the last two are what
     teardown() needs. Raises PeersUnreachable, in every process alike, where a group spans
@@ -150,7 +173,7 @@ def create_across_processes(
         names = list(module.region_names(comm_id))
         mine = {s: n for s, n in enumerate(names) if n}
         host = host_identity()
-        info = {"names": mine, "capacity": capacity, "host": host}
+        info = {"names": mine, "capacity": capacity, "host": host, "agreed": agreed}
         client.key_value_set(f"{ns}/p{me}", json.dumps(info))
         host_of_process = {me: host}
         for p in peers:
@@ -160,6 +183,7 @@ def create_across_processes(
                     f"jax_ub: process {p} sized its userbuffer {info['capacity']} bytes, this "
                     f"process {capacity}: the processes run different shapes or settings"
                 )
+            _check_agreed(p, info["agreed"], agreed)
             host_of_process[p] = info["host"]
             for slot, name in info["names"].items():
                 names[int(slot)] = name

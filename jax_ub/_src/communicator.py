@@ -122,6 +122,8 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             [d.id for d in devices],
             capacity,
             config.timeout_s,
+            # The schedule follows this one, so every process must use the same value.
+            {"reduce_scatter_fold_rows": config.reduce_scatter_fold_rows},
             **extra,
         )
     return Communicator(

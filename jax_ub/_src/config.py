@@ -78,7 +78,8 @@ class Config:
         rows (default 2048: on 2 H200s smaller pieces made the op ~1% slower, see
         ``benchmarks/RESULTS.md``); ``0`` always, negative never (env
         ``JAX_UB_REDUCE_SCATTER_FOLD_ROWS``). Every process of a group must use the same
-        value. Results agree to float rounding (the fold rounds the local partial once
+        value: creating a communicator across processes compares it and raises
+        ``ValueError`` naming both values where they differ. Results agree to float rounding (the fold rounds the local partial once
         less).
     """
 
