@@ -79,8 +79,8 @@ class Config:
         ``benchmarks/RESULTS.md``); ``0`` always, negative never (env
         ``JAX_UB_REDUCE_SCATTER_FOLD_ROWS``). Every process of a group must use the same
         value: creating a communicator across processes compares it and raises
-        ``ValueError`` naming both values where they differ. Results agree to float rounding (the fold rounds the local partial once
-        less).
+        ``ValueError`` naming both values where they differ. Results agree to float
+        rounding (the fold rounds the local partial once less).
     """
 
     buffer_bytes: int = dataclasses.field(
