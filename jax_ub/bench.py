@@ -17,6 +17,7 @@ to [M/tp, K] (GEMM+RS).
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import json
@@ -127,13 +128,17 @@ def _solo_mesh(mesh) -> Mesh:
     return Mesh(np.array(mesh.devices).reshape(-1, 1), (AXIS, SOLO))
 
 
-def build_ag(mesh, M, K, N, dtype, seed):
+def build_ag(mesh, M, K, N, dtype, seed, variants=()):
     tp = mesh.shape[AXIS]
     x = _random(seed, (M, K), dtype)
     w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
     xs, xr, ws = _put(x, mesh, P(AXIS, None)), _put(x, mesh, P()), _put(w, mesh, P(None, AXIS))
     row, col = (P(AXIS, None), P(None, AXIS)), P(None, AXIS)
     row_solo = (P(), P(None, AXIS))
+
+    def ub():
+        return _smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="ub"), row, col)
+
     impls = {
         "gemm": (_smap(mesh, lambda a, b: a @ b, (P(), P(None, AXIS)), col), (xr, ws)),
         "comm": (_smap(mesh, lambda a, b: lax.all_gather(a, AXIS, tiled=True), row, P()), (xs, ws)),
@@ -142,11 +147,9 @@ def build_ag(mesh, M, K, N, dtype, seed):
             (xs, ws),
         ),
         "ring": (_smap(mesh, ring_all_gather_matmul, row, col), (xs, ws)),
-        "jax_ub": (
-            _smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="ub"), row, col),
-            (xs, ws),
-        ),
+        "jax_ub": (ub(), (xs, ws)),
     }
+    _add_variants(impls, ub, (xs, ws), variants)
     if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
         # jax_ub's own GEMM alone: the op on groups of one GPU, the "gemm" row's shapes.
         solo = _solo_mesh(mesh)
@@ -164,12 +167,18 @@ def build_ag(mesh, M, K, N, dtype, seed):
     return impls, impls["xla_seq"]
 
 
-def build_rs(mesh, M, K, N, dtype, seed):
+def build_rs(mesh, M, K, N, dtype, seed, variants=()):
     x = _random(seed, (M, N), dtype)
     w = _random(seed + 1, (N, K), dtype, 1 / np.sqrt(N))
     xs, ws = _put(x, mesh, P(None, AXIS)), _put(w, mesh, P(AXIS, None))
     ins, out = (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
     y_local = _put(np.ones((M * mesh.shape[AXIS], K), dtype), mesh, P(AXIS, None))
+
+    def ub():
+        return _smap(
+            mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="ub"), ins, out
+        )
+
     impls = {
         "gemm": (_smap(mesh, lambda a, b: a @ b, ins, P(AXIS, None)), (xs, ws)),
         "comm": (
@@ -187,11 +196,9 @@ def build_rs(mesh, M, K, N, dtype, seed):
             ),
             (xs, ws),
         ),
-        "jax_ub": (
-            _smap(mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="ub"), ins, out),
-            (xs, ws),
-        ),
+        "jax_ub": (ub(), (xs, ws)),
     }
+    _add_variants(impls, ub, (xs, ws), variants)
     if jax.process_count() == 1:
         solo = _solo_mesh(mesh)
         impls["ub_gemm"] = (
@@ -199,6 +206,42 @@ def build_rs(mesh, M, K, N, dtype, seed):
             (_put(x, solo, P(None, AXIS)), _put(w, solo, P(AXIS, None))),
         )
     return impls, impls["xla_seq"]
+
+
+def parse_variants(text: str) -> list[dict]:
+    """ "name=value,name=value;name=value" -> one dict of jax_ub settings per variant.
+    Values are read as Python literals where they parse (ints, floats, True), else kept as
+    strings ("auto")."""
+    variants = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        settings = {}
+        for item in part.split(","):
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--ub-variants: {item!r} is not name=value")
+            try:
+                settings[name.strip()] = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                settings[name.strip()] = value.strip()
+        variants.append(settings)
+    return variants
+
+
+def variant_name(settings: dict) -> str:
+    return "jax_ub[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
+
+
+def _add_variants(impls, make, args, variants) -> None:
+    """jax_ub's op again under other settings, one row each, interleaved with the rest.
+    Communicators take their settings when they are created, at lowering: so each variant
+    is compiled now, with its settings configured, and keeps a communicator of its own."""
+    for settings in variants:
+        saved = {name: getattr(jax_ub.config, name) for name in settings}
+        jax_ub.configure(**settings)
+        try:
+            impls[variant_name(settings)] = (make().lower(*args).compile(), args)
+        finally:
+            jax_ub.configure(**saved)
 
 
 @jax.jit
@@ -348,6 +391,13 @@ def main(argv=None) -> None:
         help="make every timed loop last at least this long (more calls than --iters where "
         "needed), so the GPU reaches its steady, power-capped clock; one process only",
     )
+    ap.add_argument(
+        "--ub-variants",
+        default="",
+        help="more jax_ub rows, each under other jax_ub settings, measured in the same "
+        'interleaved rounds: "name=value,...;name=value" (e.g. '
+        '"reduce_scatter_fold_rows=-1;gemm_order=auto"); printed relative to jax_ub',
+    )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
     ap.add_argument("--no-windowed-einsum", action="store_true")
     ap.add_argument("--json", default="")
@@ -368,6 +418,16 @@ def main(argv=None) -> None:
         help="run XLA's windowed einsum (a process per shape) for the first shape only",
     )
     args = ap.parse_args(argv)
+    try:
+        variants = parse_variants(args.ub_variants)
+        known = {f.name for f in dataclasses.fields(jax_ub.Config)}
+        for settings in variants:  # a bad name or value fails now, not after the first shape
+            unknown = sorted(set(settings) - known)
+            if unknown:
+                raise ValueError(f"--ub-variants: unknown jax_ub setting(s) {unknown}")
+            dataclasses.replace(jax_ub.config, **settings)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
     dtype = jnp.dtype(args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     if args.sweep_m:
@@ -397,7 +457,7 @@ def main(argv=None) -> None:
     for M, K, N in shapes:
         for op in args.ops.split(","):
             build = build_ag if op == "ag" else build_rs
-            impls, ref = build(mesh, M, K, N, dtype, M + K + N)
+            impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants)
             measured = measure(impls, ref, args.rounds, args.iters, args.loop_seconds)
             times, errs = measured.times, measured.errs
             first = (M, K, N) == shapes[0]
@@ -438,10 +498,11 @@ def main(argv=None) -> None:
                 "long the host took to issue the loop",
                 flush=True,
             )
+            width = max(22, *map(len, times))
             for name, t in sorted(times.items(), key=lambda kv: kv[1]):
                 e, sp, d = errs.get(name), measured.spread.get(name), measured.issued.get(name)
                 say(
-                    f"  {name:22s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
+                    f"  {name:{width}s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
                     + (f"  spread {100 * sp:4.1f}%  issued in {d:6.3f}" if d is not None else "")
                     + (f"  rel_err {e:.1e}" if e is not None else ""),
                     flush=True,
@@ -450,6 +511,10 @@ def main(argv=None) -> None:
                 f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
                 flush=True,
             )
+            for settings in variants:  # an A/B of settings, same rounds
+                name = variant_name(settings)
+                if name in times:
+                    say(f"  {name} / jax_ub = {times[name] / t_ub:.3f}", flush=True)
             if "ub_gemm" in times:
                 # Splits a miss: jax_ub's GEMM kernels against XLA's, and the overlapped op
                 # against its own GEMM run alone.

@@ -1,6 +1,7 @@
 """Communicator lifecycle: initialize/finalize, several communicators, buffer growth."""
 
 import os
+import re
 import time
 
 import jax
@@ -127,6 +128,39 @@ def test_configured_settings_reach_the_communicator(mesh1d):
     comm = jax_ub.initialize(mesh1d(2), "tp")
     assert comm.capacity_bytes == 3 << 20
     assert comm.timeout_s == 7.5
+
+
+def _comm_id_in(f, *args) -> int:
+    """The communicator id that f's lowered program passes to jax_ub's custom call."""
+    (found,) = set(re.findall(r"comm_id = (\d+)", f.lower(*args).as_text()))
+    return int(found)
+
+
+def test_configure_after_first_use_applies_to_new_traces(mesh1d, rand):
+    """A setting a communicator is created with, changed after the first op, reaches the
+    programs traced afterwards through a new communicator; the program compiled before keeps
+    its own and still computes right; going back to the old values finds the old one."""
+    mesh = mesh1d(2)
+    x, w = rand(8, 6), rand(6, 10)
+    ref = x @ w
+    first = _ag(mesh)
+    assert rel_err(first(x, w), ref) < 1e-5
+    old = jax_ub.initialize(mesh, "tp")
+    assert _comm_id_in(first, x, w) == old.id
+
+    fold = jax_ub.config.reduce_scatter_fold_rows
+    jax_ub.configure(timeout_s=old.timeout_s + 1.5, reduce_scatter_fold_rows=fold + 1)
+    new = jax_ub.initialize(mesh, "tp")
+    assert new.id != old.id and new.timeout_s == old.timeout_s + 1.5
+    assert _host.num_communicators() == 2
+    second = _ag(mesh)  # traced now: the new communicator
+    assert _comm_id_in(second, x, w) == new.id
+    assert rel_err(second(x, w), ref) < 1e-5
+    assert rel_err(first(x, w), ref) < 1e-5  # compiled before: still the old one
+
+    jax_ub.configure(timeout_s=old.timeout_s, reduce_scatter_fold_rows=fold)
+    assert jax_ub.initialize(mesh, "tp").id == old.id
+    assert _host.num_communicators() == 2
 
 
 def test_two_communicators_in_one_program(mesh2d, rand):

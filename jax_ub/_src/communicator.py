@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_ub._src import bootstrap, extension
-from jax_ub._src.config import config
+from jax_ub._src.config import config, creation_settings
 
 _MIB = 1 << 20
 # Default userbuffer when the config leaves it to us: what the op needs, but at least this,
@@ -33,6 +33,9 @@ class _Key:
     axis_name: str
     device_ids: tuple[int, ...]  # global device ids, slot order
     group_size: int
+    # (name, value) of what the communicator is created with (config.creation_settings):
+    # after jax_ub.configure changes one, new traces get a communicator made with it.
+    settings: tuple[tuple[str, object], ...]
 
 
 @dataclasses.dataclass
@@ -98,32 +101,33 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
     ordinals = [_device_ordinal(d) for d in devices]
-    extra = {"reduce_scatter_fold_rows": config.reduce_scatter_fold_rows}
+    settings = dict(key.settings)
+    extra = {"reduce_scatter_fold_rows": settings["reduce_scatter_fold_rows"]}
     if key.platform == "cuda":
         extra.update(
-            allow_tf32=config.allow_tf32,
-            autotune=config.autotune_gemm,
-            gemm_order=config.gemm_order,
+            allow_tf32=settings["allow_tf32"],
+            autotune=settings["autotune_gemm"],
+            gemm_order=settings["gemm_order"],
         )
+    timeout_s = settings["timeout_s"]
     ns, peers = None, []
     if all(o >= 0 for o in ordinals):
         _check_peer_access(module, key, devices, ordinals)
-        comm_id = module.create_communicator(
-            key.group_size, ordinals, capacity, config.timeout_s, **extra
-        )
+        comm_id = module.create_communicator(key.group_size, ordinals, capacity, timeout_s, **extra)
     else:
         comm_id, ns, peers = bootstrap.create_across_processes(
             module,
             key.platform,
-            dataclasses.astuple(key),
+            # Not the settings: processes that differ must meet, to say so (bootstrap).
+            (key.platform, key.axis_name, key.device_ids, key.group_size),
             key.group_size,
             ordinals,
             [d.process_index for d in devices],
             [d.id for d in devices],
             capacity,
-            config.timeout_s,
+            timeout_s,
             # The schedule follows this one, so every process must use the same value.
-            {"reduce_scatter_fold_rows": config.reduce_scatter_fold_rows},
+            {"reduce_scatter_fold_rows": extra["reduce_scatter_fold_rows"]},
             **extra,
         )
     return Communicator(
@@ -133,7 +137,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
         group_size=key.group_size,
         num_groups=len(devices) // key.group_size,
         capacity_bytes=capacity,
-        timeout_s=config.timeout_s,
+        timeout_s=timeout_s,
         devices=tuple(devices),
         bootstrap_namespace=ns,
         peer_processes=tuple(peers),
@@ -179,7 +183,8 @@ def get_communicator(
     needed_bytes: int = 0,
     requested_bytes: int | None = None,
 ) -> Communicator:
-    """The communicator for (mesh, axis) on `platform`, created or grown as needed.
+    """The communicator for (mesh, axis) on `platform` with the settings configured now
+    (config.creation_settings), created or grown as needed.
 
     `requested_bytes` is an explicit size (from initialize); otherwise the buffer is sized
     from the config, or from what the op needs with a floor that spares a model's first
@@ -187,7 +192,7 @@ def get_communicator(
     """
     devices = slot_devices(mesh, axis_name)
     group_size = mesh.shape[axis_name]
-    key = _Key(platform, axis_name, tuple(d.id for d in devices), group_size)
+    key = _Key(platform, axis_name, tuple(d.id for d in devices), group_size, creation_settings())
     with _lock:
         if key in _unreachable:
             raise PeersUnreachable(_unreachable[key])

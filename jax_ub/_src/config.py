@@ -113,9 +113,31 @@ class Config:
 
 config = Config()
 
+# What a communicator takes from the config when it is created; fixed for its lifetime. A
+# change to any of them gets programs traced afterwards a new communicator (see
+# communicator.get_communicator). buffer_bytes and allow_grow only size buffers.
+_CREATION_SETTINGS = (
+    "timeout_s",
+    "allow_tf32",
+    "autotune_gemm",
+    "gemm_order",
+    "reduce_scatter_fold_rows",
+)
+
+
+def creation_settings() -> tuple[tuple[str, object], ...]:
+    """The current values of the settings a communicator is created with, as (name,
+    value) pairs (hashable: part of the communicator cache's key)."""
+    return tuple((name, getattr(config, name)) for name in _CREATION_SETTINGS)
+
 
 def configure(**changes: object) -> Config:
     """Change settings for communicators created from now on; returns the new config.
+
+    Programs traced afterwards get a communicator made with the new values (a new one
+    where a setting it is created with changed, e.g. ``timeout_s`` or ``gemm_order``);
+    programs compiled before keep theirs until :func:`jax_ub.finalize`. Each distinct
+    combination in use holds its own userbuffers.
 
     Example::
 
