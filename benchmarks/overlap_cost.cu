@@ -54,7 +54,7 @@ const char* const kNames[kPhases] = {"gemm",     "halves",   "ag",     "rs",
 struct Gpu {
   int device = 0;
   jax_ub::CublasLtGemm* gemm = nullptr;
-  const jax_ub::CublasLtGemm::Plan *full = nullptr, *half = nullptr, *quarter = nullptr;
+  jax_ub::CublasLtGemm::Plan *full = nullptr, *half = nullptr, *quarter = nullptr;
   __nv_bfloat16 *a = nullptr, *b = nullptr, *c = nullptr, *out = nullptr;
   cudaStream_t compute = nullptr, copy = nullptr;
   cudaEvent_t begin = nullptr, end = nullptr;  // timing
@@ -81,7 +81,10 @@ void Setup(Gpu& g, int device, Shape s) {
   FillRandom(g.a, 2 * s.m * s.k, 1 + device, 1.0f, g.compute);
   FillRandom(g.b, s.k * s.n, 7 + device, 0.01f, g.compute);
   Check(cudaStreamSynchronize(g.compute), "fill");
-  Check(jax_ub::CublasLtGemm::Create(jax_ub::GemmOptions{}, &g.gemm), "CublasLtGemm::Create");
+  // The tuned pick throughout: in-op trials would change kernels between phases.
+  jax_ub::GemmOptions options;
+  options.trials = 0;
+  Check(jax_ub::CublasLtGemm::Create(options, &g.gemm), "CublasLtGemm::Create");
   Check(g.gemm->Prepare(jax_ub::DType::kBF16, g.a, g.b, false, g.c, 2 * s.m, s.k, s.n, nullptr,
                         g.compute, &g.full),
         "Prepare (full)");
@@ -109,7 +112,7 @@ void Teardown(Gpu& g) {
 // Enqueues one iteration of `phase` on both GPUs.
 void Iteration(Gpu* gpus, Phase phase, Shape s) {
   const size_t a_half = size_t(s.m) * s.k, c_half = size_t(s.m) * s.n;
-  auto gemm = [&](Gpu& g, const jax_ub::CublasLtGemm::Plan* plan, size_t row0) {
+  auto gemm = [&](Gpu& g, jax_ub::CublasLtGemm::Plan* plan, size_t row0) {
     Check(g.gemm->Matmul(plan, g.a + row0 * s.k, g.b, g.c + row0 * s.n, g.compute), "Matmul");
   };
   // Pushes `bytes` from this GPU's `src` into the peer's `dst` once `after` (an event of

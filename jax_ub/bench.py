@@ -40,6 +40,7 @@ import jax_ub
 from jax_ub._src.communicator import host_times
 
 AXIS = "tp"
+WARMUP_CALLS = 20  # per implementation and shape, before anything is timed
 SOLO = "solo"  # a size-1 axis: jax_ub's op as a GEMM alone
 
 
@@ -289,6 +290,10 @@ def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0
         (f, args), (g, gargs) = impls["ub_gemm"], impls["gemm"]
         errs["ub_gemm"] = rel_err(f(*args), g(*gargs))
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
+    # Warm-up: jax_ub's first 15 calls of a shape still compare GEMM kernels
+    # (config.gemm_trials); every implementation gets the same calls.
+    for f, args in live.values():
+        loop_time_ms(f, args, WARMUP_CALLS)
     calls = {n: iters for n in live}
     if loop_seconds > 0:
         calls = {n: calls_lasting(f, args, loop_seconds, iters) for n, (f, args) in live.items()}

@@ -553,13 +553,14 @@ Status CudaCommunicator::EnqueueAllGatherMatmul(int device, cudaStream_t xs, DTy
   // peer (see CublasLtGemm::Prepare). Remote chunks may still be landing in `buffer`,
   // which only matters for their values; `out` is rewritten below.
   const std::vector<Schedule::Span> spans = sched.AllGatherSpans();
-  std::vector<const CublasLtGemm::Plan*> plans(spans.size());
+  std::vector<CublasLtGemm::Plan*> plans(spans.size());
   for (size_t i = 0; i < spans.size(); ++i) {
     const void* src = spans[i].first == s->rank ? x : s->buffer + spans[i].first * chunk;
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, src, w, w_transposed,
                                             static_cast<char*>(out) + spans[i].first * m * n * es,
                                             spans[i].count * m, k, n, nullptr, s->tune, &plans[i]));
   }
+  s->gemm->BeginCall();
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
 
@@ -652,11 +653,12 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
   // peer (see CublasLtGemm::Prepare), with our own block's operands. Peers may be writing
   // their partials into `recv` meanwhile, which only matters for values; this writes
   // only `out` and our own slot of `recv`, which no peer writes.
-  std::vector<const CublasLtGemm::Plan*> plans(pieces);
+  std::vector<CublasLtGemm::Plan*> plans(pieces);
   for (int p = 0; p < pieces; ++p)
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(t, input(s->rank, p), w, w_transposed,
                                             own_out + offset(p), piece_rows[p].count, k, n,
                                             addend(p), s->tune, &plans[p]));
+  s->gemm->BeginCall();
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
   // Each peer's partial first, each piece sent while the next one is computed; ours last.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_check.h"
@@ -18,6 +20,10 @@ constexpr int kRunsPerRound = 3;               // each this many runs back to ba
 // deadline, while its first call of a shape tunes): candidates beyond what three rounds
 // can time in it are dropped, the slowest first, and rounds stop once it is spent.
 constexpr double kTuneBudgetS = 2.0;
+// In-op trials (CublasLtGemm::Matmul): after one untimed round over the candidates (the
+// first calls run while the GPU and the peers settle), each candidate is timed in this
+// many op calls, and the smallest median wins.
+constexpr int kTrialRounds = 4;
 
 float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -67,7 +73,19 @@ CublasLtGemm::~CublasLtGemm() {
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
+void CublasLtGemm::DestroyTrial(Trial& t) {
+  // An event still pending is released once it completes (cudaEventDestroy).
+  for (const Trial::Timing& x : t.pending) {
+    cudaEventDestroy(x.begin);
+    cudaEventDestroy(x.end);
+  }
+  for (cudaEvent_t e : t.spare) cudaEventDestroy(e);
+  t.pending.clear();
+  t.spare.clear();
+}
+
 void CublasLtGemm::Destroy(Plan& p) {
+  if (p.trial != nullptr) DestroyTrial(*p.trial);
   if (p.first != nullptr) cublasLtMatrixLayoutDestroy(p.first);
   if (p.second != nullptr) cublasLtMatrixLayoutDestroy(p.second);
   if (p.out != nullptr) cublasLtMatrixLayoutDestroy(p.out);
@@ -179,8 +197,22 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
   const Candidate& chosen = candidates[best];
   Plan kept = described[chosen.description];
   kept.algo = chosen.algo;
+  std::tie(std::ignore, kept.m, kept.k, kept.n, std::ignore) = key;
   for (size_t i = 0; i < described.size(); ++i)
     if (static_cast<int>(i) != chosen.description) Destroy(described[i]);
+  // The op's first calls compare the fastest few of the kept description (see Matmul).
+  std::vector<const Candidate*> timed;
+  for (const Candidate& cand : candidates)
+    if (cand.description == chosen.description && !cand.ms.empty()) timed.push_back(&cand);
+  std::stable_sort(timed.begin(), timed.end(), [](const Candidate* x, const Candidate* y) {
+    return Median(x->ms) < Median(y->ms);
+  });
+  if (options_.trials >= 2 && timed.size() >= 2) {
+    kept.trial = std::make_shared<Trial>();
+    for (size_t i = 0; i < timed.size() && static_cast<int>(i) < options_.trials; ++i)
+      kept.trial->algos.push_back(timed[i]->algo);
+    kept.trial->ms.resize(kept.trial->algos.size());
+  }
   JAX_UB_TRACE("GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, %.3f ms",
                static_cast<long long>(std::get<1>(key)), static_cast<long long>(std::get<2>(key)),
                static_cast<long long>(std::get<3>(key)), kept.row ? "row" : "column",
@@ -188,7 +220,7 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
                AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
                AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
                chosen.ms.empty() ? -1.0f : Median(chosen.ms));
-  *plan = &plans_.emplace(key, kept).first->second;
+  *plan = &plans_.emplace(key, std::move(kept)).first->second;
   return Status::Ok();
 }
 
@@ -286,7 +318,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
 
 Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c,
                              int64_t m, int64_t k, int64_t n, const void* addend,
-                             cudaStream_t tune_stream, const Plan** plan) {
+                             cudaStream_t tune_stream, Plan** plan) {
   *plan = nullptr;
   if (m == 0 || n == 0) return Status::Ok();
   const Key key{static_cast<int>(t), m, k, n, b_transposed};
@@ -304,14 +336,17 @@ Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_trans
   Plan* p = nullptr;
   if (it == plans_.end()) {
     JAX_UB_RETURN_IF_ERROR(MakePlan(key, a, b, c, tune_stream, &p));
-    // Run the chosen algorithm once (autotuning already did), so its kernel is loaded
-    // before any call of this shape has a peer wait in flight.
-    if (!options_.autotune) JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream));
+    // Run the chosen algorithm once (autotuning already ran every candidate), so its
+    // kernel is loaded before any call of this shape has a peer wait in flight.
+    if (!options_.autotune) JAX_UB_RETURN_IF_ERROR(Run(*p, p->algo, a, b, c, tune_stream));
   } else {
     p = &it->second;
   }
   if (addend != nullptr) {  // its values do not matter here: c is rewritten by the caller
-    JAX_UB_RETURN_IF_ERROR(Matmul(p, a, b, c, tune_stream, addend));
+    JAX_UB_RETURN_IF_ERROR(Run(*p, p->algo, a, b, c, tune_stream, addend));
+    if (p->trial != nullptr)  // any of them may run with an addend in the op
+      for (const cublasLtMatmulAlgo_t& algo : p->trial->algos)
+        JAX_UB_RETURN_IF_ERROR(Run(*p, algo, a, b, c, tune_stream, addend));
     p->ran_with_addend = true;
   }
   JAX_UB_CUDA(cudaStreamSynchronize(tune_stream));
@@ -319,10 +354,79 @@ Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_trans
   return Status::Ok();
 }
 
-Status CublasLtGemm::Matmul(const Plan* p, const void* a, const void* b, void* c,
-                            cudaStream_t stream, const void* addend) {
+Status CublasLtGemm::Matmul(Plan* p, const void* a, const void* b, void* c, cudaStream_t stream,
+                            const void* addend) {
   if (p == nullptr) return Status::Ok();  // an empty shape
+  if (p->trial != nullptr) return TrialMatmul(*p, a, b, c, stream, addend);
   return Run(*p, p->algo, a, b, c, stream, addend);
+}
+
+Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
+                                 cudaStream_t stream, const void* addend) {
+  JAX_UB_RETURN_IF_ERROR(Harvest(p));
+  if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, addend);  // just decided
+  Trial& tr = *p.trial;
+  const int count = static_cast<int>(tr.algos.size());
+  if (tr.last_call != call_) {
+    tr.last_call = call_;
+    tr.current = tr.calls++ % count;
+  }
+  // Past the warm-up round and the timed ones: the tuned pick until the timings are in.
+  const int round = (tr.calls - 1) / count;
+  if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, addend);
+  const cublasLtMatmulAlgo_t& algo = tr.algos[tr.current];
+  if (round == 0) return Run(p, algo, a, b, c, stream, addend);
+  cudaEvent_t ev[2];
+  for (cudaEvent_t& e : ev) {
+    if (tr.spare.empty()) {
+      JAX_UB_CUDA(cudaEventCreate(&e));
+    } else {
+      e = tr.spare.back();
+      tr.spare.pop_back();
+    }
+  }
+  tr.pending.push_back(Trial::Timing{tr.current, ev[0], ev[1]});
+  JAX_UB_CUDA(cudaEventRecord(ev[0], stream));
+  JAX_UB_RETURN_IF_ERROR(Run(p, algo, a, b, c, stream, addend));
+  JAX_UB_CUDA(cudaEventRecord(ev[1], stream));
+  return Status::Ok();
+}
+
+Status CublasLtGemm::Harvest(Plan& p) {
+  Trial& tr = *p.trial;
+  while (!tr.pending.empty()) {
+    const Trial::Timing x = tr.pending.front();
+    const cudaError_t q = cudaEventQuery(x.end);
+    if (q == cudaErrorNotReady) break;
+    JAX_UB_CUDA(q);
+    float ms = 0;
+    JAX_UB_CUDA(cudaEventElapsedTime(&ms, x.begin, x.end));
+    tr.ms[x.candidate].push_back(ms);
+    tr.spare.push_back(x.begin);
+    tr.spare.push_back(x.end);
+    tr.pending.pop_front();
+  }
+  const int count = static_cast<int>(tr.algos.size());
+  if (!tr.pending.empty() || tr.calls < count * (kTrialRounds + 1)) return Status::Ok();
+  // Every candidate's timings are in: keep the smallest median.
+  int best = 0;
+  std::string times;
+  for (int i = 0; i < count; ++i) {
+    if (tr.ms[i].empty()) continue;
+    if (tr.ms[best].empty() || Median(tr.ms[i]) < Median(tr.ms[best])) best = i;
+    times += (times.empty() ? "" : ", ") +
+             std::to_string(AlgoConfig(tr.algos[i], CUBLASLT_ALGO_CONFIG_TILE_ID)) + ": " +
+             std::to_string(Median(tr.ms[i]));
+  }
+  JAX_UB_TRACE(
+      "GEMM m=%lld k=%lld n=%lld in the op, median ms by tile (tuned pick first): %s; "
+      "keeping candidate %d",
+      static_cast<long long>(p.m), static_cast<long long>(p.k), static_cast<long long>(p.n),
+      times.c_str(), best);
+  p.algo = tr.algos[best];
+  DestroyTrial(tr);
+  p.trial.reset();
+  return Status::Ok();
 }
 
 }  // namespace jax_ub

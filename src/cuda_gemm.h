@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -27,6 +29,11 @@ struct GemmOptions {
   // kColumn by default: tuning times kernels alone, and "auto" once kept a row kernel
   // that was as fast alone but slower beside the op's copies (benchmarks/RESULTS.md).
   GemmOrder order = GemmOrder::kColumn;
+  // With autotuning, how many of the fastest candidates (of the chosen description) the
+  // op's own first calls of a shape compare before keeping one (see Matmul); 0 or 1: none.
+  // Tuning times kernels alone, and their order beside the op's copies, on a GPU at its
+  // power cap, can differ (benchmarks/RESULTS.md).
+  int trials = 3;
 };
 
 // One of a cuBLASLt algorithm's configuration values (its id, tile, stages, ...), or -1
@@ -39,6 +46,21 @@ class CublasLtGemm {
   static Status Create(GemmOptions options, CublasLtGemm** out);
   ~CublasLtGemm();
 
+  // The candidates a shape's first calls in the op still compare (GemmOptions::trials).
+  struct Trial {
+    std::vector<cublasLtMatmulAlgo_t> algos;  // autotuning's fastest first
+    std::vector<std::vector<float>> ms;       // per candidate, one time per timed GEMM
+    struct Timing {
+      int candidate;
+      cudaEvent_t begin, end;
+    };
+    std::deque<Timing> pending;  // recorded, not yet read
+    std::vector<cudaEvent_t> spare;
+    uint64_t last_call = 0;  // the op call (BeginCall) that last ran this shape
+    int calls = 0;           // op calls that ran this shape so far
+    int current = 0;         // the candidate this call runs
+  };
+
   // What Matmul runs for one GEMM shape: made once per shape by Prepare, owned here.
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
@@ -46,6 +68,8 @@ class CublasLtGemm {
     cublasLtMatmulAlgo_t algo;
     bool row = false;              // GemmOrder::kRow: a is the first operand, else b is
     bool ran_with_addend = false;  // its kernels for a nonzero beta are loaded
+    int64_t m = 0, k = 0, n = 0;
+    std::shared_ptr<Trial> trial;  // while the op's calls still compare candidates
   };
 
   // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
@@ -69,13 +93,22 @@ class CublasLtGemm {
   // since cuBLASLt may launch other kernels for a nonzero beta or a separate addend (a
   // first launch after a peer wait is enqueued can hang a process that drives both GPUs).
   Status Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
-                 int64_t k, int64_t n, const void* addend, cudaStream_t tune_stream,
-                 const Plan** plan);
+                 int64_t k, int64_t n, const void* addend, cudaStream_t tune_stream, Plan** plan);
+
+  // Marks the start of an op call: a shape's GEMMs within one call run the same trial
+  // candidate, so every candidate is timed in every position of the op's schedule.
+  void BeginCall() { ++call_; }
 
   // Enqueues `plan`'s GEMM on `stream` for operands laid out as the shape it was made for:
   // c = a @ b, or with an `addend` (laid out as c) c = a @ b + addend, added in the
   // epilogue in float32. A null plan (Prepare's for an empty shape) runs nothing.
-  Status Matmul(const Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream,
+  //
+  // While the plan has a trial, successive op calls rotate over its candidates, each
+  // GEMM bracketed by timing events that later calls read without waiting; after a
+  // warm-up round and kTrialRounds timed ones, the candidate with the smallest median
+  // time is kept. So the kernel is chosen beside the op's own copies and waits, at the
+  // clock the op runs at, which tuning alone cannot see.
+  Status Matmul(Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream,
                 const void* addend = nullptr);
 
  private:
@@ -102,6 +135,13 @@ class CublasLtGemm {
   // or -1 if none can run here.
   Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
               cudaStream_t stream, std::vector<Candidate>* candidates, int* best);
+  // Matmul while `p` has a trial.
+  Status TrialMatmul(Plan& p, const void* a, const void* b, void* c, cudaStream_t stream,
+                     const void* addend);
+  // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
+  // ends the trial once every timing is in.
+  Status Harvest(Plan& p);
+  static void DestroyTrial(Trial& t);
   // Enqueues one GEMM of `p`'s shape with `algo`.
   Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
              cudaStream_t stream, const void* addend = nullptr);
@@ -111,6 +151,7 @@ class CublasLtGemm {
   size_t workspace_bytes_ = 0;
   GemmOptions options_;
   std::map<Key, Plan> plans_;  // one per shape; only the owning device's thread uses it
+  uint64_t call_ = 0;          // BeginCall's count
 };
 
 }  // namespace jax_ub

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include "cuda_check.h"
@@ -35,9 +36,12 @@ NB_MODULE(_cuda, m) {
   m.def(
       "create_communicator",
       [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
-         bool allow_tf32, bool autotune, const std::string& gemm_order, int64_t fold_rows,
-         bool multiprocess) {
-        jax_ub::GemmOptions gemm{allow_tf32, autotune, jax_ub::GemmOrder::kColumn};
+         bool allow_tf32, bool autotune, const std::string& gemm_order, int gemm_trials,
+         int64_t fold_rows, bool multiprocess) {
+        if (gemm_trials < 0)
+          throw nb::value_error(
+              ("gemm_trials must be >= 0, got " + std::to_string(gemm_trials)).c_str());
+        jax_ub::GemmOptions gemm{allow_tf32, autotune, jax_ub::GemmOrder::kColumn, gemm_trials};
         if (gemm_order == "auto") {
           gemm.order = jax_ub::GemmOrder::kAuto;
         } else if (gemm_order == "row") {
@@ -60,7 +64,7 @@ NB_MODULE(_cuda, m) {
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
       nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("autotune") = true,
-      nb::arg("gemm_order") = "column",
+      nb::arg("gemm_order") = "column", nb::arg("gemm_trials") = jax_ub::GemmOptions{}.trials,
       nb::arg("reduce_scatter_fold_rows") = jax_ub::Schedule::kDefaultFoldRows,
       nb::arg("multiprocess") = false);
   // Same names as the host module's, so one bootstrap serves both: "region names" are the

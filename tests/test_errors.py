@@ -220,6 +220,8 @@ def test_buffer_too_small_without_growth(mesh1d, rand):
         (dict(timeout_s=0), r"timeout_s must be positive"),
         (dict(buffer_bytes=-1), r"buffer_bytes must be >= 0"),
         (dict(reduce_scatter_fold_rows=True), r"reduce_scatter_fold_rows must be an integer"),
+        (dict(gemm_trials=-1), r"gemm_trials must be an integer >= 0, got -1"),
+        (dict(gemm_trials=2.5), r"gemm_trials must be an integer >= 0, got 2.5"),
         (
             dict(gemm_order="rows"),
             r"gemm_order must be one of \('auto', 'column', 'row'\), got 'rows'",

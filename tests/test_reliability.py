@@ -736,7 +736,8 @@ BAD_INPUTS = [
         lambda: jax_ub.configure(timeout=5.0),
         ValueError,
         r"unknown jax_ub setting 'timeout'; known: \['buffer_bytes', 'timeout_s', 'allow_grow', "
-        r"'allow_tf32', 'autotune_gemm', 'gemm_order', 'reduce_scatter_fold_rows'\]",
+        r"'allow_tf32', 'autotune_gemm', 'gemm_order', 'gemm_trials', "
+        r"'reduce_scatter_fold_rows'\]",
     ),
     (
         "configure two unknown keys",

@@ -108,6 +108,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             allow_tf32=settings["allow_tf32"],
             autotune=settings["autotune_gemm"],
             gemm_order=settings["gemm_order"],
+            gemm_trials=settings["gemm_trials"],
         )
     timeout_s = settings["timeout_s"]
     ns, peers = None, []

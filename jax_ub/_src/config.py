@@ -44,6 +44,9 @@ def _check(cfg: Config, source: str = "") -> None:
     rows = cfg.reduce_scatter_fold_rows
     if isinstance(rows, bool) or not isinstance(rows, int):
         raise ValueError(f"reduce_scatter_fold_rows must be an integer, got {rows!r}{where}")
+    trials = cfg.gemm_trials
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
+        raise ValueError(f"gemm_trials must be an integer >= 0, got {trials!r}{where}")
     if cfg.gemm_order not in _GEMM_ORDERS:
         raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {cfg.gemm_order!r}{where}")
 
@@ -72,6 +75,11 @@ class Config:
         the op's copies: on 2 H200s ``"auto"`` once kept a row-major kernel that was as
         fast alone but made the overlapped op 9% slower, hence the default. Env
         ``JAX_UB_GEMM_ORDER``; results are the same up to float rounding.
+      gemm_trials: with ``autotune_gemm``, how many of tuning's fastest kernels the op's
+        own first calls of each GEMM shape compare, beside its copies and at the clock it
+        runs at, before keeping the fastest (default 3; ``0`` or ``1`` keeps tuning's
+        pick). It takes a warm-up call per kernel and 4 timed calls each: 15 calls, with
+        timing events read later without waiting. Env ``JAX_UB_GEMM_TRIALS``.
       reduce_scatter_fold_rows: on groups of 2, ``matmul_reduce_scatter`` may send each
         partial in two row pieces and add the peer's partial in its own GEMM's epilogue
         instead of a separate sum pass. It does so when each piece has at least this many
@@ -99,6 +107,7 @@ class Config:
     gemm_order: str = dataclasses.field(
         default_factory=lambda: os.environ.get("JAX_UB_GEMM_ORDER", "column")
     )
+    gemm_trials: int = dataclasses.field(default_factory=lambda: _env_int("JAX_UB_GEMM_TRIALS", 3))
     reduce_scatter_fold_rows: int = dataclasses.field(
         default_factory=lambda: _env_int("JAX_UB_REDUCE_SCATTER_FOLD_ROWS", 2048)
     )
@@ -107,7 +116,7 @@ class Config:
         _check(
             self,
             "JAX_UB_TIMEOUT_S / JAX_UB_BUFFER_BYTES / JAX_UB_GEMM_ORDER / "
-            "JAX_UB_REDUCE_SCATTER_FOLD_ROWS or the constructor",
+            "JAX_UB_GEMM_TRIALS / JAX_UB_REDUCE_SCATTER_FOLD_ROWS or the constructor",
         )
 
 
@@ -121,6 +130,7 @@ _CREATION_SETTINGS = (
     "allow_tf32",
     "autotune_gemm",
     "gemm_order",
+    "gemm_trials",
     "reduce_scatter_fold_rows",
 )
 
