@@ -928,11 +928,16 @@ def _gpu_mesh(tp: int) -> Mesh:
 
 @pytest.mark.gpu
 @needs_gpus
+@pytest.mark.parametrize("trials", [0, 3])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("tp", GPU_TPS)
-def test_gpu_bitwise_deterministic(tp, dtype):
+def test_gpu_bitwise_deterministic(tp, dtype, trials):
     """Five runs of both ops on GPUs (copy-engine pushes, flag waits, cuBLASLt, rank-order
-    reduction): identical bits every time."""
+    reduction): identical bits every time. With in-op kernel trials (gemm_trials=3) that
+    holds once they are over, after a shape's first 15 calls (config.gemm_trials); without,
+    from the first call."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    jax_ub.configure(gemm_trials=trials)
     mesh = _gpu_mesh(tp)
     M, K, N = 1024 * tp, 1024, 512 * tp
     keys = jax.random.split(jax.random.key(17), 4)
@@ -952,10 +957,14 @@ def test_gpu_bitwise_deterministic(tp, dtype):
             out_specs=(P(None, "tp"), P("tp")),
         )
     )
+    if trials:
+        for _ in range(20):  # past the trials
+            jax.block_until_ready(f(x, w, h, v))
     first = [_bits(o) for o in f(x, w, h, v)]
     for run in range(4):
         for i, o in enumerate(f(x, w, h, v)):
             np.testing.assert_array_equal(_bits(o), first[i], err_msg=f"run {run}, output {i}")
+    jax_ub.finalize()
 
 
 @pytest.mark.gpu
