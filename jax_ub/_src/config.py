@@ -80,9 +80,9 @@ class Config:
         runs at, before keeping the fastest (default 3; ``0`` or ``1`` keeps tuning's
         pick). It takes a warm-up call per kernel and 4 timed calls each: 15 calls, with
         timing events read later without waiting. Env ``JAX_UB_GEMM_TRIALS``. Kernels
-        round differently, so during those calls a shape's results may differ from its
-        later calls' in the last bits; with ``0`` they are bitwise identical from the
-        first call.
+        round differently, so until a shape's trials end (a call after those 15 reads
+        their timings) its results may differ from later calls' in the last bits; with
+        ``0`` they are bitwise identical from the first call.
       reduce_scatter_fold_rows: on groups of 2, ``matmul_reduce_scatter`` may send each
         partial in two row pieces and add the peer's partial in its own GEMM's epilogue
         instead of a separate sum pass. It does so when each piece has at least this many
