@@ -376,19 +376,18 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
   if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, addend);
   const cublasLtMatmulAlgo_t& algo = tr.algos[tr.current];
   if (round == 0) return Run(p, algo, a, b, c, stream, addend);
-  cudaEvent_t ev[2];
-  for (cudaEvent_t& e : ev) {
-    if (tr.spare.empty()) {
-      JAX_UB_CUDA(cudaEventCreate(&e));
-    } else {
-      e = tr.spare.back();
-      tr.spare.pop_back();
-    }
+  while (tr.spare.size() < 2) {  // events are owned by the trial from creation on
+    cudaEvent_t e = nullptr;
+    JAX_UB_CUDA(cudaEventCreate(&e));
+    tr.spare.push_back(e);
   }
-  tr.pending.push_back(Trial::Timing{tr.current, ev[0], ev[1]});
-  JAX_UB_CUDA(cudaEventRecord(ev[0], stream));
-  JAX_UB_RETURN_IF_ERROR(Run(p, algo, a, b, c, stream, addend));
-  JAX_UB_CUDA(cudaEventRecord(ev[1], stream));
+  const Trial::Timing timing{tr.current, tr.spare[tr.spare.size() - 2], tr.spare.back()};
+  Status st = CudaStatus(cudaEventRecord(timing.begin, stream), "cudaEventRecord");
+  if (st.ok()) st = Run(p, algo, a, b, c, stream, addend);
+  if (st.ok()) st = CudaStatus(cudaEventRecord(timing.end, stream), "cudaEventRecord");
+  if (!st.ok()) return st;  // the events stay spare
+  tr.spare.resize(tr.spare.size() - 2);
+  tr.pending.push_back(timing);
   return Status::Ok();
 }
 
