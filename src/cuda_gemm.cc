@@ -4,6 +4,7 @@
 #include <chrono>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda_check.h"
@@ -181,7 +182,7 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
     for (const cublasLtMatmulHeuristicResult_t& r : results)
       if (r.state == CUBLAS_STATUS_SUCCESS)
         candidates.push_back(Candidate{static_cast<int>(described.size()), r.algo, {}});
-    described.push_back(p);
+    described.push_back(std::move(p));
   }
   st = Status::Ok();
   int best = candidates.empty() ? -1 : 0;
@@ -195,7 +196,7 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
     return st;
   }
   const Candidate& chosen = candidates[best];
-  Plan kept = described[chosen.description];
+  Plan kept = std::move(described[chosen.description]);
   kept.algo = chosen.algo;
   std::tie(std::ignore, kept.m, kept.k, kept.n, std::ignore) = key;
   for (size_t i = 0; i < described.size(); ++i)
@@ -208,7 +209,7 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
     return Median(x->ms) < Median(y->ms);
   });
   if (options_.trials >= 2 && timed.size() >= 2) {
-    kept.trial = std::make_shared<Trial>();
+    kept.trial = std::make_unique<Trial>();
     for (size_t i = 0; i < timed.size() && static_cast<int>(i) < options_.trials; ++i)
       kept.trial->algos.push_back(timed[i]->algo);
     kept.trial->ms.resize(kept.trial->algos.size());
@@ -367,21 +368,22 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
   if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, addend);  // just decided
   Trial& tr = *p.trial;
   const int count = static_cast<int>(tr.algos.size());
-  if (tr.last_call != call_) {
+  if (tr.last_call != call_) {  // this call's first GEMM of the shape: the next candidate
     tr.last_call = call_;
-    tr.current = tr.calls++ % count;
+    ++tr.calls;
   }
+  const int candidate = (tr.calls - 1) % count;
   // Past the warm-up round and the timed ones: the tuned pick until the timings are in.
   const int round = (tr.calls - 1) / count;
   if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, addend);
-  const cublasLtMatmulAlgo_t& algo = tr.algos[tr.current];
+  const cublasLtMatmulAlgo_t& algo = tr.algos[candidate];
   if (round == 0) return Run(p, algo, a, b, c, stream, addend);
   while (tr.spare.size() < 2) {  // events are owned by the trial from creation on
     cudaEvent_t e = nullptr;
     JAX_UB_CUDA(cudaEventCreate(&e));
     tr.spare.push_back(e);
   }
-  const Trial::Timing timing{tr.current, tr.spare[tr.spare.size() - 2], tr.spare.back()};
+  const Trial::Timing timing{candidate, tr.spare[tr.spare.size() - 2], tr.spare.back()};
   Status st = CudaStatus(cudaEventRecord(timing.begin, stream), "cudaEventRecord");
   if (st.ok()) st = Run(p, algo, a, b, c, stream, addend);
   if (st.ok()) st = CudaStatus(cudaEventRecord(timing.end, stream), "cudaEventRecord");

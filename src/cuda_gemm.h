@@ -57,8 +57,8 @@ class CublasLtGemm {
     std::deque<Timing> pending;  // recorded, not yet read
     std::vector<cudaEvent_t> spare;
     uint64_t last_call = 0;  // the op call (BeginCall) that last ran this shape
-    int calls = 0;           // op calls that ran this shape so far
-    int current = 0;         // the candidate this call runs
+    int calls = 0;           // op calls that ran this shape so far; the last ran
+                             // candidate (calls - 1) % algos.size()
   };
 
   // What Matmul runs for one GEMM shape: made once per shape by Prepare, owned here.
@@ -69,7 +69,7 @@ class CublasLtGemm {
     bool row = false;              // GemmOrder::kRow: a is the first operand, else b is
     bool ran_with_addend = false;  // its kernels for a nonzero beta are loaded
     int64_t m = 0, k = 0, n = 0;
-    std::shared_ptr<Trial> trial;  // while the op's calls still compare candidates
+    std::unique_ptr<Trial> trial;  // while the op's calls still compare candidates
   };
 
   // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
