@@ -375,14 +375,16 @@ Status CudaCommunicator::Begin(int device, const char* op, int64_t need_bytes, S
 }
 
 Status CudaCommunicator::WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target,
-                                  int peer, const char* what, std::vector<Wait>* waits) {
+                                  int peer, const char* what, std::vector<Wait>* waits,
+                                  int progress_index) {
   if (target == 0) return Status::Ok();  // first call: nothing to wait for
   const DriverOps* ops;
   JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
   uint64_t* flag = s.flags + flag_index;
   JAX_UB_CU(ops->wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(flag),
                       target, CU_STREAM_WAIT_VALUE_GEQ));
-  waits->push_back(Wait{peer, flag, target, what});
+  const uint64_t* progress = progress_index < 0 ? flag : s.flags + progress_index;
+  waits->push_back(Wait{peer, flag, target, what, progress});
   return Status::Ok();
 }
 
@@ -668,8 +670,9 @@ Status CudaCommunicator::EnqueueMatmulReduceScatter(int device, cudaStream_t xs,
       if (d == s->rank) {
         if (fold) {
           const int peer = 1 - s->rank;
+          // A first-piece flag says nothing of unpieced calls: report the data flag.
           JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, s->compute, PieceFlag(p, pieces) + peer, e, peer,
-                                          "deliver its partial sum", &waits));
+                                          "deliver its partial sum", &waits, kDataFlag + peer));
         }
         JAX_UB_RETURN_IF_ERROR(
             s->gemm->Matmul(plans[p], a, w, own_out + offset(p), s->compute, addend(p)));
@@ -769,13 +772,10 @@ void CudaCommunicator::WatchdogLoop() {
                             s.watchdog_stream);
             cudaStreamSynchronize(s.watchdog_stream);
             if (static_cast<int64_t>(seen - wt.target) >= 0) continue;
-            // Only pieced calls write a first-piece flag; the peer's data flag tells
-            // which call it last delivered.
-            const ptrdiff_t index = wt.flag - s.flags;
             uint64_t last = seen;
-            if (index >= kFirstPieceFlag && index < kFirstPieceFlag + kMaxRanks) {
-              cudaMemcpyAsync(&last, s.flags + kDataFlag + (index - kFirstPieceFlag), sizeof(last),
-                              cudaMemcpyDeviceToHost, s.watchdog_stream);
+            if (wt.progress != wt.flag) {
+              cudaMemcpyAsync(&last, wt.progress, sizeof(last), cudaMemcpyDeviceToHost,
+                              s.watchdog_stream);
               cudaStreamSynchronize(s.watchdog_stream);
             }
             if (reason.empty())

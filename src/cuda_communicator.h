@@ -119,6 +119,9 @@ class CudaCommunicator {
     const uint64_t* flag;  // on this slot's device
     uint64_t target;
     const char* what;
+    // The flag whose value names the last call the peer delivered, for a timeout's message:
+    // `flag` itself, or the data flag where `flag` is one only pieced calls write.
+    const uint64_t* progress;
   };
   struct Pending {
     cudaEvent_t done;
@@ -179,8 +182,10 @@ class CudaCommunicator {
   // Marks the communicator broken when a call that has begun (`s` not null) fails, and
   // counts the call's host time from `since`.
   Status EndCall(Slot* s, const char* op, std::chrono::steady_clock::time_point since, Status st);
+  // Enqueues a wait on `stream` until flag `flag_index` reaches `target`, recorded in
+  // `waits` for the watchdog; `progress_index` (default: the flag itself) is Wait::progress.
   Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
-                  const char* what, std::vector<Wait>* waits);
+                  const char* what, std::vector<Wait>* waits, int progress_index = -1);
   Status Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value);
   // Write `desc` into peer `p`'s descriptor words for this slot's rank (stream memory
   // operations: no SMs, ordered before the data flag that follows on `stream`).
