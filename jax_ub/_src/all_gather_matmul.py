@@ -5,9 +5,11 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks
+from jax_ub._src import checks, layout
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
@@ -28,7 +30,17 @@ def all_gather_matmul(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """All-gather the rows of ``x`` over ``axis_name`` and multiply by ``w``, overlapped.
 
-    Call inside ``jax.shard_map`` (under ``jit`` or not), like a ``lax`` collective.
+    Two ways to call it:
+
+    * Inside ``jax.shard_map`` whose manual axes include ``axis_name`` (under ``jit`` or
+      not), like a ``lax`` collective, on local shards. Other mesh axes may stay automatic
+      (``axis_names={axis_name}``): batch dims sharded over them stay sharded.
+    * On global arrays, from plain ``jit`` or eagerly, under ``jax.set_mesh(mesh)``:
+      ``x [seq, ..., k]`` sequence-sharded ``P(axis_name)`` and ``w [k, n]`` sharded
+      ``P(None, axis_name)``; returns ``x @ w`` sharded ``P(None, ..., axis_name)``.
+      Every other mesh axis is left to XLA. Where the layout is known (concrete arrays,
+      ``Explicit`` axes) a wrong one is an error naming it; under ``Auto`` axes XLA moves
+      the operands into this layout.
 
     Args:
       x: local row shard ``[m, ..., k]``; gathered along axis 0 (sequence-parallel input).
@@ -36,7 +48,8 @@ def all_gather_matmul(
       axis_name: the mesh axis to gather over, of size ``tp``.
       impl: ``"ub"`` (userbuffer custom call), ``"xla"`` (lax reference), or ``"auto"``
         (``"ub"`` where this platform and dtype are supported, else ``"xla"``).
-      return_gathered: also return ``all_gather(x)``, e.g. to keep it for a backward pass.
+      return_gathered: also return ``all_gather(x)``, e.g. to keep it for a backward pass
+        (inside shard_map only).
 
     Returns:
       ``all_gather(x, axis_name, tiled=True) @ w`` of shape ``[tp * m, ..., n]`` and, with
@@ -56,16 +69,42 @@ def all_gather_matmul(
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
     size = checks.bound_axis_size(_OP, axis_name)
+    if size is None:
+        return _on_global_arrays(x, w, axis_name, impl, return_gathered)
     if not checks.use_ub(_OP, impl, x, w):
         return all_gather_matmul_reference(x, w, axis_name, return_gathered)
-    x2 = x.reshape(-1, x.shape[-1])
     fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
     if return_gathered:
-        out, gathered = _all_gather_matmul_with_gathered(x2, w, axis_name, size, fallback)
-        lead = (size * x.shape[0],) + x.shape[1:-1]
-        return out.reshape(lead + (w.shape[1],)), gathered.reshape(lead + (x.shape[-1],))
-    out = _all_gather_matmul(x2, w, axis_name, size, fallback)
-    return out.reshape((size * x.shape[0],) + x.shape[1:-1] + (w.shape[1],))
+        return _all_gather_matmul_with_gathered(x, w, axis_name, size, fallback)
+    return _all_gather_matmul(x, w, axis_name, size, fallback)
+
+
+def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool):
+    """The op on global arrays: a shard_map over ``axis_name`` alone."""
+    mesh = layout.context_mesh(_OP, axis_name, x, w)
+    if return_gathered:
+        raise ValueError(
+            f"{_OP}: return_gathered is for calls inside shard_map; on global arrays the "
+            f"gathered x is x itself ({x.shape=})"
+        )
+    size = int(mesh.shape[axis_name])
+    shapes = f"{x.shape=} {w.shape=}"
+    checks.check_divisible(_OP, "rows of x (dim 0)", x.shape[0], size, axis_name, shapes)
+    checks.check_divisible(_OP, "columns of w", w.shape[1], size, axis_name, shapes)
+    x_spec, w_spec = P(axis_name), P(None, axis_name)
+    layout.check_global_layout(_OP, mesh, {"x": (x, x_spec), "w": (w, w_spec)})
+    out_spec = P(*([None] * (x.ndim - 1)), axis_name)
+
+    def local(x, w):
+        return all_gather_matmul(x, w, axis_name, impl=impl)
+
+    return layout.over_axis(local, mesh, axis_name, (x_spec, w_spec), out_spec)(x, w)
+
+
+def contract_rows(a, b):
+    """``a [rows, *batch, p]``, ``b [rows, *batch, q]`` -> ``a^T b`` of shape ``[p, q]``."""
+    lead = tuple(range(a.ndim - 1))
+    return jnp.tensordot(a, b, axes=(lead, lead))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -85,7 +124,7 @@ def _bwd(axis_name, size, fallback, res, dy):
     x, gathered, w = res
     # dx = reduce_scatter(dy @ w.T): the overlapped GEMM+RS, reading w transposed in place.
     dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True, fallback=fallback)
-    dw = gathered.T @ dy
+    dw = contract_rows(gathered, dy)
     return match_varying(dx, x), match_varying(dw, w)
 
 
@@ -109,7 +148,7 @@ def _bwd_gathered(axis_name, size, fallback, res, cts):
     dx = match_varying(dx, x) + match_varying(
         lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True), x
     )
-    return dx, match_varying(gathered.T @ dy, w)
+    return dx, match_varying(contract_rows(gathered, dy), w)
 
 
 _all_gather_matmul_with_gathered.defvjp(_fwd_gathered, _bwd_gathered)

@@ -10,21 +10,23 @@ UB_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.floa
 IMPLS = ("auto", "ub", "xla")
 
 
-def bound_axis_size(op: str, axis_name: str) -> int:
-    """Size of `axis_name` in the enclosing shard_map, or a ValueError saying what is wrong."""
+def bound_axis_size(op: str, axis_name: str) -> int | None:
+    """Size of `axis_name` where it is bound (a shard_map over it), else None: the op is
+    then called on global arrays. A ValueError if `axis_name` is not an axis name."""
     if not isinstance(axis_name, str):
         raise ValueError(f"{op}: axis_name must be one mesh axis name (str), got {axis_name=}")
     try:
         return int(lax.axis_size(axis_name))
     except NameError:
-        mesh = jax.sharding.get_abstract_mesh()
-        names = tuple(getattr(mesh, "axis_names", ()) or ())
-        if not names:
-            raise ValueError(
-                f"{op}: axis {axis_name!r} is not bound; call {op} inside jax.shard_map over "
-                "a mesh that has this axis (like lax.all_gather)"
-            ) from None
-        raise ValueError(f"{op}: axis {axis_name!r} is not in the mesh; {names=}") from None
+        return None
+
+
+def check_divisible(op: str, what: str, value: int, size: int, axis_name: str, shapes: str):
+    if value % size != 0:
+        raise ValueError(
+            f"{op}: {what} ({value}) are not divisible by the size of axis {axis_name!r} "
+            f"({size}); {shapes}"
+        )
 
 
 def check_impl(op: str, impl: str) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks
+from jax_ub._src import checks, layout
+from jax_ub._src.all_gather_matmul import contract_rows
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
@@ -22,7 +24,11 @@ def matmul_reduce_scatter(
 ) -> jax.Array:
     """Multiply ``x @ w`` and reduce-scatter the rows over ``axis_name``, overlapped.
 
-    Call inside ``jax.shard_map`` (under ``jit`` or not), like a ``lax`` collective.
+    Called inside ``jax.shard_map`` (partial-auto too) on local shards, or on global arrays
+    under ``jax.set_mesh(mesh)``, as :func:`all_gather_matmul`. On global arrays ``x
+    [seq, ..., K]`` is sharded ``P(None, ..., axis_name)`` (features), ``w [K, n]``
+    ``P(axis_name, None)``, and the result ``x @ w`` comes back sequence-sharded
+    ``P(axis_name)``.
 
     Args:
       x: local input ``[M, ..., k]`` (typically activations with ``k`` sharded over the
@@ -48,16 +54,29 @@ def matmul_reduce_scatter(
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
     size = checks.bound_axis_size(_OP, axis_name)
-    if x.shape[0] % size != 0:
-        raise ValueError(
-            f"{_OP}: rows of x ({x.shape[0]}) are not divisible by the size of axis "
-            f"{axis_name!r} ({size}); {x.shape=}"
-        )
+    if size is None:
+        return _on_global_arrays(x, w, axis_name, impl)
+    checks.check_divisible(_OP, "rows of x", x.shape[0], size, axis_name, f"{x.shape=}")
     if not checks.use_ub(_OP, impl, x, w):
         return matmul_reduce_scatter_reference(x, w, axis_name)
     # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
-    out = _matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), w, axis_name, size, impl == "auto")
-    return out.reshape((x.shape[0] // size,) + x.shape[1:-1] + (w.shape[1],))
+    return _matmul_reduce_scatter(x, w, axis_name, size, impl == "auto")
+
+
+def _on_global_arrays(x, w, axis_name: str, impl: str):
+    """The op on global arrays: a shard_map over ``axis_name`` alone."""
+    mesh = layout.context_mesh(_OP, axis_name, x, w)
+    size = int(mesh.shape[axis_name])
+    shapes = f"{x.shape=} {w.shape=}"
+    checks.check_divisible(_OP, "features of x (last dim)", x.shape[-1], size, axis_name, shapes)
+    checks.check_divisible(_OP, "rows of x (dim 0)", x.shape[0], size, axis_name, shapes)
+    x_spec, w_spec = P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)
+    layout.check_global_layout(_OP, mesh, {"x": (x, x_spec), "w": (w, w_spec)})
+
+    def local(x, w):
+        return matmul_reduce_scatter(x, w, axis_name, impl=impl)
+
+    return layout.over_axis(local, mesh, axis_name, (x_spec, w_spec), P(axis_name))(x, w)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -76,7 +95,7 @@ def _bwd(axis_name, size, fallback, res, dy):
     dx, dy_gathered = bind_all_gather_matmul(
         dy, w, axis_name, size, True, transpose_w=True, fallback=fallback
     )
-    return match_varying(dx, x), match_varying(x.T @ dy_gathered, w)
+    return match_varying(dx, x), match_varying(contract_rows(x, dy_gathered), w)
 
 
 _matmul_reduce_scatter.defvjp(_fwd, _bwd)

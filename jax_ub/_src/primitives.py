@@ -1,8 +1,21 @@
 """JAX primitives that lower to the userbuffer FFI custom calls.
 
-Operands are 2-D here (the public ops flatten leading dims). Lowering is where the
-concrete mesh is known, so that is where the communicator is looked up or created and
-its id baked into the custom call.
+Operands are ``x [rows, *batch, k]`` and ``w [k, n]``; the custom call itself sees ``x``
+flattened to 2-D (a free reshape of the local buffer). Lowering is where the concrete
+mesh is known, so that is where the communicator is looked up or created and its id
+baked into the custom call.
+
+Partial-auto shard_map (the op's axis manual, other mesh axes left to XLA): XLA's SPMD
+partitioner refuses to partition a side-effecting custom call over the automatic axes
+("Side-effect ops cannot be replicated"). So lowering wraps the call in a nested
+shard_map that makes the remaining axes manual too; its in/out specs keep the batch dims
+sharded over them (see ``layout.batch_spec``), so each device runs the call on its own
+batch shard and nothing is gathered over data-parallel axes.
+
+Why every device of a group runs the same calls in the same order: the custom call is
+marked as having a side effect, so XLA neither CSEs two identical calls nor drops one
+whose result is unused, and it keeps side-effecting ops in program order; and every
+device runs the same SPMD program. The nested shard_map changes neither.
 """
 
 from __future__ import annotations
@@ -11,12 +24,14 @@ import jax
 import jax._src.config
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
+from jax._src import core, sharding_impls
+from jax._src import mesh as mesh_lib
 from jax._src.interpreters import batching, mlir
 from jax._src.sharding_impls import SPMDAxisContext
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import communicator, extension
+from jax_ub._src import communicator, extension, layout
 from jax_ub._src.reference import all_gather_matmul_reference, matmul_reduce_scatter_reference
 
 all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
@@ -78,14 +93,14 @@ def _columns(w, transpose_w: bool) -> int:
 def _all_gather_matmul_abstract(
     x, w, *, axis_name, axis_size, return_gathered, transpose_w, fallback
 ):
-    m, k = x.shape
-    out = _result(x, (axis_size * m, _columns(w, transpose_w)), x, w)
-    gathered = _result(x, (axis_size * m, k) if return_gathered else (0, k), x)
+    m, batch, k = x.shape[0], x.shape[1:-1], x.shape[-1]
+    out = _result(x, (axis_size * m, *batch, _columns(w, transpose_w)), x, w)
+    gathered = _result(x, (axis_size * m if return_gathered else 0, *batch, k), x)
     return out, gathered
 
 
 def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size, transpose_w, fallback):
-    shape = (x.shape[0] // axis_size, _columns(w, transpose_w))
+    shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
     return _result(x, shape, x, w, extra=frozenset([axis_name]))
 
 
@@ -93,17 +108,27 @@ all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
 matmul_reduce_scatter_p.def_abstract_eval(_matmul_reduce_scatter_abstract)
 
 
-def _concrete_mesh(ctx: mlir.LoweringRuleContext, axis_name: str) -> Mesh:
+def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
+    """The concrete mesh being lowered for, and which of its axes are manual here."""
     axis_ctx = ctx.module_context.axis_context
-    mesh = getattr(axis_ctx, "mesh", None) if isinstance(axis_ctx, SPMDAxisContext) else None
-    if not isinstance(mesh, Mesh):
+    if not isinstance(axis_ctx, SPMDAxisContext):
         raise ValueError(
-            "jax_ub impl='ub' needs the concrete mesh at lowering time: call the op inside "
-            "jax.shard_map(..., mesh=<a jax.sharding.Mesh>) (or use impl='xla')"
+            "jax_ub impl='ub' runs over a mesh axis: call the op inside jax.shard_map, or "
+            "on global arrays under jax.set_mesh (or use impl='xla')"
+        )
+    mesh = axis_ctx.mesh
+    if not isinstance(mesh, Mesh):
+        # shard_map without mesh= under jax.set_mesh: the concrete mesh is the context's.
+        mesh = mesh_lib.get_concrete_mesh()
+    if not isinstance(mesh, Mesh) or mesh.empty:
+        raise ValueError(
+            "jax_ub impl='ub' needs the concrete mesh at lowering time: pass "
+            "mesh=<a jax.sharding.Mesh> to jax.shard_map or call under jax.set_mesh(mesh) "
+            "(or use impl='xla')"
         )
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
-    return mesh
+    return mesh, frozenset(axis_ctx.manual_axes)
 
 
 def _platform(ctx: mlir.LoweringRuleContext) -> str:
@@ -134,13 +159,71 @@ def _weight(w, transpose_w: bool):
     return w.T if transpose_w else w
 
 
+def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, x, w, **params):
+    """Lower `prim` inside a shard_map over the mesh axes that are still automatic here.
+
+    Each device then runs the custom call on its own shard of the batch dims, which keep
+    their sharding over those axes (``layout.batch_spec``); the weight is replicated over
+    them (XLA gathers an fsdp-sharded weight, as it would for a plain dot).
+    """
+    auto = tuple(a for a in mesh.axis_names if a not in manual)
+    spec = layout.batch_spec(ctx.avals_in[0], mesh, auto)
+    types = {a: AxisType.Manual for a in manual}
+    abstract = mesh.abstract_mesh.update_axis_types(types) if types else mesh.abstract_mesh
+
+    def body(x, w):
+        return prim.bind(x, w, **params)
+
+    out_specs = [spec, spec] if prim.multiple_results else spec
+
+    def nested(x, w):
+        return jax.shard_map(
+            body,
+            mesh=abstract,
+            in_specs=(spec, P()),
+            out_specs=out_specs,
+            axis_names=frozenset(auto),
+            check_vma=False,
+        )(x, w)
+
+    # The nested shard_map is traced against the partly manual mesh of this context and
+    # lowered for its concrete devices.
+    with mesh_lib.use_abstract_mesh(abstract), sharding_impls._internal_use_concrete_mesh(mesh):
+        return mlir.lower_fun(nested, multiple_results=prim.multiple_results)(ctx, x, w)
+
+
+def _flat(aval: core.ShapedArray) -> core.ShapedArray:
+    """[rows, *batch, cols] -> [rows * prod(batch), cols]: what the custom call sees."""
+    return aval.update(shape=(int(np.prod(aval.shape[:-1])), aval.shape[-1]))
+
+
+def _ffi_call_flat(ctx, target: str, x, w, comm_id: int, transpose_w: bool):
+    """The custom call on x flattened to 2-D; results reshaped back to their avals."""
+    x_aval, w_aval = ctx.avals_in
+    flat_outs = [_flat(a) for a in ctx.avals_out]
+    x2 = mlir.reshape(ctx, x, _flat(x_aval))
+    flat_ctx = ctx.replace(avals_in=[_flat(x_aval), w_aval], avals_out=flat_outs)
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    outs = rule(flat_ctx, x2, w, comm_id=np.int64(comm_id), transpose_w=bool(transpose_w))
+    return [mlir.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
+
+
 def _all_gather_matmul_lowering(
     ctx, x, w, *, axis_name, axis_size, return_gathered, transpose_w, fallback
 ):
     platform = _platform(ctx)
-    mesh = _concrete_mesh(ctx, axis_name)
+    mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
+    params = dict(
+        axis_name=axis_name,
+        axis_size=axis_size,
+        return_gathered=return_gathered,
+        transpose_w=transpose_w,
+        fallback=fallback,
+    )
+    if set(mesh.axis_names) - manual:
+        return _lower_nested(all_gather_matmul_p, ctx, mesh, manual, x, w, **params)
     x_aval, w_aval = ctx.avals_in
-    chunk = x_aval.shape[0] * x_aval.shape[1] * np.dtype(x_aval.dtype).itemsize
+    chunk = int(np.prod(x_aval.shape)) * np.dtype(x_aval.dtype).itemsize
     needed = required_bytes(platform, "all_gather_matmul", chunk, axis_size)
     comm = _communicator_or_fallback(
         "all_gather_matmul", mesh, axis_name, platform, needed, fallback
@@ -154,15 +237,19 @@ def _all_gather_matmul_lowering(
             return out, gathered if return_gathered else gathered[:0]
 
         return mlir.lower_fun(unfused, multiple_results=True)(ctx, x, w)
-    rule = jax.ffi.ffi_lowering("jax_ub_all_gather_matmul", has_side_effect=True)
-    return rule(ctx, x, w, comm_id=np.int64(comm.id), transpose_w=bool(transpose_w))
+    return _ffi_call_flat(ctx, "jax_ub_all_gather_matmul", x, w, comm.id, transpose_w)
 
 
 def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, fallback):
     platform = _platform(ctx)
-    mesh = _concrete_mesh(ctx, axis_name)
+    mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
+    params = dict(
+        axis_name=axis_name, axis_size=axis_size, transpose_w=transpose_w, fallback=fallback
+    )
+    if set(mesh.axis_names) - manual:
+        return _lower_nested(matmul_reduce_scatter_p, ctx, mesh, manual, x, w, **params)
     (out_aval,) = ctx.avals_out
-    chunk = out_aval.shape[0] * out_aval.shape[1] * np.dtype(out_aval.dtype).itemsize
+    chunk = int(np.prod(out_aval.shape)) * np.dtype(out_aval.dtype).itemsize
     needed = required_bytes(platform, "matmul_reduce_scatter", chunk, axis_size)
     comm = _communicator_or_fallback(
         "matmul_reduce_scatter", mesh, axis_name, platform, needed, fallback
@@ -173,8 +260,7 @@ def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size, transpos
             return matmul_reduce_scatter_reference(x, _weight(w, transpose_w), axis_name)
 
         return mlir.lower_fun(unfused, multiple_results=False)(ctx, x, w)
-    rule = jax.ffi.ffi_lowering("jax_ub_matmul_reduce_scatter", has_side_effect=True)
-    return rule(ctx, x, w, comm_id=np.int64(comm.id), transpose_w=bool(transpose_w))
+    return _ffi_call_flat(ctx, "jax_ub_matmul_reduce_scatter", x, w, comm.id, transpose_w)
 
 
 mlir.register_lowering(all_gather_matmul_p, _all_gather_matmul_lowering)
@@ -216,7 +302,7 @@ def bind_all_gather_matmul(
     transpose_w: bool = False,
     fallback: bool = False,
 ):
-    """2-D x [m, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, k]).
+    """x [m, *b, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, *b, k]).
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
     backward passes multiply by ``w.T`` without materialising it). With ``fallback``
@@ -236,7 +322,7 @@ def bind_all_gather_matmul(
 def bind_matmul_reduce_scatter(
     x, w, axis_name: str, axis_size: int, transpose_w: bool = False, fallback: bool = False
 ):
-    """2-D x [M, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, n].
+    """x [M, *b, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, *b, n].
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place; with
     ``fallback``, as for :func:`bind_all_gather_matmul`.

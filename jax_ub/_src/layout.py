@@ -1,0 +1,163 @@
+"""Where the ops' operands live on the mesh, in the three ways the ops can be called.
+
+1. Inside ``jax.shard_map`` with every mesh axis manual: operands are the local shards.
+2. Inside ``jax.shard_map`` whose manual axes include the op's axis while others stay
+   automatic (partial-auto): operands are local over the manual axes, global over the
+   others. Lowering makes the remaining axes manual around the custom call, keeping the
+   batch dims sharded over them (:func:`batch_spec`).
+3. From plain ``jit`` (or eagerly) on global arrays under a mesh (``jax.set_mesh``): the
+   op runs in a shard_map over its own axis alone (:func:`over_axis`), which is case 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def manual_axes() -> frozenset[str]:
+    """The mesh axes that are manual where the caller is being traced."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return frozenset()
+    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+
+
+def batch_spec(aval: Any, mesh: Any, auto: Sequence[str]) -> P:
+    """How ``x [rows, *batch, cols]`` is split over the automatic axes ``auto``.
+
+    Only batch dims can be: the rows are the dim the op gathers or scatters over its own
+    axis, and the columns are contracted or are the weight's. Where the array's type
+    carries its sharding (``Explicit`` axes), that is used. ``Auto`` axes have no sharding
+    at trace time, so they are laid out the way data parallelism lays out a batch: every
+    automatic axis of size > 1, in mesh order, on the first batch dim they divide. If the
+    activations are laid out otherwise, XLA moves them into this layout and back; if no
+    batch dim fits, the op's operands are replicated over those axes (correct, but each
+    device then computes the whole batch).
+    """
+    ndim = len(aval.shape)
+    entries: list[Any] = [None] * ndim
+    typed = getattr(getattr(aval, "sharding", None), "spec", None)
+    explicit = [a for a in auto if _axis_type(mesh, a) == AxisType.Explicit]
+    if typed is not None and explicit:
+        for d in range(1, ndim - 1):
+            names = _names(typed[d] if d < len(typed) else None)
+            kept = tuple(a for a in names if a in auto)
+            entries[d] = kept[0] if len(kept) == 1 else (kept or None)
+    free = [a for a in auto if a not in explicit and mesh.shape[a] > 1]
+    size = int(np.prod([mesh.shape[a] for a in free])) if free else 1
+    if free:
+        for d in range(1, ndim - 1):
+            if entries[d] is None and aval.shape[d] % size == 0:
+                entries[d] = free[0] if len(free) == 1 else tuple(free)
+                break
+    return P(*entries)
+
+
+def _axis_type(mesh: Any, axis: str) -> Any:
+    return dict(zip(mesh.axis_names, mesh.axis_types))[axis]
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+# --- global arrays (case 3) -----------------------------------------------------------
+
+
+def context_mesh(op: str, axis_name: str, *arrays: Any) -> Any:
+    """The mesh a global call runs over: the one set by ``jax.set_mesh``/``use_mesh``, or
+    that of the (concrete, eagerly passed) arrays. A ValueError if there is none or it
+    lacks ``axis_name``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        for a in arrays:
+            sharding = getattr(a, "sharding", None)
+            if isinstance(sharding, NamedSharding) and not isinstance(a, jax.core.Tracer):
+                mesh = sharding.mesh
+                break
+    if mesh.empty:
+        raise ValueError(
+            f"{op}: axis {axis_name!r} is not bound; call {op} inside jax.shard_map over a "
+            "mesh that has this axis (like lax.all_gather), or on global arrays under "
+            "`with jax.set_mesh(mesh):`"
+        )
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"{op}: axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
+    return mesh
+
+
+def check_global_layout(op: str, mesh: Any, named: dict[str, tuple[Any, P]]) -> None:
+    """Each array must be split over the op's axis exactly where ``named``'s spec says.
+
+    Checked where the layout is known: arrays whose type carries their sharding
+    (``Explicit`` axes) and concrete arrays. Other axes are not the op's business. Under
+    ``Auto`` axes inside ``jit``, XLA moves the operands into the expected layout.
+    """
+    manual_axis = _the_axis(named)
+    for what, (a, expected) in named.items():
+        actual = _known_spec(a)
+        if actual is None:
+            continue
+        ndim = len(a.shape)
+        got = tuple(
+            manual_axis in _names(actual[d] if d < len(actual) else None) for d in range(ndim)
+        )
+        want = tuple(
+            manual_axis in _names(expected[d] if d < len(expected) else None) for d in range(ndim)
+        )
+        if got != want:
+            raise ValueError(
+                f"{op}: {what} of shape {tuple(a.shape)} must be sharded "
+                f"{_spec_over(expected, manual_axis, ndim)} over axis {manual_axis!r}, but it "
+                f"is sharded {actual} (mesh axes {tuple(mesh.axis_names)})"
+            )
+
+
+def _the_axis(named: dict[str, tuple[Any, P]]) -> str:
+    for _, spec in named.values():
+        for entry in spec:
+            if _names(entry):
+                return _names(entry)[0]
+    raise AssertionError("no axis in the expected specs")
+
+
+def _spec_over(spec: P, axis: str, ndim: int) -> P:
+    return P(
+        *[
+            (axis if axis in _names(spec[d] if d < len(spec) else None) else None)
+            for d in range(ndim)
+        ]
+    )
+
+
+def _known_spec(a: Any) -> P | None:
+    sharding = None
+    if isinstance(a, jax.core.Tracer):
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+            return None
+    else:
+        sharding = getattr(a, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            return None
+    spec = getattr(sharding, "spec", None)
+    return spec if isinstance(spec, P) else None
+
+
+def over_axis(f: Callable, mesh: Any, axis_name: str, in_specs: tuple, out_specs: Any) -> Callable:
+    """``f`` in a shard_map whose only manual axis is ``axis_name``; other axes stay XLA's."""
+    kwargs: dict[str, Any] = {}
+    if isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
+        kwargs["mesh"] = mesh  # eager call on concrete arrays, no mesh in context
+    return jax.shard_map(
+        f, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}, **kwargs
+    )
