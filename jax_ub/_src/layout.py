@@ -139,18 +139,37 @@ def _spec_over(spec: P, axis: str, ndim: int) -> P:
 
 
 def _known_spec(a: Any) -> P | None:
-    sharding = None
     if isinstance(a, jax.core.Tracer):
-        sharding = getattr(jax.typeof(a), "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
-            return None
-    else:
-        sharding = getattr(a, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            return None
+        return typed_spec(a)
+    sharding = getattr(a, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    return sharding.spec
+
+
+def typed_spec(a: Any) -> P | None:
+    """The spec an array's type carries under ``Explicit`` mesh axes, else None."""
+    if not hasattr(a, "shape"):
+        return None
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()  # an unsharded array: replicated on it
+    if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
     spec = getattr(sharding, "spec", None)
-    return spec if isinstance(spec, P) else None
+    return spec if isinstance(spec, P) else P()
+
+
+def replace_axis(actual: P, wanted: P, axis: str, ndim: int) -> P:
+    """``actual`` with ``axis`` moved to where ``wanted`` has it; other axes kept."""
+    entries = []
+    for d in range(ndim):
+        names = [a for a in _names(actual[d] if d < len(actual) else None) if a != axis]
+        if axis in _names(wanted[d] if d < len(wanted) else None):
+            names = [axis, *names]
+        entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+    return P(*entries)
 
 
 def over_axis(f: Callable, mesh: Any, axis_name: str, in_specs: tuple, out_specs: Any) -> Callable:

@@ -14,11 +14,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src import checks
+from jax_ub._src import checks, layout
 from jax_ub._src.extension import normalize_platform
 
 Params = Mapping[str, jax.Array]
@@ -27,19 +27,48 @@ Params = Mapping[str, jax.Array]
 # --- argument checks ---------------------------------------------------------------------
 
 
-def tp_size(owner: str, mesh: Any, axis_name: Any) -> int:
-    """Size of ``axis_name`` in ``mesh``, or a ValueError saying what is wrong."""
-    if not isinstance(mesh, Mesh):
+def group_size(owner: str, mesh: Any, axis_name: Any, *, required: bool = True) -> int | None:
+    """Size of the tensor-parallel axis, from where it is known, in this order: a shard_map
+    over it being traced, the layer's ``mesh``, the mesh set by ``jax.set_mesh``.
+
+    None when none of them is known and ``required`` is False (a layer built before any
+    mesh is set checks its sizes when it is called); a ValueError otherwise, or when the
+    axis is not in the mesh.
+    """
+    if mesh is not None and not isinstance(mesh, Mesh):
         raise ValueError(
-            f"{owner}: mesh must be a concrete jax.sharding.Mesh (the userbuffer ops need its "
-            f"devices), got {type(mesh).__name__}"
+            f"{owner}: mesh must be a concrete jax.sharding.Mesh or None (then the mesh set by "
+            f"jax.set_mesh is used), got {type(mesh).__name__}"
         )
-    if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
+    if not isinstance(axis_name, str):
+        raise ValueError(f"{owner}: axis_name must be a mesh axis name (str), got {axis_name!r}")
+    if axis_name in layout.manual_axes():
+        return int(jax.lax.axis_size(axis_name))
+    known = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if known.empty:
+        if not required:
+            return None
+        raise ValueError(
+            f"{owner}: no mesh to run over: call the layer under `with jax.set_mesh(mesh):`, "
+            f"pass mesh=..., or call it inside a shard_map over axis {axis_name!r}"
+        )
+    if axis_name not in known.axis_names:
         raise ValueError(
             f"{owner}: axis_name {axis_name!r} is not an axis of the mesh; "
-            f"mesh.axis_names={mesh.axis_names}"
+            f"mesh.axis_names={known.axis_names}"
         )
-    return int(mesh.shape[axis_name])
+    return int(known.shape[axis_name])
+
+
+def global_features(features: int, tp: int, axis_name: str, split: bool) -> int:
+    """The layer's feature count from an input's (the inverse of :func:`local_features`)."""
+    return features * tp if split and axis_name in layout.manual_axes() else features
+
+
+def local_features(features: int, tp: int, axis_name: str, split: bool) -> int:
+    """Features an input has where the layer sees it: the local shard inside a shard_map
+    over ``axis_name`` when they are ``split`` over it, else all of them."""
+    return features // tp if split and axis_name in layout.manual_axes() else features
 
 
 # One spelling of the impl check for the ops and the layers.
@@ -67,7 +96,7 @@ def check_input(owner: str, x: Any, in_features: int | None, tp: int, axis_name:
             f"{owner}: input has {shape[-1]} features (last dim) but the layer expects "
             f"{in_features}; input shape {shape}"
         )
-    if shape[0] % tp != 0:
+    if shape[0] % tp != 0 and axis_name not in layout.manual_axes():
         raise ValueError(
             f"{owner}: sequence length (dim 0) {shape[0]} is not divisible by the size of "
             f"axis {axis_name!r} ({tp}); input shape {shape}"
@@ -104,6 +133,7 @@ def feature_spec(ndim: int, axis_name: str) -> P:
 
 
 def column_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
+    """How the ops need a column-parallel layer's params split over ``axis_name``."""
     specs = {"kernel": P(None, axis_name)}
     if use_bias:
         specs["bias"] = P(axis_name)
@@ -111,10 +141,43 @@ def column_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
 
 
 def row_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
+    """How the ops need a row-parallel layer's params split over ``axis_name``."""
     specs = {"kernel": P(axis_name, None)}
     if use_bias:
         specs["bias"] = P(None)  # replicated
     return specs
+
+
+def param_names(
+    owner: str, kind: str, axis_name: str, use_bias: bool, other_axes: Any
+) -> dict[str, tuple]:
+    """The sharding names a layer's params carry as metadata (``nnx.get_partition_spec``,
+    ``nn.get_partition_spec``): the tensor-parallel split, plus ``other_axes`` (a mesh
+    axis name, a tuple of them, or None) on the kernel's other dim, e.g. an FSDP axis.
+
+    Only initial placement and the user's view: the ops take the params in whatever layout
+    they arrive and XLA gathers what is not split over ``axis_name`` (an FSDP gather).
+    """
+    if other_axes is not None and (
+        other_axes == axis_name or (isinstance(other_axes, tuple) and axis_name in other_axes)
+    ):
+        raise ValueError(
+            f"{owner}: param_axes={other_axes!r} names the tensor-parallel axis "
+            f"{axis_name!r}; it names the axes that split the kernel's other dim"
+        )
+    specs = (
+        column_param_specs(axis_name, use_bias)
+        if kind == "column"
+        else (row_param_specs(axis_name, use_bias))
+    )
+    names = {
+        k: tuple(v) + (None,) * (2 - len(v)) if k == "kernel" else tuple(v)
+        for k, v in specs.items()
+    }
+    kernel = list(names["kernel"])
+    kernel[kernel.index(None)] = other_axes
+    names["kernel"] = tuple(kernel)
+    return names
 
 
 # --- per-shard computations (run inside shard_map) ---------------------------------------
@@ -146,13 +209,13 @@ def row_local(x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype:
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
-def check_attention_implementation(owner: str, implementation: Any, mesh: Mesh) -> None:
+def check_attention_implementation(owner: str, implementation: Any, mesh: Mesh | None) -> None:
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"{owner}: attention_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
             f"got {implementation!r}"
         )
-    platform = mesh.devices.flat[0].platform
+    platform = platform_of(mesh)
     if implementation == "cudnn" and normalize_platform(platform) != "cuda":
         raise ValueError(
             f"{owner}: attention_implementation='cudnn' needs GPU devices, but the mesh is "
@@ -218,51 +281,78 @@ def attention_local(
     return jnp.moveaxis(out, len(batch), 0)
 
 
-# --- whole-layer functions: jit(shard_map(per-shard computation)), one per configuration ---
+# --- whole-layer functions, one per configuration ---------------------------------------
 #
-# Cached so that eager calls compile once per shape (an eager shard_map would dispatch op
-# by op); under an outer jit the inner jit is simply inlined.
+# Inside a shard_map over the tensor-parallel axis (the user's own), the per-shard
+# computation runs as it is, on local shards. Otherwise it runs in a jit(shard_map) over
+# that axis alone, under the layer's mesh or the one set by jax.set_mesh: every other mesh
+# axis (dp, fsdp, ...) stays XLA's, so a batch sharded over them stays sharded. Cached so
+# that eager calls compile once per shape; under an outer jit the inner jit is inlined.
 
 
-def _jit_shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    if AxisType.Explicit not in tuple(mesh.axis_types):
-        return jax.jit(mapped)
+def _over_tp(f: Callable, mesh: Mesh | None, axis_name: str, in_specs: Any, out_specs: Any):
+    mapped = jax.jit(
+        jax.shard_map(
+            f,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names={axis_name},
+            **({} if mesh is None else {"mesh": mesh}),
+        )
+    )
 
-    def resharded(*args):
-        # Explicit mesh axes: shard_map takes inputs only in exactly the in_specs' layout.
-        def reshard(spec, a):
-            return a if spec is None else jax.reshard(a, NamedSharding(mesh, spec))
+    def call(*args):
+        if axis_name in layout.manual_axes():
+            return f(*args)
+        if mesh is None and jax.sharding.get_abstract_mesh().empty:
+            raise ValueError(
+                f"no mesh to run over axis {axis_name!r}: call the layer under "
+                "`with jax.set_mesh(mesh):`, pass mesh=..., or call it inside a shard_map"
+            )
+        return mapped(*_resharded_explicit(axis_name, in_specs, args))
 
-        is_spec = lambda s: s is None or isinstance(s, P)  # noqa: E731
-        return mapped(*jax.tree.map(reshard, in_specs, args, is_leaf=is_spec))
+    return call
 
-    return jax.jit(resharded)
+
+def _resharded_explicit(axis_name: str, in_specs: Any, args: tuple) -> tuple:
+    """Under ``Explicit`` axes shard_map takes inputs only already split as its in_specs
+    say: move each array's split over ``axis_name`` to where the layer needs it, keeping
+    its other axes. Arrays whose type carries no sharding (``Auto``) pass as they are."""
+
+    def move(spec, a):
+        actual = layout.typed_spec(a)
+        if spec is None or actual is None:
+            return a
+        target = layout.replace_axis(actual, spec, axis_name, a.ndim)
+        return a if target == actual else jax.sharding.reshard(a, target)
+
+    is_spec = lambda s: s is None or isinstance(s, P)  # noqa: E731
+    return tuple(jax.tree.map(move, in_specs, args, is_leaf=is_spec))
 
 
 @functools.lru_cache(maxsize=256)
 def column_call(
-    mesh: Mesh, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
+    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)``: sequence-sharded ``x`` -> feature-sharded output."""
     local = functools.partial(column_local, axis_name=axis_name, impl=impl, dtype=dtype)
     in_specs = (seq_spec(ndim, axis_name), column_param_specs(axis_name, use_bias))
-    return _jit_shard_map(local, mesh, in_specs, feature_spec(ndim, axis_name))
+    return _over_tp(local, mesh, axis_name, in_specs, feature_spec(ndim, axis_name))
 
 
 @functools.lru_cache(maxsize=256)
 def row_call(
-    mesh: Mesh, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
+    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)``: feature-sharded ``x`` -> sequence-sharded output."""
     local = functools.partial(row_local, axis_name=axis_name, impl=impl, dtype=dtype)
     in_specs = (feature_spec(ndim, axis_name), row_param_specs(axis_name, use_bias))
-    return _jit_shard_map(local, mesh, in_specs, seq_spec(ndim, axis_name))
+    return _over_tp(local, mesh, axis_name, in_specs, seq_spec(ndim, axis_name))
 
 
 @functools.lru_cache(maxsize=256)
 def mlp_call(
-    mesh: Mesh,
+    mesh: Mesh | None,
     axis_name: str,
     impl: str,
     dtype: Any,
@@ -278,12 +368,19 @@ def mlp_call(
 
     col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
     spec = seq_spec(ndim, axis_name)
-    return _jit_shard_map(body, mesh, (spec, col, row), spec)
+    return _over_tp(body, mesh, axis_name, (spec, col, row), spec)
+
+
+def platform_of(mesh: Mesh | None) -> str:
+    """The platform the layer runs on: its mesh's devices', else JAX's default backend."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
 
 
 @functools.lru_cache(maxsize=256)
 def attention_call(
-    mesh: Mesh,
+    mesh: Mesh | None,
     axis_name: str,
     impl: str,
     dtype: Any,
@@ -301,7 +398,7 @@ def attention_call(
         head_dim=head_dim,
         is_causal=is_causal,
         implementation=attention_implementation,
-        platform=mesh.devices.flat[0].platform,
+        platform=platform_of(mesh),
     )
 
     def body(x, p_qkv, p_out, mask):
@@ -309,4 +406,4 @@ def attention_call(
 
     col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
     spec = seq_spec(ndim, axis_name)
-    return _jit_shard_map(body, mesh, (spec, col, row, P() if has_mask else None), spec)
+    return _over_tp(body, mesh, axis_name, (spec, col, row, P() if has_mask else None), spec)

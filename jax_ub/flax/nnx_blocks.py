@@ -48,8 +48,8 @@ class ParallelMLP(nnx.Module):
       hidden_features: number of hidden features; a multiple of ``tp``.
       out_features: number of output features (default: ``in_features``).
       activation: elementwise function applied to the hidden features (default: gelu).
-      mesh, axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs:
-        as for :class:`ColumnParallelLinear`, shared by both projections.
+      mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
+        bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     def __init__(
@@ -58,8 +58,9 @@ class ParallelMLP(nnx.Module):
         hidden_features: int,
         *,
         out_features: int | None = None,
-        mesh: Mesh,
+        mesh: Mesh | None = None,
         axis_name: str = "tp",
+        param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
         activation: Callable[[jax.Array], jax.Array] = nnx.gelu,
         use_bias: bool = True,
@@ -70,12 +71,15 @@ class ParallelMLP(nnx.Module):
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
-        tp = _core.tp_size(owner, mesh, axis_name)
-        _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
+        _core.check_impl(owner, impl)
+        tp = _core.group_size(owner, mesh, axis_name, required=False)
+        if tp is not None:
+            _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
         out_features = in_features if out_features is None else out_features
         common = dict(
             mesh=mesh,
             axis_name=axis_name,
+            param_axes=param_axes,
             impl=impl,
             use_bias=use_bias,
             dtype=dtype,
@@ -91,7 +95,10 @@ class ParallelMLP(nnx.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
         up, down = self.up_proj, self.down_proj
-        _core.check_input(type(self).__name__, inputs, up.in_features, up.tp, up.axis_name)
+        owner = type(self).__name__
+        tp = _core.group_size(owner, up.mesh, up.axis_name)
+        _core.check_divisible(owner, "hidden_features", up.out_features, tp, up.axis_name)
+        _core.check_input(owner, inputs, up.in_features, tp, up.axis_name)
         f = _core.mlp_call(
             up.mesh, up.axis_name, up.impl, up.dtype, self.activation, inputs.ndim, up.use_bias
         )
@@ -127,8 +134,8 @@ class ParallelSelfAttention(nnx.Module):
         ``implementation``: ``"xla"``, ``"cudnn"`` (fused flash attention, GPUs only), or
         None (default): cuDNN on GPUs for 16-bit dtypes and head sizes up to 128 without
         a mask array, XLA otherwise.
-      mesh, axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs:
-        as for :class:`ColumnParallelLinear`, shared by both projections.
+      mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
+        bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     def __init__(
@@ -139,8 +146,9 @@ class ParallelSelfAttention(nnx.Module):
         qkv_features: int | None = None,
         out_features: int | None = None,
         attention_implementation: str | None = None,
-        mesh: Mesh,
+        mesh: Mesh | None = None,
         axis_name: str = "tp",
+        param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
         use_bias: bool = True,
         dtype: Dtype | None = None,
@@ -152,8 +160,10 @@ class ParallelSelfAttention(nnx.Module):
         owner = type(self).__name__
         qkv_features = in_features if qkv_features is None else qkv_features
         out_features = in_features if out_features is None else out_features
-        tp = _core.tp_size(owner, mesh, axis_name)
-        _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
+        _core.check_impl(owner, impl)
+        tp = _core.group_size(owner, mesh, axis_name, required=False)
+        if tp is not None:
+            _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
         _core.check_attention_implementation(owner, attention_implementation, mesh)
         if qkv_features % num_heads != 0:
             raise ValueError(
@@ -162,6 +172,7 @@ class ParallelSelfAttention(nnx.Module):
         common = dict(
             mesh=mesh,
             axis_name=axis_name,
+            param_axes=param_axes,
             impl=impl,
             use_bias=use_bias,
             dtype=dtype,
@@ -191,7 +202,9 @@ class ParallelSelfAttention(nnx.Module):
         """
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
-        _core.check_input(owner, inputs, qkv.in_features, qkv.tp, qkv.axis_name)
+        tp = _core.group_size(owner, qkv.mesh, qkv.axis_name)
+        _core.check_divisible(owner, "num_heads", self.num_heads, tp, qkv.axis_name)
+        _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name)
         if mask is not None:
             _core.check_mask(owner, mask, inputs.shape)
         f = _core.attention_call(

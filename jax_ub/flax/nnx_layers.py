@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,20 +14,29 @@ default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
 
 
-class _ParallelLinear(nnx.Module):
-    """Shared constructor: global-shaped params, sharded over ``axis_name`` of ``mesh``."""
+def sharded_param(value: jax.Array, names: tuple, mesh: Mesh | None) -> nnx.Param:
+    """A param carrying its sharding names; placed on ``mesh`` (or the mesh set by
+    ``jax.set_mesh``) when one is known, else left where it is until the user shards it."""
+    if mesh is None and jax.sharding.get_abstract_mesh().empty:
+        return nnx.Param(value, out_sharding=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, mesh=mesh)
 
-    # Set by subclasses: which features are split over the axis, and the params' specs.
+
+class _ParallelLinear(nnx.Module):
+    """Shared constructor: global-shaped params carrying their sharding over ``axis_name``."""
+
+    # Set by subclasses: which features are split over the axis, and the layer's kind.
     _split: str
-    _param_specs: Callable[[str, bool], dict]
+    _kind: str
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
         *,
-        mesh: Mesh,
+        mesh: Mesh | None = None,
         axis_name: str = "tp",
+        param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
         use_bias: bool = True,
         dtype: Dtype | None = None,
@@ -39,10 +46,11 @@ class _ParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
-        self.tp = _core.tp_size(owner, mesh, axis_name)
         _core.check_impl(owner, impl)
-        split = {"in_features": in_features, "out_features": out_features}[self._split]
-        _core.check_divisible(owner, self._split, split, self.tp, axis_name)
+        tp = _core.group_size(owner, mesh, axis_name, required=False)
+        if tp is not None:
+            split = {"in_features": in_features, "out_features": out_features}[self._split]
+            _core.check_divisible(owner, self._split, split, tp, axis_name)
         self.in_features = in_features
         self.out_features = out_features
         self.mesh = mesh
@@ -51,19 +59,13 @@ class _ParallelLinear(nnx.Module):
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
-        specs = self._param_specs(axis_name, use_bias)
-        self.kernel = nnx.Param(
-            kernel_init(rngs.params(), (in_features, out_features), param_dtype),
-            out_sharding=tuple(specs["kernel"]),
-            mesh=mesh,
-        )
+        names = _core.param_names(owner, self._kind, axis_name, use_bias, param_axes)
+        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+        self.kernel = sharded_param(kernel, names["kernel"], mesh)
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
-            self.bias = nnx.Param(
-                bias_init(rngs.params(), (out_features,), param_dtype),
-                out_sharding=tuple(specs["bias"]),
-                mesh=mesh,
-            )
+            bias = bias_init(rngs.params(), (out_features,), param_dtype)
+            self.bias = sharded_param(bias, names["bias"], mesh)
         else:
             self.bias = nnx.data(None)
 
@@ -75,7 +77,14 @@ class _ParallelLinear(nnx.Module):
         return values
 
     def _config(self, inputs: jax.Array) -> tuple:
-        _core.check_input(type(self).__name__, inputs, self.in_features, self.tp, self.axis_name)
+        owner = type(self).__name__
+        tp = _core.group_size(owner, self.mesh, self.axis_name)
+        split = {"in_features": self.in_features, "out_features": self.out_features}[self._split]
+        _core.check_divisible(owner, self._split, split, tp, self.axis_name)
+        features = _core.local_features(
+            self.in_features, tp, self.axis_name, self._split == "in_features"
+        )
+        _core.check_input(owner, inputs, features, tp, self.axis_name)
         return (self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias)
 
 
@@ -91,8 +100,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
     * input ``[seq, *batch, in_features]``, sequence-sharded: ``P(axis_name, None, ...)``
     * output ``[seq, *batch, out_features]``, feature-sharded: ``P(None, ..., axis_name)``
-    * ``kernel [in_features, out_features]`` sharded ``P(None, axis_name)``,
+    * ``kernel [in_features, out_features]`` sharded ``P(param_axes, axis_name)``,
       ``bias [out_features]`` sharded ``P(axis_name)``
+
+    Three ways to call it, as the ops: inside a ``shard_map`` over ``axis_name`` (on local
+    shards: pass the params in with ``nnx.get_partition_spec``'s specs); from ``jit`` under
+    ``jax.set_mesh(mesh)`` or with ``mesh=`` given, on global arrays, where every other
+    mesh axis stays XLA's (a batch dim sharded over ``dp`` stays sharded, an ``fsdp``
+    kernel is gathered by XLA). No mesh is needed to build the layer; with one (``mesh=``
+    or ``jax.set_mesh``) the params are created sharded on it, under ``jit`` too.
 
     Pair it with :class:`RowParallelLinear`, which takes the feature-sharded output back to
     sequence-parallel, with nothing but elementwise ops in between.
@@ -114,9 +130,13 @@ class ColumnParallelLinear(_ParallelLinear):
     Args:
       in_features: number of input features.
       out_features: number of output features; a multiple of ``tp``.
-      mesh: the concrete :class:`jax.sharding.Mesh` to run on.
-      axis_name: the tensor-parallel mesh axis (default ``"tp"``). Other mesh axes
-        replicate the layer.
+      mesh: optional :class:`jax.sharding.Mesh` to create the params on and to run on when
+        no mesh is set (default: the mesh set by ``jax.set_mesh``, or the enclosing
+        shard_map's).
+      axis_name: the tensor-parallel mesh axis (default ``"tp"``).
+      param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
+        (default: None, replicated). Only where the params are placed: XLA gathers them
+        for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
@@ -127,7 +147,7 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     _split = "out_features"
-    _param_specs = staticmethod(_core.column_param_specs)
+    _kind = "column"
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""
@@ -146,7 +166,7 @@ class RowParallelLinear(_ParallelLinear):
 
     * input ``[seq, *batch, in_features]``, feature-sharded: ``P(None, ..., axis_name)``
     * output ``[seq, *batch, out_features]``, sequence-sharded: ``P(axis_name, None, ...)``
-    * ``kernel [in_features, out_features]`` sharded ``P(axis_name, None)``,
+    * ``kernel [in_features, out_features]`` sharded ``P(axis_name, param_axes)``,
       ``bias [out_features]`` replicated
 
     Example::
@@ -159,12 +179,13 @@ class RowParallelLinear(_ParallelLinear):
     Args:
       in_features: number of input features; a multiple of ``tp``.
       out_features: number of output features.
-      mesh, axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs:
-        as for :class:`ColumnParallelLinear`. ``seq`` must be a multiple of ``tp``.
+      mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
+        bias_init, rngs: as for :class:`ColumnParallelLinear`. ``seq`` must be a multiple
+        of ``tp``.
     """
 
     _split = "in_features"
-    _param_specs = staticmethod(_core.row_param_specs)
+    _kind = "row"
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""

@@ -26,6 +26,7 @@ from jax_ub.flax.linen.layers import (
 _SHARED = (
     "mesh",
     "axis_name",
+    "param_axes",
     "impl",
     "use_bias",
     "dtype",
@@ -56,16 +57,18 @@ class ParallelMLP(nn.Module):
 
     Attributes:
       hidden_features: number of hidden features; a multiple of ``tp``.
-      mesh: the concrete :class:`jax.sharding.Mesh` to run on.
+      mesh: optional :class:`jax.sharding.Mesh` (default: the mesh set by ``jax.set_mesh``,
+        or the enclosing shard_map's).
       out_features: number of output features (default: the input's).
       activation: elementwise function applied to the hidden features (default: gelu).
-      axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
+      axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
         :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     hidden_features: int
-    mesh: Mesh
+    mesh: Mesh | None = None
     axis_name: str = "tp"
+    param_axes: str | tuple[str, ...] | None = None
     impl: str = "auto"
     use_bias: bool = True
     dtype: Dtype | None = None
@@ -118,19 +121,21 @@ class ParallelSelfAttention(nn.Module):
 
     Attributes:
       num_heads: number of attention heads; a multiple of ``tp``.
-      mesh: the concrete :class:`jax.sharding.Mesh` to run on.
+      mesh: optional :class:`jax.sharding.Mesh` (default: the mesh set by ``jax.set_mesh``,
+        or the enclosing shard_map's).
       qkv_features: total query (and key, value) width over all heads (default: the
         input's features); a multiple of ``num_heads``.
       out_features: number of output features (default: the input's).
       attention_implementation: ``"xla"``, ``"cudnn"`` or None (cuDNN flash attention on
         GPUs where it applies, else XLA); see :class:`jax_ub.flax.ParallelSelfAttention`.
-      axis_name, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
+      axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
         :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     num_heads: int
-    mesh: Mesh
+    mesh: Mesh | None = None
     axis_name: str = "tp"
+    param_axes: str | tuple[str, ...] | None = None
     impl: str = "auto"
     use_bias: bool = True
     dtype: Dtype | None = None

@@ -22,8 +22,9 @@ class _ParallelLinear(nn.Module):
     """Shared fields, checks and parameter creation of the two parallel layers."""
 
     features: int
-    mesh: Mesh
+    mesh: Mesh | None = None
     axis_name: str = "tp"
+    param_axes: str | tuple[str, ...] | None = None
     impl: str = "auto"
     use_bias: bool = True
     dtype: Dtype | None = None
@@ -31,14 +32,14 @@ class _ParallelLinear(nn.Module):
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = default_bias_init
 
-    # Set by subclasses: the params' PartitionSpecs.
-    _param_specs: ClassVar[Callable[[str, bool], dict[str, P]]]
+    # Set by subclasses: "column" or "row".
+    _kind: ClassVar[str]
 
     @nn.nowrap
     def tp_size(self) -> int:
         """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name`` and ``impl``."""
         owner = type(self).__name__
-        tp = _core.tp_size(owner, self.mesh, self.axis_name)
+        tp = _core.group_size(owner, self.mesh, self.axis_name)
         _core.check_impl(owner, self.impl)
         return tp
 
@@ -48,22 +49,23 @@ class _ParallelLinear(nn.Module):
 
         Blocks call this to run several layers in one ``shard_map``.
         """
-        specs = self._param_specs(self.axis_name, self.use_bias)
+        owner = type(self).__name__
+        names = _core.param_names(owner, self._kind, self.axis_name, self.use_bias, self.param_axes)
 
-        def init(base, spec):
-            return nn.with_partitioning(base, tuple(spec), mesh=self.mesh)
+        def init(base, names):
+            return nn.with_partitioning(base, names, mesh=self.mesh)
 
         params = {
             "kernel": self.param(
                 "kernel",
-                init(self.kernel_init, specs["kernel"]),
+                init(self.kernel_init, names["kernel"]),
                 (in_features, self.features),
                 self.param_dtype,
             )
         }
         if self.use_bias:
             params["bias"] = self.param(
-                "bias", init(self.bias_init, specs["bias"]), (self.features,), self.param_dtype
+                "bias", init(self.bias_init, names["bias"]), (self.features,), self.param_dtype
             )
         return params
 
@@ -80,7 +82,11 @@ class ColumnParallelLinear(_ParallelLinear):
     * input ``[seq, *batch, in_features]``, sequence-sharded ``P(axis_name, None, ...)``
     * output ``[seq, *batch, features]``, feature-sharded ``P(None, ..., axis_name)``
     * params ``kernel [in_features, features]`` boxed as ``nn.Partitioned`` with names
-      ``(None, axis_name)``, ``bias [features]`` with ``(axis_name,)``
+      ``(param_axes, axis_name)``, ``bias [features]`` with ``(axis_name,)``
+
+    Called as the NNX layer is: inside a shard_map over ``axis_name`` (local shards), or
+    on global arrays from ``jit`` under ``jax.set_mesh(mesh)`` (or with ``mesh=``), where
+    the other mesh axes stay XLA's.
 
     Example::
 
@@ -94,13 +100,16 @@ class ColumnParallelLinear(_ParallelLinear):
 
     Attributes:
       features: number of output features; a multiple of ``tp``.
-      mesh: the concrete :class:`jax.sharding.Mesh` to run on.
+      mesh: optional :class:`jax.sharding.Mesh` to run on when no mesh is set (default:
+        the mesh set by ``jax.set_mesh``, or the enclosing shard_map's).
       axis_name: the tensor-parallel mesh axis (default ``"tp"``).
+      param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
+        (default: None); XLA gathers them for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
       use_bias, dtype, param_dtype, kernel_init, bias_init: as for ``nn.Dense``.
     """
 
-    _param_specs = staticmethod(_core.column_param_specs)
+    _kind = "column"
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
@@ -127,7 +136,7 @@ class RowParallelLinear(_ParallelLinear):
     * input ``[seq, *batch, in_features]``, feature-sharded ``P(None, ..., axis_name)``;
       ``in_features`` and ``seq`` multiples of ``tp``
     * output ``[seq, *batch, features]``, sequence-sharded ``P(axis_name, None, ...)``
-    * params ``kernel [in_features, features]`` with names ``(axis_name, None)``,
+    * params ``kernel [in_features, features]`` with names ``(axis_name, param_axes)``,
       ``bias [features]`` replicated
 
     Example::
@@ -141,15 +150,16 @@ class RowParallelLinear(_ParallelLinear):
     Attributes: as for :class:`ColumnParallelLinear`.
     """
 
-    _param_specs = staticmethod(_core.row_param_specs)
+    _kind = "row"
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
         tp = self.tp_size()
         owner = type(self).__name__
         _core.check_input(owner, inputs, None, tp, self.axis_name)
-        _core.check_divisible(owner, "in_features", inputs.shape[-1], tp, self.axis_name)
-        params = self.get_params(inputs.shape[-1])
+        in_features = _core.global_features(inputs.shape[-1], tp, self.axis_name, split=True)
+        _core.check_divisible(owner, "in_features", in_features, tp, self.axis_name)
+        params = self.get_params(in_features)
         f = _core.row_call(
             self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias
         )
