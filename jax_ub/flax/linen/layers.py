@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
 import jax
@@ -10,7 +9,6 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jax_ub.flax import _core
 
