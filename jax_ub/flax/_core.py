@@ -291,25 +291,27 @@ def attention_local(
 
 
 def _over_tp(f: Callable, mesh: Mesh | None, axis_name: str, in_specs: Any, out_specs: Any):
-    mapped = jax.jit(
-        jax.shard_map(
-            f,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names={axis_name},
-            **({} if mesh is None else {"mesh": mesh}),
-        )
-    )
+    # One jit(shard_map) per mesh it runs under: shard_map binds the context mesh when built.
+    mapped: dict[Any, Callable] = {}
 
     def call(*args):
         if axis_name in layout.manual_axes():
             return f(*args)
-        if mesh is None and jax.sharding.get_abstract_mesh().empty:
+        context = jax.sharding.get_abstract_mesh()
+        if mesh is None and context.empty:
             raise ValueError(
                 f"no mesh to run over axis {axis_name!r}: call the layer under "
                 "`with jax.set_mesh(mesh):`, pass mesh=..., or call it inside a shard_map"
             )
-        return mapped(*_resharded_explicit(axis_name, in_specs, args))
+        key = mesh if mesh is not None else context
+        if key not in mapped:
+            kwargs = {} if mesh is None else {"mesh": mesh}
+            mapped[key] = jax.jit(
+                jax.shard_map(
+                    f, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}, **kwargs
+                )
+            )
+        return mapped[key](*_resharded_explicit(axis_name, in_specs, args))
 
     return call
 
