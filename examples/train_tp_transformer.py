@@ -8,8 +8,12 @@ cycle through the vocabulary (``perm[i]`` is always followed by ``perm[i + 1]``)
 next-token loss falls from ``log(vocab)`` towards zero as the model learns it.
 
 Runs on all GPUs, or on 4 CPU devices (it sets ``XLA_FLAGS`` for that when run as a
-script). With ``--compare-xla`` it trains the same model again on XLA's collectives
-(``impl="xla"``) and prints the step-time speedup; that comparison is meaningful on GPUs.
+script). ``--mesh dp=2,tp=2`` splits the devices into a data-parallel and a
+tensor-parallel axis: the batch is sharded over ``dp`` and stays so through every layer
+(XLA does the data-parallel part, jax_ub the tensor-parallel one). The layers are given
+no mesh: they take the one set by ``jax.set_mesh``. With ``--compare-xla`` it trains the
+same model again on XLA's collectives (``impl="xla"``) and prints the step-time speedup;
+that comparison is meaningful on GPUs.
 
 Usage::
 
@@ -17,6 +21,7 @@ Usage::
     python examples/train_tp_transformer.py --compare-xla --rounds 3  # GPUs: ub vs XLA,
                                                              # alternating, median ms/step
     python examples/train_tp_transformer.py --steps 50 --hidden 128 --heads 8 --dtype bfloat16
+    python examples/train_tp_transformer.py --mesh dp=2,tp=2  # batch over dp, layers over tp
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ GPU_CONFIG = dict(seq=2048, batch=4, hidden=4096, layers=4, heads=32, vocab=1024
 class Block(nnx.Module):
     """Pre-LayerNorm transformer block: causal self-attention, then an MLP."""
 
-    def __init__(self, hidden: int, heads: int, *, mesh: Mesh, impl: str, dtype, rngs: nnx.Rngs):
-        tp = dict(mesh=mesh, axis_name=AXIS, impl=impl, dtype=dtype, rngs=rngs)
+    def __init__(self, hidden: int, heads: int, *, impl: str, dtype, rngs: nnx.Rngs):
+        tp = dict(axis_name=AXIS, impl=impl, dtype=dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(hidden, rngs=rngs)
         self.attn = ubf.ParallelSelfAttention(hidden, heads, **tp)
         self.ln2 = nnx.LayerNorm(hidden, rngs=rngs)
@@ -79,8 +84,8 @@ class TransformerLM(nnx.Module):
     """Token ids ``[seq, batch]`` -> logits ``[seq, batch, vocab]``, sequence-parallel."""
 
     def __init__(
-        self, *, vocab: int, seq: int, hidden: int, layers: int, heads: int, mesh: Mesh,
-        impl: str, dtype, rngs: nnx.Rngs,
+        self, *, vocab: int, seq: int, hidden: int, layers: int, heads: int, impl: str,
+        dtype, rngs: nnx.Rngs,
     ):  # fmt: skip
         self.embed = nnx.Embed(vocab, hidden, rngs=rngs)
         # Sequence-sharded like the activations it is added to, so its gradient needs no
@@ -88,13 +93,9 @@ class TransformerLM(nnx.Module):
         self.pos = nnx.Param(
             0.02 * jax.random.normal(rngs.params(), (seq, 1, hidden)),
             out_sharding=(AXIS, None, None),
-            mesh=mesh,
         )
         self.blocks = nnx.List(
-            [
-                Block(hidden, heads, mesh=mesh, impl=impl, dtype=dtype, rngs=rngs)
-                for _ in range(layers)
-            ]
+            [Block(hidden, heads, impl=impl, dtype=dtype, rngs=rngs) for _ in range(layers)]
         )
         self.ln_f = nnx.LayerNorm(hidden, rngs=rngs)
         self.head = nnx.Linear(hidden, vocab, rngs=rngs)
@@ -165,6 +166,7 @@ def train(
     lr: float = 3e-3,
     seed: int = 0,
     devices: list[jax.Device] | None = None,
+    mesh_shape: dict[str, int] | None = None,
     progress: bool = True,
     desc: str | None = None,
     trace_dir: str | None = None,
@@ -176,12 +178,48 @@ def train(
     runs differ only in how the collectives are done. With `trace_dir`, the last 3 steps
     are traced with JAX's profiler into it (benchmarks/profile_train_step.py reads it).
     Every `log_every` steps (default: 50 times a run) the host waits for the loss to show
-    it; in between, steps are dispatched ahead of the GPUs.
+    it; in between, steps are dispatched ahead of the GPUs. `mesh_shape` (axis -> size,
+    with a "tp" axis; default: every device on "tp") lays the devices out; the batch is
+    sharded over every axis but "tp".
     """
     devices = default_devices() if devices is None else devices
-    mesh = Mesh(np.array(devices), (AXIS,))
+    mesh = make_mesh(devices, mesh_shape or {AXIS: len(devices)})
+    with jax.set_mesh(mesh):
+        return _train(
+            mesh,
+            steps=steps,
+            impl=impl,
+            seq=seq,
+            batch=batch,
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            vocab=vocab,
+            dtype=dtype,
+            lr=lr,
+            seed=seed,
+            progress=progress,
+            desc=desc,
+            trace_dir=trace_dir,
+            log_every=log_every,
+        )
+
+
+def make_mesh(devices: list[jax.Device], shape: dict[str, int]) -> Mesh:
+    """A mesh of `devices` with axes `shape` (e.g. {"dp": 2, "tp": 2}); "tp" must be one."""
+    if AXIS not in shape or int(np.prod(list(shape.values()))) != len(devices):
+        raise ValueError(f"mesh {shape} must have a {AXIS!r} axis and {len(devices)} devices")
+    return Mesh(np.array(devices).reshape(tuple(shape.values())), tuple(shape))
+
+
+def _train(
+    mesh: Mesh, *, steps, impl, seq, batch, hidden, layers, heads, vocab, dtype, lr, seed,
+    progress, desc, trace_dir, log_every,
+) -> TrainResult:  # fmt: skip
+    devices = list(mesh.devices.flat)
+    data_axes = tuple(a for a in mesh.axis_names if a != AXIS)
     model = TransformerLM(
-        vocab=vocab, seq=seq, hidden=hidden, layers=layers, heads=heads, mesh=mesh, impl=impl,
+        vocab=vocab, seq=seq, hidden=hidden, layers=layers, heads=heads, impl=impl,
         dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed),
     )  # fmt: skip
     graphdef, params = nnx.split(model, nnx.Param)
@@ -196,7 +234,8 @@ def train(
     # Steps hand back the state in the layout they got it in, so nothing recompiles.
     state_shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
     perm = jax.random.permutation(jax.random.key(seed + 1), vocab)
-    tokens_sharding = NamedSharding(mesh, P(AXIS, None))  # sequence-parallel
+    # Sequence-parallel over tp, the batch over the data-parallel axes.
+    tokens_sharding = NamedSharding(mesh, P(AXIS, data_axes or None))
 
     def make_batch(key):
         # Closed form, not a scan over seq: a loop of seq tiny steps would cost more than
@@ -248,6 +287,14 @@ def train(
     return TrainResult([float(x) for x in losses], step_time, compile_time)
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """ "dp=2,tp=2" -> {"dp": 2, "tp": 2}."""
+    try:
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise SystemExit(f'--mesh takes "axis=size,...", e.g. "dp=2,tp=2"; got {text!r}') from None
+
+
 def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     """Command line entry point; returns the result of each run, keyed by impl."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -264,6 +311,9 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
+        "--mesh", help='device layout, e.g. "dp=2,tp=2" (default: every device on tp)'
+    )
+    parser.add_argument(
         "--log-every", type=int, help="show the loss every N steps (waits for it); default steps/50"
     )
     args = parser.parse_args(argv)
@@ -272,8 +322,10 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     platform = devices[0].platform
     config = dict(CPU_CONFIG if platform == "cpu" else GPU_CONFIG)
     config.update({k: v for k, v in vars(args).items() if k in config and v is not None})
-    print(f"{len(devices)} {platform} devices, tp={len(devices)}; {config}")
+    shape = parse_mesh(args.mesh) if args.mesh else {AXIS: len(devices)}
+    print(f"{len(devices)} {platform} devices, mesh {shape}; {config}")
     kw = dict(steps=args.steps, lr=args.lr, seed=args.seed, devices=devices, **config)
+    kw["mesh_shape"] = shape
     kw["progress"] = not args.no_progress
     kw["log_every"] = args.log_every
 

@@ -55,3 +55,12 @@ def test_loss_decreases(runs):
 
 def test_ub_matches_xla(runs):
     np.testing.assert_allclose(runs["ub"].losses, runs["xla"].losses, rtol=1e-3, atol=1e-4)
+
+
+def test_dp_tp_mesh_matches_tp_only(example, devices):
+    """--mesh dp=2,tp=2: the batch split over dp gives the same losses as tp=4 alone."""
+    kw = dict(steps=10, impl="ub", devices=devices, progress=False, **CONFIG)
+    dp_tp = example.train(mesh_shape={"dp": 2, "tp": 2}, **kw)
+    tp_only = example.train(**kw)
+    np.testing.assert_allclose(dp_tp.losses, tp_only.losses, rtol=1e-4, atol=1e-5)
+    assert example.parse_mesh("dp=2,tp=2") == {"dp": 2, "tp": 2}
