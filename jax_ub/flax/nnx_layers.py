@@ -115,17 +115,34 @@ class ColumnParallelLinear(_ParallelLinear):
 
     Example::
 
-        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
-        >>> from jax.sharding import Mesh
+        >>> from jax.sharding import AxisType, PartitionSpec as P
         >>> import jax_ub.flax
-        >>> mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-        >>> layer = jax_ub.flax.ColumnParallelLinear(16, 64, mesh=mesh, rngs=nnx.Rngs(0))
-        >>> layer.kernel.shape, layer.kernel[...].sharding.spec
-        ((16, 64), P(None, 'tp'))
-        >>> y = jax.jit(layer)(jnp.ones((32, 2, 16)))  # [seq, batch, features]
+        >>> mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2,
+        ...                      devices=jax.devices()[:4])
+
+        From ``jit`` under a mesh: the batch stays split over ``dp`` (XLA's), the sequence
+        is gathered over ``tp`` inside the matmul (jax_ub's)::
+
+        >>> with jax.set_mesh(mesh):
+        ...     layer = jax_ub.flax.ColumnParallelLinear(16, 64, rngs=nnx.Rngs(0))
+        ...     x = jax.device_put(jnp.ones((32, 4, 16)), P("tp", "dp"))  # [seq, batch, in]
+        ...     y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+        >>> layer.kernel[...].sharding.spec
+        P(None, 'tp')
         >>> y.shape, y.sharding.spec
-        ((32, 2, 64), P(None, None, 'tp'))
+        ((32, 4, 64), P(None, 'dp', 'tp'))
+
+        Inside your own ``shard_map`` over ``tp`` (here partial-auto: ``dp`` stays XLA's),
+        on the local shards of the params, with no mesh given to the layer::
+
+        >>> graphdef, state = nnx.split(layer)
+        >>> body = lambda state, x: nnx.merge(graphdef, state)(x)
+        >>> f = jax.shard_map(body, mesh=mesh, axis_names={"tp"}, out_specs=P(None, None, "tp"),
+        ...                   in_specs=(nnx.get_partition_spec(state), P("tp")))
+        >>> jax.jit(f)(state, x).shape
+        (32, 4, 64)
 
     Args:
       in_features: number of input features.
@@ -175,6 +192,8 @@ class RowParallelLinear(_ParallelLinear):
         >>> y = jax.jit(layer)(jnp.ones((32, 2, 64)))
         >>> y.shape, y.sharding.spec
         ((32, 2, 16), P('tp',))
+
+        ``mesh=`` is the third way: the layer runs on that mesh when none is set.
 
     Args:
       in_features: number of input features; a multiple of ``tp``.

@@ -1,0 +1,45 @@
+"""The docstring examples of the public modules run, and print what they show."""
+
+from __future__ import annotations
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+import jax_ub.flax
+import jax_ub.flax.linen.blocks
+import jax_ub.flax.linen.layers
+import jax_ub.flax.nnx_blocks
+import jax_ub.flax.nnx_layers
+
+MODULES = [
+    jax_ub.flax.nnx_layers,
+    jax_ub.flax.nnx_blocks,
+    jax_ub.flax.linen.layers,
+    jax_ub.flax.linen.blocks,
+]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_examples_run(module):
+    # What an example may take from the one before it in the module's docs.
+    globs = dict(
+        jax=jax, jnp=jnp, np=np, nn=nn, nnx=nnx, P=P, Mesh=Mesh, jax_ub=jax_ub,
+        mesh=Mesh(np.array(jax.devices()[:4]), ("tp",)), x=jnp.ones((32, 2, 16)),
+    )  # fmt: skip
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    tests = [t for t in finder.find(module, globs=globs) if t.examples]
+    assert tests, f"{module.__name__} has no examples"
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
