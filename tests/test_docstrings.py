@@ -43,3 +43,18 @@ def test_examples_run(module):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
+
+
+def test_readme_examples_run(capsys):
+    """The README's Python blocks run as printed, and print what they say they print."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.strip().splitlines()
+    claimed = re.findall(r"print\(.*?\)\s+# (.*)", readme)
+    assert printed[-len(claimed) :] == claimed
