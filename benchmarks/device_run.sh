@@ -24,8 +24,7 @@ t0=$(date +%s)
 timeout 300 bash -c 'cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DPython_EXECUTABLE=$(command -v python3) > '"$OUT"'/build.log 2>&1 && ninja -C build/dev >> '"$OUT"'/build.log 2>&1' \
   || { echo BUILD FAILED; tail -40 "$OUT/build.log"; exit 1; }
-ln -sf ../build/dev/_host*.so ../build/dev/_cuda*.so jax_ub/ 2>/dev/null
-ln -sf "$(pwd)"/build/dev/_host*.so "$(pwd)"/build/dev/_cuda*.so jax_ub/
+ln -sf "$(pwd)"/build/dev/_host*.so "$(pwd)"/build/dev/_cuda*.so jax_ub/_src/
 echo "built in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$(pwd)
 # Kill what a step left behind (a hung test's processes would hold the GPUs and skew

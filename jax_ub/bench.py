@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import functools
 import json
@@ -38,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
+from jax_ub._src import options
 from jax_ub._src.communicator import host_times
 
 AXIS = "tp"
@@ -211,7 +211,8 @@ def build_rs(mesh, M, K, N, dtype, seed, variants=()):
 
 
 def parse_variants(text: str) -> list[dict]:
-    """ "name=value,name=value;name=value" -> one dict of jax_ub settings per variant.
+    """ "name=value,name=value;name=value" -> one dict of tuning choices per variant
+    (jax_ub._src.options.Tuning's names).
     Values are read as Python literals where they parse (ints, floats, True), else kept as
     strings ("auto")."""
     variants = []
@@ -233,18 +234,10 @@ def variant_name(settings: dict) -> str:
     return "jax_ub[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
 
 
-@contextlib.contextmanager
 def _configured(settings: dict):
-    """jax_ub.configure(**settings) inside the block (a bad name or value raises there,
-    changing nothing), the previous values after it."""
-    saved = {
-        name: getattr(jax_ub.config, name) for name in settings if hasattr(jax_ub.config, name)
-    }
-    jax_ub.configure(**settings)
-    try:
-        yield
-    finally:
-        jax_ub.configure(**saved)
+    """The tuning choices `settings` inside the block, through the experimental hook (a
+    bad name or value raises there, changing nothing)."""
+    return options.experimental_tuning(**settings)
 
 
 def _add_variants(impls, make, args, variants) -> None:
@@ -302,7 +295,7 @@ def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0
         errs["ub_gemm"] = rel_err(f(*args), g(*gargs))
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
     # Warm-up: jax_ub's first 15 calls of a shape still compare GEMM kernels
-    # (config.gemm_trials); every implementation gets the same calls.
+    # (Tuning.gemm_trials); every implementation gets the same calls.
     for f, args in live.values():
         loop_time_ms(f, args, WARMUP_CALLS)
     calls = {n: iters for n in live}
@@ -410,9 +403,10 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--ub-variants",
         default="",
-        help="more jax_ub rows, each under other jax_ub settings, measured in the same "
-        'interleaved rounds: "name=value,...;name=value" (e.g. '
-        '"reduce_scatter_fold_rows=-1;gemm_order=auto"); printed relative to jax_ub',
+        help="EXPERIMENTAL: more jax_ub rows, each under other internal tuning choices "
+        "(jax_ub._src.options.Tuning), measured in the same interleaved rounds: "
+        '"name=value,...;name=value" (e.g. "reduce_scatter_fold_rows=-1;gemm_order=auto"); '
+        "printed relative to jax_ub",
     )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
     ap.add_argument("--no-windowed-einsum", action="store_true")

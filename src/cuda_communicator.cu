@@ -106,15 +106,14 @@ std::string Describe(const char* op, int rank, int group) {
 
 }  // namespace
 
-Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                                GemmOptions gemm, int64_t fold_rows, bool multiprocess,
+Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes,
+                                const CommOptions& options, bool multiprocess,
                                 std::unique_ptr<CudaCommunicator>* out) {
-  if (!(timeout_s > 0) || !std::isfinite(timeout_s))  // NaN and inf would disable deadlines
-    return InvalidArgument("timeout must be positive and finite, got " + std::to_string(timeout_s));
   std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
   c->topology_ = std::move(topology);
-  c->fold_rows_ = fold_rows;
-  JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, timeout_s, gemm, multiprocess));
+  c->fold_rows_ = options.reduce_scatter_fold_rows;
+  JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, options.timeout_s,
+                                     GemmOptions::From(options), multiprocess));
   // Across processes the peers' buffers arrive later, through Connect().
   if (!multiprocess) JAX_UB_RETURN_IF_ERROR(c->Wire());
   *out = std::move(c);
@@ -330,8 +329,8 @@ CudaCommunicator::~CudaCommunicator() {
   }
 }
 
-bool CudaCommunicator::Quiesce(double timeout_s) {
-  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+bool CudaCommunicator::Quiesce() {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
   do {
     if (broken_.broken()) return true;  // no more progress to wait for
     bool idle = true;

@@ -27,6 +27,7 @@
 
 #include "broken_state.h"
 #include "call_descriptor.h"
+#include "comm_options.h"
 #include "cuda_gemm.h"
 #include "dtype.h"
 #include "schedule.h"
@@ -39,12 +40,11 @@ class CudaCommunicator {
  public:
   // With `multiprocess`, slots of other processes are mapped later: ExportHandles() gives
   // this process's CUDA IPC handles, Connect() opens the others' (through jax.distributed's
-  // key-value store in between). Otherwise every slot must be local. `fold_rows`: the
-  // smallest piece for which GEMM+RS folds its reduction into the GEMM (Schedule::
-  // fold_rows); every rank of a group must use the same value.
-  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s, GemmOptions gemm,
-                       int64_t fold_rows, bool multiprocess,
-                       std::unique_ptr<CudaCommunicator>* out);
+  // key-value store in between). Otherwise every slot must be local.
+  // `options.reduce_scatter_fold_rows`: the smallest piece for which GEMM+RS folds its
+  // reduction into the GEMM (Schedule::fold_rows), the same on every rank of a group.
+  static Status Create(Topology topology, size_t capacity_bytes, const CommOptions& options,
+                       bool multiprocess, std::unique_ptr<CudaCommunicator>* out);
   // Userbuffer bytes per GPU that one call of `op` needs, `chunk_bytes` being one rank's
   // chunk (x for AG, the output for RS). AG: a chunk per rank. RS: a received partial per
   // rank, plus as many staged for sending (a peer may still be reading our last push).
@@ -68,9 +68,9 @@ class CudaCommunicator {
   Status MatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x, const void* w,
                              bool w_transposed, void* out, int64_t m, int64_t k, int64_t n);
 
-  // Wait up to `timeout_s` until every local slot has made the same number of calls and
+  // Wait up to the timeout until every local slot has made the same number of calls and
   // all their GPU work has finished. Returns whether that state was reached.
-  bool Quiesce(double timeout_s);
+  bool Quiesce();
 
   // Host time the handler threads spend per call, for finding whether small ops are
   // bound by the host: by local GPU, the calls made, the nanoseconds inside the op
@@ -206,8 +206,8 @@ class CudaCommunicator {
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
-  int64_t fold_rows_ = Schedule::kDefaultFoldRows;  // see Create
-  std::vector<std::unique_ptr<Slot>> slots_;        // by slot index; null where not local
+  int64_t fold_rows_ = -1;                    // see Create
+  std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;
 

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "comm_options.h"
 #include "dtype.h"
 #include "status.h"
 
@@ -20,20 +21,25 @@ namespace jax_ub {
 // C^T = B^T @ A^T (no layout attributes). kRow: as C = A @ B with every matrix in
 // CUBLASLT_ORDER_ROW. The two get different candidate kernels, and neither is fastest at
 // every shape (up to ~10% apart on an H200; benchmarks/gemm_candidates.cu).
-enum class GemmOrder { kAuto = 0, kColumn = 1, kRow = 2 };
+// (GemmOrder itself is in comm_options.h: a communicator is created with one.)
 
+// The GEMM wrapper's settings. A communicator derives them from its CommOptions (whose
+// defaults live in jax_ub's Python Options); the values here serve standalone tools.
 struct GemmOptions {
   bool allow_tf32 = false;  // float32 GEMMs may use TF32 tensor cores
   bool autotune = true;     // time cuBLASLt's candidates once per shape (see Prepare)
   // kAuto: with autotuning, time both descriptions' candidates; without, kColumn.
-  // kColumn by default: tuning times kernels alone, and "auto" once kept a row kernel
-  // that was as fast alone but slower beside the op's copies (benchmarks/RESULTS.md).
+  // Tuning times kernels alone, and "auto" once kept a row kernel that was as fast alone
+  // but slower beside the op's copies, hence kColumn.
   GemmOrder order = GemmOrder::kColumn;
   // With autotuning, how many of the fastest candidates (of the chosen description) the
-  // op's own first calls of a shape compare before keeping one (see Matmul); 0 or 1: none.
-  // Tuning times kernels alone, and their order beside the op's copies, on a GPU at its
-  // power cap, can differ (benchmarks/RESULTS.md).
-  int trials = 3;
+  // op's own first calls of a shape compare before keeping one (see Matmul); 0 or 1: none
+  // (a tool's default: its calls then always run tuning's pick).
+  int trials = 0;
+
+  static GemmOptions From(const CommOptions& o) {
+    return GemmOptions{o.allow_tf32, o.autotune_gemm, o.gemm_order, o.gemm_trials};
+  }
 };
 
 // One of a cuBLASLt algorithm's configuration values (its id, tile, stages, ...), or -1

@@ -35,38 +35,23 @@ NB_MODULE(_cuda, m) {
   });
   m.def(
       "create_communicator",
-      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, double timeout_s,
-         bool allow_tf32, bool autotune, const std::string& gemm_order, int gemm_trials,
-         int64_t fold_rows, bool multiprocess) {
-        if (gemm_trials < 0)
-          throw nb::value_error(
-              ("gemm_trials must be >= 0, got " + std::to_string(gemm_trials)).c_str());
-        jax_ub::GemmOptions gemm{allow_tf32, autotune, jax_ub::GemmOrder::kColumn, gemm_trials};
-        if (gemm_order == "auto") {
-          gemm.order = jax_ub::GemmOrder::kAuto;
-        } else if (gemm_order == "row") {
-          gemm.order = jax_ub::GemmOrder::kRow;
-        } else if (gemm_order != "column") {
-          throw nb::value_error(
-              ("gemm_order must be 'auto', 'column' or 'row', got '" + gemm_order + "'").c_str());
-        }
+      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes,
+         nb::dict options, bool multiprocess) {
+        const jax_ub::CommOptions opts = jax_ub::OptionsFromDict(options);
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
         jax_ub::RaiseIfError(st);
         std::unique_ptr<jax_ub::CudaCommunicator> c;
         {
           nb::gil_scoped_release release;
-          st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, timeout_s, gemm,
-                                                fold_rows, multiprocess, &c);
+          st = jax_ub::CudaCommunicator::Create(std::move(topo), capacity_bytes, opts, multiprocess,
+                                                &c);
         }
         jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::CudaCommunicator>::Add(std::move(c));
       },
       nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
-      nb::arg("timeout_s"), nb::arg("allow_tf32") = false, nb::arg("autotune") = true,
-      nb::arg("gemm_order") = "column", nb::arg("gemm_trials") = jax_ub::GemmOptions{}.trials,
-      nb::arg("reduce_scatter_fold_rows") = jax_ub::Schedule::kDefaultFoldRows,
-      nb::arg("multiprocess") = false);
+      nb::arg("options"), nb::arg("multiprocess") = false);
   // Same names as the host module's, so one bootstrap serves both: "region names" are the
   // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
   m.def("region_names", [](int64_t id) {
@@ -128,9 +113,5 @@ NB_MODULE(_cuda, m) {
     jax_ub::RaiseIfError(
         jax_ub::CudaStatus(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer"));
     return can != 0;
-  });
-  m.def("device_count", []() {
-    int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
   });
 }

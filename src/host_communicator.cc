@@ -53,15 +53,13 @@ struct HostCommunicator::CallContext {
   int peer_slot(int r) const { return group * size + r; }
 };
 
-Status HostCommunicator::Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                                int64_t fold_rows, const std::string& shm_prefix,
+Status HostCommunicator::Create(Topology topology, size_t capacity_bytes,
+                                const CommOptions& options, const std::string& shm_prefix,
                                 std::unique_ptr<HostCommunicator>* out) {
-  if (!(timeout_s > 0) || !std::isfinite(timeout_s))  // NaN and inf would disable deadlines
-    return InvalidArgument(Fmt("timeout must be positive and finite, got %g s", timeout_s));
   std::unique_ptr<HostCommunicator> c(new HostCommunicator());
   c->capacity_ = (capacity_bytes + 63) / 64 * 64;
-  c->timeout_s_ = timeout_s;
-  c->fold_rows_ = fold_rows;
+  c->timeout_s_ = options.timeout_s;
+  c->fold_rows_ = options.reduce_scatter_fold_rows;
   c->topology_ = std::move(topology);
   c->shared_ = !shm_prefix.empty();
   const int slots = c->topology_.num_slots();
@@ -136,8 +134,9 @@ Status HostCommunicator::Connect(const std::vector<std::string>& names) {
   return Status::Ok();
 }
 
-bool HostCommunicator::Quiesce(double timeout_s) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+bool HostCommunicator::Quiesce() {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
   do {
     // A broken communicator makes no more progress: nothing to wait for.
     if (broken_.broken()) return true;

@@ -21,6 +21,7 @@
 
 #include "broken_state.h"
 #include "call_descriptor.h"
+#include "comm_options.h"
 #include "dtype.h"
 #include "schedule.h"
 #include "status.h"
@@ -42,15 +43,14 @@ struct alignas(64) SlotHeader {
 
 class HostCommunicator {
  public:
-  // Allocates the regions of the slots local to this process. `timeout_s` bounds every
-  // wait on a peer. With a non-empty `shm_prefix` the local regions are POSIX shared
-  // memory objects named `<prefix>_<slot>`, which processes holding the other slots map
-  // with Connect(); otherwise every slot must be local and plain memory is used.
-  // `fold_rows`: the smallest piece for which GEMM+RS folds its reduction (Schedule::
-  // fold_rows); every rank of a group must use the same value.
-  static Status Create(Topology topology, size_t capacity_bytes, double timeout_s,
-                       int64_t fold_rows, const std::string& shm_prefix,
-                       std::unique_ptr<HostCommunicator>* out);
+  // Allocates the regions of the slots local to this process. `options.timeout_s` bounds
+  // every wait on a peer; `options.reduce_scatter_fold_rows` is the smallest piece for
+  // which GEMM+RS folds its reduction (Schedule::fold_rows), the same on every rank of a
+  // group. With a non-empty `shm_prefix` the local regions are POSIX shared memory objects
+  // named `<prefix>_<slot>`, which processes holding the other slots map with Connect();
+  // otherwise every slot must be local and plain memory is used.
+  static Status Create(Topology topology, size_t capacity_bytes, const CommOptions& options,
+                       const std::string& shm_prefix, std::unique_ptr<HostCommunicator>* out);
   // Region bytes per device that one call of `op` needs, `chunk_bytes` being one rank's
   // chunk (x for AG, the output for RS): one chunk or partial per rank, for either op.
   static int64_t RequiredBytes(OpKind /*op*/, int64_t chunk_bytes, int group_size) {
@@ -75,10 +75,10 @@ class HostCommunicator {
   Status MatmulReduceScatter(int device, DType t, const void* x, const void* w, bool w_transposed,
                              void* out, int64_t m, int64_t k, int64_t n);
 
-  // Wait up to `timeout_s` until no call is running and every local slot has made the
+  // Wait up to the timeout until no call is running and every local slot has made the
   // same number of calls: then no rank is left waiting for a peer whose call was
   // dispatched but has not started yet. Returns whether that state was reached.
-  bool Quiesce(double timeout_s);
+  bool Quiesce();
 
   // Why the communicator is broken, or "" while it is healthy.
   std::string BrokenReason() const { return broken_.reason(); }
@@ -106,7 +106,7 @@ class HostCommunicator {
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
-  int64_t fold_rows_ = Schedule::kDefaultFoldRows;  // see Create
+  int64_t fold_rows_ = -1;  // see Create
   std::vector<uint64_t> epoch_;                     // per slot; guarded by slot_mu_
   // One call at a time per slot: should XLA's CPU runtime ever run two independent
   // side-effecting custom calls of one device concurrently, they queue here instead of

@@ -5,12 +5,15 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 
 #include "call_descriptor.h"
+#include "comm_options.h"
 #include "registry.h"
 #include "status.h"
 
@@ -36,6 +39,46 @@ std::shared_ptr<Communicator> FindCommunicator(int64_t id) {
   return c;
 }
 
+// CommOptions from the dict of jax_ub's Python Options (same names). Every field is
+// required and no other is accepted, so the two sides cannot drift apart silently.
+inline CommOptions OptionsFromDict(const nanobind::dict& d) {
+  namespace nb = nanobind;
+  static const std::set<std::string> kFields = {"timeout_s",   "allow_tf32",  "autotune_gemm",
+                                                "gemm_order",  "gemm_trials", "reduce_scatter_fold_rows"};
+  for (auto item : d) {
+    std::string key = nb::cast<std::string>(item.first);
+    if (!kFields.count(key)) throw nb::value_error(("unknown communicator option " + key).c_str());
+  }
+  auto get = [&](const char* name) {
+    if (!d.contains(name))
+      throw nb::value_error((std::string("missing communicator option ") + name).c_str());
+    return d[name];
+  };
+  CommOptions o;
+  o.timeout_s = nb::cast<double>(get("timeout_s"));
+  if (!(o.timeout_s > 0) || !std::isfinite(o.timeout_s))  // NaN and inf would disable deadlines
+    throw nb::value_error(("timeout must be positive and finite, got " +
+                           std::to_string(o.timeout_s) + " s")
+                              .c_str());
+  o.allow_tf32 = nb::cast<bool>(get("allow_tf32"));
+  o.autotune_gemm = nb::cast<bool>(get("autotune_gemm"));
+  const std::string order = nb::cast<std::string>(get("gemm_order"));
+  if (order == "auto") {
+    o.gemm_order = GemmOrder::kAuto;
+  } else if (order == "column") {
+    o.gemm_order = GemmOrder::kColumn;
+  } else if (order == "row") {
+    o.gemm_order = GemmOrder::kRow;
+  } else {
+    throw nb::value_error(("gemm_order must be 'auto', 'column' or 'row', got '" + order + "'").c_str());
+  }
+  o.gemm_trials = nb::cast<int>(get("gemm_trials"));
+  if (o.gemm_trials < 0)
+    throw nb::value_error(("gemm_trials must be >= 0, got " + std::to_string(o.gemm_trials)).c_str());
+  o.reduce_scatter_fold_rows = nb::cast<int64_t>(get("reduce_scatter_fold_rows"));
+  return o;
+}
+
 // The bindings both platform modules share, with the same names, so the Python side
 // (bootstrap, finalize, check_health, buffer sizing) serves either:
 // broken_reason, quiesce, destroy_communicator, num_communicators, and
@@ -46,10 +89,11 @@ void DefCommonBindings(nanobind::module_& m) {
     auto c = Registry<Communicator>::Get(id);
     return c ? c->BrokenReason() : std::string();
   });
-  m.def("quiesce", [](int64_t id, double timeout_s) {
+  // Waits up to the communicator's own timeout.
+  m.def("quiesce", [](int64_t id) {
     auto c = Registry<Communicator>::Get(id);
     nanobind::gil_scoped_release release;
-    return c ? c->Quiesce(timeout_s) : true;
+    return c ? c->Quiesce() : true;
   });
   m.def("destroy_communicator", [](int64_t id) {
     nanobind::gil_scoped_release release;  // the destructor may wait for calls in flight

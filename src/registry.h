@@ -1,6 +1,7 @@
 // Process-wide table of live communicators, keyed by the int64 id that crosses the FFI
 // as an attribute. Handlers take a shared reference, so a communicator destroyed while a
-// call is in flight lives until that call returns. Clear() is the reset path.
+// call is in flight lives until that call returns. The reset path is jax_ub.finalize(),
+// which removes every communicator it created (destroy_communicator).
 #pragma once
 
 #include <cstdint>
@@ -31,10 +32,6 @@ class Registry {
   static size_t Size() {
     std::lock_guard<std::mutex> lock(mu());
     return items().size();
-  }
-  static void Clear() {
-    std::lock_guard<std::mutex> lock(mu());
-    items().clear();
   }
 
  private:

@@ -12,10 +12,9 @@ namespace jax_ub {
 struct Schedule {
   int rank;
   int size;
-  // Smallest piece (rows) worth folding a reduce-scatter for; negative: never. From
-  // jax_ub.configure(reduce_scatter_fold_rows=...).
-  static constexpr int64_t kDefaultFoldRows = 2048;
-  int64_t fold_rows = kDefaultFoldRows;
+  // Smallest piece (rows) worth folding a reduce-scatter for; negative: never
+  // (CommOptions::reduce_scatter_fold_rows). Not needed by the all-gather's schedule.
+  int64_t fold_rows = -1;
 
   // Peers in the order this rank pushes its data to them: nearest first, so every
   // rank's first push goes to a different peer and no link is hit twice at once.

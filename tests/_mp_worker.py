@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
+from jax_ub._src import options  # noqa: E402
 
 
 def global_array(mesh, spec, shape, seed):
@@ -119,7 +120,9 @@ try:
         # The last process folds every reduce-scatter, its peers none: left to run, the
         # folding side would wait for a first piece never sent. Both ops must refuse at the
         # communicator's creation, naming the setting, in every process.
-        jax_ub.configure(reduce_scatter_fold_rows=0 if pid == nproc - 1 else -1)
+        options.experimental_tuning(
+            reduce_scatter_fold_rows=0 if pid == nproc - 1 else -1
+        ).__enter__()
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario == "absent_peer":
         if pid == nproc - 1:

@@ -23,7 +23,9 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
+from jax_ub._src import options as _options  # noqa: E402
 from jax_ub._src.config import config as _config  # noqa: E402
+from jax_ub._src.options import current_options  # noqa: E402
 
 NUM_DEVICES = 8
 
@@ -138,11 +140,18 @@ def tol(dtype) -> float:
 
 @pytest.fixture(autouse=True)
 def _restore_config():
-    """Every test starts from, and leaves behind, the same jax_ub.config."""
+    """Every test starts from, and leaves behind, the same jax_ub.config and tuning."""
     saved = dataclasses.asdict(_config)
+    saved_tuning = _options._tuning
     yield
     for name, value in saved.items():
         setattr(_config, name, value)
+    _options._tuning = saved_tuning
+
+
+def use_tuning(**changes) -> None:
+    """Tuning choices for the rest of the test (restored after it by _restore_config)."""
+    _options.experimental_tuning(**changes).__enter__()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -158,6 +167,14 @@ def _check_device_count():
 def _finalize_after_module():
     yield
     jax_ub.finalize()
+
+
+def comm_options(**changes) -> dict:
+    """The options dict the extensions' create_communicator takes: the ones in force now,
+    with `changes` (for tests that create communicators directly)."""
+    current = dataclasses.asdict(current_options())
+    current.update(changes)
+    return current
 
 
 def ag_fn(mesh, impl="ub", axis="tp", **kw):

@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ag_fn as _ag
-from conftest import rel_err, smap, to_f32
+from conftest import comm_options, rel_err, smap, to_f32
 from conftest import rs_fn as _rs
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub import _host
+from jax_ub._src import _host
+from jax_ub._src import options
 
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
@@ -219,13 +220,9 @@ def test_buffer_too_small_without_growth(mesh1d, rand):
         (dict(buffer_size=1), r"unknown jax_ub setting 'buffer_size'"),
         (dict(timeout_s=0), r"timeout_s must be positive"),
         (dict(buffer_bytes=-1), r"buffer_bytes must be >= 0"),
-        (dict(reduce_scatter_fold_rows=True), r"reduce_scatter_fold_rows must be an integer"),
-        (dict(gemm_trials=-1), r"gemm_trials must be an integer >= 0, got -1"),
-        (dict(gemm_trials=2.5), r"gemm_trials must be an integer >= 0, got 2.5"),
-        (
-            dict(gemm_order="rows"),
-            r"gemm_order must be one of \('auto', 'column', 'row'\), got 'rows'",
-        ),
+        (dict(allow_grow=1), r"allow_grow must be True or False, got 1 \(jax_ub.configure"),
+        # Tuning choices are internal, not user settings.
+        (dict(gemm_order="row"), r"unknown jax_ub setting 'gemm_order'"),
     ],
 )
 def test_configure_rejects_bad_values(kwargs, match):
@@ -233,9 +230,42 @@ def test_configure_rejects_bad_values(kwargs, match):
         jax_ub.configure(**kwargs)
 
 
-def test_gemm_order_env_var_is_validated(monkeypatch):
-    monkeypatch.setenv("JAX_UB_GEMM_ORDER", "rows")
-    with pytest.raises(ValueError, match=r"gemm_order must be one of .*JAX_UB_GEMM_ORDER"):
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(reduce_scatter_fold_rows=True), r"reduce_scatter_fold_rows must be an integer"),
+        (dict(gemm_trials=-1), r"gemm_trials must be an integer >= 0, got -1"),
+        (dict(gemm_trials=2.5), r"gemm_trials must be an integer >= 0, got 2.5"),
+        (
+            dict(gemm_order="rows"),
+            r"gemm_order must be one of \('auto', 'column', 'row'\), got 'rows'",
+        ),
+        (dict(timeout_s=1.0), r"unknown tuning choice \['timeout_s'\]"),
+    ],
+)
+def test_experimental_tuning_rejects_bad_values(kwargs, match):
+    before = options.tuning()
+    with pytest.raises(ValueError, match=match):
+        with options.experimental_tuning(**kwargs):
+            pass
+    assert options.tuning() == before
+
+
+@pytest.mark.parametrize(
+    "var,value,match",
+    [
+        ("JAX_UB_TIMEOUT_S", "-3", r"timeout_s must be positive .*JAX_UB_TIMEOUT_S='-3'"),
+        (
+            "JAX_UB_BUFFER_BYTES",
+            "lots",
+            r"buffer_bytes: environment variable "
+            r"JAX_UB_BUFFER_BYTES='lots' is not a valid value",
+        ),
+    ],
+)
+def test_env_var_errors_name_the_variable(monkeypatch, var, value, match):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
         jax_ub.Config()  # what `import jax_ub` builds from the environment
 
 
@@ -373,7 +403,7 @@ def host_comm():
             group_size=group_size,
             slot_devices=list(slot_devices),
             capacity_bytes=capacity_bytes,
-            timeout_s=timeout_s,
+            options=comm_options(timeout_s=timeout_s),
         )
         ids.append(cid)
         return cid
@@ -434,12 +464,23 @@ def test_low_level_destroyed_communicator(host_comm, rand):
         (dict(group_size=2, slot_devices=[0, 1, 2]), r"number of slots 3 is not a positive"),
         (dict(group_size=2, slot_devices=[]), r"number of slots 0"),
         (dict(group_size=2, slot_devices=[0, 0]), r"device 0 appears twice"),
-        (dict(group_size=2, slot_devices=[0, 1], timeout_s=0.0), r"timeout must be positive"),
+        (
+            dict(group_size=2, slot_devices=[0, 1], options=comm_options(timeout_s=0.0)),
+            r"timeout must be positive",
+        ),
+        (
+            dict(group_size=1, slot_devices=[0], options={"timeout_s": 1.0}),
+            r"missing communicator option allow_tf32",
+        ),
+        (
+            dict(group_size=1, slot_devices=[0], options=comm_options(fold=1)),
+            r"unknown communicator option fold",
+        ),
     ],
 )
 def test_low_level_create_rejects(kwargs, match):
     before = _host.num_communicators()
-    kw = dict(capacity_bytes=1024, timeout_s=1.0)
+    kw = dict(capacity_bytes=1024, options=comm_options(timeout_s=1.0))
     kw.update(kwargs)
     with pytest.raises(ValueError, match=match):
         _host.create_communicator(**kw)

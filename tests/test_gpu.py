@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gpus
+from conftest import gpus, use_tuning
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -101,7 +101,7 @@ def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold):
     if tp == 1 and not fold:
         pytest.skip("a group of one has nothing to fold")
     jax_ub.finalize()  # communicators take the setting when they are created
-    jax_ub.configure(reduce_scatter_fold_rows=0 if fold else -1)
+    use_tuning(reduce_scatter_fold_rows=0 if fold else -1)
     try:
         mesh = _mesh(tp)
         h, v = _data(jax.random.key(rows + 10 * tp), [(tp * rows, 256), (256, 384)], dtype)
@@ -142,7 +142,7 @@ def test_each_gemm_order_matches_xla(order):
     backward (w read transposed in place), at an odd shape and in f32 (true f32, no
     TF32)."""
     jax_ub.finalize()  # communicators take the GEMM settings when they are created
-    jax_ub.configure(gemm_order=order)
+    use_tuning(gemm_order=order)
     try:
         mesh = _mesh(2)
         for dtype in (jnp.bfloat16, jnp.float32):

@@ -13,7 +13,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub import _host
+from jax_ub._src import _host
+from jax_ub._src import options
 
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
@@ -123,6 +124,22 @@ def test_initialize_buffer_bytes_is_honoured(mesh1d):
     assert comm.capacity_bytes == 64 << 10
 
 
+@pytest.mark.parametrize("allow_grow", [False, True])
+def test_buffer_bytes_is_the_buffer_not_a_floor(mesh1d, rand, allow_grow):
+    """configure(buffer_bytes=N): the first op that needs more than N bytes raises, naming
+    both sizes, unless allow_grow, which then sizes the buffer to what the op needs."""
+    jax_ub.configure(buffer_bytes=1024, allow_grow=allow_grow)
+    x, w = rand(2 * 64, 16), rand(16, 2 * 8)  # 64 x 16 f32 chunks: 2 x 4096 bytes needed
+    f = _ag(mesh1d(2))
+    if not allow_grow:
+        with pytest.raises(ValueError, match=r"needs 8192 bytes per device, buffer_bytes is 1024"):
+            f(x, w)
+        return
+    assert rel_err(f(x, w), x @ w) < 1e-5
+    (comm,) = jax_ub.live_communicators()
+    assert comm.capacity_bytes == 8192
+
+
 def test_configured_settings_reach_the_communicator(mesh1d):
     jax_ub.configure(buffer_bytes=3 << 20, timeout_s=7.5)
     comm = jax_ub.initialize(mesh1d(2), "tp")
@@ -148,8 +165,7 @@ def test_configure_after_first_use_applies_to_new_traces(mesh1d, rand):
     old = jax_ub.initialize(mesh, "tp")
     assert _comm_id_in(first, x, w) == old.id
 
-    fold = jax_ub.config.reduce_scatter_fold_rows
-    jax_ub.configure(timeout_s=old.timeout_s + 1.5, reduce_scatter_fold_rows=fold + 1)
+    jax_ub.configure(timeout_s=old.timeout_s + 1.5)
     new = jax_ub.initialize(mesh, "tp")
     assert new.id != old.id and new.timeout_s == old.timeout_s + 1.5
     assert _host.num_communicators() == 2
@@ -158,9 +174,16 @@ def test_configure_after_first_use_applies_to_new_traces(mesh1d, rand):
     assert rel_err(second(x, w), ref) < 1e-5
     assert rel_err(first(x, w), ref) < 1e-5  # compiled before: still the old one
 
-    jax_ub.configure(timeout_s=old.timeout_s, reduce_scatter_fold_rows=fold)
+    # Tuning choices are part of what a communicator is created with, too.
+    fold = options.tuning().reduce_scatter_fold_rows
+    with options.experimental_tuning(reduce_scatter_fold_rows=fold + 1):
+        tuned = jax_ub.initialize(mesh, "tp")
+        assert tuned.id not in (old.id, new.id)
+    assert _host.num_communicators() == 3
+
+    jax_ub.configure(timeout_s=old.timeout_s)
     assert jax_ub.initialize(mesh, "tp").id == old.id
-    assert _host.num_communicators() == 2
+    assert _host.num_communicators() == 3
 
 
 def test_two_communicators_in_one_program(mesh2d, rand):

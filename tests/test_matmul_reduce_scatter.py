@@ -9,6 +9,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
+from jax_ub._src import options
 
 RS = jax_ub.matmul_reduce_scatter
 
@@ -59,11 +60,11 @@ def test_fold_on_and_off(mesh1d, rand, fold_rows, m):
     (4, 7) and (4, 8) sit either side of the threshold. Every case must give the
     reference's result."""
     jax_ub.finalize()  # communicators take the setting when they are created
-    jax_ub.configure(reduce_scatter_fold_rows=fold_rows)
     try:
-        x = rand(2 * m, 2 * 6, dtype=jnp.bfloat16)
-        w = rand(2 * 6, 10, dtype=jnp.bfloat16)
-        _check(mesh1d(2), x, w, jnp.bfloat16)
+        with options.experimental_tuning(reduce_scatter_fold_rows=fold_rows):
+            x = rand(2 * m, 2 * 6, dtype=jnp.bfloat16)
+            w = rand(2 * 6, 10, dtype=jnp.bfloat16)
+            _check(mesh1d(2), x, w, jnp.bfloat16)
     finally:
         jax_ub.finalize()
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ag_fn as _ag
-from conftest import gpus, make_mesh, rel_err, smap, to_f32, tol
+from conftest import comm_options, gpus, make_mesh, rel_err, smap, to_f32, tol, use_tuning
 from conftest import rs_fn as _rs
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from test_multiprocess import _free_port, _gpu_count
 
 import jax_ub
-from jax_ub import _host
+from jax_ub._src import _host
 
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
@@ -500,7 +500,9 @@ def test_shared_memory_communicators_leak_nothing():
     prefix = f"/jax_ub_reltest_{os.getpid()}"
     before = (_open_fds(), _mappings(), _shm_names(prefix[1:]))
     for i in range(100):
-        cid = _host.create_communicator(2, [0, 1], 256 << 10, 1.0, shm_prefix=f"{prefix}_{i}")
+        cid = _host.create_communicator(
+            2, [0, 1], 256 << 10, comm_options(timeout_s=1.0), shm_prefix=f"{prefix}_{i}"
+        )
         names = list(_host.region_names(cid))
         assert names == [f"{prefix}_{i}_0", f"{prefix}_{i}_1"]
         assert _shm_names(f"jax_ub_reltest_{os.getpid()}_{i}_") == [n[1:] for n in names]
@@ -623,7 +625,8 @@ def _x64(make):
 
 def _low_level_create(**kw):
     def run():
-        args = dict(group_size=2, slot_devices=[0, 1], capacity_bytes=1024, timeout_s=1.0)
+        args = dict(group_size=2, slot_devices=[0, 1], capacity_bytes=1024)
+        args["options"] = comm_options(timeout_s=kw.pop("timeout_s", 1.0))
         args.update(kw)
         _host.destroy_communicator(_host.create_communicator(**args))
 
@@ -736,8 +739,7 @@ BAD_INPUTS = [
         lambda: jax_ub.configure(timeout=5.0),
         ValueError,
         r"unknown jax_ub setting 'timeout'; known: \['buffer_bytes', 'timeout_s', 'allow_grow', "
-        r"'allow_tf32', 'autotune_gemm', 'gemm_order', 'gemm_trials', "
-        r"'reduce_scatter_fold_rows'\]",
+        r"'allow_tf32'\]",
     ),
     (
         "configure two unknown keys",
@@ -934,10 +936,10 @@ def _gpu_mesh(tp: int) -> Mesh:
 def test_gpu_bitwise_deterministic(tp, dtype, trials):
     """Five runs of both ops on GPUs (copy-engine pushes, flag waits, cuBLASLt, rank-order
     reduction): identical bits every time. With in-op kernel trials (gemm_trials=3) that
-    holds once they are over, after a shape's first 15 calls (config.gemm_trials); without,
+    holds once they are over, after a shape's first 15 calls (Tuning.gemm_trials); without,
     from the first call."""
     jax_ub.finalize()  # communicators take the setting when they are created
-    jax_ub.configure(gemm_trials=trials)
+    use_tuning(gemm_trials=trials)
     mesh = _gpu_mesh(tp)
     M, K, N = 1024 * tp, 1024, 512 * tp
     keys = jax.random.split(jax.random.key(17), 4)
@@ -1080,7 +1082,7 @@ def test_gpu_hundred_initialize_finalize_rounds_leak_nothing():
     finalize. After 10 warm-up rounds: free GPU memory (cudaMemGetInfo; one leaked round is
     over 96 MiB per GPU), open file descriptors and threads must not grow, no communicator
     may stay registered, and every round gives the same bits."""
-    from jax_ub import _cuda
+    from jax_ub._src import _cuda
 
     mesh = _gpu_mesh(2)
     ordinals = [d.local_hardware_id for d in mesh.devices.flat]

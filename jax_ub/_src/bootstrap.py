@@ -22,6 +22,8 @@ from types import ModuleType
 
 import jax
 
+from jax_ub._src.options import Options
+
 # Communicators are created in program order, which is the same in every process of an
 # SPMD job; the count keeps keys of successive communicators (and of re-initializations
 # after finalize) apart, so a stale key is never picked up.
@@ -140,16 +142,15 @@ def create_across_processes(
     process_of_slot: list[int],
     device_ids: list[int],
     capacity: int,
-    timeout_s: float,
-    agreed: dict[str, object],
-    **create_kwargs,
+    options: Options,
 ) -> tuple[int, str, list[int]]:
-    """Create a communicator over slots held by several processes.
+    """Create a communicator over slots held by several processes, with `options`.
 
-    `agreed` holds the settings every process must share because the protocol depends on
-    them (a process that splits its blocks differently from its peer would leave it waiting
-    for a piece that never comes); each process publishes its own with its handles, and a
-    difference is a ValueError naming the setting and both values, in every process.
+    `options.agreed()` are the settings every process must share because the protocol
+    depends on them (a process that splits its blocks differently from its peer would
+    leave it waiting for a piece that never comes); each process publishes its own with
+    its handles, and a difference is a ValueError naming the setting and both values, in
+    every process.
 
     Returns (communicator id, key namespace, peer process indices); the last two are what
     teardown() needs. Raises PeersUnreachable, in every process alike, where a group spans
@@ -161,13 +162,17 @@ def create_across_processes(
     digest = hashlib.sha1(repr(describe).encode()).hexdigest()[:12]
     ns = f"jax_ub/{seq}/{digest}"
     me = jax.process_index()
+    timeout_s, agreed = options.timeout_s, options.agreed()
     timeout_ms = max(1, int(timeout_s * 1000))
+    create_kwargs: dict[str, object] = {}
     if platform == "cpu":
         remove_stale_regions(timeout_s)
         create_kwargs["shm_prefix"] = f"/jax_ub_{os.getpid()}_{seq}"
     else:
         create_kwargs["multiprocess"] = True
-    comm_id = module.create_communicator(group_size, ordinals, capacity, timeout_s, **create_kwargs)
+    comm_id = module.create_communicator(
+        group_size, ordinals, capacity, options.to_dict(), **create_kwargs
+    )
     peers = sorted(set(process_of_slot) - {me})
     try:
         names = list(module.region_names(comm_id))

@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_ub._src import bootstrap, extension
-from jax_ub._src.config import config, creation_settings
+from jax_ub._src.config import config
+from jax_ub._src.options import Options, current_options
 
 _MIB = 1 << 20
 # Default userbuffer when the config leaves it to us: what the op needs, but at least this,
@@ -33,9 +34,9 @@ class _Key:
     axis_name: str
     device_ids: tuple[int, ...]  # global device ids, slot order
     group_size: int
-    # (name, value) of what the communicator is created with (config.creation_settings):
-    # after jax_ub.configure changes one, new traces get a communicator made with it.
-    settings: tuple[tuple[str, object], ...]
+    # What the communicator is created with: after jax_ub.configure changes one of them,
+    # new traces get a communicator made with it.
+    options: Options
 
 
 @dataclasses.dataclass
@@ -101,20 +102,12 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
     ordinals = [_device_ordinal(d) for d in devices]
-    settings = dict(key.settings)
-    extra = {"reduce_scatter_fold_rows": settings["reduce_scatter_fold_rows"]}
-    if key.platform == "cuda":
-        extra.update(
-            allow_tf32=settings["allow_tf32"],
-            autotune=settings["autotune_gemm"],
-            gemm_order=settings["gemm_order"],
-            gemm_trials=settings["gemm_trials"],
-        )
-    timeout_s = settings["timeout_s"]
+    options = key.options.to_dict()
+    timeout_s = key.options.timeout_s
     ns, peers = None, []
     if all(o >= 0 for o in ordinals):
         _check_peer_access(module, key, devices, ordinals)
-        comm_id = module.create_communicator(key.group_size, ordinals, capacity, timeout_s, **extra)
+        comm_id = module.create_communicator(key.group_size, ordinals, capacity, options)
     else:
         comm_id, ns, peers = bootstrap.create_across_processes(
             module,
@@ -126,10 +119,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             [d.process_index for d in devices],
             [d.id for d in devices],
             capacity,
-            timeout_s,
-            # The schedule follows this one, so every process must use the same value.
-            {"reduce_scatter_fold_rows": extra["reduce_scatter_fold_rows"]},
-            **extra,
+            key.options,
         )
     return Communicator(
         id=comm_id,
@@ -184,16 +174,17 @@ def get_communicator(
     needed_bytes: int = 0,
     requested_bytes: int | None = None,
 ) -> Communicator:
-    """The communicator for (mesh, axis) on `platform` with the settings configured now
-    (config.creation_settings), created or grown as needed.
+    """The communicator for (mesh, axis) on `platform` with the options in force now
+    (options.current_options), created or grown as needed.
 
-    `requested_bytes` is an explicit size (from initialize); otherwise the buffer is sized
-    from the config, or from what the op needs with a floor that spares a model's first
-    few ops from each growing it.
+    The buffer is `requested_bytes` (from initialize) or the config's `buffer_bytes` when
+    either is set, exactly; an op needing more grows it only with `allow_grow`. Otherwise
+    it is what the op needs, with a floor that spares a model's first few ops from each
+    growing it.
     """
     devices = slot_devices(mesh, axis_name)
     group_size = mesh.shape[axis_name]
-    key = _Key(platform, axis_name, tuple(d.id for d in devices), group_size, creation_settings())
+    key = _Key(platform, axis_name, tuple(d.id for d in devices), group_size, current_options())
     with _lock:
         if key in _unreachable:
             raise PeersUnreachable(_unreachable[key])
@@ -206,8 +197,17 @@ def get_communicator(
                 f"device, the communicator for axis {axis_name!r} has {comm.capacity_bytes}; "
                 "pass a larger buffer_bytes to jax_ub.initialize/configure or allow_grow=True"
             )
-        base = requested_bytes or config.buffer_bytes or _MIN_BYTES.get(platform, _MIB)
-        capacity = max(needed_bytes, base)
+        explicit = requested_bytes or config.buffer_bytes
+        if comm is None and explicit and needed_bytes > explicit and not config.allow_grow:
+            raise ValueError(
+                f"jax_ub: userbuffer too small for this op: it needs {needed_bytes} bytes per "
+                f"device, buffer_bytes is {explicit}; pass a larger buffer_bytes to "
+                "jax_ub.initialize/configure or allow_grow=True"
+            )
+        if explicit:
+            capacity = max(needed_bytes, explicit)  # larger only by allow_grow
+        else:
+            capacity = max(needed_bytes, _MIN_BYTES.get(platform, _MIB))
         if comm is not None:
             # Programs compiled against the old buffer keep it until finalize().
             _retired.append(comm)
@@ -277,7 +277,7 @@ def _destroy(comms: list[Communicator]) -> None:
         module = extension.module_for(comm.platform)
         # A call dispatched to some devices but not started on others must not find its
         # communicator gone while its peers wait inside the op for it.
-        if module is not None and not module.quiesce(comm.id, comm.timeout_s):
+        if module is not None and not module.quiesce(comm.id):
             warnings.warn(
                 f"jax_ub: {comm} still had calls in flight after {comm.timeout_s} s; "
                 "destroying it anyway",
@@ -316,7 +316,7 @@ def check_health() -> None:
         module = extension.module_for(comm.platform)
         if module is None:
             continue
-        module.quiesce(comm.id, comm.timeout_s)  # returns early once broken
+        module.quiesce(comm.id)  # returns early once broken
         reason = module.broken_reason(comm.id)
         if reason:
             problems.append(f"{comm}: {reason}")

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import jax
 
-from jax_ub import _host
+from jax_ub._src import _host
 
 # Platform name in lowering contexts -> name XLA registers custom calls under.
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
@@ -20,7 +20,7 @@ def _register(module: ModuleType, platform: str) -> None:
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
-_register(_host, "cpu")
+_register(_host, _XLA_PLATFORM["cpu"])
 
 
 def _preload_cublaslt() -> None:
@@ -41,10 +41,10 @@ def cuda_module() -> ModuleType | None:
     """The CUDA extension, registered with XLA, or None when it was not built."""
     try:
         _preload_cublaslt()
-        from jax_ub import _cuda  # noqa: PLC0415
+        from jax_ub._src import _cuda  # noqa: PLC0415
     except ImportError:
         return None
-    _register(_cuda, "CUDA")
+    _register(_cuda, _XLA_PLATFORM["cuda"])
     return _cuda
 
 

@@ -1,0 +1,111 @@
+"""What a communicator is created with: one frozen record, bound to C++'s CommOptions.
+
+A communicator takes the user's settings that matter to it (``timeout_s``,
+``allow_tf32``: :mod:`jax_ub._src.config`) and the tuning choices (internal defaults,
+below) when it is created, and keeps them for its lifetime. ``Options`` holds both, is the
+key communicators are cached under, and crosses to C++ as a dict of the same names
+(``src/comm_options.h``). Each value is validated once, where it enters: the user's in
+``config``, the tuning choices in :class:`Tuning`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+_GEMM_ORDERS = ("auto", "column", "row")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Internal tuning choices; users are not meant to change them.
+
+    Attributes:
+      autotune_gemm: on GPUs, time cuBLASLt's candidate kernels the first time each GEMM
+        shape runs (a first call of a shape blocks its device's thread for up to about two
+        seconds) and keep the fastest; else the heuristic's first pick.
+      gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
+        for each: "column" (the transposed column-major product), "row", or "auto" (time
+        both). Tuning times kernels alone, not beside the op's copies, hence "column".
+      gemm_trials: how many of tuning's fastest kernels a shape's first op calls compare,
+        beside the op's copies, before keeping one (a warm-up and 4 timed calls each).
+        Until they end, results may differ from later calls' in the last bits.
+      reduce_scatter_fold_rows: on groups of 2, the smallest row piece for which
+        matmul_reduce_scatter adds the peer's partial in its own GEMM's epilogue instead
+        of a sum pass; 0 always, negative never. The same in every process of a group.
+    """
+
+    autotune_gemm: bool = True
+    gemm_order: str = "column"
+    gemm_trials: int = 3
+    reduce_scatter_fold_rows: int = 2048
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.autotune_gemm, bool):
+            raise ValueError(f"autotune_gemm must be a bool, got {self.autotune_gemm!r}")
+        if self.gemm_order not in _GEMM_ORDERS:
+            raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {self.gemm_order!r}")
+        trials = self.gemm_trials
+        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
+            raise ValueError(f"gemm_trials must be an integer >= 0, got {trials!r}")
+        rows = self.reduce_scatter_fold_rows
+        if isinstance(rows, bool) or not isinstance(rows, int):
+            raise ValueError(f"reduce_scatter_fold_rows must be an integer, got {rows!r}")
+
+
+_tuning = Tuning()
+
+
+def tuning() -> Tuning:
+    """The tuning choices communicators created now get."""
+    return _tuning
+
+
+@contextlib.contextmanager
+def experimental_tuning(**changes: object) -> Iterator[Tuning]:
+    """EXPERIMENTAL, for benchmarks: communicators created inside the block get these
+    tuning choices (names of :class:`Tuning`). Not a user setting: the defaults are what
+    jax_ub is measured and tested with. A bad name or value raises, changing nothing."""
+    global _tuning
+    fields = [f.name for f in dataclasses.fields(Tuning)]
+    unknown = [name for name in changes if name not in fields]
+    if unknown:
+        raise ValueError(f"unknown tuning choice {unknown}; known: {fields}")
+    saved, _tuning = _tuning, dataclasses.replace(_tuning, **changes)
+    try:
+        yield _tuning
+    finally:
+        _tuning = saved
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Everything a communicator is created with; C++'s ``CommOptions`` by the same names."""
+
+    timeout_s: float
+    allow_tf32: bool
+    autotune_gemm: bool
+    gemm_order: str
+    gemm_trials: int
+    reduce_scatter_fold_rows: int
+
+    def to_dict(self) -> dict[str, object]:
+        """The form the extensions' create_communicator takes."""
+        return dataclasses.asdict(self)
+
+    # The settings every process of a group must share: the protocol's schedule follows
+    # them (bootstrap compares them and names any difference).
+    def agreed(self) -> dict[str, object]:
+        return {"reduce_scatter_fold_rows": self.reduce_scatter_fold_rows}
+
+
+def current_options() -> Options:
+    """The options a communicator created now gets: the config's and the tuning's."""
+    from jax_ub._src.config import config  # noqa: PLC0415  (config imports nothing of ours)
+
+    return Options(
+        timeout_s=config.timeout_s,
+        allow_tf32=config.allow_tf32,
+        **dataclasses.asdict(_tuning),
+    )

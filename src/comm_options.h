@@ -1,0 +1,25 @@
+// The settings a communicator is created with, fixed for its lifetime: the C++ form of
+// jax_ub's Python `Options` (jax_ub/_src/options.py), field for field and name for name.
+// Python validates the user's values where they enter (configure, environment); the
+// modules convert the dict Python passes with nb_helpers.h's OptionsFromDict, which
+// refuses values that would break the protocol for direct callers too.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_ub {
+
+// How a row-major GEMM is described to cuBLASLt, which offers different kernels for each.
+// kAuto: with autotuning, time both descriptions' candidates; without, kColumn.
+enum class GemmOrder { kAuto = 0, kColumn = 1, kRow = 2 };
+
+struct CommOptions {
+  double timeout_s;                  // every wait on a peer ends in an error after this
+  bool allow_tf32;                   // float32 GEMMs may use TF32 tensor cores (CUDA)
+  bool autotune_gemm;                // time cuBLASLt's candidates once per shape (CUDA)
+  GemmOrder gemm_order;              // (CUDA)
+  int gemm_trials;                   // tuning's fastest kernels the op's own calls compare (CUDA)
+  int64_t reduce_scatter_fold_rows;  // Schedule::fold_rows; the same on every rank of a group
+};
+
+}  // namespace jax_ub
