@@ -13,8 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src import _host
-from jax_ub._src import options
+from jax_ub._src import _host, options
 
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
