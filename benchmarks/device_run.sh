@@ -8,8 +8,8 @@
 # memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
 # one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
 # both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args); gemm:
-# benchmarks/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
-# overlapcost: benchmarks/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the
+# benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
+# overlapcost: benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the
 # whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2).
 # Anything else only builds.
 set -u
@@ -88,7 +88,7 @@ fi
 if [ "$what" = profile ]; then
   # Kernels and the idle time between them, per call: GEMM alone, XLA, jax_ub (both ops).
   for op in ag rs; do
-    timeout -k 10 ${PROFILE_S:-150} python3 benchmarks/profile_kernels.py --op $op "$@" \
+    timeout -k 10 ${PROFILE_S:-150} python3 benchmarks/tools/profile_kernels.py --op $op "$@" \
       > "$OUT/profile_$op.log" 2>&1
     echo "profile $op: rc=$?"
     grep -vE "$NOISE" "$OUT/profile_$op.log" | tail -45
@@ -97,16 +97,16 @@ if [ "$what" = profile ]; then
 fi
 if [ "$what" = stepprofile ]; then
   # The Flax step's kernels by kind and its idle gaps, jax_ub vs XLA (profile_train_step.py).
-  timeout -k 10 ${PROFILE_S:-250} python3 benchmarks/profile_train_step.py "$@" \
+  timeout -k 10 ${PROFILE_S:-250} python3 benchmarks/tools/profile_train_step.py "$@" \
     > "$OUT/step_profile.log" 2>&1
   echo "step profile: rc=$?"
   grep -vE "$NOISE" "$OUT/step_profile.log" | tail -70
   cleanup
 fi
 if [ "$what" = power ]; then
-  # SM clock and power per implementation (benchmarks/power_clocks.py; args: its own).
+  # SM clock and power per implementation (benchmarks/tools/power_clocks.py; args: its own).
   for op in ag rs; do
-    timeout -k 10 ${POWER_S:-200} python3 benchmarks/power_clocks.py --op $op "$@" > "$OUT/power_$op.log" 2>&1
+    timeout -k 10 ${POWER_S:-200} python3 benchmarks/tools/power_clocks.py --op $op "$@" > "$OUT/power_$op.log" 2>&1
     echo "power $op: rc=$?"
     grep -vE "$NOISE" "$OUT/power_$op.log" | tail -12
     cleanup
@@ -122,7 +122,7 @@ if [ "$what" = overlapcost ]; then
     timeout -k 5 120 build/dev/overlap_cost "$shape" "$secs" 2>&1 | tee -a "$OUT/overlap_cost.log"
     IFS=, read -r m k n <<< "$shape"; whole="$whole $((2 * m)),$k,$n"
   done
-  timeout -k 5 120 python3 benchmarks/xla_dot_times.py --loop-seconds "$secs" $whole 2>&1 | grep "xla dot"
+  timeout -k 5 120 python3 benchmarks/tools/xla_dot_times.py --loop-seconds "$secs" $whole 2>&1 | grep "xla dot"
 fi
 if [ "$what" = gemm ]; then
   # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same
@@ -130,13 +130,13 @@ if [ "$what" = gemm ]; then
   timeout 120 ninja -C build/dev gemm_candidates >> "$OUT/build.log" 2>&1 || { echo GEMM TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
   timeout -k 5 ${GEMM_S:-240} build/dev/gemm_candidates --candidates ${GEMM_CANDIDATES:-24} "$@" > "$OUT/gemm_candidates.log" 2>&1
   echo "gemm_candidates: rc=$?"; grep -E "^==|best|#" "$OUT/gemm_candidates.log" | head -${GEMM_LINES:-150}
-  timeout -k 5 120 python3 benchmarks/xla_dot_times.py "$@" 2>&1 | grep "xla dot"
+  timeout -k 5 120 python3 benchmarks/tools/xla_dot_times.py "$@" 2>&1 | grep "xla dot"
 fi
 if [ "$what" = sanitize ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for tool in memcheck racecheck; do
     timeout ${SANITIZE_S:-270} compute-sanitizer --tool $tool --print-limit 50 \
-      python3 benchmarks/sanitize_small.py > "$OUT/$tool.log" 2>&1
+      python3 benchmarks/tools/sanitize_small.py > "$OUT/$tool.log" 2>&1
     echo "$tool rc=$?"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE_SMALL_OK|rel errs|Invalid|Error" "$OUT/$tool.log" | head
   done

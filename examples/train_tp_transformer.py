@@ -176,7 +176,7 @@ def train(
 
     The same `seed` gives the same initial parameters and batches for every `impl`, so
     runs differ only in how the collectives are done. With `trace_dir`, the last 3 steps
-    are traced with JAX's profiler into it (benchmarks/profile_train_step.py reads it).
+    are traced with JAX's profiler into it (benchmarks/tools/profile_train_step.py reads it).
     Every `log_every` steps (default: 50 times a run) the host waits for the loss to show
     it; in between, steps are dispatched ahead of the GPUs. `mesh_shape` (axis -> size,
     with a "tp" axis; default: every device on "tp") lays the devices out; the batch is

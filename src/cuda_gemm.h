@@ -20,7 +20,7 @@ namespace jax_ub {
 // How a row-major GEMM is described to cuBLASLt. kColumn: as the column-major product
 // C^T = B^T @ A^T (no layout attributes). kRow: as C = A @ B with every matrix in
 // CUBLASLT_ORDER_ROW. The two get different candidate kernels, and neither is fastest at
-// every shape (up to ~10% apart on an H200; benchmarks/gemm_candidates.cu).
+// every shape (up to ~10% apart on an H200; benchmarks/tools/gemm_candidates.cu).
 // (GemmOrder itself is in comm_options.h: a communicator is created with one.)
 
 // The GEMM wrapper's settings. A communicator derives them from its CommOptions (whose

@@ -1,5 +1,5 @@
 // The reduction that ends GEMM+RS: the partials every rank computed for this rank, summed
-// on its GPU. Its own unit so that the diagnostics in benchmarks/ time the same kernel.
+// on its GPU. Its own unit so that the diagnostics in benchmarks/tools/ time the same kernel.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,8 +1,8 @@
 """Small jax_ub run for compute-sanitizer: both ops, forward and backward, on 2 GPUs
 (SANITIZE_TP=4: on 4).
 
-compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py
-compute-sanitizer --tool racecheck python3 benchmarks/sanitize_small.py
+compute-sanitizer --tool memcheck python3 benchmarks/tools/sanitize_small.py
+compute-sanitizer --tool racecheck python3 benchmarks/tools/sanitize_small.py
 
 Only jax_ub's custom calls communicate (no psum, no impl="xla" comparison on the devices),
 so NCCL, which is slow and noisy under the sanitizer, never starts; the reference is

@@ -1,6 +1,6 @@
 """Which GPU kernels an implementation runs, and for how long (no nsys needed).
 
-python benchmarks/profile_kernels.py --tp 2 --shape 2048x8192x32768 [--op ag|rs] [--out DIR]
+python benchmarks/tools/profile_kernels.py --tp 2 --shape 2048x8192x32768 [--op ag|rs] [--out DIR]
 
 Traces a few calls of GEMM alone, XLA's all-gather-then-dot and jax_ub with JAX's profiler
 (CUPTI; a Perfetto trace), then prints per implementation the kernels on the devices:

@@ -1,6 +1,6 @@
 """SM clock and power while each implementation runs a long loop, per GPU.
 
-python benchmarks/power_clocks.py --tp 2 --shape 32768x8192x32768 [--op ag|rs] [--seconds 3]
+python benchmarks/tools/power_clocks.py --tp 2 --shape 32768x8192x32768 [--op ag|rs] [--seconds 3]
 
 An H200 running GEMMs back to back sits at its power limit and lowers its clock. A loop
 that pauses for communication (XLA's all-gather then dot) lets the clock recover between

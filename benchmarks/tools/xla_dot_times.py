@@ -3,7 +3,7 @@
 The counterpart of gemm_candidates.cu and overlap_cost.cu: what XLA's autotuned GEMM
 takes at a shape. With --loop-seconds, each timed loop lasts at least that long, so the
 GPU runs at the clock its power cap allows (what a training loop sees).
-Usage: python benchmarks/xla_dot_times.py [--loop-seconds S] m,k,n [m,k,n ...]
+Usage: python benchmarks/tools/xla_dot_times.py [--loop-seconds S] m,k,n [m,k,n ...]
 """
 
 from __future__ import annotations

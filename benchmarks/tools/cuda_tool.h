@@ -1,4 +1,4 @@
-// What the standalone CUDA diagnostics in benchmarks/ share: fail-fast checks and random
+// What the standalone CUDA diagnostics in benchmarks/tools/ share: fail-fast checks and random
 // bf16 operands (values that toggle bits like real data, so power draw is realistic).
 #pragma once
 

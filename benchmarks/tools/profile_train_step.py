@@ -1,6 +1,6 @@
 """Where the TP transformer's training step spends its GPU time, jax_ub vs XLA collectives.
 
-python benchmarks/profile_train_step.py --hidden 8192 --seq 8192 --layers 1 --batch 1 \\
+python benchmarks/tools/profile_train_step.py --hidden 8192 --seq 8192 --layers 1 --batch 1 \\
     --heads 64 --vocab 1024 [--steps 8] [--out DIR]
 
 Trains `examples/train_tp_transformer.py`'s model for a few steps per impl, traces the last
