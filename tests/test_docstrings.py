@@ -17,12 +17,12 @@ import jax_ub
 import jax_ub.flax
 import jax_ub.flax.linen.blocks
 import jax_ub.flax.linen.layers
-import jax_ub.flax.nnx_blocks
-import jax_ub.flax.nnx_layers
+import jax_ub.flax.nnx.blocks
+import jax_ub.flax.nnx.layers
 
 MODULES = [
-    jax_ub.flax.nnx_layers,
-    jax_ub.flax.nnx_blocks,
+    jax_ub.flax.nnx.layers,
+    jax_ub.flax.nnx.blocks,
     jax_ub.flax.linen.layers,
     jax_ub.flax.linen.blocks,
 ]

@@ -1,6 +1,7 @@
 """Flax integration of jax_ub: tensor-parallel layers with overlapped communication.
 
-NNX modules live here; linen modules with the same names live in :mod:`jax_ub.flax.linen`.
+NNX modules (:mod:`jax_ub.flax.nnx`) are exported here; linen modules with the same names
+live in :mod:`jax_ub.flax.linen`.
 
 * :class:`ColumnParallelLinear`: sequence-parallel input, all-gathered into the matmul
   (:func:`jax_ub.all_gather_matmul`); output feature-sharded.
@@ -10,12 +11,18 @@ NNX modules live here; linen modules with the same names live in :mod:`jax_ub.fl
 
 Activations are ``[seq, *batch, features]``; parameters are global arrays annotated with
 their sharding over the tensor-parallel mesh axis, so model state holds only arrays and
-saves and restores like any Flax model's. The layers call ``jax.shard_map`` themselves.
+saves and restores like any Flax model's. The layers need no mesh: inside a shard_map over
+the tensor-parallel axis they run on local shards; from ``jit`` under ``jax.set_mesh`` they
+run in a shard_map over that axis alone, leaving the other mesh axes to XLA.
 """
 
-from jax_ub.flax import linen
-from jax_ub.flax.nnx_blocks import ParallelMLP, ParallelSelfAttention
-from jax_ub.flax.nnx_layers import ColumnParallelLinear, RowParallelLinear
+from jax_ub.flax import linen, nnx
+from jax_ub.flax.nnx import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -23,4 +30,5 @@ __all__ = [
     "ParallelSelfAttention",
     "RowParallelLinear",
     "linen",
+    "nnx",
 ]

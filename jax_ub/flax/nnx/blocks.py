@@ -17,7 +17,7 @@ from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
 from jax_ub.flax import _core
-from jax_ub.flax.nnx_layers import (
+from jax_ub.flax.nnx.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     default_bias_init,
