@@ -35,8 +35,8 @@ NB_MODULE(_cuda, m) {
   });
   m.def(
       "create_communicator",
-      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes,
-         nb::dict options, bool multiprocess) {
+      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, nb::dict options,
+         bool multiprocess) {
         const jax_ub::CommOptions opts = jax_ub::OptionsFromDict(options);
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
@@ -50,8 +50,8 @@ NB_MODULE(_cuda, m) {
         jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::CudaCommunicator>::Add(std::move(c));
       },
-      nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
-      nb::arg("options"), nb::arg("multiprocess") = false);
+      nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"), nb::arg("options"),
+      nb::arg("multiprocess") = false);
   // Same names as the host module's, so one bootstrap serves both: "region names" are the
   // hex-encoded CUDA IPC handles here, and there is nothing to unlink.
   m.def("region_names", [](int64_t id) {

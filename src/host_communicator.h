@@ -106,8 +106,8 @@ class HostCommunicator {
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
-  int64_t fold_rows_ = -1;  // see Create
-  std::vector<uint64_t> epoch_;                     // per slot; guarded by slot_mu_
+  int64_t fold_rows_ = -1;          // see Create
+  std::vector<uint64_t> epoch_;     // per slot; guarded by slot_mu_
   // One call at a time per slot: should XLA's CPU runtime ever run two independent
   // side-effecting custom calls of one device concurrently, they queue here instead of
   // interleaving their chunks (the descriptor check then reports any order mismatch).

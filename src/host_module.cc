@@ -29,20 +29,20 @@ NB_MODULE(_host, m) {
   });
   m.def(
       "create_communicator",
-      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes,
-         nb::dict options, std::string shm_prefix) {
+      [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, nb::dict options,
+         std::string shm_prefix) {
         const jax_ub::CommOptions opts = jax_ub::OptionsFromDict(options);
         jax_ub::Topology topo;
         jax_ub::Status st = jax_ub::Topology::Make(group_size, std::move(slot_devices), &topo);
         jax_ub::RaiseIfError(st);
         std::unique_ptr<jax_ub::HostCommunicator> c;
-        st = jax_ub::HostCommunicator::Create(std::move(topo), capacity_bytes, opts, shm_prefix,
-                                              &c);
+        st =
+            jax_ub::HostCommunicator::Create(std::move(topo), capacity_bytes, opts, shm_prefix, &c);
         jax_ub::RaiseIfError(st);
         return jax_ub::Registry<jax_ub::HostCommunicator>::Add(std::move(c));
       },
-      nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"),
-      nb::arg("options"), nb::arg("shm_prefix") = "");
+      nb::arg("group_size"), nb::arg("slot_devices"), nb::arg("capacity_bytes"), nb::arg("options"),
+      nb::arg("shm_prefix") = "");
   m.def("region_names", [](int64_t id) {
     auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
     return c->region_names();

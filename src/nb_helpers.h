@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -43,8 +44,9 @@ std::shared_ptr<Communicator> FindCommunicator(int64_t id) {
 // required and no other is accepted, so the two sides cannot drift apart silently.
 inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   namespace nb = nanobind;
-  static const std::set<std::string> kFields = {"timeout_s",   "allow_tf32",  "autotune_gemm",
-                                                "gemm_order",  "gemm_trials", "reduce_scatter_fold_rows"};
+  static const std::set<std::string> kFields = {"timeout_s",     "allow_tf32",
+                                                "autotune_gemm", "gemm_order",
+                                                "gemm_trials",   "reduce_scatter_fold_rows"};
   for (auto item : d) {
     std::string key = nb::cast<std::string>(item.first);
     if (!kFields.count(key)) throw nb::value_error(("unknown communicator option " + key).c_str());
@@ -56,10 +58,11 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   };
   CommOptions o;
   o.timeout_s = nb::cast<double>(get("timeout_s"));
-  if (!(o.timeout_s > 0) || !std::isfinite(o.timeout_s))  // NaN and inf would disable deadlines
-    throw nb::value_error(("timeout must be positive and finite, got " +
-                           std::to_string(o.timeout_s) + " s")
-                              .c_str());
+  if (!(o.timeout_s > 0) || !std::isfinite(o.timeout_s)) {  // NaN and inf would disable deadlines
+    char msg[96];
+    std::snprintf(msg, sizeof(msg), "timeout must be positive and finite, got %g s", o.timeout_s);
+    throw nb::value_error(msg);
+  }
   o.allow_tf32 = nb::cast<bool>(get("allow_tf32"));
   o.autotune_gemm = nb::cast<bool>(get("autotune_gemm"));
   const std::string order = nb::cast<std::string>(get("gemm_order"));
@@ -70,11 +73,13 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   } else if (order == "row") {
     o.gemm_order = GemmOrder::kRow;
   } else {
-    throw nb::value_error(("gemm_order must be 'auto', 'column' or 'row', got '" + order + "'").c_str());
+    throw nb::value_error(
+        ("gemm_order must be 'auto', 'column' or 'row', got '" + order + "'").c_str());
   }
   o.gemm_trials = nb::cast<int>(get("gemm_trials"));
   if (o.gemm_trials < 0)
-    throw nb::value_error(("gemm_trials must be >= 0, got " + std::to_string(o.gemm_trials)).c_str());
+    throw nb::value_error(
+        ("gemm_trials must be >= 0, got " + std::to_string(o.gemm_trials)).c_str());
   o.reduce_scatter_fold_rows = nb::cast<int64_t>(get("reduce_scatter_fold_rows"));
   return o;
 }

@@ -1,4 +1,5 @@
-"""One process of a multi-process jax_ub test (started by tests/test_multiprocess.py).
+"""One process of a multi-process jax_ub test (started by tests/_mp_launch.py, for
+test_multiprocess.py, test_multiprocess_faults.py and test_gpu_multiprocess.py).
 
 argv: scenario process_id num_processes port devices_per_process
 Prints "RESULT <json>" on success; exits non-zero with the error text otherwise.
@@ -120,9 +121,7 @@ try:
         # The last process folds every reduce-scatter, its peers none: left to run, the
         # folding side would wait for a first piece never sent. Both ops must refuse at the
         # communicator's creation, naming the setting, in every process.
-        options.experimental_tuning(
-            reduce_scatter_fold_rows=0 if pid == nproc - 1 else -1
-        ).__enter__()
+        options.set_experimental_tuning(reduce_scatter_fold_rows=0 if pid == nproc - 1 else -1)
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario == "absent_peer":
         if pid == nproc - 1:

@@ -324,28 +324,6 @@ def check_health() -> None:
         raise RuntimeError("jax_ub: " + "\n".join(problems))
 
 
-def host_times() -> dict[int, tuple[int, float, float]]:
-    """Per local GPU ordinal: (calls, host seconds in jax_ub's GPU ops, seconds of that spent
-    waiting for the process's other GPUs to enqueue), summed over live communicators.
-
-    A diagnostic for the benchmark: when the host seconds per call approach the device time
-    per call, a loop of small ops is bound by the host, not by the GPUs.
-    """
-    module = extension.module_for("cuda")
-    totals: dict[int, list] = {}
-    if module is None:
-        return {}
-    for comm in live_communicators():
-        if comm.platform != "cuda":
-            continue
-        for device, calls, total_ns, await_ns in module.host_times(comm.id):
-            t = totals.setdefault(device, [0, 0.0, 0.0])
-            t[0] += calls
-            t[1] += total_ns * 1e-9
-            t[2] += await_ns * 1e-9
-    return {d: (c, tot, aw) for d, (c, tot, aw) in totals.items()}
-
-
 def live_communicators() -> list[Communicator]:
     with _lock:
         return list(_live.values())

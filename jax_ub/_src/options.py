@@ -62,21 +62,33 @@ def tuning() -> Tuning:
     return _tuning
 
 
-@contextlib.contextmanager
-def experimental_tuning(**changes: object) -> Iterator[Tuning]:
-    """EXPERIMENTAL, for benchmarks: communicators created inside the block get these
-    tuning choices (names of :class:`Tuning`). Not a user setting: the defaults are what
-    jax_ub is measured and tested with. A bad name or value raises, changing nothing."""
+def set_experimental_tuning(**changes: object) -> Tuning:
+    """EXPERIMENTAL, for benchmarks and tests: communicators created from now on get these
+    tuning choices (names of :class:`Tuning`); returns the previous ones, for
+    :func:`restore_tuning`. Not a user setting: the defaults are what jax_ub is measured and
+    tested with. A bad name or value raises, changing nothing."""
     global _tuning
     fields = [f.name for f in dataclasses.fields(Tuning)]
     unknown = [name for name in changes if name not in fields]
     if unknown:
         raise ValueError(f"unknown tuning choice {unknown}; known: {fields}")
     saved, _tuning = _tuning, dataclasses.replace(_tuning, **changes)
+    return saved
+
+
+def restore_tuning(saved: Tuning) -> None:
+    global _tuning
+    _tuning = saved
+
+
+@contextlib.contextmanager
+def experimental_tuning(**changes: object) -> Iterator[Tuning]:
+    """:func:`set_experimental_tuning` inside the block only."""
+    saved = set_experimental_tuning(**changes)
     try:
         yield _tuning
     finally:
-        _tuning = saved
+        restore_tuning(saved)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,252 @@
+"""Command line: parse, run each shape and op, print the tables, write JSON and PNG."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_ub.bench.impls import (
+    AXIS,
+    _configured,
+    _windowed_einsum_child,
+    build_ag,
+    build_rs,
+    parse_variants,
+    variant_name,
+    windowed_einsum_ms,
+)
+from jax_ub.bench.timing import measure
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jax_ub.bench", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--shapes",
+        default="8192x8192x32768",
+        help="comma-separated MxKxN (global): AG+GEMM x[M,K]@w[K,N]",
+    )
+    ap.add_argument("--sweep-m", default="", help="comma-separated M values at the first K,N")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ops", default="ag,rs")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--loop-seconds",
+        type=float,
+        default=0.0,
+        help="make every timed loop last at least this long (more calls than --iters where "
+        "needed), so the GPU reaches its steady, power-capped clock; one process only",
+    )
+    ap.add_argument(
+        "--ub-variants",
+        default="",
+        help="EXPERIMENTAL: more jax_ub rows, each under other internal tuning choices "
+        "(jax_ub._src.options.Tuning), measured in the same interleaved rounds: "
+        '"name=value,...;name=value" (e.g. "reduce_scatter_fold_rows=-1;gemm_order=auto"); '
+        "printed relative to jax_ub",
+    )
+    ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
+    ap.add_argument("--no-windowed-einsum", action="store_true")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--png", default="")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="run as this many processes on this host (jax.distributed), GPUs split evenly",
+    )
+    ap.add_argument("--gpus-per-process", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--windowed-einsum-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--windowed-einsum-only-first",
+        action="store_true",
+        help="run XLA's windowed einsum (a process per shape) for the first shape only",
+    )
+    return ap
+
+
+def _shapes(args) -> list[tuple[int, int, int]]:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    if args.sweep_m:
+        _, K, N = shapes[0]
+        shapes += [(int(m), K, N) for m in args.sweep_m.split(",")]
+    return shapes
+
+
+def main(argv=None) -> None:
+    """``python -m jax_ub.bench``: see ``--help``."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        variants = parse_variants(args.ub_variants)
+        for settings in variants:  # a bad name or value fails now, not after the first shape
+            with _configured(settings):
+                pass
+    except ValueError as e:
+        ap.error(f"--ub-variants: {e}")
+    dtype = jnp.dtype(args.dtype)
+    shapes = _shapes(args)
+    if args.windowed_einsum_child:
+        _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
+        return
+    if args.processes and args.loop_seconds:
+        # Each process would choose its own number of calls, and their collectives must match.
+        ap.error("--loop-seconds needs one process (its call counts are chosen per process)")
+    if args.processes and args.process_id < 0:
+        sys.exit(_launch(args, argv if argv is not None else sys.argv[1:]))
+    if args.processes:
+        jax.distributed.initialize(args.coordinator, args.processes, args.process_id)
+        args.no_windowed_einsum = True  # its child process would not join the others
+    lead = jax.process_index() == 0
+    say = functools.partial(print, flush=True) if lead else (lambda *a, **k: None)
+    devices = jax.devices()[: args.tp or None]
+    mesh = Mesh(np.array(devices), (AXIS,))
+    tp = len(devices)
+    say(
+        f"devices: {tp} x {devices[0].device_kind} in {jax.process_count()} process(es); "
+        f"jax {jax.__version__}; dtype {dtype}"
+    )
+    results = []
+    for M, K, N in shapes:
+        for op in args.ops.split(","):
+            build = build_ag if op == "ag" else build_rs
+            impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants)
+            measured = measure(impls, ref, args.rounds, args.iters, args.loop_seconds)
+            windowed = (
+                op == "ag"
+                and not args.no_windowed_einsum
+                and ((M, K, N) == shapes[0] or not args.windowed_einsum_only_first)
+            )
+            if windowed:
+                we = windowed_einsum_ms(M, K, N, args.dtype, args.rounds, args.iters, tp)
+                if we is not None:
+                    measured.times["xla_windowed_einsum"] = we
+            row = dict(op=op, M=M, K=K, N=N, tp=tp, dtype=str(dtype))
+            results.append(_report(row, measured, args, variants, say))
+    if args.json and lead:
+        with open(args.json, "w") as fh:
+            info = dict(device=devices[0].device_kind, tp=tp, processes=jax.process_count())
+            json.dump(dict(**info, results=results), fh, indent=1)
+    if args.png and lead:
+        _plot(results, args.png)
+
+
+def _report(row: dict, measured, args, variants, say) -> dict:
+    """Print one op and shape's table; return its JSON row (`row` completed)."""
+    op, M, K, N, tp = row["op"], row["M"], row["K"], row["N"], row["tp"]
+    times, errs = measured.times, measured.errs
+    t_seq, t_gemm, t_ub = times["xla_seq"], times["gemm"], times["jax_ub"]
+    hidden = (t_seq - t_ub) / (t_seq - t_gemm) if t_seq > t_gemm else float("nan")
+    row.update(
+        times_ms=times,
+        spread=measured.spread,
+        issued_ms=measured.issued,
+        rel_err=errs,
+        speedup_vs_xla_seq=t_seq / t_ub,
+        ub_over_gemm=t_ub / t_gemm,
+        comm_hidden=hidden,
+    )
+    loops = f"{args.iters} calls"
+    if args.loop_seconds:
+        loops = f">= {args.loop_seconds:g} s loops ({min(measured.calls.values())}"
+        loops += f"-{max(measured.calls.values())} calls)"
+        row.update(calls=measured.calls)
+    say(
+        f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms, median of "
+        f"{args.rounds} rounds x {loops}; the rounds' spread; per call, how "
+        "long the host took to issue the loop",
+        flush=True,
+    )
+    width = max(22, *map(len, times))
+    for name, t in sorted(times.items(), key=lambda kv: kv[1]):
+        e, sp, d = errs.get(name), measured.spread.get(name), measured.issued.get(name)
+        say(
+            f"  {name:{width}s} {t:8.3f}  x{t_seq / t:5.2f} vs xla_seq"
+            + (f"  spread {100 * sp:4.1f}%  issued in {d:6.3f}" if d is not None else "")
+            + (f"  rel_err {e:.1e}" if e is not None else ""),
+            flush=True,
+        )
+    say(
+        f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
+        flush=True,
+    )
+    for settings in variants:  # an A/B of settings, same rounds
+        name = variant_name(settings)
+        if name in times:
+            say(f"  {name} / jax_ub = {times[name] / t_ub:.3f}", flush=True)
+    if "ub_gemm" in times:
+        # Splits a miss: jax_ub's GEMM kernels against XLA's, and the overlapped op
+        # against its own GEMM run alone.
+        t_own = times["ub_gemm"]
+        row.update(ub_over_own_gemm=t_ub / t_own)
+        say(
+            f"  jax_ub's GEMM alone / gemm = {t_own / t_gemm:.3f}, "
+            f"jax_ub / jax_ub's GEMM alone = {t_ub / t_own:.3f}",
+            flush=True,
+        )
+    if measured.host_ms is not None:
+        # Host-bound when this approaches jax_ub's device time per call.
+        host_ms, await_ms = measured.host_ms
+        row.update(jax_ub_host_ms=host_ms, jax_ub_host_await_ms=await_ms)
+        say(
+            f"  jax_ub host time per call and GPU: {host_ms:.3f} ms "
+            f"({await_ms:.3f} ms of it waiting for the process's other GPUs)",
+            flush=True,
+        )
+    return row
+
+
+def _launch(args, argv: list[str]) -> int:
+    """Start args.processes copies of this benchmark, each on its own GPUs; wait for all."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    g = args.gpus_per_process
+    procs = []
+    for i in range(args.processes):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i * g + d) for d in range(g)))
+        cmd = [sys.executable, "-m", "jax_ub.bench", *argv]
+        cmd += ["--process-id", str(i), "--coordinator", f"127.0.0.1:{port}"]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return max(p.wait() for p in procs)
+
+
+def _plot(results, path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ops = sorted({r["op"] for r in results})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        rows = [r for r in results if r["op"] == op]
+        labels = [f"{r['M']}x{r['K']}x{r['N']}" for r in rows]
+        names = sorted({n for r in rows for n in r["times_ms"]})
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            ys = [r["times_ms"].get(name, np.nan) / r["times_ms"]["gemm"] for r in rows]
+            ax.bar(np.arange(len(rows)) + i * width, ys, width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(rows)) + 0.4, labels, rotation=30, fontsize=7)
+        ax.set_ylabel("time / GEMM alone")
+        ax.set_title(f"{op.upper()} on {rows[0]['tp']} GPUs")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The implementations compared, per op and shape, each with its operands.
+
+Every builder returns ``{name: (compiled function, args)}`` and the reference (XLA's
+unfused op): GEMM alone, the collective alone, XLA's op, a ``ppermute`` ring, JAX's Pallas
+Mosaic-GPU collective matmul (AG, Hopper), jax_ub, jax_ub's own GEMM alone, and jax_ub under
+other tuning choices (``--ub-variants``). XLA's windowed einsum needs its own XLA flags,
+so it runs in a child process.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import statistics
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+from jax_ub._src import options
+from jax_ub.bench.timing import loop_time_ms
+
+AXIS = "tp"
+SOLO = "solo"  # a size-1 axis: jax_ub's op as a GEMM alone
+
+
+def _smap(mesh, f, in_specs, out_specs):
+    return jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    )
+
+
+def ring_all_gather_matmul(x, w):
+    """Collective matmul from ppermute: each step multiplies the chunk in hand, passes it on."""
+    size = lax.axis_size(AXIS)
+    idx = lax.axis_index(AXIS)
+    m = x.shape[0]
+    out = jnp.zeros((size * m, w.shape[1]), x.dtype)
+    perm = [(j, (j - 1) % size) for j in range(size)]
+    chunk = x
+    for i in range(size):
+        src = (idx + i) % size
+        out = lax.dynamic_update_slice(out, chunk @ w, (src * m, 0))
+        if i < size - 1:
+            chunk = lax.ppermute(chunk, AXIS, perm)
+    return out
+
+
+def _mgpu_all_gather_matmul(mesh, m_local, k, n_local, dtype):
+    """JAX's Pallas Mosaic-GPU collective matmul (Hopper, AG only), or None if unavailable."""
+    try:
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
+    except Exception:  # noqa: BLE001  (optional baseline)
+        return None
+    try:
+        cfg = cm.TuningConfig(
+            tile_m=128,
+            tile_n=128,
+            tile_k=64,
+            max_concurrent_steps=4,
+            grid_minor_dim=cm.MatmulDimension.M,
+            grid_tile_width=16,
+            wg_dimension=cm.MatmulDimension.N,
+        )
+        fn = functools.partial(cm.all_gather_lhs_matmul, axis_name=AXIS, config=cfg, dtype=dtype)
+    except Exception:  # noqa: BLE001
+        return None
+    return _smap(mesh, fn, (P(AXIS, None), P(None, AXIS)), P(None, AXIS))
+
+
+def _put(host: np.ndarray, mesh, spec) -> jax.Array:
+    """A global array from the same host data in every process (works with several)."""
+    return jax.make_array_from_callback(
+        host.shape, NamedSharding(mesh, spec), lambda index: host[index]
+    )
+
+
+def _random(seed: int, shape, dtype, scale: float = 1.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape, np.float32) * scale).astype(dtype)
+
+
+def _solo_mesh(mesh) -> Mesh:
+    """The same GPUs, each in a tensor-parallel group of its own (axis SOLO, size 1)."""
+    return Mesh(np.array(mesh.devices).reshape(-1, 1), (AXIS, SOLO))
+
+
+def build_ag(mesh, M, K, N, dtype, seed, variants=()):
+    tp = mesh.shape[AXIS]
+    x = _random(seed, (M, K), dtype)
+    w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
+    xs, xr, ws = _put(x, mesh, P(AXIS, None)), _put(x, mesh, P()), _put(w, mesh, P(None, AXIS))
+    row, col = (P(AXIS, None), P(None, AXIS)), P(None, AXIS)
+    row_solo = (P(), P(None, AXIS))
+
+    def ub():
+        return _smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="ub"), row, col)
+
+    impls = {
+        "gemm": (_smap(mesh, lambda a, b: a @ b, (P(), P(None, AXIS)), col), (xr, ws)),
+        "comm": (_smap(mesh, lambda a, b: lax.all_gather(a, AXIS, tiled=True), row, P()), (xs, ws)),
+        "xla_seq": (
+            _smap(mesh, lambda a, b: jax_ub.all_gather_matmul(a, b, AXIS, impl="xla"), row, col),
+            (xs, ws),
+        ),
+        "ring": (_smap(mesh, ring_all_gather_matmul, row, col), (xs, ws)),
+        "jax_ub": (ub(), (xs, ws)),
+    }
+    _add_variants(impls, ub, (xs, ws), variants)
+    if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
+        # jax_ub's own GEMM alone: the op on groups of one GPU, the "gemm" row's shapes.
+        solo = _solo_mesh(mesh)
+        impls["ub_gemm"] = (
+            _smap(
+                solo, lambda a, b: jax_ub.all_gather_matmul(a, b, SOLO, impl="ub"), row_solo, col
+            ),
+            (_put(x, solo, P()), _put(w, solo, P(None, AXIS))),
+        )
+        mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype)
+        if mgpu is not None:
+            impls["pallas_mgpu"] = (mgpu, (xs, ws))
+    else:
+        del impls["ring"]
+    return impls, impls["xla_seq"]
+
+
+def build_rs(mesh, M, K, N, dtype, seed, variants=()):
+    x = _random(seed, (M, N), dtype)
+    w = _random(seed + 1, (N, K), dtype, 1 / np.sqrt(N))
+    xs, ws = _put(x, mesh, P(None, AXIS)), _put(w, mesh, P(AXIS, None))
+    ins, out = (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
+    y_local = _put(np.ones((M * mesh.shape[AXIS], K), dtype), mesh, P(AXIS, None))
+
+    def ub():
+        return _smap(
+            mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="ub"), ins, out
+        )
+
+    impls = {
+        "gemm": (_smap(mesh, lambda a, b: a @ b, ins, P(AXIS, None)), (xs, ws)),
+        "comm": (
+            _smap(
+                mesh,
+                lambda a: lax.psum_scatter(a, AXIS, tiled=True),
+                (P(AXIS, None),),
+                P(AXIS, None),
+            ),
+            (y_local,),
+        ),
+        "xla_seq": (
+            _smap(
+                mesh, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, AXIS, impl="xla"), ins, out
+            ),
+            (xs, ws),
+        ),
+        "jax_ub": (ub(), (xs, ws)),
+    }
+    _add_variants(impls, ub, (xs, ws), variants)
+    if jax.process_count() == 1:
+        solo = _solo_mesh(mesh)
+        impls["ub_gemm"] = (
+            _smap(solo, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, SOLO, impl="ub"), ins, out),
+            (_put(x, solo, P(None, AXIS)), _put(w, solo, P(AXIS, None))),
+        )
+    return impls, impls["xla_seq"]
+
+
+def parse_variants(text: str) -> list[dict]:
+    """ "name=value,name=value;name=value" -> one dict of tuning choices per variant
+    (jax_ub._src.options.Tuning's names).
+    Values are read as Python literals where they parse (ints, floats, True), else kept as
+    strings ("auto")."""
+    variants = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        settings = {}
+        for item in part.split(","):
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"{item!r} is not name=value")
+            try:
+                settings[name.strip()] = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                settings[name.strip()] = value.strip()
+        variants.append(settings)
+    return variants
+
+
+def variant_name(settings: dict) -> str:
+    return "jax_ub[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
+
+
+def _configured(settings: dict):
+    """The tuning choices `settings` inside the block, through the experimental hook (a
+    bad name or value raises there, changing nothing)."""
+    return options.experimental_tuning(**settings)
+
+
+def _add_variants(impls, make, args, variants) -> None:
+    """jax_ub's op again under other settings, one row each, interleaved with the rest.
+    Communicators take their settings when they are created, at lowering: so each variant
+    is compiled now, with its settings configured, and keeps a communicator of its own."""
+    for settings in variants:
+        with _configured(settings):
+            impls[variant_name(settings)] = (make().lower(*args).compile(), args)
+
+
+def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters, tp) -> float | None:
+    """XLA's windowed einsum (its own process: it needs its own XLA flags)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_gpu_threshold_for_windowed_einsum_mib=0"
+        " --xla_gpu_multi_streamed_windowed_einsum=true"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_ub.bench",
+        "--windowed-einsum-child",
+        "--shapes",
+        f"{M}x{K}x{N}",
+        "--dtype",
+        dtype_name,
+        "--rounds",
+        str(rounds),
+        "--iters",
+        str(iters),
+        "--tp",
+        str(tp),
+    ]
+    try:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        for line in res.stdout.splitlines():
+            if line.startswith("WINDOWED_EINSUM_MS"):
+                return float(line.split()[1])
+        print("  windowed einsum child said:", res.stderr[-500:], flush=True)
+    except subprocess.TimeoutExpired:
+        print("  windowed einsum child timed out", flush=True)
+    return None
+
+
+def _windowed_einsum_child(M, K, N, dtype, rounds, iters, tp) -> None:
+    mesh = Mesh(np.array(jax.devices()[: tp or None]), (AXIS,))
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.device_put(jax.random.normal(kx, (M, K), dtype), NamedSharding(mesh, P(AXIS, None)))
+    w = jax.device_put(jax.random.normal(kw, (K, N), dtype), NamedSharding(mesh, P(None, AXIS)))
+    f = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P(None, AXIS)))
+    ts = [loop_time_ms(f, (x, w), iters) for _ in range(rounds)]
+    print(f"WINDOWED_EINSUM_MS {statistics.median(ts):.4f}", flush=True)

@@ -1,0 +1,151 @@
+"""Timing: loop averages of async calls, rounds interleaved across implementations."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ub._src import extension
+from jax_ub._src.communicator import live_communicators
+
+WARMUP_CALLS = 20  # per implementation and shape, before anything is timed
+
+
+def loop_time_ms(f, args, iters: int, issued: list | None = None) -> float:
+    """Average device time of f(*args) over `iters` async calls, in ms.
+
+    With `issued`, also appends the ms per call until the host had issued them all: when
+    that approaches the loop time, the loop is bound by the host, not by the device.
+    """
+    out = f(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    t_issued = time.perf_counter()
+    jax.block_until_ready(out)
+    if issued is not None:
+        issued.append((t_issued - t0) / iters * 1e3)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def calls_lasting(f, args, seconds: float, minimum: int) -> int:
+    """How many calls of f(*args) make a loop of at least `seconds` (and `minimum` calls)."""
+    estimate_ms = loop_time_ms(f, args, 3)
+    return max(minimum, math.ceil(seconds * 1e3 / estimate_ms))
+
+
+@jax.jit
+def _rel_err(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+
+
+def rel_err(a, b) -> float:
+    # On the devices: with several processes no one process holds the whole result.
+    return float(np.asarray(_rel_err(a, b)))
+
+
+@dataclasses.dataclass
+class Measured:
+    """One op and shape, per implementation: medians over rounds of the loop time (ms per
+    call), the spread of the rounds ((max - min) / median), how long the host took to issue
+    each loop (ms per call), the error against the reference, the calls per loop; and
+    jax_ub's host time per call and GPU (ms; of it, waiting for the process's other
+    GPUs), where measured."""
+
+    times: dict
+    spread: dict
+    issued: dict
+    errs: dict
+    calls: dict = dataclasses.field(default_factory=dict)
+    host_ms: tuple[float, float] | None = None
+
+
+def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0) -> Measured:
+    """Each implementation's loop time, rounds interleaved. With `loop_seconds`, every loop
+    runs at least that long (more calls than `iters` where needed): long loops reach the
+    GPU's steady, power-capped clock, where short ones start cooler and drift."""
+    errs = {}
+    ref_out = reference[0](*reference[1])
+    for name, (f, args) in impls.items():
+        if name in ("gemm", "comm", "xla_seq", "ub_gemm"):
+            continue
+        try:
+            errs[name] = rel_err(f(*args), ref_out)
+        except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            errs[name] = None
+    if "ub_gemm" in impls:  # the GEMM alone, checked against XLA's
+        (f, args), (g, gargs) = impls["ub_gemm"], impls["gemm"]
+        errs["ub_gemm"] = rel_err(f(*args), g(*gargs))
+    live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
+    # Warm-up: jax_ub's first 15 calls of a shape still compare GEMM kernels
+    # (Tuning.gemm_trials); every implementation gets the same calls.
+    for f, args in live.values():
+        loop_time_ms(f, args, WARMUP_CALLS)
+    calls = {n: iters for n in live}
+    if loop_seconds > 0:
+        calls = {n: calls_lasting(f, args, loop_seconds, iters) for n, (f, args) in live.items()}
+    samples = {n: [] for n in live}
+    issued = {n: [] for n in live}
+    host = []  # jax_ub's host time per call and GPU, each round
+    for _ in range(rounds):
+        for name, (f, args) in live.items():
+            before = host_times() if name == "jax_ub" else None
+            samples[name].append(loop_time_ms(f, args, calls[name], issued[name]))
+            if before is not None:
+                host.append(_host_ms_per_call(before, host_times()))
+    times = {n: statistics.median(v) for n, v in samples.items()}
+    return Measured(
+        calls=calls,
+        times=times,
+        spread={n: (max(v) - min(v)) / times[n] for n, v in samples.items()},
+        issued={n: statistics.median(v) for n, v in issued.items()},
+        errs=errs,
+        host_ms=(
+            (statistics.median(h[0] for h in host), statistics.median(h[1] for h in host))
+            if host and all(h is not None for h in host)
+            else None
+        ),
+    )
+
+
+def _host_ms_per_call(before: dict, after: dict) -> tuple[float, float] | None:
+    """Mean over local GPUs of the host ms per jax_ub call (and of its waiting part)."""
+    per = []
+    for dev, (calls, tot, aw) in after.items():
+        c0, t0, a0 = before.get(dev, (0, 0.0, 0.0))
+        if calls > c0:
+            per.append(((tot - t0) / (calls - c0) * 1e3, (aw - a0) / (calls - c0) * 1e3))
+    if not per:
+        return None
+    return float(np.mean([p[0] for p in per])), float(np.mean([p[1] for p in per]))
+
+
+def host_times() -> dict[int, tuple[int, float, float]]:
+    """Per local GPU ordinal: (calls, host seconds in jax_ub's GPU ops, seconds of that spent
+    waiting for the process's other GPUs to enqueue), summed over live communicators.
+
+    When the host seconds per call approach the device time per call, a loop of small ops
+    is bound by the host, not by the GPUs.
+    """
+    module = extension.module_for("cuda")
+    totals: dict[int, list] = {}
+    if module is None:
+        return {}
+    for comm in live_communicators():
+        if comm.platform != "cuda":
+            continue
+        for device, calls, total_ns, await_ns in module.host_times(comm.id):
+            t = totals.setdefault(device, [0, 0.0, 0.0])
+            t[0] += calls
+            t[1] += total_ns * 1e-9
+            t[2] += await_ns * 1e-9
+    return {d: (c, tot, aw) for d, (c, tot, aw) in totals.items()}

@@ -1,0 +1,26 @@
+// The check each call ends with on its compute stream: the peers' descriptors against this
+// rank's own, and NaN outputs once the slot is unhealthy.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "call_descriptor.h"
+#include "cuda_communicator.h"
+#include "status.h"
+
+namespace jax_ub {
+
+// Enqueues VerifyCall (below) on `stream`.
+Status LaunchVerifyCall(cudaStream_t stream, const uint64_t* desc_from, const CallDescriptor& mine,
+                        int size, int rank, uint64_t* health,
+                        CudaCommunicator::DeviceReport* report, void* out0, size_t bytes0,
+                        void* out1, size_t bytes1);
+
+// Load every kernel of the module on the current device now: lazy loading in the middle
+// of a call could block behind a stream that spins on a peer.
+Status PreloadKernels();
+
+}  // namespace jax_ub

@@ -1,0 +1,110 @@
+// The watchdog thread: reads device reports and overdue waits, names the peer, marks the
+// communicator broken.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "cuda_check.h"
+#include "cuda_communicator.h"
+#include "cuda_communicator_internal.h"
+#include "cuda_driver.h"
+#include "cuda_sum.h"
+#include "cuda_verify.h"
+#include "schedule.h"
+#include "trace.h"
+
+namespace jax_ub {
+
+void CudaCommunicator::WatchdogLoop() {
+  auto last_trace = Clock::now();
+  while (!stop_.load()) {
+    bool busy = false;
+    // With tracing on, say every 2 s what is pending; if these lines stop, the watchdog
+    // itself is stuck in a CUDA call.
+    const bool trace = TraceEnabled() && Clock::now() - last_trace > std::chrono::seconds(2);
+    if (trace) last_trace = Clock::now();
+    for (auto& sp : slots_) {
+      Slot& s = *sp;
+      if (!s.local) continue;
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (trace && !s.pending.empty())
+        JAX_UB_TRACE("watchdog: GPU %d has %zu calls in flight, the oldest %s #%llu", s.device,
+                     s.pending.size(), s.pending.front().op,
+                     static_cast<unsigned long long>(s.pending.front().epoch));
+      while (!s.pending.empty()) {
+        Pending& f = s.pending.front();
+        cudaSetDevice(s.device);
+        cudaError_t q = cudaEventQuery(f.done);
+        if (q == cudaSuccess) {
+          const volatile DeviceReport* r = s.report;
+          if (r->code != 0 && !s.reported) {
+            s.reported = true;
+            CallDescriptor mine, theirs;
+            std::memcpy(&mine, const_cast<const CallDescriptor*>(&r->mine), sizeof(mine));
+            std::memcpy(&theirs, const_cast<const CallDescriptor*>(&r->theirs), sizeof(theirs));
+            const std::string reason =
+                Describe(f.op, s.rank, s.group) + ": ranks disagree on the call: rank " +
+                std::to_string(s.rank) + " runs " + mine.ToString() + " but rank " +
+                std::to_string(r->peer) + " sent " + theirs.ToString() +
+                "; the outputs of this call were filled with NaN";
+            std::fprintf(stderr, "jax_ub: %s\n", reason.c_str());
+            broken_.Mark(reason);
+          }
+          s.free_events.push_back(f.done);
+          s.pending.pop_front();
+          if (!s.pending.empty()) s.pending.front().since = Clock::now();
+          continue;
+        }
+        if (q != cudaErrorNotReady) {
+          broken_.Mark(Describe(f.op, s.rank, s.group) +
+                       ": CUDA error while running: " + cudaGetErrorString(q));
+          break;
+        }
+        if (Clock::now() - f.since > std::chrono::duration<double>(timeout_s_)) {
+          // Name the peer we are stuck on, then release the stream so the job ends
+          // with an error instead of hanging. The health word goes up first, so the
+          // released call fills its outputs with NaN instead of computing on stale data.
+          const uint64_t unhealthy = 1;
+          cudaMemcpyAsync(s.flags + kHealthFlag, &unhealthy, sizeof(unhealthy),
+                          cudaMemcpyHostToDevice, s.watchdog_stream);
+          cudaStreamSynchronize(s.watchdog_stream);
+          std::string reason;
+          for (const Wait& wt : f.waits) {
+            uint64_t seen = 0;
+            cudaMemcpyAsync(&seen, wt.flag, sizeof(seen), cudaMemcpyDeviceToHost,
+                            s.watchdog_stream);
+            cudaStreamSynchronize(s.watchdog_stream);
+            if (static_cast<int64_t>(seen - wt.target) >= 0) continue;
+            uint64_t last = seen;
+            if (wt.progress != wt.flag) {
+              cudaMemcpyAsync(&last, wt.progress, sizeof(last), cudaMemcpyDeviceToHost,
+                              s.watchdog_stream);
+              cudaStreamSynchronize(s.watchdog_stream);
+            }
+            if (reason.empty())
+              reason = Describe(f.op, s.rank, s.group) + " timed out after " +
+                       std::to_string(timeout_s_) + " s waiting for rank " +
+                       std::to_string(wt.peer) + " to " + wt.what + " for call #" +
+                       std::to_string(wt.target) + " (flag holds #" + std::to_string(last) +
+                       "); the peer never arrived, is stuck, or runs a different program. The "
+                       "outputs of this call are NaN";
+            uint64_t target = wt.target;
+            cudaMemcpyAsync(const_cast<uint64_t*>(wt.flag), &target, sizeof(target),
+                            cudaMemcpyHostToDevice, s.watchdog_stream);
+            cudaStreamSynchronize(s.watchdog_stream);
+          }
+          if (reason.empty())
+            reason = Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
+          std::fprintf(stderr, "jax_ub: %s\n", reason.c_str());
+          broken_.Mark(reason);
+          f.since = Clock::time_point::max();
+        }
+        busy = true;
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(busy ? 1 : 10));
+  }
+}
+
+}  // namespace jax_ub
