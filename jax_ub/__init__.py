@@ -9,19 +9,14 @@ Public API:
 
 from jax_ub._src import extension as _extension  # registers the FFI handlers
 from jax_ub._src.all_gather_matmul import all_gather_matmul
-from jax_ub._src.communicator import (
-    Communicator,
-    check_health,
-    finalize,
-    initialize,
-    live_communicators,
-)
+from jax_ub._src.communicator import Communicator, initialize, live_communicators
 from jax_ub._src.config import Config, config, configure
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.reference import (
     all_gather_matmul_reference,
     matmul_reduce_scatter_reference,
 )
+from jax_ub._src.teardown import check_health, finalize
 
 __all__ = [
     "Communicator",

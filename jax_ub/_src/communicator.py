@@ -9,7 +9,6 @@ the device it runs on.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import threading
 import warnings
@@ -246,94 +245,24 @@ def initialize(
     return get_communicator(mesh, axis_name, platform, requested_bytes=buffer_bytes)
 
 
-def finalize() -> None:
-    """Destroy every communicator and free its buffers.
+def live_communicators() -> list[Communicator]:
+    with _lock:
+        return list(_live.values())
 
-    Compiled programs that used them are dropped from JAX's caches, so the next call
-    traces again and creates fresh communicators.
-    """
+
+def all_communicators() -> list[Communicator]:
+    """Live and retired (outgrown, still referenced by compiled programs) communicators."""
+    with _lock:
+        return list(_live.values()) + list(_retired)
+
+
+def take_all() -> list[Communicator]:
+    """Empty the cache (and what it remembers of unreachable groups and warnings); return
+    every communicator it held, for teardown to destroy."""
     with _lock:
         comms = list(_live.values()) + _retired
         _live.clear()
         _retired.clear()
         _unreachable.clear()
         _warned.clear()
-    try:
-        _destroy(comms)
-    finally:
-        if comms:
-            jax.clear_caches()
-
-
-def _destroy(comms: list[Communicator]) -> None:
-    # Calls already dispatched may still run on these communicators: let them finish. A
-    # result that failed (say, a timeout) re-raises its error here; it is already known.
-    for array in jax.live_arrays() if comms else ():
-        try:
-            array.block_until_ready()
-        except Exception:  # noqa: BLE001
-            continue
-    for comm in comms:
-        module = extension.module_for(comm.platform)
-        # A call dispatched to some devices but not started on others must not find its
-        # communicator gone while its peers wait inside the op for it.
-        if module is not None and not module.quiesce(comm.id):
-            warnings.warn(
-                f"jax_ub: {comm} still had calls in flight after {comm.timeout_s} s; "
-                "destroying it anyway",
-                stacklevel=2,
-            )
-        try:
-            if comm.bootstrap_namespace is not None:
-                bootstrap.teardown(
-                    comm.bootstrap_namespace, list(comm.peer_processes), comm.timeout_s
-                )
-        finally:
-            if module is not None:
-                module.destroy_communicator(comm.id)
-
-
-def check_health() -> None:
-    """Raise ``RuntimeError`` if a live communicator has failed, with the reason.
-
-    On CPU a failed call raises by itself. On GPUs an op has returned to XLA before the
-    device finds that a peer timed out or ran a different call: the watchdog then prints
-    the reason, fills that call's outputs with NaN and marks the communicator broken, so the
-    *next* jax_ub call raises. This function raises it without another call: it waits (up
-    to the timeout) until the calls already dispatched have been checked. Call it after
-    ``jax.block_until_ready`` where a NaN would otherwise go unexplained, e.g. once per
-    training step or when a loss turns NaN.
-
-    Example::
-
-        loss = jax.block_until_ready(train_step(state, batch))
-        jax_ub.check_health()  # RuntimeError: ... ranks disagree on the call ...
-    """
-    with _lock:
-        comms = list(_live.values()) + list(_retired)
-    problems = []
-    for comm in comms:
-        module = extension.module_for(comm.platform)
-        if module is None:
-            continue
-        module.quiesce(comm.id)  # returns early once broken
-        reason = module.broken_reason(comm.id)
-        if reason:
-            problems.append(f"{comm}: {reason}")
-    if problems:
-        raise RuntimeError("jax_ub: " + "\n".join(problems))
-
-
-def live_communicators() -> list[Communicator]:
-    with _lock:
-        return list(_live.values())
-
-
-def _finalize_at_exit() -> None:
-    try:
-        finalize()
-    except Exception as e:  # noqa: BLE001  (interpreter is going away; report, don't raise)
-        warnings.warn(f"jax_ub: finalize at exit failed: {e}", stacklevel=1)
-
-
-atexit.register(_finalize_at_exit)
+    return comms
