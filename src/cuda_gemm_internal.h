@@ -1,0 +1,30 @@
+// What the GEMM wrapper's source files share: tuning constants and small helpers.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+namespace jax_ub {
+namespace gemm_internal {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt asks for on Hopper
+constexpr int kCandidates = 8;                 // heuristic results timed per description
+constexpr int kTimedRounds = 3;                // a candidate's time: median of the rounds,
+constexpr int kRunsPerRound = 3;               // each this many runs back to back
+// Tuning a shape takes about this long at most (a GPU's peers wait for it, under the op's
+// deadline, while its first call of a shape tunes): candidates beyond what three rounds
+// can time in it are dropped, the slowest first, and rounds stop once it is spent.
+constexpr double kTuneBudgetS = 2.0;
+// In-op trials (CublasLtGemm::Matmul): after one untimed round over the candidates (the
+// first calls run while the GPU and the peers settle), each candidate is timed in this
+// many op calls, and the smallest median wins.
+constexpr int kTrialRounds = 4;
+
+inline float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace gemm_internal
+}  // namespace jax_ub
