@@ -1,4 +1,5 @@
-"""One process of a multi-process fault test (started by tests/test_reliability.py).
+"""One process of a multi-process fault test (started by check_killed_peer in
+tests/_mp_launch.py, for test_multiprocess_faults.py and test_gpu_multiprocess.py).
 
 argv: scenario process_id num_processes port
 One device per process (a CPU device, or with JAX_UB_TEST_GPU=1 GPU number process_id);

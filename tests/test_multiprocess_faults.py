@@ -1,0 +1,72 @@
+"""Multi-process tier on CPU, faults: a process killed during bootstrap or in the middle of
+a run, a process that never calls the op, processes that disagree on a shape or a setting.
+Each fails the others clearly within the deadline instead of hanging. Each test starts real
+processes (tests/_mp_worker.py, tests/_mp_fault_worker.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from _mp_launch import check_killed_peer, run
+
+
+def test_peer_killed_during_bootstrap_fails_clearly():
+    """A process dies after publishing its userbuffers and before mapping its peers': the
+    other fails within the deadline (JAX_UB_TIMEOUT_S=8), naming it, instead of hanging."""
+    shm = "/dev/shm"
+    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
+    t0 = time.time()
+    out = run("killed_in_bootstrap", 2, 1)
+    elapsed = time.time() - t0
+    # The dead process could not unlink its shared-memory names: remove them here.
+    for name in (set(os.listdir(shm)) if os.path.isdir(shm) else set()) - before:
+        if name.startswith("jax_ub_"):
+            os.unlink(os.path.join(shm, name))
+    (code0, text0), (code1, _) = out
+    assert code1 == 9, "the process meant to die did not"
+    assert code0 != 0, text0[-2000:]
+    assert "process 1 did not map this process's userbuffers" in text0, text0[-2000:]
+    assert elapsed < 90
+
+
+def test_killed_process_fails_peers_within_deadline_then_recovers():
+    """Three processes, one device each, one tp group across them (shared memory). After 3
+    good ops the last process SIGKILLs itself (tests/_mp_fault_worker.py). The two survivors
+    must fail their next op within JAX_UB_TIMEOUT_S=5 with an error naming the op and rank 2
+    (and the call numbers: expected #4, observed #3), fail the op after that at once (broken),
+    and after finalize() run both ops correctly on a mesh of the two survivors. Nothing may
+    be left in /dev/shm by any of the three. (The checks: _mp_launch.check_killed_peer.)"""
+    check_killed_peer(nproc=3)
+
+
+def test_absent_peer_fails_with_timeout_not_hang():
+    """The last process never calls the op: the others fail with an error naming it within
+    the deadline (JAX_UB_TIMEOUT_S=8 in the worker). jax.distributed then takes the idle
+    process down too, which is its documented reaction to a failed task."""
+    t0 = time.time()
+    out = run("absent_peer", 3, 1)
+    for code, text in out[:-1]:
+        assert code != 0, text[-2000:]
+        assert "process 2" in text and "did not" in text, text[-2000:]
+    assert time.time() - t0 < 120
+
+
+def test_mismatched_shape_fails_clearly():
+    out = run("mismatched_shape", 2, 1)
+    assert all(code != 0 for code, _ in out), [t[-500:] for _, t in out]
+    text = "\n".join(t for _, t in out)
+    assert "ranks disagree on the call" in text, text[-3000:]
+    assert "rows=8" in text and "rows=16" in text, text[-3000:]
+
+
+def test_mismatched_setting_fails_clearly():
+    """One process sets reduce_scatter_fold_rows otherwise: every process fails when the
+    communicator is created, naming the setting and both values, before any op can wait
+    for a piece its peer will never send."""
+    out = run("mismatched_setting", 2, 1)
+    for code, text in out:
+        assert code != 0, text[-2000:]
+        assert "configured jax_ub differently: reduce_scatter_fold_rows=" in text, text[-2000:]
+        assert re.search(r"=(0 there, -1|-1 there, 0) here", text), text[-2000:]
