@@ -1,4 +1,4 @@
-"""Overlap benchmark entry point; see jax_ub/bench.py (same as `python -m jax_ub.bench`)."""
+"""Overlap benchmark entry point; see jax_ub/bench/ (same as `python -m jax_ub.bench`)."""
 
 from jax_ub.bench import main
 

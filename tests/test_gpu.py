@@ -259,7 +259,7 @@ def test_return_gathered(tp):
 def test_host_times_count_each_call():
     """The benchmark's host-time counters: each GPU counts every call of both ops, with a
     positive host time, of which the wait for the process's other GPUs is a part."""
-    from jax_ub._src.communicator import host_times
+    from jax_ub.bench.timing import host_times
 
     mesh = _mesh(2)
     x, w = _data(jax.random.key(11), [(256, 128), (128, 256)], jnp.bfloat16)

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub.bench import build_ag, build_rs, calls_lasting, loop_time_ms
+from jax_ub.bench.impls import build_ag, build_rs
+from jax_ub.bench.timing import calls_lasting, loop_time_ms
 
 _QUERY = ",".join(
     [

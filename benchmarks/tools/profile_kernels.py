@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub.bench import build_ag, build_rs
+from jax_ub.bench.impls import build_ag, build_rs
 
 
 def device_events(trace_dir: str) -> list[dict]:

@@ -22,7 +22,7 @@ import tempfile
 
 from profile_kernels import busy_and_span, idle_gaps, kernels
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tp_transformer.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_tp_transformer.py"
 TRACED_STEPS = 3
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("attention (cuDNN)", r"cudnn|fmha|flash|sdpa"),

@@ -14,7 +14,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from jax_ub.bench import calls_lasting, loop_time_ms
+from jax_ub.bench.timing import calls_lasting, loop_time_ms
 
 
 def main() -> None:
