@@ -302,3 +302,23 @@ def test_linen_layers_from_jit(rand, name):
     )
     for a, r in zip(got, ref_grads):
         assert rel_err(a, r) < 1e-5
+
+
+def test_two_dim_activations_warn_and_stay_correct(rand):
+    """[rows, features] activations have no batch dim to keep split over dp: the op runs,
+    correct, on the whole batch on each dp device, and says so once."""
+    mesh = mesh_of("dp2_tp2")
+    x = jax.device_put(rand(SEQ, D), NamedSharding(mesh, P("tp")))
+    w = jax.device_put(rand(D, H, scale=0.3), NamedSharding(mesh, P(None, "tp")))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"),
+            mesh=mesh,
+            in_specs=(P("tp"), P(None, "tp")),
+            out_specs=P(None, "tp"),
+            axis_names={"tp"},
+        )
+    )
+    with pytest.warns(UserWarning, match=r"no batch dim .* divisible by 2.*\('dp',\)"):
+        y = f(x, w)
+    assert rel_err(y, x @ w) < 1e-5

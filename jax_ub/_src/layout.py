@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,7 +57,27 @@ def batch_spec(aval: Any, mesh: Any, auto: Sequence[str]) -> P:
             if entries[d] is None and aval.shape[d] % size == 0:
                 entries[d] = free[0] if len(free) == 1 else tuple(free)
                 break
+        else:
+            _warn_replicated(tuple(aval.shape), tuple(free), size)
     return P(*entries)
+
+
+_warned_shapes: set[tuple] = set()
+
+
+def _warn_replicated(shape: tuple, axes: tuple, size: int) -> None:
+    """Once per shape: no batch dim of x can be split over the automatic axes, so every
+    device of them computes the whole op (correct, but not data-parallel)."""
+    if (shape, axes) in _warned_shapes:
+        return
+    _warned_shapes.add((shape, axes))
+    warnings.warn(
+        f"jax_ub: x of shape {shape} has no batch dim (between the rows and the features) "
+        f"divisible by {size}, the size of the automatic mesh axes {axes}: the op runs on "
+        "the whole batch on every device of those axes. Keep a batch dim, e.g. "
+        "[seq, batch, features] rather than [seq * batch, features].",
+        stacklevel=2,
+    )
 
 
 def _axis_type(mesh: Any, axis: str) -> Any:
