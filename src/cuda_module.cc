@@ -108,6 +108,14 @@ NB_MODULE(_cuda, m) {
   });
   // Whether GPU a can map GPU b's memory (NVLink or PCIe peer access); the current device
   // is kept.
+  // (runtime, driver) CUDA versions as CUDA encodes them (13000 = 13.0); driver 0: none.
+  m.def("cuda_versions", []() {
+    int runtime = 0, driver = 0;
+    jax_ub::RaiseIfError(
+        jax_ub::CudaStatus(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion"));
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    return std::make_pair(runtime, driver);
+  });
   m.def("can_access_peer", [](int a, int b) {
     int can = 0;
     jax_ub::RaiseIfError(

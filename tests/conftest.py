@@ -23,6 +23,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
+from jax_ub._src import _host as _host_module  # noqa: E402
 from jax_ub._src import options as _options  # noqa: E402
 from jax_ub._src.config import config as _config  # noqa: E402
 from jax_ub._src.options import current_options  # noqa: E402
@@ -161,6 +162,16 @@ def _check_device_count():
         f"the CPU suite needs {NUM_DEVICES} host devices, got {n}: was jax imported before "
         "tests/conftest.py could set XLA_FLAGS=--xla_force_host_platform_device_count?"
     )
+
+
+@pytest.fixture
+def fresh_communicators():
+    """The test starts and ends with no communicator alive (a fault test leaves one broken);
+    modules of such tests use it with ``pytest.mark.usefixtures``."""
+    jax_ub.finalize()
+    assert _host_module.num_communicators() == 0
+    yield
+    jax_ub.finalize()
 
 
 @pytest.fixture(autouse=True, scope="module")

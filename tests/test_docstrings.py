@@ -58,3 +58,25 @@ def test_readme_examples_run(capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     claimed = re.findall(r"print\(.*?\)\s+# (.*)", readme)
     assert printed[-len(claimed) :] == claimed
+
+
+def test_info_reports_what_a_bug_report_needs():
+    """`python -m jax_ub.info` runs and names versions, extensions, devices and settings."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jax_ub.info"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    for needle in (
+        "jax ",
+        "jaxlib ",
+        "jax_ub ",
+        "extensions: host (CPU) loaded",
+        "devices (",
+        "settings: buffer_bytes=",
+        "tuning (internal): autotune_gemm=",
+    ):
+        assert needle in text, (needle, text)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_communicators")]
 
 GPUS = gpus()
 if len(GPUS) < 2:
@@ -42,14 +42,6 @@ if len(GPUS) < 2:
 GPU_TPS = sorted({2, len(GPUS)})
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    """Every test starts and ends without communicators (a fault test leaves one broken)."""
-    jax_ub.finalize()
-    yield
-    jax_ub.finalize()
 
 
 def _gpu_mesh(tp: int) -> Mesh:

@@ -99,3 +99,24 @@ def test_ub_raises_where_peers_cannot_share_memory(mesh1d, rand, monkeypatch):
     with pytest.raises(ValueError, match=r"impl='ub' cannot run on this mesh: devices \["):
         _ag(mesh1d(4), "ub")(rand(4 * 2, 8), rand(8, 4 * 4))
     jax_ub.finalize()
+
+
+def test_gpu_without_cuda_extension_says_why(monkeypatch, rand):
+    """On GPUs with only the CPU extension loaded: impl="ub" says what is missing and how to
+    see it, impl="auto" warns once and takes XLA's path."""
+    from jax_ub._src import checks, extension
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(extension, "cuda_module", lambda: None)
+    monkeypatch.setattr(extension, "cuda_import_error", lambda: "not built (no CUDA toolkit)")
+    monkeypatch.setattr(checks, "_warned", set())
+    x, w = rand(8, 4), rand(4, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"impl='ub' cannot run this call: no userbuffer "
+        r"implementation for platform 'gpu': the CUDA extension is not built "
+        r"\(no CUDA toolkit\).*python -m jax_ub.info",
+    ):
+        checks.use_ub("all_gather_matmul", "ub", x, w)
+    with pytest.warns(UserWarning, match=r"impl='auto' uses XLA's collectives on GPUs"):
+        assert checks.use_ub("all_gather_matmul", "auto", x, w) is False

@@ -25,13 +25,7 @@ def _ag(mesh, axis="tp"):
     )
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    """Each test starts and ends with no communicator alive."""
-    jax_ub.finalize()
-    assert _host.num_communicators() == 0
-    yield
-    jax_ub.finalize()
+pytestmark = pytest.mark.usefixtures("fresh_communicators")
 
 
 def test_op_after_finalize_creates_communicator(mesh1d, rand):

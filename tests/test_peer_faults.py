@@ -23,12 +23,7 @@ AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    """Every test starts and ends without communicators (a fault test leaves one broken)."""
-    jax_ub.finalize()
-    yield
-    jax_ub.finalize()
+pytestmark = pytest.mark.usefixtures("fresh_communicators")
 
 
 def _expect_failure(fn, *args):

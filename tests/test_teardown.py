@@ -24,13 +24,7 @@ AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    """Each test starts and ends with no communicator alive (a fault test leaves one broken)."""
-    jax_ub.finalize()
-    assert _host.num_communicators() == 0
-    yield
-    jax_ub.finalize()
+pytestmark = pytest.mark.usefixtures("fresh_communicators")
 
 
 def _rss_mib() -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -64,10 +66,27 @@ def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array) -> bool:
     if impl == "xla":
         return False
     reason = ub_unsupported_reason(x, w)
-    if reason is None and not extension.supported(jax.default_backend()):
-        reason = f"no userbuffer implementation for platform {jax.default_backend()!r}"
+    backend = jax.default_backend()
+    if reason is None and not extension.supported(backend):
+        reason = f"no userbuffer implementation for platform {backend!r}"
+        if extension.normalize_platform(backend) == "cuda":
+            reason += (
+                f": the CUDA extension is {extension.cuda_import_error()} (reinstall jax_ub "
+                "where a CUDA toolkit is found; `python -m jax_ub.info` says what is loaded)"
+            )
+            if impl == "auto":
+                _warn_once(f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}")
     if reason is None:
         return True
     if impl == "ub":
         raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
     return False
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

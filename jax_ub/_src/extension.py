@@ -36,16 +36,32 @@ def _preload_cublaslt() -> None:
             return
 
 
+_cuda_import_error: list[str] = []  # why the CUDA extension did not load, once tried
+
+
 @functools.cache
 def cuda_module() -> ModuleType | None:
-    """The CUDA extension, registered with XLA, or None when it was not built."""
+    """The CUDA extension, registered with XLA, or None when it was not built or cannot
+    load (:func:`cuda_import_error` says why)."""
     try:
         _preload_cublaslt()
         from jax_ub._src import _cuda  # noqa: PLC0415
-    except ImportError:
+    except ImportError as e:
+        _cuda_import_error.append(str(e))
         return None
     _register(_cuda, _XLA_PLATFORM["cuda"])
     return _cuda
+
+
+def cuda_import_error() -> str | None:
+    """Why the CUDA extension is not loaded ("not built": no CUDA toolkit at install), or
+    None when it is."""
+    if cuda_module() is not None:
+        return None
+    message = _cuda_import_error[0] if _cuda_import_error else ""
+    if "No module named" in message:
+        return "not built (no CUDA toolkit was found when jax_ub was installed)"
+    return message or "unknown"
 
 
 def normalize_platform(platform: str) -> str:
