@@ -59,3 +59,42 @@ def test_bench_measures_settings_variants_in_the_same_rounds(tmp_path):
 def test_bench_refuses_bad_variants(bad):
     with pytest.raises(SystemExit):
         bench.main(["--ub-variants", bad])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ("--rounds 0", "--rounds and --iters must be >= 1, got 0"),
+        ("--shapes 30x8x8 --tp 4", "M=30 and N=8 must be multiples of the 4 devices"),
+        ("--shapes 8x8", "is not three positive sizes"),
+        ("--shapes axbxc", "is not MxKxN"),
+        ("--ops ag,xy", "--ops takes ag and rs, got ['xy']"),
+    ],
+)
+def test_bench_bad_arguments_are_clear_errors(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        bench.main(argv.split())
+    assert message in capsys.readouterr().err
+
+
+def test_bench_on_cpu_says_so_and_skips_a_png_it_cannot_draw(tmp_path, capsys, monkeypatch):
+    """CPU devices: CPU-sized default shapes, a note that times say nothing about GPUs, no
+    Pallas GPU kernel; --png without matplotlib is a one-line note, the JSON is written."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    out = tmp_path / "bench.json"
+    bench.main(f"--ops ag --tp 2 --rounds 1 --iters 1 --json {out} --png {tmp_path}/b.png".split())
+    text = capsys.readouterr().out
+    assert "times say nothing about GPUs" in text and "CPU-sized shapes 256x128x256" in text
+    assert "pallas_mgpu" not in text and "per-device ms" in text
+    assert "skipped, matplotlib is missing" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["op"], r["M"], r["K"], r["N"]) for r in rows] == [("ag", 256, 128, 256)]

@@ -32,8 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jax_ub.bench", description=__doc__.splitlines()[0])
     ap.add_argument(
         "--shapes",
-        default="8192x8192x32768",
-        help="comma-separated MxKxN (global): AG+GEMM x[M,K]@w[K,N]",
+        default="",
+        help="comma-separated MxKxN (global): AG+GEMM x[M,K]@w[K,N] (default: "
+        f"{GPU_SHAPES} on GPUs, {CPU_SHAPES} on CPU devices)",
     )
     ap.add_argument("--sweep-m", default="", help="comma-separated M values at the first K,N")
     ap.add_argument("--dtype", default="bfloat16")
@@ -77,11 +78,26 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _shapes(args) -> list[tuple[int, int, int]]:
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
-    if args.sweep_m:
-        _, K, N = shapes[0]
-        shapes += [(int(m), K, N) for m in args.sweep_m.split(",")]
+GPU_SHAPES = "8192x8192x32768"
+CPU_SHAPES = "256x128x256"  # the host protocol's GEMM is a plain loop: small on CPU
+
+
+def _shapes(ap, args, tp: int, on_cpu: bool) -> list[tuple[int, int, int]]:
+    """The shapes to run, checked: a bad one is an argparse error naming it."""
+    text = args.shapes or (CPU_SHAPES if on_cpu else GPU_SHAPES)
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+        if args.sweep_m:
+            _, K, N = shapes[0]
+            shapes += [(int(m), K, N) for m in args.sweep_m.split(",")]
+    except ValueError:
+        ap.error(f"--shapes/--sweep-m: {text!r}, {args.sweep_m!r} is not MxKxN,... / M,...")
+    for shape in shapes:
+        if len(shape) != 3 or min(shape) <= 0:
+            ap.error(f"--shapes: {shape} is not three positive sizes MxKxN")
+        M, _, N = shape
+        if M % tp or N % tp:
+            ap.error(f"--shapes: M={M} and N={N} must be multiples of the {tp} devices used")
     return shapes
 
 
@@ -97,8 +113,13 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(f"--ub-variants: {e}")
     dtype = jnp.dtype(args.dtype)
-    shapes = _shapes(args)
+    if args.rounds < 1 or args.iters < 1:
+        ap.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
+    unknown_ops = set(args.ops.split(",")) - {"ag", "rs"}
+    if unknown_ops:
+        ap.error(f"--ops takes ag and rs, got {sorted(unknown_ops)}")
     if args.windowed_einsum_child:
+        shapes = _shapes(ap, args, 1, False)
         _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
         return
     if args.processes and args.loop_seconds:
@@ -114,16 +135,31 @@ def main(argv=None) -> None:
     devices = jax.devices()[: args.tp or None]
     mesh = Mesh(np.array(devices), (AXIS,))
     tp = len(devices)
+    on_cpu = devices[0].platform == "cpu"
+    shapes = _shapes(ap, args, tp, on_cpu)
     say(
         f"devices: {tp} x {devices[0].device_kind} in {jax.process_count()} process(es); "
         f"jax {jax.__version__}; dtype {dtype}"
     )
+    if on_cpu:
+        args.no_windowed_einsum = True  # an XLA GPU flag
+        say(
+            "CPU devices: this checks the benchmark and the host protocol, not speed (times "
+            "say nothing about GPUs)"
+            + ("" if args.shapes else f"; CPU-sized shapes {CPU_SHAPES}")
+            + (
+                ""
+                if tp > 1
+                else "; one device: set XLA_FLAGS=--xla_force_host_platform_device_count=4"
+            )
+        )
     results = []
     for M, K, N in shapes:
         for op in args.ops.split(","):
+            say(f"{op.upper()} M={M} K={K} N={N}: compiling and checking ...")
             build = build_ag if op == "ag" else build_rs
             impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants)
-            measured = measure(impls, ref, args.rounds, args.iters, args.loop_seconds)
+            measured = measure(impls, ref, args.rounds, args.iters, args.loop_seconds, say)
             windowed = (
                 op == "ag"
                 and not args.no_windowed_einsum
@@ -135,12 +171,12 @@ def main(argv=None) -> None:
                     measured.times["xla_windowed_einsum"] = we
             row = dict(op=op, M=M, K=K, N=N, tp=tp, dtype=str(dtype))
             results.append(_report(row, measured, args, variants, say))
-    if args.json and lead:
-        with open(args.json, "w") as fh:
-            info = dict(device=devices[0].device_kind, tp=tp, processes=jax.process_count())
-            json.dump(dict(**info, results=results), fh, indent=1)
+            if args.json and lead:  # as it goes: a later failure loses nothing
+                with open(args.json, "w") as fh:
+                    info = dict(device=devices[0].device_kind, tp=tp, processes=jax.process_count())
+                    json.dump(dict(**info, results=results), fh, indent=1)
     if args.png and lead:
-        _plot(results, args.png)
+        _plot(results, args.png, say)
 
 
 def _report(row: dict, measured, args, variants, say) -> dict:
@@ -164,7 +200,7 @@ def _report(row: dict, measured, args, variants, say) -> dict:
         loops += f"-{max(measured.calls.values())} calls)"
         row.update(calls=measured.calls)
     say(
-        f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-GPU ms, median of "
+        f"\n{op.upper()} M={M} K={K} N={N} tp={tp}: per-device ms, median of "
         f"{args.rounds} rounds x {loops}; the rounds' spread; per call, how "
         "long the host took to issue the loop",
         flush=True,
@@ -178,10 +214,9 @@ def _report(row: dict, measured, args, variants, say) -> dict:
             + (f"  rel_err {e:.1e}" if e is not None else ""),
             flush=True,
         )
-    say(
-        f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {100 * hidden:.0f}%",
-        flush=True,
-    )
+    # Only meaningful where the unfused op is slower than its GEMM (not on CPU devices).
+    shown = f"{100 * hidden:.0f}%" if t_seq > t_gemm and 0 <= hidden <= 2 else "n/a"
+    say(f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {shown}", flush=True)
     for settings in variants:  # an A/B of settings, same rounds
         name = variant_name(settings)
         if name in times:
@@ -223,8 +258,12 @@ def _launch(args, argv: list[str]) -> int:
     return max(p.wait() for p in procs)
 
 
-def _plot(results, path) -> None:
-    import matplotlib  # noqa: PLC0415
+def _plot(results, path, say) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        say(f"--png {path}: skipped, matplotlib is missing (pip install 'jax_ub[bench]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415

@@ -123,7 +123,8 @@ def build_ag(mesh, M, K, N, dtype, seed, variants=()):
             ),
             (_put(x, solo, P()), _put(w, solo, P(None, AXIS))),
         )
-        mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype)
+        on_gpu = mesh.devices.flat[0].platform == "gpu"  # a Mosaic-GPU kernel
+        mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype) if on_gpu else None
         if mgpu is not None:
             impls["pallas_mgpu"] = (mgpu, (xs, ws))
     else:

@@ -68,7 +68,9 @@ class Measured:
     host_ms: tuple[float, float] | None = None
 
 
-def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0) -> Measured:
+def measure(
+    impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0, say=None
+) -> Measured:
     """Each implementation's loop time, rounds interleaved. With `loop_seconds`, every loop
     runs at least that long (more calls than `iters` where needed): long loops reach the
     GPU's steady, power-capped clock, where short ones start cooler and drift."""
@@ -80,7 +82,8 @@ def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0
         try:
             errs[name] = rel_err(f(*args), ref_out)
         except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)
-            print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            message = str(e).strip().splitlines()[0][:200] if str(e).strip() else repr(e)
+            print(f"  {name} failed: {type(e).__name__}: {message}", flush=True)
             errs[name] = None
     if "ub_gemm" in impls:  # the GEMM alone, checked against XLA's
         (f, args), (g, gargs) = impls["ub_gemm"], impls["gemm"]
@@ -96,7 +99,9 @@ def measure(impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0
     samples = {n: [] for n in live}
     issued = {n: [] for n in live}
     host = []  # jax_ub's host time per call and GPU, each round
-    for _ in range(rounds):
+    for r in range(rounds):
+        if say is not None:
+            say(f"  round {r + 1}/{rounds}: {', '.join(live)}")
         for name, (f, args) in live.items():
             before = host_times() if name == "jax_ub" else None
             samples[name].append(loop_time_ms(f, args, calls[name], issued[name]))
