@@ -81,24 +81,26 @@ def all_gather_matmul(
 
 def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
-    mesh = layout.context_mesh(_OP, axis_name, x, w)
     if return_gathered:
+        layout.context_mesh(_OP, axis_name, x, w)  # the missing-mesh error comes first
         raise ValueError(
             f"{_OP}: return_gathered is for calls inside shard_map; on global arrays the "
             f"gathered x is x itself ({x.shape=})"
         )
-    size = int(mesh.shape[axis_name])
-    shapes = f"{x.shape=} {w.shape=}"
-    checks.check_divisible(_OP, "rows of x (dim 0)", x.shape[0], size, axis_name, shapes)
-    checks.check_divisible(_OP, "columns of w", w.shape[1], size, axis_name, shapes)
-    x_spec, w_spec = P(axis_name), P(None, axis_name)
-    layout.check_global_layout(_OP, mesh, {"x": (x, x_spec), "w": (w, w_spec)})
-    out_spec = P(*([None] * (x.ndim - 1)), axis_name)
 
     def local(x, w):
         return all_gather_matmul(x, w, axis_name, impl=impl)
 
-    return layout.over_axis(local, mesh, axis_name, (x_spec, w_spec), out_spec)(x, w)
+    return layout.on_global_arrays(
+        _OP,
+        local,
+        x,
+        w,
+        axis_name,
+        (P(axis_name), P(None, axis_name)),
+        P(*([None] * (x.ndim - 1)), axis_name),
+        {"rows of x (dim 0)": x.shape[0], "columns of w": w.shape[1]},
+    )
 
 
 def contract_rows(a, b):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import jax
@@ -75,7 +76,8 @@ def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array) -> bool:
                 "where a CUDA toolkit is found; `python -m jax_ub.info` says what is loaded)"
             )
             if impl == "auto":
-                _warn_once(f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}")
+                message = f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}"
+                warn_once(message, message)
     if reason is None:
         return True
     if impl == "ub":
@@ -83,10 +85,19 @@ def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array) -> bool:
     return False
 
 
-_warned: set[str] = set()
+_warned: set[str] = set()  # keys already warned about; cleared by jax_ub.finalize()
+_warned_lock = threading.Lock()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
+def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """Warn with `message` the first time `key` comes up (until :func:`clear_warnings`)."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, stacklevel=stacklevel)
+
+
+def clear_warnings() -> None:
+    with _warned_lock:
+        _warned.clear()

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub._src import bootstrap, extension
+from jax_ub._src import bootstrap, checks, extension
 from jax_ub._src.config import config
 from jax_ub._src.options import Options, current_options
 
@@ -66,7 +65,6 @@ _retired: list[Communicator] = []  # outgrown, still referenced by compiled prog
 # Groups found unable to share memory, with the reason: asked again, every process answers
 # alike without another bootstrap round. Cleared by finalize().
 _unreachable: dict[_Key, str] = {}
-_warned: set[str] = set()  # reasons already warned about (they name the devices)
 
 PeersUnreachable = bootstrap.PeersUnreachable
 
@@ -155,15 +153,10 @@ def _check_peer_access(module, key: _Key, devices, ordinals) -> None:
 
 
 def warn_fallback(axis_name: str, reason: Exception) -> None:
-    """Warn once per group layout that impl="auto" uses XLA's collectives instead."""
-    with _lock:
-        if str(reason) in _warned:
-            return
-        _warned.add(str(reason))
-    warnings.warn(
-        f"jax_ub: impl='auto' uses XLA's collectives on axis {axis_name!r}: {reason}",
-        stacklevel=2,
-    )
+    """Warn once per group layout (the reason names its devices) that impl="auto" uses
+    XLA's collectives instead."""
+    message = f"jax_ub: impl='auto' uses XLA's collectives on axis {axis_name!r}: {reason}"
+    checks.warn_once(str(reason), message)
 
 
 def get_communicator(
@@ -257,12 +250,13 @@ def all_communicators() -> list[Communicator]:
 
 
 def take_all() -> list[Communicator]:
-    """Empty the cache (and what it remembers of unreachable groups and warnings); return
+    """Empty the cache (and what it remembers of unreachable groups, and the warnings given);
+    return
     every communicator it held, for teardown to destroy."""
     with _lock:
         comms = list(_live.values()) + _retired
         _live.clear()
         _retired.clear()
         _unreachable.clear()
-        _warned.clear()
+    checks.clear_warnings()
     return comms

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_ub._src import checks
 
 
 def manual_axes() -> frozenset[str]:
@@ -62,22 +63,16 @@ def batch_spec(aval: Any, mesh: Any, auto: Sequence[str]) -> P:
     return P(*entries)
 
 
-_warned_shapes: set[tuple] = set()
-
-
 def _warn_replicated(shape: tuple, axes: tuple, size: int) -> None:
     """Once per shape: no batch dim of x can be split over the automatic axes, so every
     device of them computes the whole op (correct, but not data-parallel)."""
-    if (shape, axes) in _warned_shapes:
-        return
-    _warned_shapes.add((shape, axes))
-    warnings.warn(
+    message = (
         f"jax_ub: x of shape {shape} has no batch dim (between the rows and the features) "
         f"divisible by {size}, the size of the automatic mesh axes {axes}: the op runs on "
         "the whole batch on every device of those axes. Keep a batch dim, e.g. "
-        "[seq, batch, features] rather than [seq * batch, features].",
-        stacklevel=2,
+        "[seq, batch, features] rather than [seq * batch, features]."
     )
+    checks.warn_once(message, message)
 
 
 def _axis_type(mesh: Any, axis: str) -> Any:
@@ -191,6 +186,28 @@ def replace_axis(actual: P, wanted: P, axis: str, ndim: int) -> P:
             names = [axis, *names]
         entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
     return P(*entries)
+
+
+def on_global_arrays(
+    op: str,
+    local: Callable,
+    x: Any,
+    w: Any,
+    axis_name: str,
+    specs: tuple[P, P],
+    out_spec: P,
+    divisible: dict[str, int],
+) -> Any:
+    """``local(x, w)`` (the op on local shards) run on global arrays: under the context
+    mesh (or the arrays'), after checking that each of ``divisible``'s dims splits over the
+    axis and that the layout, where known, is ``specs``."""
+    mesh = context_mesh(op, axis_name, x, w)
+    size = int(mesh.shape[axis_name])
+    shapes = f"{x.shape=} {w.shape=}"
+    for what, value in divisible.items():
+        checks.check_divisible(op, what, value, size, axis_name, shapes)
+    check_global_layout(op, mesh, {"x": (x, specs[0]), "w": (w, specs[1])})
+    return over_axis(local, mesh, axis_name, specs, out_spec)(x, w)
 
 
 def over_axis(f: Callable, mesh: Any, axis_name: str, in_specs: tuple, out_specs: Any) -> Callable:

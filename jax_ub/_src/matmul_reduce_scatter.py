@@ -65,18 +65,20 @@ def matmul_reduce_scatter(
 
 def _on_global_arrays(x, w, axis_name: str, impl: str):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
-    mesh = layout.context_mesh(_OP, axis_name, x, w)
-    size = int(mesh.shape[axis_name])
-    shapes = f"{x.shape=} {w.shape=}"
-    checks.check_divisible(_OP, "features of x (last dim)", x.shape[-1], size, axis_name, shapes)
-    checks.check_divisible(_OP, "rows of x (dim 0)", x.shape[0], size, axis_name, shapes)
-    x_spec, w_spec = P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)
-    layout.check_global_layout(_OP, mesh, {"x": (x, x_spec), "w": (w, w_spec)})
 
     def local(x, w):
         return matmul_reduce_scatter(x, w, axis_name, impl=impl)
 
-    return layout.over_axis(local, mesh, axis_name, (x_spec, w_spec), P(axis_name))(x, w)
+    return layout.on_global_arrays(
+        _OP,
+        local,
+        x,
+        w,
+        axis_name,
+        (P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
+        P(axis_name),
+        {"features of x (last dim)": x.shape[-1], "rows of x (dim 0)": x.shape[0]},
+    )
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

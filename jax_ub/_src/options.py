@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+from jax_ub._src.config import config
+
 _GEMM_ORDERS = ("auto", "column", "row")
 
 
@@ -114,8 +116,6 @@ class Options:
 
 def current_options() -> Options:
     """The options a communicator created now gets: the config's and the tuning's."""
-    from jax_ub._src.config import config  # noqa: PLC0415  (config imports nothing of ours)
-
     return Options(
         timeout_s=config.timeout_s,
         allow_tf32=config.allow_tf32,

@@ -20,6 +20,9 @@ device runs the same SPMD program. The nested shard_map changes neither.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax._src.config
 import jax.numpy as jnp
@@ -208,63 +211,61 @@ def _ffi_call_flat(ctx, target: str, x, w, comm_id: int, transpose_w: bool):
     return [mlir.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
-def _all_gather_matmul_lowering(
-    ctx, x, w, *, axis_name, axis_size, return_gathered, transpose_w, fallback
-):
-    platform = _platform(ctx)
-    mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
-    params = dict(
-        axis_name=axis_name,
-        axis_size=axis_size,
-        return_gathered=return_gathered,
-        transpose_w=transpose_w,
-        fallback=fallback,
-    )
-    if set(mesh.axis_names) - manual:
-        return _lower_nested(all_gather_matmul_p, ctx, mesh, manual, x, w, **params)
-    x_aval, w_aval = ctx.avals_in
-    chunk = int(np.prod(x_aval.shape)) * np.dtype(x_aval.dtype).itemsize
-    needed = required_bytes(platform, "all_gather_matmul", chunk, axis_size)
-    comm = _communicator_or_fallback(
-        "all_gather_matmul", mesh, axis_name, platform, needed, fallback
-    )
-    if comm is None:
+def _lowering(prim: core.Primitive, op: str, chunk_aval: Callable, unfused: Callable):
+    """The lowering rule of `prim`: nested in a shard_map where mesh axes are still
+    automatic (see the module docstring); else the custom call on the communicator for
+    the mesh, or `unfused` (XLA's collectives) where impl="auto" finds the group's devices
+    cannot share memory. `chunk_aval(ctx)` is one rank's chunk, which sizes the buffer."""
 
-        def unfused(x, w):
-            out, gathered = all_gather_matmul_reference(
-                x, _weight(w, transpose_w), axis_name, return_gathered=True
+    def rule(ctx, x, w, **params):
+        axis_name = params["axis_name"]
+        mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
+        if set(mesh.axis_names) - manual:
+            return _lower_nested(prim, ctx, mesh, manual, x, w, **params)
+        platform = _platform(ctx)
+        aval = chunk_aval(ctx)
+        chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        needed = required_bytes(platform, op, chunk, params["axis_size"])
+        comm = _communicator_or_fallback(op, mesh, axis_name, platform, needed, params["fallback"])
+        if comm is None:
+            lower = mlir.lower_fun(
+                functools.partial(unfused, **params), multiple_results=prim.multiple_results
             )
-            return out, gathered if return_gathered else gathered[:0]
+            return lower(ctx, x, w)
+        return _ffi_call_flat(ctx, f"jax_ub_{op}", x, w, comm.id, params["transpose_w"])
 
-        return mlir.lower_fun(unfused, multiple_results=True)(ctx, x, w)
-    return _ffi_call_flat(ctx, "jax_ub_all_gather_matmul", x, w, comm.id, transpose_w)
+    return rule
 
 
-def _matmul_reduce_scatter_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, fallback):
-    platform = _platform(ctx)
-    mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
-    params = dict(
-        axis_name=axis_name, axis_size=axis_size, transpose_w=transpose_w, fallback=fallback
+def _all_gather_matmul_unfused(x, w, *, axis_name, transpose_w, return_gathered, **_):
+    out, gathered = all_gather_matmul_reference(
+        x, _weight(w, transpose_w), axis_name, return_gathered=True
     )
-    if set(mesh.axis_names) - manual:
-        return _lower_nested(matmul_reduce_scatter_p, ctx, mesh, manual, x, w, **params)
-    (out_aval,) = ctx.avals_out
-    chunk = int(np.prod(out_aval.shape)) * np.dtype(out_aval.dtype).itemsize
-    needed = required_bytes(platform, "matmul_reduce_scatter", chunk, axis_size)
-    comm = _communicator_or_fallback(
-        "matmul_reduce_scatter", mesh, axis_name, platform, needed, fallback
-    )
-    if comm is None:
-
-        def unfused(x, w):
-            return matmul_reduce_scatter_reference(x, _weight(w, transpose_w), axis_name)
-
-        return mlir.lower_fun(unfused, multiple_results=False)(ctx, x, w)
-    return _ffi_call_flat(ctx, "jax_ub_matmul_reduce_scatter", x, w, comm.id, transpose_w)
+    return out, gathered if return_gathered else gathered[:0]
 
 
-mlir.register_lowering(all_gather_matmul_p, _all_gather_matmul_lowering)
-mlir.register_lowering(matmul_reduce_scatter_p, _matmul_reduce_scatter_lowering)
+def _matmul_reduce_scatter_unfused(x, w, *, axis_name, transpose_w, **_):
+    return matmul_reduce_scatter_reference(x, _weight(w, transpose_w), axis_name)
+
+
+mlir.register_lowering(
+    all_gather_matmul_p,
+    _lowering(
+        all_gather_matmul_p,
+        "all_gather_matmul",
+        lambda ctx: ctx.avals_in[0],  # x
+        _all_gather_matmul_unfused,
+    ),
+)
+mlir.register_lowering(
+    matmul_reduce_scatter_p,
+    _lowering(
+        matmul_reduce_scatter_p,
+        "matmul_reduce_scatter",
+        lambda ctx: ctx.avals_out[0],  # the output block
+        _matmul_reduce_scatter_unfused,
+    ),
+)
 
 
 # Spelled `not_mapped` in older JAX; None in newer.

@@ -291,7 +291,7 @@ def attention_local(
 
 
 def _over_tp(f: Callable, mesh: Mesh | None, axis_name: str, in_specs: Any, out_specs: Any):
-    # One jit(shard_map) per mesh it runs under: shard_map binds the context mesh when built.
+    # One jit(shard_map) per mesh it runs under: shard_map binds its mesh when built.
     mapped: dict[Any, Callable] = {}
 
     def call(*args):
@@ -303,14 +303,9 @@ def _over_tp(f: Callable, mesh: Mesh | None, axis_name: str, in_specs: Any, out_
                 f"no mesh to run over axis {axis_name!r}: call the layer under "
                 "`with jax.set_mesh(mesh):`, pass mesh=..., or call it inside a shard_map"
             )
-        key = mesh if mesh is not None else context
+        key = mesh if context.empty else context  # the layer's mesh only when none is set
         if key not in mapped:
-            kwargs = {} if mesh is None else {"mesh": mesh}
-            mapped[key] = jax.jit(
-                jax.shard_map(
-                    f, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}, **kwargs
-                )
-            )
+            mapped[key] = jax.jit(layout.over_axis(f, mesh, axis_name, in_specs, out_specs))
         return mapped[key](*_resharded_explicit(axis_name, in_specs, args))
 
     return call
