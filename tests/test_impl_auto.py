@@ -55,7 +55,7 @@ def test_auto_falls_back_to_xla_for_mixed_dtypes(mesh1d, rand):
 
 def _no_peer_access(monkeypatch):
     """Every group of this process looks like GPUs without peer access."""
-    from jax_ub._src import communicator
+    from jax_ub._src import checks, communicator
 
     def refuse(module, key, devices, ordinals):
         raise communicator.PeersUnreachable(
@@ -66,7 +66,7 @@ def _no_peer_access(monkeypatch):
     monkeypatch.setattr(communicator, "_check_peer_access", refuse)
     # What this test learns about unreachable groups goes with it, even if it fails.
     monkeypatch.setattr(communicator, "_unreachable", {})
-    monkeypatch.setattr(communicator, "_warned", set())
+    monkeypatch.setattr(checks, "_warned", set())
 
 
 def test_auto_falls_back_to_xla_where_peers_cannot_share_memory(mesh1d, rand, monkeypatch):

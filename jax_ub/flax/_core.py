@@ -134,18 +134,12 @@ def feature_spec(ndim: int, axis_name: str) -> P:
 
 def column_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
     """How the ops need a column-parallel layer's params split over ``axis_name``."""
-    specs = {"kernel": P(None, axis_name)}
-    if use_bias:
-        specs["bias"] = P(axis_name)
-    return specs
+    return {k: P(*v) for k, v in param_names("", "column", axis_name, use_bias, None).items()}
 
 
 def row_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
     """How the ops need a row-parallel layer's params split over ``axis_name``."""
-    specs = {"kernel": P(axis_name, None)}
-    if use_bias:
-        specs["bias"] = P(None)  # replicated
-    return specs
+    return {k: P(*v) for k, v in param_names("", "row", axis_name, use_bias, None).items()}
 
 
 def param_names(
@@ -165,18 +159,12 @@ def param_names(
             f"{owner}: param_axes={other_axes!r} names the tensor-parallel axis "
             f"{axis_name!r}; it names the axes that split the kernel's other dim"
         )
-    specs = (
-        column_param_specs(axis_name, use_bias)
-        if kind == "column"
-        else (row_param_specs(axis_name, use_bias))
-    )
-    names = {
-        k: tuple(v) + (None,) * (2 - len(v)) if k == "kernel" else tuple(v)
-        for k, v in specs.items()
-    }
-    kernel = list(names["kernel"])
-    kernel[kernel.index(None)] = other_axes
-    names["kernel"] = tuple(kernel)
+    if kind == "column":
+        names = {"kernel": (other_axes, axis_name), "bias": (axis_name,)}
+    else:
+        names = {"kernel": (axis_name, other_axes), "bias": (None,)}  # added after the sum
+    if not use_bias:
+        del names["bias"]
     return names
 
 
