@@ -45,13 +45,6 @@ class CudaCommunicator {
   // reduction into the GEMM (Schedule::fold_rows), the same on every rank of a group.
   static Status Create(Topology topology, size_t capacity_bytes, const CommOptions& options,
                        bool multiprocess, std::unique_ptr<CudaCommunicator>* out);
-  // Userbuffer bytes per GPU that one call of `op` needs, `chunk_bytes` being one rank's
-  // chunk (x for AG, the output for RS). AG: a chunk per rank. RS: a received partial per
-  // rank, plus as many staged for sending (a peer may still be reading our last push).
-  static int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size) {
-    const int64_t per_rank = op == OpKind::kMatmulReduceScatter ? 2 * chunk_bytes : chunk_bytes;
-    return per_rank * group_size;
-  }
   // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
   Status ExportHandles(std::vector<std::string>* handles) const;
   Status Connect(const std::vector<std::string>& handles);
@@ -107,11 +100,6 @@ class CudaCommunicator {
   static constexpr int kCreditFlag = 2 * kMaxRanks;
   static constexpr int kHealthFlag = 3 * kMaxRanks;
   static constexpr int kDescFlag = 3 * kMaxRanks + 8;
-  // The flag announcing piece `piece` of `pieces` of a chunk (Schedule sends at most two):
-  // the data flag for the last.
-  static int PieceFlag(int piece, int pieces) {
-    return piece + 1 == pieces ? kDataFlag : kFirstPieceFlag;
-  }
   static constexpr int kNumFlags = kDescFlag + kMaxRanks * CallDescriptor::kWords;
 
   struct Wait {
@@ -172,13 +160,24 @@ class CudaCommunicator {
   Status Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm, bool multiprocess);
   Status Wire();
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
-  // The ops' bodies; `began` is set once Begin has succeeded.
-  Status EnqueueAllGatherMatmul(int device, cudaStream_t stream, DType t, const void* x,
-                                const void* w, bool w_transposed, void* out, void* gathered,
-                                int64_t m, int64_t k, int64_t n, Slot** began);
-  Status EnqueueMatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x,
-                                    const void* w, bool w_transposed, void* out, int64_t m,
-                                    int64_t k, int64_t n, Slot** began);
+  // The call's operands, which the steps' Refs point into.
+  struct Operands {
+    DType t;
+    const void* x;
+    const void* w;
+    bool w_transposed;
+    void* out;
+    void* gathered;
+  };
+  // One call of `op`: Enqueue, then EndCall.
+  Status Call(int device, cudaStream_t stream, OpKind op, const CallShape& shape,
+              const Operands& ops);
+  // Enqueues the call's steps (schedule.h) on the slot's streams, joined back into
+  // `stream`; `began` is set once Begin has succeeded.
+  Status Enqueue(int device, cudaStream_t stream, OpKind op, const CallShape& shape,
+                 const Operands& ops, Slot** began);
+  // The index in a slot's flag words of `flag` for `rank`.
+  static int FlagIndex(Flag flag, int rank);
   // Marks the communicator broken when a call that has begun (`s` not null) fails, and
   // counts the call's host time from `since`.
   Status EndCall(Slot* s, const char* op, std::chrono::steady_clock::time_point since, Status st);

@@ -264,119 +264,102 @@ Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {
 Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, const void* w,
                                          bool w_transposed, void* out, void* gathered, int64_t m,
                                          int64_t k, int64_t n) {
-  const int64_t es = DTypeSize(t);
-  const int64_t chunk = m * k * es;
+  const CallShape shape{m, k, n, DTypeSize(t), gathered != nullptr};
   CallContext ctx;
-  JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, chunk, &ctx));
-  Schedule sched{ctx.rank, ctx.size};
-  const std::vector<int> peers = sched.PushOrder();
-  SlotHeader* own = header(ctx.slot);
-  auto fail = [&](Status st) {
-    Fail(ctx, st);
-    return st;
-  };
-
-  // Push our shard into every peer's region, once that peer has consumed the last call.
-  for (int p : peers) {
-    Status st = WaitFlag(ctx, &own->credit_epoch[p], ctx.epoch - 1, p, "free its userbuffer");
-    if (!st.ok()) return fail(st);
-    const int ps = ctx.peer_slot(p);
-    std::memcpy(data(ps) + ctx.rank * chunk, x, chunk);
-    header(ps)->desc_from[ctx.rank] = ctx.desc;
-    Store(&header(ps)->data_epoch[ctx.rank], ctx.epoch);
-  }
-  // Multiply the local chunk, then the remote ones once they have landed.
-  for (const Schedule::Span& span : sched.AllGatherSpans()) {
-    const char* src = static_cast<const char*>(x);
-    if (span.first != ctx.rank) {
-      for (int j = span.first; j < span.first + span.count; ++j) {
-        Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its chunk");
-        if (st.ok()) st = CheckDescriptor(ctx, j);
-        if (!st.ok()) return fail(st);
-      }
-      src = data(ctx.slot) + span.first * chunk;
-    }
-    HostGemm(t, src, w, w_transposed, static_cast<char*>(out) + span.first * m * n * es,
-             span.count * m, k, n);
-    if (gathered != nullptr)
-      std::memcpy(static_cast<char*>(gathered) + span.first * chunk, src, span.count * chunk);
-  }
-  // Our region may be overwritten again: tell every sender.
-  for (int p : peers) Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
-  return Status::Ok();
+  JAX_UB_RETURN_IF_ERROR(
+      Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, m * k * shape.elem_bytes, &ctx));
+  const Operands ops{t, x, w, w_transposed, out, gathered};
+  return Execute(ctx, AllGatherSteps(Schedule{ctx.rank, ctx.size}, shape), shape, ops);
 }
 
 Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x, const void* w,
                                              bool w_transposed, void* out, int64_t m, int64_t k,
                                              int64_t n) {
-  const int64_t es = DTypeSize(t);
-  const int64_t chunk = m * n * es;
+  const CallShape shape{m, k, n, DTypeSize(t)};
   CallContext ctx;
-  JAX_UB_RETURN_IF_ERROR(Begin(device, OpKind::kMatmulReduceScatter, t, m, k, n, chunk, &ctx));
-  Schedule sched{ctx.rank, ctx.size, fold_rows_};
-  SlotHeader* own = header(ctx.slot);
-  auto fail = [&](Status st) {
-    Fail(ctx, st);
-    return st;
-  };
-  const char* xb = static_cast<const char*>(x);
+  JAX_UB_RETURN_IF_ERROR(
+      Begin(device, OpKind::kMatmulReduceScatter, t, m, k, n, m * n * shape.elem_bytes, &ctx));
+  const Operands ops{t, x, w, w_transposed, out, nullptr};
+  return Execute(ctx, ReduceScatterSteps(Schedule{ctx.rank, ctx.size, fold_rows_}, shape), shape,
+                 ops);
+}
 
-  // Each peer's partial product goes straight into that peer's region; ours into our own
-  // region's slot for our rank, which no peer writes. Where the schedule folds (size 2,
-  // pieces large enough: Schedule::ReduceScatterFolds), blocks go in two pieces and each
-  // of our own is summed with the peer's as it lands (the CUDA GEMM adds it in its
-  // epilogue); otherwise one piece each and a sum pass.
-  const std::vector<Schedule::Rows> piece_rows = sched.ReduceScatterPieces(m);
-  const int pieces = static_cast<int>(piece_rows.size());
-  const bool fold = sched.ReduceScatterFolds(m);
-  auto piece_flag = [&](SlotHeader* h, int p, int j) {
-    return p + 1 == pieces ? &h->data_epoch[j] : &h->first_piece_epoch[j];
+uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {
+  SlotHeader* h = header(slot);
+  switch (flag) {
+    case Flag::kData:
+      return &h->data_epoch[rank];
+    case Flag::kFirstPiece:
+      return &h->first_piece_epoch[rank];
+    case Flag::kCredit:
+      break;
+  }
+  return &h->credit_epoch[rank];
+}
+
+// One thread runs every lane's steps in list order, which the schedule makes a valid
+// order: memcpy for copies, atomics for flags, the host GEMM for products. Descriptors are
+// checked as each peer's data lands, before it is read, so kVerify has nothing left to do.
+Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>& steps,
+                                 const CallShape& shape, const Operands& ops) {
+  auto at = [&](const Ref& r) -> char* {
+    switch (r.region) {
+      case Region::kX:
+        return const_cast<char*>(static_cast<const char*>(ops.x)) + r.offset;
+      case Region::kOut:
+        return static_cast<char*>(ops.out) + r.offset;
+      case Region::kGathered:
+        return static_cast<char*>(ops.gathered) + r.offset;
+      case Region::kBuffer:
+        return data(ctx.slot) + r.offset;
+      case Region::kPeerBuffer:
+        return data(ctx.peer_slot(r.peer)) + r.offset;
+      case Region::kNone:
+        break;
+    }
+    return nullptr;
   };
-  char* mine = data(ctx.slot) + ctx.rank * chunk;
-  for (int d : sched.ReduceScatterComputeOrder()) {
-    const int ds = ctx.peer_slot(d);
-    if (d != ctx.rank) {
-      Status st = WaitFlag(ctx, &own->credit_epoch[d], ctx.epoch - 1, d, "free its userbuffer");
-      if (!st.ok()) return fail(st);
-    }
-    for (int p = 0; p < pieces; ++p) {
-      const int64_t r0 = piece_rows[p].first, rows = piece_rows[p].count;
-      const char* a = xb + (d * m + r0) * k * es;
-      const int64_t off = r0 * n * es;
-      if (d != ctx.rank) {
-        HostGemm(t, a, w, w_transposed, data(ds) + ctx.rank * chunk + off, rows, k, n);
-        if (p == 0) header(ds)->desc_from[ctx.rank] = ctx.desc;
-        Store(piece_flag(header(ds), p, ctx.rank), ctx.epoch);
-      } else if (ctx.size == 1) {
-        HostGemm(t, a, w, w_transposed, static_cast<char*>(out) + off, rows, k, n);
-      } else {
-        HostGemm(t, a, w, w_transposed, mine + off, rows, k, n);
-        if (!fold) continue;
-        const int peer = 1 - ctx.rank;
-        Status st =
-            WaitFlag(ctx, piece_flag(own, p, peer), ctx.epoch, peer, "deliver its partial sum");
-        if (st.ok()) st = CheckDescriptor(ctx, peer);
-        if (!st.ok()) return fail(st);
-        const void* parts[2];
-        for (int j : sched.ReductionOrder()) parts[j] = data(ctx.slot) + j * chunk + off;
-        HostSum(t, parts, 2, static_cast<char*>(out) + off, rows * n);
+  for (const Step& step : steps) {
+    Status st = Status::Ok();
+    switch (step.kind) {
+      case Step::Kind::kWait:
+        st = WaitFlag(ctx, FlagWord(ctx.slot, step.flag, step.peer), ctx.epoch - step.lag,
+                      step.peer, step.what);
+        if (st.ok() && step.flag != Flag::kCredit) st = CheckDescriptor(ctx, step.peer);
+        break;
+      case Step::Kind::kPublish:
+        header(ctx.peer_slot(step.peer))->desc_from[ctx.rank] = ctx.desc;
+        break;
+      case Step::Kind::kCopy:
+        std::memcpy(at(step.dst), at(step.src), step.bytes);
+        break;
+      case Step::Kind::kSignal:
+        Store(FlagWord(ctx.peer_slot(step.peer), step.flag, ctx.rank), ctx.epoch);
+        break;
+      case Step::Kind::kGemm: {
+        char* dst = at(step.dst);
+        HostGemm(ops.t, at(step.src), ops.w, ops.w_transposed, dst, step.rows, shape.k, shape.n);
+        if (step.addend.region != Region::kNone) {
+          const void* parts[2] = {dst, at(step.addend)};
+          HostSum(ops.t, parts, 2, dst, step.rows * shape.n);
+        }
+        break;
       }
+      case Step::Kind::kSum: {
+        const void* parts[kMaxRanks];
+        for (int j = 0; j < ctx.size; ++j) parts[j] = at(step.src) + j * step.bytes;
+        HostSum(ops.t, parts, ctx.size, at(step.dst), step.rows * shape.n);
+        break;
+      }
+      case Step::Kind::kJoin:    // lanes run in list order here
+      case Step::Kind::kVerify:  // checked at each wait
+        break;
+    }
+    if (!st.ok()) {
+      Fail(ctx, st);
+      return st;
     }
   }
-  if (ctx.size > 1 && !fold) {
-    const void* parts[kMaxRanks];
-    for (int j : sched.ReductionOrder()) {
-      if (j != ctx.rank) {
-        Status st = WaitFlag(ctx, &own->data_epoch[j], ctx.epoch, j, "deliver its partial sum");
-        if (st.ok()) st = CheckDescriptor(ctx, j);
-        if (!st.ok()) return fail(st);
-      }
-      parts[j] = data(ctx.slot) + j * chunk;
-    }
-    HostSum(t, parts, ctx.size, out, m * n);
-  }
-  for (int p : sched.PushOrder())
-    Store(&header(ctx.peer_slot(p))->credit_epoch[ctx.rank], ctx.epoch);
   return Status::Ok();
 }
 

@@ -51,11 +51,6 @@ class HostCommunicator {
   // otherwise every slot must be local and plain memory is used.
   static Status Create(Topology topology, size_t capacity_bytes, const CommOptions& options,
                        const std::string& shm_prefix, std::unique_ptr<HostCommunicator>* out);
-  // Region bytes per device that one call of `op` needs, `chunk_bytes` being one rank's
-  // chunk (x for AG, the output for RS): one chunk or partial per rank, for either op.
-  static int64_t RequiredBytes(OpKind /*op*/, int64_t chunk_bytes, int group_size) {
-    return chunk_bytes * group_size;
-  }
   ~HostCommunicator();
 
   // Shared-memory names of the local slots, by slot ("" for remote slots).
@@ -96,6 +91,20 @@ class HostCommunicator {
                   const char* what);
   Status CheckDescriptor(const CallContext& ctx, int peer);
   void Fail(const CallContext& ctx, const Status& st);
+  // The call's operands, which the steps' Refs point into.
+  struct Operands {
+    DType t;
+    const void* x;
+    const void* w;
+    bool w_transposed;
+    void* out;
+    void* gathered;
+  };
+  // Runs one call's steps (schedule.h); on an error, fails the group and returns it.
+  Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,
+                 const Operands& ops);
+  // The word of `flag` for `rank` in `slot`'s header.
+  uint64_t* FlagWord(int slot, Flag flag, int rank) const;
   SlotHeader* header(int slot) const { return reinterpret_cast<SlotHeader*>(regions_[slot]); }
   char* data(int slot) const { return regions_[slot] + sizeof(SlotHeader); }
 

@@ -16,6 +16,7 @@
 #include "call_descriptor.h"
 #include "comm_options.h"
 #include "registry.h"
+#include "schedule.h"
 #include "status.h"
 
 namespace jax_ub {
@@ -87,7 +88,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
 // The bindings both platform modules share, with the same names, so the Python side
 // (bootstrap, finalize, check_health, buffer sizing) serves either:
 // broken_reason, quiesce, destroy_communicator, num_communicators, and
-// `required_bytes(op, chunk_bytes, group_size)`, the communicator's own buffer sizing.
+// `required_bytes(op, chunk_bytes, group_size)`, the schedule's buffer sizing (schedule.h).
 template <typename Communicator>
 void DefCommonBindings(nanobind::module_& m) {
   m.def("broken_reason", [](int64_t id) {
@@ -108,7 +109,7 @@ void DefCommonBindings(nanobind::module_& m) {
   m.def("required_bytes", [](const std::string& op, int64_t chunk_bytes, int group_size) {
     OpKind kind;
     if (!OpKindFromName(op, &kind)) throw nanobind::value_error(("unknown op " + op).c_str());
-    return Communicator::RequiredBytes(kind, chunk_bytes, group_size);
+    return RequiredBytes(kind, chunk_bytes, group_size);
   });
 }
 

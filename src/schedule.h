@@ -1,10 +1,14 @@
-// Platform-neutral schedule of the overlapped ops: which chunk moves and which chunk is
-// computed at each step. The host and CUDA communicators both follow it, so CI exercises
-// the same order that runs on GPUs.
+// Platform-neutral schedule of the overlapped ops: the orders (which chunk moves and which
+// is computed when), and from them each op's step list (AllGatherSteps,
+// ReduceScatterSteps). The host and the CUDA communicator both execute that list with
+// their own primitives, so the protocol is written here once and CI's host run exercises
+// the very sequence the GPUs run.
 #pragma once
 
 #include <cstdint>
 #include <vector>
+
+#include "call_descriptor.h"
 
 namespace jax_ub {
 
@@ -83,5 +87,78 @@ struct Schedule {
     return order;
   }
 };
+
+// Where a step's bytes are: a region of the call and a byte offset into it.
+enum class Region : uint8_t {
+  kNone,        // no operand (a GEMM without addend)
+  kX,           // the op's local input
+  kOut,         // the op's output
+  kGathered,    // all_gather(x), where the caller asked for it
+  kBuffer,      // this rank's userbuffer
+  kPeerBuffer,  // rank `peer`'s userbuffer (symmetric: the same offsets)
+};
+struct Ref {
+  Region region = Region::kNone;
+  int64_t offset = 0;
+  int peer = -1;  // kPeerBuffer only
+};
+
+// Epoch flags, one word per (flag, rank) in every rank's slot. kData[j]: rank j's chunk (or
+// its last piece) for this call has landed here; kFirstPiece[j]: the first piece of a
+// chunk sent in two (Schedule::ReduceScatterPieces); kCredit[j]: rank j has consumed what
+// this rank sent it, through that call.
+enum class Flag : uint8_t { kData, kFirstPiece, kCredit };
+
+// The work of one call runs on lanes: the compute lane (GEMMs, sums, checks) and one
+// copy lane per rank (lane r: pushes to peer r; this rank's own lane copies the gathered
+// output). On a GPU each lane is a stream and lanes run concurrently; the host runs the
+// steps one after another in list order, which every lane's order and every join allows.
+constexpr int kComputeLane = -1;
+
+struct Step {
+  enum class Kind : uint8_t {
+    kWait,     // the lane waits until this rank's flag[peer] holds epoch - lag
+    kPublish,  // the lane writes this call's descriptor into `peer`'s slot (for our rank)
+    kCopy,     // bytes from src to dst
+    kSignal,   // the lane raises `peer`'s flag[our rank] to this call's epoch
+    kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n])
+    kSum,      // out = the group's partials in our buffer (one per rank), in rank order
+    kJoin,     // the lane waits for all work enqueued so far on lane `peer`
+    kVerify,   // every peer's descriptor matches ours; else the outputs are poisoned
+  };
+  Kind kind = Kind::kWait;
+  int lane = kComputeLane;
+  int peer = -1;
+  Flag flag = Flag::kData;
+  int lag = 0;                  // kWait: 1 for a credit (the peer's previous call)
+  Flag progress = Flag::kData;  // kWait: the flag naming the peer's progress in a timeout
+  const char* what = "";        // kWait: what the peer is awaited to do, for errors
+  Ref src, dst, addend;
+  // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
+  // of dst (and src_bytes those of src) that a failed check poisons.
+  int64_t bytes = 0;
+  int64_t src_bytes = 0;
+  int64_t rows = 0;  // kGemm, kSum
+};
+
+// One rank's view of one call: out = all_gather(x[m, k]) @ w[k, n] for kAllGatherMatmul,
+// out[m, n] = reduce_scatter(x[size*m, k] @ w) for kMatmulReduceScatter.
+struct CallShape {
+  int64_t m, k, n;
+  int64_t elem_bytes;
+  bool gathered = false;  // AG: the caller wants all_gather(x) too
+};
+
+// Userbuffer bytes per rank that a call needs, `chunk_bytes` being one rank's chunk (x for
+// AG, the output for RS). AG: a chunk per rank. RS: a received partial per rank, plus as
+// many staged for sending (a peer may still be reading our last push).
+inline int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size) {
+  const int64_t per_rank = op == OpKind::kMatmulReduceScatter ? 2 * chunk_bytes : chunk_bytes;
+  return per_rank * group_size;
+}
+
+// The steps of one call of each op, for `sched`'s rank.
+std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& shape);
+std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& shape);
 
 }  // namespace jax_ub

@@ -72,14 +72,21 @@ def _env(gpu: bool, **extra) -> dict:
 
 
 def run(
-    scenario: str, nproc: int, ndev: int, timeout: float = 150, gpu: bool = False
+    scenario: str,
+    nproc: int,
+    ndev: int,
+    timeout: float = 150,
+    gpu: bool = False,
+    share_gpu: bool = False,
 ) -> list[tuple[int, str]]:
-    """(exit code, output) of each of nproc processes of _mp_worker.py, ndev devices each."""
+    """(exit code, output) of each of nproc processes of _mp_worker.py, ndev devices each
+    (with `share_gpu`, one device each, all on GPU 0)."""
+    extra = {"JAX_UB_TEST_SHARE_GPU": "1"} if share_gpu else {}
     out = _start(
         WORKER,
         [scenario, str(ndev)],
         nproc,
-        _env(gpu),
+        _env(gpu, **extra),
         timeout,
         f"{scenario}: processes hung past {timeout} s",
     )

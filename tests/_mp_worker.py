@@ -13,8 +13,13 @@ import time
 scenario, pid, nproc, port, ndev = sys.argv[1], *map(int, sys.argv[2:6])
 ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
 if ON_GPU:
-    # This process drives GPUs [pid * ndev, (pid + 1) * ndev) of the machine.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(pid * ndev + i) for i in range(ndev))
+    # This process drives GPUs [pid * ndev, (pid + 1) * ndev) of the machine, or with
+    # JAX_UB_TEST_SHARE_GPU=1 every process drives GPU 0 (one device each): CUDA IPC works
+    # between processes of one GPU, so a machine of one GPU runs groups of several ranks.
+    if os.environ.get("JAX_UB_TEST_SHARE_GPU") == "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(pid * ndev + i) for i in range(ndev))
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 else:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
@@ -94,11 +99,86 @@ def run_ops(mesh, axis, other, m=8, k=16, n=24, impl="ub"):
     return [float(e) for e in f(x, w1, w2) / np.array([1, 1, 1, 1, 1])]
 
 
+def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3):
+    """Both ops (all_gather_matmul with its gathered x), and the grads of a loss through
+    both, using no XLA collective at all: each process compares its own shards with a
+    reference computed on one device. (NCCL refuses processes that share a GPU.) Returns
+    relative errors of [gathered, AG, RS, dx, dw1, dw2]."""
+    tp = mesh.shape[axis]
+
+    def model(x, w1, w2):
+        h, g = jax_ub.all_gather_matmul(x, w1, axis, impl="ub", return_gathered=True)
+        return h, g, jax_ub.matmul_reduce_scatter(jnp.tanh(h), w2, axis, impl="ub")
+
+    def body(x, w1, w2):
+        h, g, z = model(x, w1, w2)
+
+        # The loss of this rank's rows; its grads through the ops' VJPs (ub ops only) are
+        # this rank's shards of the global loss's grads.
+        def local(*a):
+            return jnp.sum(jnp.sin(model(*a)[2].astype(jnp.float32)))
+
+        return (g, h, z, *jax.grad(local, argnums=(0, 1, 2))(x, w1, w2))
+
+    specs = (P(axis, None), P(None, axis), P(axis, None))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=(P(), P(None, axis), P(axis, None), *specs),
+            check_vma=False,
+        )
+    )
+    shapes = ((tp * m, k), (k, tp * n), (tp * n, k))
+    full = [
+        scale * np.asarray(jax.random.normal(jax.random.key(i), shape, jnp.float32))
+        for i, shape in enumerate(shapes)
+    ]
+    # The operands as the op sees them (rounded to dtype), in f32 for the reference.
+    full = [np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in full]
+    args = [
+        jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i, a=a: a[i])
+        for a, spec in zip(full, specs)
+    ]
+    got = f(*(a.astype(dtype) for a in args))
+
+    # The reference: the same math on whole arrays on one device, f32 at full precision.
+    def dense(x, w1, w2):
+        h = jnp.dot(x, w1, precision="highest")
+        return h, x, jnp.dot(jnp.tanh(h), w2, precision="highest")
+
+    one = jax.local_devices()[0]
+    full = [jax.device_put(a, one) for a in full]
+    h, g, z = dense(*full)
+    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a)[2])), argnums=(0, 1, 2))(*full)
+    errs = []
+    for arr, ref in zip(got, (g, h, z, *grads)):
+        ref = np.asarray(ref)
+        worst = 0.0
+        for shard in arr.addressable_shards:
+            a, b = np.asarray(shard.data).astype(np.float32), ref[shard.index]
+            worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+        errs.append(worst)
+    return errs
+
+
 t0 = time.time()
 devices = np.array(jax.devices())
 try:
     if scenario == "tp_across_processes":
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
+    elif scenario == "protocol":
+        # Every branch of the ops' step lists across processes: both ops and their grads,
+        # reduce-scatters folded (in uneven pieces) and not, the gathered copy, f32 and
+        # bf16, the epochs of many calls. No XLA collective, so processes may share a GPU.
+        mesh = Mesh(devices, ("tp",))
+        result = {}
+        for fold in (-1, 0):
+            options.set_experimental_tuning(reduce_scatter_fold_rows=fold)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
+                result[key] = run_ops_without_collectives(mesh, "tp", 41, 64, 48, dtype)
     elif scenario == "dp_across_tp_inside":
         result = run_ops(Mesh(devices.reshape(nproc, ndev), ("dp", "tp")), "tp", ("dp",))
     elif scenario == "mismatched_shape":

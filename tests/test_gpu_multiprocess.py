@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from _mp_launch import check_killed_peer, gpu_count, results, run
+from test_multiprocess import check_protocol
 
 pytestmark = pytest.mark.gpu
 
@@ -21,6 +22,17 @@ def test_tp_group_across_processes_on_gpus(nproc, ndev):
     for r in results(run("tp_across_processes", nproc, ndev, timeout=300, gpu=True)):
         # f32 on both sides (the worker asks XLA for full-precision dots, not TF32).
         assert all(e < 1e-4 for e in r["errs"]), r["errs"]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_protocol_on_one_shared_gpu(nproc):
+    """The CPU test's every branch of the step lists, run by the CUDA communicator in nproc
+    processes that all drive GPU 0 (CUDA IPC between processes of one GPU): groups of
+    several ranks on a machine of one GPU."""
+    if GPUS < 1:
+        pytest.skip("needs a GPU")
+    for r in results(run("protocol", nproc, 1, timeout=400, gpu=True, share_gpu=True)):
+        check_protocol(r["errs"])
 
 
 def test_dp_across_processes_tp_inside_on_gpus():

@@ -1,0 +1,182 @@
+// The step lists of the two ops (see schedule.h): the protocol, written once.
+#include "schedule.h"
+
+namespace jax_ub {
+namespace {
+
+Step Make(Step::Kind kind) {
+  Step s;
+  s.kind = kind;
+  return s;
+}
+
+Ref At(Region region, int64_t offset, int peer = -1) { return Ref{region, offset, peer}; }
+
+Step Wait(int lane, int peer, Flag flag, const char* what, Flag progress) {
+  Step s = Make(Step::Kind::kWait);
+  s.lane = lane;
+  s.peer = peer;
+  s.flag = flag;
+  s.lag = flag == Flag::kCredit ? 1 : 0;
+  s.progress = progress;
+  s.what = what;
+  return s;
+}
+// A peer's data (or its first piece): named by the data flag in a timeout, since only
+// pieced calls write the first-piece flag.
+Step WaitData(int lane, int peer, const char* what, Flag flag = Flag::kData) {
+  return Wait(lane, peer, flag, what, Flag::kData);
+}
+// The peer has consumed our previous push into its userbuffer.
+Step WaitCredit(int lane, int peer) {
+  return Wait(lane, peer, Flag::kCredit, "free its userbuffer", Flag::kCredit);
+}
+Step Publish(int lane, int peer) {
+  Step s = Make(Step::Kind::kPublish);
+  s.lane = lane;
+  s.peer = peer;
+  return s;
+}
+Step Copy(int lane, Ref src, Ref dst, int64_t bytes) {
+  Step s = Make(Step::Kind::kCopy);
+  s.lane = lane;
+  s.src = src;
+  s.dst = dst;
+  s.bytes = bytes;
+  return s;
+}
+Step Signal(int lane, int peer, Flag flag) {
+  Step s = Make(Step::Kind::kSignal);
+  s.lane = lane;
+  s.peer = peer;
+  s.flag = flag;
+  return s;
+}
+Step Gemm(Ref src, Ref dst, int64_t rows, Ref addend = {}) {
+  Step s = Make(Step::Kind::kGemm);
+  s.src = src;
+  s.dst = dst;
+  s.rows = rows;
+  s.addend = addend;
+  return s;
+}
+Step Join(int lane, int on_lane) {
+  Step s = Make(Step::Kind::kJoin);
+  s.lane = lane;
+  s.peer = on_lane;
+  return s;
+}
+Step Verify(int64_t out_bytes, int64_t gathered_bytes) {
+  Step s = Make(Step::Kind::kVerify);
+  s.dst = At(Region::kOut, 0);
+  s.bytes = out_bytes;
+  if (gathered_bytes > 0) s.src = At(Region::kGathered, 0);
+  s.src_bytes = gathered_bytes;
+  return s;
+}
+
+}  // namespace
+
+std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
+  const int rank = sched.rank;
+  const int64_t chunk = c.m * c.k * c.elem_bytes;     // one rank's x
+  const int64_t out_rows = c.m * c.n * c.elem_bytes;  // one rank's rows of out
+  const std::vector<int> peers = sched.PushOrder();
+  std::vector<Step> steps;
+  // Push our shard to every peer at once, each on its own lane, once the peer has consumed
+  // our previous push. The descriptor goes first, so a receiver can check what it got.
+  for (int p : peers) {
+    steps.push_back(WaitCredit(p, p));
+    steps.push_back(Publish(p, p));
+    steps.push_back(Copy(p, At(Region::kX, 0), At(Region::kPeerBuffer, rank * chunk, p), chunk));
+    steps.push_back(Signal(p, p, Flag::kData));
+  }
+  // The gathered copy, when asked for, runs on our own lane beside the GEMMs.
+  if (c.gathered)
+    steps.push_back(Copy(rank, At(Region::kX, 0), At(Region::kGathered, rank * chunk), chunk));
+  // Multiply the local chunk, then the remote ones once they have landed.
+  for (const Schedule::Span& span : sched.AllGatherSpans()) {
+    Ref src = At(Region::kX, 0);
+    if (span.first != rank) {
+      for (int j = span.first; j < span.first + span.count; ++j) {
+        steps.push_back(WaitData(kComputeLane, j, "deliver its chunk"));
+        if (c.gathered) steps.push_back(WaitData(rank, j, "deliver its chunk"));
+      }
+      src = At(Region::kBuffer, span.first * chunk);
+      if (c.gathered)
+        steps.push_back(
+            Copy(rank, src, At(Region::kGathered, span.first * chunk), span.count * chunk));
+    }
+    steps.push_back(Gemm(src, At(Region::kOut, span.first * out_rows), span.count * c.m));
+  }
+  if (c.gathered) steps.push_back(Join(kComputeLane, rank));
+  steps.push_back(Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0));
+  // Our buffer is free again: tell every sender.
+  for (int p : peers) steps.push_back(Signal(kComputeLane, p, Flag::kCredit));
+  return steps;
+}
+
+std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) {
+  const int rank = sched.rank, size = sched.size;
+  const int64_t es = c.elem_bytes;
+  const int64_t chunk = c.m * c.n * es;  // one partial: a block of rows of x @ w
+  // Our buffer: [size] partials addressed to us, by sender, then [size] partials we
+  // computed for each peer, staged for sending.
+  auto received = [&](int j) { return j * chunk; };
+  auto staged = [&](int d) { return (size + d) * chunk; };
+  // Each block goes in row pieces (Schedule::ReduceScatterPieces); where it folds, our own
+  // block's GEMM adds the peer's partial piece as it lands and writes `out`: no sum pass.
+  const std::vector<Schedule::Rows> pieces = sched.ReduceScatterPieces(c.m);
+  const int num_pieces = static_cast<int>(pieces.size());
+  const bool fold = sched.ReduceScatterFolds(c.m);
+  auto offset = [&](int p) { return pieces[p].first * c.n * es; };  // in a partial
+  auto input = [&](int d, int p) { return At(Region::kX, (d * c.m + pieces[p].first) * c.k * es); };
+  auto piece_flag = [&](int p) { return p + 1 == num_pieces ? Flag::kData : Flag::kFirstPiece; };
+  std::vector<Step> steps;
+  // Each peer's partial first, each piece sent while the next one is computed; ours last.
+  for (int d : sched.ReduceScatterComputeOrder()) {
+    for (int p = 0; p < num_pieces; ++p) {
+      if (d == rank) {
+        Ref dst = At(Region::kBuffer, received(rank) + offset(p));
+        Ref addend;
+        if (size == 1 || fold) dst = At(Region::kOut, offset(p));
+        if (fold) {
+          const int peer = 1 - rank;
+          steps.push_back(WaitData(kComputeLane, peer, "deliver its partial sum", piece_flag(p)));
+          addend = At(Region::kBuffer, received(peer) + offset(p));
+        }
+        steps.push_back(Gemm(input(d, p), dst, pieces[p].count, addend));
+        continue;
+      }
+      const Ref stage = At(Region::kBuffer, staged(d) + offset(p));
+      steps.push_back(Gemm(input(d, p), stage, pieces[p].count));
+      steps.push_back(Join(d, kComputeLane));
+      if (p == 0) {
+        steps.push_back(WaitCredit(d, d));
+        steps.push_back(Publish(d, d));
+      }
+      steps.push_back(Copy(d, stage, At(Region::kPeerBuffer, received(rank) + offset(p), d),
+                           pieces[p].count * c.n * es));
+      steps.push_back(Signal(d, d, piece_flag(p)));
+    }
+  }
+  if (size > 1 && !fold) {
+    for (int j : sched.ReductionOrder())
+      if (j != rank) steps.push_back(WaitData(kComputeLane, j, "deliver its partial sum"));
+    Step sum = Make(Step::Kind::kSum);
+    sum.src = At(Region::kBuffer, received(0));
+    sum.dst = At(Region::kOut, 0);
+    sum.bytes = chunk;
+    sum.rows = c.m;
+    steps.push_back(sum);
+  }
+  steps.push_back(Verify(chunk, 0));
+  // Credits promise peers the whole buffer, staging area included: wait until our own
+  // partials have left it, or a peer's next push could overwrite one still in flight.
+  const std::vector<int> peers = sched.PushOrder();
+  for (int p : peers) steps.push_back(Join(kComputeLane, p));
+  for (int p : peers) steps.push_back(Signal(kComputeLane, p, Flag::kCredit));
+  return steps;
+}
+
+}  // namespace jax_ub
