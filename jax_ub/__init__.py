@@ -1,8 +1,9 @@
 """jax_ub: tensor-parallel communication overlapped with matmuls, through userbuffers.
 
 Public API:
-  all_gather_matmul(x, w, axis_name, *, impl="auto", return_gathered=False)
-  matmul_reduce_scatter(x, w, axis_name, *, impl="auto")
+  all_gather_matmul(x, w, axis_name, *, impl="auto", return_gathered=False, fp8=None)
+  matmul_reduce_scatter(x, w, axis_name, *, impl="auto", fp8=None)
+  Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
   initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
   configure(**settings) / config
 """
@@ -11,6 +12,7 @@ from jax_ub._src import extension as _extension  # registers the FFI handlers
 from jax_ub._src.all_gather_matmul import all_gather_matmul
 from jax_ub._src.communicator import Communicator, initialize, live_communicators
 from jax_ub._src.config import Config, config, configure
+from jax_ub._src.fp8 import Fp8Scales
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.reference import (
     all_gather_matmul_reference,
@@ -21,6 +23,7 @@ from jax_ub._src.teardown import check_health, finalize
 __all__ = [
     "Communicator",
     "Config",
+    "Fp8Scales",
     "all_gather_matmul",
     "all_gather_matmul_reference",
     "check_health",

@@ -37,8 +37,8 @@ inline bool OpKindFromName(const std::string& name, OpKind* op) {
 
 struct CallDescriptor {
   uint32_t op = 0;
-  uint32_t dtype = 0;
-  int64_t rows = 0;  // rows of the local operand (x for AG, the output for RS)
+  uint32_t dtype = 0;  // PackTypes(x's, w's and the output's type)
+  int64_t rows = 0;    // rows of the local operand (x for AG, the output for RS)
   int64_t k = 0;
   int64_t n = 0;
   uint64_t epoch = 0;
@@ -53,7 +53,7 @@ struct CallDescriptor {
     if (op == 0 && epoch == 0) return "nothing (no call arrived)";
     char buf[160];
     std::snprintf(buf, sizeof(buf), "%s(%s, rows=%lld, k=%lld, n=%lld, call #%llu)",
-                  OpName(static_cast<OpKind>(op)), DTypeName(static_cast<DType>(dtype)),
+                  OpName(static_cast<OpKind>(op)), TypesName(dtype).c_str(),
                   static_cast<long long>(rows), static_cast<long long>(k),
                   static_cast<long long>(n), static_cast<unsigned long long>(epoch));
     return buf;

@@ -50,16 +50,10 @@ class CudaCommunicator {
   Status Connect(const std::vector<std::string>& handles);
   ~CudaCommunicator();
 
-  // out[size*m, n] = all_gather(x[m, k]) @ w[k, n], enqueued after `stream`'s work and
-  // joined back into it. `gathered` (may be null) receives all_gather(x).
-  // With `w_transposed`, w is stored as its transpose [n, k] (see CublasLtGemm::Matmul).
-  Status AllGatherMatmul(int device, cudaStream_t stream, DType t, const void* x, const void* w,
-                         bool w_transposed, void* out, void* gathered, int64_t m, int64_t k,
-                         int64_t n);
-
-  // out[m, n] = reduce_scatter(x[size*m, k] @ w[k, n]).
-  Status MatmulReduceScatter(int device, cudaStream_t stream, DType t, const void* x, const void* w,
-                             bool w_transposed, void* out, int64_t m, int64_t k, int64_t n);
+  // One call of `op` (see CallShape), enqueued after `stream`'s work and joined back into
+  // it. fp8 inputs need w stored as its transpose [n, k] (cuBLASLt's fp8 layout).
+  Status Call(int device, cudaStream_t stream, OpKind op, const CallShape& shape,
+              const Operands& ops);
 
   // Wait up to the timeout until every local slot has made the same number of calls and
   // all their GPU work has finished. Returns whether that state was reached.
@@ -160,18 +154,6 @@ class CudaCommunicator {
   Status Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm, bool multiprocess);
   Status Wire();
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
-  // The call's operands, which the steps' Refs point into.
-  struct Operands {
-    DType t;
-    const void* x;
-    const void* w;
-    bool w_transposed;
-    void* out;
-    void* gathered;
-  };
-  // One call of `op`: Enqueue, then EndCall.
-  Status Call(int device, cudaStream_t stream, OpKind op, const CallShape& shape,
-              const Operands& ops);
   // Enqueues the call's steps (schedule.h) on the slot's streams, joined back into
   // `stream`; `began` is set once Begin has succeeded.
   Status Enqueue(int device, cudaStream_t stream, OpKind op, const CallShape& shape,

@@ -21,6 +21,10 @@ cudaDataType_t CudaType(DType t) {
       return CUDA_R_16BF;
     case DType::kF16:
       return CUDA_R_16F;
+    case DType::kF8E4M3FN:
+      return CUDA_R_8F_E4M3;
+    case DType::kF8E5M2:
+      return CUDA_R_8F_E5M2;
     default:
       return CUDA_R_32F;
   }
@@ -68,13 +72,15 @@ void CublasLtGemm::Destroy(Plan& p) {
 }
 
 Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
-  auto [t_raw, m, k, n, b_transposed] = key;
+  auto [types, m, k, n, b_transposed] = key;
   // Dense row-major operands: a[m, k], b[k, n] (stored [n, k] when transposed), c[m, n].
   const int64_t lda = k, ldb = b_transposed ? k : n, ldc = n;
-  const cudaDataType_t dt = CudaType(static_cast<DType>(t_raw));
+  const DType in = UnpackType(types, 0);
+  // a's, b's and c's types.
+  const cudaDataType_t at = CudaType(in), bt = CudaType(UnpackType(types, 1)),
+                       ct = CudaType(UnpackType(types, 2));
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  if (static_cast<DType>(t_raw) == DType::kF32 && options_.allow_tf32)
-    compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  if (in == DType::kF32 && options_.allow_tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   p->row = row;
   JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
   // The stored transpose of b is read with op T on whichever operand b is.
@@ -85,13 +91,13 @@ Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
         sizeof(op_t)));
   if (row) {
     // C[m, n] = A[m, k] @ B[k, n] as stored; B's stored transpose is [n, k].
-    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, dt, m, k, lda));
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, at, m, k, lda));
     if (b_transposed) {
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, dt, n, k, ldb));
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, bt, n, k, ldb));
     } else {
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, dt, k, n, ldb));
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, bt, k, n, ldb));
     }
-    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, dt, m, n, ldc));
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, ct, m, n, ldc));
     const cublasLtOrder_t order = CUBLASLT_ORDER_ROW;
     for (cublasLtMatrixLayout_t l : {p->first, p->second, p->out})
       JAX_UB_CUBLAS(
@@ -101,12 +107,12 @@ Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
     // transposed B [n, k] row-major is B^T stored column-major as k x n: cuBLASLt
     // transposes it on the fly.
     if (b_transposed) {
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, dt, k, n, ldb));  // (B^T)^T: k x n
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, bt, k, n, ldb));  // (B^T)^T: k x n
     } else {
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, dt, n, k, ldb));  // B^T: n x k
+      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, bt, n, k, ldb));  // B^T: n x k
     }
-    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, dt, k, m, lda));  // A^T: k x m
-    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, dt, n, m, ldc));     // C^T: n x m
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, at, k, m, lda));  // A^T: k x m
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, ct, n, m, ldc));     // C^T: n x m
   }
   return Status::Ok();
 }
@@ -133,9 +139,14 @@ Status CublasLtGemm::Heuristic(const Plan& p, int want,
 Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
                               cudaStream_t stream, Plan** plan) {
   const bool tune = options_.autotune;
+  // cuBLASLt's fp8 kernels take both operands k-major: the column description of a with
+  // b stored transposed (op T on its first operand, N on its second), and nothing else.
+  const bool fp8 = IsFp8(UnpackType(std::get<0>(key), 0));
+  if (fp8 && !std::get<4>(key))
+    return InvalidArgument("fp8 GEMMs need b stored transposed ([n, k]), for cuBLASLt");
   std::vector<bool> rows;  // the descriptions tried: GemmOrder::kRow or not
-  if (options_.order != GemmOrder::kRow) rows.push_back(false);
-  if (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune))
+  if (fp8 || options_.order != GemmOrder::kRow) rows.push_back(false);
+  if (!fp8 && (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune)))
     rows.push_back(true);
   std::vector<Plan> described;  // one per description cuBLASLt serves
   std::vector<Candidate> candidates;
@@ -199,20 +210,31 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
 }
 
 Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
-                         const void* b, void* c, cudaStream_t stream, const void* addend) {
+                         const void* b, void* c, cudaStream_t stream, const void* addend,
+                         const float* scales) {
   const float alpha = 1.0f, beta = addend == nullptr ? 0.0f : 1.0f;
+  if (scales != nullptr) {
+    // Read by the kernel from device memory. fp8 plans use the column description, where
+    // cuBLASLt's A is our b and its B our a. The addend is not scaled.
+    const float* a_scale = scales;
+    const float* b_scale = scales + 1;
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                 &b_scale, sizeof(b_scale)));
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                 &a_scale, sizeof(a_scale)));
+  }
   return CublasStatus(cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a,
                                      p.second, &beta, addend == nullptr ? c : addend, p.out, c,
                                      p.out, &algo, workspace_, workspace_bytes_, stream),
                       "cublasLtMatmul");
 }
 
-Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c,
-                             int64_t m, int64_t k, int64_t n, const void* addend,
-                             cudaStream_t tune_stream, Plan** plan) {
+Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const void* b,
+                             bool b_transposed, void* c, int64_t m, int64_t k, int64_t n,
+                             const void* addend, cudaStream_t tune_stream, Plan** plan) {
   *plan = nullptr;
   if (m == 0 || n == 0) return Status::Ok();
-  const Key key{static_cast<int>(t), m, k, n, b_transposed};
+  const Key key{static_cast<int>(PackTypes(ta, tb, out)), m, k, n, b_transposed};
   auto it = plans_.find(key);
   if (it != plans_.end() && (addend == nullptr || it->second.ran_with_addend)) {
     *plan = &it->second;  // every call after a shape's first
@@ -246,10 +268,10 @@ Status CublasLtGemm::Prepare(DType t, const void* a, const void* b, bool b_trans
 }
 
 Status CublasLtGemm::Matmul(Plan* p, const void* a, const void* b, void* c, cudaStream_t stream,
-                            const void* addend) {
+                            const void* addend, const float* scales) {
   if (p == nullptr) return Status::Ok();  // an empty shape
-  if (p->trial != nullptr) return TrialMatmul(*p, a, b, c, stream, addend);
-  return Run(*p, p->algo, a, b, c, stream, addend);
+  if (p->trial != nullptr) return TrialMatmul(*p, a, b, c, stream, addend, scales);
+  return Run(*p, p->algo, a, b, c, stream, addend, scales);
 }
 
 }  // namespace jax_ub

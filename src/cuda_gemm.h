@@ -98,8 +98,18 @@ class CublasLtGemm {
   // one (see Matmul): its first such Prepare runs it once with exactly these operands,
   // since cuBLASLt may launch other kernels for a nonzero beta or a separate addend (a
   // first launch after a peer wait is enqueued can hang a process that drives both GPUs).
+  //
+  // a of type `ta`, b of `tb`, c (and the addend) of type `out`: all one type, or fp8 a and
+  // b (float8_e4m3fn, float8_e5m2, either) with a bfloat16, float16 or float32 c. fp8
+  // GEMMs need b stored transposed (cuBLASLt's fp8 kernels take both operands k-major).
+  Status Prepare(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
+                 void* c, int64_t m, int64_t k, int64_t n, const void* addend,
+                 cudaStream_t tune_stream, Plan** plan);
+  // The same with every operand of type `t`.
   Status Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
-                 int64_t k, int64_t n, const void* addend, cudaStream_t tune_stream, Plan** plan);
+                 int64_t k, int64_t n, const void* addend, cudaStream_t tune_stream, Plan** plan) {
+    return Prepare(t, t, t, a, b, b_transposed, c, m, k, n, addend, tune_stream, plan);
+  }
 
   // Marks the start of an op call: a shape's GEMMs within one call run the same trial
   // candidate, so every candidate is timed in every position of the op's schedule.
@@ -114,11 +124,12 @@ class CublasLtGemm {
   // warm-up round and kTrialRounds timed ones, the candidate with the smallest median
   // time is kept. So the kernel is chosen beside the op's own copies and waits, at the
   // clock the op runs at, which tuning alone cannot see.
+  // `scales` (fp8 plans; on the device): [a's scale, b's scale], multiplying the product.
   Status Matmul(Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream,
-                const void* addend = nullptr);
+                const void* addend = nullptr, const float* scales = nullptr);
 
  private:
-  // dtype, m, k, n, b transposed
+  // PackTypes(a's, b's and c's type), m, k, n, b transposed
   using Key = std::tuple<int, int64_t, int64_t, int64_t, bool>;
   // The descriptor and layouts of `key` as `row` describes it.
   Status Describe(const Key& key, bool row, Plan* p) const;
@@ -143,14 +154,14 @@ class CublasLtGemm {
               cudaStream_t stream, std::vector<Candidate>* candidates, int* best);
   // Matmul while `p` has a trial.
   Status TrialMatmul(Plan& p, const void* a, const void* b, void* c, cudaStream_t stream,
-                     const void* addend);
+                     const void* addend, const float* scales);
   // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
   // ends the trial once every timing is in.
   Status Harvest(Plan& p);
   static void DestroyTrial(Trial& t);
   // Enqueues one GEMM of `p`'s shape with `algo`.
   Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
-             cudaStream_t stream, const void* addend = nullptr);
+             cudaStream_t stream, const void* addend = nullptr, const float* scales = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -16,22 +16,6 @@
 
 namespace jax_ub {
 
-Status CudaCommunicator::AllGatherMatmul(int device, cudaStream_t xs, DType t, const void* x,
-                                         const void* w, bool w_transposed, void* out,
-                                         void* gathered, int64_t m, int64_t k, int64_t n) {
-  const CallShape shape{m, k, n, DTypeSize(t), gathered != nullptr};
-  const Operands ops{t, x, w, w_transposed, out, gathered};
-  return Call(device, xs, OpKind::kAllGatherMatmul, shape, ops);
-}
-
-Status CudaCommunicator::MatmulReduceScatter(int device, cudaStream_t xs, DType t, const void* x,
-                                             const void* w, bool w_transposed, void* out, int64_t m,
-                                             int64_t k, int64_t n) {
-  const CallShape shape{m, k, n, DTypeSize(t)};
-  const Operands ops{t, x, w, w_transposed, out, nullptr};
-  return Call(device, xs, OpKind::kMatmulReduceScatter, shape, ops);
-}
-
 Status CudaCommunicator::Call(int device, cudaStream_t xs, OpKind op, const CallShape& shape,
                               const Operands& ops) {
   const auto since = Clock::now();
@@ -56,17 +40,15 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
                                  const Operands& ops, Slot** began) {
   const char* name = OpName(op);
   const int size = topology_.group_size();
-  const bool ag = op == OpKind::kAllGatherMatmul;
-  const int64_t chunk = (ag ? shape.k : shape.n) * shape.m * shape.elem_bytes;
   Slot* s = nullptr;
   uint64_t e = 0;
-  JAX_UB_RETURN_IF_ERROR(Begin(device, name, RequiredBytes(op, chunk, size), &s, &e));
+  JAX_UB_RETURN_IF_ERROR(
+      Begin(device, name, RequiredBytes(op, ChunkBytes(op, shape), size), &s, &e));
   *began = s;
-  const Schedule sched{s->rank, size, fold_rows_};
-  const std::vector<Step> steps =
-      ag ? AllGatherSteps(sched, shape) : ReduceScatterSteps(sched, shape);
-  const CallDescriptor desc{
-      static_cast<uint32_t>(op), static_cast<uint32_t>(ops.t), shape.m, shape.k, shape.n, e};
+  const std::vector<Step> steps = CallSteps(op, Schedule{s->rank, size, fold_rows_}, shape);
+  const CallDescriptor desc = DescribeCall(op, shape, e);
+  // fp8 products are scaled by [x_scale, w_scale] on the device; others are not.
+  const float* scales = IsFp8(shape.in) ? ops.scales : nullptr;
   auto at = [&](const Ref& r) -> char* {
     switch (r.region) {
       case Region::kX:
@@ -92,9 +74,9 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& g = steps[i];
     if (g.kind != Step::Kind::kGemm) continue;
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(ops.t, at(g.src), ops.w, ops.w_transposed, at(g.dst),
-                                            g.rows, shape.k, shape.n, at(g.addend), s->tune,
-                                            &plans[i]));
+    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(shape.in, shape.w_type, shape.out, at(g.src), ops.w,
+                                            ops.w_transposed, at(g.dst), g.rows, shape.k, shape.n,
+                                            at(g.addend), s->tune, &plans[i]));
   }
   s->gemm->BeginCall();
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
@@ -129,12 +111,12 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
             Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, s->rank), e));
         break;
       case Step::Kind::kGemm:
-        JAX_UB_RETURN_IF_ERROR(
-            s->gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream, at(step.addend)));
+        JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream,
+                                               at(step.addend), scales));
         break;
       case Step::Kind::kSum:
         JAX_UB_RETURN_IF_ERROR(
-            LaunchSum(ops.t, at(step.src), step.rows * shape.n, size, at(step.dst), stream));
+            LaunchSum(shape.out, at(step.src), step.rows * shape.n, size, at(step.dst), stream));
         break;
       case Step::Kind::kJoin: {
         // A copy lane's event is its own; the compute lane's, one per lane it releases.

@@ -8,6 +8,7 @@
 
 #include "dtype.h"
 #include "registry.h"
+#include "schedule.h"
 #include "status.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,9 +36,12 @@ inline ffi::Error ToFfiError(const Status& st) {
 }
 
 // Operands arrive flattened to 2-D by the Python layer; check what it promised. w is
-// [k, n], or [n, k] with `w_transposed`.
+// [k, n], or [n, k] with `w_transposed`. x and w share a type: the output's, or fp8 (the
+// output then 16- or 32-bit, and the GEMM's operands need w as [n, k]). `scales` holds
+// f32 [x_scale, w_scale]: the product is scaled by both (1 outside fp8).
 inline Status CheckMatmulOperands(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                  bool w_transposed, ffi::AnyBuffer out, DType* dtype) {
+                                  bool w_transposed, ffi::AnyBuffer scales, ffi::AnyBuffer out,
+                                  DType* in, DType* w_type, DType* out_type) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto od = out.dimensions();
@@ -47,40 +51,65 @@ inline Status CheckMatmulOperands(const char* op, ffi::AnyBuffer x, ffi::AnyBuff
   if (xd[1] != wk)
     return InvalidArgument(std::string(op) + ": contracting dims differ: x has k=" +
                            std::to_string(xd[1]) + ", w has k=" + std::to_string(wk));
-  const int32_t raw = static_cast<int32_t>(x.element_type());
-  if (!IsSupportedDType(raw) || w.element_type() != x.element_type() ||
-      out.element_type() != x.element_type())
+  const int32_t raw_in = static_cast<int32_t>(x.element_type());
+  const int32_t raw_out = static_cast<int32_t>(out.element_type());
+  const int32_t raw_w = static_cast<int32_t>(w.element_type());
+  const bool fp8 = IsInputDType(raw_in) && IsFp8(static_cast<DType>(raw_in)) &&
+                   IsInputDType(raw_w) && IsFp8(static_cast<DType>(raw_w));
+  if (!IsOutputDType(raw_out) || (!fp8 && (raw_in != raw_out || raw_w != raw_out)))
     return InvalidArgument(std::string(op) +
-                           ": x, w and the output must share one dtype among float32, "
-                           "bfloat16 and float16");
-  *dtype = static_cast<DType>(raw);
+                           ": x and w must both be of the output's dtype (float32, bfloat16, "
+                           "float16), or both fp8 (float8_e4m3fn, float8_e5m2) with a 16- or "
+                           "32-bit output");
+  if (scales.element_type() != ffi::DataType::F32 || scales.element_count() != 2)
+    return InvalidArgument(std::string(op) + ": scales must be float32 [x_scale, w_scale]");
+  *in = static_cast<DType>(raw_in);
+  *w_type = static_cast<DType>(raw_w);
+  *out_type = static_cast<DType>(raw_out);
   return Status::Ok();
 }
 
-// What a handler hands its communicator: the live communicator and the decoded problem.
+// What a handler hands its communicator: the live communicator and the decoded call.
 template <typename Comm>
 struct MatmulCall {
   std::shared_ptr<Comm> comm;
-  DType t;
-  int64_t m, k, n;           // local rows (x for AG, the output for RS), contraction, columns
-  void* gathered = nullptr;  // AG only: where all_gather(x) goes, if asked for
+  CallShape shape;
+  Operands ops;
 };
+
+// The operands of a call, checked; shape.m is set by the caller.
+template <typename Comm>
+Status DecodeCall(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
+                  ffi::AnyBuffer scales, ffi::AnyBuffer out, int64_t comm_id,
+                  MatmulCall<Comm>* call) {
+  DType in, w_type, out_type;
+  JAX_UB_RETURN_IF_ERROR(
+      CheckMatmulOperands(op, x, w, w_transposed, scales, out, &in, &w_type, &out_type));
+  call->comm = Registry<Comm>::Get(comm_id);
+  if (!call->comm) return FailedPrecondition("communicator was finalized");
+  call->shape =
+      CallShape{0, x.dimensions()[1], w.dimensions()[w_transposed ? 0 : 1], in, w_type, out_type};
+  call->ops = Operands{x.untyped_data(),   w.untyped_data(),
+                       w_transposed,       static_cast<const float*>(scales.untyped_data()),
+                       out.untyped_data(), nullptr};
+  return Status::Ok();
+}
 
 // Decode and check an all_gather_matmul call: x [m, k], w [k, n] (or [n, k] transposed),
 // out [size*m, n].
 template <typename Comm>
-Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed, ffi::AnyBuffer out,
-                        ffi::AnyBuffer gathered, int64_t comm_id, MatmulCall<Comm>* call) {
+Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
+                        ffi::AnyBuffer scales, ffi::AnyBuffer out, ffi::AnyBuffer gathered,
+                        int64_t comm_id, MatmulCall<Comm>* call) {
   JAX_UB_RETURN_IF_ERROR(
-      CheckMatmulOperands("all_gather_matmul", x, w, w_transposed, out, &call->t));
-  call->comm = Registry<Comm>::Get(comm_id);
-  if (!call->comm) return FailedPrecondition("communicator was finalized");
-  call->m = x.dimensions()[0];
-  call->k = x.dimensions()[1];
-  call->n = w.dimensions()[w_transposed ? 0 : 1];
-  if (out.dimensions()[0] != call->m * call->comm->topology().group_size())
+      DecodeCall("all_gather_matmul", x, w, w_transposed, scales, out, comm_id, call));
+  call->shape.m = x.dimensions()[0];
+  if (out.dimensions()[0] != call->shape.m * call->comm->topology().group_size())
     return InvalidArgument("all_gather_matmul: output rows do not match the group");
-  call->gathered = gathered.element_count() > 0 ? gathered.untyped_data() : nullptr;
+  if (gathered.element_count() > 0) {
+    call->shape.gathered = true;
+    call->ops.gathered = gathered.untyped_data();
+  }
   return Status::Ok();
 }
 
@@ -88,15 +117,12 @@ Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed, f
 // transposed), out [m, n].
 template <typename Comm>
 Status PrepareReduceScatter(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
-                            ffi::AnyBuffer out, int64_t comm_id, MatmulCall<Comm>* call) {
+                            ffi::AnyBuffer scales, ffi::AnyBuffer out, int64_t comm_id,
+                            MatmulCall<Comm>* call) {
   JAX_UB_RETURN_IF_ERROR(
-      CheckMatmulOperands("matmul_reduce_scatter", x, w, w_transposed, out, &call->t));
-  call->comm = Registry<Comm>::Get(comm_id);
-  if (!call->comm) return FailedPrecondition("communicator was finalized");
-  call->m = out.dimensions()[0];
-  call->k = x.dimensions()[1];
-  call->n = w.dimensions()[w_transposed ? 0 : 1];
-  if (x.dimensions()[0] != call->m * call->comm->topology().group_size())
+      DecodeCall("matmul_reduce_scatter", x, w, w_transposed, scales, out, comm_id, call));
+  call->shape.m = out.dimensions()[0];
+  if (x.dimensions()[0] != call->shape.m * call->comm->topology().group_size())
     return InvalidArgument("matmul_reduce_scatter: input rows do not match the group");
   return Status::Ok();
 }

@@ -8,25 +8,21 @@ namespace jax_ub {
 namespace {
 
 ffi::Error AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
                                bool transpose_w) {
   MatmulCall<HostCommunicator> c;
-  Status st = PrepareAllGather(x, w, transpose_w, *out, *gathered, comm_id, &c);
-  if (st.ok())
-    st = c.comm->AllGatherMatmul(device, c.t, x.untyped_data(), w.untyped_data(), transpose_w,
-                                 out->untyped_data(), c.gathered, c.m, c.k, c.n);
+  Status st = PrepareAllGather(x, w, transpose_w, scales, *out, *gathered, comm_id, &c);
+  if (st.ok()) st = c.comm->Call(device, OpKind::kAllGatherMatmul, c.shape, c.ops);
   return ToFfiError(st);
 }
 
 ffi::Error MatmulReduceScatterHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                   ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
-                                   bool transpose_w) {
+                                   ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out,
+                                   int64_t comm_id, bool transpose_w) {
   MatmulCall<HostCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, transpose_w, *out, comm_id, &c);
-  if (st.ok())
-    st = c.comm->MatmulReduceScatter(device, c.t, x.untyped_data(), w.untyped_data(), transpose_w,
-                                     out->untyped_data(), c.m, c.k, c.n);
+  Status st = PrepareReduceScatter(x, w, transpose_w, scales, *out, comm_id, &c);
+  if (st.ok()) st = c.comm->Call(device, OpKind::kMatmulReduceScatter, c.shape, c.ops);
   return ToFfiError(st);
 }
 
@@ -37,6 +33,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCpu, AllGatherMatmulHost,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm_id")
@@ -45,6 +42,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCpu, AllGatherMatmulHost,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCpu, MatmulReduceScatterHost,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()

@@ -11,25 +11,22 @@ namespace jax_ub {
 namespace {
 
 ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                              ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                              bool transpose_w) {
+                              ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
+                              int64_t comm_id, bool transpose_w) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareAllGather(x, w, transpose_w, *out, *gathered, comm_id, &c);
-  if (st.ok())
-    st = c.comm->AllGatherMatmul(device, stream, c.t, x.untyped_data(), w.untyped_data(),
-                                 transpose_w, out->untyped_data(), c.gathered, c.m, c.k, c.n);
+  Status st = PrepareAllGather(x, w, transpose_w, scales, *out, *gathered, comm_id, &c);
+  if (st.ok()) st = c.comm->Call(device, stream, OpKind::kAllGatherMatmul, c.shape, c.ops);
   return ToFfiError(st);
 }
 
 ffi::Error MatmulReduceScatterGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                                  ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                                  int64_t comm_id, bool transpose_w) {
+                                  ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                                  ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                                  bool transpose_w) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, transpose_w, *out, comm_id, &c);
-  if (st.ok())
-    st = c.comm->MatmulReduceScatter(device, stream, c.t, x.untyped_data(), w.untyped_data(),
-                                     transpose_w, out->untyped_data(), c.m, c.k, c.n);
+  Status st = PrepareReduceScatter(x, w, transpose_w, scales, *out, comm_id, &c);
+  if (st.ok()) st = c.comm->Call(device, stream, OpKind::kMatmulReduceScatter, c.shape, c.ops);
   return ToFfiError(st);
 }
 
@@ -41,6 +38,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCuda, AllGatherMatmulGpu,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm_id")
@@ -50,6 +48,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCuda, MatmulReduceScatterGpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()

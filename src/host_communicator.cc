@@ -180,8 +180,7 @@ HostCommunicator::~HostCommunicator() {
   }
 }
 
-Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int64_t k, int64_t n,
-                               int64_t chunk_bytes, CallContext* ctx) {
+Status HostCommunicator::Begin(int device, OpKind op, const CallShape& shape, CallContext* ctx) {
   if (broken_.broken())
     return FailedPrecondition(std::string("jax_ub communicator is broken by an earlier error (") +
                               broken_.reason() +
@@ -189,6 +188,7 @@ Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int
   int slot = 0;
   JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
   const int size = topology_.group_size();
+  const int64_t chunk_bytes = ChunkBytes(op, shape);
   const int64_t need = RequiredBytes(op, chunk_bytes, size);
   if (static_cast<size_t>(need) > capacity_)
     return InvalidArgument(
@@ -206,8 +206,7 @@ Status HostCommunicator::Begin(int device, OpKind op, DType t, int64_t rows, int
   ctx->rank = topology_.rank_of(slot);
   ctx->size = size;
   ctx->epoch = ++epoch_[slot];
-  ctx->desc =
-      CallDescriptor{static_cast<uint32_t>(op), static_cast<uint32_t>(t), rows, k, n, ctx->epoch};
+  ctx->desc = DescribeCall(op, shape, ctx->epoch);
   return Status::Ok();
 }
 
@@ -261,27 +260,10 @@ Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {
                              theirs.ToString().c_str()));
 }
 
-Status HostCommunicator::AllGatherMatmul(int device, DType t, const void* x, const void* w,
-                                         bool w_transposed, void* out, void* gathered, int64_t m,
-                                         int64_t k, int64_t n) {
-  const CallShape shape{m, k, n, DTypeSize(t), gathered != nullptr};
+Status HostCommunicator::Call(int device, OpKind op, const CallShape& shape, const Operands& ops) {
   CallContext ctx;
-  JAX_UB_RETURN_IF_ERROR(
-      Begin(device, OpKind::kAllGatherMatmul, t, m, k, n, m * k * shape.elem_bytes, &ctx));
-  const Operands ops{t, x, w, w_transposed, out, gathered};
-  return Execute(ctx, AllGatherSteps(Schedule{ctx.rank, ctx.size}, shape), shape, ops);
-}
-
-Status HostCommunicator::MatmulReduceScatter(int device, DType t, const void* x, const void* w,
-                                             bool w_transposed, void* out, int64_t m, int64_t k,
-                                             int64_t n) {
-  const CallShape shape{m, k, n, DTypeSize(t)};
-  CallContext ctx;
-  JAX_UB_RETURN_IF_ERROR(
-      Begin(device, OpKind::kMatmulReduceScatter, t, m, k, n, m * n * shape.elem_bytes, &ctx));
-  const Operands ops{t, x, w, w_transposed, out, nullptr};
-  return Execute(ctx, ReduceScatterSteps(Schedule{ctx.rank, ctx.size, fold_rows_}, shape), shape,
-                 ops);
+  JAX_UB_RETURN_IF_ERROR(Begin(device, op, shape, &ctx));
+  return Execute(ctx, CallSteps(op, Schedule{ctx.rank, ctx.size, fold_rows_}, shape), shape, ops);
 }
 
 uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {
@@ -319,6 +301,8 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
     }
     return nullptr;
   };
+  // Host memory: the scales are read here; fp8 products are scaled by both.
+  const float scale = IsFp8(shape.in) ? ops.scales[0] * ops.scales[1] : 1.0f;
   for (const Step& step : steps) {
     Status st = Status::Ok();
     switch (step.kind) {
@@ -338,17 +322,18 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         break;
       case Step::Kind::kGemm: {
         char* dst = at(step.dst);
-        HostGemm(ops.t, at(step.src), ops.w, ops.w_transposed, dst, step.rows, shape.k, shape.n);
+        HostGemm(shape.in, shape.w_type, shape.out, at(step.src), ops.w, ops.w_transposed, scale,
+                 dst, step.rows, shape.k, shape.n);
         if (step.addend.region != Region::kNone) {
           const void* parts[2] = {dst, at(step.addend)};
-          HostSum(ops.t, parts, 2, dst, step.rows * shape.n);
+          HostSum(shape.out, parts, 2, dst, step.rows * shape.n);
         }
         break;
       }
       case Step::Kind::kSum: {
         const void* parts[kMaxRanks];
         for (int j = 0; j < ctx.size; ++j) parts[j] = at(step.src) + j * step.bytes;
-        HostSum(ops.t, parts, ctx.size, at(step.dst), step.rows * shape.n);
+        HostSum(shape.out, parts, ctx.size, at(step.dst), step.rows * shape.n);
         break;
       }
       case Step::Kind::kJoin:    // lanes run in list order here

@@ -61,14 +61,8 @@ class HostCommunicator {
   // stay, and nothing is left behind in /dev/shm if a process dies later.
   void Unlink();
 
-  // out = all_gather(x) @ w for the group of the slot owned by `device`. x is [m, k],
-  // w [k, n], out [size*m, n]; gathered, when not null, receives all_gather(x).
-  Status AllGatherMatmul(int device, DType t, const void* x, const void* w, bool w_transposed,
-                         void* out, void* gathered, int64_t m, int64_t k, int64_t n);
-
-  // out = reduce_scatter(x @ w): x is [size*m, k], w [k, n], out [m, n].
-  Status MatmulReduceScatter(int device, DType t, const void* x, const void* w, bool w_transposed,
-                             void* out, int64_t m, int64_t k, int64_t n);
+  // One call of `op` (see CallShape) for the group of the slot owned by `device`.
+  Status Call(int device, OpKind op, const CallShape& shape, const Operands& ops);
 
   // Wait up to the timeout until no call is running and every local slot has made the
   // same number of calls: then no rank is left waiting for a peer whose call was
@@ -85,21 +79,11 @@ class HostCommunicator {
   HostCommunicator() = default;
 
   struct CallContext;
-  Status Begin(int device, OpKind op, DType t, int64_t rows, int64_t k, int64_t n,
-               int64_t chunk_bytes, CallContext* ctx);
+  Status Begin(int device, OpKind op, const CallShape& shape, CallContext* ctx);
   Status WaitFlag(const CallContext& ctx, const uint64_t* flag, uint64_t target, int peer,
                   const char* what);
   Status CheckDescriptor(const CallContext& ctx, int peer);
   void Fail(const CallContext& ctx, const Status& st);
-  // The call's operands, which the steps' Refs point into.
-  struct Operands {
-    DType t;
-    const void* x;
-    const void* w;
-    bool w_transposed;
-    void* out;
-    void* gathered;
-  };
   // Runs one call's steps (schedule.h); on an error, fails the group and returns it.
   Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,
                  const Operands& ops);

@@ -1,6 +1,7 @@
 #include "host_gemm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -36,9 +37,30 @@ uint16_t FloatToF16(float f) {
   return v;
 }
 
+// An 8-bit float with `mbits` mantissa bits and exponent bias `bias`. e5m2 is IEEE-like
+// (all-ones exponent: Inf or NaN); e4m3fn has no Inf, and only S.1111.111 is NaN.
+float Fp8ToFloat(uint8_t v, int mbits, int bias, bool ieee) {
+  const int ebits = 7 - mbits;
+  const int e = (v >> mbits) & ((1 << ebits) - 1);
+  const int mant = v & ((1 << mbits) - 1);
+  const float sign = (v & 0x80) ? -1.0f : 1.0f;
+  const int emax = (1 << ebits) - 1;
+  if (ieee && e == emax) return mant == 0 ? sign * INFINITY : NAN;
+  if (!ieee && e == emax && mant == (1 << mbits) - 1) return NAN;
+  if (e == 0) return sign * std::ldexp(static_cast<float>(mant), 1 - bias - mbits);
+  return sign * std::ldexp(static_cast<float>(mant + (1 << mbits)), e - bias - mbits);
+}
+
 void ToFloat(DType t, const void* src, float* dst, int64_t count) {
   if (t == DType::kF32) {
     std::memcpy(dst, src, count * 4);
+    return;
+  }
+  if (IsFp8(t)) {
+    const uint8_t* s8 = static_cast<const uint8_t*>(src);
+    const bool e5m2 = t == DType::kF8E5M2;
+    for (int64_t i = 0; i < count; ++i)
+      dst[i] = e5m2 ? Fp8ToFloat(s8[i], 2, 15, true) : Fp8ToFloat(s8[i], 3, 7, false);
     return;
   }
   const uint16_t* s = static_cast<const uint16_t*>(src);
@@ -64,31 +86,33 @@ void FromFloat(DType t, const float* src, void* dst, int64_t count) {
 
 }  // namespace
 
-void HostGemm(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
-              int64_t k, int64_t n) {
+void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
+              float scale, void* c, int64_t m, int64_t k, int64_t n) {
   // Scratch is per thread: XLA runs each CPU device's handler on its own thread.
   thread_local std::vector<float> fb, fa, acc;
   fb.resize(k * n);
   fa.resize(k);
   acc.resize(n);
-  const int64_t esize = DTypeSize(t);
+  const int64_t a_size = DTypeSize(ta), b_size = DTypeSize(tb);
   if (b_transposed) {  // row j of the stored [n, k] is column j of b
     for (int64_t j = 0; j < n; ++j) {
-      ToFloat(t, static_cast<const char*>(b) + j * k * esize, fa.data(), k);
+      ToFloat(tb, static_cast<const char*>(b) + j * k * b_size, fa.data(), k);
       for (int64_t p = 0; p < k; ++p) fb[p * n + j] = fa[p];
     }
   } else {
-    ToFloat(t, b, fb.data(), k * n);
+    ToFloat(tb, b, fb.data(), k * n);
   }
   for (int64_t i = 0; i < m; ++i) {
-    ToFloat(t, static_cast<const char*>(a) + i * k * esize, fa.data(), k);
+    ToFloat(ta, static_cast<const char*>(a) + i * k * a_size, fa.data(), k);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t p = 0; p < k; ++p) {
       const float av = fa[p];
       const float* brow = fb.data() + p * n;
       for (int64_t j = 0; j < n; ++j) acc[j] += av * brow[j];
     }
-    FromFloat(t, acc.data(), static_cast<char*>(c) + i * n * esize, n);
+    if (scale != 1.0f)
+      for (int64_t j = 0; j < n; ++j) acc[j] *= scale;
+    FromFloat(out, acc.data(), static_cast<char*>(c) + i * n * DTypeSize(out), n);
   }
 }
 

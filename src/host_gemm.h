@@ -8,10 +8,10 @@
 
 namespace jax_ub {
 
-// c[m, n] = a[m, k] @ b[k, n], all row-major and of type `t`; with `b_transposed`, b is
-// stored as its transpose [n, k].
-void HostGemm(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
-              int64_t k, int64_t n);
+// c[m, n] (type `out`) = scale * (a[m, k] @ b[k, n]) (a of type `ta`, b of type `tb`), all
+// row-major; with `b_transposed`, b is stored as its transpose [n, k].
+void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
+              float scale, void* c, int64_t m, int64_t k, int64_t n);
 
 // c[m, n] (type t) = sum over j of parts[j][m, n] (type t), accumulated in float in the
 // order given, rounded once.

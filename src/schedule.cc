@@ -75,12 +75,10 @@ Step Verify(int64_t out_bytes, int64_t gathered_bytes) {
   return s;
 }
 
-}  // namespace
-
 std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   const int rank = sched.rank;
-  const int64_t chunk = c.m * c.k * c.elem_bytes;     // one rank's x
-  const int64_t out_rows = c.m * c.n * c.elem_bytes;  // one rank's rows of out
+  const int64_t chunk = ChunkBytes(OpKind::kAllGatherMatmul, c);  // one rank's x
+  const int64_t out_rows = c.m * c.n * DTypeSize(c.out);          // one rank's rows of out
   const std::vector<int> peers = sched.PushOrder();
   std::vector<Step> steps;
   // Push our shard to every peer at once, each on its own lane, once the peer has consumed
@@ -118,8 +116,8 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
 
 std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) {
   const int rank = sched.rank, size = sched.size;
-  const int64_t es = c.elem_bytes;
-  const int64_t chunk = c.m * c.n * es;  // one partial: a block of rows of x @ w
+  const int64_t es = DTypeSize(c.out), in_es = DTypeSize(c.in);
+  const int64_t chunk = ChunkBytes(OpKind::kMatmulReduceScatter, c);  // one partial
   // Our buffer: [size] partials addressed to us, by sender, then [size] partials we
   // computed for each peer, staged for sending.
   auto received = [&](int j) { return j * chunk; };
@@ -130,7 +128,9 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   const int num_pieces = static_cast<int>(pieces.size());
   const bool fold = sched.ReduceScatterFolds(c.m);
   auto offset = [&](int p) { return pieces[p].first * c.n * es; };  // in a partial
-  auto input = [&](int d, int p) { return At(Region::kX, (d * c.m + pieces[p].first) * c.k * es); };
+  auto input = [&](int d, int p) {
+    return At(Region::kX, (d * c.m + pieces[p].first) * c.k * in_es);
+  };
   auto piece_flag = [&](int p) { return p + 1 == num_pieces ? Flag::kData : Flag::kFirstPiece; };
   std::vector<Step> steps;
   // Each peer's partial first, each piece sent while the next one is computed; ours last.
@@ -177,6 +177,13 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   for (int p : peers) steps.push_back(Join(kComputeLane, p));
   for (int p : peers) steps.push_back(Signal(kComputeLane, p, Flag::kCredit));
   return steps;
+}
+
+}  // namespace
+
+std::vector<Step> CallSteps(OpKind op, const Schedule& sched, const CallShape& shape) {
+  return op == OpKind::kAllGatherMatmul ? AllGatherSteps(sched, shape)
+                                        : ReduceScatterSteps(sched, shape);
 }
 
 }  // namespace jax_ub

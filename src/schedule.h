@@ -142,23 +142,46 @@ struct Step {
 };
 
 // One rank's view of one call: out = all_gather(x[m, k]) @ w[k, n] for kAllGatherMatmul,
-// out[m, n] = reduce_scatter(x[size*m, k] @ w) for kMatmulReduceScatter.
+// out[m, n] = reduce_scatter(x[size*m, k] @ w) for kMatmulReduceScatter. x and w are of
+// type `in` and `w_type` (the same, or both fp8), the output (and a reduce-scatter's
+// partials) of type `out`.
 struct CallShape {
   int64_t m, k, n;
-  int64_t elem_bytes;
+  DType in = DType::kF32, w_type = DType::kF32, out = DType::kF32;
   bool gathered = false;  // AG: the caller wants all_gather(x) too
 };
 
-// Userbuffer bytes per rank that a call needs, `chunk_bytes` being one rank's chunk (x for
-// AG, the output for RS). AG: a chunk per rank. RS: a received partial per rank, plus as
-// many staged for sending (a peer may still be reading our last push).
+// Where a call's operands are, which the steps' Refs point into.
+struct Operands {
+  const void* x;
+  const void* w;
+  bool w_transposed;    // w stored as its transpose [n, k]
+  const float* scales;  // [x_scale, w_scale], multiplying the product (fp8); on the device
+  void* out;
+  void* gathered;  // null unless CallShape::gathered
+};
+
+// One rank's chunk in bytes: x for AG, the output (one partial) for RS.
+inline int64_t ChunkBytes(OpKind op, const CallShape& c) {
+  return op == OpKind::kAllGatherMatmul ? c.m * c.k * DTypeSize(c.in)
+                                        : c.m * c.n * DTypeSize(c.out);
+}
+
+// What this rank tells its peers about the call (see CallDescriptor).
+inline CallDescriptor DescribeCall(OpKind op, const CallShape& c, uint64_t epoch) {
+  return CallDescriptor{
+      static_cast<uint32_t>(op), PackTypes(c.in, c.w_type, c.out), c.m, c.k, c.n, epoch};
+}
+
+// Userbuffer bytes per rank that a call needs, `chunk_bytes` being ChunkBytes. AG: a chunk
+// per rank. RS: a received partial per rank, plus as many staged for sending (a peer may
+// still be reading our last push).
 inline int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size) {
   const int64_t per_rank = op == OpKind::kMatmulReduceScatter ? 2 * chunk_bytes : chunk_bytes;
   return per_rank * group_size;
 }
 
-// The steps of one call of each op, for `sched`'s rank.
-std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& shape);
-std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& shape);
+// The step list of one call of `op`, for `sched`'s rank.
+std::vector<Step> CallSteps(OpKind op, const Schedule& sched, const CallShape& shape);
 
 }  // namespace jax_ub

@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks, layout
+from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_all_gather_matmul
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
@@ -27,6 +28,7 @@ def all_gather_matmul(
     *,
     impl: str = "auto",
     return_gathered: bool = False,
+    fp8: Fp8Scales | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """All-gather the rows of ``x`` over ``axis_name`` and multiply by ``w``, overlapped.
 
@@ -49,7 +51,11 @@ def all_gather_matmul(
       impl: ``"ub"`` (userbuffer custom call), ``"xla"`` (lax reference), or ``"auto"``
         (``"ub"`` where this platform and dtype are supported, else ``"xla"``).
       return_gathered: also return ``all_gather(x)``, e.g. to keep it for a backward pass
-        (inside shard_map only).
+        (inside shard_map only; not with ``fp8``).
+      fp8: run in fp8 with these scales (:class:`jax_ub.Fp8Scales`; ``Fp8Scales()`` for
+        current scaling): x and w are quantized to ``float8_e4m3fn``, the gather moves fp8
+        and the result is ``x.dtype``; gradients go through ``float8_e5m2`` (see
+        ``jax_ub.fp8``). ``impl="xla"`` runs the same quantized math on XLA's collectives.
 
     Returns:
       ``all_gather(x, axis_name, tiled=True) @ w`` of shape ``[tp * m, ..., n]`` and, with
@@ -68,18 +74,25 @@ def all_gather_matmul(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
+    if fp8 is not None:
+        check_scales(_OP, fp8)
+        if return_gathered:
+            raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
-        return _on_global_arrays(x, w, axis_name, impl, return_gathered)
-    if not checks.use_ub(_OP, impl, x, w):
-        return all_gather_matmul_reference(x, w, axis_name, return_gathered)
+        return _on_global_arrays(x, w, axis_name, impl, return_gathered, fp8)
+    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None)
     fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
+    if fp8 is not None:
+        return fp8_all_gather_matmul(x, w, fp8, axis_name, size, fallback, ub)
+    if not ub:
+        return all_gather_matmul_reference(x, w, axis_name, return_gathered)
     if return_gathered:
         return _all_gather_matmul_with_gathered(x, w, axis_name, size, fallback)
     return _all_gather_matmul(x, w, axis_name, size, fallback)
 
 
-def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool):
+def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool, fp8):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
     if return_gathered:
         layout.context_mesh(_OP, axis_name, x, w)  # the missing-mesh error comes first
@@ -88,8 +101,8 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool):
             f"gathered x is x itself ({x.shape=})"
         )
 
-    def local(x, w):
-        return all_gather_matmul(x, w, axis_name, impl=impl)
+    def local(x, w, fp8=None):
+        return all_gather_matmul(x, w, axis_name, impl=impl, fp8=fp8)
 
     return layout.on_global_arrays(
         _OP,
@@ -100,6 +113,7 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool):
         (P(axis_name), P(None, axis_name)),
         P(*([None] * (x.ndim - 1)), axis_name),
         {"rows of x (dim 0)": x.shape[0], "columns of w": w.shape[1]},
+        fp8,
     )
 
 

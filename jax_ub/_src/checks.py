@@ -60,13 +60,29 @@ def ub_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
     return None
 
 
-def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array) -> bool:
-    """Resolve impl="auto"; raise if impl="ub" cannot run these operands."""
+def fp8_unsupported_reason(w: jax.Array) -> str | None:
+    """Why the userbuffer path cannot run fp8 with weight ``w`` [k, n] here, or None."""
+    if jax.default_backend() != "gpu":
+        return None  # the host path emulates fp8
+    caps = [getattr(d, "compute_capability", "0.0") for d in jax.devices()]
+    if min(tuple(map(int, c.split("."))) for c in caps) < (8, 9):
+        return f"fp8 GEMMs need GPUs of compute capability 8.9 or newer, these have {caps}"
+    k, n = w.shape
+    if k % 16 or n % 16:
+        return f"fp8 GEMMs on GPUs need k and n divisible by 16 ({k=}, {n=}; {w.shape=})"
+    return None
+
+
+def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array, fp8: bool = False) -> bool:
+    """Resolve impl="auto"; raise if impl="ub" cannot run these operands (in fp8 with
+    ``fp8``)."""
     from jax_ub._src import extension  # noqa: PLC0415  (keeps import order simple)
 
     if impl == "xla":
         return False
     reason = ub_unsupported_reason(x, w)
+    if reason is None and fp8:
+        reason = fp8_unsupported_reason(w)
     backend = jax.default_backend()
     if reason is None and not extension.supported(backend):
         reason = f"no userbuffer implementation for platform {backend!r}"

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks, layout
 from jax_ub._src.all_gather_matmul import contract_rows
+from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_matmul_reduce_scatter
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
@@ -20,7 +21,12 @@ _OP = "matmul_reduce_scatter"
 
 
 def matmul_reduce_scatter(
-    x: jax.Array, w: jax.Array, axis_name: str, *, impl: str = "auto"
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    *,
+    impl: str = "auto",
+    fp8: Fp8Scales | None = None,
 ) -> jax.Array:
     """Multiply ``x @ w`` and reduce-scatter the rows over ``axis_name``, overlapped.
 
@@ -36,6 +42,8 @@ def matmul_reduce_scatter(
       w: local weight ``[k, n]`` (typically the row shard of a larger weight).
       axis_name: the mesh axis to reduce over.
       impl: ``"ub"``, ``"xla"`` or ``"auto"``, as for :func:`all_gather_matmul`.
+      fp8: run in fp8 with these scales, as for :func:`all_gather_matmul`; the partial
+        sums the scatter moves are ``x.dtype``.
 
     Returns:
       ``psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`` of shape
@@ -53,21 +61,27 @@ def matmul_reduce_scatter(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
+    if fp8 is not None:
+        check_scales(_OP, fp8)
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
-        return _on_global_arrays(x, w, axis_name, impl)
+        return _on_global_arrays(x, w, axis_name, impl, fp8)
     checks.check_divisible(_OP, "rows of x", x.shape[0], size, axis_name, f"{x.shape=}")
-    if not checks.use_ub(_OP, impl, x, w):
-        return matmul_reduce_scatter_reference(x, w, axis_name)
+    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None)
     # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
-    return _matmul_reduce_scatter(x, w, axis_name, size, impl == "auto")
+    fallback = impl == "auto"
+    if fp8 is not None:
+        return fp8_matmul_reduce_scatter(x, w, fp8, axis_name, size, fallback, ub)
+    if not ub:
+        return matmul_reduce_scatter_reference(x, w, axis_name)
+    return _matmul_reduce_scatter(x, w, axis_name, size, fallback)
 
 
-def _on_global_arrays(x, w, axis_name: str, impl: str):
+def _on_global_arrays(x, w, axis_name: str, impl: str, fp8):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
 
-    def local(x, w):
-        return matmul_reduce_scatter(x, w, axis_name, impl=impl)
+    def local(x, w, fp8=None):
+        return matmul_reduce_scatter(x, w, axis_name, impl=impl, fp8=fp8)
 
     return layout.on_global_arrays(
         _OP,
@@ -78,6 +92,7 @@ def _on_global_arrays(x, w, axis_name: str, impl: str):
         (P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
         P(axis_name),
         {"features of x (last dim)": x.shape[-1], "rows of x (dim 0)": x.shape[0]},
+        fp8,
     )
 
 

@@ -1,8 +1,9 @@
 """JAX primitives that lower to the userbuffer FFI custom calls.
 
-Operands are ``x [rows, *batch, k]`` and ``w [k, n]``; the custom call itself sees ``x``
-flattened to 2-D (a free reshape of the local buffer). Lowering is where the concrete
-mesh is known, so that is where the communicator is looked up or created and its id
+Operands are ``x [rows, *batch, k]``, ``w [k, n]`` and ``scales`` (float32 ``[x_scale,
+w_scale]``, multiplying the product when x and w are fp8; ones otherwise); the custom call
+itself sees ``x`` flattened to 2-D (a free reshape of the local buffer). Lowering is where
+the concrete mesh is known, so that is where the communicator is looked up or created and its id
 baked into the custom call.
 
 Partial-auto shard_map (the op's axis manual, other mesh axes left to XLA): XLA's SPMD
@@ -94,17 +95,20 @@ def _columns(w, transpose_w: bool) -> int:
 
 
 def _all_gather_matmul_abstract(
-    x, w, *, axis_name, axis_size, return_gathered, transpose_w, fallback
+    x, w, scales, *, axis_name, axis_size, return_gathered, transpose_w, out_dtype, fallback
 ):
     m, batch, k = x.shape[0], x.shape[1:-1], x.shape[-1]
     out = _result(x, (axis_size * m, *batch, _columns(w, transpose_w)), x, w)
     gathered = _result(x, (axis_size * m if return_gathered else 0, *batch, k), x)
-    return out, gathered
+    return out.update(dtype=jnp.dtype(out_dtype)), gathered
 
 
-def _matmul_reduce_scatter_abstract(x, w, *, axis_name, axis_size, transpose_w, fallback):
+def _matmul_reduce_scatter_abstract(
+    x, w, scales, *, axis_name, axis_size, transpose_w, out_dtype, fallback
+):
     shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
-    return _result(x, shape, x, w, extra=frozenset([axis_name]))
+    out = _result(x, shape, x, w, extra=frozenset([axis_name]))
+    return out.update(dtype=jnp.dtype(out_dtype))
 
 
 all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
@@ -162,7 +166,7 @@ def _weight(w, transpose_w: bool):
     return w.T if transpose_w else w
 
 
-def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, x, w, **params):
+def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, x, w, scales, **params):
     """Lower `prim` inside a shard_map over the mesh axes that are still automatic here.
 
     Each device then runs the custom call on its own shard of the batch dims, which keep
@@ -174,25 +178,25 @@ def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, x, w, **params):
     types = {a: AxisType.Manual for a in manual}
     abstract = mesh.abstract_mesh.update_axis_types(types) if types else mesh.abstract_mesh
 
-    def body(x, w):
-        return prim.bind(x, w, **params)
+    def body(x, w, scales):
+        return prim.bind(x, w, scales, **params)
 
     out_specs = [spec, spec] if prim.multiple_results else spec
 
-    def nested(x, w):
+    def nested(x, w, scales):
         return jax.shard_map(
             body,
             mesh=abstract,
-            in_specs=(spec, P()),
+            in_specs=(spec, P(), P()),
             out_specs=out_specs,
             axis_names=frozenset(auto),
             check_vma=False,
-        )(x, w)
+        )(x, w, scales)
 
     # The nested shard_map is traced against the partly manual mesh of this context and
     # lowered for its concrete devices.
     with mesh_lib.use_abstract_mesh(abstract), sharding_impls._internal_use_concrete_mesh(mesh):
-        return mlir.lower_fun(nested, multiple_results=prim.multiple_results)(ctx, x, w)
+        return mlir.lower_fun(nested, multiple_results=prim.multiple_results)(ctx, x, w, scales)
 
 
 def _flat(aval: core.ShapedArray) -> core.ShapedArray:
@@ -200,14 +204,14 @@ def _flat(aval: core.ShapedArray) -> core.ShapedArray:
     return aval.update(shape=(int(np.prod(aval.shape[:-1])), aval.shape[-1]))
 
 
-def _ffi_call_flat(ctx, target: str, x, w, comm_id: int, transpose_w: bool):
+def _ffi_call_flat(ctx, target: str, x, w, scales, comm_id: int, transpose_w: bool):
     """The custom call on x flattened to 2-D; results reshaped back to their avals."""
-    x_aval, w_aval = ctx.avals_in
+    x_aval, w_aval, scales_aval = ctx.avals_in
     flat_outs = [_flat(a) for a in ctx.avals_out]
     x2 = mlir.reshape(ctx, x, _flat(x_aval))
-    flat_ctx = ctx.replace(avals_in=[_flat(x_aval), w_aval], avals_out=flat_outs)
+    flat_ctx = ctx.replace(avals_in=[_flat(x_aval), w_aval, scales_aval], avals_out=flat_outs)
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
-    outs = rule(flat_ctx, x2, w, comm_id=np.int64(comm_id), transpose_w=bool(transpose_w))
+    outs = rule(flat_ctx, x2, w, scales, comm_id=np.int64(comm_id), transpose_w=bool(transpose_w))
     return [mlir.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
@@ -217,11 +221,11 @@ def _lowering(prim: core.Primitive, op: str, chunk_aval: Callable, unfused: Call
     the mesh, or `unfused` (XLA's collectives) where impl="auto" finds the group's devices
     cannot share memory. `chunk_aval(ctx)` is one rank's chunk, which sizes the buffer."""
 
-    def rule(ctx, x, w, **params):
+    def rule(ctx, x, w, scales, **params):
         axis_name = params["axis_name"]
         mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
         if set(mesh.axis_names) - manual:
-            return _lower_nested(prim, ctx, mesh, manual, x, w, **params)
+            return _lower_nested(prim, ctx, mesh, manual, x, w, scales, **params)
         platform = _platform(ctx)
         aval = chunk_aval(ctx)
         chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
@@ -231,21 +235,30 @@ def _lowering(prim: core.Primitive, op: str, chunk_aval: Callable, unfused: Call
             lower = mlir.lower_fun(
                 functools.partial(unfused, **params), multiple_results=prim.multiple_results
             )
-            return lower(ctx, x, w)
-        return _ffi_call_flat(ctx, f"jax_ub_{op}", x, w, comm.id, params["transpose_w"])
+            return lower(ctx, x, w, scales)
+        return _ffi_call_flat(ctx, f"jax_ub_{op}", x, w, scales, comm.id, params["transpose_w"])
 
     return rule
 
 
-def _all_gather_matmul_unfused(x, w, *, axis_name, transpose_w, return_gathered, **_):
+def _all_gather_matmul_unfused(
+    x, w, scales, *, axis_name, transpose_w, return_gathered, out_dtype, **_
+):
     out, gathered = all_gather_matmul_reference(
-        x, _weight(w, transpose_w), axis_name, return_gathered=True
+        x,
+        _weight(w, transpose_w),
+        axis_name,
+        return_gathered=True,
+        scales=scales,
+        out_dtype=out_dtype,
     )
     return out, gathered if return_gathered else gathered[:0]
 
 
-def _matmul_reduce_scatter_unfused(x, w, *, axis_name, transpose_w, **_):
-    return matmul_reduce_scatter_reference(x, _weight(w, transpose_w), axis_name)
+def _matmul_reduce_scatter_unfused(x, w, scales, *, axis_name, transpose_w, out_dtype, **_):
+    return matmul_reduce_scatter_reference(
+        x, _weight(w, transpose_w), axis_name, scales=scales, out_dtype=out_dtype
+    )
 
 
 mlir.register_lowering(
@@ -294,6 +307,13 @@ batching.primitive_batchers[matmul_reduce_scatter_p] = lambda args, dims, **kw: 
 )
 
 
+def _scales_and_type(x, scales, out_dtype):
+    """The scales operand (ones unless given) and the output dtype (x's unless given)."""
+    if scales is None:
+        scales = jnp.ones((2,), jnp.float32)
+    return scales, jnp.dtype(out_dtype if out_dtype is not None else x.dtype)
+
+
 def bind_all_gather_matmul(
     x,
     w,
@@ -302,32 +322,54 @@ def bind_all_gather_matmul(
     return_gathered: bool,
     transpose_w: bool = False,
     fallback: bool = False,
+    scales=None,
+    out_dtype=None,
 ):
     """x [m, *b, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, *b, k]).
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
     backward passes multiply by ``w.T`` without materialising it). With ``fallback``
     (impl="auto"), a group whose devices cannot share memory lowers to XLA's collectives.
+    fp8 ``x`` and ``w`` (``w`` transposed) come with ``scales`` (float32 ``[x_scale,
+    w_scale]``) and an ``out_dtype``: the product is ``x_scale * w_scale * (x @ w)``.
     """
+    scales, out_dtype = _scales_and_type(x, scales, out_dtype)
     return all_gather_matmul_p.bind(
         x,
         w,
+        scales,
         axis_name=axis_name,
         axis_size=axis_size,
         return_gathered=return_gathered,
         transpose_w=transpose_w,
+        out_dtype=out_dtype,
         fallback=fallback,
     )
 
 
 def bind_matmul_reduce_scatter(
-    x, w, axis_name: str, axis_size: int, transpose_w: bool = False, fallback: bool = False
+    x,
+    w,
+    axis_name: str,
+    axis_size: int,
+    transpose_w: bool = False,
+    fallback: bool = False,
+    scales=None,
+    out_dtype=None,
 ):
     """x [M, *b, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, *b, n].
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place; with
-    ``fallback``, as for :func:`bind_all_gather_matmul`.
+    ``fallback``, ``scales`` and ``out_dtype`` as for :func:`bind_all_gather_matmul`.
     """
+    scales, out_dtype = _scales_and_type(x, scales, out_dtype)
     return matmul_reduce_scatter_p.bind(
-        x, w, axis_name=axis_name, axis_size=axis_size, transpose_w=transpose_w, fallback=fallback
+        x,
+        w,
+        scales,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        transpose_w=transpose_w,
+        out_dtype=out_dtype,
+        fallback=fallback,
     )

@@ -3,18 +3,47 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
+def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> jax.Array:
+    """``x @ w``; with fp8 operands, ``x_scale * w_scale * (x @ w)`` accumulated in float32
+    and cast to ``out_dtype`` (XLA's dequantize-then-dot pattern, which its GPU compiler
+    turns into an fp8 GEMM)."""
+    if scales is None or jnp.dtype(x.dtype).itemsize > 1:
+        out = x @ w
+        return out if out_dtype is None else out.astype(out_dtype)
+    wide = jnp.dtype(out_dtype)
+    out = lax.dot_general(
+        x.astype(wide),
+        w.astype(wide),
+        (((x.ndim - 1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    return (out * (scales[0] * scales[1])).astype(wide)
+
+
 def all_gather_matmul_reference(
-    x: jax.Array, w: jax.Array, axis_name: str, return_gathered: bool = False
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    return_gathered: bool = False,
+    scales=None,
+    out_dtype=None,
 ):
-    """all_gather(x, axis_name, tiled=True) @ w (and the gathered x when asked)."""
+    """all_gather(x, axis_name, tiled=True) @ w (and the gathered x when asked); fp8
+    operands scaled by ``scales``, as :func:`scaled_matmul`."""
     gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
-    out = gathered @ w
+    out = scaled_matmul(gathered, w, scales, out_dtype)
     return (out, gathered) if return_gathered else out
 
 
-def matmul_reduce_scatter_reference(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
-    """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)."""
-    return lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)
+def matmul_reduce_scatter_reference(
+    x: jax.Array, w: jax.Array, axis_name: str, scales=None, out_dtype=None
+) -> jax.Array:
+    """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True); fp8 operands
+    scaled by ``scales``, as :func:`scaled_matmul`."""
+    return lax.psum_scatter(
+        scaled_matmul(x, w, scales, out_dtype), axis_name, scatter_dimension=0, tiled=True
+    )

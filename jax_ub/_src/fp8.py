@@ -1,0 +1,206 @@
+"""fp8 for the overlapped ops: per-tensor scales, the two scaling recipes, and the ops' fp8
+forward and backward.
+
+With ``fp8=Fp8Scales(...)`` an op takes high-precision ``x`` and ``w`` (bfloat16, float16 or
+float32), quantizes both to ``float8_e4m3fn`` (``x ~ x_q * x_scale``), moves and multiplies
+fp8 (the all-gather moves half of bf16's bytes) and returns ``x.dtype``. The backward
+quantizes the output gradient to ``float8_e5m2``: the input gradient is the swapped
+overlapped op on fp8 operands, the weight gradient an fp8 product of the gathered fp8
+activation (or gradient) kept by the forward, which is never gathered twice.
+Quantization is transparent to autodiff (straight-through), as in fp8 training recipes.
+
+Scales, per tensor (per local shard for ``w`` and for tensors that are not gathered):
+* current scaling: leave a field ``None``; the op uses this step's ``amax / fp8_max``
+  (for a tensor that is all-gathered, the amax over the group, so one scale fits all
+  its chunks);
+* delayed scaling: pass a float32 scalar, e.g. :func:`delayed_scale` of an amax history
+  carried in the model state, the same on every rank of the group. The gradient the op
+  returns for such a field is this step's amax of its tensor (over the group), which the
+  caller records with :func:`update_amax_history` (flax's OVERWRITE_WITH_GRADIENT
+  convention). Fields left ``None`` get no gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter, match_varying
+from jax_ub._src.reference import all_gather_matmul_reference, matmul_reduce_scatter_reference
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
+E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Scales:
+    """Per-tensor fp8 scales of one op call: ``x ~ quantized(x) * x``; ``None`` for current
+    scaling (see the module docstring). ``grad`` scales the output's gradient."""
+
+    x: jax.Array | None = None
+    w: jax.Array | None = None
+    grad: jax.Array | None = None
+
+
+def amax(a: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """max |a| as float32, over the group of ``axis_name`` too when given."""
+    m = jnp.max(jnp.abs(a)).astype(jnp.float32)
+    return lax.pmax(m, axis_name) if axis_name is not None else m
+
+
+def scale_from_amax(a: jax.Array, dtype=E4M3) -> jax.Array:
+    """The scale that maps amax ``a`` onto ``dtype``'s largest finite value (1 for 0)."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.where(a > 0, a / fmax, 1.0).astype(jnp.float32)
+
+
+def current_scale(a: jax.Array, dtype=E4M3, axis_name: str | None = None) -> jax.Array:
+    """Current scaling: the scale of ``a`` itself (over the group of ``axis_name``)."""
+    return scale_from_amax(amax(a, axis_name), dtype)
+
+
+def delayed_scale(amax_history: jax.Array, dtype=E4M3) -> jax.Array:
+    """Delayed scaling: the scale of the largest amax in a history (``[length]`` float32)."""
+    return scale_from_amax(jnp.max(amax_history), dtype)
+
+
+def update_amax_history(amax_history: jax.Array, new_amax: jax.Array) -> jax.Array:
+    """The history with ``new_amax`` in front and its oldest entry dropped."""
+    return jnp.roll(amax_history, 1).at[0].set(new_amax.astype(amax_history.dtype))
+
+
+def quantize(a: jax.Array, scale: jax.Array, dtype=E4M3) -> jax.Array:
+    """``a / scale`` saturated to ``dtype``'s finite range and rounded to it."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(a.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+
+
+def check_scales(op: str, fp8: object) -> None:
+    """A clear error for anything but an Fp8Scales of float32 scalars (or None fields)."""
+    if not isinstance(fp8, Fp8Scales):
+        raise TypeError(f"{op}: fp8 must be a jax_ub.Fp8Scales, got {type(fp8).__name__}")
+    for name in ("x", "w", "grad"):
+        s = getattr(fp8, name)
+        if s is None:
+            continue
+        shape, dtype = jnp.shape(s), jnp.result_type(s)
+        if shape != () or dtype != jnp.float32:
+            raise ValueError(
+                f"{op}: fp8.{name} must be a float32 scalar scale, got shape={shape} dtype={dtype}"
+            )
+
+
+def _stack(sa, sb):
+    return jnp.stack([sa, sb]).astype(jnp.float32)
+
+
+def _ag(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
+    """(all_gather(x_q) @ w_t.T scaled by sx * sw, all_gather(x_q)); ``w_t`` is the weight
+    stored k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
+    scales = _stack(sx, sw)
+    if ub:
+        return bind_all_gather_matmul(
+            x_q, w_t, axis_name, size, True, True, fallback, scales, out_dtype
+        )
+    return all_gather_matmul_reference(x_q, w_t.T, axis_name, True, scales, out_dtype)
+
+
+def _rs(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
+    """psum_scatter(x_q @ w_t.T scaled by sx * sw); ``w_t`` as for :func:`_ag`."""
+    scales = _stack(sx, sw)
+    if ub:
+        return bind_matmul_reduce_scatter(
+            x_q, w_t, axis_name, size, True, fallback, scales, out_dtype
+        )
+    return matmul_reduce_scatter_reference(x_q, w_t.T, axis_name, scales, out_dtype)
+
+
+def _weight_grad(a_q, b_q, scale, dtype):
+    """``a^T b`` over the rows (and batch dims) of fp8 ``a_q``, ``b_q``, times ``scale``."""
+    lead = tuple(range(a_q.ndim - 1))
+    wide = jnp.dtype(dtype)
+    out = lax.dot_general(
+        a_q.astype(wide),
+        b_q.astype(wide),
+        ((lead, lead), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    return (out * scale).astype(wide)
+
+
+def _scale_of(given, observed_amax, dtype):
+    return given if given is not None else scale_from_amax(observed_amax, dtype)
+
+
+def _seen(given, local_amax, axis_name):
+    """The amax to report for a scale the caller gave (over the group), else None: no
+    collective is traced for a gradient nobody asked for."""
+    return None if given is None else lax.pmax(local_amax, axis_name)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def fp8_all_gather_matmul(x, w, fp8, axis_name, size, fallback, ub):
+    """all_gather(x) @ w in fp8 (module docstring); ``ub`` picks the custom call or XLA."""
+    return _ag_fwd(x, w, fp8, axis_name, size, fallback, ub)[0]
+
+
+def _ag_fwd(x, w, fp8, axis_name, size, fallback, ub):
+    # x is gathered: its current scale is the group's, one scale for every chunk.
+    lx = amax(x, axis_name) if fp8.x is None else amax(x)
+    lw = amax(w)
+    sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
+    w_q = quantize(w, sw)
+    out, g_q = _ag(quantize(x, sx), w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub)
+    seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
+    return out, (x[:0], w[:0], w_q, g_q, sx, sw, fp8.grad, seen)
+
+
+def _ag_bwd(axis_name, size, fallback, ub, res, dy):
+    x0, w0, w_q, g_q, sx, sw, given_grad, (ax, aw) = res
+    lg = amax(dy)  # dy's partials are dequantized by each rank's GEMM: a local scale fits
+    sg = _scale_of(given_grad, lg, E5M2)
+    dy_q = quantize(dy, sg, E5M2)
+    # dx = reduce_scatter(dy @ w.T): w_q [k, n] is w.T stored k-major.
+    dx = _rs(dy_q, w_q, sg, sw, x0.dtype, axis_name, size, fallback, ub)
+    dw = _weight_grad(g_q, dy_q, sx * sg, w0.dtype)
+    seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
+    return match_varying(dx, x0), match_varying(dw, w0), seen
+
+
+fp8_all_gather_matmul.defvjp(_ag_fwd, _ag_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def fp8_matmul_reduce_scatter(x, w, fp8, axis_name, size, fallback, ub):
+    """psum_scatter(x @ w) in fp8 (module docstring); ``ub`` as above."""
+    return _rs_fwd(x, w, fp8, axis_name, size, fallback, ub)[0]
+
+
+def _rs_fwd(x, w, fp8, axis_name, size, fallback, ub):
+    # Partials are dequantized by each rank's GEMM before they are summed: local scales fit.
+    lx, lw = amax(x), amax(w)
+    sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
+    x_q, w_q = quantize(x, sx), quantize(w, sw)
+    out = _rs(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub)
+    seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
+    return out, (x[:0], w[:0], x_q, w_q, sx, sw, fp8.grad, seen)
+
+
+def _rs_bwd(axis_name, size, fallback, ub, res, dy):
+    x0, w0, x_q, w_q, sx, sw, given_grad, (ax, aw) = res
+    # dy is gathered: its current scale is the group's, one scale for every chunk.
+    lg = amax(dy, axis_name) if given_grad is None else amax(dy)
+    sg = _scale_of(given_grad, lg, E5M2)
+    # dx = all_gather(dy) @ w.T, which hands back the gathered fp8 dy for dw.
+    dx, dyg_q = _ag(quantize(dy, sg, E5M2), w_q, sg, sw, x0.dtype, axis_name, size, fallback, ub)
+    dw = _weight_grad(x_q, dyg_q, sx * sg, w0.dtype)
+    seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
+    return match_varying(dx, x0), match_varying(dw, w0), seen
+
+
+fp8_matmul_reduce_scatter.defvjp(_rs_fwd, _rs_bwd)

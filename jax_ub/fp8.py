@@ -1,0 +1,43 @@
+"""fp8 scaling for jax_ub's ops: pass ``fp8=jax_ub.Fp8Scales(...)`` to either op.
+
+``Fp8Scales()`` (every field ``None``) is current scaling. For delayed scaling carry an amax
+history per tensor in the model state, pass ``delayed_scale(history)`` for each, and record
+the gradient the op returns for each scale (this step's amax) with
+``update_amax_history``::
+
+    def loss(params, hist, x):
+        scales = jax_ub.Fp8Scales(
+            x=fp8.delayed_scale(hist["x"]), w=fp8.delayed_scale(hist["w"]),
+            grad=fp8.delayed_scale(hist["grad"], fp8.E5M2))
+        y = jax_ub.all_gather_matmul(x, params["w"], "tp", fp8=scales)
+        return jnp.sum(y ** 2)
+
+    g_params, g_scales = jax.grad(loss, argnums=(0, 1))(params, hist, x)  # inside shard_map
+    hist = {k: fp8.update_amax_history(hist[k], getattr(g_scales, k)) for k in hist}
+
+(there ``loss`` would take the scales as an argument; see ``tests/test_fp8.py``).
+"""
+
+from jax_ub._src.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Scales,
+    amax,
+    current_scale,
+    delayed_scale,
+    quantize,
+    scale_from_amax,
+    update_amax_history,
+)
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "Fp8Scales",
+    "amax",
+    "current_scale",
+    "delayed_scale",
+    "quantize",
+    "scale_from_amax",
+    "update_amax_history",
+]
