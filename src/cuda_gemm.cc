@@ -47,6 +47,12 @@ Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
   Status st = CublasStatus(cublasLtCreate(&g->handle_), "cublasLtCreate");
   if (st.ok())
     st = CudaStatus(cudaMalloc(&g->workspace_, kWorkspaceBytes), "cudaMalloc(workspace)");
+  float ones[2 * kScaleStride];
+  std::fill(ones, ones + 2 * kScaleStride, 1.0f);
+  if (st.ok()) st = CudaStatus(cudaMalloc(&g->ones_, sizeof(ones)), "cudaMalloc(ones)");
+  if (st.ok())
+    st = CudaStatus(cudaMemcpy(g->ones_, ones, sizeof(ones), cudaMemcpyHostToDevice),
+                    "cudaMemcpy(ones)");
   if (!st.ok()) {
     delete g;
     return st;
@@ -59,6 +65,7 @@ Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
 CublasLtGemm::~CublasLtGemm() {
   for (auto& [key, p] : plans_) Destroy(p);
   if (workspace_ != nullptr) cudaFree(workspace_);
+  if (ones_ != nullptr) cudaFree(ones_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
@@ -83,6 +90,8 @@ Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
   if (in == DType::kF32 && options_.allow_tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   p->row = row;
   JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
+  p->scaled = IsFp8(in);
+  if (p->scaled) JAX_UB_RETURN_IF_ERROR(SetScales(*p, ones_));
   // The stored transpose of b is read with op T on whichever operand b is.
   const cublasOperation_t op_t = CUBLAS_OP_T;
   if (b_transposed)
@@ -209,20 +218,25 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
   return Status::Ok();
 }
 
+Status CublasLtGemm::SetScales(const Plan& p, const float* scales) const {
+  // Read by the kernel from device memory. fp8 plans use the column description, where
+  // cuBLASLt's A is our b and its B our a. The addend (C) is not scaled.
+  const float* a_scale = scales;
+  const float* b_scale = scales + kScaleStride;
+  JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                               &b_scale, sizeof(b_scale)));
+  JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                               &a_scale, sizeof(a_scale)));
+  return Status::Ok();
+}
+
 Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
                          const void* b, void* c, cudaStream_t stream, const void* addend,
                          const float* scales) {
   const float alpha = 1.0f, beta = addend == nullptr ? 0.0f : 1.0f;
-  if (scales != nullptr) {
-    // Read by the kernel from device memory. fp8 plans use the column description, where
-    // cuBLASLt's A is our b and its B our a. The addend is not scaled.
-    const float* a_scale = scales;
-    const float* b_scale = scales + 1;
-    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                 &b_scale, sizeof(b_scale)));
-    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                 &a_scale, sizeof(a_scale)));
-  }
+  // Every run of an fp8 plan sets its scales: a pointer left from an earlier call may
+  // point at memory XLA has freed since.
+  if (p.scaled) JAX_UB_RETURN_IF_ERROR(SetScales(p, scales != nullptr ? scales : ones_));
   return CublasStatus(cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a,
                                      p.second, &beta, addend == nullptr ? c : addend, p.out, c,
                                      p.out, &algo, workspace_, workspace_bytes_, stream),

@@ -74,6 +74,7 @@ class CublasLtGemm {
     cublasLtMatmulAlgo_t algo;
     bool row = false;              // GemmOrder::kRow: a is the first operand, else b is
     bool ran_with_addend = false;  // its kernels for a nonzero beta are loaded
+    bool scaled = false;           // fp8: every run sets its operands' scale pointers
     int64_t m = 0, k = 0, n = 0;
     std::unique_ptr<Trial> trial;  // while the op's calls still compare candidates
   };
@@ -124,7 +125,8 @@ class CublasLtGemm {
   // warm-up round and kTrialRounds timed ones, the candidate with the smallest median
   // time is kept. So the kernel is chosen beside the op's own copies and waits, at the
   // clock the op runs at, which tuning alone cannot see.
-  // `scales` (fp8 plans; on the device): [a's scale, b's scale], multiplying the product.
+  // `scales` (fp8 plans; on the device): a's scale at [0], b's at [kScaleStride] (each
+  // 16-byte aligned), multiplying the product.
   Status Matmul(Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream,
                 const void* addend = nullptr, const float* scales = nullptr);
 
@@ -159,12 +161,18 @@ class CublasLtGemm {
   // ends the trial once every timing is in.
   Status Harvest(Plan& p);
   static void DestroyTrial(Trial& t);
+  // Points `p`'s fp8 scales at `scales` (as Matmul's, device memory).
+  Status SetScales(const Plan& p, const float* scales) const;
   // Enqueues one GEMM of `p`'s shape with `algo`.
   Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
              cudaStream_t stream, const void* addend = nullptr, const float* scales = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
+  // Device floats of 1 laid out as Matmul's scales: fp8 plans' scales wherever a run has none
+  // (heuristics and tuning included, as cuBLASLt may pick kernels that cannot scale when none is
+  // set).
+  float* ones_ = nullptr;
   size_t workspace_bytes_ = 0;
   GemmOptions options_;
   std::map<Key, Plan> plans_;  // one per shape; only the owning device's thread uses it

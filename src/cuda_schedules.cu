@@ -47,7 +47,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   *began = s;
   const std::vector<Step> steps = CallSteps(op, Schedule{s->rank, size, fold_rows_}, shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);
-  // fp8 products are scaled by [x_scale, w_scale] on the device; others are not.
+  // fp8 products are scaled by x_scale and w_scale on the device; others are not.
   const float* scales = IsFp8(shape.in) ? ops.scales : nullptr;
   auto at = [&](const Ref& r) -> char* {
     switch (r.region) {

@@ -15,6 +15,10 @@ enum class DType : int32_t {
   kF8E4M3FN = 20,  // float8_e4m3fn: activations and weights
 };
 
+// fp8 products are scaled by x's and w's scales, passed as float32 [2 * kScaleStride]:
+// x's at [0], w's at [kScaleStride], so each is 16-byte aligned as cuBLASLt reads it.
+constexpr int kScaleStride = 4;
+
 inline bool IsFp8(DType t) { return t == DType::kF8E5M2 || t == DType::kF8E4M3FN; }
 
 inline int64_t DTypeSize(DType t) {

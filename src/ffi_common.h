@@ -38,7 +38,8 @@ inline ffi::Error ToFfiError(const Status& st) {
 // Operands arrive flattened to 2-D by the Python layer; check what it promised. w is
 // [k, n], or [n, k] with `w_transposed`. x and w share a type: the output's, or fp8 (the
 // output then 16- or 32-bit, and the GEMM's operands need w as [n, k]). `scales` holds
-// f32 [x_scale, w_scale]: the product is scaled by both (1 outside fp8).
+// float32 [2 * kScaleStride], x_scale at 0 and w_scale at kScaleStride: the product is
+// scaled by both (fp8; ignored otherwise).
 inline Status CheckMatmulOperands(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                   bool w_transposed, ffi::AnyBuffer scales, ffi::AnyBuffer out,
                                   DType* in, DType* w_type, DType* out_type) {
@@ -61,8 +62,9 @@ inline Status CheckMatmulOperands(const char* op, ffi::AnyBuffer x, ffi::AnyBuff
                            ": x and w must both be of the output's dtype (float32, bfloat16, "
                            "float16), or both fp8 (float8_e4m3fn, float8_e5m2) with a 16- or "
                            "32-bit output");
-  if (scales.element_type() != ffi::DataType::F32 || scales.element_count() != 2)
-    return InvalidArgument(std::string(op) + ": scales must be float32 [x_scale, w_scale]");
+  if (scales.element_type() != ffi::DataType::F32 || scales.element_count() != 2 * kScaleStride)
+    return InvalidArgument(std::string(op) + ": scales must be float32 [" +
+                           std::to_string(2 * kScaleStride) + "]");
   *in = static_cast<DType>(raw_in);
   *w_type = static_cast<DType>(raw_w);
   *out_type = static_cast<DType>(raw_out);

@@ -302,7 +302,7 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
     return nullptr;
   };
   // Host memory: the scales are read here; fp8 products are scaled by both.
-  const float scale = IsFp8(shape.in) ? ops.scales[0] * ops.scales[1] : 1.0f;
+  const float scale = IsFp8(shape.in) ? ops.scales[0] * ops.scales[kScaleStride] : 1.0f;
   for (const Step& step : steps) {
     Status st = Status::Ok();
     switch (step.kind) {

@@ -155,8 +155,10 @@ struct CallShape {
 struct Operands {
   const void* x;
   const void* w;
-  bool w_transposed;    // w stored as its transpose [n, k]
-  const float* scales;  // [x_scale, w_scale], multiplying the product (fp8); on the device
+  bool w_transposed;  // w stored as its transpose [n, k]
+  // x_scale at [0], w_scale at [kScaleStride]: multiplying the product (fp8). Device memory
+  // on GPUs, each scale 16-byte aligned there, as cuBLASLt reads them.
+  const float* scales;
   void* out;
   void* gathered;  // null unless CallShape::gathered
 };

@@ -163,6 +163,84 @@ def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3):
     return errs
 
 
+def run_fp8_without_collectives(mesh, axis, m, k, n, dtype):
+    """Both ops in fp8 with given (delayed) scales, forward and the VJPs of a random
+    cotangent, no XLA collective: each process compares its shards with a float32 reference
+    from dequantized operands. Returns relative errors of [AG, dx, dw, RS, dx, dw]."""
+    import ml_dtypes  # noqa: PLC0415
+
+    tp = mesh.shape[axis]
+    s1 = jax_ub.Fp8Scales(x=jnp.float32(0.01), w=jnp.float32(0.006), grad=jnp.float32(1e-4))
+    s2 = jax_ub.Fp8Scales(x=jnp.float32(0.009), w=jnp.float32(0.005), grad=jnp.float32(2e-4))
+
+    def body(x1, w1, ct1, x2, w2, ct2):
+        def ag(x, w):
+            return jax_ub.all_gather_matmul(x, w, axis, impl="ub", fp8=s1)
+
+        def rs(x, w):
+            return jax_ub.matmul_reduce_scatter(x, w, axis, impl="ub", fp8=s2)
+
+        h, vjp1 = jax.vjp(ag, x1, w1)
+        z, vjp2 = jax.vjp(rs, x2, w2)
+        return (h, *vjp1(ct1), z, *vjp2(ct2))
+
+    rows, cols = P(axis, None), P(None, axis)
+    specs = (rows, cols, cols, cols, rows, rows)
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=(cols, rows, cols, rows, cols, rows),
+            check_vma=False,
+        )
+    )
+    shapes = (
+        (tp * m, k),
+        (k, tp * n),
+        (tp * m, tp * n),
+        (tp * m, tp * k),
+        (tp * k, n),
+        (tp * m, n),
+    )
+    full = [
+        np.asarray(jnp.asarray(jax.random.normal(jax.random.key(i), s, jnp.float32), dtype)).astype(
+            np.float32
+        )
+        for i, s in enumerate(shapes)
+    ]
+    args = [
+        jax.make_array_from_callback(a.shape, NamedSharding(mesh, sp), lambda i, a=a: a[i])
+        for a, sp in zip(full, specs)
+    ]
+    got = f(*(a.astype(dtype) for a in args))
+
+    def deq(a, scale, fmt=ml_dtypes.float8_e4m3fn):
+        fmax = float(ml_dtypes.finfo(fmt).max)
+        return np.clip(a / scale, -fmax, fmax).astype(fmt).astype(np.float32) * scale
+
+    x1, w1, ct1, x2, w2, ct2 = full
+    e5 = ml_dtypes.float8_e5m2
+    q = lambda a, s: deq(a, float(s))  # noqa: E731
+    g1, g2 = deq(ct1, float(s1.grad), e5), deq(ct2, float(s2.grad), e5)
+    want = (
+        q(x1, s1.x) @ q(w1, s1.w),
+        g1 @ q(w1, s1.w).T,
+        q(x1, s1.x).T @ g1,
+        q(x2, s2.x) @ q(w2, s2.w),
+        g2 @ q(w2, s2.w).T,
+        q(x2, s2.x).T @ g2,
+    )
+    errs = []
+    for arr, ref in zip(got, want):
+        worst = 0.0
+        for shard in arr.addressable_shards:
+            a, b = np.asarray(shard.data).astype(np.float32), ref[shard.index]
+            worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+        errs.append(worst)
+    return errs
+
+
 t0 = time.time()
 devices = np.array(jax.devices())
 try:
@@ -179,6 +257,16 @@ try:
             for dtype in (jnp.float32, jnp.bfloat16):
                 key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
                 result[key] = run_ops_without_collectives(mesh, "tp", 41, 64, 48, dtype)
+    elif scenario == "fp8":
+        # Both ops in fp8, reduce-scatters folded (uneven pieces) and not, f32 and bf16
+        # outputs; no XLA collective, so processes may share a GPU.
+        mesh = Mesh(devices, ("tp",))
+        result = {}
+        for fold in (-1, 0):
+            options.set_experimental_tuning(reduce_scatter_fold_rows=fold)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
+                result[key] = run_fp8_without_collectives(mesh, "tp", 41, 64, 48, dtype)
     elif scenario == "dp_across_tp_inside":
         result = run_ops(Mesh(devices.reshape(nproc, ndev), ("dp", "tp")), "tp", ("dp",))
     elif scenario == "mismatched_shape":

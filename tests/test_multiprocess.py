@@ -38,6 +38,23 @@ def test_protocol_across_processes():
         check_protocol(r["errs"])
 
 
+def check_fp8(res: dict, f32_tol: float = 1e-5) -> None:
+    """The "fp8" scenario's errors: per fold setting and output dtype, both ops in fp8 and
+    their VJPs against a float32 reference from the dequantized operands (float32 outputs
+    within `f32_tol`)."""
+    assert sorted(res) == sorted(
+        f"fold_rows={f},{d}" for f in (-1, 0) for d in ("float32", "bfloat16")
+    ), res
+    for key, errs in res.items():
+        tol = f32_tol if key.endswith("float32") else 1e-2
+        assert len(errs) == 6 and all(0 <= e < tol for e in errs), (key, errs)
+
+
+def test_fp8_across_processes():
+    for r in results(run("fp8", 2, 1)):
+        check_fp8(r["errs"])
+
+
 def test_dp_across_processes_tp_inside():
     for r in results(run("dp_across_tp_inside", 2, 2)):
         assert all(e < 1e-5 for e in r["errs"]), r["errs"]

@@ -29,7 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter, match_varying
+from jax_ub._src.primitives import (
+    bind_all_gather_matmul,
+    bind_matmul_reduce_scatter,
+    match_varying,
+    pack_scales,
+)
 from jax_ub._src.reference import all_gather_matmul_reference, matmul_reduce_scatter_reference
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
@@ -95,14 +100,10 @@ def check_scales(op: str, fp8: object) -> None:
             )
 
 
-def _stack(sa, sb):
-    return jnp.stack([sa, sb]).astype(jnp.float32)
-
-
 def _ag(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
     """(all_gather(x_q) @ w_t.T scaled by sx * sw, all_gather(x_q)); ``w_t`` is the weight
     stored k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
-    scales = _stack(sx, sw)
+    scales = pack_scales(sx, sw)
     if ub:
         return bind_all_gather_matmul(
             x_q, w_t, axis_name, size, True, True, fallback, scales, out_dtype
@@ -112,7 +113,7 @@ def _ag(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
 
 def _rs(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
     """psum_scatter(x_q @ w_t.T scaled by sx * sw); ``w_t`` as for :func:`_ag`."""
-    scales = _stack(sx, sw)
+    scales = pack_scales(sx, sw)
     if ub:
         return bind_matmul_reduce_scatter(
             x_q, w_t, axis_name, size, True, fallback, scales, out_dtype

@@ -9,7 +9,8 @@ from jax import lax
 
 def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> jax.Array:
     """``x @ w``; with fp8 operands, ``x_scale * w_scale * (x @ w)`` accumulated in float32
-    and cast to ``out_dtype`` (XLA's dequantize-then-dot pattern, which its GPU compiler
+    and cast to ``out_dtype`` (``scales`` laid out as ``primitives.pack_scales``: x's at
+    [0], w's at [4]) (XLA's dequantize-then-dot pattern, which its GPU compiler
     turns into an fp8 GEMM)."""
     if scales is None or jnp.dtype(x.dtype).itemsize > 1:
         out = x @ w
@@ -21,7 +22,7 @@ def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> ja
         (((x.ndim - 1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
-    return (out * (scales[0] * scales[1])).astype(wide)
+    return (out * (scales[0] * scales[4])).astype(wide)
 
 
 def all_gather_matmul_reference(
