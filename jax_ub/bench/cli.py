@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
     ap.add_argument("--no-windowed-einsum", action="store_true")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also time the ops in fp8 (given scales) against the fp8 GEMM alone and XLA's "
+        "unfused fp8 op",
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
     ap.add_argument(
@@ -158,7 +164,7 @@ def main(argv=None) -> None:
         for op in args.ops.split(","):
             say(f"{op.upper()} M={M} K={K} N={N}: compiling and checking ...")
             build = build_ag if op == "ag" else build_rs
-            impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants)
+            impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants, args.fp8)
             measured = measure(impls, ref, args.rounds, args.iters, args.loop_seconds, say)
             windowed = (
                 op == "ag"
@@ -221,6 +227,14 @@ def _report(row: dict, measured, args, variants, say) -> dict:
         name = variant_name(settings)
         if name in times:
             say(f"  {name} / jax_ub = {times[name] / t_ub:.3f}", flush=True)
+    if "jax_ub_fp8" in times and "fp8_gemm" in times:
+        row.update(ub_fp8_over_fp8_gemm=times["jax_ub_fp8"] / times["fp8_gemm"])
+        t8 = times["jax_ub_fp8"]
+        say(
+            f"  jax_ub_fp8 / fp8_gemm = {t8 / times['fp8_gemm']:.3f}, "
+            f"xla_fp8 / jax_ub_fp8 = {times.get('xla_fp8', float('nan')) / t8:.3f}",
+            flush=True,
+        )
     if "ub_gemm" in times:
         # Splits a miss: jax_ub's GEMM kernels against XLA's, and the overlapped op
         # against its own GEMM run alone.

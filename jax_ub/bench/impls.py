@@ -92,7 +92,31 @@ def _solo_mesh(mesh) -> Mesh:
     return Mesh(np.array(mesh.devices).reshape(-1, 1), (AXIS, SOLO))
 
 
-def build_ag(mesh, M, K, N, dtype, seed, variants=()):
+def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
+    """fp8 rows (``--fp8``): jax_ub's op and XLA's unfused op, both from bf16 operands with
+    given (delayed) scales, so each quantizes x and w in the call; and the fp8 GEMM alone
+    on operands already quantized, as XLA runs it (its dequantize-then-dot pattern)."""
+    from jax_ub import fp8  # noqa: PLC0415
+    from jax_ub._src.primitives import pack_scales  # noqa: PLC0415
+    from jax_ub._src.reference import scaled_matmul  # noqa: PLC0415
+
+    call = {"ag": jax_ub.all_gather_matmul, "rs": jax_ub.matmul_reduce_scatter}[op]
+    sx = np.float32(np.abs(x.astype(np.float32)).max() / 448)
+    sw = np.float32(np.abs(w.astype(np.float32)).max() / 448)
+    scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
+    for name, impl in (("jax_ub_fp8", "ub"), ("xla_fp8", "xla")):
+        f = _smap(mesh, lambda a, b, impl=impl: call(a, b, AXIS, impl=impl, fp8=scales), *specs)
+        impls[name] = (f, impls["jax_ub"][1])
+    packed = pack_scales(sx, sw)
+    gemm = _smap(mesh, lambda a, b: scaled_matmul(a, b, packed, out_dtype=x.dtype), *gemm_specs)
+    quantized = [fp8.quantize(jnp.asarray(a), s) for a, s in zip((x, w), (sx, sw))]
+    impls["fp8_gemm"] = (
+        gemm,
+        tuple(jax.device_put(q, a.sharding) for q, a in zip(quantized, impls["gemm"][1])),
+    )
+
+
+def build_ag(mesh, M, K, N, dtype, seed, variants=(), fp8=False):
     tp = mesh.shape[AXIS]
     x = _random(seed, (M, K), dtype)
     w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
@@ -114,6 +138,8 @@ def build_ag(mesh, M, K, N, dtype, seed, variants=()):
         "jax_ub": (ub(), (xs, ws)),
     }
     _add_variants(impls, ub, (xs, ws), variants)
+    if fp8:
+        _add_fp8(impls, mesh, "ag", x, w, (row, col), ((P(), P(None, AXIS)), col))
     if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
         # jax_ub's own GEMM alone: the op on groups of one GPU, the "gemm" row's shapes.
         solo = _solo_mesh(mesh)
@@ -132,7 +158,7 @@ def build_ag(mesh, M, K, N, dtype, seed, variants=()):
     return impls, impls["xla_seq"]
 
 
-def build_rs(mesh, M, K, N, dtype, seed, variants=()):
+def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False):
     x = _random(seed, (M, N), dtype)
     w = _random(seed + 1, (N, K), dtype, 1 / np.sqrt(N))
     xs, ws = _put(x, mesh, P(None, AXIS)), _put(w, mesh, P(AXIS, None))
@@ -164,6 +190,8 @@ def build_rs(mesh, M, K, N, dtype, seed, variants=()):
         "jax_ub": (ub(), (xs, ws)),
     }
     _add_variants(impls, ub, (xs, ws), variants)
+    if fp8:
+        _add_fp8(impls, mesh, "rs", x, w, (ins, out), (ins, P(AXIS, None)))
     if jax.process_count() == 1:
         solo = _solo_mesh(mesh)
         impls["ub_gemm"] = (
