@@ -49,22 +49,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   const CallDescriptor desc = DescribeCall(op, shape, e);
   // fp8 products are scaled by x_scale and w_scale on the device; others are not.
   const float* scales = IsFp8(shape.in) ? ops.scales : nullptr;
-  auto at = [&](const Ref& r) -> char* {
-    switch (r.region) {
-      case Region::kX:
-        return const_cast<char*>(static_cast<const char*>(ops.x)) + r.offset;
-      case Region::kOut:
-        return static_cast<char*>(ops.out) + r.offset;
-      case Region::kGathered:
-        return static_cast<char*>(ops.gathered) + r.offset;
-      case Region::kBuffer:
-        return s->buffer + r.offset;
-      case Region::kPeerBuffer:
-        return s->peer_buffer[r.peer] + r.offset;
-      case Region::kNone:
-        break;
-    }
-    return nullptr;
+  auto at = [&](const Ref& r) {
+    return Resolve(r, ops, s->buffer, [&](int p) { return s->peer_buffer[p]; });
   };
   // A shape's first call picks (and loads) its GEMM kernels before anything waits on a
   // peer (see CublasLtGemm::Prepare), with the operands of its steps. Peers may be writing

@@ -284,22 +284,8 @@ uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {
 // checked as each peer's data lands, before it is read, so kVerify has nothing left to do.
 Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>& steps,
                                  const CallShape& shape, const Operands& ops) {
-  auto at = [&](const Ref& r) -> char* {
-    switch (r.region) {
-      case Region::kX:
-        return const_cast<char*>(static_cast<const char*>(ops.x)) + r.offset;
-      case Region::kOut:
-        return static_cast<char*>(ops.out) + r.offset;
-      case Region::kGathered:
-        return static_cast<char*>(ops.gathered) + r.offset;
-      case Region::kBuffer:
-        return data(ctx.slot) + r.offset;
-      case Region::kPeerBuffer:
-        return data(ctx.peer_slot(r.peer)) + r.offset;
-      case Region::kNone:
-        break;
-    }
-    return nullptr;
+  auto at = [&](const Ref& r) {
+    return Resolve(r, ops, data(ctx.slot), [&](int p) { return data(ctx.peer_slot(p)); });
   };
   // Host memory: the scales are read here; fp8 products are scaled by both.
   const float scale = IsFp8(shape.in) ? ops.scales[0] * ops.scales[kScaleStride] : 1.0f;

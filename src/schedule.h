@@ -163,6 +163,27 @@ struct Operands {
   void* gathered;  // null unless CallShape::gathered
 };
 
+// The address `r` names: in the call's operands, this rank's userbuffer (`buffer`), or
+// peer p's (`peer_buffer(p)`).
+template <typename PeerBuffer>
+char* Resolve(const Ref& r, const Operands& ops, char* buffer, PeerBuffer peer_buffer) {
+  switch (r.region) {
+    case Region::kX:
+      return const_cast<char*>(static_cast<const char*>(ops.x)) + r.offset;
+    case Region::kOut:
+      return static_cast<char*>(ops.out) + r.offset;
+    case Region::kGathered:
+      return static_cast<char*>(ops.gathered) + r.offset;
+    case Region::kBuffer:
+      return buffer + r.offset;
+    case Region::kPeerBuffer:
+      return peer_buffer(r.peer) + r.offset;
+    case Region::kNone:
+      break;
+  }
+  return nullptr;
+}
+
 // One rank's chunk in bytes: x for AG, the output (one partial) for RS.
 inline int64_t ChunkBytes(OpKind op, const CallShape& c) {
   return op == OpKind::kAllGatherMatmul ? c.m * c.k * DTypeSize(c.in)

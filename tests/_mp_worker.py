@@ -246,27 +246,19 @@ devices = np.array(jax.devices())
 try:
     if scenario == "tp_across_processes":
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
-    elif scenario == "protocol":
+    elif scenario in ("protocol", "fp8"):
         # Every branch of the ops' step lists across processes: both ops and their grads,
-        # reduce-scatters folded (in uneven pieces) and not, the gathered copy, f32 and
-        # bf16, the epochs of many calls. No XLA collective, so processes may share a GPU.
+        # reduce-scatters folded (in uneven pieces) and not, f32 and bf16 (in fp8: as
+        # outputs), the epochs of many calls. No XLA collective, so processes may share a
+        # GPU.
+        check = {"protocol": run_ops_without_collectives, "fp8": run_fp8_without_collectives}
         mesh = Mesh(devices, ("tp",))
         result = {}
         for fold in (-1, 0):
             options.set_experimental_tuning(reduce_scatter_fold_rows=fold)
             for dtype in (jnp.float32, jnp.bfloat16):
                 key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
-                result[key] = run_ops_without_collectives(mesh, "tp", 41, 64, 48, dtype)
-    elif scenario == "fp8":
-        # Both ops in fp8, reduce-scatters folded (uneven pieces) and not, f32 and bf16
-        # outputs; no XLA collective, so processes may share a GPU.
-        mesh = Mesh(devices, ("tp",))
-        result = {}
-        for fold in (-1, 0):
-            options.set_experimental_tuning(reduce_scatter_fold_rows=fold)
-            for dtype in (jnp.float32, jnp.bfloat16):
-                key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
-                result[key] = run_fp8_without_collectives(mesh, "tp", 41, 64, 48, dtype)
+                result[key] = check[scenario](mesh, "tp", 41, 64, 48, dtype)
     elif scenario == "dp_across_tp_inside":
         result = run_ops(Mesh(devices.reshape(nproc, ndev), ("dp", "tp")), "tp", ("dp",))
     elif scenario == "mismatched_shape":
