@@ -75,6 +75,16 @@ def local_features(features: int, tp: int, axis_name: str, split: bool) -> int:
 check_impl = checks.check_impl
 
 
+def check_fp8(owner: str, fp8: Any) -> None:
+    """A layer's ``fp8`` is a flag (current scaling); delayed scaling is the ops' own."""
+    if not isinstance(fp8, bool):
+        raise TypeError(
+            f"{owner}: fp8 must be True or False (fp8 with current scaling), got {fp8!r}; "
+            "for delayed scaling call jax_ub.all_gather_matmul / matmul_reduce_scatter with "
+            "fp8=jax_ub.Fp8Scales(...)"
+        )
+
+
 def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) -> None:
     if value <= 0 or value % tp != 0:
         raise ValueError(
@@ -178,19 +188,26 @@ def _promote(dtype: Any, *arrays: jax.Array | None) -> list[jax.Array | None]:
     return [None if a is None else jnp.asarray(a, dtype) for a in arrays]
 
 
+def _scales(fp8: bool) -> jax_ub.Fp8Scales | None:
+    """The ops' ``fp8`` argument for a layer's ``fp8`` flag: current scaling, or none."""
+    return jax_ub.Fp8Scales() if fp8 else None
+
+
 def column_local(
-    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any
+    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any, fp8: bool
 ) -> jax.Array:
     """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]``: all_gather_matmul, then bias."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    y = jax_ub.all_gather_matmul(x, kernel, axis_name, impl=impl)
+    y = jax_ub.all_gather_matmul(x, kernel, axis_name, impl=impl, fp8=_scales(fp8))
     return y if bias is None else y + bias  # the bias shard of this rank's columns
 
 
-def row_local(x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any) -> jax.Array:
+def row_local(
+    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any, fp8: bool
+) -> jax.Array:
     """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``: matmul_reduce_scatter, then bias."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    y = jax_ub.matmul_reduce_scatter(x, kernel, axis_name, impl=impl)
+    y = jax_ub.matmul_reduce_scatter(x, kernel, axis_name, impl=impl, fp8=_scales(fp8))
     return y if bias is None else y + bias  # after the reduction, so it is added once
 
 
@@ -269,6 +286,12 @@ def attention_local(
     return jnp.moveaxis(out, len(batch), 0)
 
 
+def op_settings(layer: Any) -> tuple:
+    """``(mesh, axis_name, impl, dtype, fp8)`` of a layer or block (nnx or linen): the
+    leading arguments of every ``*_call`` below, the settings of the ops it runs."""
+    return (layer.mesh, layer.axis_name, layer.impl, layer.dtype, layer.fp8)
+
+
 # --- whole-layer functions, one per configuration ---------------------------------------
 #
 # Inside a shard_map over the tensor-parallel axis (the user's own), the per-shard
@@ -317,20 +340,20 @@ def _resharded_explicit(axis_name: str, in_specs: Any, args: tuple) -> tuple:
 
 @functools.lru_cache(maxsize=256)
 def column_call(
-    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
+    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, fp8: bool, ndim: int, use_bias: bool
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)``: sequence-sharded ``x`` -> feature-sharded output."""
-    local = functools.partial(column_local, axis_name=axis_name, impl=impl, dtype=dtype)
+    local = functools.partial(column_local, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
     in_specs = (seq_spec(ndim, axis_name), column_param_specs(axis_name, use_bias))
     return _over_tp(local, mesh, axis_name, in_specs, feature_spec(ndim, axis_name))
 
 
 @functools.lru_cache(maxsize=256)
 def row_call(
-    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, ndim: int, use_bias: bool
+    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, fp8: bool, ndim: int, use_bias: bool
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)``: feature-sharded ``x`` -> sequence-sharded output."""
-    local = functools.partial(row_local, axis_name=axis_name, impl=impl, dtype=dtype)
+    local = functools.partial(row_local, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
     in_specs = (feature_spec(ndim, axis_name), row_param_specs(axis_name, use_bias))
     return _over_tp(local, mesh, axis_name, in_specs, seq_spec(ndim, axis_name))
 
@@ -341,12 +364,13 @@ def mlp_call(
     axis_name: str,
     impl: str,
     dtype: Any,
+    fp8: bool,
     activation: Callable[[jax.Array], jax.Array],
     ndim: int,
     use_bias: bool,
 ) -> Callable[[jax.Array, Params, Params], jax.Array]:
     """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded."""
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype)
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
 
     def body(x, p_up, p_down):
         return row_local(activation(column_local(x, p_up, **kw)), p_down, **kw)
@@ -369,6 +393,7 @@ def attention_call(
     axis_name: str,
     impl: str,
     dtype: Any,
+    fp8: bool,
     head_dim: int,
     ndim: int,
     use_bias: bool,
@@ -377,7 +402,7 @@ def attention_call(
     attention_implementation: str | None = None,
 ) -> Callable[[jax.Array, Params, Params, jax.Array | None], jax.Array]:
     """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded."""
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype)
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
     attend = functools.partial(
         attention_local,
         head_dim=head_dim,

@@ -28,6 +28,7 @@ _SHARED = (
     "axis_name",
     "param_axes",
     "impl",
+    "fp8",
     "use_bias",
     "dtype",
     "param_dtype",
@@ -61,6 +62,9 @@ class ParallelMLP(nn.Module):
         or the enclosing shard_map's).
       out_features: number of output features (default: the input's).
       activation: elementwise function applied to the hidden features (default: gelu).
+      fp8: run both matmuls in fp8 with current scaling (per-tensor amax scales; e4m3
+        forward, e5m2 gradients); the collectives move fp8 bytes; see :mod:`jax_ub.fp8`
+        for delayed scaling with the functional ops (default: False).
       axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
         :class:`ColumnParallelLinear`, shared by both projections.
     """
@@ -77,6 +81,7 @@ class ParallelMLP(nn.Module):
     bias_init: Initializer = default_bias_init
     out_features: int | None = None
     activation: Callable[[jax.Array], jax.Array] = nn.gelu
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -91,15 +96,7 @@ class ParallelMLP(nn.Module):
         _core.check_input(owner, inputs, None, tp, self.axis_name)
         p_up = up.get_params(in_features)
         p_down = down.get_params(self.hidden_features)
-        f = _core.mlp_call(
-            self.mesh,
-            self.axis_name,
-            self.impl,
-            self.dtype,
-            self.activation,
-            inputs.ndim,
-            self.use_bias,
-        )
+        f = _core.mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, self.use_bias)
         return f(inputs, p_up, p_down)
 
 
@@ -128,6 +125,10 @@ class ParallelSelfAttention(nn.Module):
       out_features: number of output features (default: the input's).
       attention_implementation: ``"xla"``, ``"cudnn"`` or None (cuDNN flash attention on
         GPUs where it applies, else XLA); see :class:`jax_ub.flax.ParallelSelfAttention`.
+      fp8: run both projections' matmuls in fp8 with current scaling (per-tensor amax
+        scales; e4m3 forward, e5m2 gradients); the collectives move fp8 bytes; the
+        attention core stays in ``dtype``. See :mod:`jax_ub.fp8` for delayed scaling with
+        the functional ops (default: False).
       axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
         :class:`ColumnParallelLinear`, shared by both projections.
     """
@@ -145,6 +146,7 @@ class ParallelSelfAttention(nn.Module):
     qkv_features: int | None = None
     out_features: int | None = None
     attention_implementation: str | None = None
+    fp8: bool = False
 
     @nn.compact
     def __call__(
@@ -176,10 +178,7 @@ class ParallelSelfAttention(nn.Module):
         p_qkv = qkv.get_params(in_features)
         p_out = out.get_params(qkv_features)
         f = _core.attention_call(
-            self.mesh,
-            self.axis_name,
-            self.impl,
-            self.dtype,
+            *_core.op_settings(self),
             qkv_features // self.num_heads,
             inputs.ndim,
             self.use_bias,

@@ -29,16 +29,19 @@ class _ParallelLinear(nn.Module):
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = default_bias_init
+    fp8: bool = False
 
     # Set by subclasses: "column" or "row".
     _kind: ClassVar[str]
 
     @nn.nowrap
     def tp_size(self) -> int:
-        """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name`` and ``impl``."""
+        """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name``, ``impl`` and
+        ``fp8``."""
         owner = type(self).__name__
         tp = _core.group_size(owner, self.mesh, self.axis_name)
         _core.check_impl(owner, self.impl)
+        _core.check_fp8(owner, self.fp8)
         return tp
 
     @nn.compact
@@ -105,6 +108,10 @@ class ColumnParallelLinear(_ParallelLinear):
         (default: None); XLA gathers them for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
       use_bias, dtype, param_dtype, kernel_init, bias_init: as for ``nn.Dense``.
+      fp8: run the matmul in fp8 with current scaling (per-tensor amax scales; e4m3
+        forward, e5m2 gradients), in forward and backward; the collective moves fp8 bytes
+        and the output is in the compute dtype. See :mod:`jax_ub.fp8` for delayed scaling
+        with the functional ops (default: False).
     """
 
     _kind = "column"
@@ -116,9 +123,7 @@ class ColumnParallelLinear(_ParallelLinear):
         _core.check_divisible(owner, "features", self.features, tp, self.axis_name)
         _core.check_input(owner, inputs, None, tp, self.axis_name)
         params = self.get_params(inputs.shape[-1])
-        f = _core.column_call(
-            self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias
-        )
+        f = _core.column_call(*_core.op_settings(self), inputs.ndim, self.use_bias)
         return f(inputs, params)
 
 
@@ -158,7 +163,5 @@ class RowParallelLinear(_ParallelLinear):
         in_features = _core.global_features(inputs.shape[-1], tp, self.axis_name, split=True)
         _core.check_divisible(owner, "in_features", in_features, tp, self.axis_name)
         params = self.get_params(in_features)
-        f = _core.row_call(
-            self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias
-        )
+        f = _core.row_call(*_core.op_settings(self), inputs.ndim, self.use_bias)
         return f(inputs, params)

@@ -48,6 +48,9 @@ class ParallelMLP(nnx.Module):
       hidden_features: number of hidden features; a multiple of ``tp``.
       out_features: number of output features (default: ``in_features``).
       activation: elementwise function applied to the hidden features (default: gelu).
+      fp8: run both matmuls in fp8 with current scaling (per-tensor amax scales; e4m3
+        forward, e5m2 gradients); the collectives move fp8 bytes; see :mod:`jax_ub.fp8`
+        for delayed scaling with the functional ops (default: False).
       mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
         bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both projections.
     """
@@ -62,6 +65,7 @@ class ParallelMLP(nnx.Module):
         axis_name: str = "tp",
         param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
+        fp8: bool = False,
         activation: Callable[[jax.Array], jax.Array] = nnx.gelu,
         use_bias: bool = True,
         dtype: Dtype | None = None,
@@ -72,6 +76,7 @@ class ParallelMLP(nnx.Module):
     ):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
+        _core.check_fp8(owner, fp8)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
@@ -81,6 +86,7 @@ class ParallelMLP(nnx.Module):
             axis_name=axis_name,
             param_axes=param_axes,
             impl=impl,
+            fp8=fp8,
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -99,9 +105,7 @@ class ParallelMLP(nnx.Module):
         tp = _core.group_size(owner, up.mesh, up.axis_name)
         _core.check_divisible(owner, "hidden_features", up.out_features, tp, up.axis_name)
         _core.check_input(owner, inputs, up.in_features, tp, up.axis_name)
-        f = _core.mlp_call(
-            up.mesh, up.axis_name, up.impl, up.dtype, self.activation, inputs.ndim, up.use_bias
-        )
+        f = _core.mlp_call(*_core.op_settings(up), self.activation, inputs.ndim, up.use_bias)
         return f(inputs, up.param_values(), down.param_values())
 
 
@@ -134,6 +138,10 @@ class ParallelSelfAttention(nnx.Module):
         ``implementation``: ``"xla"``, ``"cudnn"`` (fused flash attention, GPUs only), or
         None (default): cuDNN on GPUs for 16-bit dtypes and head sizes up to 128 without
         a mask array, XLA otherwise.
+      fp8: run both projections' matmuls in fp8 with current scaling (per-tensor amax
+        scales; e4m3 forward, e5m2 gradients); the collectives move fp8 bytes; the
+        attention core stays in ``dtype``. See :mod:`jax_ub.fp8` for delayed scaling with
+        the functional ops (default: False).
       mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
         bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both projections.
     """
@@ -150,6 +158,7 @@ class ParallelSelfAttention(nnx.Module):
         axis_name: str = "tp",
         param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
+        fp8: bool = False,
         use_bias: bool = True,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
@@ -161,6 +170,7 @@ class ParallelSelfAttention(nnx.Module):
         qkv_features = in_features if qkv_features is None else qkv_features
         out_features = in_features if out_features is None else out_features
         _core.check_impl(owner, impl)
+        _core.check_fp8(owner, fp8)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
@@ -174,6 +184,7 @@ class ParallelSelfAttention(nnx.Module):
             axis_name=axis_name,
             param_axes=param_axes,
             impl=impl,
+            fp8=fp8,
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -208,10 +219,7 @@ class ParallelSelfAttention(nnx.Module):
         if mask is not None:
             _core.check_mask(owner, mask, inputs.shape)
         f = _core.attention_call(
-            qkv.mesh,
-            qkv.axis_name,
-            qkv.impl,
-            qkv.dtype,
+            *_core.op_settings(qkv),
             self.head_dim,
             inputs.ndim,
             qkv.use_bias,

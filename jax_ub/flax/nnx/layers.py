@@ -38,6 +38,7 @@ class _ParallelLinear(nnx.Module):
         axis_name: str = "tp",
         param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
+        fp8: bool = False,
         use_bias: bool = True,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
@@ -47,6 +48,7 @@ class _ParallelLinear(nnx.Module):
     ):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
+        _core.check_fp8(owner, fp8)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             split = {"in_features": in_features, "out_features": out_features}[self._split]
@@ -56,6 +58,7 @@ class _ParallelLinear(nnx.Module):
         self.mesh = mesh
         self.axis_name = axis_name
         self.impl = impl
+        self.fp8 = fp8
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -85,7 +88,7 @@ class _ParallelLinear(nnx.Module):
             self.in_features, tp, self.axis_name, self._split == "in_features"
         )
         _core.check_input(owner, inputs, features, tp, self.axis_name)
-        return (self.mesh, self.axis_name, self.impl, self.dtype, inputs.ndim, self.use_bias)
+        return (*_core.op_settings(self), inputs.ndim, self.use_bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -155,6 +158,10 @@ class ColumnParallelLinear(_ParallelLinear):
         (default: None, replicated). Only where the params are placed: XLA gathers them
         for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
+      fp8: run the matmul in fp8 with current scaling (per-tensor amax scales; e4m3
+        forward, e5m2 gradients), in forward and backward; the collective moves fp8 bytes
+        and the output is in the compute dtype. See :mod:`jax_ub.fp8` for delayed scaling
+        with the functional ops (default: False).
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
       param_dtype: the dtype passed to parameter initializers (default: float32).
@@ -198,7 +205,7 @@ class RowParallelLinear(_ParallelLinear):
     Args:
       in_features: number of input features; a multiple of ``tp``.
       out_features: number of output features.
-      mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
+      mesh, axis_name, param_axes, impl, fp8, use_bias, dtype, param_dtype, kernel_init,
         bias_init, rngs: as for :class:`ColumnParallelLinear`. ``seq`` must be a multiple
         of ``tp``.
     """
