@@ -96,3 +96,23 @@ def test_fp8_current_scaling_matches_xla_path(op):
     want = jax.grad(loss, argnums=(1, 2))("xla", x, w)
     for a, b in zip(got, want):
         assert _rel(a, b) < 2e-2
+
+
+def test_flax_mlp_in_fp8():
+    """jax_ub.flax.ParallelMLP(fp8=True) from jit under a mesh: ub and xla agree, and both
+    stay within fp8's error of the bf16 model."""
+    from flax import nnx  # noqa: PLC0415
+
+    import jax_ub.flax as ubf  # noqa: PLC0415
+
+    d, hidden = 256, 512
+    x = jax.random.normal(jax.random.key(3), (N * 256, 4, d), jnp.bfloat16)
+    with jax.set_mesh(_mesh()):
+        ys = {}
+        for fp8, impl in ((False, "ub"), (True, "ub"), (True, "xla")):
+            model = ubf.ParallelMLP(
+                d, hidden, impl=impl, fp8=fp8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+            )
+            ys[fp8, impl] = nnx.jit(lambda m, x: m(x))(model, x)
+    assert _rel(ys[True, "ub"], ys[True, "xla"]) < 2e-2
+    assert 1e-3 < _rel(ys[True, "ub"], ys[False, "ub"]) < 0.1
