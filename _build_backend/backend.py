@@ -1,30 +1,72 @@
-"""In-tree PEP 517 backend: scikit-build-core, plus cuBLAS headers when CUDA can be built.
+"""In-tree PEP 517 backend: scikit-build-core, plus what the CUDA extension needs to build.
 
-The CUDA extension needs cuBLASLt headers, which come from the ``nvidia-cublas`` wheel. Only a
-machine with ``nvcc`` builds that extension, so only there do we ask for the (large) wheel;
-CPU-only machines build the host extension alone and never download it.
+The CUDA extension needs cuBLASLt headers, which come from the ``nvidia-cublas`` wheel, and
+a CUDA compiler. A machine with a working CUDA toolkit (``nvcc``) builds with it. On Linux
+x86-64 without one, nvcc, its tools and the CUDA headers come from NVIDIA's PyPI wheels
+(CUDA 13.0, see ``_CUDA_WHEELS``), so ``pip install "jax_ub[cuda13]"`` builds the extension
+on a machine with no toolkit. ``JAX_UB_DISABLE_CUDA=1`` builds the host extension alone and
+downloads none of these; ``JAX_UB_CUDA_FROM_WHEELS=1`` takes the wheels even where a toolkit
+is installed.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
+import subprocess
+import sys
 
 from scikit_build_core import build as _skb
 from scikit_build_core.build import *  # noqa: F403  (re-export the PEP 517 hooks)
 
 _CUBLAS = "nvidia-cublas>=13; sys_platform == 'linux'"
+# CUDA 13.0: a driver cannot JIT PTX made by a newer toolkit than its own, and the oldest
+# driver that JAX's CUDA 13 plugin runs on is 580 (CUDA 13.0). nvidia-cuda-nvcc requires the
+# other wheels unpinned: pin each, so that cicc (nvidia-nvvm) and ptxas agree.
+_CUDA_WHEELS = [
+    f"{name}==13.0.*"
+    for name in (
+        "nvidia-cuda-nvcc",  # nvcc, cudafe++, ptxas, fatbinary, nvlink
+        "nvidia-nvvm",  # cicc, libdevice
+        "nvidia-cuda-runtime",  # runtime headers, libcudart_static.a
+        "nvidia-cuda-crt",  # include/crt
+        "nvidia-cuda-cccl",  # include/cccl (cuda_bf16.h needs <nv/target>)
+    )
+]
 
 
-def _cuda_buildable() -> bool:
-    if os.environ.get("JAX_UB_DISABLE_CUDA", "0") not in ("", "0"):
-        return False
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    return shutil.which("nvcc") is not None or os.path.exists(os.path.join(home, "bin", "nvcc"))
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "off", "false", "no")
+
+
+def _toolkit_nvcc() -> bool:
+    """Whether a CUDA toolkit's nvcc is there and runs (a wrapper script left on PATH by a
+    removed toolkit does not count)."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    candidates = [os.environ.get("CUDACXX"), shutil.which("nvcc")]
+    candidates += [os.path.join(h, "bin", "nvcc") for h in homes if h]
+    for nvcc in filter(None, candidates):
+        try:
+            subprocess.run([nvcc, "--version"], check=True, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return True
+    return False
+
+
+def _wheels_possible() -> bool:
+    return sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64")
 
 
 def _extra() -> list[str]:
-    return [_CUBLAS] if _cuda_buildable() else []
+    if _flag("JAX_UB_DISABLE_CUDA"):
+        return []
+    if not _flag("JAX_UB_CUDA_FROM_WHEELS") and _toolkit_nvcc():
+        return [_CUBLAS]
+    if _wheels_possible():
+        return [_CUBLAS, *_CUDA_WHEELS]
+    return []
 
 
 def get_requires_for_build_wheel(config_settings=None):

@@ -89,7 +89,8 @@ def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array, fp8: bool = False) ->
         if extension.normalize_platform(backend) == "cuda":
             reason += (
                 f": the CUDA extension is {extension.cuda_import_error()} (reinstall jax_ub "
-                "where a CUDA toolkit is found; `python -m jax_ub.info` says what is loaded)"
+                "without JAX_UB_DISABLE_CUDA: it builds with NVIDIA's compiler wheels where no "
+                "CUDA toolkit is installed; `python -m jax_ub.info` says what is loaded)"
             )
             if impl == "auto":
                 message = f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}"

@@ -54,13 +54,16 @@ def cuda_module() -> ModuleType | None:
 
 
 def cuda_import_error() -> str | None:
-    """Why the CUDA extension is not loaded ("not built": no CUDA toolkit at install), or
+    """Why the CUDA extension is not loaded ("not built": no CUDA compiler at install), or
     None when it is."""
     if cuda_module() is not None:
         return None
     message = _cuda_import_error[0] if _cuda_import_error else ""
     if "No module named" in message:
-        return "not built (no CUDA toolkit was found when jax_ub was installed)"
+        return (
+            "not built (no CUDA compiler, a toolkit's or NVIDIA's wheels, was found when "
+            "jax_ub was installed, or JAX_UB_DISABLE_CUDA was set)"
+        )
     return message or "unknown"
 
 
