@@ -99,6 +99,20 @@ def run_ops(mesh, axis, other, m=8, k=16, n=24, impl="ub"):
     return [float(e) for e in f(x, w1, w2) / np.array([1, 1, 1, 1, 1])]
 
 
+def shard_errors(got, want) -> list[float]:
+    """Per global array in `got`, the worst relative error of this process's shards against
+    the same slices of the whole reference array in `want`."""
+    errs = []
+    for arr, ref in zip(got, want):
+        ref = np.asarray(ref)
+        worst = 0.0
+        for shard in arr.addressable_shards:
+            a, b = np.asarray(shard.data).astype(np.float32), ref[shard.index]
+            worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+        errs.append(worst)
+    return errs
+
+
 def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3):
     """Both ops (all_gather_matmul with its gathered x), and the grads of a loss through
     both, using no XLA collective at all: each process compares its own shards with a
@@ -152,15 +166,7 @@ def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3):
     full = [jax.device_put(a, one) for a in full]
     h, g, z = dense(*full)
     grads = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a)[2])), argnums=(0, 1, 2))(*full)
-    errs = []
-    for arr, ref in zip(got, (g, h, z, *grads)):
-        ref = np.asarray(ref)
-        worst = 0.0
-        for shard in arr.addressable_shards:
-            a, b = np.asarray(shard.data).astype(np.float32), ref[shard.index]
-            worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-        errs.append(worst)
-    return errs
+    return shard_errors(got, (g, h, z, *grads))
 
 
 def run_fp8_without_collectives(mesh, axis, m, k, n, dtype):
@@ -231,14 +237,7 @@ def run_fp8_without_collectives(mesh, axis, m, k, n, dtype):
         g2 @ q(w2, s2.w).T,
         q(x2, s2.x).T @ g2,
     )
-    errs = []
-    for arr, ref in zip(got, want):
-        worst = 0.0
-        for shard in arr.addressable_shards:
-            a, b = np.asarray(shard.data).astype(np.float32), ref[shard.index]
-            worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-        errs.append(worst)
-    return errs
+    return shard_errors(got, want)
 
 
 t0 = time.time()
