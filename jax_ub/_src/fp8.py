@@ -33,9 +33,12 @@ from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
     match_varying,
+)
+from jax_ub._src.reference import (
+    all_gather_matmul_reference,
+    matmul_reduce_scatter_reference,
     pack_scales,
 )
-from jax_ub._src.reference import all_gather_matmul_reference, matmul_reduce_scatter_reference
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
 E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients

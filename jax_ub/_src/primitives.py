@@ -1,6 +1,6 @@
 """JAX primitives that lower to the userbuffer FFI custom calls.
 
-Operands are ``x [rows, *batch, k]``, ``w [k, n]`` and ``scales`` (``pack_scales``: the
+Operands are ``x [rows, *batch, k]``, ``w [k, n]`` and ``scales`` (``reference.pack_scales``: the
 scales multiplying the product when x and w are fp8; ones otherwise); the custom call
 itself sees ``x`` flattened to 2-D (a free reshape of the local buffer). Lowering is where
 the concrete mesh is known, so that is where the communicator is looked up or created and its id
@@ -36,7 +36,11 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import communicator, extension, layout
-from jax_ub._src.reference import all_gather_matmul_reference, matmul_reduce_scatter_reference
+from jax_ub._src.reference import (
+    SCALE_STRIDE,
+    all_gather_matmul_reference,
+    matmul_reduce_scatter_reference,
+)
 
 all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
@@ -307,18 +311,6 @@ batching.primitive_batchers[matmul_reduce_scatter_p] = lambda args, dims, **kw: 
 )
 
 
-# fp8 scales travel as float32 [8]: x's at [0], w's at [4], each 16-byte aligned on the
-# device, as cuBLASLt reads them (kScaleStride in src/dtype.h).
-SCALE_STRIDE = 4
-
-
-def pack_scales(x_scale, w_scale) -> jax.Array:
-    """The scales operand of the custom calls: ``x_scale`` at [0], ``w_scale`` at [4]."""
-    z = jnp.zeros((SCALE_STRIDE - 1,), jnp.float32)
-    parts = (x_scale, z, w_scale, z)
-    return jnp.concatenate([jnp.reshape(jnp.asarray(p, jnp.float32), (-1,)) for p in parts])
-
-
 def _scales_and_type(x, scales, out_dtype):
     """The scales operand (ones unless given) and the output dtype (x's unless given)."""
     if scales is None:
@@ -342,7 +334,7 @@ def bind_all_gather_matmul(
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
     backward passes multiply by ``w.T`` without materialising it). With ``fallback``
     (impl="auto"), a group whose devices cannot share memory lowers to XLA's collectives.
-    fp8 ``x`` and ``w`` (``w`` transposed) come with ``scales`` (:func:`pack_scales`) and an
+    fp8 ``x`` and ``w`` (``w`` transposed) come with ``scales`` (``reference.pack_scales``) and an
     ``out_dtype``: the product is ``x_scale * w_scale * (x @ w)``.
     """
     scales, out_dtype = _scales_and_type(x, scales, out_dtype)

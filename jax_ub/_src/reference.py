@@ -6,12 +6,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# fp8 scales travel to the custom calls as float32 [8]: x's at [0], w's at [4], each 16-byte
+# aligned on the device, as cuBLASLt reads them (kScaleStride in src/dtype.h).
+SCALE_STRIDE = 4
+
+
+def pack_scales(x_scale, w_scale) -> jax.Array:
+    """The scales operand of the custom calls: ``x_scale`` at [0], ``w_scale`` at [4]."""
+    z = jnp.zeros((SCALE_STRIDE - 1,), jnp.float32)
+    parts = (x_scale, z, w_scale, z)
+    return jnp.concatenate([jnp.reshape(jnp.asarray(p, jnp.float32), (-1,)) for p in parts])
+
 
 def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> jax.Array:
-    """``x @ w``; with fp8 operands, ``x_scale * w_scale * (x @ w)`` accumulated in float32
-    and cast to ``out_dtype`` (``scales`` laid out as ``primitives.pack_scales``: x's at
-    [0], w's at [4]) (XLA's dequantize-then-dot pattern, which its GPU compiler
-    turns into an fp8 GEMM)."""
+    """``x @ w``; with fp8 operands, ``x_scale * w_scale * (x @ w)`` (``scales`` laid out by
+    :func:`pack_scales`) accumulated in float32 and cast to ``out_dtype``: XLA's
+    dequantize-then-dot pattern, which its GPU compiler turns into an fp8 GEMM."""
     if scales is None or jnp.dtype(x.dtype).itemsize > 1:
         out = x @ w
         return out if out_dtype is None else out.astype(out_dtype)
@@ -22,7 +32,7 @@ def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> ja
         (((x.ndim - 1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
-    return (out * (scales[0] * scales[4])).astype(wide)
+    return (out * (scales[0] * scales[SCALE_STRIDE])).astype(wide)
 
 
 def all_gather_matmul_reference(

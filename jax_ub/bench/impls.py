@@ -97,8 +97,7 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
     given (delayed) scales, so each quantizes x and w in the call; and the fp8 GEMM alone
     on operands already quantized, as XLA runs it (its dequantize-then-dot pattern)."""
     from jax_ub import fp8  # noqa: PLC0415
-    from jax_ub._src.primitives import pack_scales  # noqa: PLC0415
-    from jax_ub._src.reference import scaled_matmul  # noqa: PLC0415
+    from jax_ub._src.reference import pack_scales, scaled_matmul  # noqa: PLC0415
 
     call = {"ag": jax_ub.all_gather_matmul, "rs": jax_ub.matmul_reduce_scatter}[op]
     sx = np.float32(np.abs(x.astype(np.float32)).max() / 448)
