@@ -81,9 +81,9 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
     }
     switch (step.kind) {
       case Step::Kind::kWait:
-        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, stream, FlagIndex(step.flag, step.peer), e - step.lag,
-                                        step.peer, step.what, &waits,
-                                        FlagIndex(step.progress, step.peer)));
+        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, stream, FlagIndex(step.flag, step.peer),
+                                        e - Lag(step.flag), step.peer, step.what, &waits,
+                                        FlagIndex(ProgressFlag(step.flag), step.peer)));
         break;
       case Step::Kind::kPublish:
         JAX_UB_RETURN_IF_ERROR(Publish(*s, stream, step.peer, desc));

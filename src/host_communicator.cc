@@ -293,7 +293,7 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
     Status st = Status::Ok();
     switch (step.kind) {
       case Step::Kind::kWait:
-        st = WaitFlag(ctx, FlagWord(ctx.slot, step.flag, step.peer), ctx.epoch - step.lag,
+        st = WaitFlag(ctx, FlagWord(ctx.slot, step.flag, step.peer), ctx.epoch - Lag(step.flag),
                       step.peer, step.what);
         if (st.ok() && step.flag != Flag::kCredit) st = CheckDescriptor(ctx, step.peer);
         break;

@@ -12,24 +12,21 @@ Step Make(Step::Kind kind) {
 
 Ref At(Region region, int64_t offset, int peer = -1) { return Ref{region, offset, peer}; }
 
-Step Wait(int lane, int peer, Flag flag, const char* what, Flag progress) {
+Step Wait(int lane, int peer, Flag flag, const char* what) {
   Step s = Make(Step::Kind::kWait);
   s.lane = lane;
   s.peer = peer;
   s.flag = flag;
-  s.lag = flag == Flag::kCredit ? 1 : 0;
-  s.progress = progress;
   s.what = what;
   return s;
 }
-// A peer's data (or its first piece): named by the data flag in a timeout, since only
-// pieced calls write the first-piece flag.
+// A peer's data (or its first piece).
 Step WaitData(int lane, int peer, const char* what, Flag flag = Flag::kData) {
-  return Wait(lane, peer, flag, what, Flag::kData);
+  return Wait(lane, peer, flag, what);
 }
 // The peer has consumed our previous push into its userbuffer.
 Step WaitCredit(int lane, int peer) {
-  return Wait(lane, peer, Flag::kCredit, "free its userbuffer", Flag::kCredit);
+  return Wait(lane, peer, Flag::kCredit, "free its userbuffer");
 }
 Step Publish(int lane, int peer) {
   Step s = Make(Step::Kind::kPublish);

@@ -109,6 +109,13 @@ struct Ref {
 // this rank sent it, through that call.
 enum class Flag : uint8_t { kData, kFirstPiece, kCredit };
 
+// How many calls behind this one a wait on `flag` waits for: a credit is for the peer's
+// previous call, data for this one.
+inline int Lag(Flag flag) { return flag == Flag::kCredit ? 1 : 0; }
+// The flag whose value names a peer's progress in a timeout on `flag`: the data flag for a
+// first piece, which only pieced calls write.
+inline Flag ProgressFlag(Flag flag) { return flag == Flag::kFirstPiece ? Flag::kData : flag; }
+
 // The work of one call runs on lanes: the compute lane (GEMMs, sums, checks) and one
 // copy lane per rank (lane r: pushes to peer r; this rank's own lane copies the gathered
 // output). On a GPU each lane is a stream and lanes run concurrently; the host runs the
@@ -117,7 +124,7 @@ constexpr int kComputeLane = -1;
 
 struct Step {
   enum class Kind : uint8_t {
-    kWait,     // the lane waits until this rank's flag[peer] holds epoch - lag
+    kWait,     // the lane waits until this rank's flag[peer] holds epoch - Lag(flag)
     kPublish,  // the lane writes this call's descriptor into `peer`'s slot (for our rank)
     kCopy,     // bytes from src to dst
     kSignal,   // the lane raises `peer`'s flag[our rank] to this call's epoch
@@ -130,9 +137,7 @@ struct Step {
   int lane = kComputeLane;
   int peer = -1;
   Flag flag = Flag::kData;
-  int lag = 0;                  // kWait: 1 for a credit (the peer's previous call)
-  Flag progress = Flag::kData;  // kWait: the flag naming the peer's progress in a timeout
-  const char* what = "";        // kWait: what the peer is awaited to do, for errors
+  const char* what = "";  // kWait: what the peer is awaited to do, for errors
   Ref src, dst, addend;
   // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
   // of dst (and src_bytes those of src) that a failed check poisons.
