@@ -6,10 +6,13 @@ Public API:
   Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
   initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
   configure(**settings) / config
+  explain_impl(op, x_shape, w_shape, dtype, axis_size, ...) -> ImplChoice: what impl="auto"
+    (or "ub", "xla") runs for a call, and why
 """
 
 from jax_ub._src import extension as _extension  # registers the FFI handlers
 from jax_ub._src.all_gather_matmul import all_gather_matmul
+from jax_ub._src.auto_rule import ImplChoice, explain_impl
 from jax_ub._src.communicator import Communicator, initialize, live_communicators
 from jax_ub._src.config import Config, config, configure
 from jax_ub._src.fp8 import Fp8Scales
@@ -24,11 +27,13 @@ __all__ = [
     "Communicator",
     "Config",
     "Fp8Scales",
+    "ImplChoice",
     "all_gather_matmul",
     "all_gather_matmul_reference",
     "check_health",
     "config",
     "configure",
+    "explain_impl",
     "finalize",
     "initialize",
     "live_communicators",

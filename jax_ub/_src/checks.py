@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ub._src import auto_rule
+
 UB_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 IMPLS = ("auto", "ub", "xla")
 
@@ -73,33 +75,72 @@ def fp8_unsupported_reason(w: jax.Array) -> str | None:
     return None
 
 
-def use_ub(op: str, impl: str, x: jax.Array, w: jax.Array, fp8: bool = False) -> bool:
-    """Resolve impl="auto"; raise if impl="ub" cannot run these operands (in fp8 with
-    ``fp8``)."""
+def platform_unsupported_reason(backend: str) -> str | None:
+    """Why this process has no userbuffer op on ``backend`` (jax.default_backend()), or None."""
     from jax_ub._src import extension  # noqa: PLC0415  (keeps import order simple)
 
-    if impl == "xla":
-        return False
+    if extension.supported(backend):
+        return None
+    reason = f"no userbuffer implementation for platform {backend!r}"
+    if extension.normalize_platform(backend) == "cuda":
+        reason += (
+            f": the CUDA extension is {extension.cuda_import_error()} (reinstall jax_ub "
+            "without JAX_UB_DISABLE_CUDA: it builds with NVIDIA's compiler wheels where no "
+            "CUDA toolkit is installed; `python -m jax_ub.info` says what is loaded)"
+        )
+    return reason
+
+
+def operands_unsupported_reason(x, w, fp8: bool) -> str | None:
+    """Why the userbuffer op cannot take ``x`` and ``w`` (in fp8 with ``fp8``), or None.
+    ``x`` and ``w`` need only ``shape`` and ``dtype``."""
     reason = ub_unsupported_reason(x, w)
     if reason is None and fp8:
         reason = fp8_unsupported_reason(w)
+    return reason
+
+
+def unsupported_reason(x, w, fp8: bool, backend: str) -> str | None:
+    """Why the userbuffer op cannot run ``x @ w`` on ``backend`` in this process, or None."""
+    return operands_unsupported_reason(x, w, fp8) or platform_unsupported_reason(backend)
+
+
+def use_ub(
+    op: str,
+    impl: str,
+    x: jax.Array,
+    w: jax.Array,
+    fp8: bool = False,
+    axis_size: int | None = None,
+) -> bool:
+    """Resolve impl="auto" (the rule: :mod:`jax_ub._src.auto_rule`); raise if impl="ub"
+    cannot run these operands (in fp8 with ``fp8``). ``x`` and ``w`` are the local shards,
+    ``axis_size`` the size of the op's axis (without it, the rule's size tests are skipped)."""
+    from jax_ub._src import extension  # noqa: PLC0415
+
+    if impl == "xla":
+        return False
     backend = jax.default_backend()
-    if reason is None and not extension.supported(backend):
-        reason = f"no userbuffer implementation for platform {backend!r}"
-        if extension.normalize_platform(backend) == "cuda":
-            reason += (
-                f": the CUDA extension is {extension.cuda_import_error()} (reinstall jax_ub "
-                "without JAX_UB_DISABLE_CUDA: it builds with NVIDIA's compiler wheels where no "
-                "CUDA toolkit is installed; `python -m jax_ub.info` says what is loaded)"
-            )
-            if impl == "auto":
-                message = f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}"
-                warn_once(message, message)
-    if reason is None:
-        return True
+    operands_reason = operands_unsupported_reason(x, w, fp8)
+    reason = operands_reason or platform_unsupported_reason(backend)
+    if reason is not None:
+        if impl == "ub":
+            raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
+        if operands_reason is None and extension.normalize_platform(backend) == "cuda":
+            message = f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}"
+            warn_once(message, message)
+        if impl == "auto":
+            choice = auto_rule.ImplChoice("xla", reason)
+            auto_rule.log_choice(op, x.shape, w.shape, x.dtype, axis_size, choice)
+        return False
     if impl == "ub":
-        raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
-    return False
+        return True
+    platform = "cpu" if backend == "cpu" else "gpu"
+    choice = auto_rule.auto_choice(
+        op, x.shape, w.shape, x.dtype, axis_size, fp8=fp8, platform=platform
+    )
+    auto_rule.log_choice(op, x.shape, w.shape, x.dtype, axis_size, choice)
+    return choice.impl == "ub"
 
 
 _warned: set[str] = set()  # keys already warned about; cleared by jax_ub.finalize()

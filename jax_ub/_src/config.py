@@ -1,4 +1,5 @@
-"""The user's settings: userbuffer size, peer-wait deadline, growth policy, TF32.
+"""The user's settings: userbuffer size, peer-wait deadline, growth policy, TF32, and the
+smallest call that ``impl="auto"`` runs as the userbuffer op on GPUs.
 
 Each value is validated where it enters: from the environment at import (an error names
 the variable that was set) or from :func:`configure` (an error names the argument).
@@ -25,6 +26,13 @@ def _check_buffer_bytes(value: object, source: str) -> None:
         raise ValueError(f"buffer_bytes must be >= 0, got {value} ({source})")
 
 
+def _check_auto_min_bytes(value: object, source: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"auto_min_bytes must be an integer number of bytes >= 0, got {value!r} ({source})"
+        )
+
+
 def _check_bool(name: str):
     def check(value: object, source: str) -> None:
         if not isinstance(value, bool):
@@ -33,12 +41,17 @@ def _check_bool(name: str):
     return check
 
 
+# Between 2 MiB (the userbuffer op slower than XLA's) and 8 MiB (faster): the calibration
+# is in jax_ub._src.auto_rule's docstring.
+DEFAULT_AUTO_MIN_BYTES = 4 << 20
+
 # name -> (env variable or None, parse the variable's text, check, default)
 _SETTINGS = {
     "buffer_bytes": ("JAX_UB_BUFFER_BYTES", int, _check_buffer_bytes, 0),
     "timeout_s": ("JAX_UB_TIMEOUT_S", float, _check_timeout, 30.0),
     "allow_grow": ("JAX_UB_ALLOW_GROW", lambda t: t != "0", _check_bool("allow_grow"), True),
     "allow_tf32": (None, None, _check_bool("allow_tf32"), False),
+    "auto_min_bytes": ("JAX_UB_AUTO_MIN_BYTES", int, _check_auto_min_bytes, DEFAULT_AUTO_MIN_BYTES),
 }
 
 
@@ -58,7 +71,8 @@ def _from_env(name: str) -> object:
 
 @dataclasses.dataclass
 class Config:
-    """Settings read when a communicator is created.
+    """Settings read when a communicator is created (``auto_min_bytes``: when a call is
+    traced).
 
     Attributes:
       buffer_bytes: the symmetric buffer per device, in bytes. ``0`` (default) sizes it
@@ -72,12 +86,18 @@ class Config:
         trace time (at least twice the old one) instead of raising (env
         ``JAX_UB_ALLOW_GROW``, default on).
       allow_tf32: let float32 GEMMs on GPUs use TF32 tensor cores (default off).
+      auto_min_bytes: on GPUs, ``impl="auto"`` runs the userbuffer op only for calls whose
+        collective moves at least this many bytes per rank, XLA's unfused op below (env
+        ``JAX_UB_AUTO_MIN_BYTES``, default 4 MiB, calibrated on 2x H200; the rule and its
+        calibration: ``jax_ub._src.auto_rule``, :func:`jax_ub.explain_impl`). CPU devices
+        and ``impl="ub"`` ignore it. Every process of a group needs the same value.
     """
 
     buffer_bytes: int = dataclasses.field(default_factory=lambda: _from_env("buffer_bytes"))
     timeout_s: float = dataclasses.field(default_factory=lambda: _from_env("timeout_s"))
     allow_grow: bool = dataclasses.field(default_factory=lambda: _from_env("allow_grow"))
     allow_tf32: bool = dataclasses.field(default_factory=lambda: _from_env("allow_tf32"))
+    auto_min_bytes: int = dataclasses.field(default_factory=lambda: _from_env("auto_min_bytes"))
 
 
 config = Config()
@@ -88,7 +108,9 @@ def configure(**changes: object) -> Config:
 
     Programs traced afterwards get a communicator made with the new values (a new one
     where a setting it is created with changed, ``timeout_s`` or ``allow_tf32``);
-    programs compiled before keep theirs until :func:`jax_ub.finalize`.
+    programs compiled before keep theirs until :func:`jax_ub.finalize`. ``auto_min_bytes``
+    applies to calls traced from now on: a function ``jit`` has already traced keeps its
+    choice.
 
     Example::
 

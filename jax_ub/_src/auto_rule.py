@@ -1,0 +1,228 @@
+"""What ``impl="auto"`` runs: the userbuffer op where it pays, XLA's unfused op elsewhere.
+
+The rule, applied at trace time to every call whose operands the userbuffer op ("ub") can
+run (dtype, platform, extension, fp8 support: :mod:`jax_ub._src.checks`):
+
+* **CPU devices: ub, always.** The host protocol is CI's test vehicle for the protocol the
+  GPUs run, not a speed path, so ``auto`` exercises it wherever it can run.
+* **GPUs, a group of one device: XLA.** There is nothing to communicate, and the op's
+  extra kernels made it 0-4% slower than a plain dot (2x H200, bf16).
+* **GPUs, a call whose collective moves fewer than ``jax_ub.config.auto_min_bytes`` bytes
+  per rank: XLA.** The op costs a fixed ~15-20 us of extra kernels per call (the split of
+  the GEMM, the descriptor check, RS's sum pass); a collective shorter than that has too
+  little to hide.
+* **GPUs, otherwise: ub.**
+
+Bytes per rank (:func:`comm_bytes`) are what one rank receives from its peers, in the dtype
+the collective moves: all_gather_matmul of a local ``x [m, ..., k]`` over ``tp`` ranks
+moves ``(tp - 1) * m * ... * k`` elements of ``x`` (fp8 moves 1-byte elements);
+matmul_reduce_scatter of ``x [M, ..., k] @ w [k, n]`` moves ``(tp - 1) / tp * M * ... * n``
+partial sums in ``x.dtype`` (fp8 too). The backward of each op moves the same bytes as its
+forward (dx of an all-gather matmul is a reduce-scatter of ``dy [tp * m, ..., n] @ w.T``),
+so one decision covers both.
+
+Calibration of the default, ``config.DEFAULT_AUTO_MIN_BYTES`` = 4 MiB (2x H200, bf16, tp=2,
+K=8192, N=28672-32768, loops of 1 s, both ops against XLA's unfused op):
+
+* M=256 global rows moves 2 MiB per rank: both ops were 10-12% *slower* than XLA.
+* M=1024 moves 8 MiB per rank: 4-22% *faster*, as at every M measured above (2048-32768).
+
+So the crossover lies between 2 and 8 MiB: it was not measured more finely. 4 MiB is the
+middle of that bracket (geometric), and where the collective alone takes about the op's
+fixed cost: XLA's all-gather moved 16 MiB per rank in 97 us (about 170 GB/s), so 4 MiB is
+about 25 us. Not calibrated: tp > 2 below 24 MiB per rank (at tp=4, M=2048 moves 24 MiB
+and ub ran at 0.475 ms against XLA's 0.487), where the fixed cost was larger (35-75 us per
+call), other GPUs, fp8. Set ``jax_ub.configure(auto_min_bytes=...)`` (or
+``JAX_UB_AUTO_MIN_BYTES``) from your own ``python -m jax_ub.bench --sweep-m ...``; ``0``
+takes ub for every call of a group of two or more. ``impl="ub"`` always runs the
+userbuffer op, ``impl="xla"`` XLA's.
+
+The bytes are counted on the operands as the op sees them. Called in a partial-auto
+``shard_map`` or on global arrays, a batch split over other mesh axes (``dp``) is still
+whole there: the rule then counts up to their size times more bytes than a device moves.
+
+Every process of a group must decide alike: give them the same ``auto_min_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from jax_ub._src.config import config
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+
+log = logging.getLogger("jax_ub")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplChoice:
+    """What an op's ``impl`` resolves to for one call, and why.
+
+    Attributes:
+      impl: ``"ub"`` (the userbuffer op) or ``"xla"`` (XLA's unfused collective and dot).
+      reason: why, in words.
+      comm_bytes: the bytes the call's collective moves per rank (:func:`comm_bytes`), or
+        None where the rule did not need them.
+    """
+
+    impl: str
+    reason: str
+    comm_bytes: int | None = None
+
+
+def comm_bytes(
+    op: str,
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    dtype: object,
+    axis_size: int,
+    *,
+    fp8: bool = False,
+) -> int:
+    """Bytes one rank receives from its peers in ``op``'s collective (module docstring).
+
+    ``x_shape`` and ``w_shape`` are the local shapes inside ``shard_map``: all_gather_matmul
+    ``x [m, ..., k]``, matmul_reduce_scatter ``x [M, ..., k]`` and ``w [k, n]``.
+    """
+    check_op(op)
+    rows = math.prod(x_shape[:-1])  # every dim but the contracted one
+    if op == "all_gather_matmul":
+        itemsize = 1 if fp8 else jnp.dtype(dtype).itemsize  # fp8 gathers float8_e4m3fn
+        return (axis_size - 1) * rows * x_shape[-1] * itemsize
+    # Each rank receives a block of M / tp rows from each of its tp - 1 peers.
+    return (axis_size - 1) * rows // axis_size * w_shape[-1] * jnp.dtype(dtype).itemsize
+
+
+def check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def auto_choice(
+    op: str,
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    dtype: object,
+    axis_size: int | None,
+    *,
+    fp8: bool = False,
+    platform: str = "gpu",
+    min_bytes: int | None = None,
+) -> ImplChoice:
+    """The rule (module docstring) for a call that the userbuffer op can run on
+    ``platform`` ("cpu" or "gpu"/"cuda"); ``min_bytes`` defaults to
+    ``jax_ub.config.auto_min_bytes``. Pure: reads nothing but the config."""
+    known = axis_size is not None
+    moved = comm_bytes(op, x_shape, w_shape, dtype, axis_size, fp8=fp8) if known else None
+    if platform == "cpu":
+        return ImplChoice(
+            "ub",
+            "CPU devices: impl='auto' runs the host protocol wherever it can (it tests the "
+            "protocol; it is not a speed path)",
+            moved,
+        )
+    if moved is None:
+        # Only where the op's caller did not say how large the group is.
+        return ImplChoice("ub", "the group size is not known here: the size rule is not applied")
+    if axis_size == 1:
+        return ImplChoice(
+            "xla", "a group of one device has nothing to communicate: a plain dot is faster", 0
+        )
+    limit = config.auto_min_bytes if min_bytes is None else min_bytes
+    if moved < limit:
+        return ImplChoice(
+            "xla",
+            f"its collective moves {_size(moved)} per rank, below auto_min_bytes="
+            f"{_size(limit)}: too little to hide the op's fixed cost per call",
+            moved,
+        )
+    return ImplChoice(
+        "ub", f"its collective moves {_size(moved)} per rank, >= auto_min_bytes={_size(limit)}",
+        moved,
+    )  # fmt: skip
+
+
+def log_choice(op: str, x_shape, w_shape, dtype, axis_size, choice: ImplChoice) -> None:
+    """The debug line of an ``impl="auto"`` decision at trace time (logger "jax_ub")."""
+    log.debug(
+        "jax_ub: %s impl='auto' -> %r (x %s, w %s, %s, group of %s): %s",
+        op, choice.impl, tuple(x_shape), tuple(w_shape), jnp.dtype(dtype).name, axis_size,
+        choice.reason,
+    )  # fmt: skip
+
+
+def _size(n: int) -> str:
+    """Bytes for a person: the exact count, and in MiB from 1 MiB up."""
+    if n >= 1 << 20:
+        return f"{n} bytes ({n / (1 << 20):.3g} MiB)"
+    return f"{n} bytes"
+
+
+def explain_impl(
+    op: str,
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    dtype: object,
+    axis_size: int,
+    *,
+    impl: str = "auto",
+    fp8: bool = False,
+) -> ImplChoice:
+    """What ``op(x, w, axis_name, impl=impl)`` runs in this process, and why.
+
+    The same decision the op makes at trace time (module ``jax_ub._src.auto_rule``), for a
+    call inside ``shard_map`` on local shards, on this process's default backend.
+
+    Args:
+      op: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"``.
+      x_shape, w_shape: the local shapes (``x [m, ..., k]``, ``w [k, n]``), as inside
+        ``shard_map``.
+      dtype: the dtype of ``x`` and ``w``.
+      axis_size: the size of the op's mesh axis (``tp``).
+      impl: ``"auto"``, ``"ub"`` or ``"xla"``.
+      fp8: the call passes ``fp8=Fp8Scales(...)``.
+
+    Returns:
+      an :class:`ImplChoice`: ``impl`` ("ub" or "xla"), ``reason``, ``comm_bytes``.
+
+    Raises:
+      ValueError: where ``impl="ub"`` cannot run this call (the op raises the same).
+
+    Example (on CPU devices, where the host protocol runs wherever it can; on GPUs this
+    call would run XLA's op, its 1.5 MiB per rank being below the default 4 MiB)::
+
+        >>> choice = jax_ub.explain_impl("all_gather_matmul", (256, 1024), (1024, 4096),
+        ...                              jnp.bfloat16, axis_size=4)
+        >>> choice.impl, choice.comm_bytes
+        ('ub', 1572864)
+        >>> choice.comm_bytes == (4 - 1) * 256 * 1024 * 2  # 3 peers' bf16 shards of x
+        True
+    """
+    import jax  # noqa: PLC0415
+
+    from jax_ub._src import checks  # noqa: PLC0415  (checks calls into this module)
+
+    check_op(op)
+    checks.check_impl(op, impl)
+    x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(dtype))
+    w = jax.ShapeDtypeStruct(tuple(w_shape), jnp.dtype(dtype))
+    checks.check_matmul_shapes(op, x, w)
+    moved = comm_bytes(op, x_shape, w_shape, dtype, axis_size, fp8=fp8)
+    if impl == "xla":
+        return ImplChoice("xla", "impl='xla' asks for XLA's collectives", moved)
+    backend = jax.default_backend()
+    reason = checks.unsupported_reason(x, w, fp8, backend)
+    if reason is not None:
+        if impl == "ub":
+            raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
+        return ImplChoice("xla", reason, moved)
+    if impl == "ub":
+        return ImplChoice("ub", "impl='ub' asks for the userbuffer op", moved)
+    platform = "cpu" if backend == "cpu" else "gpu"
+    return auto_choice(op, x_shape, w_shape, dtype, axis_size, fp8=fp8, platform=platform)
