@@ -2,8 +2,10 @@
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
 #   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
-#   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost
-# TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench").
+#   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer
+# TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench", "layer" for layer).
+# layer: one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the
+# no-communication bound (python -m jax_ub.bench.layer; args: its own, e.g. --sizes).
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
 # memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
 # one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
@@ -64,6 +66,12 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   tag=${TAG:-bench}
   timeout -k 10 400 python3 -m jax_ub.bench --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
     | tee "$OUT/$tag.log" | grep -v "^  .*failed" | grep -vE "$NOISE" | tail -60
+  cleanup
+fi
+if [ "$what" = layer ]; then
+  tag=${TAG:-layer}
+  timeout -k 10 ${LAYER_S:-450} python3 -m jax_ub.bench.layer --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
+    | tee "$OUT/$tag.log" | grep -vE "$NOISE" | tail -40
   cleanup
 fi
 if [ "$what" = processes ]; then

@@ -43,8 +43,15 @@ def calls_lasting(f, args, seconds: float, minimum: int) -> int:
 
 @jax.jit
 def _rel_err(a, b):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+    """||a - b|| / ||b||, the norms over every element of two arrays (or pytrees of them,
+    e.g. a tuple of gradients)."""
+    pairs = [
+        (x.astype(jnp.float32), y.astype(jnp.float32))
+        for x, y in zip(*map(jax.tree.leaves, (a, b)))
+    ]
+    diff = sum(jnp.sum(jnp.square(x - y)) for x, y in pairs)
+    ref = sum(jnp.sum(jnp.square(y)) for _, y in pairs)
+    return jnp.sqrt(diff) / jnp.maximum(jnp.sqrt(ref), 1e-30)
 
 
 def rel_err(a, b) -> float:
@@ -68,16 +75,27 @@ class Measured:
     host_ms: tuple[float, float] | None = None
 
 
+UNCHECKED = ("gemm", "comm", "xla_seq", "ub_gemm", "fp8_gemm")  # bench's rows that are not the op
+
+
 def measure(
-    impls, reference, rounds: int, iters: int, loop_seconds: float = 0.0, say=None
+    impls,
+    reference,
+    rounds: int,
+    iters: int,
+    loop_seconds: float = 0.0,
+    say=None,
+    unchecked: tuple[str, ...] = UNCHECKED,
 ) -> Measured:
     """Each implementation's loop time, rounds interleaved. With `loop_seconds`, every loop
     runs at least that long (more calls than `iters` where needed): long loops reach the
-    GPU's steady, power-capped clock, where short ones start cooler and drift."""
+    GPU's steady, power-capped clock, where short ones start cooler and drift. Outputs
+    (arrays or pytrees of them) are compared with `reference`'s, but for the names in
+    `unchecked`, which compute something else."""
     errs = {}
     ref_out = reference[0](*reference[1])
     for name, (f, args) in impls.items():
-        if name in ("gemm", "comm", "xla_seq", "ub_gemm", "fp8_gemm"):  # not the op
+        if name in unchecked:
             continue
         try:
             errs[name] = rel_err(f(*args), ref_out)
