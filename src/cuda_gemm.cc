@@ -30,6 +30,34 @@ cudaDataType_t CudaType(DType t) {
   }
 }
 
+// Sets `ep` on `desc`, a column description (MakePlan uses no other with an epilogue): its
+// output is C^T, n x m column-major, so cuBLASLt's per-row bias is our per-column one, and
+// the pre-GELU output is laid out as C, leading dimension n.
+Status DescribeEpilogue(const Epilogue& ep, cudaDataType_t out_type, bool fp8, int64_t n,
+                        cublasLtMatmulDesc_t desc) {
+  if (!ep.Any()) return Status::Ok();
+  cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;
+  if (ep.gelu && ep.aux) {
+    e = ep.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+  } else if (ep.gelu) {
+    e = ep.bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+  }
+  JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+  // fp8 GEMMs default to other bias and aux types than the output's, which ours are.
+  if (ep.bias && fp8)
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                 &out_type, sizeof(out_type)));
+  if (ep.aux) {
+    const int64_t ld = n;
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
+                                                 sizeof(ld)));
+    if (fp8)
+      JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(
+          desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &out_type, sizeof(out_type)));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 int AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
@@ -79,7 +107,7 @@ void CublasLtGemm::Destroy(Plan& p) {
 }
 
 Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
-  auto [types, m, k, n, b_transposed] = key;
+  auto [types, m, k, n, b_transposed, epilogue_code] = key;
   // Dense row-major operands: a[m, k], b[k, n] (stored [n, k] when transposed), c[m, n].
   const int64_t lda = k, ldb = b_transposed ? k : n, ldc = n;
   const DType in = UnpackType(types, 0);
@@ -92,6 +120,7 @@ Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
   JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
   p->scaled = IsFp8(in);
   if (p->scaled) JAX_UB_RETURN_IF_ERROR(SetScales(*p, ones_));
+  JAX_UB_RETURN_IF_ERROR(DescribeEpilogue(p->epilogue, ct, IsFp8(in), n, p->desc));
   // The stored transpose of b is read with op T on whichever operand b is.
   const cublasOperation_t op_t = CUBLAS_OP_T;
   if (b_transposed)
@@ -145,17 +174,21 @@ Status CublasLtGemm::Heuristic(const Plan& p, int want,
   return Status::Ok();
 }
 
-Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void* c,
-                              cudaStream_t stream, Plan** plan) {
+Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a, const void* b,
+                              void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan) {
   const bool tune = options_.autotune;
   // cuBLASLt's fp8 kernels take both operands k-major: the column description of a with
   // b stored transposed (op T on its first operand, N on its second), and nothing else.
   const bool fp8 = IsFp8(UnpackType(std::get<0>(key), 0));
   if (fp8 && !std::get<4>(key))
     return InvalidArgument("fp8 GEMMs need b stored transposed ([n, k]), for cuBLASLt");
+  // Epilogues take the column description too: in the row one cuBLASLt's bias would run
+  // along our rows.
+  const bool column_only = fp8 || ep.Any();
   std::vector<bool> rows;  // the descriptions tried: GemmOrder::kRow or not
-  if (fp8 || options_.order != GemmOrder::kRow) rows.push_back(false);
-  if (!fp8 && (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune)))
+  if (column_only || options_.order != GemmOrder::kRow) rows.push_back(false);
+  if (!column_only &&
+      (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune)))
     rows.push_back(true);
   std::vector<Plan> described;  // one per description cuBLASLt serves
   std::vector<Candidate> candidates;
@@ -163,6 +196,7 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
   Status st;
   for (bool row : rows) {
     Plan p;
+    p.epilogue = ep;
     std::vector<cublasLtMatmulHeuristicResult_t> results;
     st = Describe(key, row, &p);
     if (st.ok()) st = Heuristic(p, tune ? kCandidates : 1, &results);
@@ -179,7 +213,10 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
   }
   st = Status::Ok();
   int best = candidates.empty() ? -1 : 0;
-  if (tune && !candidates.empty()) st = Tune(described, a, b, c, stream, &candidates, &best);
+  GemmArgs tune_args = args;  // tuning runs without an addend
+  tune_args.addend = nullptr;
+  if (tune && !candidates.empty())
+    st = Tune(described, a, b, c, tune_args, stream, &candidates, &best);
   if (st.ok() && best < 0)
     st = Internal("cuBLASLt has no algorithm for m=" + std::to_string(std::get<1>(key)) + " k=" +
                   std::to_string(std::get<2>(key)) + " n=" + std::to_string(std::get<3>(key)) +
@@ -191,7 +228,7 @@ Status CublasLtGemm::MakePlan(const Key& key, const void* a, const void* b, void
   const Candidate& chosen = candidates[best];
   Plan kept = std::move(described[chosen.description]);
   kept.algo = chosen.algo;
-  std::tie(std::ignore, kept.m, kept.k, kept.n, std::ignore) = key;
+  std::tie(std::ignore, kept.m, kept.k, kept.n, std::ignore, std::ignore) = key;
   for (size_t i = 0; i < described.size(); ++i)
     if (static_cast<int>(i) != chosen.description) Destroy(described[i]);
   // The op's first calls compare the fastest few of the kept description (see Matmul).
@@ -230,13 +267,27 @@ Status CublasLtGemm::SetScales(const Plan& p, const float* scales) const {
   return Status::Ok();
 }
 
+Status CublasLtGemm::SetEpilogueOperands(const Plan& p, const GemmArgs& args) const {
+  if (p.epilogue.bias)
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                 &args.bias, sizeof(args.bias)));
+  if (p.epilogue.aux)
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                 &args.aux, sizeof(args.aux)));
+  return Status::Ok();
+}
+
 Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a,
-                         const void* b, void* c, cudaStream_t stream, const void* addend,
-                         const float* scales) {
+                         const void* b, void* c, cudaStream_t stream, const GemmArgs& args) {
+  const void* addend = args.addend;
   const float alpha = 1.0f, beta = addend == nullptr ? 0.0f : 1.0f;
-  // Every run of an fp8 plan sets its scales: a pointer left from an earlier call may
-  // point at memory XLA has freed since.
-  if (p.scaled) JAX_UB_RETURN_IF_ERROR(SetScales(p, scales != nullptr ? scales : ones_));
+  // Every run of an fp8 plan sets its scales, and of an epilogue plan its operands: a
+  // pointer left from an earlier call may point at memory XLA has freed since.
+  if (p.scaled) JAX_UB_RETURN_IF_ERROR(SetScales(p, args.scales != nullptr ? args.scales : ones_));
+  if (p.epilogue.bias && args.bias == nullptr) return Internal("epilogue GEMM without its bias");
+  if (p.epilogue.aux && args.aux == nullptr)
+    return Internal("epilogue GEMM without its pre-GELU output");
+  JAX_UB_RETURN_IF_ERROR(SetEpilogueOperands(p, args));
   return CublasStatus(cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a,
                                      p.second, &beta, addend == nullptr ? c : addend, p.out, c,
                                      p.out, &algo, workspace_, workspace_bytes_, stream),
@@ -245,10 +296,13 @@ Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const 
 
 Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const void* b,
                              bool b_transposed, void* c, int64_t m, int64_t k, int64_t n,
-                             const void* addend, cudaStream_t tune_stream, Plan** plan) {
+                             const Epilogue& ep, const GemmArgs& args, cudaStream_t tune_stream,
+                             Plan** plan) {
   *plan = nullptr;
   if (m == 0 || n == 0) return Status::Ok();
-  const Key key{static_cast<int>(PackTypes(ta, tb, out)), m, k, n, b_transposed};
+  const void* addend = args.addend;
+  if (addend != nullptr && ep.Any()) return Internal("a GEMM with an addend takes no epilogue");
+  const Key key{static_cast<int>(PackTypes(ta, tb, out)), m, k, n, b_transposed, ep.Code()};
   auto it = plans_.find(key);
   if (it != plans_.end() && (addend == nullptr || it->second.ran_with_addend)) {
     *plan = &it->second;  // every call after a shape's first
@@ -262,18 +316,21 @@ Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const
   JAX_UB_CUDA(cudaDeviceSynchronize());
   Plan* p = nullptr;
   if (it == plans_.end()) {
-    JAX_UB_RETURN_IF_ERROR(MakePlan(key, a, b, c, tune_stream, &p));
+    JAX_UB_RETURN_IF_ERROR(MakePlan(key, ep, a, b, c, args, tune_stream, &p));
     // Run the chosen algorithm once (autotuning already ran every candidate), so its
     // kernel is loaded before any call of this shape has a peer wait in flight.
-    if (!options_.autotune) JAX_UB_RETURN_IF_ERROR(Run(*p, p->algo, a, b, c, tune_stream));
+    GemmArgs no_addend = args;
+    no_addend.addend = nullptr;
+    if (!options_.autotune)
+      JAX_UB_RETURN_IF_ERROR(Run(*p, p->algo, a, b, c, tune_stream, no_addend));
   } else {
     p = &it->second;
   }
   if (addend != nullptr) {  // its values do not matter here: c is rewritten by the caller
-    JAX_UB_RETURN_IF_ERROR(Run(*p, p->algo, a, b, c, tune_stream, addend));
+    JAX_UB_RETURN_IF_ERROR(Run(*p, p->algo, a, b, c, tune_stream, args));
     if (p->trial != nullptr)  // any of them may run with an addend in the op
       for (const cublasLtMatmulAlgo_t& algo : p->trial->algos)
-        JAX_UB_RETURN_IF_ERROR(Run(*p, algo, a, b, c, tune_stream, addend));
+        JAX_UB_RETURN_IF_ERROR(Run(*p, algo, a, b, c, tune_stream, args));
     p->ran_with_addend = true;
   }
   JAX_UB_CUDA(cudaStreamSynchronize(tune_stream));
@@ -282,10 +339,10 @@ Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const
 }
 
 Status CublasLtGemm::Matmul(Plan* p, const void* a, const void* b, void* c, cudaStream_t stream,
-                            const void* addend, const float* scales) {
+                            const GemmArgs& args) {
   if (p == nullptr) return Status::Ok();  // an empty shape
-  if (p->trial != nullptr) return TrialMatmul(*p, a, b, c, stream, addend, scales);
-  return Run(*p, p->algo, a, b, c, stream, addend, scales);
+  if (p->trial != nullptr) return TrialMatmul(*p, a, b, c, stream, args);
+  return Run(*p, p->algo, a, b, c, stream, args);
 }
 
 }  // namespace jax_ub

@@ -13,6 +13,7 @@
 
 #include "comm_options.h"
 #include "dtype.h"
+#include "epilogue.h"
 #include "status.h"
 
 namespace jax_ub {
@@ -46,6 +47,16 @@ struct GemmOptions {
 // where it has none: for saying which kernel a plan runs.
 int AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr);
 
+// The per-run operands of a GEMM besides a, b and c, all device memory: an addend (laid
+// out as c), fp8 scales (a's at [0], b's at [kScaleStride], each 16-byte aligned), the
+// epilogue's bias [n] and its pre-GELU output (laid out as c).
+struct GemmArgs {
+  const void* addend = nullptr;
+  const float* scales = nullptr;
+  const void* bias = nullptr;
+  void* aux = nullptr;
+};
+
 class CublasLtGemm {
  public:
   // Creates the handle and a workspace on the current device.
@@ -75,6 +86,7 @@ class CublasLtGemm {
     bool row = false;              // GemmOrder::kRow: a is the first operand, else b is
     bool ran_with_addend = false;  // its kernels for a nonzero beta are loaded
     bool scaled = false;           // fp8: every run sets its operands' scale pointers
+    Epilogue epilogue;             // every run sets its bias and aux pointers
     int64_t m = 0, k = 0, n = 0;
     std::unique_ptr<Trial> trial;  // while the op's calls still compare candidates
   };
@@ -103,13 +115,17 @@ class CublasLtGemm {
   // a of type `ta`, b of `tb`, c (and the addend) of type `out`: all one type, or fp8 a and
   // b (float8_e4m3fn, float8_e5m2, either) with a bfloat16, float16 or float32 c. fp8
   // GEMMs need b stored transposed (cuBLASLt's fp8 kernels take both operands k-major).
+  // `ep` is cuBLASLt's epilogue on the product (a shape with one is another plan; tuned
+  // with `args`' bias and aux, which must then be set); it takes no addend.
   Status Prepare(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
-                 void* c, int64_t m, int64_t k, int64_t n, const void* addend,
+                 void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep, const GemmArgs& args,
                  cudaStream_t tune_stream, Plan** plan);
-  // The same with every operand of type `t`.
+  // The same with every operand of type `t` and no epilogue.
   Status Prepare(DType t, const void* a, const void* b, bool b_transposed, void* c, int64_t m,
                  int64_t k, int64_t n, const void* addend, cudaStream_t tune_stream, Plan** plan) {
-    return Prepare(t, t, t, a, b, b_transposed, c, m, k, n, addend, tune_stream, plan);
+    GemmArgs args;
+    args.addend = addend;
+    return Prepare(t, t, t, a, b, b_transposed, c, m, k, n, Epilogue{}, args, tune_stream, plan);
   }
 
   // Marks the start of an op call: a shape's GEMMs within one call run the same trial
@@ -125,14 +141,14 @@ class CublasLtGemm {
   // warm-up round and kTrialRounds timed ones, the candidate with the smallest median
   // time is kept. So the kernel is chosen beside the op's own copies and waits, at the
   // clock the op runs at, which tuning alone cannot see.
-  // `scales` (fp8 plans; on the device): a's scale at [0], b's at [kScaleStride] (each
-  // 16-byte aligned), multiplying the product.
+  // `args.scales` (fp8 plans): multiplying the product; `args.bias` and `args.aux`: the
+  // plan's epilogue's.
   Status Matmul(Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream,
-                const void* addend = nullptr, const float* scales = nullptr);
+                const GemmArgs& args = {});
 
  private:
-  // PackTypes(a's, b's and c's type), m, k, n, b transposed
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, bool>;
+  // PackTypes(a's, b's and c's type), m, k, n, b transposed, Epilogue::Code()
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, int>;
   // The descriptor and layouts of `key` as `row` describes it.
   Status Describe(const Key& key, bool row, Plan* p) const;
   static void Destroy(Plan& p);
@@ -148,24 +164,27 @@ class CublasLtGemm {
   };
   // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
   // candidate, timed on `stream`), stored in plans_.
-  Status MakePlan(const Key& key, const void* a, const void* b, void* c, cudaStream_t stream,
-                  Plan** plan);
+  Status MakePlan(const Key& key, const Epilogue& ep, const void* a, const void* b, void* c,
+                  const GemmArgs& args, cudaStream_t stream, Plan** plan);
   // Times `candidates` on `stream` (see the .cc) and sets `best` to the fastest one's index,
   // or -1 if none can run here.
   Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
-              cudaStream_t stream, std::vector<Candidate>* candidates, int* best);
+              const GemmArgs& args, cudaStream_t stream, std::vector<Candidate>* candidates,
+              int* best);
   // Matmul while `p` has a trial.
   Status TrialMatmul(Plan& p, const void* a, const void* b, void* c, cudaStream_t stream,
-                     const void* addend, const float* scales);
+                     const GemmArgs& args);
   // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
   // ends the trial once every timing is in.
   Status Harvest(Plan& p);
   static void DestroyTrial(Trial& t);
   // Points `p`'s fp8 scales at `scales` (as Matmul's, device memory).
   Status SetScales(const Plan& p, const float* scales) const;
+  // Points `p`'s epilogue at its bias and pre-GELU output.
+  Status SetEpilogueOperands(const Plan& p, const GemmArgs& args) const;
   // Enqueues one GEMM of `p`'s shape with `algo`.
   Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
-             cudaStream_t stream, const void* addend = nullptr, const float* scales = nullptr);
+             cudaStream_t stream, const GemmArgs& args = {});
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -27,7 +27,8 @@ void CublasLtGemm::DestroyTrial(Trial& t) {
 }
 
 Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
-                          cudaStream_t stream, std::vector<Candidate>* candidates, int* best) {
+                          const GemmArgs& args, cudaStream_t stream,
+                          std::vector<Candidate>* candidates, int* best) {
   // Events bracket each candidate's runs of a round: 2 per candidate, made once.
   const size_t count = candidates->size();
   std::vector<cudaEvent_t> events(2 * count, nullptr);
@@ -56,7 +57,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       const Plan& p = described[cand.description];
       st = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
       for (int r = 0; r < runs && st.ok(); ++r) {
-        Status run = Run(p, cand.algo, a, b, c, stream);
+        Status run = Run(p, cand.algo, a, b, c, stream, args);
         if (!run.ok() && round == 0) break;  // cannot run here: skipped from now on
         st = run;
         ran[i] = true;
@@ -110,9 +111,9 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
 }
 
 Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
-                                 cudaStream_t stream, const void* addend, const float* scales) {
+                                 cudaStream_t stream, const GemmArgs& args) {
   JAX_UB_RETURN_IF_ERROR(Harvest(p));
-  if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, addend, scales);  // just decided
+  if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, args);  // just decided
   Trial& tr = *p.trial;
   const int count = static_cast<int>(tr.algos.size());
   if (tr.last_call != call_) {  // this call's first GEMM of the shape: the next candidate
@@ -122,9 +123,9 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
   const int candidate = (tr.calls - 1) % count;
   // Past the warm-up round and the timed ones: the tuned pick until the timings are in.
   const int round = (tr.calls - 1) / count;
-  if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, addend, scales);
+  if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, args);
   const cublasLtMatmulAlgo_t& algo = tr.algos[candidate];
-  if (round == 0) return Run(p, algo, a, b, c, stream, addend, scales);
+  if (round == 0) return Run(p, algo, a, b, c, stream, args);
   while (tr.spare.size() < 2) {  // events are owned by the trial from creation on
     cudaEvent_t e = nullptr;
     JAX_UB_CUDA(cudaEventCreate(&e));
@@ -132,7 +133,7 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
   }
   const Trial::Timing timing{candidate, tr.spare[tr.spare.size() - 2], tr.spare.back()};
   Status st = CudaStatus(cudaEventRecord(timing.begin, stream), "cudaEventRecord");
-  if (st.ok()) st = Run(p, algo, a, b, c, stream, addend, scales);
+  if (st.ok()) st = Run(p, algo, a, b, c, stream, args);
   if (st.ok()) st = CudaStatus(cudaEventRecord(timing.end, stream), "cudaEventRecord");
   if (!st.ok()) return st;  // the events stay spare
   tr.spare.resize(tr.spare.size() - 2);

@@ -56,13 +56,24 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   // peer (see CublasLtGemm::Prepare), with the operands of its steps. Peers may be writing
   // their chunks into our buffer meanwhile, which only matters for values: Prepare writes
   // only its step's destination (our output or staging area), which the step rewrites.
+  auto gemm_args = [&](const Step& g) {
+    GemmArgs args;
+    args.addend = at(g.addend);
+    args.scales = scales;
+    if (g.epilogue) {
+      args.bias = ops.bias;
+      args.aux = at(g.aux);
+    }
+    return args;
+  };
   std::vector<CublasLtGemm::Plan*> plans(steps.size(), nullptr);
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& g = steps[i];
     if (g.kind != Step::Kind::kGemm) continue;
     JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(shape.in, shape.w_type, shape.out, at(g.src), ops.w,
                                             ops.w_transposed, at(g.dst), g.rows, shape.k, shape.n,
-                                            at(g.addend), s->tune, &plans[i]));
+                                            g.epilogue ? shape.epilogue : Epilogue{}, gemm_args(g),
+                                            s->tune, &plans[i]));
   }
   s->gemm->BeginCall();
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
@@ -97,8 +108,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
             Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, s->rank), e));
         break;
       case Step::Kind::kGemm:
-        JAX_UB_RETURN_IF_ERROR(s->gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream,
-                                               at(step.addend), scales));
+        JAX_UB_RETURN_IF_ERROR(
+            s->gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream, gemm_args(step)));
         break;
       case Step::Kind::kSum:
         JAX_UB_RETURN_IF_ERROR(

@@ -89,20 +89,53 @@ Status DecodeCall(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_tra
       CheckMatmulOperands(op, x, w, w_transposed, scales, out, &in, &w_type, &out_type));
   call->comm = Registry<Comm>::Get(comm_id);
   if (!call->comm) return FailedPrecondition("communicator was finalized");
-  call->shape =
-      CallShape{0, x.dimensions()[1], w.dimensions()[w_transposed ? 0 : 1], in, w_type, out_type};
-  call->ops = Operands{x.untyped_data(),   w.untyped_data(),
-                       w_transposed,       static_cast<const float*>(scales.untyped_data()),
-                       out.untyped_data(), nullptr};
+  CallShape& shape = call->shape;
+  shape.k = x.dimensions()[1];
+  shape.n = w.dimensions()[w_transposed ? 0 : 1];
+  shape.in = in;
+  shape.w_type = w_type;
+  shape.out = out_type;
+  Operands& ops = call->ops;
+  ops.x = x.untyped_data();
+  ops.w = w.untyped_data();
+  ops.w_transposed = w_transposed;
+  ops.scales = static_cast<const float*>(scales.untyped_data());
+  ops.out = out.untyped_data();
+  return Status::Ok();
+}
+
+// The epilogue of an all_gather_matmul call: a bias [n] of the output's type (none when
+// empty), GELU where `gelu`, and the pre-GELU value kept in `aux` (as out; none when empty).
+inline Status DecodeEpilogue(ffi::AnyBuffer bias, ffi::AnyBuffer out, ffi::AnyBuffer aux, bool gelu,
+                             CallShape* shape, Operands* ops) {
+  const int64_t n = out.dimensions()[1];
+  if (bias.element_count() > 0) {
+    if (bias.dimensions().size() != 1 || bias.dimensions()[0] != n ||
+        bias.element_type() != out.element_type())
+      return InvalidArgument("all_gather_matmul: bias must be [n] = [" + std::to_string(n) +
+                             "] of the output's dtype");
+    shape->epilogue.bias = true;
+    ops->bias = bias.untyped_data();
+  }
+  shape->epilogue.gelu = gelu;
+  if (aux.element_count() > 0) {
+    if (!gelu || aux.element_count() != out.element_count() ||
+        aux.element_type() != out.element_type())
+      return InvalidArgument(
+          "all_gather_matmul: the pre-GELU output must be laid out as the output, with gelu");
+    shape->epilogue.aux = true;
+    ops->aux = aux.untyped_data();
+  }
   return Status::Ok();
 }
 
 // Decode and check an all_gather_matmul call: x [m, k], w [k, n] (or [n, k] transposed),
-// out [size*m, n].
+// out [size*m, n], and its epilogue (DecodeEpilogue).
 template <typename Comm>
 Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
-                        ffi::AnyBuffer scales, ffi::AnyBuffer out, ffi::AnyBuffer gathered,
-                        int64_t comm_id, MatmulCall<Comm>* call) {
+                        ffi::AnyBuffer scales, ffi::AnyBuffer bias, ffi::AnyBuffer out,
+                        ffi::AnyBuffer gathered, ffi::AnyBuffer aux, int64_t comm_id, bool gelu,
+                        MatmulCall<Comm>* call) {
   JAX_UB_RETURN_IF_ERROR(
       DecodeCall("all_gather_matmul", x, w, w_transposed, scales, out, comm_id, call));
   call->shape.m = x.dimensions()[0];
@@ -112,7 +145,7 @@ Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
     call->shape.gathered = true;
     call->ops.gathered = gathered.untyped_data();
   }
-  return Status::Ok();
+  return DecodeEpilogue(bias, out, aux, gelu, &call->shape, &call->ops);
 }
 
 // Decode and check a matmul_reduce_scatter call: x [size*m, k], w [k, n] (or [n, k]

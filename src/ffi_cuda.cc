@@ -11,11 +11,13 @@ namespace jax_ub {
 namespace {
 
 ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                              ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                              ffi::AnyBuffer w, ffi::AnyBuffer scales, ffi::AnyBuffer bias,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
-                              int64_t comm_id, bool transpose_w) {
+                              ffi::Result<ffi::AnyBuffer> aux, int64_t comm_id, bool transpose_w,
+                              bool gelu) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareAllGather(x, w, transpose_w, scales, *out, *gathered, comm_id, &c);
+  Status st =
+      PrepareAllGather(x, w, transpose_w, scales, bias, *out, *gathered, *aux, comm_id, gelu, &c);
   if (st.ok()) st = c.comm->Call(device, stream, OpKind::kAllGatherMatmul, c.shape, c.ops);
   return ToFfiError(st);
 }
@@ -39,10 +41,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCuda, AllGatherMatmulGpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm_id")
-                                  .Attr<bool>("transpose_w"));
+                                  .Attr<bool>("transpose_w")
+                                  .Attr<bool>("gelu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCuda, MatmulReduceScatterGpu,
                               ffi::Ffi::Bind()

@@ -309,7 +309,8 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
       case Step::Kind::kGemm: {
         char* dst = at(step.dst);
         HostGemm(shape.in, shape.w_type, shape.out, at(step.src), ops.w, ops.w_transposed, scale,
-                 dst, step.rows, shape.k, shape.n);
+                 dst, step.rows, shape.k, shape.n, step.epilogue ? shape.epilogue : Epilogue{},
+                 ops.bias, at(step.aux));
         if (step.addend.region != Region::kNone) {
           const void* parts[2] = {dst, at(step.addend)};
           HostSum(shape.out, parts, 2, dst, step.rows * shape.n);

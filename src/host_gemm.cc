@@ -87,12 +87,18 @@ void FromFloat(DType t, const float* src, void* dst, int64_t count) {
 }  // namespace
 
 void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
-              float scale, void* c, int64_t m, int64_t k, int64_t n) {
+              float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep,
+              const void* bias, void* aux) {
   // Scratch is per thread: XLA runs each CPU device's handler on its own thread.
-  thread_local std::vector<float> fb, fa, acc;
+  thread_local std::vector<float> fb, fa, acc, fbias;
   fb.resize(k * n);
   fa.resize(k);
   acc.resize(n);
+  if (ep.bias) {
+    fbias.resize(n);
+    ToFloat(out, bias, fbias.data(), n);
+  }
+  const int64_t row_bytes = n * DTypeSize(out);
   const int64_t a_size = DTypeSize(ta), b_size = DTypeSize(tb);
   if (b_transposed) {  // row j of the stored [n, k] is column j of b
     for (int64_t j = 0; j < n; ++j) {
@@ -112,7 +118,13 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
     }
     if (scale != 1.0f)
       for (int64_t j = 0; j < n; ++j) acc[j] *= scale;
-    FromFloat(out, acc.data(), static_cast<char*>(c) + i * n * DTypeSize(out), n);
+    if (ep.bias)
+      for (int64_t j = 0; j < n; ++j) acc[j] += fbias[j];
+    if (ep.gelu) {
+      if (ep.aux) FromFloat(out, acc.data(), static_cast<char*>(aux) + i * row_bytes, n);
+      for (int64_t j = 0; j < n; ++j) acc[j] = GeluTanh(acc[j]);
+    }
+    FromFloat(out, acc.data(), static_cast<char*>(c) + i * row_bytes, n);
   }
 }
 

@@ -5,13 +5,17 @@
 #include <cstdint>
 
 #include "dtype.h"
+#include "epilogue.h"
 
 namespace jax_ub {
 
 // c[m, n] (type `out`) = scale * (a[m, k] @ b[k, n]) (a of type `ta`, b of type `tb`), all
-// row-major; with `b_transposed`, b is stored as its transpose [n, k].
+// row-major; with `b_transposed`, b is stored as its transpose [n, k]. `ep` is applied to
+// the float32 product before the one rounding: + bias[n] (type `out`), then GELU, the
+// pre-GELU value rounded into aux[m, n] (type `out`) where `ep.aux`.
 void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
-              float scale, void* c, int64_t m, int64_t k, int64_t n);
+              float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep = {},
+              const void* bias = nullptr, void* aux = nullptr);
 
 // c[m, n] (type t) = sum over j of parts[j][m, n] (type t), accumulated in float in the
 // order given, rounded once.

@@ -102,7 +102,10 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
         steps.push_back(
             Copy(rank, src, At(Region::kGathered, span.first * chunk), span.count * chunk));
     }
-    steps.push_back(Gemm(src, At(Region::kOut, span.first * out_rows), span.count * c.m));
+    Step gemm = Gemm(src, At(Region::kOut, span.first * out_rows), span.count * c.m);
+    gemm.epilogue = c.epilogue.Any();
+    if (c.epilogue.aux) gemm.aux = At(Region::kAux, span.first * out_rows);
+    steps.push_back(gemm);
   }
   if (c.gathered) steps.push_back(Join(kComputeLane, rank));
   steps.push_back(Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0));

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "call_descriptor.h"
+#include "epilogue.h"
 
 namespace jax_ub {
 
@@ -94,6 +95,7 @@ enum class Region : uint8_t {
   kX,           // the op's local input
   kOut,         // the op's output
   kGathered,    // all_gather(x), where the caller asked for it
+  kAux,         // the pre-GELU output, where the epilogue keeps it (laid out as kOut)
   kBuffer,      // this rank's userbuffer
   kPeerBuffer,  // rank `peer`'s userbuffer (symmetric: the same offsets)
 };
@@ -128,7 +130,8 @@ struct Step {
     kPublish,  // the lane writes this call's descriptor into `peer`'s slot (for our rank)
     kCopy,     // bytes from src to dst
     kSignal,   // the lane raises `peer`'s flag[our rank] to this call's epoch
-    kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n])
+    kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
+               // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
     kSum,      // out = the group's partials in our buffer (one per rank), in rank order
     kJoin,     // the lane waits for all work enqueued so far on lane `peer`
     kVerify,   // every peer's descriptor matches ours; else the outputs are poisoned
@@ -138,7 +141,8 @@ struct Step {
   int peer = -1;
   Flag flag = Flag::kData;
   const char* what = "";  // kWait: what the peer is awaited to do, for errors
-  Ref src, dst, addend;
+  Ref src, dst, addend, aux;
+  bool epilogue = false;  // kGemm
   // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
   // of dst (and src_bytes those of src) that a failed check poisons.
   int64_t bytes = 0;
@@ -149,23 +153,27 @@ struct Step {
 // One rank's view of one call: out = all_gather(x[m, k]) @ w[k, n] for kAllGatherMatmul,
 // out[m, n] = reduce_scatter(x[size*m, k] @ w) for kMatmulReduceScatter. x and w are of
 // type `in` and `w_type` (the same, or both fp8), the output (and a reduce-scatter's
-// partials) of type `out`.
+// partials) of type `out`. An AG's GEMMs end with `epilogue` (an RS has none: its bias is
+// added after the reduction, by the caller).
 struct CallShape {
-  int64_t m, k, n;
+  int64_t m = 0, k = 0, n = 0;
   DType in = DType::kF32, w_type = DType::kF32, out = DType::kF32;
   bool gathered = false;  // AG: the caller wants all_gather(x) too
+  Epilogue epilogue;
 };
 
 // Where a call's operands are, which the steps' Refs point into.
 struct Operands {
-  const void* x;
-  const void* w;
-  bool w_transposed;  // w stored as its transpose [n, k]
+  const void* x = nullptr;
+  const void* w = nullptr;
+  bool w_transposed = false;  // w stored as its transpose [n, k]
   // x_scale at [0], w_scale at [kScaleStride]: multiplying the product (fp8). Device memory
   // on GPUs, each scale 16-byte aligned there, as cuBLASLt reads them.
   const float* scales;
   void* out;
-  void* gathered;  // null unless CallShape::gathered
+  void* gathered;              // null unless CallShape::gathered
+  const void* bias = nullptr;  // [n] of the output's type, where the epilogue adds one
+  void* aux = nullptr;         // like out, where the epilogue keeps the pre-GELU value
 };
 
 // The address `r` names: in the call's operands, this rank's userbuffer (`buffer`), or
@@ -179,6 +187,8 @@ char* Resolve(const Ref& r, const Operands& ops, char* buffer, PeerBuffer peer_b
       return static_cast<char*>(ops.out) + r.offset;
     case Region::kGathered:
       return static_cast<char*>(ops.gathered) + r.offset;
+    case Region::kAux:
+      return static_cast<char*>(ops.aux) + r.offset;
     case Region::kBuffer:
       return buffer + r.offset;
     case Region::kPeerBuffer:

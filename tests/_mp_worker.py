@@ -113,28 +113,32 @@ def shard_errors(got, want) -> list[float]:
     return errs
 
 
-def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3):
+def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3, epilogue=False):
     """Both ops (all_gather_matmul with its gathered x), and the grads of a loss through
     both, using no XLA collective at all: each process compares its own shards with a
     reference computed on one device. (NCCL refuses processes that share a GPU.) Returns
-    relative errors of [gathered, AG, RS, dx, dw1, dw2]."""
+    relative errors of [gathered, AG, RS, dx, dw1, dw2]; with ``epilogue`` the AG adds a
+    bias b1 and applies GELU in its GEMMs, and the errors end with db1's."""
     tp = mesh.shape[axis]
+    ag_kw = dict(activation="gelu") if epilogue else {}
 
-    def model(x, w1, w2):
-        h, g = jax_ub.all_gather_matmul(x, w1, axis, impl="ub", return_gathered=True)
+    def model(x, w1, w2, *b1):
+        h, g = jax_ub.all_gather_matmul(
+            x, w1, axis, impl="ub", return_gathered=True, bias=b1[0] if b1 else None, **ag_kw
+        )
         return h, g, jax_ub.matmul_reduce_scatter(jnp.tanh(h), w2, axis, impl="ub")
 
-    def body(x, w1, w2):
-        h, g, z = model(x, w1, w2)
+    def body(x, w1, w2, *b1):
+        h, g, z = model(x, w1, w2, *b1)
 
         # The loss of this rank's rows; its grads through the ops' VJPs (ub ops only) are
         # this rank's shards of the global loss's grads.
         def local(*a):
             return jnp.sum(jnp.sin(model(*a)[2].astype(jnp.float32)))
 
-        return (g, h, z, *jax.grad(local, argnums=(0, 1, 2))(x, w1, w2))
+        return (g, h, z, *jax.grad(local, argnums=tuple(range(3 + len(b1))))(x, w1, w2, *b1))
 
-    specs = (P(axis, None), P(None, axis), P(axis, None))
+    specs = (P(axis, None), P(None, axis), P(axis, None)) + ((P(axis),) if epilogue else ())
     f = jax.jit(
         jax.shard_map(
             body,
@@ -144,7 +148,7 @@ def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3):
             check_vma=False,
         )
     )
-    shapes = ((tp * m, k), (k, tp * n), (tp * n, k))
+    shapes = ((tp * m, k), (k, tp * n), (tp * n, k)) + (((tp * n,),) if epilogue else ())
     full = [
         scale * np.asarray(jax.random.normal(jax.random.key(i), shape, jnp.float32))
         for i, shape in enumerate(shapes)
@@ -158,14 +162,18 @@ def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3):
     got = f(*(a.astype(dtype) for a in args))
 
     # The reference: the same math on whole arrays on one device, f32 at full precision.
-    def dense(x, w1, w2):
+    def dense(x, w1, w2, *b1):
         h = jnp.dot(x, w1, precision="highest")
+        if epilogue:
+            h = jax.nn.gelu(h + b1[0], approximate=True)
         return h, x, jnp.dot(jnp.tanh(h), w2, precision="highest")
 
     one = jax.local_devices()[0]
     full = [jax.device_put(a, one) for a in full]
     h, g, z = dense(*full)
-    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a)[2])), argnums=(0, 1, 2))(*full)
+    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a)[2])), argnums=tuple(range(len(full))))(
+        *full
+    )
     return shard_errors(got, (g, h, z, *grads))
 
 
@@ -258,6 +266,12 @@ try:
             for dtype in (jnp.float32, jnp.bfloat16):
                 key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
                 result[key] = check[scenario](mesh, "tp", 41, 64, 48, dtype)
+        if scenario == "protocol":  # the AG's epilogue (bias, GELU) across the spans
+            for dtype in (jnp.float32, jnp.bfloat16):
+                key = f"epilogue,{jnp.dtype(dtype).name}"
+                result[key] = run_ops_without_collectives(
+                    mesh, "tp", 41, 64, 48, dtype, epilogue=True
+                )
     elif scenario == "dp_across_tp_inside":
         result = run_ops(Mesh(devices.reshape(nproc, ndev), ("dp", "tp")), "tp", ("dp",))
     elif scenario == "mismatched_shape":

@@ -44,6 +44,21 @@ def test_bench_fp8_rows(tmp_path):
         assert r["ub_fp8_over_fp8_gemm"] > 0
 
 
+def test_bench_epilogue_rows(tmp_path):
+    """--epilogue adds gelu(x @ w + bias) by jax_ub (in its GEMMs' epilogue), by XLA's op and
+    after XLA's dot alone, each checked against XLA's op with the same epilogue."""
+    out = tmp_path / "bench.json"
+    bench.main(
+        "--shapes 64x32x64 --tp 2 --rounds 1 --iters 2 --ops ag --epilogue "
+        f"--no-windowed-einsum --json {out}".split()
+    )
+    (r,) = json.loads(out.read_text())["results"]
+    assert {"jax_ub_bias_gelu", "xla_bias_gelu", "gemm_bias_gelu"} <= set(r["times_ms"])
+    assert r["rel_err"]["jax_ub_bias_gelu"] < 1e-2, r["rel_err"]  # bf16 rounding only
+    assert r["rel_err"]["gemm_bias_gelu"] < 1e-2, r["rel_err"]
+    assert r["ub_epilogue_over_ub"] > 0 and r["ub_epilogue_over_gemm"] > 0
+
+
 def test_bench_refuses_loop_seconds_across_processes():
     with pytest.raises(SystemExit):
         bench.main("--processes 2 --loop-seconds 1".split())

@@ -19,13 +19,14 @@ def test_tp_group_across_processes(nproc, ndev):
 
 
 def check_protocol(res: dict) -> None:
-    """The "protocol" scenario's errors: per fold setting and dtype, the gathered x (exact),
-    both ops and the three grads against XLA's path."""
-    assert sorted(res) == sorted(
-        f"fold_rows={f},{d}" for f in (-1, 0) for d in ("float32", "bfloat16")
-    ), res
+    """The "protocol" scenario's errors: per fold setting and dtype, and with the AG's
+    epilogue per dtype, the gathered x (exact), both ops and the grads (three, or four with
+    the bias) against XLA's path."""
+    dtypes = ("float32", "bfloat16")
+    want = [f"fold_rows={f},{d}" for f in (-1, 0) for d in dtypes]
+    assert sorted(res) == sorted(want + [f"epilogue,{d}" for d in dtypes]), res
     for key, errs in res.items():
-        assert len(errs) == 6, (key, errs)
+        assert len(errs) == (7 if key.startswith("epilogue") else 6), (key, errs)
         assert errs[0] == 0.0, (key, errs)  # the gathered copy moves bytes
         tol = 1e-5 if key.endswith("float32") else 2e-2
         assert all(0 <= e < tol for e in errs), (key, errs)
@@ -33,7 +34,7 @@ def check_protocol(res: dict) -> None:
 
 def test_protocol_across_processes():
     """Every branch of the step lists across processes, tp=2: folded (uneven pieces) and
-    unfolded reduce-scatters, the gathered copy, f32 and bf16."""
+    unfolded reduce-scatters, the gathered copy, the AG's epilogue, f32 and bf16."""
     for r in results(run("protocol", 2, 1)):
         check_protocol(r["errs"])
 

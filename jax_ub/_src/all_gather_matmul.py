@@ -1,4 +1,5 @@
-"""all_gather_matmul: all_gather(x) @ w with the gather overlapped with the matmul."""
+"""all_gather_matmul: activation(all_gather(x) @ w + bias), the gather overlapped with the
+matmul and the bias and activation applied in its epilogue."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks, layout
+from jax_ub._src.epilogue import check_epilogue, epilogue_grads
 from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_all_gather_matmul
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
@@ -26,11 +28,14 @@ def all_gather_matmul(
     w: jax.Array,
     axis_name: str,
     *,
+    bias: jax.Array | None = None,
+    activation: str | None = None,
     impl: str = "auto",
     return_gathered: bool = False,
     fp8: Fp8Scales | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """All-gather the rows of ``x`` over ``axis_name`` and multiply by ``w``, overlapped.
+    """All-gather the rows of ``x`` over ``axis_name`` and multiply by ``w``, overlapped;
+    then add ``bias`` and apply ``activation`` in the GEMMs' epilogue.
 
     Two ways to call it:
 
@@ -48,6 +53,10 @@ def all_gather_matmul(
       x: local row shard ``[m, ..., k]``; gathered along axis 0 (sequence-parallel input).
       w: local weight ``[k, n]`` (typically the column shard of a larger weight).
       axis_name: the mesh axis to gather over, of size ``tp``.
+      bias: ``[n]``, added to every row of the product (a column-parallel layer's bias
+        shard: sharded like ``w``'s columns); cast to the output's dtype.
+      activation: ``None`` or ``"gelu"`` (the tanh approximation, ``jax.nn.gelu``'s
+        default), applied after the bias.
       impl: ``"ub"`` (userbuffer custom call), ``"xla"`` (lax reference), or ``"auto"``
         (``"ub"`` where this platform and dtype are supported, else ``"xla"``).
       return_gathered: also return ``all_gather(x)``, e.g. to keep it for a backward pass
@@ -58,11 +67,14 @@ def all_gather_matmul(
         ``jax_ub.fp8``). ``impl="xla"`` runs the same quantized math on XLA's collectives.
 
     Returns:
-      ``all_gather(x, axis_name, tiled=True) @ w`` of shape ``[tp * m, ..., n]`` and, with
-      ``return_gathered``, the gathered ``x`` of shape ``[tp * m, ..., k]``.
+      ``activation(all_gather(x, axis_name, tiled=True) @ w + bias)`` of shape
+      ``[tp * m, ..., n]`` and, with ``return_gathered``, the gathered ``x`` of shape
+      ``[tp * m, ..., k]``.
 
-    The gradient is overlapped too: ``dx = matmul_reduce_scatter(dy, w.T)`` and
-    ``dw = all_gather(x).T @ dy`` from the gathered ``x`` kept by the forward pass.
+    The gradient is overlapped too: ``dx = matmul_reduce_scatter(dp, w.T)`` and
+    ``dw = all_gather(x).T @ dp`` from the gathered ``x`` kept by the forward pass, where
+    ``dp`` is the gradient of the product (``dy`` through GELU's backward, at GELU's input
+    kept by the forward) and ``dbias`` its sum over rows.
 
     Example::
 
@@ -74,25 +86,29 @@ def all_gather_matmul(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
+    check_epilogue(_OP, x, w, bias, activation)
     if fp8 is not None:
         check_scales(_OP, fp8)
         if return_gathered:
             raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
-        return _on_global_arrays(x, w, axis_name, impl, return_gathered, fp8)
+        return _on_global_arrays(x, w, bias, activation, axis_name, impl, return_gathered, fp8)
     ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None)
     fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
+    if bias is not None:
+        bias = jnp.asarray(bias, x.dtype)  # the output's dtype, as the epilogue adds it
+    gelu = activation == "gelu"
     if fp8 is not None:
-        return fp8_all_gather_matmul(x, w, fp8, axis_name, size, fallback, ub)
+        return fp8_all_gather_matmul(x, w, fp8, bias, axis_name, size, fallback, ub, gelu)
     if not ub:
-        return all_gather_matmul_reference(x, w, axis_name, return_gathered)
-    if return_gathered:
-        return _all_gather_matmul_with_gathered(x, w, axis_name, size, fallback)
-    return _all_gather_matmul(x, w, axis_name, size, fallback)
+        return all_gather_matmul_reference(
+            x, w, axis_name, return_gathered, bias=bias, activation=activation
+        )
+    return _all_gather_matmul(x, w, bias, axis_name, size, fallback, gelu, return_gathered)
 
 
-def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool, fp8):
+def _on_global_arrays(x, w, bias, activation, axis_name: str, impl: str, return_gathered, fp8):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
     if return_gathered:
         layout.context_mesh(_OP, axis_name, x, w)  # the missing-mesh error comes first
@@ -101,8 +117,11 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool, fp
             f"gathered x is x itself ({x.shape=})"
         )
 
-    def local(x, w, fp8=None):
-        return all_gather_matmul(x, w, axis_name, impl=impl, fp8=fp8)
+    def local(x, w, extra=(None, None)):
+        bias, fp8 = extra
+        return all_gather_matmul(
+            x, w, axis_name, bias=bias, activation=activation, impl=impl, fp8=fp8
+        )
 
     return layout.on_global_arrays(
         _OP,
@@ -113,7 +132,8 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, return_gathered: bool, fp
         (P(axis_name), P(None, axis_name)),
         P(*([None] * (x.ndim - 1)), axis_name),
         {"rows of x (dim 0)": x.shape[0], "columns of w": w.shape[1]},
-        fp8,
+        None if bias is None and fp8 is None else (bias, fp8),
+        (P(axis_name), P()),  # the bias's columns are w's; fp8 scales replicated
     )
 
 
@@ -123,48 +143,36 @@ def contract_rows(a, b):
     return jnp.tensordot(a, b, axes=(lead, lead))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _all_gather_matmul(x, w, axis_name, size, fallback):
-    out, _ = bind_all_gather_matmul(x, w, axis_name, size, False, fallback=fallback)
-    return out
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _all_gather_matmul(x, w, bias, axis_name, size, fallback, gelu, return_gathered):
+    out, gathered, _ = bind_all_gather_matmul(
+        x, w, axis_name, size, return_gathered, fallback=fallback, bias=bias, gelu=gelu
+    )
+    return (out, gathered) if return_gathered else out
 
 
-def _fwd(x, w, axis_name, size, fallback):
-    out, gathered = bind_all_gather_matmul(x, w, axis_name, size, True, fallback=fallback)
-    # The backward needs only x's type (the mesh axes it varies over), not its values: an
-    # empty slice carries that type without keeping the activation alive.
-    return out, (x[:0], gathered, w)
+def _fwd(x, w, bias, axis_name, size, fallback, gelu, return_gathered):
+    out, gathered, pre = bind_all_gather_matmul(
+        x, w, axis_name, size, True, fallback=fallback, bias=bias, gelu=gelu, keep_pre_gelu=True
+    )
+    # The backward needs only x's and the bias's types (the mesh axes they vary over), not
+    # their values: empty slices carry them without keeping the activation alive.
+    bias_like = None if bias is None else bias[:0]
+    res = (x[:0], gathered, w, pre if gelu else None, bias_like)
+    return ((out, gathered) if return_gathered else out), res
 
 
-def _bwd(axis_name, size, fallback, res, dy):
-    x, gathered, w = res
-    # dx = reduce_scatter(dy @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True, fallback=fallback)
-    dw = contract_rows(gathered, dy)
-    return match_varying(dx, x), match_varying(dw, w)
+def _bwd(axis_name, size, fallback, gelu, return_gathered, res, cts):
+    x, gathered, w, pre, bias_like = res
+    dy, dgathered = cts if return_gathered else (cts, None)
+    dp, dbias = epilogue_grads(dy, pre, bias_like, gelu)
+    # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place.
+    dx = bind_matmul_reduce_scatter(dp, w, axis_name, size, transpose_w=True, fallback=fallback)
+    dx = match_varying(dx, x)
+    if dgathered is not None:
+        scattered = lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True)
+        dx = dx + match_varying(scattered, x)
+    return dx, match_varying(contract_rows(gathered, dp), w), dbias
 
 
 _all_gather_matmul.defvjp(_fwd, _bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _all_gather_matmul_with_gathered(x, w, axis_name, size, fallback):
-    return tuple(bind_all_gather_matmul(x, w, axis_name, size, True, fallback=fallback))
-
-
-def _fwd_gathered(x, w, axis_name, size, fallback):
-    out, gathered = bind_all_gather_matmul(x, w, axis_name, size, True, fallback=fallback)
-    return (out, gathered), (x[:0], gathered, w)
-
-
-def _bwd_gathered(axis_name, size, fallback, res, cts):
-    x, gathered, w = res
-    dy, dgathered = cts
-    dx = bind_matmul_reduce_scatter(dy, w, axis_name, size, transpose_w=True, fallback=fallback)
-    dx = match_varying(dx, x) + match_varying(
-        lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True), x
-    )
-    return dx, match_varying(contract_rows(gathered, dy), w)
-
-
-_all_gather_matmul_with_gathered.defvjp(_fwd_gathered, _bwd_gathered)

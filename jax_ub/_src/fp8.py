@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ub._src.epilogue import epilogue_grads
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
@@ -103,15 +104,19 @@ def check_scales(op: str, fp8: object) -> None:
             )
 
 
-def _ag(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
-    """(all_gather(x_q) @ w_t.T scaled by sx * sw, all_gather(x_q)); ``w_t`` is the weight
-    stored k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
+def _ag(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub, bias=None, gelu=False):
+    """(y, all_gather(x_q), GELU's input or an empty [0, ..., n]), y = gelu?(all_gather(x_q)
+    @ w_t.T scaled by sx * sw + bias?); ``w_t`` is the weight stored k-major, ``[n, k]``,
+    as cuBLASLt's fp8 GEMMs read it."""
     scales = pack_scales(sx, sw)
     if ub:
         return bind_all_gather_matmul(
-            x_q, w_t, axis_name, size, True, True, fallback, scales, out_dtype
+            x_q, w_t, axis_name, size, True, True, fallback, scales, out_dtype, bias, gelu, gelu
         )
-    return all_gather_matmul_reference(x_q, w_t.T, axis_name, True, scales, out_dtype)
+    activation = "gelu" if gelu else None
+    return all_gather_matmul_reference(
+        x_q, w_t.T, axis_name, True, scales, out_dtype, bias, activation, True
+    )
 
 
 def _rs(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
@@ -147,25 +152,29 @@ def _seen(given, local_amax, axis_name):
     return None if given is None else lax.pmax(local_amax, axis_name)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def fp8_all_gather_matmul(x, w, fp8, axis_name, size, fallback, ub):
-    """all_gather(x) @ w in fp8 (module docstring); ``ub`` picks the custom call or XLA."""
-    return _ag_fwd(x, w, fp8, axis_name, size, fallback, ub)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def fp8_all_gather_matmul(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
+    """gelu?(all_gather(x) @ w + bias?) in fp8 (module docstring); ``ub`` picks the custom
+    call or XLA."""
+    return _ag_fwd(x, w, fp8, bias, axis_name, size, fallback, ub, gelu)[0]
 
 
-def _ag_fwd(x, w, fp8, axis_name, size, fallback, ub):
+def _ag_fwd(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
     # x is gathered: its current scale is the group's, one scale for every chunk.
     lx = amax(x, axis_name) if fp8.x is None else amax(x)
     lw = amax(w)
     sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
     w_q = quantize(w, sw)
-    out, g_q = _ag(quantize(x, sx), w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub)
+    x_q = quantize(x, sx)
+    out, g_q, pre = _ag(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub, bias, gelu)
     seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
-    return out, (x[:0], w[:0], w_q, g_q, sx, sw, fp8.grad, seen)
+    epilogue_res = (pre if gelu else None, None if bias is None else bias[:0])
+    return out, (x[:0], w[:0], w_q, g_q, sx, sw, fp8.grad, seen, epilogue_res)
 
 
-def _ag_bwd(axis_name, size, fallback, ub, res, dy):
-    x0, w0, w_q, g_q, sx, sw, given_grad, (ax, aw) = res
+def _ag_bwd(axis_name, size, fallback, ub, gelu, res, dy):
+    x0, w0, w_q, g_q, sx, sw, given_grad, (ax, aw), (pre, bias_like) = res
+    dy, dbias = epilogue_grads(dy, pre, bias_like, gelu)  # the product's gradient from here
     lg = amax(dy)  # dy's partials are dequantized by each rank's GEMM: a local scale fits
     sg = _scale_of(given_grad, lg, E5M2)
     dy_q = quantize(dy, sg, E5M2)
@@ -173,7 +182,7 @@ def _ag_bwd(axis_name, size, fallback, ub, res, dy):
     dx = _rs(dy_q, w_q, sg, sw, x0.dtype, axis_name, size, fallback, ub)
     dw = _weight_grad(g_q, dy_q, sx * sg, w0.dtype)
     seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
-    return match_varying(dx, x0), match_varying(dw, w0), seen
+    return match_varying(dx, x0), match_varying(dw, w0), seen, dbias
 
 
 fp8_all_gather_matmul.defvjp(_ag_fwd, _ag_bwd)
@@ -201,7 +210,7 @@ def _rs_bwd(axis_name, size, fallback, ub, res, dy):
     lg = amax(dy, axis_name) if given_grad is None else amax(dy)
     sg = _scale_of(given_grad, lg, E5M2)
     # dx = all_gather(dy) @ w.T, which hands back the gathered fp8 dy for dw.
-    dx, dyg_q = _ag(quantize(dy, sg, E5M2), w_q, sg, sw, x0.dtype, axis_name, size, fallback, ub)
+    dx, dyg_q, _ = _ag(quantize(dy, sg, E5M2), w_q, sg, sw, x0.dtype, axis_name, size, fallback, ub)
     dw = _weight_grad(x_q, dyg_q, sx * sg, w0.dtype)
     seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
     return match_varying(dx, x0), match_varying(dw, w0), seen

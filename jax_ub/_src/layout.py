@@ -197,20 +197,23 @@ def on_global_arrays(
     specs: tuple[P, P],
     out_spec: P,
     divisible: dict[str, int],
-    replicated: Any = None,
+    extra: Any = None,
+    extra_spec: Any = None,
 ) -> Any:
     """``local(x, w)`` (the op on local shards) run on global arrays: under the context
     mesh (or the arrays'), after checking that each of ``divisible``'s dims splits over the
-    axis and that the layout, where known, is ``specs``. With ``replicated`` (a pytree of
-    values the same on every device, e.g. fp8 scales), ``local(x, w, replicated)``."""
+    axis and that the layout, where known, is ``specs``. With ``extra`` (a pytree of more
+    operands, e.g. fp8 scales, laid out as ``extra_spec`` says, replicated by default),
+    ``local(x, w, extra)``."""
     mesh = context_mesh(op, axis_name, x, w)
     size = int(mesh.shape[axis_name])
     shapes = f"{x.shape=} {w.shape=}"
     for what, value in divisible.items():
         checks.check_divisible(op, what, value, size, axis_name, shapes)
     check_global_layout(op, mesh, {"x": (x, specs[0]), "w": (w, specs[1])})
-    if replicated is not None:
-        return over_axis(local, mesh, axis_name, (*specs, P()), out_spec)(x, w, replicated)
+    if extra is not None:
+        spec = P() if extra_spec is None else extra_spec
+        return over_axis(local, mesh, axis_name, (*specs, spec), out_spec)(x, w, extra)
     return over_axis(local, mesh, axis_name, specs, out_spec)(x, w)
 
 

@@ -1,14 +1,16 @@
-"""matmul_reduce_scatter: psum_scatter(x @ w) with the scatter overlapped with the matmul."""
+"""matmul_reduce_scatter: psum_scatter(x @ w) + bias, the scatter overlapped with the matmul."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks, layout
 from jax_ub._src.all_gather_matmul import contract_rows
+from jax_ub._src.epilogue import check_epilogue
 from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_matmul_reduce_scatter
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
@@ -25,10 +27,12 @@ def matmul_reduce_scatter(
     w: jax.Array,
     axis_name: str,
     *,
+    bias: jax.Array | None = None,
     impl: str = "auto",
     fp8: Fp8Scales | None = None,
 ) -> jax.Array:
-    """Multiply ``x @ w`` and reduce-scatter the rows over ``axis_name``, overlapped.
+    """Multiply ``x @ w`` and reduce-scatter the rows over ``axis_name``, overlapped; then
+    add ``bias``.
 
     Called inside ``jax.shard_map`` (partial-auto too) on local shards, or on global arrays
     under ``jax.set_mesh(mesh)``, as :func:`all_gather_matmul`. On global arrays ``x
@@ -41,12 +45,15 @@ def matmul_reduce_scatter(
         axis); ``M`` must be divisible by the axis size ``tp``.
       w: local weight ``[k, n]`` (typically the row shard of a larger weight).
       axis_name: the mesh axis to reduce over.
+      bias: ``[n]``, the same on every rank (a row-parallel layer's bias), added once to
+        the reduced rows; cast to the output's dtype. XLA fuses the add with what
+        consumes the result (a residual add, typically): it costs no pass of its own.
       impl: ``"ub"``, ``"xla"`` or ``"auto"``, as for :func:`all_gather_matmul`.
       fp8: run in fp8 with these scales, as for :func:`all_gather_matmul`; the partial
         sums the scatter moves are ``x.dtype``.
 
     Returns:
-      ``psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`` of shape
+      ``psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True) + bias`` of shape
       ``[M / tp, ..., n]``: each rank keeps its block of rows of the summed product.
 
     The gradient is overlapped too: ``dx = all_gather_matmul(dy, w.T)`` and
@@ -61,8 +68,15 @@ def matmul_reduce_scatter(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
+    check_epilogue(_OP, x, w, bias, None)
     if fp8 is not None:
         check_scales(_OP, fp8)
+    y = _reduced(x, w, axis_name, impl, fp8)
+    return y if bias is None else y + jnp.asarray(bias, y.dtype)
+
+
+def _reduced(x, w, axis_name: str, impl: str, fp8):
+    """psum_scatter(x @ w): on local shards, or on global arrays."""
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
         return _on_global_arrays(x, w, axis_name, impl, fp8)
@@ -109,7 +123,7 @@ def _bwd(axis_name, size, fallback, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
-    dx, dy_gathered = bind_all_gather_matmul(
+    dx, dy_gathered, _ = bind_all_gather_matmul(
         dy, w, axis_name, size, True, transpose_w=True, fallback=fallback
     )
     return match_varying(dx, x), match_varying(contract_rows(x, dy_gathered), w)

@@ -1,8 +1,9 @@
 """JAX primitives that lower to the userbuffer FFI custom calls.
 
-Operands are ``x [rows, *batch, k]``, ``w [k, n]`` and ``scales`` (``reference.pack_scales``: the
-scales multiplying the product when x and w are fp8; ones otherwise); the custom call
-itself sees ``x`` flattened to 2-D (a free reshape of the local buffer). Lowering is where
+Operands are ``x [rows, *batch, k]``, ``w [k, n]``, ``scales`` (``reference.pack_scales``: the
+scales multiplying the product when x and w are fp8; ones otherwise) and, for the all-gather,
+the epilogue's ``bias`` (``[n]``, or ``[0]`` for none); the custom call itself sees ``x`` and
+the outputs flattened to 2-D (a free reshape of the local buffer). Lowering is where
 the concrete mesh is known, so that is where the communicator is looked up or created and its id
 baked into the custom call.
 
@@ -99,12 +100,26 @@ def _columns(w, transpose_w: bool) -> int:
 
 
 def _all_gather_matmul_abstract(
-    x, w, scales, *, axis_name, axis_size, return_gathered, transpose_w, out_dtype, fallback
+    x,
+    w,
+    scales,
+    bias,
+    *,
+    axis_name,
+    axis_size,
+    return_gathered,
+    transpose_w,
+    out_dtype,
+    fallback,
+    gelu,
+    keep_pre_gelu,
 ):
     m, batch, k = x.shape[0], x.shape[1:-1], x.shape[-1]
-    out = _result(x, (axis_size * m, *batch, _columns(w, transpose_w)), x, w)
+    n = _columns(w, transpose_w)
+    out = _result(x, (axis_size * m, *batch, n), x, w, bias).update(dtype=jnp.dtype(out_dtype))
     gathered = _result(x, (axis_size * m if return_gathered else 0, *batch, k), x)
-    return out.update(dtype=jnp.dtype(out_dtype)), gathered
+    pre_gelu = out.update(shape=(axis_size * m if keep_pre_gelu else 0, *batch, n))
+    return out, gathered, pre_gelu
 
 
 def _matmul_reduce_scatter_abstract(
@@ -170,7 +185,7 @@ def _weight(w, transpose_w: bool):
     return w.T if transpose_w else w
 
 
-def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, x, w, scales, **params):
+def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, *operands, **params):
     """Lower `prim` inside a shard_map over the mesh axes that are still automatic here.
 
     Each device then runs the custom call on its own shard of the batch dims, which keep
@@ -182,25 +197,25 @@ def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, x, w, scales, **para
     types = {a: AxisType.Manual for a in manual}
     abstract = mesh.abstract_mesh.update_axis_types(types) if types else mesh.abstract_mesh
 
-    def body(x, w, scales):
-        return prim.bind(x, w, scales, **params)
+    def body(*operands):
+        return prim.bind(*operands, **params)
 
-    out_specs = [spec, spec] if prim.multiple_results else spec
+    out_specs = [spec] * len(ctx.avals_out) if prim.multiple_results else spec
 
-    def nested(x, w, scales):
+    def nested(*operands):
         return jax.shard_map(
             body,
             mesh=abstract,
-            in_specs=(spec, P(), P()),
+            in_specs=(spec, *[P()] * (len(operands) - 1)),  # x; w, scales, bias replicated
             out_specs=out_specs,
             axis_names=frozenset(auto),
             check_vma=False,
-        )(x, w, scales)
+        )(*operands)
 
     # The nested shard_map is traced against the partly manual mesh of this context and
     # lowered for its concrete devices.
     with mesh_lib.use_abstract_mesh(abstract), sharding_impls._internal_use_concrete_mesh(mesh):
-        return mlir.lower_fun(nested, multiple_results=prim.multiple_results)(ctx, x, w, scales)
+        return mlir.lower_fun(nested, multiple_results=prim.multiple_results)(ctx, *operands)
 
 
 def _flat(aval: core.ShapedArray) -> core.ShapedArray:
@@ -208,28 +223,31 @@ def _flat(aval: core.ShapedArray) -> core.ShapedArray:
     return aval.update(shape=(int(np.prod(aval.shape[:-1])), aval.shape[-1]))
 
 
-def _ffi_call_flat(ctx, target: str, x, w, scales, comm_id: int, transpose_w: bool):
+def _ffi_call_flat(ctx, target: str, x, *operands, comm_id: int, **attrs):
     """The custom call on x flattened to 2-D; results reshaped back to their avals."""
-    x_aval, w_aval, scales_aval = ctx.avals_in
+    x_aval, *others = ctx.avals_in
     flat_outs = [_flat(a) for a in ctx.avals_out]
     x2 = mlir.reshape(ctx, x, _flat(x_aval))
-    flat_ctx = ctx.replace(avals_in=[_flat(x_aval), w_aval, scales_aval], avals_out=flat_outs)
+    flat_ctx = ctx.replace(avals_in=[_flat(x_aval), *others], avals_out=flat_outs)
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
-    outs = rule(flat_ctx, x2, w, scales, comm_id=np.int64(comm_id), transpose_w=bool(transpose_w))
+    outs = rule(flat_ctx, x2, *operands, comm_id=np.int64(comm_id), **attrs)
     return [mlir.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
-def _lowering(prim: core.Primitive, op: str, chunk_aval: Callable, unfused: Callable):
+def _lowering(
+    prim: core.Primitive, op: str, chunk_aval: Callable, unfused: Callable, attrs: tuple = ()
+):
     """The lowering rule of `prim`: nested in a shard_map where mesh axes are still
     automatic (see the module docstring); else the custom call on the communicator for
     the mesh, or `unfused` (XLA's collectives) where impl="auto" finds the group's devices
-    cannot share memory. `chunk_aval(ctx)` is one rank's chunk, which sizes the buffer."""
+    cannot share memory. `chunk_aval(ctx)` is one rank's chunk, which sizes the buffer;
+    `attrs` names the params the custom call gets besides comm_id and transpose_w."""
 
-    def rule(ctx, x, w, scales, **params):
+    def rule(ctx, *operands, **params):
         axis_name = params["axis_name"]
         mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
         if set(mesh.axis_names) - manual:
-            return _lower_nested(prim, ctx, mesh, manual, x, w, scales, **params)
+            return _lower_nested(prim, ctx, mesh, manual, *operands, **params)
         platform = _platform(ctx)
         aval = chunk_aval(ctx)
         chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
@@ -239,24 +257,43 @@ def _lowering(prim: core.Primitive, op: str, chunk_aval: Callable, unfused: Call
             lower = mlir.lower_fun(
                 functools.partial(unfused, **params), multiple_results=prim.multiple_results
             )
-            return lower(ctx, x, w, scales)
-        return _ffi_call_flat(ctx, f"jax_ub_{op}", x, w, scales, comm.id, params["transpose_w"])
+            return lower(ctx, *operands)
+        extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
+        return _ffi_call_flat(ctx, f"jax_ub_{op}", *operands, comm_id=comm.id, **extra)
 
     return rule
 
 
 def _all_gather_matmul_unfused(
-    x, w, scales, *, axis_name, transpose_w, return_gathered, out_dtype, **_
+    x,
+    w,
+    scales,
+    bias,
+    *,
+    axis_name,
+    transpose_w,
+    return_gathered,
+    out_dtype,
+    gelu,
+    keep_pre_gelu,
+    **_,
 ):
-    out, gathered = all_gather_matmul_reference(
+    out, gathered, pre_gelu = all_gather_matmul_reference(
         x,
         _weight(w, transpose_w),
         axis_name,
         return_gathered=True,
         scales=scales,
         out_dtype=out_dtype,
+        bias=bias if bias.shape[0] else None,
+        activation="gelu" if gelu else None,
+        return_pre_activation=True,
     )
-    return out, gathered if return_gathered else gathered[:0]
+    return (
+        out,
+        gathered if return_gathered else gathered[:0],
+        pre_gelu if keep_pre_gelu else pre_gelu[:0],
+    )
 
 
 def _matmul_reduce_scatter_unfused(x, w, scales, *, axis_name, transpose_w, out_dtype, **_):
@@ -272,6 +309,7 @@ mlir.register_lowering(
         "all_gather_matmul",
         lambda ctx: ctx.avals_in[0],  # x
         _all_gather_matmul_unfused,
+        attrs=("gelu",),
     ),
 )
 mlir.register_lowering(
@@ -328,26 +366,37 @@ def bind_all_gather_matmul(
     fallback: bool = False,
     scales=None,
     out_dtype=None,
+    bias=None,
+    gelu: bool = False,
+    keep_pre_gelu: bool = False,
 ):
-    """x [m, *b, k], w [k, n] -> (all_gather(x) @ w, all_gather(x) or an empty [0, *b, k]).
+    """x [m, *b, k], w [k, n] -> (y, all_gather(x) or an empty [0, *b, k], the pre-GELU
+    product or an empty [0, *b, n]), y = gelu?(all_gather(x) @ w + bias?).
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
     backward passes multiply by ``w.T`` without materialising it). With ``fallback``
     (impl="auto"), a group whose devices cannot share memory lowers to XLA's collectives.
     fp8 ``x`` and ``w`` (``w`` transposed) come with ``scales`` (``reference.pack_scales``) and an
-    ``out_dtype``: the product is ``x_scale * w_scale * (x @ w)``.
+    ``out_dtype``: the product is ``x_scale * w_scale * (x @ w)``. The epilogue (``bias``
+    ``[n]`` of the output's dtype, ``gelu``) runs in the GEMMs; ``keep_pre_gelu`` (with
+    ``gelu``) also returns GELU's input, for the backward.
     """
     scales, out_dtype = _scales_and_type(x, scales, out_dtype)
+    if bias is None:
+        bias = jnp.zeros((0,), out_dtype)
     return all_gather_matmul_p.bind(
         x,
         w,
         scales,
+        bias,
         axis_name=axis_name,
         axis_size=axis_size,
         return_gathered=return_gathered,
         transpose_w=transpose_w,
         out_dtype=out_dtype,
         fallback=fallback,
+        gelu=bool(gelu),
+        keep_pre_gelu=bool(keep_pre_gelu and gelu),
     )
 
 

@@ -35,6 +35,20 @@ def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> ja
     return (out * (scales[0] * scales[SCALE_STRIDE])).astype(wide)
 
 
+ACTIVATIONS = (None, "gelu")
+
+
+def gelu(y: jax.Array) -> jax.Array:
+    """GELU's tanh approximation (``jax.nn.gelu``'s default), as cuBLASLt's epilogue computes it."""
+    return jax.nn.gelu(y, approximate=True)
+
+
+def epilogue(y: jax.Array, bias=None, activation: str | None = None):
+    """``(activation(y + bias), y + bias)``: the epilogue's output and the activation's input."""
+    pre = y if bias is None else y + bias.astype(y.dtype)
+    return (gelu(pre) if activation == "gelu" else pre), pre
+
+
 def all_gather_matmul_reference(
     x: jax.Array,
     w: jax.Array,
@@ -42,12 +56,17 @@ def all_gather_matmul_reference(
     return_gathered: bool = False,
     scales=None,
     out_dtype=None,
+    bias=None,
+    activation: str | None = None,
+    return_pre_activation: bool = False,
 ):
-    """all_gather(x, axis_name, tiled=True) @ w (and the gathered x when asked); fp8
-    operands scaled by ``scales``, as :func:`scaled_matmul`."""
+    """``activation(all_gather(x, axis_name, tiled=True) @ w + bias)``; fp8 operands scaled by
+    ``scales``, as :func:`scaled_matmul`. Returns the result, then the gathered ``x`` with
+    ``return_gathered``, then the activation's input with ``return_pre_activation``."""
     gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
-    out = scaled_matmul(gathered, w, scales, out_dtype)
-    return (out, gathered) if return_gathered else out
+    out, pre = epilogue(scaled_matmul(gathered, w, scales, out_dtype), bias, activation)
+    extra = (gathered,) * return_gathered + (pre,) * return_pre_activation
+    return (out, *extra) if extra else out
 
 
 def matmul_reduce_scatter_reference(

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from jax_ub.bench.impls import (
     AXIS,
+    EPILOGUE_CHECKS,
     _configured,
     _windowed_einsum_child,
     build_ag,
@@ -25,7 +26,7 @@ from jax_ub.bench.impls import (
     variant_name,
     windowed_einsum_ms,
 )
-from jax_ub.bench.timing import measure
+from jax_ub.bench.timing import UNCHECKED, measure, rel_err
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
     ap.add_argument("--no-windowed-einsum", action="store_true")
+    ap.add_argument(
+        "--epilogue",
+        action="store_true",
+        help="AG: also time gelu(x @ w + bias) with the bias and GELU in jax_ub's GEMM epilogue, "
+        "in XLA's unfused op and after XLA's dot alone",
+    )
     ap.add_argument(
         "--fp8",
         action="store_true",
@@ -164,8 +171,15 @@ def main(argv=None) -> None:
         for op in args.ops.split(","):
             say(f"{op.upper()} M={M} K={K} N={N}: compiling and checking ...")
             build = build_ag if op == "ag" else build_rs
-            impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants, args.fp8)
-            measured = measure(impls, ref, args.rounds, args.iters, args.loop_seconds, say)
+            impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants, args.fp8, args.epilogue)
+            unchecked = UNCHECKED + tuple(EPILOGUE_CHECKS)
+            measured = measure(
+                impls, ref, args.rounds, args.iters, args.loop_seconds, say, unchecked
+            )
+            for name, against in EPILOGUE_CHECKS.items():
+                if name in impls:
+                    (f, a), (g, b) = impls[name], impls[against]
+                    measured.errs[name] = rel_err(f(*a), g(*b))
             windowed = (
                 op == "ag"
                 and not args.no_windowed_einsum
@@ -233,6 +247,15 @@ def _report(row: dict, measured, args, variants, say) -> dict:
         say(
             f"  jax_ub_fp8 / fp8_gemm = {t8 / times['fp8_gemm']:.3f}, "
             f"xla_fp8 / jax_ub_fp8 = {times.get('xla_fp8', float('nan')) / t8:.3f}",
+            flush=True,
+        )
+    if "jax_ub_bias_gelu" in times:
+        t_ep = times["jax_ub_bias_gelu"]
+        row.update(ub_epilogue_over_ub=t_ep / t_ub, ub_epilogue_over_gemm=t_ep / t_gemm)
+        say(
+            f"  jax_ub_bias_gelu / jax_ub = {t_ep / t_ub:.3f}, / gemm = {t_ep / t_gemm:.3f}, "
+            f"/ gemm_bias_gelu = {t_ep / times['gemm_bias_gelu']:.3f}; "
+            f"xla_bias_gelu / jax_ub_bias_gelu = {times['xla_bias_gelu'] / t_ep:.3f}",
             flush=True,
         )
     if "ub_gemm" in times:

@@ -115,7 +115,35 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
     )
 
 
-def build_ag(mesh, M, K, N, dtype, seed, variants=(), fp8=False):
+# Rows with an epilogue (``--epilogue``) compute another function than the reference; each is
+# checked against the row named here instead.
+EPILOGUE_CHECKS = {"jax_ub_bias_gelu": "xla_bias_gelu", "gemm_bias_gelu": "xla_bias_gelu"}
+
+
+def _add_epilogue(impls, mesh, seed, N, dtype, specs, gemm_specs) -> None:
+    """Epilogue rows (``--epilogue``, AG): gelu(x @ w + bias) by jax_ub's op (bias and GELU in
+    its GEMMs' epilogue), by XLA's unfused op and by XLA's dot alone (whatever epilogue
+    fusion XLA does itself); bias column-sharded like w."""
+    b = _put(_random(seed + 2, (N,), dtype), mesh, P(AXIS))
+
+    def op(impl):
+        def f(a, w, bias):
+            return jax_ub.all_gather_matmul(a, w, AXIS, bias=bias, activation="gelu", impl=impl)
+
+        return _smap(mesh, f, (*specs[0], P(AXIS)), specs[1])
+
+    impls["jax_ub_bias_gelu"] = (op("ub"), (*impls["jax_ub"][1], b))
+    impls["xla_bias_gelu"] = (op("xla"), (*impls["jax_ub"][1], b))
+    gemm = _smap(
+        mesh,
+        lambda a, w, bias: jax.nn.gelu(a @ w + bias, approximate=True),
+        (*gemm_specs[0], P(AXIS)),
+        gemm_specs[1],
+    )
+    impls["gemm_bias_gelu"] = (gemm, (*impls["gemm"][1], b))
+
+
+def build_ag(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False):
     tp = mesh.shape[AXIS]
     x = _random(seed, (M, K), dtype)
     w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
@@ -139,6 +167,8 @@ def build_ag(mesh, M, K, N, dtype, seed, variants=(), fp8=False):
     _add_variants(impls, ub, (xs, ws), variants)
     if fp8:
         _add_fp8(impls, mesh, "ag", x, w, (row, col), ((P(), P(None, AXIS)), col))
+    if epilogue:
+        _add_epilogue(impls, mesh, seed, N, dtype, (row, col), ((P(), P(None, AXIS)), col))
     if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
         # jax_ub's own GEMM alone: the op on groups of one GPU, the "gemm" row's shapes.
         solo = _solo_mesh(mesh)
@@ -157,7 +187,7 @@ def build_ag(mesh, M, K, N, dtype, seed, variants=(), fp8=False):
     return impls, impls["xla_seq"]
 
 
-def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False):
+def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False):
     x = _random(seed, (M, N), dtype)
     w = _random(seed + 1, (N, K), dtype, 1 / np.sqrt(N))
     xs, ws = _put(x, mesh, P(None, AXIS)), _put(w, mesh, P(AXIS, None))

@@ -193,22 +193,38 @@ def _scales(fp8: bool) -> jax_ub.Fp8Scales | None:
     return jax_ub.Fp8Scales() if fp8 else None
 
 
+def fused_activation(activation: Callable[[jax.Array], jax.Array]) -> str | None:
+    """The ops' ``activation`` name for a callable their epilogue computes, else None."""
+    return "gelu" if activation is jax.nn.gelu else None  # flax's gelu is jax.nn.gelu
+
+
 def column_local(
-    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any, fp8: bool
+    x: jax.Array,
+    params: Params,
+    *,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    fp8: bool,
+    activation: str | None = None,
 ) -> jax.Array:
-    """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]``: all_gather_matmul, then bias."""
+    """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]``: all_gather_matmul, its bias (this
+    rank's columns' shard) and ``activation`` applied in the GEMMs' epilogue."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    y = jax_ub.all_gather_matmul(x, kernel, axis_name, impl=impl, fp8=_scales(fp8))
-    return y if bias is None else y + bias  # the bias shard of this rank's columns
+    return jax_ub.all_gather_matmul(
+        x, kernel, axis_name, bias=bias, activation=activation, impl=impl, fp8=_scales(fp8)
+    )
 
 
 def row_local(
     x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any, fp8: bool
 ) -> jax.Array:
-    """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``: matmul_reduce_scatter, then bias."""
+    """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``: matmul_reduce_scatter, its bias added
+    once after the reduction."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    y = jax_ub.matmul_reduce_scatter(x, kernel, axis_name, impl=impl, fp8=_scales(fp8))
-    return y if bias is None else y + bias  # after the reduction, so it is added once
+    return jax_ub.matmul_reduce_scatter(
+        x, kernel, axis_name, bias=bias, impl=impl, fp8=_scales(fp8)
+    )
 
 
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
@@ -369,11 +385,14 @@ def mlp_call(
     ndim: int,
     use_bias: bool,
 ) -> Callable[[jax.Array, Params, Params], jax.Array]:
-    """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded."""
+    """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded. GELU
+    runs in the column GEMMs' epilogue; other activations in XLA after them."""
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
+    fused = fused_activation(activation)
 
     def body(x, p_up, p_down):
-        return row_local(activation(column_local(x, p_up, **kw)), p_down, **kw)
+        h = column_local(x, p_up, activation=fused, **kw)
+        return row_local(h if fused else activation(h), p_down, **kw)
 
     col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
     spec = seq_spec(ndim, axis_name)

@@ -61,7 +61,9 @@ class ParallelMLP(nn.Module):
       mesh: optional :class:`jax.sharding.Mesh` (default: the mesh set by ``jax.set_mesh``,
         or the enclosing shard_map's).
       out_features: number of output features (default: the input's).
-      activation: elementwise function applied to the hidden features (default: gelu).
+      activation: elementwise function applied to the hidden features (default: gelu,
+        ``jax.nn.gelu``, which runs in the up-projection GEMMs' epilogue with its bias;
+        other functions run in XLA after them).
       fp8: run both matmuls in fp8 with current scaling (per-tensor amax scales; e4m3
         forward, e5m2 gradients); the collectives move fp8 bytes; see :mod:`jax_ub.fp8`
         for delayed scaling with the functional ops (default: False).

@@ -47,7 +47,9 @@ class ParallelMLP(nnx.Module):
       in_features: number of input features.
       hidden_features: number of hidden features; a multiple of ``tp``.
       out_features: number of output features (default: ``in_features``).
-      activation: elementwise function applied to the hidden features (default: gelu).
+      activation: elementwise function applied to the hidden features (default: gelu,
+        ``jax.nn.gelu``, which runs in the up-projection GEMMs' epilogue with its bias;
+        other functions run in XLA after them).
       fp8: run both matmuls in fp8 with current scaling (per-tensor amax scales; e4m3
         forward, e5m2 gradients); the collectives move fp8 bytes; see :mod:`jax_ub.fp8`
         for delayed scaling with the functional ops (default: False).

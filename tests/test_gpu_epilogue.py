@@ -1,0 +1,115 @@
+"""GPU tier of the epilogues: all_gather_matmul's bias and GELU in cuBLASLt's epilogues (GELU's
+input kept through GELU_AUX for the backward) over a group of this process's GPUs (at most
+2; one GPU: a group of one), forward against a float32 reference and gradients against
+impl="xla" at full precision; bf16, f32 and fp8. Groups of 2 processes sharing one GPU:
+test_gpu_multiprocess.py::test_protocol_on_one_shared_gpu (its "epilogue" cases)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import gpus
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+
+pytestmark = pytest.mark.gpu
+
+GPUS = gpus()
+if not GPUS:
+    pytest.skip("needs a GPU", allow_module_level=True)
+
+N = min(len(GPUS), 2)
+M, K, NC = 512, 256, 384  # per-rank rows, contraction, columns
+EPILOGUES = [(True, None), (False, "gelu"), (True, "gelu")]  # (bias, activation)
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))
+    assert np.isfinite(a).all(), "non-finite values in jax_ub output"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _operands(dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (N * M, K), jnp.float32)
+    w = jax.random.normal(keys[1], (K, N * NC), jnp.float32) / np.sqrt(K)
+    b = jax.random.normal(keys[2], (N * NC,), jnp.float32)
+    return [a.astype(dtype) for a in (x, w, b)]
+
+
+def _fn(impl, with_bias, activation, fp8=None):
+    mesh = Mesh(np.array(GPUS[:N]), ("tp",))
+
+    def body(x, w, b):
+        return jax_ub.all_gather_matmul(
+            x, w, "tp", bias=b if with_bias else None, activation=activation, impl=impl, fp8=fp8
+        )
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P(None, "tp")
+        )
+    )
+
+
+def _reference(x, w, b, with_bias, activation):
+    y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    if with_bias:
+        y = y + b.astype(jnp.float32)
+    return jax.nn.gelu(y, approximate=True) if activation == "gelu" else y
+
+
+def _loss(f):
+    return lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("with_bias,activation", EPILOGUES)
+def test_epilogue_forward_and_grads(dtype, with_bias, activation):
+    x, w, b = _operands(dtype)
+    ub = _fn("ub", with_bias, activation)
+    y = ub(x, w, b)
+    assert y.dtype == dtype
+    assert _rel(y, _reference(x, w, b, with_bias, activation)) < TOL[dtype]
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(_loss(_fn("xla", with_bias, activation)), argnums=(0, 1, 2))(x, w, b)
+    got = jax.grad(_loss(ub), argnums=(0, 1, 2))(x, w, b)
+    names = ("dx", "dw", "dbias") if with_bias else ("dx", "dw")
+    for name, g, r in zip(names, got, want):
+        assert _rel(g, r) < 2 * TOL[dtype], name
+
+
+def test_epilogue_is_deterministic():
+    """Once the GEMM kernel trials end, repeated calls give the same bits."""
+    x, w, b = _operands(jnp.bfloat16, seed=3)
+    f = _fn("ub", True, "gelu")
+    for _ in range(20):  # past the trials (a shape's first 15 calls)
+        f(x, w, b).block_until_ready()
+    first = np.asarray(f(x, w, b).astype(jnp.float32))
+    for _ in range(3):
+        assert np.array_equal(np.asarray(f(x, w, b).astype(jnp.float32)), first)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_epilogue(out_dtype):
+    """fp8 operands with bias and GELU in cuBLASLt's fp8 epilogue, against impl="xla"'s
+    same quantized math, forward and gradients."""
+    if min(tuple(map(int, d.compute_capability.split("."))) for d in GPUS) < (8, 9):
+        pytest.skip("fp8 GEMMs need compute capability 8.9")
+    x, w, b = _operands(out_dtype, seed=5)
+    scales = jax_ub.Fp8Scales()
+    ub, xla = (_fn(impl, True, "gelu", fp8=scales) for impl in ("ub", "xla"))
+    y = ub(x, w, b)
+    assert y.dtype == out_dtype
+    with jax.default_matmul_precision("highest"):
+        y_xla = xla(x, w, b)
+        want = jax.grad(_loss(xla), argnums=(0, 1, 2))(x, w, b)
+    assert _rel(y, y_xla) < 1e-2
+    got = jax.grad(_loss(ub), argnums=(0, 1, 2))(x, w, b)
+    for name, g, r in zip(("dx", "dw", "dbias"), got, want):
+        assert _rel(g, r) < 5e-2, name  # through e5m2: see test_epilogue.py's fp8 test
