@@ -179,11 +179,6 @@ def test_auto_on_gpus_lowers_small_calls_to_xla_collectives(mesh1d, rand, monkey
     assert TARGET[op] in op_fn(op, mesh, "auto").lower(x, w).as_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the ops do not pass the group size to checks.use_ub yet (one-line change in "
-    "all_gather_matmul.py and matmul_reduce_scatter.py: axis_size=size); remove this mark then",
-)
 @pytest.mark.usefixtures("simulated_gpu")
 def test_the_ops_give_the_rule_their_group_size(mesh1d, rand, caplog):
     mesh = mesh1d(2)

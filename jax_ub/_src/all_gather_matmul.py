@@ -65,6 +65,7 @@ def all_gather_matmul(
         current scaling): x and w are quantized to ``float8_e4m3fn``, the gather moves fp8
         and the result is ``x.dtype``; gradients go through ``float8_e5m2`` (see
         ``jax_ub.fp8``). ``impl="xla"`` runs the same quantized math on XLA's collectives.
+        With a float32 ``x`` the epilogue runs in XLA after the op (no cuBLASLt fp8 kernel).
 
     Returns:
       ``activation(all_gather(x, axis_name, tiled=True) @ w + bias)`` of shape
@@ -94,7 +95,7 @@ def all_gather_matmul(
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
         return _on_global_arrays(x, w, bias, activation, axis_name, impl, return_gathered, fp8)
-    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None)
+    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None, axis_size=size)
     fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
     if bias is not None:
         bias = jnp.asarray(bias, x.dtype)  # the output's dtype, as the epilogue adds it

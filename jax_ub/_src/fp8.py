@@ -37,6 +37,7 @@ from jax_ub._src.primitives import (
 )
 from jax_ub._src.reference import (
     all_gather_matmul_reference,
+    epilogue,
     matmul_reduce_scatter_reference,
     pack_scales,
 )
@@ -166,7 +167,13 @@ def _ag_fwd(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
     sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
     w_q = quantize(w, sw)
     x_q = quantize(x, sx)
-    out, g_q, pre = _ag(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub, bias, gelu)
+    if jnp.dtype(x.dtype) == jnp.float32:
+        # cuBLASLt has no fp8 GEMM with a float32 output, float32 bias and GELU (it answered
+        # NOT_SUPPORTED on an H200): with float32 outputs the epilogue runs in XLA after the op.
+        out, g_q, _ = _ag(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub)
+        out, pre = epilogue(out, bias, "gelu" if gelu else None)
+    else:
+        out, g_q, pre = _ag(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub, bias, gelu)
     seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
     epilogue_res = (pre if gelu else None, None if bias is None else bias[:0])
     return out, (x[:0], w[:0], w_q, g_q, sx, sw, fp8.grad, seen, epilogue_res)

@@ -81,7 +81,7 @@ def _reduced(x, w, axis_name: str, impl: str, fp8):
     if size is None:
         return _on_global_arrays(x, w, axis_name, impl, fp8)
     checks.check_divisible(_OP, "rows of x", x.shape[0], size, axis_name, f"{x.shape=}")
-    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None)
+    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None, axis_size=size)
     # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
     fallback = impl == "auto"
     if fp8 is not None:
