@@ -7,7 +7,8 @@
 # layer: one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the
 # no-communication bound (python -m jax_ub.bench.layer; args: its own, e.g. --sizes).
 # flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
-# memcheck and racecheck on a small 2-GPU run (slow: minutes each); processes: the bench in
+# memcheck and racecheck (SANITIZE_TOOLS) on a small 2-GPU run (SANITIZE_TP, SANITIZE_CASE:
+# sanitize_small.py; slow: minutes each); processes: the bench in
 # one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
 # both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args); gemm:
 # benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
@@ -45,7 +46,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   : > "$OUT/gpu_tests.log"
   # TEST_SPECS overrides the files and their limits ("file:seconds ..."); TEST_K selects
   # tests by pytest's -k expression. The trace rerun does not capture output (-s).
-  for spec in ${TEST_SPECS:-test_gpu.py:300 test_gpu_layouts.py:200 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200}; do
+  for spec in ${TEST_SPECS:-test_gpu.py:300 test_gpu_layouts.py:200 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200 test_gpu_fp8.py:150 test_gpu_epilogue.py:200}; do
     file=${spec%%:*}; limit=${spec##*:}
     timeout -k 10 "$limit" python3 -m pytest -v -rsxX -m gpu "tests/$file" -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} \
       >> "$OUT/gpu_tests.log" 2>&1
@@ -142,10 +143,10 @@ if [ "$what" = gemm ]; then
 fi
 if [ "$what" = sanitize ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     timeout ${SANITIZE_S:-270} compute-sanitizer --tool $tool --print-limit 50 \
       python3 benchmarks/tools/sanitize_small.py > "$OUT/$tool.log" 2>&1
     echo "$tool rc=$?"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE_SMALL_OK|rel errs|Invalid|Error" "$OUT/$tool.log" | head
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE_SMALL_OK|rel err|Invalid|Error" "$OUT/$tool.log" | head
   done
 fi

@@ -1,8 +1,11 @@
 """jax_ub: tensor-parallel communication overlapped with matmuls, through userbuffers.
 
 Public API:
-  all_gather_matmul(x, w, axis_name, *, impl="auto", return_gathered=False, fp8=None)
-  matmul_reduce_scatter(x, w, axis_name, *, impl="auto", fp8=None)
+  all_gather_matmul(x, w, axis_name, *, bias=None, activation=None, impl="auto",
+                    return_gathered=False, fp8=None)
+  matmul_reduce_scatter(x, w, axis_name, *, bias=None, impl="auto", fp8=None)
+  gelu_mlp(x, w_up, w_down, axis_name, *, up_bias=None, down_bias=None, impl="auto"): the
+    two ops around GELU, GELU's backward in a GEMM epilogue
   Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
   initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
   configure(**settings) / config
@@ -17,6 +20,7 @@ from jax_ub._src.communicator import Communicator, initialize, live_communicator
 from jax_ub._src.config import Config, config, configure
 from jax_ub._src.fp8 import Fp8Scales
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.mlp import gelu_mlp
 from jax_ub._src.reference import (
     all_gather_matmul_reference,
     matmul_reduce_scatter_reference,
@@ -35,6 +39,7 @@ __all__ = [
     "configure",
     "explain_impl",
     "finalize",
+    "gelu_mlp",
     "initialize",
     "live_communicators",
     "matmul_reduce_scatter",

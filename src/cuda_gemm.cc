@@ -37,7 +37,9 @@ Status DescribeEpilogue(const Epilogue& ep, cudaDataType_t out_type, bool fp8, i
                         cublasLtMatmulDesc_t desc) {
   if (!ep.Any()) return Status::Ok();
   cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;
-  if (ep.gelu && ep.aux) {
+  if (ep.dgelu) {
+    e = CUBLASLT_EPILOGUE_DGELU;
+  } else if (ep.gelu && ep.aux) {
     e = ep.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
   } else if (ep.gelu) {
     e = ep.bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
@@ -47,7 +49,7 @@ Status DescribeEpilogue(const Epilogue& ep, cudaDataType_t out_type, bool fp8, i
   if (ep.bias && fp8)
     JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                  &out_type, sizeof(out_type)));
-  if (ep.aux) {
+  if (ep.UsesAux()) {
     const int64_t ld = n;
     JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
                                                  sizeof(ld)));
@@ -271,7 +273,7 @@ Status CublasLtGemm::SetEpilogueOperands(const Plan& p, const GemmArgs& args) co
   if (p.epilogue.bias)
     JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                  &args.bias, sizeof(args.bias)));
-  if (p.epilogue.aux)
+  if (p.epilogue.UsesAux())
     JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                                                  &args.aux, sizeof(args.aux)));
   return Status::Ok();
@@ -285,8 +287,8 @@ Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const 
   // pointer left from an earlier call may point at memory XLA has freed since.
   if (p.scaled) JAX_UB_RETURN_IF_ERROR(SetScales(p, args.scales != nullptr ? args.scales : ones_));
   if (p.epilogue.bias && args.bias == nullptr) return Internal("epilogue GEMM without its bias");
-  if (p.epilogue.aux && args.aux == nullptr)
-    return Internal("epilogue GEMM without its pre-GELU output");
+  if (p.epilogue.UsesAux() && args.aux == nullptr)
+    return Internal("epilogue GEMM without GELU's input");
   JAX_UB_RETURN_IF_ERROR(SetEpilogueOperands(p, args));
   return CublasStatus(cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a,
                                      p.second, &beta, addend == nullptr ? c : addend, p.out, c,

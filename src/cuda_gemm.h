@@ -49,7 +49,7 @@ int AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribu
 
 // The per-run operands of a GEMM besides a, b and c, all device memory: an addend (laid
 // out as c), fp8 scales (a's at [0], b's at [kScaleStride], each 16-byte aligned), the
-// epilogue's bias [n] and its pre-GELU output (laid out as c).
+// epilogue's bias [n] and GELU's input (laid out as c; written, or read by DGELU).
 struct GemmArgs {
   const void* addend = nullptr;
   const float* scales = nullptr;

@@ -105,9 +105,11 @@ Status DecodeCall(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_tra
 }
 
 // The epilogue of an all_gather_matmul call: a bias [n] of the output's type (none when
-// empty), GELU where `gelu`, and the pre-GELU value kept in `aux` (as out; none when empty).
-inline Status DecodeEpilogue(ffi::AnyBuffer bias, ffi::AnyBuffer out, ffi::AnyBuffer aux, bool gelu,
-                             CallShape* shape, Operands* ops) {
+// empty), GELU where `gelu`, and the pre-GELU value kept in `aux` (as out; none when empty);
+// or with `dgelu` (and nothing else), the product times GELU's derivative at `gelu_input`.
+inline Status DecodeEpilogue(ffi::AnyBuffer bias, ffi::AnyBuffer gelu_input, ffi::AnyBuffer out,
+                             ffi::AnyBuffer aux, bool gelu, bool dgelu, CallShape* shape,
+                             Operands* ops) {
   const int64_t n = out.dimensions()[1];
   if (bias.element_count() > 0) {
     if (bias.dimensions().size() != 1 || bias.dimensions()[0] != n ||
@@ -126,6 +128,15 @@ inline Status DecodeEpilogue(ffi::AnyBuffer bias, ffi::AnyBuffer out, ffi::AnyBu
     shape->epilogue.aux = true;
     ops->aux = aux.untyped_data();
   }
+  if (dgelu) {
+    if (gelu || shape->epilogue.bias || gelu_input.element_count() != out.element_count() ||
+        gelu_input.element_type() != out.element_type())
+      return InvalidArgument(
+          "all_gather_matmul: dgelu takes GELU's input laid out as the output, and no other "
+          "epilogue");
+    shape->epilogue.dgelu = true;
+    ops->aux = gelu_input.untyped_data();  // read only: the DGELU epilogue's input
+  }
   return Status::Ok();
 }
 
@@ -133,9 +144,9 @@ inline Status DecodeEpilogue(ffi::AnyBuffer bias, ffi::AnyBuffer out, ffi::AnyBu
 // out [size*m, n], and its epilogue (DecodeEpilogue).
 template <typename Comm>
 Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
-                        ffi::AnyBuffer scales, ffi::AnyBuffer bias, ffi::AnyBuffer out,
-                        ffi::AnyBuffer gathered, ffi::AnyBuffer aux, int64_t comm_id, bool gelu,
-                        MatmulCall<Comm>* call) {
+                        ffi::AnyBuffer scales, ffi::AnyBuffer bias, ffi::AnyBuffer gelu_input,
+                        ffi::AnyBuffer out, ffi::AnyBuffer gathered, ffi::AnyBuffer aux,
+                        int64_t comm_id, bool gelu, bool dgelu, MatmulCall<Comm>* call) {
   JAX_UB_RETURN_IF_ERROR(
       DecodeCall("all_gather_matmul", x, w, w_transposed, scales, out, comm_id, call));
   call->shape.m = x.dimensions()[0];
@@ -145,7 +156,7 @@ Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
     call->shape.gathered = true;
     call->ops.gathered = gathered.untyped_data();
   }
-  return DecodeEpilogue(bias, out, aux, gelu, &call->shape, &call->ops);
+  return DecodeEpilogue(bias, gelu_input, out, aux, gelu, dgelu, &call->shape, &call->ops);
 }
 
 // Decode and check a matmul_reduce_scatter call: x [size*m, k], w [k, n] (or [n, k]

@@ -9,13 +9,13 @@ namespace {
 
 ffi::Error AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                ffi::AnyBuffer scales, ffi::AnyBuffer bias,
-                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::AnyBuffer gelu_input, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> gathered,
                                ffi::Result<ffi::AnyBuffer> aux, int64_t comm_id, bool transpose_w,
-                               bool gelu) {
+                               bool gelu, bool dgelu) {
   MatmulCall<HostCommunicator> c;
-  Status st =
-      PrepareAllGather(x, w, transpose_w, scales, bias, *out, *gathered, *aux, comm_id, gelu, &c);
+  Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, *out, *gathered, *aux,
+                               comm_id, gelu, dgelu, &c);
   if (st.ok()) st = c.comm->Call(device, OpKind::kAllGatherMatmul, c.shape, c.ops);
   return ToFfiError(st);
 }
@@ -38,12 +38,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCpu, AllGatherMatmulHost,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm_id")
                                   .Attr<bool>("transpose_w")
-                                  .Attr<bool>("gelu"));
+                                  .Attr<bool>("gelu")
+                                  .Attr<bool>("dgelu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCpu, MatmulReduceScatterHost,
                               ffi::Ffi::Bind()

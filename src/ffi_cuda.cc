@@ -12,12 +12,12 @@ namespace {
 
 ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                               ffi::AnyBuffer w, ffi::AnyBuffer scales, ffi::AnyBuffer bias,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
-                              ffi::Result<ffi::AnyBuffer> aux, int64_t comm_id, bool transpose_w,
-                              bool gelu) {
+                              ffi::AnyBuffer gelu_input, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::AnyBuffer> aux,
+                              int64_t comm_id, bool transpose_w, bool gelu, bool dgelu) {
   MatmulCall<CudaCommunicator> c;
-  Status st =
-      PrepareAllGather(x, w, transpose_w, scales, bias, *out, *gathered, *aux, comm_id, gelu, &c);
+  Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, *out, *gathered, *aux,
+                               comm_id, gelu, dgelu, &c);
   if (st.ok()) st = c.comm->Call(device, stream, OpKind::kAllGatherMatmul, c.shape, c.ops);
   return ToFfiError(st);
 }
@@ -42,12 +42,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCuda, AllGatherMatmulGpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm_id")
                                   .Attr<bool>("transpose_w")
-                                  .Attr<bool>("gelu"));
+                                  .Attr<bool>("gelu")
+                                  .Attr<bool>("dgelu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCuda, MatmulReduceScatterGpu,
                               ffi::Ffi::Bind()

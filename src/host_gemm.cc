@@ -92,7 +92,7 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
   // Scratch is per thread: XLA runs each CPU device's handler on its own thread.
   thread_local std::vector<float> fb, fa, acc, fbias;
   fb.resize(k * n);
-  fa.resize(k);
+  fa.resize(std::max(k, n));  // a row of a, or of aux
   acc.resize(n);
   if (ep.bias) {
     fbias.resize(n);
@@ -123,6 +123,10 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
     if (ep.gelu) {
       if (ep.aux) FromFloat(out, acc.data(), static_cast<char*>(aux) + i * row_bytes, n);
       for (int64_t j = 0; j < n; ++j) acc[j] = GeluTanh(acc[j]);
+    }
+    if (ep.dgelu) {
+      ToFloat(out, static_cast<const char*>(aux) + i * row_bytes, fa.data(), n);
+      for (int64_t j = 0; j < n; ++j) acc[j] *= GeluTanhGrad(fa[j]);
     }
     FromFloat(out, acc.data(), static_cast<char*>(c) + i * row_bytes, n);
   }

@@ -12,7 +12,8 @@ namespace jax_ub {
 // c[m, n] (type `out`) = scale * (a[m, k] @ b[k, n]) (a of type `ta`, b of type `tb`), all
 // row-major; with `b_transposed`, b is stored as its transpose [n, k]. `ep` is applied to
 // the float32 product before the one rounding: + bias[n] (type `out`), then GELU, the
-// pre-GELU value rounded into aux[m, n] (type `out`) where `ep.aux`.
+// pre-GELU value rounded into aux[m, n] (type `out`) where `ep.aux`; or with `ep.dgelu`, the
+// product times GELU's derivative at aux[m, n] (read).
 void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
               float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep = {},
               const void* bias = nullptr, void* aux = nullptr);

@@ -104,7 +104,7 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
     }
     Step gemm = Gemm(src, At(Region::kOut, span.first * out_rows), span.count * c.m);
     gemm.epilogue = c.epilogue.Any();
-    if (c.epilogue.aux) gemm.aux = At(Region::kAux, span.first * out_rows);
+    if (c.epilogue.UsesAux()) gemm.aux = At(Region::kAux, span.first * out_rows);
     steps.push_back(gemm);
   }
   if (c.gathered) steps.push_back(Join(kComputeLane, rank));

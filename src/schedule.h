@@ -95,7 +95,7 @@ enum class Region : uint8_t {
   kX,           // the op's local input
   kOut,         // the op's output
   kGathered,    // all_gather(x), where the caller asked for it
-  kAux,         // the pre-GELU output, where the epilogue keeps it (laid out as kOut)
+  kAux,         // GELU's input, which the epilogue keeps (or, DGELU, reads); laid out as kOut
   kBuffer,      // this rank's userbuffer
   kPeerBuffer,  // rank `peer`'s userbuffer (symmetric: the same offsets)
 };
@@ -173,7 +173,7 @@ struct Operands {
   void* out;
   void* gathered;              // null unless CallShape::gathered
   const void* bias = nullptr;  // [n] of the output's type, where the epilogue adds one
-  void* aux = nullptr;         // like out, where the epilogue keeps the pre-GELU value
+  void* aux = nullptr;         // like out: GELU's input, kept (or read, DGELU) by the epilogue
 };
 
 // The address `r` names: in the call's operands, this rank's userbuffer (`buffer`), or

@@ -118,7 +118,8 @@ def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3, epilogue=
     both, using no XLA collective at all: each process compares its own shards with a
     reference computed on one device. (NCCL refuses processes that share a GPU.) Returns
     relative errors of [gathered, AG, RS, dx, dw1, dw2]; with ``epilogue`` the AG adds a
-    bias b1 and applies GELU in its GEMMs, and the errors end with db1's."""
+    bias b1 and applies GELU in its GEMMs, the RS's result is gelu_mlp's (GELU's backward in
+    a GEMM epilogue, no tanh), and the errors end with db1's."""
     tp = mesh.shape[axis]
     ag_kw = dict(activation="gelu") if epilogue else {}
 
@@ -126,6 +127,8 @@ def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3, epilogue=
         h, g = jax_ub.all_gather_matmul(
             x, w1, axis, impl="ub", return_gathered=True, bias=b1[0] if b1 else None, **ag_kw
         )
+        if epilogue:
+            return h, g, jax_ub.gelu_mlp(x, w1, w2, axis, up_bias=b1[0], impl="ub")
         return h, g, jax_ub.matmul_reduce_scatter(jnp.tanh(h), w2, axis, impl="ub")
 
     def body(x, w1, w2, *b1):
@@ -166,6 +169,7 @@ def run_ops_without_collectives(mesh, axis, m, k, n, dtype, scale=0.3, epilogue=
         h = jnp.dot(x, w1, precision="highest")
         if epilogue:
             h = jax.nn.gelu(h + b1[0], approximate=True)
+            return h, x, jnp.dot(h, w2, precision="highest")
         return h, x, jnp.dot(jnp.tanh(h), w2, precision="highest")
 
     one = jax.local_devices()[0]

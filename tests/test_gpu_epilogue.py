@@ -114,3 +114,33 @@ def test_fp8_epilogue(out_dtype):
     assert _rel(y, y_xla) < 1e-2
     for name, g, r in zip(("dx", "dw", "dbias"), got, want):
         assert _rel(g, r) < 5e-2, name  # through e5m2: see test_epilogue.py's fp8 test
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gelu_mlp_dgelu_epilogue(dtype):
+    """gelu_mlp's backward runs GELU's gradient in cuBLASLt's DGELU epilogue: forward and
+    every gradient against the two ops through XLA at full precision."""
+    mesh = Mesh(np.array(GPUS[:N]), ("tp",))
+    keys = jax.random.split(jax.random.key(7), 5)
+    shapes = ((N * M, K), (K, N * NC), (N * NC,), (N * NC, K), (K,))
+    scale = (1.0, 1 / np.sqrt(K), 1.0, 1 / np.sqrt(N * NC), 1.0)
+    args = [
+        (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        for k, shape, s in zip(keys, shapes, scale)
+    ]
+
+    def fn(impl):
+        def body(x, w1, b1, w2, b2):
+            return jax_ub.gelu_mlp(x, w1, w2, "tp", up_bias=b1, down_bias=b2, impl=impl)
+
+        specs = (P("tp"), P(None, "tp"), P("tp"), P("tp", None), P())
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp")))
+
+    wide = [a.astype(jnp.float32) for a in args]
+    with jax.default_matmul_precision("highest"):
+        want_y = fn("xla")(*wide)
+        want = jax.grad(_loss(fn("xla")), argnums=range(5))(*wide)
+        got = jax.grad(_loss(fn("ub")), argnums=range(5))(*args)
+    assert _rel(fn("ub")(*args), want_y) < TOL[dtype]
+    for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
+        assert _rel(g, r) < 2 * TOL[dtype], name

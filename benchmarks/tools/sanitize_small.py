@@ -1,5 +1,7 @@
 """Small jax_ub run for compute-sanitizer: both ops, forward and backward, on 2 GPUs
-(SANITIZE_TP=4: on 4).
+(SANITIZE_TP=4: on 4; 1: a group of one GPU). SANITIZE_CASE=epilogue runs the epilogues
+instead: an fp8 all_gather_matmul with bias and GELU (cuBLASLt's fp8 GELU_AUX_BIAS) and
+gelu_mlp (GELU_AUX_BIAS forward, DGELU backward), in bf16.
 
 compute-sanitizer --tool memcheck python3 benchmarks/tools/sanitize_small.py
 compute-sanitizer --tool racecheck python3 benchmarks/tools/sanitize_small.py
@@ -31,7 +33,18 @@ x, w1, w2, ct = (
 )
 
 
+CASE = os.environ.get("SANITIZE_CASE", "plain")
+b1 = rng.standard_normal(H).astype(np.float32)
+
+
 def mlp(x, w1, w2):
+    if CASE == "epilogue":
+        b = jnp.asarray(b1, x.dtype)
+        h = jax_ub.all_gather_matmul(
+            x, w1, "tp", bias=b, activation="gelu", impl="ub", fp8=jax_ub.Fp8Scales()
+        )
+        y8 = jax_ub.matmul_reduce_scatter(h, w2, "tp", impl="ub")
+        return y8 + jax_ub.gelu_mlp(x, w1, w2, "tp", up_bias=b, impl="ub")
     h = jax_ub.all_gather_matmul(x, w1, "tp", impl="ub")
     return jax_ub.matmul_reduce_scatter(jnp.tanh(h), w2, "tp", impl="ub")
 
@@ -53,6 +66,16 @@ for _ in range(3):
 
 # NumPy reference from the same bf16-rounded inputs.
 xq, w1q, w2q, ctq = (np.asarray(a, np.float32) for a in bf)
+if CASE == "epilogue":  # y = 2 gelu(x w1 + b1) w2, one half through fp8: y only, loosely
+    g = np.asarray(jax.nn.gelu(xq @ w1q + np.asarray(jnp.asarray(b1, jnp.bfloat16), np.float32)))
+    y = 2 * g @ w2q
+    err = float(np.linalg.norm(outs[0] - y) / np.linalg.norm(y))
+    print("rel err (y):", err)
+    assert all(np.isfinite(o).all() for o in outs) and err < 0.1, err
+    jax_ub.check_health()
+    jax_ub.finalize()
+    print("SANITIZE_SMALL_OK")
+    raise SystemExit(0)
 h = xq @ w1q
 y = np.tanh(h) @ w2q
 dh = (ctq @ w2q.T) * (1 - np.tanh(h) ** 2)

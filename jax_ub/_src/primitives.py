@@ -2,7 +2,8 @@
 
 Operands are ``x [rows, *batch, k]``, ``w [k, n]``, ``scales`` (``reference.pack_scales``: the
 scales multiplying the product when x and w are fp8; ones otherwise) and, for the all-gather,
-the epilogue's ``bias`` (``[n]``, or ``[0]`` for none); the custom call itself sees ``x`` and
+the epilogue's ``bias`` (``[n]``, or ``[0]`` for none) and ``gelu_input`` (DGELU's, laid out as
+the output, or ``[0, ..., n]`` for none); the custom call itself sees ``x`` and
 the outputs flattened to 2-D (a free reshape of the local buffer). Lowering is where
 the concrete mesh is known, so that is where the communicator is looked up or created and its id
 baked into the custom call.
@@ -40,12 +41,17 @@ from jax_ub._src import communicator, extension, layout
 from jax_ub._src.reference import (
     SCALE_STRIDE,
     all_gather_matmul_reference,
+    dgelu_reference,
     matmul_reduce_scatter_reference,
 )
 
 all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
 matmul_reduce_scatter_p = core.Primitive("jax_ub_matmul_reduce_scatter")
+# The operands laid out like x's batch dims (which a nested shard_map keeps split over the
+# mesh's automatic axes): x, and the all-gather's gelu_input (laid out as its output). The
+# weight, scales and bias are replicated over those axes.
+_BATCHED = {all_gather_matmul_p: (0, 4), matmul_reduce_scatter_p: (0,)}
 
 
 def _varying(aval: core.AbstractValue) -> frozenset:
@@ -104,6 +110,7 @@ def _all_gather_matmul_abstract(
     w,
     scales,
     bias,
+    gelu_input,
     *,
     axis_name,
     axis_size,
@@ -113,6 +120,7 @@ def _all_gather_matmul_abstract(
     fallback,
     gelu,
     keep_pre_gelu,
+    dgelu,
 ):
     m, batch, k = x.shape[0], x.shape[1:-1], x.shape[-1]
     n = _columns(w, transpose_w)
@@ -206,7 +214,7 @@ def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, *operands, **params)
         return jax.shard_map(
             body,
             mesh=abstract,
-            in_specs=(spec, *[P()] * (len(operands) - 1)),  # x; w, scales, bias replicated
+            in_specs=tuple(spec if i in _BATCHED[prim] else P() for i in range(len(operands))),
             out_specs=out_specs,
             axis_names=frozenset(auto),
             check_vma=False,
@@ -269,6 +277,7 @@ def _all_gather_matmul_unfused(
     w,
     scales,
     bias,
+    gelu_input,
     *,
     axis_name,
     transpose_w,
@@ -276,6 +285,7 @@ def _all_gather_matmul_unfused(
     out_dtype,
     gelu,
     keep_pre_gelu,
+    dgelu,
     **_,
 ):
     out, gathered, pre_gelu = all_gather_matmul_reference(
@@ -289,6 +299,8 @@ def _all_gather_matmul_unfused(
         activation="gelu" if gelu else None,
         return_pre_activation=True,
     )
+    if dgelu:
+        out = dgelu_reference(out, gelu_input)
     return (
         out,
         gathered if return_gathered else gathered[:0],
@@ -309,7 +321,7 @@ mlir.register_lowering(
         "all_gather_matmul",
         lambda ctx: ctx.avals_in[0],  # x
         _all_gather_matmul_unfused,
-        attrs=("gelu",),
+        attrs=("gelu", "dgelu"),
     ),
 )
 mlir.register_lowering(
@@ -369,6 +381,7 @@ def bind_all_gather_matmul(
     bias=None,
     gelu: bool = False,
     keep_pre_gelu: bool = False,
+    gelu_input=None,
 ):
     """x [m, *b, k], w [k, n] -> (y, all_gather(x) or an empty [0, *b, k], the pre-GELU
     product or an empty [0, *b, n]), y = gelu?(all_gather(x) @ w + bias?).
@@ -379,16 +392,22 @@ def bind_all_gather_matmul(
     fp8 ``x`` and ``w`` (``w`` transposed) come with ``scales`` (``reference.pack_scales``) and an
     ``out_dtype``: the product is ``x_scale * w_scale * (x @ w)``. The epilogue (``bias``
     ``[n]`` of the output's dtype, ``gelu``) runs in the GEMMs; ``keep_pre_gelu`` (with
-    ``gelu``) also returns GELU's input, for the backward.
+    ``gelu``) also returns GELU's input, for the backward. With ``gelu_input`` (GELU's input,
+    laid out as y; no other epilogue) instead, y = (all_gather(x) @ w) * gelu'(gelu_input):
+    GELU's backward in the epilogue (cuBLASLt's DGELU).
     """
     scales, out_dtype = _scales_and_type(x, scales, out_dtype)
     if bias is None:
         bias = jnp.zeros((0,), out_dtype)
+    dgelu = gelu_input is not None
+    if not dgelu:
+        gelu_input = jnp.zeros((0, *x.shape[1:-1], _columns(w, transpose_w)), out_dtype)
     return all_gather_matmul_p.bind(
         x,
         w,
         scales,
         bias,
+        gelu_input,
         axis_name=axis_name,
         axis_size=axis_size,
         return_gathered=return_gathered,
@@ -397,6 +416,7 @@ def bind_all_gather_matmul(
         fallback=fallback,
         gelu=bool(gelu),
         keep_pre_gelu=bool(keep_pre_gelu and gelu),
+        dgelu=dgelu,
     )
 
 

@@ -43,6 +43,11 @@ def gelu(y: jax.Array) -> jax.Array:
     return jax.nn.gelu(y, approximate=True)
 
 
+def dgelu_reference(dy: jax.Array, pre: jax.Array) -> jax.Array:
+    """``dy * gelu'(pre)``: GELU's backward, from its output's gradient and its input."""
+    return jax.vjp(gelu, pre)[1](dy)[0]
+
+
 def epilogue(y: jax.Array, bias=None, activation: str | None = None):
     """``(activation(y + bias), y + bias)``: the epilogue's output and the activation's input."""
     pre = y if bias is None else y + bias.astype(y.dtype)

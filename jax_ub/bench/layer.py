@@ -9,7 +9,8 @@ under ``jit`` + ``shard_map`` over a 1-D ``tp`` mesh (bf16 by default)::
     o = dot_product_attention(q, k, v, is_causal=True)   (cuDNN on GPUs)
     x = x + matmul_reduce_scatter(o, w_o)        [seq/tp, batch, hidden]
     u = all_gather_matmul(rms_norm(x), w_up)     [seq, batch, ffn/tp]
-    y = x + matmul_reduce_scatter(gelu(u), w_down)
+    y = x + matmul_reduce_scatter(gelu(u), w_down)   (jax_ub: gelu_mlp, GELU and its
+                                                       gradient in GEMM epilogues)
 
 three ways, timed in the same interleaved rounds (:func:`jax_ub.bench.timing.measure`):
 ``jax_ub`` (the ops with ``impl="ub"``), ``xla`` (``impl="xla"``: XLA's all-gather then
@@ -65,16 +66,17 @@ def bound_matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str) -> j
 
 
 def collectives(variant: str):
-    """(all-gather matmul, matmul reduce-scatter) of a variant, each ``(x, w) -> y``."""
+    """(all-gather matmul, matmul reduce-scatter, GELU MLP) of a variant: ``(x, w) -> y``
+    for the first two, ``(x, w_up, w_down) -> y`` for the MLP."""
     if variant == "bound":
-        return (
-            functools.partial(bound_all_gather_matmul, axis_name=AXIS),
-            functools.partial(bound_matmul_reduce_scatter, axis_name=AXIS),
-        )
+        ag = functools.partial(bound_all_gather_matmul, axis_name=AXIS)
+        rs = functools.partial(bound_matmul_reduce_scatter, axis_name=AXIS)
+        return ag, rs, lambda x, w_up, w_down: rs(jax.nn.gelu(ag(x, w_up)), w_down)
     impl = {"jax_ub": "ub", "xla": "xla"}[variant]
     return (
         functools.partial(jax_ub.all_gather_matmul, axis_name=AXIS, impl=impl),
         functools.partial(jax_ub.matmul_reduce_scatter, axis_name=AXIS, impl=impl),
+        functools.partial(jax_ub.gelu_mlp, axis_name=AXIS, impl=impl),
     )
 
 
@@ -89,7 +91,7 @@ def layer(x: jax.Array, params: dict, variant: str, head_dim: int) -> jax.Array:
     """One pre-norm transformer layer on a rank's rows ``x [seq/tp, batch, hidden]``, with
     the rank's weight shards (``params``: :func:`param_specs`); returns ``[seq/tp, batch,
     hidden]``."""
-    ag, rs = collectives(variant)
+    ag, rs, mlp = collectives(variant)
     qkv = ag(rms_norm(x, params["norm1"][0]), params["w_qkv"])  # [seq, b, 3 * hidden/tp]
     seq, batch = qkv.shape[:2]
     # [seq, b, 3, heads/tp, head_dim] -> three [b, seq, heads/tp, head_dim] (BTNH).
@@ -97,8 +99,8 @@ def layer(x: jax.Array, params: dict, variant: str, head_dim: int) -> jax.Array:
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     o = jnp.swapaxes(o, 0, 1).reshape(seq, batch, -1)  # [seq, b, hidden/tp]
     x = x + rs(o, params["w_o"])
-    u = ag(rms_norm(x, params["norm2"][0]), params["w_up"])  # [seq, b, ffn/tp]
-    return x + rs(jax.nn.gelu(u), params["w_down"])
+    # [seq, b, ffn/tp] in between
+    return x + mlp(rms_norm(x, params["norm2"][0]), params["w_up"], params["w_down"])
 
 
 def param_specs() -> dict:
