@@ -67,8 +67,8 @@ GPU_CONFIG = dict(seq=2048, batch=4, hidden=4096, layers=4, heads=32, vocab=1024
 class Block(nnx.Module):
     """Pre-LayerNorm transformer block: causal self-attention, then an MLP."""
 
-    def __init__(self, hidden: int, heads: int, *, impl: str, dtype, rngs: nnx.Rngs):
-        tp = dict(axis_name=AXIS, impl=impl, dtype=dtype, rngs=rngs)
+    def __init__(self, hidden: int, heads: int, *, impl: str, dtype, fp8: bool, rngs: nnx.Rngs):
+        tp = dict(axis_name=AXIS, impl=impl, dtype=dtype, fp8=fp8, rngs=rngs)
         self.ln1 = nnx.LayerNorm(hidden, rngs=rngs)
         self.attn = ubf.ParallelSelfAttention(hidden, heads, **tp)
         self.ln2 = nnx.LayerNorm(hidden, rngs=rngs)
@@ -85,7 +85,7 @@ class TransformerLM(nnx.Module):
 
     def __init__(
         self, *, vocab: int, seq: int, hidden: int, layers: int, heads: int, impl: str,
-        dtype, rngs: nnx.Rngs,
+        dtype, fp8: bool = False, rngs: nnx.Rngs,
     ):  # fmt: skip
         self.embed = nnx.Embed(vocab, hidden, rngs=rngs)
         # Sequence-sharded like the activations it is added to, so its gradient needs no
@@ -95,7 +95,10 @@ class TransformerLM(nnx.Module):
             out_sharding=(AXIS, None, None),
         )
         self.blocks = nnx.List(
-            [Block(hidden, heads, impl=impl, dtype=dtype, rngs=rngs) for _ in range(layers)]
+            [
+                Block(hidden, heads, impl=impl, dtype=dtype, fp8=fp8, rngs=rngs)
+                for _ in range(layers)
+            ]
         )
         self.ln_f = nnx.LayerNorm(hidden, rngs=rngs)
         self.head = nnx.Linear(hidden, vocab, rngs=rngs)
@@ -163,6 +166,7 @@ def train(
     heads: int = CPU_CONFIG["heads"],
     vocab: int = CPU_CONFIG["vocab"],
     dtype: str = CPU_CONFIG["dtype"],
+    fp8: bool = False,
     lr: float = 3e-3,
     seed: int = 0,
     devices: list[jax.Device] | None = None,
@@ -175,7 +179,8 @@ def train(
     """Train the model for `steps` steps of adamw on fresh synthetic batches.
 
     The same `seed` gives the same initial parameters and batches for every `impl`, so
-    runs differ only in how the collectives are done. With `trace_dir`, the last 3 steps
+    runs differ only in how the collectives are done. With `fp8`, the blocks' matmuls run in
+    fp8 with current scaling (the layers' ``fp8=True``). With `trace_dir`, the last 3 steps
     are traced with JAX's profiler into it (benchmarks/tools/profile_train_step.py reads it).
     Every `log_every` steps (default: 50 times a run) the host waits for the loss to show
     it; in between, steps are dispatched ahead of the GPUs. `mesh_shape` (axis -> size,
@@ -196,6 +201,7 @@ def train(
             heads=heads,
             vocab=vocab,
             dtype=dtype,
+            fp8=fp8,
             lr=lr,
             seed=seed,
             progress=progress,
@@ -213,14 +219,14 @@ def make_mesh(devices: list[jax.Device], shape: dict[str, int]) -> Mesh:
 
 
 def _train(
-    mesh: Mesh, *, steps, impl, seq, batch, hidden, layers, heads, vocab, dtype, lr, seed,
+    mesh: Mesh, *, steps, impl, seq, batch, hidden, layers, heads, vocab, dtype, fp8, lr, seed,
     progress, desc, trace_dir, log_every,
 ) -> TrainResult:  # fmt: skip
     devices = list(mesh.devices.flat)
     data_axes = tuple(a for a in mesh.axis_names if a != AXIS)
     model = TransformerLM(
         vocab=vocab, seq=seq, hidden=hidden, layers=layers, heads=heads, impl=impl,
-        dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed),
+        dtype=jnp.dtype(dtype), fp8=fp8, rngs=nnx.Rngs(seed),
     )  # fmt: skip
     graphdef, params = nnx.split(model, nnx.Param)
     # Place every parameter on the mesh: TP weights by their annotation, the rest replicated.
@@ -259,7 +265,7 @@ def _train(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    desc = desc or f"impl={impl}"
+    desc = desc or f"impl={impl}" + (" fp8" if fp8 else "")
     update, close = _progress(steps, desc, progress)
     log_every = max(1, steps // 50) if log_every is None else max(1, log_every)
     losses = []
@@ -307,6 +313,14 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     for name in ("seq", "batch", "hidden", "layers", "heads", "vocab"):
         parser.add_argument(f"--{name}", type=int, help="default depends on the platform")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype")
+    parser.add_argument(
+        "--fp8", action="store_true", help="the blocks' matmuls in fp8 (current scaling)"
+    )
+    parser.add_argument(
+        "--compare-bf16",
+        action="store_true",
+        help="with --fp8: also train without fp8 and compare the losses",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
@@ -328,6 +342,10 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     kw["mesh_shape"] = shape
     kw["progress"] = not args.no_progress
     kw["log_every"] = args.log_every
+    if args.compare_bf16:
+        plain = train(impl=args.impl, fp8=False, **kw)
+        print(f"impl={args.impl} without fp8: loss {plain.losses[0]:.4f} -> {plain.losses[-1]:.4f}")
+    kw["fp8"] = args.fp8
 
     rounds = args.rounds if args.compare_xla else 1
     times: dict[str, list[float]] = {args.impl: [], "xla": []}
@@ -356,7 +374,21 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
             f"median over {rounds} round(s): impl={args.impl} {1e3 * t_impl:.2f} ms/step, "
             f"xla {1e3 * t_xla:.2f} ms/step; speedup {t_xla / t_impl:.3f}x"
         )
+    if args.compare_bf16:
+        print(loss_gap_summary(results[args.impl].losses, plain.losses))
     return results
+
+
+def loss_gap_summary(fp8_losses: list[float], plain_losses: list[float]) -> str:
+    """How far the fp8 run's loss is from the run without fp8: the largest gap over all
+    steps and the gap of the last 10 steps' means, relative to the latter's."""
+    a, b = np.asarray(fp8_losses), np.asarray(plain_losses)
+    tail = min(10, len(a))
+    rel = abs(a[-tail:].mean() - b[-tail:].mean()) / b[-tail:].mean()
+    return (
+        f"fp8 vs without: max |loss gap| {np.max(np.abs(a - b)):.3e}; last {tail} steps' mean "
+        f"loss {a[-tail:].mean():.4f} vs {b[-tail:].mean():.4f} ({100 * rel:.2f}% apart)"
+    )
 
 
 if __name__ == "__main__":

@@ -64,3 +64,19 @@ def test_dp_tp_mesh_matches_tp_only(example, devices):
     tp_only = example.train(**kw)
     np.testing.assert_allclose(dp_tp.losses, tp_only.losses, rtol=1e-4, atol=1e-5)
     assert example.parse_mesh("dp=2,tp=2") == {"dp": 2, "tp": 2}
+
+
+def test_fp8_training_follows_bf16(example, devices):
+    """--fp8 (current scaling, the host emulating fp8): bf16 training whose loss follows the
+    run without fp8 (what --compare-bf16 reports)."""
+    kw = dict(
+        steps=40, impl="ub", devices=devices, progress=False, **{**CONFIG, "dtype": "bfloat16"}
+    )
+    fp8 = np.asarray(example.train(fp8=True, **kw).losses)
+    plain = np.asarray(example.train(**kw).losses)
+    assert np.all(np.isfinite(fp8))
+    assert not np.array_equal(fp8, plain)  # fp8 ran: quantization changes the numbers
+    assert fp8[-5:].mean() < 0.5 * fp8[:5].mean()  # it learns
+    # Within 5% of the bf16 run's loss over the last 10 steps.
+    assert abs(fp8[-10:].mean() - plain[-10:].mean()) < 0.05 * plain[-10:].mean()
+    assert "apart" in example.loss_gap_summary(list(fp8), list(plain))
