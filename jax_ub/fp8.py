@@ -16,6 +16,9 @@ the gradient the op returns for each scale (this step's amax) with
     hist = {k: fp8.update_amax_history(hist[k], getattr(g_scales, k)) for k in hist}
 
 (there ``loss`` would take the scales as an argument; see ``tests/test_fp8.py``).
+``delayed_scale_owg(history)`` is ``delayed_scale`` whose gradient is the updated history
+itself, for state that a training step overwrites with its gradient (flax's
+OVERWRITE_WITH_GRADIENT convention; the Flax layers' ``fp8="delayed"`` uses it).
 """
 
 from jax_ub._src.fp8 import (
@@ -25,6 +28,7 @@ from jax_ub._src.fp8 import (
     amax,
     current_scale,
     delayed_scale,
+    delayed_scale_owg,
     quantize,
     scale_from_amax,
     update_amax_history,
@@ -37,6 +41,7 @@ __all__ = [
     "amax",
     "current_scale",
     "delayed_scale",
+    "delayed_scale_owg",
     "quantize",
     "scale_from_amax",
     "update_amax_history",

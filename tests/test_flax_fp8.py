@@ -1,7 +1,8 @@
-"""fp8=True in the Flax layers and blocks (CPU devices, the host protocol emulating fp8):
-inside jit under a mesh, the output and the params' gradients are those of the same model
-with fp8=False within fp8's error (and not equal to them: it did quantize), impl="ub"
-agrees with impl="xla", and only the fp8 model moves fp8 bytes."""
+"""fp8=True (current scaling) in the Flax layers and blocks (CPU devices, the host protocol
+emulating fp8): inside jit under a mesh, the output and the params' gradients are those of
+the same model with fp8=False within fp8's error (and not equal to them: it did quantize),
+impl="ub" agrees with impl="xla", and only the fp8 model moves fp8 bytes. fp8="delayed":
+tests/test_flax_fp8_delayed.py."""
 
 import flax.linen as nn
 import jax
@@ -146,12 +147,14 @@ def test_nnx_fp8_inside_shard_map(mesh):
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_fp8_must_be_a_flag(mesh):
-    with pytest.raises(TypeError, match="fp8 must be True or False"):
+def test_fp8_must_be_a_recipe(mesh):
+    """fp8 is False, True, "current" or "delayed" (tests/test_flax_fp8_delayed.py); the ops'
+    own Fp8Scales are pointed to the ops."""
+    with pytest.raises(TypeError, match="fp8 must be False, True .*fp8=jax_ub.Fp8Scales"):
         ubf.ColumnParallelLinear(D, HIDDEN, mesh=mesh, fp8=jax_ub.Fp8Scales(), rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match="ParallelMLP: fp8 must be True or False"):
+    with pytest.raises(TypeError, match="ParallelMLP: fp8 must be False, True .* got 1"):
         ubf.ParallelMLP(D, HIDDEN, mesh=mesh, fp8=1, rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match="fp8 must be True or False"):
+    with pytest.raises(ValueError, match="fp8 must be False, True .* got 'e4m3'"):
         ubl.RowParallelLinear(D, mesh=mesh, fp8="e4m3").init(
             jax.random.key(0), jnp.ones((SEQ, BATCH, HIDDEN))
         )

@@ -84,6 +84,33 @@ def update_amax_history(amax_history: jax.Array, new_amax: jax.Array) -> jax.Arr
     return jnp.roll(amax_history, 1).at[0].set(new_amax.astype(amax_history.dtype))
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def delayed_scale_owg(amax_history: jax.Array, dtype=E4M3) -> jax.Array:
+    """:func:`delayed_scale` of ``amax_history`` (``[length]`` float32) whose gradient is
+    the history to keep: flax's OVERWRITE_WITH_GRADIENT convention, where a training step
+    overwrites such a variable with its "gradient" instead of stepping along it.
+
+    The cotangent arriving for the scale is the tensor's amax this step (what the ops
+    return for a given scale); the history's gradient is then
+    ``update_amax_history(amax_history, amax)``, or the history unchanged when that amax is
+    not finite (as flax keeps its previous scale then). Use the scale once per step:
+    cotangents of several uses would add up.
+    """
+    return delayed_scale(amax_history, dtype)
+
+
+def _owg_fwd(amax_history, dtype):
+    return delayed_scale(amax_history, dtype), amax_history
+
+
+def _owg_bwd(dtype, amax_history, seen):
+    recorded = update_amax_history(amax_history, seen)
+    return (jnp.where(jnp.isfinite(seen), recorded, amax_history),)
+
+
+delayed_scale_owg.defvjp(_owg_fwd, _owg_bwd)
+
+
 def quantize(a: jax.Array, scale: jax.Array, dtype=E4M3) -> jax.Array:
     """``a / scale`` saturated to ``dtype``'s finite range and rounded to it."""
     fmax = float(jnp.finfo(dtype).max)

@@ -14,11 +14,18 @@ their sharding over the tensor-parallel mesh axis, so model state holds only arr
 saves and restores like any Flax model's. The layers need no mesh: inside a shard_map over
 the tensor-parallel axis they run on local shards; from ``jit`` under ``jax.set_mesh`` they
 run in a shard_map over that axis alone, leaving the other mesh axes to XLA.
+
+``fp8=True`` (or ``"current"``) runs the layers' matmuls in fp8 with current scaling;
+``fp8="delayed"`` with delayed scaling from amax histories kept in the model state, as
+flax's own fp8 layers do: NNX :class:`OverwriteWithGradient` variables, linen's
+``"_overwrite_with_gradient"`` collection (``flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT``),
+which a training step overwrites with their gradients (see :class:`ColumnParallelLinear`).
 """
 
 from jax_ub.flax import linen, nnx
 from jax_ub.flax.nnx import (
     ColumnParallelLinear,
+    OverwriteWithGradient,
     ParallelMLP,
     ParallelSelfAttention,
     RowParallelLinear,
@@ -26,6 +33,7 @@ from jax_ub.flax.nnx import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "OverwriteWithGradient",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",

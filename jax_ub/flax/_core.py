@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ub
 from jax_ub._src import checks, layout
 from jax_ub._src.extension import normalize_platform
+from jax_ub.flax import _fp8
 
 Params = Mapping[str, jax.Array]
 
@@ -75,14 +76,10 @@ def local_features(features: int, tp: int, axis_name: str, split: bool) -> int:
 check_impl = checks.check_impl
 
 
-def check_fp8(owner: str, fp8: Any) -> None:
-    """A layer's ``fp8`` is a flag (current scaling); delayed scaling is the ops' own."""
-    if not isinstance(fp8, bool):
-        raise TypeError(
-            f"{owner}: fp8 must be True or False (fp8 with current scaling), got {fp8!r}; "
-            "for delayed scaling call jax_ub.all_gather_matmul / matmul_reduce_scatter with "
-            "fp8=jax_ub.Fp8Scales(...)"
-        )
+def check_fp8(owner: str, fp8: Any, amax_history_length: Any) -> None:
+    """A layer's ``fp8`` is False, True (= ``"current"``), ``"current"`` or ``"delayed"``;
+    see :mod:`jax_ub.flax._fp8`."""
+    _fp8.check(owner, fp8, amax_history_length)
 
 
 def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) -> None:
@@ -142,14 +139,18 @@ def feature_spec(ndim: int, axis_name: str) -> P:
     return P(*([None] * (ndim - 1)), axis_name)
 
 
-def column_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
-    """How the ops need a column-parallel layer's params split over ``axis_name``."""
-    return {k: P(*v) for k, v in param_names("", "column", axis_name, use_bias, None).items()}
+def column_param_specs(axis_name: str, use_bias: bool, fp8: str | None = None) -> dict[str, Any]:
+    """How the ops need a column-parallel layer's params split over ``axis_name`` (with
+    ``fp8="delayed"``, its amax histories too, replicated)."""
+    names = param_names("", "column", axis_name, use_bias, None)
+    return {k: P(*v) for k, v in names.items()} | _fp8.history_specs(fp8)
 
 
-def row_param_specs(axis_name: str, use_bias: bool) -> dict[str, P]:
-    """How the ops need a row-parallel layer's params split over ``axis_name``."""
-    return {k: P(*v) for k, v in param_names("", "row", axis_name, use_bias, None).items()}
+def row_param_specs(axis_name: str, use_bias: bool, fp8: str | None = None) -> dict[str, Any]:
+    """How the ops need a row-parallel layer's params split over ``axis_name`` (with
+    ``fp8="delayed"``, its amax histories too, replicated)."""
+    names = param_names("", "row", axis_name, use_bias, None)
+    return {k: P(*v) for k, v in names.items()} | _fp8.history_specs(fp8)
 
 
 def param_names(
@@ -188,9 +189,10 @@ def _promote(dtype: Any, *arrays: jax.Array | None) -> list[jax.Array | None]:
     return [None if a is None else jnp.asarray(a, dtype) for a in arrays]
 
 
-def _scales(fp8: bool) -> jax_ub.Fp8Scales | None:
-    """The ops' ``fp8`` argument for a layer's ``fp8`` flag: current scaling, or none."""
-    return jax_ub.Fp8Scales() if fp8 else None
+def _scales(fp8: str | None, params: Params) -> jax_ub.Fp8Scales | None:
+    """The ops' ``fp8`` argument for a layer's recipe (``op_settings``'), from the amax
+    histories among its ``params`` for delayed scaling."""
+    return _fp8.scales(fp8, params.get("fp8"))
 
 
 def fused_activation(activation: Callable[[jax.Array], jax.Array]) -> str | None:
@@ -205,25 +207,25 @@ def column_local(
     axis_name: str,
     impl: str,
     dtype: Any,
-    fp8: bool,
+    fp8: str | None,
     activation: str | None = None,
 ) -> jax.Array:
     """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]``: all_gather_matmul, its bias (this
     rank's columns' shard) and ``activation`` applied in the GEMMs' epilogue."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
     return jax_ub.all_gather_matmul(
-        x, kernel, axis_name, bias=bias, activation=activation, impl=impl, fp8=_scales(fp8)
+        x, kernel, axis_name, bias=bias, activation=activation, impl=impl, fp8=_scales(fp8, params)
     )
 
 
 def row_local(
-    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any, fp8: bool
+    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any, fp8: str | None
 ) -> jax.Array:
     """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``: matmul_reduce_scatter, its bias added
     once after the reduction."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
     return jax_ub.matmul_reduce_scatter(
-        x, kernel, axis_name, bias=bias, impl=impl, fp8=_scales(fp8)
+        x, kernel, axis_name, bias=bias, impl=impl, fp8=_scales(fp8, params)
     )
 
 
@@ -304,8 +306,9 @@ def attention_local(
 
 def op_settings(layer: Any) -> tuple:
     """``(mesh, axis_name, impl, dtype, fp8)`` of a layer or block (nnx or linen): the
-    leading arguments of every ``*_call`` below, the settings of the ops it runs."""
-    return (layer.mesh, layer.axis_name, layer.impl, layer.dtype, layer.fp8)
+    leading arguments of every ``*_call`` below, the settings of the ops it runs; ``fp8``
+    is the recipe's name (``"current"``, ``"delayed"``) or None."""
+    return (layer.mesh, layer.axis_name, layer.impl, layer.dtype, _fp8.recipe(layer.fp8))
 
 
 # --- whole-layer functions, one per configuration ---------------------------------------
@@ -356,21 +359,33 @@ def _resharded_explicit(axis_name: str, in_specs: Any, args: tuple) -> tuple:
 
 @functools.lru_cache(maxsize=256)
 def column_call(
-    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, fp8: bool, ndim: int, use_bias: bool
+    mesh: Mesh | None,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    fp8: str | None,
+    ndim: int,
+    use_bias: bool,
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)``: sequence-sharded ``x`` -> feature-sharded output."""
     local = functools.partial(column_local, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
-    in_specs = (seq_spec(ndim, axis_name), column_param_specs(axis_name, use_bias))
+    in_specs = (seq_spec(ndim, axis_name), column_param_specs(axis_name, use_bias, fp8))
     return _over_tp(local, mesh, axis_name, in_specs, feature_spec(ndim, axis_name))
 
 
 @functools.lru_cache(maxsize=256)
 def row_call(
-    mesh: Mesh | None, axis_name: str, impl: str, dtype: Any, fp8: bool, ndim: int, use_bias: bool
+    mesh: Mesh | None,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    fp8: str | None,
+    ndim: int,
+    use_bias: bool,
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)``: feature-sharded ``x`` -> sequence-sharded output."""
     local = functools.partial(row_local, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
-    in_specs = (feature_spec(ndim, axis_name), row_param_specs(axis_name, use_bias))
+    in_specs = (feature_spec(ndim, axis_name), row_param_specs(axis_name, use_bias, fp8))
     return _over_tp(local, mesh, axis_name, in_specs, seq_spec(ndim, axis_name))
 
 
@@ -380,7 +395,7 @@ def mlp_call(
     axis_name: str,
     impl: str,
     dtype: Any,
-    fp8: bool,
+    fp8: str | None,
     activation: Callable[[jax.Array], jax.Array],
     ndim: int,
     use_bias: bool,
@@ -394,7 +409,8 @@ def mlp_call(
         h = column_local(x, p_up, activation=fused, **kw)
         return row_local(h if fused else activation(h), p_down, **kw)
 
-    col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
+    col = column_param_specs(axis_name, use_bias, fp8)
+    row = row_param_specs(axis_name, use_bias, fp8)
     spec = seq_spec(ndim, axis_name)
     return _over_tp(body, mesh, axis_name, (spec, col, row), spec)
 
@@ -412,7 +428,7 @@ def attention_call(
     axis_name: str,
     impl: str,
     dtype: Any,
-    fp8: bool,
+    fp8: str | None,
     head_dim: int,
     ndim: int,
     use_bias: bool,
@@ -433,6 +449,7 @@ def attention_call(
     def body(x, p_qkv, p_out, mask):
         return row_local(attend(column_local(x, p_qkv, **kw), mask), p_out, **kw)
 
-    col, row = column_param_specs(axis_name, use_bias), row_param_specs(axis_name, use_bias)
+    col = column_param_specs(axis_name, use_bias, fp8)
+    row = row_param_specs(axis_name, use_bias, fp8)
     spec = seq_spec(ndim, axis_name)
     return _over_tp(body, mesh, axis_name, (spec, col, row, P() if has_mask else None), spec)

@@ -15,7 +15,7 @@ from flax import linen as nn
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core
+from jax_ub.flax import _core, _fp8
 from jax_ub.flax.linen.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,6 +29,7 @@ _SHARED = (
     "param_axes",
     "impl",
     "fp8",
+    "amax_history_length",
     "use_bias",
     "dtype",
     "param_dtype",
@@ -64,11 +65,14 @@ class ParallelMLP(nn.Module):
       activation: elementwise function applied to the hidden features (default: gelu,
         ``jax.nn.gelu``, which runs in the up-projection GEMMs' epilogue with its bias;
         other functions run in XLA after them).
-      fp8: run both matmuls in fp8 with current scaling (per-tensor amax scales; e4m3
-        forward, e5m2 gradients); the collectives move fp8 bytes; see :mod:`jax_ub.fp8`
-        for delayed scaling with the functional ops (default: False).
-      axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
-        :class:`ColumnParallelLinear`, shared by both projections.
+      fp8: run both matmuls in fp8 (e4m3 forward, e5m2 gradients); the collectives move
+        fp8 bytes. ``True`` or ``"current"``: current scaling; ``"delayed"``: delayed
+        scaling, ``up_proj`` and ``down_proj`` each keeping their amax histories in the
+        ``"_overwrite_with_gradient"`` collection (see :class:`ColumnParallelLinear`);
+        ``False``: no fp8 (default).
+      axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
+        kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared by both
+        projections.
     """
 
     hidden_features: int
@@ -83,7 +87,8 @@ class ParallelMLP(nn.Module):
     bias_init: Initializer = default_bias_init
     out_features: int | None = None
     activation: Callable[[jax.Array], jax.Array] = nn.gelu
-    fp8: bool = False
+    fp8: bool | str = False
+    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -127,12 +132,14 @@ class ParallelSelfAttention(nn.Module):
       out_features: number of output features (default: the input's).
       attention_implementation: ``"xla"``, ``"cudnn"`` or None (cuDNN flash attention on
         GPUs where it applies, else XLA); see :class:`jax_ub.flax.ParallelSelfAttention`.
-      fp8: run both projections' matmuls in fp8 with current scaling (per-tensor amax
-        scales; e4m3 forward, e5m2 gradients); the collectives move fp8 bytes; the
-        attention core stays in ``dtype``. See :mod:`jax_ub.fp8` for delayed scaling with
-        the functional ops (default: False).
-      axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
-        :class:`ColumnParallelLinear`, shared by both projections.
+      fp8: run both projections' matmuls in fp8 (e4m3 forward, e5m2 gradients); the
+        collectives move fp8 bytes; the attention core stays in ``dtype``. ``True`` or
+        ``"current"``: current scaling; ``"delayed"``: delayed scaling, ``qkv`` and
+        ``out`` each keeping their amax histories in the ``"_overwrite_with_gradient"``
+        collection (see :class:`ColumnParallelLinear`); ``False``: no fp8 (default).
+      axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
+        kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared by both
+        projections.
     """
 
     num_heads: int
@@ -148,7 +155,8 @@ class ParallelSelfAttention(nn.Module):
     qkv_features: int | None = None
     out_features: int | None = None
     attention_implementation: str | None = None
-    fp8: bool = False
+    fp8: bool | str = False
+    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
 
     @nn.compact
     def __call__(

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core
+from jax_ub.flax import _core, _fp8
 
 default_kernel_init = nn.initializers.lecun_normal()
 default_bias_init = nn.initializers.zeros_init()
@@ -29,24 +30,26 @@ class _ParallelLinear(nn.Module):
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = default_bias_init
-    fp8: bool = False
+    fp8: bool | str = False
+    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
 
     # Set by subclasses: "column" or "row".
     _kind: ClassVar[str]
 
     @nn.nowrap
     def tp_size(self) -> int:
-        """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name``, ``impl`` and
-        ``fp8``."""
+        """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name``, ``impl``,
+        ``fp8`` and ``amax_history_length``."""
         owner = type(self).__name__
         tp = _core.group_size(owner, self.mesh, self.axis_name)
         _core.check_impl(owner, self.impl)
-        _core.check_fp8(owner, self.fp8)
+        _core.check_fp8(owner, self.fp8, self.amax_history_length)
         return tp
 
     @nn.compact
-    def get_params(self, in_features: int) -> dict[str, jax.Array]:
-        """Create (at init) or fetch the global ``kernel`` and (with ``use_bias``) ``bias``.
+    def get_params(self, in_features: int) -> dict[str, Any]:
+        """Create (at init) or fetch the global ``kernel``, (with ``use_bias``) ``bias`` and
+        (with ``fp8="delayed"``) the amax histories, as ``fp8: {"x", "w", "grad"}``.
 
         Blocks call this to run several layers in one ``shard_map``.
         """
@@ -68,6 +71,13 @@ class _ParallelLinear(nn.Module):
             params["bias"] = self.param(
                 "bias", init(self.bias_init, names["bias"]), (self.features,), self.param_dtype
             )
+        if _fp8.recipe(self.fp8) == "delayed":
+            # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
+            zeros = lambda: jnp.zeros((self.amax_history_length,), jnp.float32)  # noqa: E731
+            params["fp8"] = {
+                k: self.variable(OVERWRITE_WITH_GRADIENT, name, init(zeros, (None,))).value
+                for k, name in _fp8.HISTORY_NAMES.items()
+            }
         return params
 
 
@@ -108,10 +118,37 @@ class ColumnParallelLinear(_ParallelLinear):
         (default: None); XLA gathers them for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
       use_bias, dtype, param_dtype, kernel_init, bias_init: as for ``nn.Dense``.
-      fp8: run the matmul in fp8 with current scaling (per-tensor amax scales; e4m3
-        forward, e5m2 gradients), in forward and backward; the collective moves fp8 bytes
-        and the output is in the compute dtype. See :mod:`jax_ub.fp8` for delayed scaling
-        with the functional ops (default: False).
+      fp8: run the matmul in fp8 (per-tensor scales; e4m3 forward, e5m2 gradients), in
+        forward and backward; the collective moves fp8 bytes and the output is in the
+        compute dtype. ``True`` or ``"current"``: current scaling (each tensor's amax this
+        step); ``"delayed"``: delayed scaling from amax histories (below); ``False``: no
+        fp8 (default).
+      amax_history_length: steps of amaxes each delayed scale looks back over (default 16).
+
+    With ``fp8="delayed"`` the layer keeps the amax histories of flax's fp8 layers,
+    ``input_amax_history``, ``kernel_amax_history`` and ``output_grad_amax_history``
+    (float32 ``[amax_history_length]``, zeros at first, boxed ``nn.Partitioned`` with
+    names ``(None,)``: replicated), in the ``"_overwrite_with_gradient"`` collection
+    (``flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT``). Scales and history updates are those
+    of :class:`jax_ub.flax.ColumnParallelLinear`: differentiate the loss with respect to
+    all the variables, step ``"params"`` with the optimizer and replace that collection by
+    its gradient, as ``flax.training.train_state.TrainState.apply_gradients`` does when
+    its ``params`` are the whole variables dict::
+
+        >>> import optax
+        >>> from flax.training.train_state import TrainState
+        >>> layer = jax_ub.flax.linen.ColumnParallelLinear(64, mesh=mesh, fp8="delayed")
+        >>> x = jax.random.normal(jax.random.key(1), (32, 2, 16))
+        >>> variables = nn.meta.unbox(layer.init(jax.random.key(0), x))
+        >>> state = TrainState.create(apply_fn=layer.apply, params=variables, tx=optax.sgd(0.1))
+        >>> @jax.jit
+        ... def train_step(state, x):
+        ...     loss = lambda v: jnp.mean(state.apply_fn(v, x) ** 2)
+        ...     return state.apply_gradients(grads=jax.grad(loss)(state.params))
+        >>> state = train_step(state, x)
+        >>> history = state.params["_overwrite_with_gradient"]["input_amax_history"]
+        >>> bool(history[0] == jnp.max(jnp.abs(x))), bool(jnp.all(history[1:] == 0))
+        (True, True)
     """
 
     _kind = "column"

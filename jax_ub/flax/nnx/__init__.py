@@ -2,10 +2,18 @@
 :mod:`jax_ub.flax` itself).
 
 Parameters are ``nnx.Param``s carrying their sharding names as metadata, so
-``nnx.get_partition_spec`` gives their sharding over the tensor-parallel axis.
+``nnx.get_partition_spec`` gives their sharding over the tensor-parallel axis. With
+``fp8="delayed"`` the layers also keep amax histories as :class:`OverwriteWithGradient`
+variables (replicated), which a training step overwrites with their gradients.
 """
 
 from jax_ub.flax.nnx.blocks import ParallelMLP, ParallelSelfAttention
-from jax_ub.flax.nnx.layers import ColumnParallelLinear, RowParallelLinear
+from jax_ub.flax.nnx.layers import ColumnParallelLinear, OverwriteWithGradient, RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "OverwriteWithGradient",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "RowParallelLinear",
+]

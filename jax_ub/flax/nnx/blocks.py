@@ -16,7 +16,7 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core
+from jax_ub.flax import _core, _fp8
 from jax_ub.flax.nnx.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -50,11 +50,13 @@ class ParallelMLP(nnx.Module):
       activation: elementwise function applied to the hidden features (default: gelu,
         ``jax.nn.gelu``, which runs in the up-projection GEMMs' epilogue with its bias;
         other functions run in XLA after them).
-      fp8: run both matmuls in fp8 with current scaling (per-tensor amax scales; e4m3
-        forward, e5m2 gradients); the collectives move fp8 bytes; see :mod:`jax_ub.fp8`
-        for delayed scaling with the functional ops (default: False).
-      mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
-        bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both projections.
+      fp8: run both matmuls in fp8 (e4m3 forward, e5m2 gradients); the collectives move
+        fp8 bytes. ``True`` or ``"current"``: current scaling; ``"delayed"``: delayed
+        scaling, each projection keeping its own amax histories (as
+        :class:`ColumnParallelLinear` describes); ``False``: no fp8 (default).
+      mesh, axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
+        kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both
+        projections.
     """
 
     def __init__(
@@ -67,7 +69,8 @@ class ParallelMLP(nnx.Module):
         axis_name: str = "tp",
         param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
-        fp8: bool = False,
+        fp8: bool | str = False,
+        amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
         activation: Callable[[jax.Array], jax.Array] = nnx.gelu,
         use_bias: bool = True,
         dtype: Dtype | None = None,
@@ -78,7 +81,7 @@ class ParallelMLP(nnx.Module):
     ):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8)
+        _core.check_fp8(owner, fp8, amax_history_length)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
@@ -89,6 +92,7 @@ class ParallelMLP(nnx.Module):
             param_axes=param_axes,
             impl=impl,
             fp8=fp8,
+            amax_history_length=amax_history_length,
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -140,12 +144,14 @@ class ParallelSelfAttention(nnx.Module):
         ``implementation``: ``"xla"``, ``"cudnn"`` (fused flash attention, GPUs only), or
         None (default): cuDNN on GPUs for 16-bit dtypes and head sizes up to 128 without
         a mask array, XLA otherwise.
-      fp8: run both projections' matmuls in fp8 with current scaling (per-tensor amax
-        scales; e4m3 forward, e5m2 gradients); the collectives move fp8 bytes; the
-        attention core stays in ``dtype``. See :mod:`jax_ub.fp8` for delayed scaling with
-        the functional ops (default: False).
-      mesh, axis_name, param_axes, impl, use_bias, dtype, param_dtype, kernel_init,
-        bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both projections.
+      fp8: run both projections' matmuls in fp8 (e4m3 forward, e5m2 gradients); the
+        collectives move fp8 bytes; the attention core stays in ``dtype``. ``True`` or
+        ``"current"``: current scaling; ``"delayed"``: delayed scaling, each projection
+        keeping its own amax histories (see :class:`ColumnParallelLinear`); ``False``: no
+        fp8 (default).
+      mesh, axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
+        kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both
+        projections.
     """
 
     def __init__(
@@ -160,7 +166,8 @@ class ParallelSelfAttention(nnx.Module):
         axis_name: str = "tp",
         param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
-        fp8: bool = False,
+        fp8: bool | str = False,
+        amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
         use_bias: bool = True,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
@@ -172,7 +179,7 @@ class ParallelSelfAttention(nnx.Module):
         qkv_features = in_features if qkv_features is None else qkv_features
         out_features = in_features if out_features is None else out_features
         _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8)
+        _core.check_fp8(owner, fp8, amax_history_length)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
@@ -187,6 +194,7 @@ class ParallelSelfAttention(nnx.Module):
             param_axes=param_axes,
             impl=impl,
             fp8=fp8,
+            amax_history_length=amax_history_length,
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,

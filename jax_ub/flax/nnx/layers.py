@@ -5,21 +5,44 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.nnx import variablelib
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core
+from jax_ub.flax import _core, _fp8
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
 
 
-def sharded_param(value: jax.Array, names: tuple, mesh: Mesh | None) -> nnx.Param:
-    """A param carrying its sharding names; placed on ``mesh`` (or the mesh set by
-    ``jax.set_mesh``) when one is known, else left where it is until the user shards it."""
+def _overwrite_with_gradient_type() -> type[nnx.Variable]:
+    """The NNX variable type of linen's ``"_overwrite_with_gradient"`` collection: the one
+    ``nnx.bridge`` gives flax's own fp8 layers' amax histories and scales, so that one
+    filter selects both; registered here under that name when nothing has yet."""
+    try:
+        return variablelib.variable_type_from_name(OVERWRITE_WITH_GRADIENT)
+    except ValueError:
+
+        class OverwriteWithGradient(nnx.Variable):
+            """State a training step overwrites with its gradient (flax's
+            OVERWRITE_WITH_GRADIENT), e.g. fp8 amax histories."""
+
+        return variablelib.register_variable_name(OVERWRITE_WITH_GRADIENT, OverwriteWithGradient)
+
+
+OverwriteWithGradient = _overwrite_with_gradient_type()
+
+
+def sharded_param(
+    value: jax.Array, names: tuple, mesh: Mesh | None, kind: type[nnx.Variable] = nnx.Param
+) -> nnx.Variable:
+    """A ``kind`` variable (a param by default) carrying its sharding names; placed on
+    ``mesh`` (or the mesh set by ``jax.set_mesh``) when one is known, else left where it
+    is until the user shards it."""
     if mesh is None and jax.sharding.get_abstract_mesh().empty:
-        return nnx.Param(value, out_sharding=names, eager_sharding=False)
-    return nnx.Param(value, out_sharding=names, mesh=mesh)
+        return kind(value, out_sharding=names, eager_sharding=False)
+    return kind(value, out_sharding=names, mesh=mesh)
 
 
 class _ParallelLinear(nnx.Module):
@@ -38,7 +61,8 @@ class _ParallelLinear(nnx.Module):
         axis_name: str = "tp",
         param_axes: str | tuple[str, ...] | None = None,
         impl: str = "auto",
-        fp8: bool = False,
+        fp8: bool | str = False,
+        amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
         use_bias: bool = True,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
@@ -48,7 +72,7 @@ class _ParallelLinear(nnx.Module):
     ):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8)
+        _core.check_fp8(owner, fp8, amax_history_length)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             split = {"in_features": in_features, "out_features": out_features}[self._split]
@@ -59,6 +83,7 @@ class _ParallelLinear(nnx.Module):
         self.axis_name = axis_name
         self.impl = impl
         self.fp8 = fp8
+        self.amax_history_length = amax_history_length
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -71,12 +96,20 @@ class _ParallelLinear(nnx.Module):
             self.bias = sharded_param(bias, names["bias"], mesh)
         else:
             self.bias = nnx.data(None)
+        if _fp8.recipe(fp8) == "delayed":
+            # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
+            history = jnp.zeros((amax_history_length,), jnp.float32)
+            for name in _fp8.HISTORY_NAMES.values():
+                setattr(self, name, sharded_param(history, (None,), mesh, OverwriteWithGradient))
 
     def param_values(self) -> dict[str, jax.Array]:
-        """The global parameter arrays: ``kernel`` and, with ``use_bias``, ``bias``."""
+        """The global arrays the ops take: ``kernel``, with ``use_bias`` ``bias``, and with
+        ``fp8="delayed"`` the amax histories as ``fp8: {"x", "w", "grad"}``."""
         values = {"kernel": self.kernel[...]}
         if self.bias is not None:
             values["bias"] = self.bias[...]
+        if _fp8.recipe(self.fp8) == "delayed":
+            values["fp8"] = {k: getattr(self, n)[...] for k, n in _fp8.HISTORY_NAMES.items()}
         return values
 
     def _config(self, inputs: jax.Array) -> tuple:
@@ -147,6 +180,39 @@ class ColumnParallelLinear(_ParallelLinear):
         >>> jax.jit(f)(state, x).shape
         (32, 4, 64)
 
+    Delayed scaling, ``fp8="delayed"``, is flax's fp8 recipe (``Fp8DirectDotGeneralOp``):
+    the layer keeps float32 ``[amax_history_length]`` amax histories of its input, kernel
+    and output gradient, ``input_amax_history``, ``kernel_amax_history`` and
+    ``output_grad_amax_history`` (zeros at first, replicated), as
+    :class:`OverwriteWithGradient` variables. A step's scale of each tensor is
+    ``max(history) / fp8_max`` (1 while the history is all zeros); the gradient of each
+    history is the history with this step's amax of its tensor rolled in front, and a
+    training step overwrites the histories with their gradients (flax's
+    OVERWRITE_WITH_GRADIENT convention). Differentiate with respect to them as well as
+    the params; the optimizer (``wrt=nnx.Param``) steps the params, and the histories are
+    overwritten. A step that differentiates the params only leaves them, and so the scales,
+    as they are. Call each fp8 layer once per step: the gradient of a history read twice
+    is the sum of two updated histories::
+
+        >>> import optax
+        >>> owg = jax_ub.flax.OverwriteWithGradient
+        >>> @nnx.jit
+        ... def train_step(model, optimizer, x):
+        ...     loss = lambda model: jnp.mean(model(x) ** 2)
+        ...     wrt = nnx.DiffState(0, nnx.Any(nnx.Param, owg))  # params and histories
+        ...     grads = nnx.grad(loss, argnums=wrt)(model)
+        ...     optimizer.update(model, grads)  # steps the params (wrt=nnx.Param) only
+        ...     nnx.update(model, nnx.state(grads, owg))  # overwrites the histories
+        >>> with jax.set_mesh(mesh):
+        ...     model = jax_ub.flax.ColumnParallelLinear(16, 64, fp8="delayed", rngs=nnx.Rngs(0))
+        ...     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        ...     x = jax.random.normal(jax.random.key(1), (32, 4, 16))
+        ...     for _ in range(3):
+        ...         train_step(model, optimizer, x)
+        >>> history = model.input_amax_history[...]  # float32 [16]: 3 steps' amaxes, then 0s
+        >>> bool(jnp.all(history[:3] == jnp.max(jnp.abs(x)))), bool(jnp.all(history[3:] == 0))
+        (True, True)
+
     Args:
       in_features: number of input features.
       out_features: number of output features; a multiple of ``tp``.
@@ -158,10 +224,12 @@ class ColumnParallelLinear(_ParallelLinear):
         (default: None, replicated). Only where the params are placed: XLA gathers them
         for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
-      fp8: run the matmul in fp8 with current scaling (per-tensor amax scales; e4m3
-        forward, e5m2 gradients), in forward and backward; the collective moves fp8 bytes
-        and the output is in the compute dtype. See :mod:`jax_ub.fp8` for delayed scaling
-        with the functional ops (default: False).
+      fp8: run the matmul in fp8 (per-tensor scales; e4m3 forward, e5m2 gradients), in
+        forward and backward; the collective moves fp8 bytes and the output is in the
+        compute dtype. ``True`` or ``"current"``: current scaling (each tensor's amax this
+        step); ``"delayed"``: delayed scaling from amax histories kept in the layer (see
+        below); ``False``: no fp8 (default).
+      amax_history_length: steps of amaxes each delayed scale looks back over (default 16).
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
       param_dtype: the dtype passed to parameter initializers (default: float32).
