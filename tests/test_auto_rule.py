@@ -40,26 +40,30 @@ def simulated_gpu(monkeypatch):
 # ------------------------------------------------------------------ the rule, on GPUs
 
 
-def test_default_is_the_calibrated_4_mib():
-    assert jax_ub.config.auto_min_bytes == 4 * MiB == jax_ub.Config().auto_min_bytes
+def test_default_is_the_calibrated_8_mib():
+    assert jax_ub.config.auto_min_bytes == 8 * MiB == jax_ub.Config().auto_min_bytes
 
 
 @pytest.mark.parametrize(
     "op,x_shape,w_shape,moved,impl",
     [
-        # The measured bracket: K=8192, tp=2, bf16. M=256 global rows (ub 10-12% slower)...
+        # The measured shapes: tp=2, bf16, the bench's local operands. M=256 global rows
+        # (both ops slower than XLA's) and M=512 (the RS still slower)...
         (AG, (128, 8192), (8192, 14336), 2 * MiB, "xla"),
         (RS, (256, 14336), (14336, 8192), 2 * MiB, "xla"),
-        # ... and M=1024 (ub 4-22% faster).
+        (AG, (256, 8192), (8192, 14336), 4 * MiB, "xla"),
+        (RS, (512, 14336), (14336, 8192), 4 * MiB, "xla"),
+        # ... and M=1024 (both tied or won, as at M=2048).
         (AG, (512, 8192), (8192, 14336), 8 * MiB, "ub"),
         (RS, (1024, 14336), (14336, 8192), 8 * MiB, "ub"),
-        # The boundary: exactly auto_min_bytes takes ub, one row less does not.
-        (AG, (256, 8192), (8192, 64), 4 * MiB, "ub"),
-        (AG, (255, 8192), (8192, 64), 4 * MiB - 8192 * 2, "xla"),
-        (RS, (512, 64), (64, 8192), 4 * MiB, "ub"),
-        (RS, (510, 64), (64, 8192), 4 * MiB - 8192 * 2, "xla"),
+        # The boundary: exactly auto_min_bytes takes ub, one row received less does not.
+        (AG, (512, 8192), (8192, 64), 8 * MiB, "ub"),
+        (AG, (511, 8192), (8192, 64), 8 * MiB - 8192 * 2, "xla"),
+        (RS, (1024, 64), (64, 8192), 8 * MiB, "ub"),
+        (RS, (1022, 64), (64, 8192), 8 * MiB - 8192 * 2, "xla"),
         # Batch dims count as rows.
-        (AG, (64, 4, 8192), (8192, 64), 4 * MiB, "ub"),
+        (AG, (128, 4, 8192), (8192, 64), 8 * MiB, "ub"),
+        (AG, (127, 4, 8192), (8192, 64), 8 * MiB - 4 * 8192 * 2, "xla"),
     ],
 )
 def test_gpu_rule_at_the_boundary(op, x_shape, w_shape, moved, impl):
@@ -78,7 +82,7 @@ def test_gpu_rule_counts_every_peer():
     )
 
 
-@pytest.mark.parametrize("min_bytes", [0, 4 * MiB])
+@pytest.mark.parametrize("min_bytes", [0, 8 * MiB])
 def test_gpu_groups_of_one_take_xla(min_bytes):
     for op in (AG, RS):
         choice = gpu_choice(op, (8192, 8192), (8192, 8192), 1, min_bytes=min_bytes)
@@ -88,11 +92,11 @@ def test_gpu_groups_of_one_take_xla(min_bytes):
 def test_fp8_all_gather_counts_one_byte_elements():
     """fp8's all-gather moves float8_e4m3fn: half of bf16's bytes, so the same shape falls
     below the threshold; RS moves x.dtype partial sums either way."""
-    bf16 = gpu_choice(AG, (256, 8192), (8192, 64), 2)
-    fp8 = gpu_choice(AG, (256, 8192), (8192, 64), 2, fp8=True)
-    assert (bf16.impl, fp8.impl, fp8.comm_bytes) == ("ub", "xla", 2 * MiB)
-    rs = gpu_choice(RS, (512, 64), (64, 8192), 2, fp8=True)
-    assert (rs.impl, rs.comm_bytes) == ("ub", 4 * MiB)
+    bf16 = gpu_choice(AG, (512, 8192), (8192, 64), 2)
+    fp8 = gpu_choice(AG, (512, 8192), (8192, 64), 2, fp8=True)
+    assert (bf16.impl, fp8.impl, fp8.comm_bytes) == ("ub", "xla", 4 * MiB)
+    rs = gpu_choice(RS, (1024, 64), (64, 8192), 2, fp8=True)
+    assert (rs.impl, rs.comm_bytes) == ("ub", 8 * MiB)
 
 
 def test_auto_min_bytes_overrides_the_threshold():
@@ -124,7 +128,7 @@ def test_cpu_devices_keep_the_host_protocol():
 def test_auto_min_bytes_rejects_bad_values(value, match):
     with pytest.raises(ValueError, match=match):
         jax_ub.configure(auto_min_bytes=value)
-    assert jax_ub.config.auto_min_bytes == 4 * MiB
+    assert jax_ub.config.auto_min_bytes == 8 * MiB
 
 
 def test_auto_min_bytes_from_the_environment(monkeypatch):
@@ -214,7 +218,7 @@ def test_auto_logs_a_gpu_decision_for_xla(rand, caplog):
     (message,) = [r.getMessage() for r in caplog.records if r.name == "jax_ub"]
     assert "matmul_reduce_scatter impl='auto' -> 'xla'" in message
     assert "(x (8, 16), w (16, 8), bfloat16, group of 2)" in message
-    assert "moves 64 bytes per rank, below auto_min_bytes=4194304 bytes (4 MiB)" in message
+    assert "moves 64 bytes per rank, below auto_min_bytes=8388608 bytes (8 MiB)" in message
 
 
 def test_auto_logs_why_it_cannot_take_ub(rand, caplog):
@@ -255,7 +259,7 @@ def test_explain_impl_rejects_bad_arguments(op, w_shape, impl, match):
 
 @pytest.mark.usefixtures("simulated_gpu")
 def test_explain_impl_says_what_the_op_does_on_gpus(rand):
-    for m, impl in ((255, "xla"), (256, "ub")):
+    for m, impl in ((511, "xla"), (512, "ub")):
         choice = jax_ub.explain_impl(AG, (m, 8192), (8192, 64), BF16, 2)
         assert choice.impl == impl, choice
         x, w = rand(m, 8192, dtype=BF16), rand(8192, 64, dtype=BF16)
