@@ -15,10 +15,13 @@ shard_map that makes the remaining axes manual too; its in/out specs keep the ba
 sharded over them (see ``layout.batch_spec``), so each device runs the call on its own
 batch shard and nothing is gathered over data-parallel axes.
 
-Why every device of a group runs the same calls in the same order: the custom call is
-marked as having a side effect, so XLA neither CSEs two identical calls nor drops one
-whose result is unused, and it keeps side-effecting ops in program order; and every
-device runs the same SPMD program. The nested shard_map changes neither.
+Why every device of a group runs the same calls: the custom call is marked as having a
+side effect, so XLA neither CSEs two identical calls nor drops one whose result is
+unused; and every device runs the same SPMD program. The nested shard_map changes
+neither. Their order is the data's: a call that consumes another's result runs after it.
+XLA does not order side-effecting calls with no data path between them, and XLA's CPU
+runtime may run such calls in different orders on different devices (tests/RELIABILITY.md,
+known gap 16).
 """
 
 from __future__ import annotations
