@@ -263,14 +263,26 @@ def _ffi_all_gather_matmul(cid, out_rows, n, dtype=jnp.float32):
     """The raw custom call on whatever device jit puts it, bypassing the Python checks."""
 
     def call(x, w):
+        no_bias, no_gelu_input = jnp.zeros((0,), dtype), jnp.zeros((0, n), dtype)
         return jax.ffi.ffi_call(
             "jax_ub_all_gather_matmul",
             (
                 jax.ShapeDtypeStruct((out_rows, n), dtype),
-                jax.ShapeDtypeStruct((0, x.shape[1]), dtype),
+                jax.ShapeDtypeStruct((0, x.shape[1]), dtype),  # no gathered copy
+                jax.ShapeDtypeStruct((0, n), dtype),  # no kept GELU input
             ),
             has_side_effect=True,
-        )(x, w, jnp.ones((8,), jnp.float32), comm_id=np.int64(cid), transpose_w=False)
+        )(
+            x,
+            w,
+            jnp.ones((8,), jnp.float32),
+            no_bias,
+            no_gelu_input,
+            comm_id=np.int64(cid),
+            transpose_w=False,
+            gelu=False,
+            dgelu=False,
+        )
 
     return jax.jit(call)
 
