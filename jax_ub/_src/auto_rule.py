@@ -232,16 +232,6 @@ def explain_impl(
     x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), jnp.dtype(dtype))
     checks.check_matmul_shapes(op, x, w)
+    choice = checks.choose_impl(op, impl, x, w, fp8, axis_size)
     moved = comm_bytes(op, x_shape, w_shape, dtype, axis_size, fp8=fp8)
-    if impl == "xla":
-        return ImplChoice("xla", "impl='xla' asks for XLA's collectives", moved)
-    backend = jax.default_backend()
-    reason = checks.unsupported_reason(x, w, fp8, backend)
-    if reason is not None:
-        if impl == "ub":
-            raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
-        return ImplChoice("xla", reason, moved)
-    if impl == "ub":
-        return ImplChoice("ub", "impl='ub' asks for the userbuffer op", moved)
-    platform = "cpu" if backend == "cpu" else "gpu"
-    return auto_choice(op, x_shape, w_shape, dtype, axis_size, fp8=fp8, platform=platform)
+    return dataclasses.replace(choice, comm_bytes=moved)

@@ -100,9 +100,38 @@ def operands_unsupported_reason(x, w, fp8: bool) -> str | None:
     return reason
 
 
-def unsupported_reason(x, w, fp8: bool, backend: str) -> str | None:
-    """Why the userbuffer op cannot run ``x @ w`` on ``backend`` in this process, or None."""
-    return operands_unsupported_reason(x, w, fp8) or platform_unsupported_reason(backend)
+def choose_impl(
+    op: str,
+    impl: str,
+    x: jax.Array,
+    w: jax.Array,
+    fp8: bool = False,
+    axis_size: int | None = None,
+) -> auto_rule.ImplChoice:
+    """What ``impl`` runs for ``x @ w`` (local shards, in fp8 with ``fp8``) on this process's
+    backend, and why: impl="auto" resolved by the rule (:mod:`jax_ub._src.auto_rule`;
+    without ``axis_size`` its size tests are skipped). Raises if impl="ub" cannot run it;
+    warns once where "auto" falls back on GPUs for want of the CUDA extension."""
+    from jax_ub._src import extension  # noqa: PLC0415
+
+    if impl == "xla":
+        return auto_rule.ImplChoice("xla", "impl='xla' asks for XLA's collectives")
+    backend = jax.default_backend()
+    operands_reason = operands_unsupported_reason(x, w, fp8)
+    reason = operands_reason or platform_unsupported_reason(backend)
+    if reason is not None:
+        if impl == "ub":
+            raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
+        if operands_reason is None and extension.normalize_platform(backend) == "cuda":
+            message = f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}"
+            warn_once(message, message)
+        return auto_rule.ImplChoice("xla", reason)
+    if impl == "ub":
+        return auto_rule.ImplChoice("ub", "impl='ub' asks for the userbuffer op")
+    platform = "cpu" if backend == "cpu" else "gpu"
+    return auto_rule.auto_choice(
+        op, x.shape, w.shape, x.dtype, axis_size, fp8=fp8, platform=platform
+    )
 
 
 def use_ub(
@@ -113,33 +142,11 @@ def use_ub(
     fp8: bool = False,
     axis_size: int | None = None,
 ) -> bool:
-    """Resolve impl="auto" (the rule: :mod:`jax_ub._src.auto_rule`); raise if impl="ub"
-    cannot run these operands (in fp8 with ``fp8``). ``x`` and ``w`` are the local shards,
-    ``axis_size`` the size of the op's axis (without it, the rule's size tests are skipped)."""
-    from jax_ub._src import extension  # noqa: PLC0415
-
-    if impl == "xla":
-        return False
-    backend = jax.default_backend()
-    operands_reason = operands_unsupported_reason(x, w, fp8)
-    reason = operands_reason or platform_unsupported_reason(backend)
-    if reason is not None:
-        if impl == "ub":
-            raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
-        if operands_reason is None and extension.normalize_platform(backend) == "cuda":
-            message = f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}"
-            warn_once(message, message)
-        if impl == "auto":
-            choice = auto_rule.ImplChoice("xla", reason)
-            auto_rule.log_choice(op, x.shape, w.shape, x.dtype, axis_size, choice)
-        return False
-    if impl == "ub":
-        return True
-    platform = "cpu" if backend == "cpu" else "gpu"
-    choice = auto_rule.auto_choice(
-        op, x.shape, w.shape, x.dtype, axis_size, fp8=fp8, platform=platform
-    )
-    auto_rule.log_choice(op, x.shape, w.shape, x.dtype, axis_size, choice)
+    """Whether the op runs the userbuffer path (:func:`choose_impl`); impl="auto"'s
+    decisions are logged at DEBUG on the "jax_ub" logger."""
+    choice = choose_impl(op, impl, x, w, fp8, axis_size)
+    if impl == "auto":
+        auto_rule.log_choice(op, x.shape, w.shape, x.dtype, axis_size, choice)
     return choice.impl == "ub"
 
 
