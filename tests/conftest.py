@@ -57,6 +57,12 @@ def make_mesh(*shape_and_names, devices=None) -> Mesh:
     return Mesh(np.array(devs, dtype=object).reshape(sizes), names)
 
 
+@pytest.fixture(scope="module")
+def mesh(request) -> Mesh:
+    """A 1-D "tp" mesh of the test module's ``TP`` CPU devices (the Flax test modules')."""
+    return make_mesh((request.module.TP, "tp"))
+
+
 @pytest.fixture
 def mesh1d():
     """mesh1d(n) -> 1-D mesh ("tp",) over the first n CPU devices."""

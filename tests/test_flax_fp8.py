@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from conftest import rel_err
 from flax import nnx
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -28,14 +27,6 @@ CONFIGS = [(False, "xla"), (True, "ub"), (True, "xla")]  # (fp8, impl): the f32 
 QUANTIZED = 1e-3  # fp8's error is above this: it did quantize
 OUT_TOL, GRAD_TOL = 0.1, 0.15
 UB_VS_XLA = 1e-2
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    devices = jax.devices()
-    if len(devices) < TP:
-        pytest.skip(f"needs {TP} devices, have {len(devices)}")
-    return Mesh(np.array(devices[:TP]), ("tp",))
 
 
 def _inputs():

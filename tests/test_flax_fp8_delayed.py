@@ -16,7 +16,6 @@ from conftest import rel_err
 from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub.flax as ubf
@@ -29,14 +28,6 @@ STEPS = 6
 OWG = ubf.OverwriteWithGradient
 NAMES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history")
 BF16 = jnp.bfloat16
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    devices = jax.devices()
-    if len(devices) < TP:
-        pytest.skip(f"needs {TP} devices, have {len(devices)}")
-    return Mesh(np.array(devices[:TP]), ("tp",))
 
 
 def amax(a) -> float:

@@ -29,14 +29,6 @@ TOL = dict(rtol=2e-5, atol=2e-5)
 CAUSAL = np.tril(np.ones((SEQ, SEQ), bool))
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    devices = jax.devices()
-    if len(devices) < TP:
-        pytest.skip(f"needs {TP} devices, have {len(devices)}")
-    return Mesh(np.array(devices[:TP]), ("tp",))
-
-
 # --- plain linen reference: same parameter names, explicit lax collectives ----------------
 
 

@@ -25,14 +25,6 @@ SEQ, BATCH, D, HIDDEN, HEADS = 16, 2, 16, 32, 4
 IMPLS = ["ub", "xla"]
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    devices = jax.devices()
-    if len(devices) < TP:
-        pytest.skip(f"needs {TP} devices, have {len(devices)}")
-    return Mesh(np.array(devices[:TP]), ("tp",))
-
-
 # --- plain Flax reference: global params, explicit lax collectives ------------------------
 
 
