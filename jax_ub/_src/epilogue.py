@@ -37,8 +37,14 @@ def epilogue_grads(dy: jax.Array, pre, bias_like, with_gelu: bool):
     forward) where ``with_gelu``, and the bias gradient where there is a bias
     (``bias_like``: an empty slice of it, carrying its dtype and sharding type), else None."""
     dpre = dgelu_reference(dy, pre) if with_gelu else dy
+    return dpre, bias_grad(dpre, bias_like)
+
+
+def bias_grad(dp: jax.Array, bias_like):
+    """The gradient of a bias added to every row of a product whose gradient is ``dp``: its
+    sum over rows (accumulated in float32), typed like ``bias_like``; None without a bias."""
     if bias_like is None:
-        return dpre, None
-    rows = tuple(range(dpre.ndim - 1))
-    db = jnp.sum(dpre, axis=rows, dtype=jnp.float32).astype(bias_like.dtype)
-    return dpre, match_varying(db, bias_like)
+        return None
+    rows = tuple(range(dp.ndim - 1))
+    db = jnp.sum(dp, axis=rows, dtype=jnp.float32).astype(bias_like.dtype)
+    return match_varying(db, bias_like)

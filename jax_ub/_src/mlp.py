@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jax_ub._src import checks
 from jax_ub._src.all_gather_matmul import all_gather_matmul, contract_rows
-from jax_ub._src.epilogue import check_epilogue, epilogue_grads
+from jax_ub._src.epilogue import bias_grad, check_epilogue
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
@@ -121,12 +121,11 @@ def _bwd(axis_name, size, fallback, res, dy):
     dp, dy_gathered, _ = bind_all_gather_matmul(
         dy, w_down, axis_name, size, True, transpose_w=True, fallback=fallback, gelu_input=pre
     )
-    _, d_up_bias = epilogue_grads(dp, None, bias_like, False)
     dx = bind_matmul_reduce_scatter(dp, w_up, axis_name, size, transpose_w=True, fallback=fallback)
     return (
         match_varying(dx, x),
         match_varying(contract_rows(gathered, dp), w_up),
-        d_up_bias,
+        bias_grad(dp, bias_like),
         match_varying(contract_rows(h, dy_gathered), w_down),
     )
 
