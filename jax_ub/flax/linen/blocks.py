@@ -15,7 +15,7 @@ from flax import linen as nn
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core, _fp8
+from jax_ub.flax import _attention, _core, _fp8
 from jax_ub.flax.linen.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -182,12 +182,12 @@ class ParallelSelfAttention(nn.Module):
                 f"num_heads={self.num_heads}"
             )
         _core.check_input(owner, inputs, None, tp, self.axis_name)
-        _core.check_attention_implementation(owner, self.attention_implementation, self.mesh)
+        _attention.check_attention_implementation(owner, self.attention_implementation, self.mesh)
         if mask is not None:
-            _core.check_mask(owner, mask, inputs.shape)
+            _attention.check_mask(owner, mask, inputs.shape)
         p_qkv = qkv.get_params(in_features)
         p_out = out.get_params(qkv_features)
-        f = _core.attention_call(
+        f = _attention.attention_call(
             *_core.op_settings(self),
             qkv_features // self.num_heads,
             inputs.ndim,

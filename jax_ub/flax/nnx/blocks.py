@@ -16,7 +16,7 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core, _fp8
+from jax_ub.flax import _attention, _core, _fp8
 from jax_ub.flax.nnx.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -183,7 +183,7 @@ class ParallelSelfAttention(nnx.Module):
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
-        _core.check_attention_implementation(owner, attention_implementation, mesh)
+        _attention.check_attention_implementation(owner, attention_implementation, mesh)
         if qkv_features % num_heads != 0:
             raise ValueError(
                 f"{owner}: qkv_features={qkv_features} is not divisible by {num_heads=}"
@@ -227,8 +227,8 @@ class ParallelSelfAttention(nnx.Module):
         _core.check_divisible(owner, "num_heads", self.num_heads, tp, qkv.axis_name)
         _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name)
         if mask is not None:
-            _core.check_mask(owner, mask, inputs.shape)
-        f = _core.attention_call(
+            _attention.check_mask(owner, mask, inputs.shape)
+        f = _attention.attention_call(
             *_core.op_settings(qkv),
             self.head_dim,
             inputs.ndim,
