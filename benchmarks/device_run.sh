@@ -2,7 +2,8 @@
 # One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
 #   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
-#   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer
+#   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer,
+#   layerprofile, fp8train
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench", "layer" for layer).
 # layer: one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the
 # no-communication bound (python -m jax_ub.bench.layer; args: its own, e.g. --sizes).
@@ -13,7 +14,8 @@
 # both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args); gemm:
 # benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
 # overlapcost: benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the
-# whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2).
+# whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2); layerprofile:
+# profile_layer.py (its args); fp8train: the TP example with --fp8 --compare-bf16 (its args).
 # Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -36,7 +38,7 @@ export PYTHONPATH=$(pwd)
 # Log lines of JAX/XLA/gRPC that say nothing about the run; filtered from what is printed.
 NOISE='^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:'
 cleanup() {
-  pkill -9 -f "pytest|jax_ub.bench|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step" 2>/dev/null
+  pkill -9 -f "pytest|jax_ub.bench|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step|profile_layer" 2>/dev/null
   sleep 1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -103,6 +105,23 @@ if [ "$what" = profile ]; then
     grep -vE "$NOISE" "$OUT/profile_$op.log" | tail -45
     cleanup
   done
+fi
+if [ "$what" = layerprofile ]; then
+  # The layer's ops in order per variant: wall time against their GEMMs, idle time
+  # (benchmarks/tools/profile_layer.py; args: its own, e.g. --size, --pass).
+  timeout -k 10 ${PROFILE_S:-250} python3 benchmarks/tools/profile_layer.py "$@" \
+    > "$OUT/layer_profile.log" 2>&1
+  echo "layer profile: rc=$?"
+  grep -vE "$NOISE" "$OUT/layer_profile.log" | tail -${PROFILE_LINES:-150}
+  cleanup
+fi
+if [ "$what" = fp8train ]; then
+  # The TP transformer example in fp8 against the same run without fp8 (args: its own).
+  timeout -k 10 ${TRAIN_S:-300} python3 examples/train_tp_transformer.py --fp8 --compare-bf16 \
+    --no-progress "$@" > "$OUT/fp8_train.log" 2>&1
+  echo "fp8 training: rc=$?"
+  grep -vE "$NOISE" "$OUT/fp8_train.log" | tail -20
+  cleanup
 fi
 if [ "$what" = stepprofile ]; then
   # The Flax step's kernels by kind and its idle gaps, jax_ub vs XLA (profile_train_step.py).
