@@ -381,13 +381,16 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
 
 def loss_gap_summary(fp8_losses: list[float], plain_losses: list[float]) -> str:
     """How far the fp8 run's loss is from the run without fp8: the largest gap over all
-    steps and the gap of the last 10 steps' means, relative to the latter's."""
+    steps and the gap of the last 10 steps' means, relative to the latter's; then both
+    losses at ten steps spread over the run."""
     a, b = np.asarray(fp8_losses), np.asarray(plain_losses)
     tail = min(10, len(a))
     rel = abs(a[-tail:].mean() - b[-tail:].mean()) / b[-tail:].mean()
+    steps = sorted({int(i) for i in np.linspace(0, len(a) - 1, min(10, len(a)))})
+    table = "\n".join(f"  step {i:5d}: fp8 {a[i]:.4f}  without {b[i]:.4f}" for i in steps)
     return (
         f"fp8 vs without: max |loss gap| {np.max(np.abs(a - b)):.3e}; last {tail} steps' mean "
-        f"loss {a[-tail:].mean():.4f} vs {b[-tail:].mean():.4f} ({100 * rel:.2f}% apart)"
+        f"loss {a[-tail:].mean():.4f} vs {b[-tail:].mean():.4f} ({100 * rel:.2f}% apart)\n" + table
     )
 
 

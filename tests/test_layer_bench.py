@@ -71,8 +71,9 @@ def test_layer_bench_table_and_json(tmp_path, capsys):
     out = tmp_path / "layer.json"
     rows = layer.main(
         f"--sizes {HIDDEN}x{FFN}x{SEQ} --batch {BATCH} --head-dim {HEAD_DIM} --tp 2 "
-        f"--rounds 2 --iters 2 --json {out}".split()
+        f"--rounds 2 --iters 2 --json {out} --ub-variants reduce_scatter_fold_rows=-1".split()
     )
+    tuned = "jax_ub[reduce_scatter_fold_rows=-1]"  # compiled under other tuning, checked too
     saved = json.loads(out.read_text())["results"]
     assert saved == json.loads(json.dumps(rows))
     assert [(r["hidden"], r["ffn"], r["seq"], r["tp"], r["pass"]) for r in saved] == [
@@ -80,14 +81,15 @@ def test_layer_bench_table_and_json(tmp_path, capsys):
         (HIDDEN, FFN, SEQ, 2, "fwd+bwd"),
     ]
     for r in saved:
-        assert set(r["times_ms"]) == set(layer.VARIANTS), r["times_ms"]
+        assert set(r["times_ms"]) == {*layer.VARIANTS, tuned}, r["times_ms"]
         assert all(t > 0 for t in r["times_ms"].values())
         assert r["over_bound"]["bound"] == 1.0 and r["speedup_vs_xla"] > 0
         # bf16: jax_ub's layer (outputs; gradients) checked against XLA's on random data.
         assert r["rel_err"]["jax_ub"] < 3e-2 and "bound" not in r["rel_err"], r["rel_err"]
+        assert r["rel_err"][tuned] < 3e-2, r["rel_err"]
     text = capsys.readouterr().out
     assert "not speed" in text and "fwd+bwd" in text
-    assert all(v in text for v in layer.VARIANTS)
+    assert all(v in text for v in layer.VARIANTS) and f"{tuned}:" in text
 
 
 @pytest.mark.parametrize(
@@ -97,6 +99,7 @@ def test_layer_bench_table_and_json(tmp_path, capsys):
         ("--sizes 32x64x15 --head-dim 8 --tp 2", "multiples of the 2 devices"),
         ("--sizes 32x64", "is not three positive sizes"),
         ("--rounds 0", "must be >= 1"),
+        ("--ub-variants no_such_choice=1", "--ub-variants: unknown tuning choice"),
     ],
 )
 def test_layer_bench_bad_arguments_are_clear_errors(capsys, argv, message):

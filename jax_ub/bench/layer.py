@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub.bench.impls import AXIS, _put, _random, _smap
+from jax_ub.bench.impls import AXIS, _configured, _put, _random, _smap, parse_variants, variant_name
 from jax_ub.bench.timing import measure
 
 GPU_SIZES = "8192x28672x8192,4096x14336x8192,3072x12288x8192"
@@ -179,6 +179,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="make every timed loop last at least this long (as python -m jax_ub.bench)",
     )
+    ap.add_argument(
+        "--ub-variants",
+        default="",
+        help="EXPERIMENTAL: more jax_ub columns, each under other internal tuning choices, "
+        'in the same interleaved rounds (as python -m jax_ub.bench): "name=value,...;..."',
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
     return ap
@@ -208,6 +214,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.iters < 1 or args.batch < 1:
         ap.error("--rounds, --iters and --batch must be >= 1")
+    try:
+        tunings = parse_variants(args.ub_variants)
+        for settings in tunings:  # a bad name or value fails now, not after compiling
+            with _configured(settings):
+                pass
+    except ValueError as e:
+        ap.error(f"--ub-variants: {e}")
     devices = jax.devices()[: args.tp or None]
     mesh = Mesh(np.array(devices), (AXIS,))
     tp, on_cpu = len(devices), devices[0].platform == "cpu"
@@ -227,6 +240,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for i, name in enumerate(PASSES):
             args_of = (x, params) if name == "fwd" else (x, params, dy)
             impls = {v: (built[v][i], args_of) for v in VARIANTS}
+            for settings in tunings:
+                # Communicators take their tuning when created, at lowering: compile now.
+                with _configured(settings):
+                    f = build(mesh, "jax_ub", head_dim)[i].lower(*args_of).compile()
+                impls[variant_name(settings)] = (f, args_of)
             m = measure(
                 impls,
                 impls["xla"],
@@ -279,6 +297,13 @@ def _print_size(rows: list[dict], args, say) -> None:
         err_text = f"{err:.1e}" if err is not None else "failed"
         speedup_text = f"{speedup:9.3f}" if speedup is not None else f"{'-':>9s}"
         say(f"  {r['pass']:8s}{cells}   {speedup_text}  {err_text}")
+    for r in rows:  # --ub-variants
+        for v in (v for v in r["times_ms"] if v not in VARIANTS):
+            t = r["times_ms"]
+            say(
+                f"  {r['pass']:8s}{v}: {t[v]:.3f} x{r['over_bound'][v]:5.3f} "
+                f"{100 * r['spread'][v]:4.1f}%, jax_ub / it {t['jax_ub'] / t[v]:.3f}"
+            )
 
 
 def _plot(rows: list[dict], path: str, say) -> None:
