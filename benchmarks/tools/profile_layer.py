@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import tempfile
 
 import jax
@@ -50,22 +51,36 @@ def calls_of(events: list[dict], calls: int) -> list[list[dict]]:
     return [mine[i * n : (i + 1) * n] for i in range(calls)]
 
 
-def op_timeline(call: list[dict]) -> list[tuple[str, float, float, float, int]]:
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the intervals."""
+    total, end = 0.0, -1e30
+    for a, b in sorted(intervals):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
+def op_timeline(call: list[dict]) -> list[tuple[str, float, float, float, float, int]]:
     """One call's ops in order of first kernel: (op, start us from the call's start, wall
-    us, GEMM kernel us, kernels). An op that runs twice (a loop) is one row per run of
-    consecutive kernels."""
+    us, us in which one of its kernels ran (copies excluded), GEMM kernel us, kernels).
+    An op whose kernels are not consecutive (another op's ran between) gets a row per
+    run."""
     t0 = float(call[0]["ts"])
     rows: list[list] = []
     for e in call:
         op, a = op_of(e), float(e["ts"])
         b = a + float(e["dur"])
-        gemm = float(e["dur"]) if kind_of(e["name"]) == "GEMM" else 0.0
-        if rows and rows[-1][0] == op:
-            row = rows[-1]
-            row[2:] = [min(row[2], a), max(row[3], b), row[4] + gemm, row[5] + 1]
-        else:
-            rows.append([op, a - t0, a, b, gemm, 1])
-    return [(op, rel, end - start, gemm, n) for op, rel, start, end, gemm, n in rows]
+        if not rows or rows[-1][0] != op:
+            rows.append([op, a - t0, a, b, [], 0.0, 0])
+        row = rows[-1]
+        row[2], row[3], row[6] = min(row[2], a), max(row[3], b), row[6] + 1
+        if kind_of(e["name"]) != "peer copy":
+            row[4].append((a, b))
+        if kind_of(e["name"]) == "GEMM":
+            row[5] += b - a
+    return [
+        (op, rel, end - start, _union(iv), gemm, n) for op, rel, start, end, iv, gemm, n in rows
+    ]
 
 
 def main() -> None:
@@ -77,8 +92,17 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tp", type=int, default=0)
     ap.add_argument("--min-us", type=float, default=20.0, help="timeline: leave out shorter ops")
+    ap.add_argument(
+        "--command-buffers",
+        action="store_true",
+        help="keep XLA's CUDA graphs (default: off, so that every kernel names its own op)",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if not args.command_buffers:  # read when the GPU backend starts, which is below
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+        )
     hidden, ffn, seq = (int(v) for v in args.size.split("x"))
     devices = jax.devices()[: args.tp or None]
     mesh = Mesh(np.array(devices), (AXIS,))
@@ -110,13 +134,14 @@ def main() -> None:
         for e in events:
             per_kind[kind_of(e["name"])] += float(e["dur"])
         print("  " + ", ".join(f"{k} {per_kind[k] * scale / ndev:.3f}" for k, _ in KINDS))
-        print(f"  first GPU, call 2: {'start':>8s} {'wall':>8s} {'GEMMs':>8s} {'k':>4s}  op (us)")
+        head = f"{'start':>8s} {'wall':>7s} {'busy':>7s} {'GEMMs':>7s} {'k':>4s}"
+        print(f"  first GPU, call 2 (us): {head}  op, wall/GEMMs")
         calls = calls_of(events, args.calls)
         call = calls[min(1, len(calls) - 1)]
-        for op, rel, wall, gemm, n in op_timeline(call):
+        for op, rel, wall, busy, gemm, n in op_timeline(call):
             if wall >= args.min_us:
                 over = f"  x{wall / gemm:.3f}" if gemm > 0 else ""
-                print(f"  {rel:27.0f} {wall:8.0f} {gemm:8.0f} {n:4d}  {op[:70]}{over}")
+                print(f"  {rel:32.0f} {wall:7.0f} {busy:7.0f} {gemm:7.0f} {n:4d}  {op[:60]}{over}")
         print(f"  (event args of one kernel: {sorted(events[0].get('args', {}))})")
 
 
