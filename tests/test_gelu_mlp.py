@@ -10,6 +10,7 @@ from conftest import make_mesh, rel_err, smap, to_f32, tol
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
+from jax_ub._src import options
 
 
 def gelu_np(v):
@@ -85,6 +86,29 @@ def test_gelu_backward_runs_in_the_dgrad_epilogue(mesh1d, rand):
     assert "tanh" not in text
     plain = jax.jit(jax.grad(loss(mlp_fn(mesh, "xla")), argnums=range(5))).lower(*args)
     assert "tanh" in plain.as_text()
+
+
+@pytest.mark.parametrize(
+    "tuning", [dict(dgelu_epilogue=False), dict(transpose_w_in_place=False)], ids=str
+)
+def test_backward_tuning_choices_keep_the_gradients(mesh1d, rand, tuning):
+    """The benchmarks' other backward forms (GELU's gradient in XLA; the weights'
+    transposes materialised by XLA) give the same gradients, and the HLO shows the form."""
+    mesh = mesh1d(2)
+    args = operands(rand, 2)
+    want = jax.grad(loss(mlp_fn(mesh, "xla")), argnums=range(5))(*args)
+    with options.experimental_tuning(**tuning):
+        grad = jax.jit(jax.grad(loss(mlp_fn(mesh)), argnums=range(5)))
+        text = grad.lower(*args).as_text()
+        got = grad(*args)
+    for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
+        assert rel_err(g, r) < 1e-5, name
+    calls = [ln for ln in text.splitlines() if "jax_ub_" in ln and "custom_call" in ln]
+    if "dgelu_epilogue" in tuning:
+        assert not any("dgelu = true" in ln for ln in calls) and "tanh" in text, calls
+    else:  # every backward call reads its weight as stored: [k, n], not transposed
+        assert not any("transpose_w = true" in ln for ln in calls), calls
+        assert "stablehlo.transpose" in text
 
 
 def test_gelu_mlp_without_biases_on_a_partial_auto_mesh(rand):

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src import checks, layout
 from jax_ub._src.epilogue import check_epilogue, epilogue_grads
 from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_all_gather_matmul
+from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
@@ -168,7 +169,10 @@ def _bwd(axis_name, size, fallback, gelu, return_gathered, res, cts):
     dy, dgathered = cts if return_gathered else (cts, None)
     dp, dbias = epilogue_grads(dy, pre, bias_like, gelu)
     # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    dx = bind_matmul_reduce_scatter(dp, w, axis_name, size, transpose_w=True, fallback=fallback)
+    w_t, in_place = weight_transposed(w)
+    dx = bind_matmul_reduce_scatter(
+        dp, w_t, axis_name, size, transpose_w=in_place, fallback=fallback
+    )
     dx = match_varying(dx, x)
     if dgathered is not None:
         scattered = lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True)

@@ -12,6 +12,7 @@ from jax_ub._src import checks, layout
 from jax_ub._src.all_gather_matmul import contract_rows
 from jax_ub._src.epilogue import check_epilogue
 from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_matmul_reduce_scatter
+from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import (
     bind_all_gather_matmul,
     bind_matmul_reduce_scatter,
@@ -123,8 +124,9 @@ def _bwd(axis_name, size, fallback, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
+    w_t, in_place = weight_transposed(w)
     dx, dy_gathered, _ = bind_all_gather_matmul(
-        dy, w, axis_name, size, True, transpose_w=True, fallback=fallback
+        dy, w_t, axis_name, size, True, transpose_w=in_place, fallback=fallback
     )
     return match_varying(dx, x), match_varying(contract_rows(x, dy_gathered), w)
 

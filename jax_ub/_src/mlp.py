@@ -14,7 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src import checks
+from jax_ub._src import checks, options
 from jax_ub._src.all_gather_matmul import all_gather_matmul, contract_rows
 from jax_ub._src.epilogue import bias_grad, check_epilogue
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
@@ -23,6 +23,7 @@ from jax_ub._src.primitives import (
     bind_matmul_reduce_scatter,
     match_varying,
 )
+from jax_ub._src.reference import dgelu_reference
 
 _OP = "gelu_mlp"
 
@@ -118,10 +119,24 @@ def _bwd(axis_name, size, fallback, res, dy):
     x, gathered, w_up, pre, h, w_down, bias_like = res
     # dp = (all_gather(dy) @ w_down.T) * gelu'(pre): the down-projection's input gradient
     # with GELU's backward in its epilogue; the gathered dy is the down weight's gradient's.
+    fused_dgelu = options.tuning().dgelu_epilogue
+    w_t, in_place = options.weight_transposed(w_down)
     dp, dy_gathered, _ = bind_all_gather_matmul(
-        dy, w_down, axis_name, size, True, transpose_w=True, fallback=fallback, gelu_input=pre
+        dy,
+        w_t,
+        axis_name,
+        size,
+        True,
+        transpose_w=in_place,
+        fallback=fallback,
+        gelu_input=pre if fused_dgelu else None,
     )
-    dx = bind_matmul_reduce_scatter(dp, w_up, axis_name, size, transpose_w=True, fallback=fallback)
+    if not fused_dgelu:
+        dp = dgelu_reference(dp, pre)
+    w_t, in_place = options.weight_transposed(w_up)
+    dx = bind_matmul_reduce_scatter(
+        dp, w_t, axis_name, size, transpose_w=in_place, fallback=fallback
+    )
     return (
         match_varying(dx, x),
         match_varying(contract_rows(gathered, dp), w_up),

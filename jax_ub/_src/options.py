@@ -36,16 +36,24 @@ class Tuning:
       reduce_scatter_fold_rows: on groups of 2, the smallest row piece for which
         matmul_reduce_scatter adds the peer's partial in its own GEMM's epilogue instead
         of a sum pass; 0 always, negative never. The same in every process of a group.
+      transpose_w_in_place: the backward passes read a weight transposed where it lies
+        (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
+        a backward pass is traced.
+      dgelu_epilogue: ``gelu_mlp``'s backward runs GELU's gradient in a GEMM epilogue;
+        else in XLA after the op. Read when a backward pass is traced.
     """
 
     autotune_gemm: bool = True
     gemm_order: str = "column"
     gemm_trials: int = 3
     reduce_scatter_fold_rows: int = 2048
+    transpose_w_in_place: bool = True
+    dgelu_epilogue: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.autotune_gemm, bool):
-            raise ValueError(f"autotune_gemm must be a bool, got {self.autotune_gemm!r}")
+        for name in ("autotune_gemm", "transpose_w_in_place", "dgelu_epilogue"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gemm_order not in _GEMM_ORDERS:
             raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {self.gemm_order!r}")
         trials = self.gemm_trials
@@ -114,10 +122,17 @@ class Options:
         return {"reduce_scatter_fold_rows": self.reduce_scatter_fold_rows}
 
 
+# Tuning choices that shape the traced program, not the communicator.
+_TRACE_TIME = ("transpose_w_in_place", "dgelu_epilogue")
+
+
 def current_options() -> Options:
     """The options a communicator created now gets: the config's and the tuning's."""
-    return Options(
-        timeout_s=config.timeout_s,
-        allow_tf32=config.allow_tf32,
-        **dataclasses.asdict(_tuning),
-    )
+    tuned = {k: v for k, v in dataclasses.asdict(_tuning).items() if k not in _TRACE_TIME}
+    return Options(timeout_s=config.timeout_s, allow_tf32=config.allow_tf32, **tuned)
+
+
+def weight_transposed(w):
+    """``(w, True)`` for a backward GEMM by ``w.T`` that reads ``w`` in place, or
+    ``(w.T, False)`` where the tuning materialises the transpose."""
+    return (w, True) if _tuning.transpose_w_in_place else (w.T, False)
