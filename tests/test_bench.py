@@ -38,10 +38,12 @@ def test_bench_fp8_rows(tmp_path):
         f"--json {out}".split()
     )
     for r in json.loads(out.read_text())["results"]:
-        assert {"jax_ub_fp8", "xla_fp8", "fp8_gemm"} <= set(r["times_ms"]), r["times_ms"]
+        assert {"jax_ub_fp8", "xla_fp8", "fp8_gemm", "fp8_nocomm"} <= set(r["times_ms"])
         assert 1e-3 < r["rel_err"]["jax_ub_fp8"] < 0.1, r["rel_err"]
         assert abs(r["rel_err"]["jax_ub_fp8"] - r["rel_err"]["xla_fp8"]) < 1e-2, r["rel_err"]
-        assert r["ub_fp8_over_fp8_gemm"] > 0
+        assert r["ub_fp8_over_fp8_gemm"] > 0 and r["ub_fp8_over_nocomm"] > 0
+        # The fp8 op without communication quantizes as fp8_gemm's operands were.
+        assert r["rel_err"]["fp8_nocomm"] < 1e-2, r["rel_err"]
 
 
 def test_bench_epilogue_rows(tmp_path):

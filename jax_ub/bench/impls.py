@@ -31,6 +31,9 @@ AXIS = "tp"
 SOLO = "solo"  # a size-1 axis: jax_ub's op as a GEMM alone
 
 
+OPS = {"ag": jax_ub.all_gather_matmul, "rs": jax_ub.matmul_reduce_scatter}
+
+
 def _smap(mesh, f, in_specs, out_specs):
     return jax.jit(
         jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -92,6 +95,13 @@ def _solo_mesh(mesh) -> Mesh:
     return Mesh(np.array(mesh.devices).reshape(-1, 1), (AXIS, SOLO))
 
 
+def _fp8_scales(x: np.ndarray, w: np.ndarray):
+    """Given (delayed) per-tensor scales of x and w: their amax over e4m3's largest value."""
+    sx = np.float32(np.abs(x.astype(np.float32)).max() / 448)
+    sw = np.float32(np.abs(w.astype(np.float32)).max() / 448)
+    return sx, sw
+
+
 def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
     """fp8 rows (``--fp8``): jax_ub's op and XLA's unfused op, both from bf16 operands with
     given (delayed) scales, so each quantizes x and w in the call; and the fp8 GEMM alone
@@ -99,9 +109,8 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
     from jax_ub import fp8  # noqa: PLC0415
     from jax_ub._src.reference import pack_scales, scaled_matmul  # noqa: PLC0415
 
-    call = {"ag": jax_ub.all_gather_matmul, "rs": jax_ub.matmul_reduce_scatter}[op]
-    sx = np.float32(np.abs(x.astype(np.float32)).max() / 448)
-    sw = np.float32(np.abs(w.astype(np.float32)).max() / 448)
+    call = OPS[op]
+    sx, sw = _fp8_scales(x, w)
     scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
     for name, impl in (("jax_ub_fp8", "ub"), ("xla_fp8", "xla")):
         f = _smap(mesh, lambda a, b, impl=impl: call(a, b, AXIS, impl=impl, fp8=scales), *specs)
@@ -113,6 +122,21 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
         gemm,
         tuple(jax.device_put(q, a.sharding) for q, a in zip(quantized, impls["gemm"][1])),
     )
+
+
+def _add_solo_rows(impls, mesh, op, x, w, specs, args, fp8: bool) -> None:
+    """Rows of the op on groups of one GPU at the ``gemm`` row's shapes (no communication):
+    ``ub_gemm``, jax_ub's own GEMM through the whole FFI path; with ``fp8``, ``fp8_nocomm``,
+    the fp8 op as ``jax_ub_fp8`` calls it (quantizing x and w from bf16 with the same
+    scales) through XLA: the fp8 op's no-communication bound."""
+    solo = _solo_mesh(mesh)
+    call = OPS[op]
+    impls["ub_gemm"] = (_smap(solo, lambda a, b: call(a, b, SOLO, impl="ub"), *specs), args)
+    if fp8:
+        sx, sw = _fp8_scales(x, w)
+        scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
+        f = _smap(solo, lambda a, b: call(a, b, SOLO, impl="xla", fp8=scales), *specs)
+        impls["fp8_nocomm"] = (f, args)
 
 
 # Rows with an epilogue (``--epilogue``) compute another function than the reference; each is
@@ -172,12 +196,8 @@ def build_ag(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
     if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
         # jax_ub's own GEMM alone: the op on groups of one GPU, the "gemm" row's shapes.
         solo = _solo_mesh(mesh)
-        impls["ub_gemm"] = (
-            _smap(
-                solo, lambda a, b: jax_ub.all_gather_matmul(a, b, SOLO, impl="ub"), row_solo, col
-            ),
-            (_put(x, solo, P()), _put(w, solo, P(None, AXIS))),
-        )
+        solo_args = (_put(x, solo, P()), _put(w, solo, P(None, AXIS)))
+        _add_solo_rows(impls, mesh, "ag", x, w, (row_solo, col), solo_args, fp8)
         on_gpu = mesh.devices.flat[0].platform == "gpu"  # a Mosaic-GPU kernel
         mgpu = _mgpu_all_gather_matmul(mesh, M // tp, K, N // tp, dtype) if on_gpu else None
         if mgpu is not None:
@@ -223,10 +243,8 @@ def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
         _add_fp8(impls, mesh, "rs", x, w, (ins, out), (ins, P(AXIS, None)))
     if jax.process_count() == 1:
         solo = _solo_mesh(mesh)
-        impls["ub_gemm"] = (
-            _smap(solo, lambda a, b: jax_ub.matmul_reduce_scatter(a, b, SOLO, impl="ub"), ins, out),
-            (_put(x, solo, P(None, AXIS)), _put(w, solo, P(AXIS, None))),
-        )
+        solo_args = (_put(x, solo, P(None, AXIS)), _put(w, solo, P(AXIS, None)))
+        _add_solo_rows(impls, mesh, "rs", x, w, (ins, out), solo_args, fp8)
     return impls, impls["xla_seq"]
 
 

@@ -75,7 +75,8 @@ class Measured:
     host_ms: tuple[float, float] | None = None
 
 
-UNCHECKED = ("gemm", "comm", "xla_seq", "ub_gemm", "fp8_gemm")  # bench's rows that are not the op
+# bench's rows that are not the op
+UNCHECKED = ("gemm", "comm", "xla_seq", "ub_gemm", "fp8_gemm", "fp8_nocomm")
 
 
 def measure(
@@ -103,9 +104,11 @@ def measure(
             message = str(e).strip().splitlines()[0][:200] if str(e).strip() else repr(e)
             print(f"  {name} failed: {type(e).__name__}: {message}", flush=True)
             errs[name] = None
-    if "ub_gemm" in impls:  # the GEMM alone, checked against XLA's
-        (f, args), (g, gargs) = impls["ub_gemm"], impls["gemm"]
-        errs["ub_gemm"] = rel_err(f(*args), g(*gargs))
+    # Rows without communication, checked against XLA's row of the same per-GPU product.
+    for name, against in (("ub_gemm", "gemm"), ("fp8_nocomm", "fp8_gemm")):
+        if name in impls and against in impls:
+            (f, args), (g, gargs) = impls[name], impls[against]
+            errs[name] = rel_err(f(*args), g(*gargs))
     live = {n: v for n, v in impls.items() if errs.get(n, 0.0) is not None}
     # Warm-up: jax_ub's first 15 calls of a shape still compare GEMM kernels
     # (Tuning.gemm_trials); every implementation gets the same calls.
