@@ -20,8 +20,8 @@ Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes,
   std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
   c->topology_ = std::move(topology);
   c->fold_rows_ = options.reduce_scatter_fold_rows;
-  JAX_UB_RETURN_IF_ERROR(
-      c->Allocate(capacity_bytes, options.timeout_s, GemmOptions::From(options), multiprocess));
+  JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, options.timeout_s, GemmOptions::From(options),
+                                     options.autotune_reduce_scatter, multiprocess));
   // Across processes the peers' buffers arrive later, through Connect().
   if (!multiprocess) JAX_UB_RETURN_IF_ERROR(c->Wire());
   *out = std::move(c);
@@ -81,7 +81,7 @@ Status CudaCommunicator::Connect(const std::vector<std::string>& handles) {
 }
 
 Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm,
-                                  bool multiprocess) {
+                                  bool tune_reduce_scatter, bool multiprocess) {
   const DriverOps* ops;
   JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
   capacity_ = (capacity_bytes + 255) / 256 * 256;
@@ -127,6 +127,12 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     CublasLtGemm* g = nullptr;
     JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(gemm, &g));
     s->gemm.reset(g);
+    if (gemm.autotune && !tune_reduce_scatter) {
+      GemmOptions untuned = gemm;
+      untuned.autotune = false;
+      JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(untuned, &g));
+      s->reduce_scatter_gemm.reset(g);
+    }
     JAX_UB_RETURN_IF_ERROR(PreloadKernels());
     slots_[sl] = std::move(s);
   }
@@ -219,6 +225,7 @@ CudaCommunicator::~CudaCommunicator() {
     cudaSetDevice(s.device);
     cudaDeviceSynchronize();
     s.gemm.reset();
+    s.reduce_scatter_gemm.reset();
     for (auto& p : s.pending) cudaEventDestroy(p.done);
     for (cudaEvent_t e : s.free_events) cudaEventDestroy(e);
     for (int r = 0; r < static_cast<int>(s.comm.size()); ++r) {

@@ -136,6 +136,9 @@ class CudaCommunicator {
     std::vector<cudaEvent_t> comm_done;  // by peer rank
     std::vector<cudaEvent_t> ready;      // by peer rank: its partial (or gathered copy) is done
     std::unique_ptr<CublasLtGemm> gemm;
+    // The reduce-scatter's GEMMs where they take cuBLASLt's heuristic pick while the
+    // all-gather's are autotuned (CommOptions::autotune_reduce_scatter); else null.
+    std::unique_ptr<CublasLtGemm> reduce_scatter_gemm;
     std::atomic<uint64_t> epoch{0};     // advanced by this device's handler thread
     std::atomic<uint64_t> enqueued{0};  // the last call whose work is fully enqueued
     // HostTimes(); written by this device's handler thread only.
@@ -151,7 +154,8 @@ class CudaCommunicator {
   };
 
   CudaCommunicator() = default;
-  Status Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm, bool multiprocess);
+  Status Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm,
+                  bool tune_reduce_scatter, bool multiprocess);
   Status Wire();
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
   // Enqueues the call's steps (schedule.h) on the slot's streams, joined back into

@@ -66,16 +66,19 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
     }
     return args;
   };
+  CublasLtGemm* gemm = op == OpKind::kMatmulReduceScatter && s->reduce_scatter_gemm != nullptr
+                           ? s->reduce_scatter_gemm.get()
+                           : s->gemm.get();
   std::vector<CublasLtGemm::Plan*> plans(steps.size(), nullptr);
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& g = steps[i];
     if (g.kind != Step::Kind::kGemm) continue;
-    JAX_UB_RETURN_IF_ERROR(s->gemm->Prepare(shape.in, shape.w_type, shape.out, at(g.src), ops.w,
-                                            ops.w_transposed, at(g.dst), g.rows, shape.k, shape.n,
-                                            g.epilogue ? shape.epilogue : Epilogue{}, gemm_args(g),
-                                            s->tune, &plans[i]));
+    JAX_UB_RETURN_IF_ERROR(gemm->Prepare(shape.in, shape.w_type, shape.out, at(g.src), ops.w,
+                                         ops.w_transposed, at(g.dst), g.rows, shape.k, shape.n,
+                                         g.epilogue ? shape.epilogue : Epilogue{}, gemm_args(g),
+                                         s->tune, &plans[i]));
   }
-  s->gemm->BeginCall();
+  gemm->BeginCall();
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   // Lanes: the compute stream and one copy-engine stream per rank, each starting after
   // the caller's work (on its first step).
@@ -109,7 +112,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         break;
       case Step::Kind::kGemm:
         JAX_UB_RETURN_IF_ERROR(
-            s->gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream, gemm_args(step)));
+            gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream, gemm_args(step)));
         break;
       case Step::Kind::kSum:
         JAX_UB_RETURN_IF_ERROR(

@@ -45,9 +45,9 @@ std::shared_ptr<Communicator> FindCommunicator(int64_t id) {
 // required and no other is accepted, so the two sides cannot drift apart silently.
 inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   namespace nb = nanobind;
-  static const std::set<std::string> kFields = {"timeout_s",     "allow_tf32",
-                                                "autotune_gemm", "gemm_order",
-                                                "gemm_trials",   "reduce_scatter_fold_rows"};
+  static const std::set<std::string> kFields = {
+      "timeout_s",  "allow_tf32",  "autotune_gemm",           "autotune_reduce_scatter",
+      "gemm_order", "gemm_trials", "reduce_scatter_fold_rows"};
   for (auto item : d) {
     std::string key = nb::cast<std::string>(item.first);
     if (!kFields.count(key)) throw nb::value_error(("unknown communicator option " + key).c_str());
@@ -66,6 +66,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   }
   o.allow_tf32 = nb::cast<bool>(get("allow_tf32"));
   o.autotune_gemm = nb::cast<bool>(get("autotune_gemm"));
+  o.autotune_reduce_scatter = nb::cast<bool>(get("autotune_reduce_scatter"));
   const std::string order = nb::cast<std::string>(get("gemm_order"));
   if (order == "auto") {
     o.gemm_order = GemmOrder::kAuto;

@@ -27,6 +27,10 @@ class Tuning:
       autotune_gemm: on GPUs, time cuBLASLt's candidate kernels the first time each GEMM
         shape runs (a first call of a shape blocks its device's thread for up to about two
         seconds) and keep the fastest; else the heuristic's first pick.
+      autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's GEMMs
+        too; off, they take cuBLASLt's heuristic pick. On 2 H200s (K=8192, N=28672) the
+        heuristic's reduce-scatter ran 3-5% faster than the tuned one, while tuning made
+        the all-gather 2.5-4% faster (benchmarks/RESULTS.md, "Kernel choice").
       gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
         for each: "column" (the transposed column-major product), "row", or "auto" (time
         both). Tuning times kernels alone, not beside the op's copies, hence "column".
@@ -44,6 +48,7 @@ class Tuning:
     """
 
     autotune_gemm: bool = True
+    autotune_reduce_scatter: bool = False
     gemm_order: str = "column"
     gemm_trials: int = 3
     reduce_scatter_fold_rows: int = 2048
@@ -51,7 +56,8 @@ class Tuning:
     dgelu_epilogue: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("autotune_gemm", "transpose_w_in_place", "dgelu_epilogue"):
+        bools = ("autotune_gemm", "autotune_reduce_scatter", "transpose_w_in_place")
+        for name in (*bools, "dgelu_epilogue"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gemm_order not in _GEMM_ORDERS:
@@ -108,6 +114,7 @@ class Options:
     timeout_s: float
     allow_tf32: bool
     autotune_gemm: bool
+    autotune_reduce_scatter: bool
     gemm_order: str
     gemm_trials: int
     reduce_scatter_fold_rows: int
