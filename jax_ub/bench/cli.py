@@ -26,7 +26,7 @@ from jax_ub.bench.impls import (
     variant_name,
     windowed_einsum_ms,
 )
-from jax_ub.bench.timing import UNCHECKED, measure, rel_err
+from jax_ub.bench.timing import UNCHECKED, bar_chart, measure, rel_err
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -300,32 +300,17 @@ def _launch(args, argv: list[str]) -> int:
 
 
 def _plot(results, path, say) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        say(f"--png {path}: skipped, matplotlib is missing (pip install 'jax_ub[bench]')")
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    ops = sorted({r["op"] for r in results})
-    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    """Per op, every implementation's time over the GEMM alone, per shape."""
+    panels = []
+    for op in sorted({r["op"] for r in results}):
         rows = [r for r in results if r["op"] == op]
-        labels = [f"{r['M']}x{r['K']}x{r['N']}" for r in rows]
         names = sorted({n for r in rows for n in r["times_ms"]})
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            ys = [r["times_ms"].get(name, np.nan) / r["times_ms"]["gemm"] for r in rows]
-            ax.bar(np.arange(len(rows)) + i * width, ys, width, label=name)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(np.arange(len(rows)) + 0.4, labels, rotation=30, fontsize=7)
-        ax.set_ylabel("time / GEMM alone")
-        ax.set_title(f"{op.upper()} on {rows[0]['tp']} GPUs")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        series = {
+            n: [r["times_ms"].get(n, np.nan) / r["times_ms"]["gemm"] for r in rows] for n in names
+        }
+        labels = [f"{r['M']}x{r['K']}x{r['N']}" for r in rows]
+        panels.append((f"{op.upper()} on {rows[0]['tp']} GPUs", labels, series))
+    bar_chart(path, panels, "time / GEMM alone", say)
 
 
 if __name__ == "__main__":

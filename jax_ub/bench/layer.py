@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub.bench.impls import AXIS, _configured, _put, _random, _smap, parse_variants, variant_name
-from jax_ub.bench.timing import measure
+from jax_ub.bench.timing import bar_chart, measure
 
 GPU_SIZES = "8192x28672x8192,4096x14336x8192,3072x12288x8192"
 CPU_SIZES = "64x128x32"  # the host protocol's GEMM is a plain loop: tiny on CPU
@@ -307,30 +307,15 @@ def _print_size(rows: list[dict], args, say) -> None:
 
 
 def _plot(rows: list[dict], path: str, say) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        say(f"--png {path}: skipped, matplotlib is missing (pip install 'jax_ub[bench]')")
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, axes = plt.subplots(1, len(PASSES), figsize=(6 * len(PASSES), 4), squeeze=False)
-    for ax, name in zip(axes[0], PASSES):
+    """Per pass, every variant's time over the bound, per size."""
+    panels = []
+    for name in PASSES:
         mine = [r for r in rows if r["pass"] == name]
-        width = 0.8 / len(VARIANTS)
-        for i, v in enumerate(VARIANTS):
-            ys = [r["over_bound"].get(v, np.nan) for r in mine]
-            ax.bar(np.arange(len(mine)) + i * width, ys, width, label=v)
-        ax.axhline(1.0, color="k", lw=0.8)
+        names = list(dict.fromkeys(v for r in mine for v in r["over_bound"]))
+        series = {v: [r["over_bound"].get(v, np.nan) for r in mine] for v in names}
         labels = [f"{r['hidden']}x{r['ffn']}x{r['seq']}" for r in mine]
-        ax.set_xticks(np.arange(len(mine)) + 0.4, labels, rotation=20, fontsize=7)
-        ax.set_ylabel("time / no-communication bound")
-        ax.set_title(f"layer {name}, tp={mine[0]['tp']}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        panels.append((f"layer {name}, tp={mine[0]['tp']}", labels, series))
+    bar_chart(path, panels, "time / no-communication bound", say)
 
 
 if __name__ == "__main__":

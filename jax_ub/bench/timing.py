@@ -175,3 +175,29 @@ def host_times() -> dict[int, tuple[int, float, float]]:
             t[1] += total_ns * 1e-9
             t[2] += await_ns * 1e-9
     return {d: (c, tot, aw) for d, (c, tot, aw) in totals.items()}
+
+
+def bar_chart(path: str, panels: list[tuple[str, list[str], dict]], ylabel: str, say) -> None:
+    """A PNG of side-by-side bar panels, each ``(title, x labels, {series: values})``, with
+    a line at 1.0 (the ratios' baseline); skipped with a message without matplotlib."""
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        say(f"--png {path}: skipped, matplotlib is missing (pip install 'jax_ub[bench]')")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (title, labels, series) in zip(axes[0], panels):
+        width = 0.8 / len(series)
+        for i, (name, ys) in enumerate(series.items()):
+            ax.bar(np.arange(len(labels)) + i * width, ys, width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(labels)) + 0.4, labels, rotation=25, fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
