@@ -17,7 +17,7 @@ struct CommOptions {
   double timeout_s;                  // every wait on a peer ends in an error after this
   bool allow_tf32;                   // float32 GEMMs may use TF32 tensor cores (CUDA)
   bool autotune_gemm;                // time cuBLASLt's candidates once per shape (CUDA)
-  bool autotune_reduce_scatter;      // with autotune_gemm, the reduce-scatter's GEMMs too (CUDA)
+  bool autotune_reduce_scatter;      // with autotune_gemm, the reduce-scatter's non-fp8 GEMMs too
   GemmOrder gemm_order;              // (CUDA)
   int gemm_trials;                   // tuning's fastest kernels the op's own calls compare (CUDA)
   int64_t reduce_scatter_fold_rows;  // Schedule::fold_rows; the same on every rank of a group

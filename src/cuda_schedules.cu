@@ -66,9 +66,11 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
     }
     return args;
   };
-  CublasLtGemm* gemm = op == OpKind::kMatmulReduceScatter && s->reduce_scatter_gemm != nullptr
-                           ? s->reduce_scatter_gemm.get()
-                           : s->gemm.get();
+  // The reduce-scatter's GEMMs run cuBLASLt's heuristic pick where it is not tuned (see
+  // CommOptions::autotune_reduce_scatter), but in fp8: there tuning's pick was faster.
+  const bool heuristic = op == OpKind::kMatmulReduceScatter && !IsFp8(shape.in);
+  CublasLtGemm* gemm =
+      heuristic && s->reduce_scatter_gemm != nullptr ? s->reduce_scatter_gemm.get() : s->gemm.get();
   std::vector<CublasLtGemm::Plan*> plans(steps.size(), nullptr);
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& g = steps[i];

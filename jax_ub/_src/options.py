@@ -27,10 +27,12 @@ class Tuning:
       autotune_gemm: on GPUs, time cuBLASLt's candidate kernels the first time each GEMM
         shape runs (a first call of a shape blocks its device's thread for up to about two
         seconds) and keep the fastest; else the heuristic's first pick.
-      autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's GEMMs
-        too; off, they take cuBLASLt's heuristic pick. On 2 H200s (K=8192, N=28672) the
-        heuristic's reduce-scatter ran 3-5% faster than the tuned one, while tuning made
-        the all-gather 2.5-4% faster (benchmarks/RESULTS.md, "Kernel choice").
+      autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
+        f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick (its fp8 GEMMs are
+        tuned either way). On 2 H200s (K=8192, N=28672) the heuristic's bf16
+        reduce-scatter ran 3-5% faster than the tuned one; tuning made the all-gather
+        2.5-4% faster and the fp8 reduce-scatter about 10% faster (benchmarks/RESULTS.md,
+        "Kernel choice").
       gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
         for each: "column" (the transposed column-major product), "row", or "auto" (time
         both). Tuning times kernels alone, not beside the op's copies, hence "column".
