@@ -58,8 +58,8 @@ class Tuning:
     dgelu_epilogue: bool = True
 
     def __post_init__(self) -> None:
-        bools = ("autotune_gemm", "autotune_reduce_scatter", "transpose_w_in_place")
-        for name in (*bools, "dgelu_epilogue"):
+        for name in ("autotune_gemm", "autotune_reduce_scatter", "transpose_w_in_place",
+                     "dgelu_epilogue"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gemm_order not in _GEMM_ORDERS:

@@ -96,10 +96,11 @@ def _solo_mesh(mesh) -> Mesh:
 
 
 def _fp8_scales(x: np.ndarray, w: np.ndarray):
-    """Given (delayed) per-tensor scales of x and w: their amax over e4m3's largest value."""
+    """Given (delayed) per-tensor scales of x and w, their amax over e4m3's largest value:
+    ``(sx, sw, Fp8Scales)``."""
     sx = np.float32(np.abs(x.astype(np.float32)).max() / 448)
     sw = np.float32(np.abs(w.astype(np.float32)).max() / 448)
-    return sx, sw
+    return sx, sw, jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
 
 
 def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
@@ -110,8 +111,7 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
     from jax_ub._src.reference import pack_scales, scaled_matmul  # noqa: PLC0415
 
     call = OPS[op]
-    sx, sw = _fp8_scales(x, w)
-    scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
+    sx, sw, scales = _fp8_scales(x, w)
     for name, impl in (("jax_ub_fp8", "ub"), ("xla_fp8", "xla")):
         f = _smap(mesh, lambda a, b, impl=impl: call(a, b, AXIS, impl=impl, fp8=scales), *specs)
         impls[name] = (f, impls["jax_ub"][1])
@@ -133,8 +133,7 @@ def _add_solo_rows(impls, mesh, op, x, w, specs, args, fp8: bool) -> None:
     call = OPS[op]
     impls["ub_gemm"] = (_smap(solo, lambda a, b: call(a, b, SOLO, impl="ub"), *specs), args)
     if fp8:
-        sx, sw = _fp8_scales(x, w)
-        scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
+        scales = _fp8_scales(x, w)[2]
         f = _smap(solo, lambda a, b: call(a, b, SOLO, impl="xla", fp8=scales), *specs)
         impls["fp8_nocomm"] = (f, args)
 
@@ -265,6 +264,9 @@ def parse_variants(text: str) -> list[dict]:
             except (ValueError, SyntaxError):
                 settings[name.strip()] = value.strip()
         variants.append(settings)
+    for settings in variants:  # a bad name or value fails now, not after compiling
+        with _configured(settings):
+            pass
     return variants
 
 
