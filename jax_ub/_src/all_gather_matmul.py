@@ -14,12 +14,9 @@ from jax_ub._src import checks, layout
 from jax_ub._src.epilogue import check_epilogue, epilogue_grads
 from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_all_gather_matmul
 from jax_ub._src.options import weight_transposed
-from jax_ub._src.primitives import (
-    bind_all_gather_matmul,
-    bind_matmul_reduce_scatter,
-    match_varying,
-)
+from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import all_gather_matmul_reference
+from jax_ub._src.varying import match_varying
 
 _OP = "all_gather_matmul"
 

@@ -260,3 +260,20 @@ def take_all() -> list[Communicator]:
         _unreachable.clear()
     checks.clear_warnings()
     return comms
+
+
+def required_bytes(platform: str, op: str, chunk_bytes: int, group_size: int) -> int:
+    """Symmetric buffer bytes one call of ``op`` needs per device, as the C++ side sizes it."""
+    return int(extension.module_for(platform).required_bytes(op, chunk_bytes, group_size))
+
+
+def for_lowering(op, mesh, axis_name, platform, needed, fallback):
+    """The communicator, or None where impl="auto" may use XLA's collectives instead: the
+    group's devices cannot share memory (different hosts, no peer access)."""
+    try:
+        return get_communicator(mesh, axis_name, platform, needed)
+    except PeersUnreachable as e:
+        if not fallback:
+            raise ValueError(f"{op}: impl='ub' cannot run on this mesh: {e}") from None
+        warn_fallback(axis_name, e)
+        return None

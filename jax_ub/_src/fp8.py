@@ -30,17 +30,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ub._src.epilogue import epilogue_grads
-from jax_ub._src.primitives import (
-    bind_all_gather_matmul,
-    bind_matmul_reduce_scatter,
-    match_varying,
-)
+from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import (
     all_gather_matmul_reference,
     epilogue,
     matmul_reduce_scatter_reference,
     pack_scales,
 )
+from jax_ub._src.varying import match_varying
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
 E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients

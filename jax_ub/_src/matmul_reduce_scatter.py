@@ -13,12 +13,9 @@ from jax_ub._src.all_gather_matmul import contract_rows
 from jax_ub._src.epilogue import check_epilogue
 from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_matmul_reduce_scatter
 from jax_ub._src.options import weight_transposed
-from jax_ub._src.primitives import (
-    bind_all_gather_matmul,
-    bind_matmul_reduce_scatter,
-    match_varying,
-)
+from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import matmul_reduce_scatter_reference
+from jax_ub._src.varying import match_varying
 
 _OP = "matmul_reduce_scatter"
 

@@ -18,12 +18,9 @@ from jax_ub._src import checks, options
 from jax_ub._src.all_gather_matmul import all_gather_matmul, contract_rows
 from jax_ub._src.epilogue import bias_grad, check_epilogue
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
-from jax_ub._src.primitives import (
-    bind_all_gather_matmul,
-    bind_matmul_reduce_scatter,
-    match_varying,
-)
+from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import dgelu_reference
+from jax_ub._src.varying import match_varying
 
 _OP = "gelu_mlp"
 

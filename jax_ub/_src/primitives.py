@@ -18,10 +18,15 @@ batch shard and nothing is gathered over data-parallel axes.
 Why every device of a group runs the same calls: the custom call is marked as having a
 side effect, so XLA neither CSEs two identical calls nor drops one whose result is
 unused; and every device runs the same SPMD program. The nested shard_map changes
-neither. Their order is the data's: a call that consumes another's result runs after it.
-XLA does not order side-effecting calls with no data path between them, and XLA's CPU
-runtime may run such calls in different orders on different devices (tests/RELIABILITY.md,
-known gap 16).
+neither. XLA orders side-effecting calls only by their data, and XLA's CPU runtime runs
+calls with no data path between them concurrently, so two devices could start them in
+different orders. So on CPU devices the calls carry :data:`CALL_ORDER`, a JAX ordered
+effect: JAX threads a token through every jax_ub call of a program (across jit, shard_map,
+custom_vjp, remat and control flow), in the order the program makes them, and each custom
+call takes and returns it; not yet inside a shard_map that leaves mesh axes automatic
+(:func:`_ordered`). On GPUs each device runs its compiled sequence of thunks in
+order on one stream, so no token is needed; an ordered effect there would also take
+``jit``'s C++ fast path away (JAX then passes runtime tokens between dispatches).
 """
 
 from __future__ import annotations
@@ -30,23 +35,67 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax._src.config
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core, sharding_impls
+from jax._src import core, effects, sharding_impls
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import batching, mlir
+from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import communicator, extension, layout
+from jax_ub._src import communicator, layout
 from jax_ub._src.reference import (
     SCALE_STRIDE,
     all_gather_matmul_reference,
     dgelu_reference,
     matmul_reduce_scatter_reference,
 )
+from jax_ub._src.varying import result_aval
+
+
+class CallOrder(effects.Effect):
+    """jax_ub calls on CPU devices run in the order the program makes them."""
+
+    def __str__(self) -> str:
+        return "jax_ub.CallOrder"
+
+
+class PeerCall(effects.Effect):
+    """A call its group's peers make too. Unordered: it comes with :data:`CALL_ORDER` so
+    that JAX runs a compiled program (``jit(f).lower(...).compile()``) on its Python path,
+    which passes the ordering token; JAX 0.10's C++ path for compiled programs whose only
+    effects are ordered omits the token and crashes."""
+
+    def __str__(self) -> str:
+        return "jax_ub.PeerCall"
+
+
+CALL_ORDER = CallOrder()
+_PEER_CALL = PeerCall()
+for _kind in (CallOrder, PeerCall):
+    for _allowed in (
+        effects.lowerable_effects,
+        effects.control_flow_allowed_effects,
+        effects.custom_derivatives_allowed_effects,
+        effects.remat_allowed_effects,
+    ):
+        _allowed.add_type(_kind)
+effects.ordered_effects.add_type(CallOrder)
+effects.shardable_ordered_effects.add_type(CallOrder)
+
+
+def _ordered() -> bool:
+    """Whether calls traced now carry :data:`CALL_ORDER`: on CPU devices, where every axis
+    of the mesh is manual. A token crossing a shard_map whose other axes stay automatic
+    fails XLA's sharding check (``Check failed: buffer != nullptr``: a partly manual
+    sharding on a token), so partial-auto layouts go without (tests/RELIABILITY.md)."""
+    if jax.default_backend() != "cpu":
+        return False
+    mesh = mesh_lib.get_abstract_mesh()
+    return not mesh.empty and all(t == AxisType.Manual for t in mesh.axis_types)
+
 
 all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
@@ -55,52 +104,6 @@ matmul_reduce_scatter_p = core.Primitive("jax_ub_matmul_reduce_scatter")
 # mesh's automatic axes): x, and the all-gather's gelu_input (laid out as its output). The
 # weight, scales and bias are replicated over those axes.
 _BATCHED = {all_gather_matmul_p: (0, 4), matmul_reduce_scatter_p: (0,)}
-
-
-def _varying(aval: core.AbstractValue) -> frozenset:
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
-
-
-def _check_vma() -> bool:
-    state = getattr(jax._src.config, "_check_vma", None)
-    return bool(state.value) if state is not None else True
-
-
-def match_varying(ct, like):
-    """Cotangent `ct` cast to vary over exactly the mesh axes `like` varies over.
-
-    Under shard_map(check_vma=True) the reference's autodiff sums a weight's gradient over
-    the axes the weight is replicated on (the transpose of the implicit pvary); the custom
-    VJPs do the same here. Without vma tracking there is nothing to match.
-    """
-    if not _check_vma():
-        return ct
-    have, want = _varying(jax.typeof(ct)), _varying(jax.typeof(like))
-    if have - want:
-        ct = jax.lax.psum(ct, tuple(sorted(have - want)))
-    if want - have:
-        ct = jax.lax.pcast(ct, tuple(sorted(want - have)), to="varying")
-    return ct
-
-
-def _result(x, shape, *operands, extra: frozenset = frozenset()):
-    """x's aval with `shape`, varying over every mesh axis any operand varies over.
-
-    Under shard_map(check_vma=True) that is what the lax reference would produce; the
-    attribute holding it moved between JAX versions, hence the two spellings.
-    """
-    if not _check_vma():
-        return x.update(shape=shape)
-    varying = frozenset(extra).union(*(_varying(a) for a in operands))
-    mat = getattr(x, "manual_axis_type", None)
-    if mat is not None:
-        return x.update(shape=shape, manual_axis_type=mat.update(varying=varying))
-    if hasattr(x, "vma"):
-        return x.update(shape=shape, vma=varying)
-    return x.update(shape=shape)
 
 
 def _columns(w, transpose_w: bool) -> int:
@@ -124,25 +127,30 @@ def _all_gather_matmul_abstract(
     gelu,
     keep_pre_gelu,
     dgelu,
+    ordered,
 ):
     m, batch, k = x.shape[0], x.shape[1:-1], x.shape[-1]
     n = _columns(w, transpose_w)
-    out = _result(x, (axis_size * m, *batch, n), x, w, bias).update(dtype=jnp.dtype(out_dtype))
-    gathered = _result(x, (axis_size * m if return_gathered else 0, *batch, k), x)
+    out = result_aval(x, (axis_size * m, *batch, n), x, w, bias).update(dtype=jnp.dtype(out_dtype))
+    gathered = result_aval(x, (axis_size * m if return_gathered else 0, *batch, k), x)
     pre_gelu = out.update(shape=(axis_size * m if keep_pre_gelu else 0, *batch, n))
-    return out, gathered, pre_gelu
+    return (out, gathered, pre_gelu), _effects(ordered)
 
 
 def _matmul_reduce_scatter_abstract(
-    x, w, scales, *, axis_name, axis_size, transpose_w, out_dtype, fallback
+    x, w, scales, *, axis_name, axis_size, transpose_w, out_dtype, fallback, ordered
 ):
     shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
-    out = _result(x, shape, x, w, extra=frozenset([axis_name]))
-    return out.update(dtype=jnp.dtype(out_dtype))
+    out = result_aval(x, shape, x, w, extra=frozenset([axis_name]))
+    return out.update(dtype=jnp.dtype(out_dtype)), _effects(ordered)
 
 
-all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
-matmul_reduce_scatter_p.def_abstract_eval(_matmul_reduce_scatter_abstract)
+def _effects(ordered: bool) -> effects.Effects:
+    return frozenset([CALL_ORDER, _PEER_CALL]) if ordered else effects.no_effects
+
+
+all_gather_matmul_p.def_effectful_abstract_eval(_all_gather_matmul_abstract)
+matmul_reduce_scatter_p.def_effectful_abstract_eval(_matmul_reduce_scatter_abstract)
 
 
 def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
@@ -173,23 +181,6 @@ def _platform(ctx: mlir.LoweringRuleContext) -> str:
     if len(platforms) != 1:
         raise ValueError(f"jax_ub lowers for one platform at a time, got {platforms=}")
     return platforms[0]
-
-
-def required_bytes(platform: str, op: str, chunk_bytes: int, group_size: int) -> int:
-    """Symmetric buffer bytes one call of ``op`` needs per device, as the C++ side sizes it."""
-    return int(extension.module_for(platform).required_bytes(op, chunk_bytes, group_size))
-
-
-def _communicator_or_fallback(op, mesh, axis_name, platform, needed, fallback):
-    """The communicator, or None where impl="auto" may use XLA's collectives instead: the
-    group's devices cannot share memory (different hosts, no peer access)."""
-    try:
-        return communicator.get_communicator(mesh, axis_name, platform, needed)
-    except communicator.PeersUnreachable as e:
-        if not fallback:
-            raise ValueError(f"{op}: impl='ub' cannot run on this mesh: {e}") from None
-        communicator.warn_fallback(axis_name, e)
-        return None
 
 
 def _weight(w, transpose_w: bool):
@@ -234,14 +225,27 @@ def _flat(aval: core.ShapedArray) -> core.ShapedArray:
     return aval.update(shape=(int(np.prod(aval.shape[:-1])), aval.shape[-1]))
 
 
-def _ffi_call_flat(ctx, target: str, x, *operands, comm_id: int, **attrs):
-    """The custom call on x flattened to 2-D; results reshaped back to their avals."""
+def _ffi_call_flat(ctx, target: str, ordered: bool, x, *operands, comm_id: int, **attrs):
+    """The custom call on x flattened to 2-D; results reshaped back to their avals.
+
+    On CPU the call also takes and returns the ordering token: the program's
+    :data:`CALL_ORDER` token where the call carries the effect, else a fresh one (a call
+    traced with another default backend than the devices it is lowered for).
+    """
     x_aval, *others = ctx.avals_in
     flat_outs = [_flat(a) for a in ctx.avals_out]
     x2 = mlir.reshape(ctx, x, _flat(x_aval))
-    flat_ctx = ctx.replace(avals_in=[_flat(x_aval), *others], avals_out=flat_outs)
+    token = []
+    if _platform(ctx) == "cpu":
+        token = [ctx.tokens_in.get(CALL_ORDER) if ordered else hlo.create_token()]
+    tokens = [core.abstract_token] * len(token)
+    flat_ctx = ctx.replace(
+        avals_in=[_flat(x_aval), *others, *tokens], avals_out=[*flat_outs, *tokens]
+    )
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
-    outs = rule(flat_ctx, x2, *operands, comm_id=np.int64(comm_id), **attrs)
+    outs = rule(flat_ctx, x2, *operands, *token, comm_id=np.int64(comm_id), **attrs)
+    if token and ordered:
+        ctx.set_tokens_out(mlir.TokenSet({CALL_ORDER: outs[-1]}))
     return [mlir.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
@@ -262,15 +266,16 @@ def _lowering(
         platform = _platform(ctx)
         aval = chunk_aval(ctx)
         chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-        needed = required_bytes(platform, op, chunk, params["axis_size"])
-        comm = _communicator_or_fallback(op, mesh, axis_name, platform, needed, params["fallback"])
+        needed = communicator.required_bytes(platform, op, chunk, params["axis_size"])
+        comm = communicator.for_lowering(op, mesh, axis_name, platform, needed, params["fallback"])
         if comm is None:
             lower = mlir.lower_fun(
                 functools.partial(unfused, **params), multiple_results=prim.multiple_results
             )
             return lower(ctx, *operands)
         extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
-        return _ffi_call_flat(ctx, f"jax_ub_{op}", *operands, comm_id=comm.id, **extra)
+        target = f"jax_ub_{op}"
+        return _ffi_call_flat(ctx, target, params["ordered"], *operands, comm_id=comm.id, **extra)
 
     return rule
 
@@ -420,6 +425,7 @@ def bind_all_gather_matmul(
         gelu=bool(gelu),
         keep_pre_gelu=bool(keep_pre_gelu and gelu),
         dgelu=dgelu,
+        ordered=_ordered(),
     )
 
 
@@ -448,4 +454,5 @@ def bind_matmul_reduce_scatter(
         transpose_w=transpose_w,
         out_dtype=out_dtype,
         fallback=fallback,
+        ordered=_ordered(),
     )
