@@ -240,10 +240,24 @@ Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a,
   std::stable_sort(timed.begin(), timed.end(), [](const Candidate* x, const Candidate* y) {
     return Median(x->ms) < Median(y->ms);
   });
+  // cuBLASLt's own first pick always takes part: tuning times kernels alone, and beside
+  // the op's copies the heuristic's kernel was at times the faster one (a reduce-scatter
+  // at some shapes, benchmarks/RESULTS.md "Kernel choice"); the trials decide from the
+  // time beside the copies.
+  const Candidate* heuristic = nullptr;
+  for (const Candidate& cand : candidates)
+    if (cand.description == chosen.description) {
+      heuristic = &cand;
+      break;
+    }
   if (options_.trials >= 2 && timed.size() >= 2) {
+    const size_t count = std::min(timed.size(), static_cast<size_t>(options_.trials));
+    std::vector<const Candidate*> compared(timed.begin(), timed.begin() + count);
+    if (heuristic != nullptr && !heuristic->ms.empty() &&
+        std::find(compared.begin(), compared.end(), heuristic) == compared.end())
+      compared.back() = heuristic;
     kept.trial = std::make_unique<Trial>();
-    for (size_t i = 0; i < timed.size() && static_cast<int>(i) < options_.trials; ++i)
-      kept.trial->algos.push_back(timed[i]->algo);
+    for (const Candidate* cand : compared) kept.trial->algos.push_back(cand->algo);
     kept.trial->ms.resize(kept.trial->algos.size());
   }
   JAX_UB_TRACE("GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, %.3f ms",

@@ -1,9 +1,4 @@
 // XLA FFI handlers for platform "cpu": decode, find the communicator, call it.
-//
-// Each call also takes and returns an ordering token, unused here: XLA's CPU runtime runs
-// calls with no data path between them concurrently, in any order, and the token chain
-// (JAX's ordered effect, threaded by jax_ub/_src/primitives.py) gives every device the
-// program's order of jax_ub calls.
 #include <cstdint>
 
 #include "ffi_common.h"
@@ -14,11 +9,10 @@ namespace {
 
 ffi::Error AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                ffi::AnyBuffer scales, ffi::AnyBuffer bias,
-                               ffi::AnyBuffer gelu_input, ffi::Token /*order*/,
-                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::AnyBuffer gelu_input, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> gathered,
-                               ffi::Result<ffi::AnyBuffer> aux, ffi::Result<ffi::Token> /*order*/,
-                               int64_t comm_id, bool transpose_w, bool gelu, bool dgelu) {
+                               ffi::Result<ffi::AnyBuffer> aux, int64_t comm_id, bool transpose_w,
+                               bool gelu, bool dgelu) {
   MatmulCall<HostCommunicator> c;
   Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, *out, *gathered, *aux,
                                comm_id, gelu, dgelu, &c);
@@ -27,10 +21,8 @@ ffi::Error AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer 
 }
 
 ffi::Error MatmulReduceScatterHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                   ffi::AnyBuffer scales, ffi::Token /*order*/,
-                                   ffi::Result<ffi::AnyBuffer> out,
-                                   ffi::Result<ffi::Token> /*order*/, int64_t comm_id,
-                                   bool transpose_w) {
+                                   ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out,
+                                   int64_t comm_id, bool transpose_w) {
   MatmulCall<HostCommunicator> c;
   Status st = PrepareReduceScatter(x, w, transpose_w, scales, *out, comm_id, &c);
   if (st.ok()) st = c.comm->Call(device, OpKind::kMatmulReduceScatter, c.shape, c.ops);
@@ -47,11 +39,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCpu, AllGatherMatmulHost,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Token>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
                                   .Attr<int64_t>("comm_id")
                                   .Attr<bool>("transpose_w")
                                   .Attr<bool>("gelu")
@@ -63,9 +53,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCpu, MatmulReduceScatterHost,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Token>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
                                   .Attr<int64_t>("comm_id")
                                   .Attr<bool>("transpose_w"));
 

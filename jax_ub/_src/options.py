@@ -28,16 +28,17 @@ class Tuning:
         shape runs (a first call of a shape blocks its device's thread for up to about two
         seconds) and keep the fastest; else the heuristic's first pick.
       autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
-        f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick (its fp8 GEMMs are
-        tuned either way). On 2 H200s (K=8192, N=28672) the heuristic's bf16
-        reduce-scatter ran 3-5% faster than the tuned one; tuning made the all-gather
-        2.5-4% faster and the fp8 reduce-scatter about 10% faster (benchmarks/RESULTS.md,
-        "Kernel choice").
+        f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick untimed (its fp8
+        GEMMs are tuned either way). Tuned GEMMs' trials compare the heuristic's pick
+        beside the op's copies too (``gemm_trials``), and on 2 H200s (K=8192, N=28672)
+        that made the tuned reduce-scatter as fast as the heuristic's at M=8192 and 4.3%
+        faster at M=32768 (benchmarks/RESULTS.md, "Kernel choice").
       gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
         for each: "column" (the transposed column-major product), "row", or "auto" (time
         both). Tuning times kernels alone, not beside the op's copies, hence "column".
-      gemm_trials: how many of tuning's fastest kernels a shape's first op calls compare,
-        beside the op's copies, before keeping one (a warm-up and 4 timed calls each).
+      gemm_trials: how many kernels a shape's first op calls compare, beside the op's
+        copies, before keeping one (a warm-up and 4 timed calls each): tuning's fastest,
+        with cuBLASLt's heuristic pick in the last place if tuning ranked it lower.
         Until they end, results may differ from later calls' in the last bits.
       reduce_scatter_fold_rows: on groups of 2, the smallest row piece for which
         matmul_reduce_scatter adds the peer's partial in its own GEMM's epilogue instead
@@ -50,7 +51,7 @@ class Tuning:
     """
 
     autotune_gemm: bool = True
-    autotune_reduce_scatter: bool = False
+    autotune_reduce_scatter: bool = True
     gemm_order: str = "column"
     gemm_trials: int = 3
     reduce_scatter_fold_rows: int = 2048

@@ -18,15 +18,10 @@ batch shard and nothing is gathered over data-parallel axes.
 Why every device of a group runs the same calls: the custom call is marked as having a
 side effect, so XLA neither CSEs two identical calls nor drops one whose result is
 unused; and every device runs the same SPMD program. The nested shard_map changes
-neither. XLA orders side-effecting calls only by their data, and XLA's CPU runtime runs
-calls with no data path between them concurrently, so two devices could start them in
-different orders. So on CPU devices the calls carry :data:`CALL_ORDER`, a JAX ordered
-effect: JAX threads a token through every jax_ub call of a program (across jit, shard_map,
-custom_vjp, remat and control flow), in the order the program makes them, and each custom
-call takes and returns it; not yet inside a shard_map that leaves mesh axes automatic
-(:func:`_ordered`). On GPUs each device runs its compiled sequence of thunks in
-order on one stream, so no token is needed; an ordered effect there would also take
-``jit``'s C++ fast path away (JAX then passes runtime tokens between dispatches).
+neither. Their order is the data's: a call that consumes another's result runs after it.
+XLA does not order side-effecting calls with no data path between them, and XLA's CPU
+runtime may run such calls in different orders on different devices (tests/RELIABILITY.md,
+known gap 16).
 """
 
 from __future__ import annotations
@@ -37,10 +32,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core, effects, sharding_impls
+from jax._src import core, sharding_impls
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import batching, mlir
-from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
@@ -53,49 +47,6 @@ from jax_ub._src.reference import (
     matmul_reduce_scatter_reference,
 )
 from jax_ub._src.varying import result_aval
-
-
-class CallOrder(effects.Effect):
-    """jax_ub calls on CPU devices run in the order the program makes them."""
-
-    def __str__(self) -> str:
-        return "jax_ub.CallOrder"
-
-
-class PeerCall(effects.Effect):
-    """A call its group's peers make too. Unordered: it comes with :data:`CALL_ORDER` so
-    that JAX runs a compiled program (``jit(f).lower(...).compile()``) on its Python path,
-    which passes the ordering token; JAX 0.10's C++ path for compiled programs whose only
-    effects are ordered omits the token and crashes."""
-
-    def __str__(self) -> str:
-        return "jax_ub.PeerCall"
-
-
-CALL_ORDER = CallOrder()
-_PEER_CALL = PeerCall()
-for _kind in (CallOrder, PeerCall):
-    for _allowed in (
-        effects.lowerable_effects,
-        effects.control_flow_allowed_effects,
-        effects.custom_derivatives_allowed_effects,
-        effects.remat_allowed_effects,
-    ):
-        _allowed.add_type(_kind)
-effects.ordered_effects.add_type(CallOrder)
-effects.shardable_ordered_effects.add_type(CallOrder)
-
-
-def _ordered() -> bool:
-    """Whether calls traced now carry :data:`CALL_ORDER`: on CPU devices, where every axis
-    of the mesh is manual. A token crossing a shard_map whose other axes stay automatic
-    fails XLA's sharding check (``Check failed: buffer != nullptr``: a partly manual
-    sharding on a token), so partial-auto layouts go without (tests/RELIABILITY.md)."""
-    if jax.default_backend() != "cpu":
-        return False
-    mesh = mesh_lib.get_abstract_mesh()
-    return not mesh.empty and all(t == AxisType.Manual for t in mesh.axis_types)
-
 
 all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
@@ -127,30 +78,25 @@ def _all_gather_matmul_abstract(
     gelu,
     keep_pre_gelu,
     dgelu,
-    ordered,
 ):
     m, batch, k = x.shape[0], x.shape[1:-1], x.shape[-1]
     n = _columns(w, transpose_w)
     out = result_aval(x, (axis_size * m, *batch, n), x, w, bias).update(dtype=jnp.dtype(out_dtype))
     gathered = result_aval(x, (axis_size * m if return_gathered else 0, *batch, k), x)
     pre_gelu = out.update(shape=(axis_size * m if keep_pre_gelu else 0, *batch, n))
-    return (out, gathered, pre_gelu), _effects(ordered)
+    return out, gathered, pre_gelu
 
 
 def _matmul_reduce_scatter_abstract(
-    x, w, scales, *, axis_name, axis_size, transpose_w, out_dtype, fallback, ordered
+    x, w, scales, *, axis_name, axis_size, transpose_w, out_dtype, fallback
 ):
     shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
     out = result_aval(x, shape, x, w, extra=frozenset([axis_name]))
-    return out.update(dtype=jnp.dtype(out_dtype)), _effects(ordered)
+    return out.update(dtype=jnp.dtype(out_dtype))
 
 
-def _effects(ordered: bool) -> effects.Effects:
-    return frozenset([CALL_ORDER, _PEER_CALL]) if ordered else effects.no_effects
-
-
-all_gather_matmul_p.def_effectful_abstract_eval(_all_gather_matmul_abstract)
-matmul_reduce_scatter_p.def_effectful_abstract_eval(_matmul_reduce_scatter_abstract)
+all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
+matmul_reduce_scatter_p.def_abstract_eval(_matmul_reduce_scatter_abstract)
 
 
 def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
@@ -225,27 +171,14 @@ def _flat(aval: core.ShapedArray) -> core.ShapedArray:
     return aval.update(shape=(int(np.prod(aval.shape[:-1])), aval.shape[-1]))
 
 
-def _ffi_call_flat(ctx, target: str, ordered: bool, x, *operands, comm_id: int, **attrs):
-    """The custom call on x flattened to 2-D; results reshaped back to their avals.
-
-    On CPU the call also takes and returns the ordering token: the program's
-    :data:`CALL_ORDER` token where the call carries the effect, else a fresh one (a call
-    traced with another default backend than the devices it is lowered for).
-    """
+def _ffi_call_flat(ctx, target: str, x, *operands, comm_id: int, **attrs):
+    """The custom call on x flattened to 2-D; results reshaped back to their avals."""
     x_aval, *others = ctx.avals_in
     flat_outs = [_flat(a) for a in ctx.avals_out]
     x2 = mlir.reshape(ctx, x, _flat(x_aval))
-    token = []
-    if _platform(ctx) == "cpu":
-        token = [ctx.tokens_in.get(CALL_ORDER) if ordered else hlo.create_token()]
-    tokens = [core.abstract_token] * len(token)
-    flat_ctx = ctx.replace(
-        avals_in=[_flat(x_aval), *others, *tokens], avals_out=[*flat_outs, *tokens]
-    )
+    flat_ctx = ctx.replace(avals_in=[_flat(x_aval), *others], avals_out=flat_outs)
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
-    outs = rule(flat_ctx, x2, *operands, *token, comm_id=np.int64(comm_id), **attrs)
-    if token and ordered:
-        ctx.set_tokens_out(mlir.TokenSet({CALL_ORDER: outs[-1]}))
+    outs = rule(flat_ctx, x2, *operands, comm_id=np.int64(comm_id), **attrs)
     return [mlir.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
@@ -274,8 +207,7 @@ def _lowering(
             )
             return lower(ctx, *operands)
         extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
-        target = f"jax_ub_{op}"
-        return _ffi_call_flat(ctx, target, params["ordered"], *operands, comm_id=comm.id, **extra)
+        return _ffi_call_flat(ctx, f"jax_ub_{op}", *operands, comm_id=comm.id, **extra)
 
     return rule
 
@@ -425,7 +357,6 @@ def bind_all_gather_matmul(
         gelu=bool(gelu),
         keep_pre_gelu=bool(keep_pre_gelu and gelu),
         dgelu=dgelu,
-        ordered=_ordered(),
     )
 
 
@@ -454,5 +385,4 @@ def bind_matmul_reduce_scatter(
         transpose_w=transpose_w,
         out_dtype=out_dtype,
         fallback=fallback,
-        ordered=_ordered(),
     )
