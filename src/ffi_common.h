@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "dtype.h"
 #include "registry.h"
@@ -171,6 +172,38 @@ Status PrepareReduceScatter(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transpose
   if (x.dimensions()[0] != call->shape.m * call->comm->topology().group_size())
     return InvalidArgument("matmul_reduce_scatter: input rows do not match the group");
   return Status::Ok();
+}
+
+// Each op's operands, results and attributes after the platform's context (CPU: the
+// device ordinal; CUDA: the stream, then the ordinal), one list for both platforms. The
+// lowering (jax_ub/_src/primitives.py) passes them in this order. Binding's methods take
+// an rvalue, hence the move.
+template <typename Binding>
+auto BindAllGatherMatmul(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // w
+      .template Arg<ffi::AnyBuffer>()  // scales
+      .template Arg<ffi::AnyBuffer>()  // bias
+      .template Arg<ffi::AnyBuffer>()  // gelu_input
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // gathered
+      .template Ret<ffi::AnyBuffer>()  // aux (the pre-GELU product)
+      .template Attr<int64_t>("comm_id")
+      .template Attr<bool>("transpose_w")
+      .template Attr<bool>("gelu")
+      .template Attr<bool>("dgelu");
+}
+
+template <typename Binding>
+auto BindMatmulReduceScatter(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // w
+      .template Arg<ffi::AnyBuffer>()  // scales
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Attr<int64_t>("comm_id")
+      .template Attr<bool>("transpose_w");
 }
 
 }  // namespace jax_ub

@@ -35,31 +35,13 @@ ffi::Error MatmulReduceScatterGpu(cudaStream_t stream, int32_t device, ffi::AnyB
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulCuda, AllGatherMatmulGpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<bool>("transpose_w")
-                                  .Attr<bool>("gelu")
-                                  .Attr<bool>("dgelu"));
+                              BindAllGatherMatmul(ffi::Ffi::Bind()
+                                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                      .Ctx<ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterCuda, MatmulReduceScatterGpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<bool>("transpose_w"));
+                              BindMatmulReduceScatter(ffi::Ffi::Bind()
+                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                          .Ctx<ffi::DeviceOrdinal>()));
 
 }  // namespace jax_ub
