@@ -267,7 +267,9 @@ def required_bytes(platform: str, op: str, chunk_bytes: int, group_size: int) ->
     return int(extension.module_for(platform).required_bytes(op, chunk_bytes, group_size))
 
 
-def for_lowering(op, mesh, axis_name, platform, needed, fallback):
+def for_lowering(
+    op: str, mesh: Mesh, axis_name: str, platform: str, needed: int, fallback: bool
+) -> Communicator | None:
     """The communicator, or None where impl="auto" may use XLA's collectives instead: the
     group's devices cannot share memory (different hosts, no peer access)."""
     try:
