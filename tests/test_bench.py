@@ -30,18 +30,22 @@ def test_bench_writes_every_implementation_and_checks_results(tmp_path):
 
 
 def test_bench_fp8_rows(tmp_path):
-    """--fp8 adds jax_ub's and XLA's ops in fp8 and the fp8 GEMM alone, each op checked
-    against XLA's bf16 op (fp8's quantization error, not more)."""
+    """--fp8 adds jax_ub's and XLA's ops in fp8 (on quantized operands; jax_ub's also
+    quantizing in the call) and the fp8 GEMM alone, each op checked against XLA's bf16 op
+    (fp8's quantization error, not more)."""
     out = tmp_path / "bench.json"
     bench.main(
         "--shapes 64x32x64 --tp 2 --rounds 1 --iters 2 --fp8 --no-windowed-einsum "
         f"--json {out}".split()
     )
     for r in json.loads(out.read_text())["results"]:
-        assert {"jax_ub_fp8", "xla_fp8", "fp8_gemm", "fp8_nocomm"} <= set(r["times_ms"])
+        rows = {"jax_ub_fp8", "xla_fp8", "jax_ub_fp8_hp", "fp8_gemm", "fp8_nocomm"}
+        assert rows <= set(r["times_ms"])
         assert 1e-3 < r["rel_err"]["jax_ub_fp8"] < 0.1, r["rel_err"]
         assert abs(r["rel_err"]["jax_ub_fp8"] - r["rel_err"]["xla_fp8"]) < 1e-2, r["rel_err"]
-        assert r["ub_fp8_over_fp8_gemm"] > 0 and r["ub_fp8_over_nocomm"] > 0
+        # The same scales: quantizing in the call gives the same fp8 operands.
+        assert abs(r["rel_err"]["jax_ub_fp8"] - r["rel_err"]["jax_ub_fp8_hp"]) < 1e-3, r
+        assert r["ub_fp8_over_fp8_gemm"] > 0 and r["ub_fp8_hp_over_nocomm"] > 0
         # The fp8 op without communication quantizes as fp8_gemm's operands were.
         assert r["rel_err"]["fp8_nocomm"] < 1e-2, r["rel_err"]
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from test_fp8 import deq
 
 import jax_ub
+from jax_ub.fp8 import quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -99,6 +100,21 @@ def test_fp8_current_scaling_matches_xla_path(op):
     # for RS's dx on 2 H200s.
     for a, b in zip(got, want):
         assert _rel(a, b) < 5e-2
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fp8_operands_given_quantized(op):
+    """x and w handed over in float8_e4m3fn with their scales: the GEMMs take them as they
+    are, matching the float32 reference and the op that quantizes them in the call."""
+    x, w, _ = _operands(op, jnp.bfloat16, seed=2)
+    sx, sw = 4.5 / 448, 4.4 / 448
+    scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
+    xq, wq = (quantize(a, jnp.float32(s)) for a, s in ((x, sx), (w, sw)))
+    out = _fn(op)(xq, wq, scales)
+    assert out.dtype == jnp.bfloat16
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    assert _rel(out, deq(f32(x), sx) @ deq(f32(w), sw)) < 2e-2
+    assert _rel(out, _fn(op)(x, w, scales)) < 1e-2  # bf16 rounding of the same GEMMs
 
 
 def test_flax_mlp_in_fp8():

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks, layout
 from jax_ub._src.epilogue import check_epilogue, epilogue_grads
-from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_all_gather_matmul
+from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, fp8_all_gather_matmul
+from jax_ub._src.fp8 import check_operands as check_fp8_operands
 from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import all_gather_matmul_reference
@@ -62,8 +63,10 @@ def all_gather_matmul(
       fp8: run in fp8 with these scales (:class:`jax_ub.Fp8Scales`; ``Fp8Scales()`` for
         current scaling): x and w are quantized to ``float8_e4m3fn``, the gather moves fp8
         and the result is ``x.dtype``; gradients go through ``float8_e5m2`` (see
-        ``jax_ub.fp8``). ``impl="xla"`` runs the same quantized math on XLA's collectives.
-        With a float32 ``x`` the epilogue runs in XLA after the op (no cuBLASLt fp8 kernel).
+        ``jax_ub.fp8``). ``x`` or ``w`` may come already in ``float8_e4m3fn`` with its
+        scale given; the result then has the other one's dtype (bfloat16 if both are fp8).
+        ``impl="xla"`` runs the same quantized math on XLA's collectives. With a float32
+        result the epilogue runs in XLA after the op (no cuBLASLt fp8 kernel).
 
     Returns:
       ``activation(all_gather(x, axis_name, tiled=True) @ w + bias)`` of shape
@@ -86,6 +89,7 @@ def all_gather_matmul(
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
     check_epilogue(_OP, x, w, bias, activation)
+    check_fp8_operands(_OP, x, w, fp8)
     if fp8 is not None:
         check_scales(_OP, fp8)
         if return_gathered:
@@ -93,10 +97,11 @@ def all_gather_matmul(
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
         return _on_global_arrays(x, w, bias, activation, axis_name, impl, return_gathered, fp8)
-    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None, axis_size=size)
+    operands = (x, w) if fp8 is None else compute_operands(x, w)
+    ub = checks.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
     fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
-    if bias is not None:
-        bias = jnp.asarray(bias, x.dtype)  # the output's dtype, as the epilogue adds it
+    if bias is not None:  # the output's dtype, as the epilogue adds it
+        bias = jnp.asarray(bias, operands[0].dtype)
     gelu = activation == "gelu"
     if fp8 is not None:
         return fp8_all_gather_matmul(x, w, fp8, bias, axis_name, size, fallback, ub, gelu)

@@ -9,6 +9,12 @@ overlapped op on fp8 operands, the weight gradient an fp8 product of the gathere
 activation (or gradient) kept by the forward, which is never gathered twice.
 Quantization is transparent to autodiff (straight-through), as in fp8 training recipes.
 
+``x`` or ``w`` (or both) may also come already quantized, ``float8_e4m3fn`` with its scale
+in ``Fp8Scales`` (``x ~ x * fp8.x``), e.g. weights stored in fp8 for serving, or an
+activation its producer quantized: the op uses it as it is. The result then has the other
+operand's dtype (bfloat16 when both are fp8). Its gradient is the op's gradient cast to
+fp8, as autodiff treats any cast; its scale gets no gradient (no amax is taken of it).
+
 Scales, per tensor (per local shard for ``w`` and for tensors that are not gathered):
 * current scaling: leave a field ``None``; the op uses this step's ``amax / fp8_max``
   (for a tensor that is all-gathered, the amax over the group, so one scale fits all
@@ -114,6 +120,48 @@ def quantize(a: jax.Array, scale: jax.Array, dtype=E4M3) -> jax.Array:
     return jnp.clip(a.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
 
 
+def is_quantized(a) -> bool:
+    """Whether ``a`` (an array or anything with a ``dtype``) is an fp8 operand."""
+    dtype = jnp.dtype(a.dtype)
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def result_dtype(x, w) -> jnp.dtype:
+    """The fp8 op's output dtype: the first operand given in high precision, else bf16."""
+    for a in (x, w):
+        if not is_quantized(a):
+            return jnp.dtype(a.dtype)
+    return jnp.dtype(jnp.bfloat16)
+
+
+def compute_operands(x, w) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """``x`` and ``w`` as the implementation choice sees an fp8 call: both in its result
+    dtype (the dtype its partial sums and output move in)."""
+    dtype = result_dtype(x, w)
+    return jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(w.shape, dtype)
+
+
+def check_operands(op: str, x: jax.Array, w: jax.Array, fp8: object) -> None:
+    """A clear error for an fp8 operand without ``fp8`` scales, without its own scale, or
+    in a format other than ``float8_e4m3fn``."""
+    for name, a in (("x", x), ("w", w)):
+        if not is_quantized(a):
+            continue
+        shapes = f"{x.shape=} {x.dtype=}, {w.shape=} {w.dtype=}"
+        if jnp.dtype(a.dtype) != E4M3:
+            raise ValueError(f"{op}: fp8 operands must be float8_e4m3fn, got {name}: {shapes}")
+        if fp8 is None:
+            raise ValueError(
+                f"{op}: {name} is already fp8: pass its scale as fp8=jax_ub.Fp8Scales({name}="
+                f"...) ({name} ~ {name} * scale); {shapes}"
+            )
+        if getattr(fp8, name, None) is None:
+            raise ValueError(
+                f"{op}: {name} is already fp8, so fp8.{name} must be its scale (current "
+                f"scaling needs the high-precision tensor), got None; {shapes}"
+            )
+
+
 def check_scales(op: str, fp8: object) -> None:
     """A clear error for anything but an Fp8Scales of float32 scalars (or None fields)."""
     if not isinstance(fp8, Fp8Scales):
@@ -155,7 +203,8 @@ def _rs(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
 
 
 def _weight_grad(a_q, b_q, scale, dtype):
-    """``a^T b`` over the rows (and batch dims) of fp8 ``a_q``, ``b_q``, times ``scale``."""
+    """``a^T b`` over the rows (and batch dims) of fp8 ``a_q``, ``b_q``, times ``scale``, in
+    ``dtype`` (high precision)."""
     lead = tuple(range(a_q.ndim - 1))
     wide = jnp.dtype(dtype)
     out = lax.dot_general(
@@ -173,8 +222,24 @@ def _scale_of(given, observed_amax, dtype):
 
 def _seen(given, local_amax, axis_name):
     """The amax to report for a scale the caller gave (over the group), else None: no
-    collective is traced for a gradient nobody asked for."""
-    return None if given is None else lax.pmax(local_amax, axis_name)
+    collective is traced for a gradient nobody asked for, nor for an operand given in fp8
+    (``local_amax`` None)."""
+    return None if given is None or local_amax is None else lax.pmax(local_amax, axis_name)
+
+
+def _local_amax(a, axis_name=None):
+    """amax of a high-precision operand (over ``axis_name``'s group if given); None for an
+    operand given in fp8, whose scale the caller passed."""
+    return None if is_quantized(a) else amax(a, axis_name)
+
+
+def _quantized(a, scale):
+    return a if is_quantized(a) else quantize(a, scale)
+
+
+def _cotangent(d, primal_like):
+    """A gradient typed like its primal (cast to fp8 for an operand given in fp8)."""
+    return match_varying(d.astype(primal_like.dtype), primal_like)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -186,18 +251,20 @@ def fp8_all_gather_matmul(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
 
 def _ag_fwd(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
     # x is gathered: its current scale is the group's, one scale for every chunk.
-    lx = amax(x, axis_name) if fp8.x is None else amax(x)
-    lw = amax(w)
+    lx = _local_amax(x, axis_name if fp8.x is None else None)
+    lw = _local_amax(w)
     sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
-    w_q = quantize(w, sw)
-    x_q = quantize(x, sx)
-    if jnp.dtype(x.dtype) == jnp.float32:
+    w_q = _quantized(w, sw)
+    x_q = _quantized(x, sx)
+    out_dtype = result_dtype(x, w)
+    if out_dtype == jnp.float32:
         # cuBLASLt has no fp8 GEMM with a float32 output, float32 bias and GELU (it answered
         # NOT_SUPPORTED on an H200): with float32 outputs the epilogue runs in XLA after the op.
-        out, g_q, _ = _ag(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub)
+        out, g_q, _ = _ag(x_q, w_q.T, sx, sw, out_dtype, axis_name, size, fallback, ub)
         out, pre = epilogue(out, bias, "gelu" if gelu else None)
     else:
-        out, g_q, pre = _ag(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub, bias, gelu)
+        args = (x_q, w_q.T, sx, sw, out_dtype, axis_name, size, fallback, ub, bias, gelu)
+        out, g_q, pre = _ag(*args)
     seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
     epilogue_res = (pre if gelu else None, None if bias is None else bias[:0])
     return out, (x[:0], w[:0], w_q, g_q, sx, sw, fp8.grad, seen, epilogue_res)
@@ -210,10 +277,10 @@ def _ag_bwd(axis_name, size, fallback, ub, gelu, res, dy):
     sg = _scale_of(given_grad, lg, E5M2)
     dy_q = quantize(dy, sg, E5M2)
     # dx = reduce_scatter(dy @ w.T): w_q [k, n] is w.T stored k-major.
-    dx = _rs(dy_q, w_q, sg, sw, x0.dtype, axis_name, size, fallback, ub)
-    dw = _weight_grad(g_q, dy_q, sx * sg, w0.dtype)
+    dx = _rs(dy_q, w_q, sg, sw, dy.dtype, axis_name, size, fallback, ub)
+    dw = _weight_grad(g_q, dy_q, sx * sg, dy.dtype)
     seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
-    return match_varying(dx, x0), match_varying(dw, w0), seen, dbias
+    return _cotangent(dx, x0), _cotangent(dw, w0), seen, dbias
 
 
 fp8_all_gather_matmul.defvjp(_ag_fwd, _ag_bwd)
@@ -227,10 +294,10 @@ def fp8_matmul_reduce_scatter(x, w, fp8, axis_name, size, fallback, ub):
 
 def _rs_fwd(x, w, fp8, axis_name, size, fallback, ub):
     # Partials are dequantized by each rank's GEMM before they are summed: local scales fit.
-    lx, lw = amax(x), amax(w)
+    lx, lw = _local_amax(x), _local_amax(w)
     sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
-    x_q, w_q = quantize(x, sx), quantize(w, sw)
-    out = _rs(x_q, w_q.T, sx, sw, x.dtype, axis_name, size, fallback, ub)
+    x_q, w_q = _quantized(x, sx), _quantized(w, sw)
+    out = _rs(x_q, w_q.T, sx, sw, result_dtype(x, w), axis_name, size, fallback, ub)
     seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
     return out, (x[:0], w[:0], x_q, w_q, sx, sw, fp8.grad, seen)
 
@@ -241,10 +308,10 @@ def _rs_bwd(axis_name, size, fallback, ub, res, dy):
     lg = amax(dy, axis_name) if given_grad is None else amax(dy)
     sg = _scale_of(given_grad, lg, E5M2)
     # dx = all_gather(dy) @ w.T, which hands back the gathered fp8 dy for dw.
-    dx, dyg_q, _ = _ag(quantize(dy, sg, E5M2), w_q, sg, sw, x0.dtype, axis_name, size, fallback, ub)
-    dw = _weight_grad(x_q, dyg_q, sx * sg, w0.dtype)
+    dx, dyg_q, _ = _ag(quantize(dy, sg, E5M2), w_q, sg, sw, dy.dtype, axis_name, size, fallback, ub)
+    dw = _weight_grad(x_q, dyg_q, sx * sg, dy.dtype)
     seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
-    return match_varying(dx, x0), match_varying(dw, w0), seen
+    return _cotangent(dx, x0), _cotangent(dw, w0), seen
 
 
 fp8_matmul_reduce_scatter.defvjp(_rs_fwd, _rs_bwd)

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src import checks, layout
 from jax_ub._src.all_gather_matmul import contract_rows
 from jax_ub._src.epilogue import check_epilogue
-from jax_ub._src.fp8 import Fp8Scales, check_scales, fp8_matmul_reduce_scatter
+from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, fp8_matmul_reduce_scatter
+from jax_ub._src.fp8 import check_operands as check_fp8_operands
 from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import matmul_reduce_scatter_reference
@@ -47,8 +48,8 @@ def matmul_reduce_scatter(
         the reduced rows; cast to the output's dtype. XLA fuses the add with what
         consumes the result (a residual add, typically): it costs no pass of its own.
       impl: ``"ub"``, ``"xla"`` or ``"auto"``, as for :func:`all_gather_matmul`.
-      fp8: run in fp8 with these scales, as for :func:`all_gather_matmul`; the partial
-        sums the scatter moves are ``x.dtype``.
+      fp8: run in fp8 with these scales, as for :func:`all_gather_matmul` (operands given
+        in fp8 too); the partial sums the scatter moves are the result's dtype.
 
     Returns:
       ``psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True) + bias`` of shape
@@ -67,6 +68,7 @@ def matmul_reduce_scatter(
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
     check_epilogue(_OP, x, w, bias, None)
+    check_fp8_operands(_OP, x, w, fp8)
     if fp8 is not None:
         check_scales(_OP, fp8)
     y = _reduced(x, w, axis_name, impl, fp8)
@@ -79,7 +81,8 @@ def _reduced(x, w, axis_name: str, impl: str, fp8):
     if size is None:
         return _on_global_arrays(x, w, axis_name, impl, fp8)
     checks.check_divisible(_OP, "rows of x", x.shape[0], size, axis_name, f"{x.shape=}")
-    ub = checks.use_ub(_OP, impl, x, w, fp8=fp8 is not None, axis_size=size)
+    operands = (x, w) if fp8 is None else compute_operands(x, w)
+    ub = checks.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
     # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
     fallback = impl == "auto"
     if fp8 is not None:

@@ -104,31 +104,38 @@ def _fp8_scales(x: np.ndarray, w: np.ndarray):
 
 
 def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
-    """fp8 rows (``--fp8``): jax_ub's op and XLA's unfused op, both from bf16 operands with
-    given (delayed) scales, so each quantizes x and w in the call; and the fp8 GEMM alone
-    on operands already quantized, as XLA runs it (its dequantize-then-dot pattern)."""
+    """fp8 rows (``--fp8``), given (delayed) scales: jax_ub's op and XLA's unfused op on
+    operands already quantized, as the fp8 GEMM alone (``fp8_gemm``, XLA's
+    dequantize-then-dot pattern) takes them; and jax_ub's op from bf16 operands, quantizing
+    x and w in the call as a training step does (``jax_ub_fp8_hp``)."""
     from jax_ub import fp8  # noqa: PLC0415
     from jax_ub._src.reference import pack_scales, scaled_matmul  # noqa: PLC0415
 
     call = OPS[op]
     sx, sw, scales = _fp8_scales(x, w)
-    for name, impl in (("jax_ub_fp8", "ub"), ("xla_fp8", "xla")):
-        f = _smap(mesh, lambda a, b, impl=impl: call(a, b, AXIS, impl=impl, fp8=scales), *specs)
-        impls[name] = (f, impls["jax_ub"][1])
+
+    def quantized(arrays):
+        return tuple(
+            jax.device_put(fp8.quantize(a, s), a.sharding) for a, s in zip(arrays, (sx, sw))
+        )
+
+    def op_fn(impl):
+        return _smap(mesh, lambda a, b: call(a, b, AXIS, impl=impl, fp8=scales), *specs)
+
+    operands = quantized(impls["jax_ub"][1])
+    impls["jax_ub_fp8"] = (op_fn("ub"), operands)
+    impls["xla_fp8"] = (op_fn("xla"), operands)
+    impls["jax_ub_fp8_hp"] = (op_fn("ub"), impls["jax_ub"][1])
     packed = pack_scales(sx, sw)
     gemm = _smap(mesh, lambda a, b: scaled_matmul(a, b, packed, out_dtype=x.dtype), *gemm_specs)
-    quantized = [fp8.quantize(jnp.asarray(a), s) for a, s in zip((x, w), (sx, sw))]
-    impls["fp8_gemm"] = (
-        gemm,
-        tuple(jax.device_put(q, a.sharding) for q, a in zip(quantized, impls["gemm"][1])),
-    )
+    impls["fp8_gemm"] = (gemm, quantized(impls["gemm"][1]))
 
 
 def _add_solo_rows(impls, mesh, op, x, w, specs, args, fp8: bool) -> None:
     """Rows of the op on groups of one GPU at the ``gemm`` row's shapes (no communication):
     ``ub_gemm``, jax_ub's own GEMM through the whole FFI path; with ``fp8``, ``fp8_nocomm``,
-    the fp8 op as ``jax_ub_fp8`` calls it (quantizing x and w from bf16 with the same
-    scales) through XLA: the fp8 op's no-communication bound."""
+    the fp8 op as ``jax_ub_fp8_hp`` calls it (quantizing x and w from bf16 with the same
+    scales) through XLA: that row's no-communication bound."""
     solo = _solo_mesh(mesh)
     call = OPS[op]
     impls["ub_gemm"] = (_smap(solo, lambda a, b: call(a, b, SOLO, impl="ub"), *specs), args)
