@@ -16,6 +16,13 @@ the gradient the op returns for each scale (this step's amax) with
     hist = {k: fp8.update_amax_history(hist[k], getattr(g_scales, k)) for k in hist}
 
 (there ``loss`` would take the scales as an argument; see ``tests/test_fp8.py``).
+An operand may also come already quantized, ``float8_e4m3fn`` with its scale given, e.g.
+weights stored in fp8 for serving (the op then quantizes only ``x``)::
+
+    sw = fp8.current_scale(w)  # per local shard of w, inside shard_map
+    w_q = fp8.quantize(w, sw)  # kept with sw instead of w
+    y = jax_ub.all_gather_matmul(x, w_q, "tp", fp8=jax_ub.Fp8Scales(w=sw))  # x.dtype
+
 ``delayed_scale_owg(history)`` is ``delayed_scale`` whose gradient is the updated history
 itself, for state that a training step overwrites with its gradient (flax's
 OVERWRITE_WITH_GRADIENT convention; the Flax layers' ``fp8="delayed"`` uses it).
