@@ -136,7 +136,8 @@ class CublasLtGemm {
   // c = a @ b, or with an `addend` (laid out as c) c = a @ b + addend, added in the
   // epilogue in float32. A null plan (Prepare's for an empty shape) runs nothing.
   //
-  // While the plan has a trial, successive op calls rotate over its candidates, each
+  // While the plan has a trial, successive op calls rotate over its candidates (in
+  // alternating directions, round by round), each
   // GEMM bracketed by timing events that later calls read without waiting; after a
   // warm-up round and kTrialRounds timed ones, the candidate with the smallest median
   // time is kept. So the kernel is chosen beside the op's own copies and waits, at the

@@ -18,8 +18,9 @@ constexpr int kRunsPerRound = 3;               // each this many runs back to ba
 constexpr double kTuneBudgetS = 2.0;
 // In-op trials (CublasLtGemm::Matmul): after one untimed round over the candidates (the
 // first calls run while the GPU and the peers settle), each candidate is timed in this
-// many op calls, and the smallest median wins.
+// many op calls, and the smallest median wins. Even: rounds alternate direction.
 constexpr int kTrialRounds = 4;
+static_assert(kTrialRounds % 2 == 0, "trial rounds alternate direction in pairs");
 
 inline float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());

@@ -52,7 +52,11 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   for (int round = 0; round <= kTimedRounds && st.ok(); ++round) {
     const int runs = round == 0 ? 1 : kRunsPerRound;
     std::vector<bool> ran(count, false);
-    for (size_t i : order) {
+    // Alternate directions, as the op's trials do (TrialMatmul), so a drifting clock does
+    // not favour whichever candidate runs first in every round.
+    std::vector<size_t> visit = order;
+    if (round > 0 && round % 2 == 0) std::reverse(visit.begin(), visit.end());
+    for (size_t i : visit) {
       const Candidate& cand = (*candidates)[i];
       const Plan& p = described[cand.description];
       st = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
@@ -120,9 +124,14 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
     tr.last_call = call_;
     ++tr.calls;
   }
-  const int candidate = (tr.calls - 1) % count;
   // Past the warm-up round and the timed ones: the tuned pick until the timings are in.
   const int round = (tr.calls - 1) / count;
+  // Odd rounds visit the candidates in reverse, so over an even number of timed rounds
+  // each candidate holds every position equally often: a clock that drifts through the
+  // trials (a GPU settling at its power cap) costs every candidate alike, where a fixed
+  // order would always time the last candidate at the lowest clock.
+  const int slot = (tr.calls - 1) % count;
+  const int candidate = round % 2 == 0 ? slot : count - 1 - slot;
   if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, args);
   const cublasLtMatmulAlgo_t& algo = tr.algos[candidate];
   if (round == 0) return Run(p, algo, a, b, c, stream, args);
