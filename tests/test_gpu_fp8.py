@@ -117,6 +117,36 @@ def test_fp8_operands_given_quantized(op):
     assert _rel(out, _fn(op)(x, w, scales)) < 1e-2  # bf16 rounding of the same GEMMs
 
 
+def test_fp8_gelu_mlp_matches_the_two_fp8_ops():
+    """gelu_mlp in fp8, GELU's gradient in the fp8 dgrad GEMM's DGELU epilogue, against the
+    same block as the two fp8 ops (GELU's gradient in XLA), delayed scales, bf16."""
+    m, k, f, n = 256, 512, 768, 512  # per rank: rows, model dim, hidden columns, outputs
+    keys = jax.random.split(jax.random.key(4), 6)
+    shapes = ((N * m, k), (k, N * f), (N * f,), (N * f, n), (n,), (N * m, n))
+    x, w1, b1, w2, b2, ct = (
+        jax.random.normal(key, s, jnp.float32).astype(jnp.bfloat16) * (0.05 if i in (1, 3) else 1)
+        for i, (key, s) in enumerate(zip(keys, shapes))
+    )
+    up = jax_ub.Fp8Scales(x=jnp.float32(4.5 / 448), w=jnp.float32(0.25 / 448), grad=None)
+    down = jax_ub.Fp8Scales(x=jnp.float32(4.0 / 448), w=jnp.float32(0.25 / 448), grad=None)
+
+    def fused(x, w1, b1, w2, b2):
+        return jax_ub.gelu_mlp(x, w1, w2, "tp", up_bias=b1, down_bias=b2, impl="ub", fp8=(up, down))
+
+    def two_ops(x, w1, b1, w2, b2):
+        h = jax_ub.all_gather_matmul(x, w1, "tp", bias=b1, activation="gelu", impl="ub", fp8=up)
+        return jax_ub.matmul_reduce_scatter(h, w2, "tp", bias=b2, impl="ub", fp8=down)
+
+    specs = (P("tp"), P(None, "tp"), P("tp"), P("tp", None), P())
+    outs = {}
+    for name, body in (("fused", fused), ("two_ops", two_ops)):
+        g = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=specs, out_specs=P("tp")))
+        y, vjp = jax.vjp(g, x, w1, b1, w2, b2)
+        outs[name] = (y, *vjp(ct))
+    for a, b in zip(outs["fused"], outs["two_ops"]):
+        assert _rel(a, b) < 2e-2
+
+
 def test_flax_mlp_in_fp8():
     """jax_ub.flax.ParallelMLP(fp8=True) from jit under a mesh: ub and xla agree, and both
     stay within fp8's error of the bf16 model."""

@@ -35,10 +35,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ub._src import options
 from jax_ub._src.epilogue import epilogue_grads
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import (
     all_gather_matmul_reference,
+    dgelu_reference,
     epilogue,
     matmul_reduce_scatter_reference,
     pack_scales,
@@ -177,19 +179,35 @@ def check_scales(op: str, fp8: object) -> None:
             )
 
 
-def _ag(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub, bias=None, gelu=False):
+def _ag(
+    x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub, bias=None, gelu=False, dgelu_at=None
+):
     """(y, all_gather(x_q), GELU's input or an empty [0, ..., n]), y = gelu?(all_gather(x_q)
-    @ w_t.T scaled by sx * sw + bias?); ``w_t`` is the weight stored k-major, ``[n, k]``,
-    as cuBLASLt's fp8 GEMMs read it."""
+    @ w_t.T scaled by sx * sw + bias?), or with ``dgelu_at`` (GELU's input, laid out as y)
+    that product times gelu'(dgelu_at), in the epilogue; ``w_t`` is the weight stored
+    k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
     scales = pack_scales(sx, sw)
     if ub:
         return bind_all_gather_matmul(
-            x_q, w_t, axis_name, size, True, True, fallback, scales, out_dtype, bias, gelu, gelu
+            x_q,
+            w_t,
+            axis_name,
+            size,
+            True,
+            True,
+            fallback,
+            scales,
+            out_dtype,
+            bias,
+            gelu,
+            gelu,
+            dgelu_at,
         )
     activation = "gelu" if gelu else None
-    return all_gather_matmul_reference(
+    out, gathered, pre = all_gather_matmul_reference(
         x_q, w_t.T, axis_name, True, scales, out_dtype, bias, activation, True
     )
+    return (out if dgelu_at is None else dgelu_reference(out, dgelu_at)), gathered, pre
 
 
 def _rs(x_q, w_t, sx, sw, out_dtype, axis_name, size, fallback, ub):
@@ -246,10 +264,11 @@ def _cotangent(d, primal_like):
 def fp8_all_gather_matmul(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
     """gelu?(all_gather(x) @ w + bias?) in fp8 (module docstring); ``ub`` picks the custom
     call or XLA."""
-    return _ag_fwd(x, w, fp8, bias, axis_name, size, fallback, ub, gelu)[0]
+    return ag_forward(x, w, fp8, bias, axis_name, size, fallback, ub, gelu)[0]
 
 
-def _ag_fwd(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
+def ag_forward(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
+    """fp8_all_gather_matmul's forward: (its result, the residuals its backward takes)."""
     # x is gathered: its current scale is the group's, one scale for every chunk.
     lx = _local_amax(x, axis_name if fp8.x is None else None)
     lw = _local_amax(w)
@@ -270,29 +289,37 @@ def _ag_fwd(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
     return out, (x[:0], w[:0], w_q, g_q, sx, sw, fp8.grad, seen, epilogue_res)
 
 
-def _ag_bwd(axis_name, size, fallback, ub, gelu, res, dy):
-    x0, w0, w_q, g_q, sx, sw, given_grad, (ax, aw), (pre, bias_like) = res
-    dy, dbias = epilogue_grads(dy, pre, bias_like, gelu)  # the product's gradient from here
-    lg = amax(dy)  # dy's partials are dequantized by each rank's GEMM: a local scale fits
+def ag_product_grads(res, dp, axis_name, size, fallback, ub):
+    """(dx, dw, the amaxes seen) of fp8_all_gather_matmul from ``dp``, the gradient of its
+    product (after the epilogue's backward); ``res`` from :func:`ag_forward`."""
+    x0, w0, w_q, g_q, sx, sw, given_grad, (ax, aw), _ = res
+    lg = amax(dp)  # dp's partials are dequantized by each rank's GEMM: a local scale fits
     sg = _scale_of(given_grad, lg, E5M2)
-    dy_q = quantize(dy, sg, E5M2)
-    # dx = reduce_scatter(dy @ w.T): w_q [k, n] is w.T stored k-major.
-    dx = _rs(dy_q, w_q, sg, sw, dy.dtype, axis_name, size, fallback, ub)
-    dw = _weight_grad(g_q, dy_q, sx * sg, dy.dtype)
+    dp_q = quantize(dp, sg, E5M2)
+    # dx = reduce_scatter(dp @ w.T): w_q [k, n] is w.T stored k-major.
+    dx = _rs(dp_q, w_q, sg, sw, dp.dtype, axis_name, size, fallback, ub)
+    dw = _weight_grad(g_q, dp_q, sx * sg, dp.dtype)
     seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
-    return _cotangent(dx, x0), _cotangent(dw, w0), seen, dbias
+    return _cotangent(dx, x0), _cotangent(dw, w0), seen
 
 
-fp8_all_gather_matmul.defvjp(_ag_fwd, _ag_bwd)
+def _ag_bwd(axis_name, size, fallback, ub, gelu, res, dy):
+    pre, bias_like = res[-1]
+    dp, dbias = epilogue_grads(dy, pre, bias_like, gelu)
+    return (*ag_product_grads(res, dp, axis_name, size, fallback, ub), dbias)
+
+
+fp8_all_gather_matmul.defvjp(ag_forward, _ag_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def fp8_matmul_reduce_scatter(x, w, fp8, axis_name, size, fallback, ub):
     """psum_scatter(x @ w) in fp8 (module docstring); ``ub`` as above."""
-    return _rs_fwd(x, w, fp8, axis_name, size, fallback, ub)[0]
+    return rs_forward(x, w, fp8, axis_name, size, fallback, ub)[0]
 
 
-def _rs_fwd(x, w, fp8, axis_name, size, fallback, ub):
+def rs_forward(x, w, fp8, axis_name, size, fallback, ub):
+    """fp8_matmul_reduce_scatter's forward: (its result, the residuals its backward takes)."""
     # Partials are dequantized by each rank's GEMM before they are summed: local scales fit.
     lx, lw = _local_amax(x), _local_amax(w)
     sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
@@ -302,16 +329,29 @@ def _rs_fwd(x, w, fp8, axis_name, size, fallback, ub):
     return out, (x[:0], w[:0], x_q, w_q, sx, sw, fp8.grad, seen)
 
 
-def _rs_bwd(axis_name, size, fallback, ub, res, dy):
+def rs_grads(res, dy, axis_name, size, fallback, ub, dgelu_at=None):
+    """(dx, dw, the amaxes seen) of fp8_matmul_reduce_scatter (``res`` from
+    :func:`rs_forward`); with ``dgelu_at``, dx times gelu'(dgelu_at) (GELU's backward, in
+    the dgrad GEMM's epilogue where it can run there)."""
     x0, w0, x_q, w_q, sx, sw, given_grad, (ax, aw) = res
     # dy is gathered: its current scale is the group's, one scale for every chunk.
     lg = amax(dy, axis_name) if given_grad is None else amax(dy)
     sg = _scale_of(given_grad, lg, E5M2)
+    # As for the float32 GELU above; and the benchmarks' A/B switch.
+    fused = dgelu_at is not None and dy.dtype != jnp.float32 and options.tuning().dgelu_epilogue
     # dx = all_gather(dy) @ w.T, which hands back the gathered fp8 dy for dw.
-    dx, dyg_q, _ = _ag(quantize(dy, sg, E5M2), w_q, sg, sw, dy.dtype, axis_name, size, fallback, ub)
+    dy_q = quantize(dy, sg, E5M2)
+    args = (dy_q, w_q, sg, sw, dy.dtype, axis_name, size, fallback, ub)
+    dx, dyg_q, _ = _ag(*args, dgelu_at=dgelu_at if fused else None)
+    if dgelu_at is not None and not fused:
+        dx = dgelu_reference(dx, dgelu_at)
     dw = _weight_grad(x_q, dyg_q, sx * sg, dy.dtype)
     seen = Fp8Scales(x=ax, w=aw, grad=_seen(given_grad, lg, axis_name))
     return _cotangent(dx, x0), _cotangent(dw, w0), seen
 
 
-fp8_matmul_reduce_scatter.defvjp(_rs_fwd, _rs_bwd)
+def _rs_bwd(axis_name, size, fallback, ub, res, dy):
+    return rs_grads(res, dy, axis_name, size, fallback, ub)
+
+
+fp8_matmul_reduce_scatter.defvjp(rs_forward, _rs_bwd)

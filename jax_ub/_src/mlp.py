@@ -17,6 +17,9 @@ import jax.numpy as jnp
 from jax_ub._src import checks, options
 from jax_ub._src.all_gather_matmul import all_gather_matmul, contract_rows
 from jax_ub._src.epilogue import bias_grad, check_epilogue
+from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, result_dtype
+from jax_ub._src.fp8 import check_operands as check_fp8_operands
+from jax_ub._src.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import dgelu_reference
@@ -34,6 +37,7 @@ def gelu_mlp(
     up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
     impl: str = "auto",
+    fp8: tuple[Fp8Scales, Fp8Scales] | None = None,
 ) -> jax.Array:
     """``matmul_reduce_scatter(gelu(all_gather_matmul(x, w_up) + up_bias), w_down) + down_bias``.
 
@@ -52,6 +56,10 @@ def gelu_mlp(
       up_bias: ``[f]``, sharded like ``w_up``'s columns.
       down_bias: ``[n]``, the same on every rank, added once after the reduction.
       impl: ``"ub"``, ``"xla"`` or ``"auto"``, as for :func:`all_gather_matmul`.
+      fp8: ``(up, down)``, two :class:`jax_ub.Fp8Scales`: both projections in fp8, as
+        :func:`all_gather_matmul` with ``fp8=up`` and :func:`matmul_reduce_scatter` with
+        ``fp8=down`` run them (``down.x`` scales the hidden activation); GELU's gradient
+        runs in the epilogue of the fp8 GEMM that computes it.
 
     Returns:
       ``[m, ..., n]``, sequence-sharded like ``x``.
@@ -72,22 +80,48 @@ def gelu_mlp(
         )
     check_epilogue(_OP, x, w_up, up_bias, "gelu")
     check_epilogue(_OP, x, w_down, down_bias, None)
+    up, down = _check_fp8(fp8)
+    dtype = x.dtype if fp8 is None else result_dtype(x, w_up)  # of the hidden activation
+    h_rows = (x.shape[0], *x.shape[1:-1], w_up.shape[1])
+    check_fp8_operands(_OP, x, w_up, up)
+    check_fp8_operands(_OP, jax.ShapeDtypeStruct(h_rows, dtype), w_down, down)
     size = checks.bound_axis_size(_OP, axis_name)
     fused = size is not None
     if fused:
-        hidden = jax.ShapeDtypeStruct((size * x.shape[0], *x.shape[1:-1], w_up.shape[1]), x.dtype)
+        hidden = jax.ShapeDtypeStruct((size * h_rows[0], *h_rows[1:]), dtype)
+        ops = ((x, w_up), (hidden, w_down))
+        if fp8 is not None:
+            ops = (compute_operands(x, w_up), compute_operands(hidden, w_down))
         # Each projection as its own op would decide (the rule counts each op's bytes).
-        fused = checks.use_ub("all_gather_matmul", impl, x, w_up, axis_size=size)
-        fused = fused and checks.use_ub(
-            "matmul_reduce_scatter", impl, hidden, w_down, axis_size=size
-        )
+        kw = dict(fp8=fp8 is not None, axis_size=size)
+        fused = checks.use_ub("all_gather_matmul", impl, *ops[0], **kw)
+        fused = fused and checks.use_ub("matmul_reduce_scatter", impl, *ops[1], **kw)
     if not fused:  # the same block from the two ops, each taking its own path
-        h = all_gather_matmul(x, w_up, axis_name, bias=up_bias, activation="gelu", impl=impl)
-        return matmul_reduce_scatter(h, w_down, axis_name, bias=down_bias, impl=impl)
+        h = all_gather_matmul(
+            x, w_up, axis_name, bias=up_bias, activation="gelu", impl=impl, fp8=up
+        )
+        return matmul_reduce_scatter(h, w_down, axis_name, bias=down_bias, impl=impl, fp8=down)
     if up_bias is not None:
-        up_bias = jnp.asarray(up_bias, x.dtype)
-    y = _gelu_mlp(x, w_up, up_bias, w_down, axis_name, size, impl == "auto")
+        up_bias = jnp.asarray(up_bias, dtype)
+    if fp8 is None:
+        y = _gelu_mlp(x, w_up, up_bias, w_down, axis_name, size, impl == "auto")
+    else:
+        y = fp8_gelu_mlp(x, w_up, up_bias, w_down, up, down, axis_name, size, impl == "auto", True)
     return y if down_bias is None else y + jnp.asarray(down_bias, y.dtype)
+
+
+def _check_fp8(fp8) -> tuple[Fp8Scales | None, Fp8Scales | None]:
+    """``fp8`` as ``(up, down)``: (None, None) without fp8; a clear error unless a pair of
+    Fp8Scales."""
+    if fp8 is None:
+        return None, None
+    if not isinstance(fp8, (tuple, list)) or len(fp8) != 2:
+        raise TypeError(
+            f"{_OP}: fp8 must be a pair (up, down) of jax_ub.Fp8Scales, got {type(fp8).__name__}"
+        )
+    for scales in fp8:
+        check_scales(_OP, scales)
+    return tuple(fp8)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

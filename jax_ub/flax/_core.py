@@ -309,18 +309,19 @@ def mlp_call(
     use_bias: bool,
 ) -> Callable[[jax.Array, Params, Params], jax.Array]:
     """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded. GELU
-    runs in the column GEMMs' epilogue, and outside fp8 its backward in the row op's dgrad
-    GEMM (``jax_ub.gelu_mlp``); other activations in XLA after the column op."""
+    runs in the column GEMMs' epilogue and its backward in the row op's dgrad GEMM
+    (``jax_ub.gelu_mlp``, in fp8 too); other activations in XLA after the column op."""
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
     fused = fused_activation(activation)
 
     def body(x, p_up, p_down):
-        if fused and not fp8:
+        if fused:
             x, k_up, b_up, k_down, b_down = _promote(
                 dtype, x, p_up["kernel"], p_up.get("bias"), p_down["kernel"], p_down.get("bias")
             )
+            scales = None if not fp8 else (_scales(fp8, p_up), _scales(fp8, p_down))
             return jax_ub.gelu_mlp(
-                x, k_up, k_down, axis_name, up_bias=b_up, down_bias=b_down, impl=impl
+                x, k_up, k_down, axis_name, up_bias=b_up, down_bias=b_down, impl=impl, fp8=scales
             )
         h = column_local(x, p_up, activation=fused, **kw)
         return row_local(h if fused else activation(h), p_down, **kw)
