@@ -4,8 +4,8 @@ Public API:
   all_gather_matmul(x, w, axis_name, *, bias=None, activation=None, impl="auto",
                     return_gathered=False, fp8=None)
   matmul_reduce_scatter(x, w, axis_name, *, bias=None, impl="auto", fp8=None)
-  gelu_mlp(x, w_up, w_down, axis_name, *, up_bias=None, down_bias=None, impl="auto"): the
-    two ops around GELU, GELU's backward in a GEMM epilogue
+  gelu_mlp(x, w_up, w_down, axis_name, *, up_bias=None, down_bias=None, impl="auto",
+           fp8=None): the two ops around GELU, GELU's backward in a GEMM epilogue
   Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
   initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
   configure(**settings) / config
