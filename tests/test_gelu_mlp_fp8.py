@@ -131,3 +131,18 @@ def test_grad_scale_amax_is_e5m2_ready(mesh1d, rand):
     seen_down = vjp(ct)[6]
     np.testing.assert_allclose(float(seen_down.grad), amax(ct), rtol=1e-6)
     assert np.all(np.isfinite(deq(ct, float(seen_down.grad) / 57344, E5M2)))
+
+
+def test_fp8_gelu_mlp_on_global_arrays(mesh1d, rand):
+    """Outside shard_map (global arrays under set_mesh) the fp8 block is the two fp8 ops."""
+    mesh = mesh1d(2)
+    args = operands(rand, 2, k=32, f=16, n=16, dtype=jnp.bfloat16)
+    scales = (jax_ub.Fp8Scales(), jax_ub.Fp8Scales())
+    with jax.set_mesh(mesh):
+
+        def f(x, w1, b1, w2, b2):
+            return jax_ub.gelu_mlp(x, w1, w2, "tp", up_bias=b1, down_bias=b2, fp8=scales)
+
+        y = jax.jit(f)(*args)
+    assert y.dtype == jnp.bfloat16
+    assert rel_err(y, fused(mesh, "xla")(*args, *scales)) < 5e-2
