@@ -146,3 +146,18 @@ def test_fp8_gelu_mlp_on_global_arrays(mesh1d, rand):
         y = jax.jit(f)(*args)
     assert y.dtype == jnp.bfloat16
     assert rel_err(y, fused(mesh, "xla")(*args, *scales)) < 5e-2
+
+
+def test_quantized_weight_without_its_scale_is_named(mesh1d, rand):
+    """An fp8 w_down whose scale is missing: the error names w_down and fp8[1]."""
+    x, w1, _, w2, _ = operands(rand, 2, k=32, f=16, n=16, dtype=jnp.bfloat16)
+    f = smap(
+        lambda x, a, b: jax_ub.gelu_mlp(
+            x, a, b, "tp", fp8=(jax_ub.Fp8Scales(), jax_ub.Fp8Scales())
+        ),
+        mesh1d(2),
+        (P("tp"), P(None, "tp"), P("tp", None)),
+        P("tp"),
+    )
+    with pytest.raises(ValueError, match=r"w_down is already fp8, so fp8\[1\].w must be its scale"):
+        f(x, w1, w2.astype(jnp.float8_e4m3fn))

@@ -143,23 +143,27 @@ def compute_operands(x, w) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     return jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(w.shape, dtype)
 
 
-def check_operands(op: str, x: jax.Array, w: jax.Array, fp8: object) -> None:
+def check_operands(
+    op: str, x, w, fp8: object, names: tuple[str, str] = ("x", "w"), scales: str = "fp8"
+) -> None:
     """A clear error for an fp8 operand without ``fp8`` scales, without its own scale, or
-    in a format other than ``float8_e4m3fn``."""
-    for name, a in (("x", x), ("w", w)):
+    in a format other than ``float8_e4m3fn``; ``names`` and ``scales`` name the operands
+    and the scales argument in the message."""
+    for field, label, a in (("x", names[0], x), ("w", names[1], w)):
         if not is_quantized(a):
             continue
-        shapes = f"{x.shape=} {x.dtype=}, {w.shape=} {w.dtype=}"
+        shapes = f"{names[0]}: {x.shape} {x.dtype}, {names[1]}: {w.shape} {w.dtype}"
         if jnp.dtype(a.dtype) != E4M3:
-            raise ValueError(f"{op}: fp8 operands must be float8_e4m3fn, got {name}: {shapes}")
+            raise ValueError(f"{op}: fp8 operands must be float8_e4m3fn, got {label}; {shapes}")
+        where = f"fp8=jax_ub.Fp8Scales({field}=...)" if scales == "fp8" else f"{scales}.{field}"
         if fp8 is None:
             raise ValueError(
-                f"{op}: {name} is already fp8: pass its scale as fp8=jax_ub.Fp8Scales({name}="
-                f"...) ({name} ~ {name} * scale); {shapes}"
+                f"{op}: {label} is already fp8: pass its scale as {where} ({label} ~ {label} * "
+                f"scale); {shapes}"
             )
-        if getattr(fp8, name, None) is None:
+        if getattr(fp8, field, None) is None:
             raise ValueError(
-                f"{op}: {name} is already fp8, so fp8.{name} must be its scale (current "
+                f"{op}: {label} is already fp8, so {scales}.{field} must be its scale (current "
                 f"scaling needs the high-precision tensor), got None; {shapes}"
             )
 

@@ -83,8 +83,11 @@ def gelu_mlp(
     up, down = _check_fp8(fp8)
     dtype = x.dtype if fp8 is None else result_dtype(x, w_up)  # of the hidden activation
     h_rows = (x.shape[0], *x.shape[1:-1], w_up.shape[1])
-    check_fp8_operands(_OP, x, w_up, up)
-    check_fp8_operands(_OP, jax.ShapeDtypeStruct(h_rows, dtype), w_down, down)
+    check_fp8_operands(_OP, x, w_up, up, ("x", "w_up"), "fp8[0]")
+    hidden_rows = jax.ShapeDtypeStruct(h_rows, dtype)
+    check_fp8_operands(
+        _OP, hidden_rows, w_down, down, ("the hidden activation", "w_down"), "fp8[1]"
+    )
     size = checks.bound_axis_size(_OP, axis_name)
     fused = size is not None
     if fused:
