@@ -74,7 +74,8 @@ int AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribu
 Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
   auto* g = new CublasLtGemm();
   g->options_ = options;
-  Status st = CublasStatus(cublasLtCreate(&g->handle_), "cublasLtCreate");
+  Status st = CudaStatus(cudaGetDevice(&g->device_), "cudaGetDevice");
+  if (st.ok()) st = CublasStatus(cublasLtCreate(&g->handle_), "cublasLtCreate");
   if (st.ok())
     st = CudaStatus(cudaMalloc(&g->workspace_, kWorkspaceBytes), "cudaMalloc(workspace)");
   float ones[2 * kScaleStride];
@@ -260,13 +261,15 @@ Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a,
     for (const Candidate* cand : compared) kept.trial->algos.push_back(cand->algo);
     kept.trial->ms.resize(kept.trial->algos.size());
   }
-  JAX_UB_TRACE("GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, %.3f ms",
-               static_cast<long long>(std::get<1>(key)), static_cast<long long>(std::get<2>(key)),
-               static_cast<long long>(std::get<3>(key)), kept.row ? "row" : "column",
-               AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
-               AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
-               AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-               chosen.ms.empty() ? -1.0f : Median(chosen.ms));
+  JAX_UB_TRACE(
+      "GPU %d GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, "
+      "%.3f ms",
+      device_, static_cast<long long>(std::get<1>(key)), static_cast<long long>(std::get<2>(key)),
+      static_cast<long long>(std::get<3>(key)), kept.row ? "row" : "column",
+      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
+      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+      chosen.ms.empty() ? -1.0f : Median(chosen.ms));
   *plan = &plans_.emplace(key, std::move(kept)).first->second;
   return Status::Ok();
 }
@@ -326,7 +329,7 @@ Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const
   }
   // Drain the device first (see the header): the kernels launched below may be loaded
   // now, and a load waits for the device to go idle while holding its context.
-  JAX_UB_TRACE("first call of GEMM m=%lld k=%lld n=%lld%s: draining the device",
+  JAX_UB_TRACE("GPU %d first call of GEMM m=%lld k=%lld n=%lld%s: draining the device", device_,
                static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n),
                addend != nullptr ? " with an addend" : "");
   JAX_UB_CUDA(cudaDeviceSynchronize());

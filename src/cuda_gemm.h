@@ -188,6 +188,7 @@ class CublasLtGemm {
              cudaStream_t stream, const GemmArgs& args = {});
 
   cublasLtHandle_t handle_ = nullptr;
+  int device_ = -1;  // the GPU it was created on, for traces (each GPU keeps its own kernels)
   void* workspace_ = nullptr;
   // Device floats of 1 laid out as Matmul's scales: fp8 plans' scales wherever a run has none
   // (heuristics and tuning included, as cuBLASLt may pick kernels that cannot scale when none is

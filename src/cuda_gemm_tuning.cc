@@ -177,10 +177,11 @@ Status CublasLtGemm::Harvest(Plan& p) {
              std::to_string(Median(tr.ms[i]));
   }
   JAX_UB_TRACE(
-      "GEMM m=%lld k=%lld n=%lld in the op, median ms by tile (tuned pick first): %s; "
-      "keeping candidate %d",
-      static_cast<long long>(p.m), static_cast<long long>(p.k), static_cast<long long>(p.n),
-      times.c_str(), best);
+      "GPU %d GEMM m=%lld k=%lld n=%lld in the op, median ms by tile (tuned pick first): %s; "
+      "keeping candidate %d (tile %d)",
+      device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
+      static_cast<long long>(p.n), times.c_str(), best,
+      AlgoConfig(tr.algos[best], CUBLASLT_ALGO_CONFIG_TILE_ID));
   p.algo = tr.algos[best];
   DestroyTrial(tr);
   p.trial.reset();
