@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace jax_ub {
 
@@ -21,6 +22,7 @@ struct CommOptions {
   GemmOrder gemm_order;              // (CUDA)
   int gemm_trials;                   // tuning's fastest kernels the op's own calls compare (CUDA)
   int64_t reduce_scatter_fold_rows;  // Schedule::fold_rows; the same on every rank of a group
+  std::string gemm_cache;            // the kernel choice file, "" none (CUDA, with autotune_gemm)
 };
 
 }  // namespace jax_ub

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -74,7 +75,12 @@ int AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribu
 Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
   auto* g = new CublasLtGemm();
   g->options_ = options;
+  g->choices_ = GemmChoiceFile(options.autotune ? options.choices_path : std::string());
   Status st = CudaStatus(cudaGetDevice(&g->device_), "cudaGetDevice");
+  cudaDeviceProp prop;
+  if (st.ok())
+    st = CudaStatus(cudaGetDeviceProperties(&prop, g->device_), "cudaGetDeviceProperties");
+  if (st.ok()) g->gpu_name_ = prop.name;
   if (st.ok()) st = CublasStatus(cublasLtCreate(&g->handle_), "cublasLtCreate");
   if (st.ok())
     st = CudaStatus(cudaMalloc(&g->workspace_, kWorkspaceBytes), "cudaMalloc(workspace)");
@@ -193,6 +199,11 @@ Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a,
   if (!column_only &&
       (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune)))
     rows.push_back(true);
+  const std::string choice_key = ChoiceKey(key);
+  if (!choice_key.empty()) {
+    JAX_UB_RETURN_IF_ERROR(PlanFromChoices(key, choice_key, ep, rows, a, b, c, args, stream, plan));
+    if (*plan != nullptr) return Status::Ok();
+  }
   std::vector<Plan> described;  // one per description cuBLASLt serves
   std::vector<Candidate> candidates;
   std::string declined;  // why cuBLASLt served no description, should none be served
@@ -209,9 +220,10 @@ Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a,
       Destroy(p);
       continue;
     }
-    for (const cublasLtMatmulHeuristicResult_t& r : results)
-      if (r.state == CUBLAS_STATUS_SUCCESS)
-        candidates.push_back(Candidate{static_cast<int>(described.size()), r.algo, {}});
+    for (size_t i = 0; i < results.size(); ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS)
+        candidates.push_back(Candidate{
+            static_cast<int>(described.size()), results[i].algo, {}, static_cast<int>(i)});
     described.push_back(std::move(p));
   }
   st = Status::Ok();
@@ -258,9 +270,15 @@ Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a,
         std::find(compared.begin(), compared.end(), heuristic) == compared.end())
       compared.back() = heuristic;
     kept.trial = std::make_unique<Trial>();
-    for (const Candidate* cand : compared) kept.trial->algos.push_back(cand->algo);
+    for (const Candidate* cand : compared) {
+      kept.trial->algos.push_back(cand->algo);
+      kept.trial->indices.push_back(cand->index);
+    }
     kept.trial->ms.resize(kept.trial->algos.size());
   }
+  kept.choice_key = choice_key;
+  kept.choice_index = chosen.index;
+  if (kept.trial == nullptr) RecordChoice(kept);  // else once the trials end (Harvest)
   JAX_UB_TRACE(
       "GPU %d GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, "
       "%.3f ms",
@@ -272,6 +290,72 @@ Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a,
       chosen.ms.empty() ? -1.0f : Median(chosen.ms));
   *plan = &plans_.emplace(key, std::move(kept)).first->second;
   return Status::Ok();
+}
+
+std::string CublasLtGemm::ChoiceKey(const Key& key) const {
+  if (!choices_.enabled()) return "";
+  std::string gpu = gpu_name_;
+  for (char& ch : gpu)
+    if (ch == ' ' || ch == '|' || ch == '\n') ch = '_';
+  const auto [types, m, k, n, b_transposed, epilogue_code] = key;
+  char text[160];
+  std::snprintf(text, sizeof(text), "v1 types=%d m=%lld k=%lld n=%lld bt=%d ep=%d tf32=%d", types,
+                static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n),
+                b_transposed ? 1 : 0, epilogue_code, options_.allow_tf32 ? 1 : 0);
+  return "gpu=" + gpu + " cublasLt=" + std::to_string(cublasLtGetVersion()) + " " + text;
+}
+
+Status CublasLtGemm::PlanFromChoices(const Key& key, const std::string& choice_key,
+                                     const Epilogue& ep, const std::vector<bool>& rows,
+                                     const void* a, const void* b, void* c, const GemmArgs& args,
+                                     cudaStream_t stream, Plan** plan) {
+  *plan = nullptr;
+  bool row = false;
+  int index = -1;
+  if (!choices_.Find(choice_key, &row, &index)) return Status::Ok();
+  if (std::find(rows.begin(), rows.end(), row) == rows.end()) return Status::Ok();
+  Plan p;
+  p.epilogue = ep;
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  Status st = Describe(key, row, &p);
+  // Tuning's candidates are the first kCandidates: a larger index is no choice of ours.
+  if (st.ok() && index < kCandidates) st = Heuristic(p, kCandidates, &results);
+  cublasLtMatmulAlgo_t algo{};
+  const bool usable = st.ok() && index < static_cast<int>(results.size()) &&
+                      results[index].state == CUBLAS_STATUS_SUCCESS;
+  if (usable) algo = results[index].algo;
+  GemmArgs no_addend = args;
+  no_addend.addend = nullptr;
+  // Run once, as tuning would have: its kernel is loaded before any peer wait (Prepare).
+  if (usable) st = Run(p, algo, a, b, c, stream, no_addend);
+  if (!usable || !st.ok()) {
+    JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: the choice file's kernel is refused here (%s)",
+                 device_, static_cast<long long>(std::get<1>(key)),
+                 static_cast<long long>(std::get<2>(key)), static_cast<long long>(std::get<3>(key)),
+                 st.ok() ? "no such candidate" : st.message().c_str());
+    Destroy(p);
+    return Status::Ok();  // tuned instead
+  }
+  p.algo = algo;
+  std::tie(std::ignore, p.m, p.k, p.n, std::ignore, std::ignore) = key;
+  p.choice_key = choice_key;
+  p.choice_index = index;
+  JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: %s description, tile %d, from the choice file",
+               device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
+               static_cast<long long>(p.n), row ? "row" : "column",
+               AlgoConfig(algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
+  *plan = &plans_.emplace(key, std::move(p)).first->second;
+  return Status::Ok();
+}
+
+void CublasLtGemm::RecordChoice(const Plan& p) {
+  if (p.choice_key.empty()) return;
+  const Status st = choices_.Record(p.choice_key, p.row, p.choice_index);
+  if (!st.ok() && !choices_failed_) {
+    choices_failed_ = true;
+    std::fprintf(stderr, "jax_ub: %s; kernel choices are not kept for later processes\n",
+                 st.message().c_str());
+  }
 }
 
 Status CublasLtGemm::SetScales(const Plan& p, const float* scales) const {

@@ -8,10 +8,12 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "comm_options.h"
+#include "cuda_gemm_choices.h"
 #include "dtype.h"
 #include "epilogue.h"
 #include "status.h"
@@ -37,9 +39,12 @@ struct GemmOptions {
   // op's own first calls of a shape compare before keeping one (see Matmul); 0 or 1: none
   // (a tool's default: its calls then always run tuning's pick).
   int trials = 0;
+  // With autotuning: a file of kernel choices (cuda_gemm_choices.h) whose choice for a
+  // shape is run without tuning or trials, and to which new choices are added; "": none.
+  std::string choices_path;
 
   static GemmOptions From(const CommOptions& o) {
-    return GemmOptions{o.allow_tf32, o.autotune_gemm, o.gemm_order, o.gemm_trials};
+    return GemmOptions{o.allow_tf32, o.autotune_gemm, o.gemm_order, o.gemm_trials, o.gemm_cache};
   }
 };
 
@@ -66,6 +71,7 @@ class CublasLtGemm {
   // The candidates a shape's first calls in the op still compare (GemmOptions::trials).
   struct Trial {
     std::vector<cublasLtMatmulAlgo_t> algos;  // autotuning's fastest first
+    std::vector<int> indices;                 // their places in cuBLASLt's heuristic list
     std::vector<std::vector<float>> ms;       // per candidate, one time per timed GEMM
     struct Timing {
       int candidate;
@@ -89,6 +95,8 @@ class CublasLtGemm {
     Epilogue epilogue;             // every run sets its bias and aux pointers
     int64_t m = 0, k = 0, n = 0;
     std::unique_ptr<Trial> trial;  // while the op's calls still compare candidates
+    std::string choice_key;        // its line's key in the choice file, once chosen; "": none
+    int choice_index = -1;         // algo's place in cuBLASLt's heuristic list (choice file)
   };
 
   // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
@@ -162,6 +170,7 @@ class CublasLtGemm {
     int description;
     cublasLtMatmulAlgo_t algo;
     std::vector<float> ms;
+    int index;  // its place in its description's heuristic list
   };
   // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
   // candidate, timed on `stream`), stored in plans_.
@@ -178,6 +187,16 @@ class CublasLtGemm {
   // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
   // ends the trial once every timing is in.
   Status Harvest(Plan& p);
+  // The choice file's key for `key` on this GPU and cuBLASLt, or "" when it is not used.
+  std::string ChoiceKey(const Key& key) const;
+  // A plan for `key` from the choice file's kernel, run once; null where the file has none
+  // for it or cuBLASLt refuses it here (then the shape is tuned as if there were no file).
+  Status PlanFromChoices(const Key& key, const std::string& choice_key, const Epilogue& ep,
+                         const std::vector<bool>& rows, const void* a, const void* b, void* c,
+                         const GemmArgs& args, cudaStream_t stream, Plan** plan);
+  // Adds `p`'s final kernel to the choice file. A file that cannot be written is reported
+  // once on stderr and otherwise ignored: it only saves later processes' tuning.
+  void RecordChoice(const Plan& p);
   static void DestroyTrial(Trial& t);
   // Points `p`'s fp8 scales at `scales` (as Matmul's, device memory).
   Status SetScales(const Plan& p, const float* scales) const;
@@ -188,7 +207,10 @@ class CublasLtGemm {
              cudaStream_t stream, const GemmArgs& args = {});
 
   cublasLtHandle_t handle_ = nullptr;
-  int device_ = -1;  // the GPU it was created on, for traces (each GPU keeps its own kernels)
+  int device_ = -1;       // the GPU it was created on, for traces (each GPU keeps its own kernels)
+  std::string gpu_name_;  // its model (cudaDeviceProp::name), for the choice file's keys
+  GemmChoiceFile choices_;
+  bool choices_failed_ = false;  // a failed write was reported
   void* workspace_ = nullptr;
   // Device floats of 1 laid out as Matmul's scales: fp8 plans' scales wherever a run has none
   // (heuristics and tuning included, as cuBLASLt may pick kernels that cannot scale when none is

@@ -183,8 +183,10 @@ Status CublasLtGemm::Harvest(Plan& p) {
       static_cast<long long>(p.n), times.c_str(), best,
       AlgoConfig(tr.algos[best], CUBLASLT_ALGO_CONFIG_TILE_ID));
   p.algo = tr.algos[best];
+  p.choice_index = tr.indices[best];
   DestroyTrial(tr);
   p.trial.reset();
+  RecordChoice(p);
   return Status::Ok();
 }
 

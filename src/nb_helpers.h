@@ -45,9 +45,14 @@ std::shared_ptr<Communicator> FindCommunicator(int64_t id) {
 // required and no other is accepted, so the two sides cannot drift apart silently.
 inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   namespace nb = nanobind;
-  static const std::set<std::string> kFields = {
-      "timeout_s",  "allow_tf32",  "autotune_gemm",           "autotune_reduce_scatter",
-      "gemm_order", "gemm_trials", "reduce_scatter_fold_rows"};
+  static const std::set<std::string> kFields = {"timeout_s",
+                                                "allow_tf32",
+                                                "autotune_gemm",
+                                                "autotune_reduce_scatter",
+                                                "gemm_order",
+                                                "gemm_trials",
+                                                "reduce_scatter_fold_rows",
+                                                "gemm_cache"};
   for (auto item : d) {
     std::string key = nb::cast<std::string>(item.first);
     if (!kFields.count(key)) throw nb::value_error(("unknown communicator option " + key).c_str());
@@ -83,6 +88,9 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
     throw nb::value_error(
         ("gemm_trials must be >= 0, got " + std::to_string(o.gemm_trials)).c_str());
   o.reduce_scatter_fold_rows = nb::cast<int64_t>(get("reduce_scatter_fold_rows"));
+  o.gemm_cache = nb::cast<std::string>(get("gemm_cache"));
+  if (o.gemm_cache.find('\n') != std::string::npos)
+    throw nb::value_error("gemm_cache must be a file path, without newlines");
   return o;
 }
 

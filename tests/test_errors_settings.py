@@ -20,7 +20,7 @@ BAD_SETTINGS = [
         dict(timeout=5.0),
         ValueError,
         r"unknown jax_ub setting 'timeout'; known: \['buffer_bytes', 'timeout_s', "
-        r"'allow_grow', 'allow_tf32', 'auto_min_bytes'\]",
+        r"'allow_grow', 'allow_tf32', 'auto_min_bytes', 'gemm_cache'\]",
     ),
     (dict(buffers=1, grow=True), ValueError, r"unknown jax_ub setting 'buffers', 'grow'"),
     (dict(timeout_s=0), ValueError, r"timeout_s must be positive"),
@@ -35,6 +35,14 @@ BAD_SETTINGS = [
         dict(allow_grow=1),
         ValueError,
         r"allow_grow must be True or False, got 1 \(jax_ub.configure",
+    ),
+    (dict(gemm_cache=3), ValueError, r"gemm_cache must be a file path \(str\), got 3"),
+    (dict(gemm_cache="/"), ValueError, r"gemm_cache must be a file, '/' is a directory"),
+    (
+        dict(gemm_cache="/no/such/folder/choices.txt"),
+        ValueError,
+        r"gemm_cache '/no/such/folder/choices.txt': its directory '/no/such/folder' does "
+        r"not exist \(jax_ub.configure\(gemm_cache=...\)\)",
     ),
     # Tuning choices are internal, not user settings.
     (dict(gemm_order="row"), ValueError, r"unknown jax_ub setting 'gemm_order'"),
@@ -51,6 +59,19 @@ def test_configure_rejects_bad_values(kwargs, error, match):
     with pytest.raises(error, match=match):
         jax_ub.configure(**kwargs)
     assert _host.num_communicators() == before, "a communicator was left behind"
+
+
+def test_gemm_cache_is_taken_and_ignored_on_cpu(tmp_path, mesh1d, rand):
+    """A valid choice file path is accepted (env or configure) and reaches the communicator;
+    the host protocol has no kernels to choose, so CPU runs leave the file untouched."""
+    path = str(tmp_path / "choices.txt")
+    jax_ub.finalize()
+    jax_ub.configure(gemm_cache=path)
+    assert options.current_options().gemm_cache == path
+    x_s, w = rand(2 * 4, 16), rand(16, 2 * 8)
+    assert rel_err(_ag(mesh1d(2))(x_s, w), to_f32(x_s) @ to_f32(w)) < 1e-5
+    assert not (tmp_path / "choices.txt").exists()
+    jax_ub.finalize()
 
 
 def test_configure_error_leaves_config_unchanged():
@@ -81,6 +102,12 @@ def test_configure_error_leaves_config_unchanged():
             "lots",
             r"buffer_bytes: environment variable "
             r"JAX_UB_BUFFER_BYTES='lots' is not a valid value",
+        ),
+        (
+            "JAX_UB_GEMM_CACHE",
+            "/no/such/folder/x",
+            r"its directory '/no/such/folder' does not exist "
+            r"\(environment variable JAX_UB_GEMM_CACHE='/no/such/folder/x'\)",
         ),
     ],
 )
@@ -195,6 +222,10 @@ def test_buffer_too_small_without_growth(mesh1d, rand):
         (
             dict(group_size=1, slot_devices=[0], options=comm_options(fold=1)),
             r"unknown communicator option fold",
+        ),
+        (
+            dict(group_size=1, slot_devices=[0], options=comm_options(gemm_cache="a\nb")),
+            r"gemm_cache must be a file path, without newlines",
         ),
     ],
 )

@@ -1,5 +1,6 @@
-"""The user's settings: userbuffer size, peer-wait deadline, growth policy, TF32, and the
-smallest call that ``impl="auto"`` runs as the userbuffer op on GPUs.
+"""The user's settings: userbuffer size, peer-wait deadline, growth policy, TF32, the
+smallest call that ``impl="auto"`` runs as the userbuffer op on GPUs, and a file that keeps
+GPU kernel choices across processes.
 
 Each value is validated where it enters: from the environment at import (an error names
 the variable that was set) or from :func:`configure` (an error names the argument).
@@ -41,6 +42,22 @@ def _check_bool(name: str):
     return check
 
 
+def _check_gemm_cache(value: object, source: str) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"gemm_cache must be a file path (str), got {value!r} ({source})")
+    if not value:
+        return
+    if "\n" in value:
+        raise ValueError(f"gemm_cache must be a path without newlines, got {value!r} ({source})")
+    if os.path.isdir(value):
+        raise ValueError(f"gemm_cache must be a file, {value!r} is a directory ({source})")
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"gemm_cache {value!r}: its directory {folder!r} does not exist ({source})"
+        )
+
+
 # The smallest size measured at which neither op was slower than XLA's (at 4 MiB the
 # reduce-scatter was): the calibration is in jax_ub._src.auto_rule's docstring.
 DEFAULT_AUTO_MIN_BYTES = 8 << 20
@@ -52,6 +69,7 @@ _SETTINGS = {
     "allow_grow": ("JAX_UB_ALLOW_GROW", lambda t: t != "0", _check_bool("allow_grow"), True),
     "allow_tf32": (None, None, _check_bool("allow_tf32"), False),
     "auto_min_bytes": ("JAX_UB_AUTO_MIN_BYTES", int, _check_auto_min_bytes, DEFAULT_AUTO_MIN_BYTES),
+    "gemm_cache": ("JAX_UB_GEMM_CACHE", str, _check_gemm_cache, ""),
 }
 
 
@@ -91,6 +109,13 @@ class Config:
         ``JAX_UB_AUTO_MIN_BYTES``, default 8 MiB, calibrated on 2x H200; the rule and its
         calibration: ``jax_ub._src.auto_rule``, :func:`jax_ub.explain_impl`). CPU devices
         and ``impl="ub"`` ignore it. Every process of a group needs the same value.
+      gemm_cache: a file that keeps the GPU kernel each GEMM shape's tuning and trials
+        chose (env ``JAX_UB_GEMM_CACHE``; default ``""``: none). A shape the file holds
+        runs its kernel from the first call, with no tuning and no trials, so processes
+        that share the file run the same kernels: the same speed and the same bits from
+        run to run. Lines are keyed by GPU model, cuBLASLt version and shape, and new
+        choices are appended; processes may share it on a local file system. Delete it
+        to choose again (after a driver, library or clock change). CPU devices ignore it.
     """
 
     buffer_bytes: int = dataclasses.field(default_factory=lambda: _from_env("buffer_bytes"))
@@ -98,6 +123,7 @@ class Config:
     allow_grow: bool = dataclasses.field(default_factory=lambda: _from_env("allow_grow"))
     allow_tf32: bool = dataclasses.field(default_factory=lambda: _from_env("allow_tf32"))
     auto_min_bytes: int = dataclasses.field(default_factory=lambda: _from_env("auto_min_bytes"))
+    gemm_cache: str = dataclasses.field(default_factory=lambda: _from_env("gemm_cache"))
 
 
 config = Config()
@@ -107,7 +133,8 @@ def configure(**changes: object) -> Config:
     """Change settings for communicators created from now on; returns the new config.
 
     Programs traced afterwards get a communicator made with the new values (a new one
-    where a setting it is created with changed, ``timeout_s`` or ``allow_tf32``);
+    where a setting it is created with changed, ``timeout_s``, ``allow_tf32`` or
+    ``gemm_cache``);
     programs compiled before keep theirs until :func:`jax_ub.finalize`. ``auto_min_bytes``
     applies to calls traced from now on: a function ``jit`` has already traced keeps its
     choice.

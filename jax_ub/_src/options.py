@@ -1,11 +1,11 @@
 """What a communicator is created with: one frozen record, bound to C++'s CommOptions.
 
 A communicator takes the user's settings that matter to it (``timeout_s``,
-``allow_tf32``: :mod:`jax_ub._src.config`) and the tuning choices (internal defaults,
-below) when it is created, and keeps them for its lifetime. ``Options`` holds both, is the
-key communicators are cached under, and crosses to C++ as a dict of the same names
-(``src/comm_options.h``). Each value is validated once, where it enters: the user's in
-``config``, the tuning choices in :class:`Tuning`.
+``allow_tf32``, ``gemm_cache``: :mod:`jax_ub._src.config`) and the tuning choices
+(internal defaults, below) when it is created, and keeps them for its lifetime.
+``Options`` holds both, is the key communicators are cached under, and crosses to C++ as
+a dict of the same names (``src/comm_options.h``). Each value is validated once, where it
+enters: the user's in ``config``, the tuning choices in :class:`Tuning`.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ class Options:
     gemm_order: str
     gemm_trials: int
     reduce_scatter_fold_rows: int
+    gemm_cache: str
 
     def to_dict(self) -> dict[str, object]:
         """The form the extensions' create_communicator takes."""
@@ -139,7 +140,12 @@ _TRACE_TIME = ("transpose_w_in_place", "dgelu_epilogue")
 def current_options() -> Options:
     """The options a communicator created now gets: the config's and the tuning's."""
     tuned = {k: v for k, v in dataclasses.asdict(_tuning).items() if k not in _TRACE_TIME}
-    return Options(timeout_s=config.timeout_s, allow_tf32=config.allow_tf32, **tuned)
+    return Options(
+        timeout_s=config.timeout_s,
+        allow_tf32=config.allow_tf32,
+        gemm_cache=config.gemm_cache,
+        **tuned,
+    )
 
 
 def weight_transposed(w):

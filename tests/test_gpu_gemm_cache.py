@@ -1,0 +1,85 @@
+"""GPU tier: the kernel choice file (``jax_ub.configure(gemm_cache=...)``, env
+``JAX_UB_GEMM_CACHE``). A process that finds its GEMMs' choices in the file runs those
+kernels from the first call, with no tuning and no trials, and so computes the same bits as
+the process that chose them; damaged lines are skipped. Each process here is a fresh one
+(the file is read when a shape first runs); skipped without a GPU (counted with
+nvidia-smi: this process must not initialize CUDA)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _mp_launch import gpu_count
+
+pytestmark = pytest.mark.gpu
+
+if gpu_count() < 1:
+    pytest.skip("needs a GPU", allow_module_level=True)
+
+WORKER = str(Path(__file__).with_name("_gemm_cache_worker.py"))
+CHOSEN = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+) in the op, .* keeping candidate")
+FROM_FILE = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, tile \d+, from the choice")
+TUNED = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, algo")
+
+
+def _run(cache: Path, out: Path) -> str:
+    env = dict(os.environ, JAX_UB_GEMM_CACHE=str(cache), JAX_UB_TRACE="1", CUDA_VISIBLE_DEVICES="0")
+    p = subprocess.run(
+        [sys.executable, WORKER, str(out)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stderr
+
+
+def _shapes(pattern: re.Pattern, log: str) -> set[tuple[int, ...]]:
+    return {tuple(int(v) for v in m.groups()) for m in pattern.finditer(log)}
+
+
+def _lines(cache: Path) -> list[str]:
+    return cache.read_text().splitlines()
+
+
+def test_second_process_runs_the_first_ones_kernels(tmp_path):
+    cache = tmp_path / "choices.txt"
+    first = _run(cache, tmp_path / "first.npz")
+    tuned = _shapes(TUNED, first)
+    assert tuned and _shapes(CHOSEN, first) <= tuned, first[-3000:]
+    assert not _shapes(FROM_FILE, first)
+    lines = _lines(cache)
+    assert len(lines) == len(tuned), lines  # one choice per shape
+
+    second = _run(cache, tmp_path / "second.npz")
+    assert _shapes(FROM_FILE, second) == tuned, second[-3000:]
+    assert not _shapes(TUNED, second) and not _shapes(CHOSEN, second)
+    assert _lines(cache) == lines  # nothing new to record
+    a, b = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")
+    for name in ("h", "y"):
+        assert np.isfinite(a[name]).all()
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_damaged_lines_are_skipped(tmp_path):
+    cache = tmp_path / "choices.txt"
+    _run(cache, tmp_path / "first.npz")
+    good = _lines(cache)
+    # The first line's key with a kernel cuBLASLt's list does not have, lines that do not
+    # parse, noise.
+    key = good[0].split(" | ")[0]
+    damaged = [f"{key} | 0 999", f"{key} | 1 ab", "not a choice", f"{key} | 0 1 2"]
+    cache.write_text("\n".join(damaged + good[1:]) + "\n")
+    log = _run(cache, tmp_path / "again.npz")
+    refused = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): the choice file's kernel is refused")
+    assert len(_shapes(refused, log)) == 1, log[-3000:]
+    assert _shapes(TUNED, log) == _shapes(refused, log)  # that shape was tuned again
+    assert len(_shapes(FROM_FILE, log)) == len(good) - 1
+    assert len(_lines(cache)) == len(damaged) + len(good)  # its new choice appended
+    a, b = np.load(tmp_path / "first.npz"), np.load(tmp_path / "again.npz")
+    for name in ("h", "y"):
+        rel = np.linalg.norm(a[name] - b[name]) / np.linalg.norm(a[name])
+        assert np.isfinite(b[name]).all() and rel < 1e-2, (name, rel)
