@@ -2,8 +2,8 @@
 // later process (or another GPU of the same kind) runs the kernel an earlier one chose,
 // without tuning or trials (jax_ub's `gemm_cache` setting). A choice is the description
 // (row or column) and the kernel's place in cuBLASLt's heuristic list for it, which is the
-// same list in every process of one cuBLASLt version and GPU model (the key names both);
-// cuBLASLt's algorithm structure itself holds process-local state and is not kept.
+// same list in every process of one cuBLASLt version and GPU model (the key names both),
+// as XLA's autotuner keeps its pick; cuBLASLt's algorithm structure is opaque, not kept.
 #pragma once
 
 #include <string>
