@@ -22,8 +22,8 @@ namespace jax_ub {
 
 bool GemmChoiceFile::Find(const std::string& key, bool* row, int* index) const {
   if (!enabled()) return false;
-  // Plain C I/O: iostreams' locale machinery crashed inside Python processes whose other
-  // extensions bring their own C++ runtime.
+  // Plain C I/O: parsing with iostreams (operator>> into an int) segfaulted inside the
+  // Python process on the GPU machine.
   std::FILE* f = std::fopen(path_.c_str(), "r");
   if (f == nullptr) return false;  // no choices yet
   const std::string prefix = key + " | ";
