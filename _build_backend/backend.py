@@ -7,6 +7,12 @@ x86-64 without one, nvcc, its tools and the CUDA headers come from NVIDIA's PyPI
 on a machine with no toolkit. ``JAX_UB_DISABLE_CUDA=1`` builds the host extension alone and
 downloads none of these; ``JAX_UB_CUDA_FROM_WHEELS=1`` takes the wheels even where a toolkit
 is installed.
+
+The extensions compile against the XLA FFI headers of a jaxlib, and XLA rejects handlers
+built against a newer FFI API than its own (and its backend then fails to start), while it
+takes older ones. So the build takes the jaxlib already installed where jax_ub is going,
+when there is one (pip's build isolation hides it: see ``_installed_jaxlib``), and the
+newest otherwise, which is also what installing jax_ub's ``jax`` dependency then picks.
 """
 
 from __future__ import annotations
@@ -34,6 +40,41 @@ _CUDA_WHEELS = [
         "nvidia-cuda-cccl",  # include/cccl (cuda_bf16.h needs <nv/target>)
     )
 ]
+
+
+# Keep with pyproject.toml's ``jax>=`` (jax and jaxlib release together).
+_MIN_JAXLIB = "0.6.1"
+
+
+def _installed_jaxlib() -> str | None:
+    """The jaxlib version of the environment jax_ub is being installed into, or None.
+
+    pip runs this backend with the target environment's interpreter and hides that
+    environment's packages through PYTHONPATH (a sitecustomize) and PYTHONNOUSERSITE; the
+    same interpreter without those sees them. Where the build runs in an environment of its
+    own (``python -m build``, uv), this finds no jaxlib and the build takes the newest."""
+    hidden = ("PYTHONPATH", "PYTHONNOUSERSITE")
+    env = {k: v for k, v in os.environ.items() if k not in hidden}
+    code = "import importlib.metadata as m; print(m.version('jaxlib'))"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _jaxlib_requirement() -> str:
+    from packaging.version import InvalidVersion, Version  # scikit-build-core needs it
+
+    installed = _installed_jaxlib()
+    try:
+        if installed and Version(installed) >= Version(_MIN_JAXLIB):
+            return f"jaxlib=={installed}"
+    except InvalidVersion:
+        pass
+    return f"jaxlib>={_MIN_JAXLIB}"
 
 
 def _flag(name: str) -> bool:
@@ -70,8 +111,11 @@ def _extra() -> list[str]:
 
 
 def get_requires_for_build_wheel(config_settings=None):
-    return _skb.get_requires_for_build_wheel(config_settings) + _extra()
+    return _skb.get_requires_for_build_wheel(config_settings) + [_jaxlib_requirement(), *_extra()]
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _skb.get_requires_for_build_editable(config_settings) + _extra()
+    return _skb.get_requires_for_build_editable(config_settings) + [
+        _jaxlib_requirement(),
+        *_extra(),
+    ]

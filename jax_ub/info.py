@@ -1,8 +1,9 @@
 """``python -m jax_ub.info``: what jax_ub runs on, to paste into a bug report.
 
-Versions (Python, jax, jaxlib, JAX's CUDA plugin, flax, jax_ub; CUDA runtime and driver,
-and the cuBLASLt library loaded), the devices, the GPUs' peer-access matrix, which
-extensions loaded (and why the CUDA one did not), and the settings in force.
+Versions (Python, jax, jaxlib, JAX's CUDA plugin, flax, jax_ub; the jaxlib and XLA FFI API
+the extensions were built against; CUDA runtime and driver, and the cuBLASLt library
+loaded), the devices, the GPUs' peer-access matrix, which extensions loaded (and why the
+CUDA one did not), and the settings in force.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def _cuda_version(encoded: int) -> str:
     return f"{encoded // 1000}.{encoded % 1000 // 10}" if encoded else "none"
 
 
+def _api(version: tuple[int, int] | None) -> str:
+    return "unknown" if version is None else f"{version[0]}.{version[1]}"
+
+
 def _loaded_library(fragment: str) -> str | None:
     """The path of a loaded shared library whose name contains `fragment` (Linux)."""
     try:
@@ -58,6 +63,12 @@ def report() -> list[str]:
     lines = [f"python {platform.python_version()} on {platform.platform()}"]
     lines += [f"{p} {v}" for p in _PACKAGES if (v := _version(p)) is not None]
     cuda = extension.cuda_module()
+    runtime_api = extension.runtime_ffi_api()
+    host = extension.module_for("cpu")
+    lines.append(
+        f"extensions built against jaxlib {host.BUILT_AGAINST_JAXLIB} (XLA FFI API "
+        f"{_api(host.FFI_API_VERSION)}); this jaxlib's FFI API {_api(runtime_api)}"
+    )
     lines.append("extensions: host (CPU) loaded; CUDA " + ("loaded" if cuda else "NOT loaded"))
     if cuda is None:
         lines.append(f"  CUDA extension: {extension.cuda_import_error()}")

@@ -18,6 +18,11 @@
 #include "registry.h"
 #include "schedule.h"
 #include "status.h"
+#include "xla/ffi/api/c_api.h"
+
+#ifndef JAX_UB_BUILT_JAXLIB  // CMakeLists.txt defines it
+#define JAX_UB_BUILT_JAXLIB "unknown"
+#endif
 
 namespace jax_ub {
 
@@ -100,6 +105,11 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
 // `required_bytes(op, chunk_bytes, group_size)`, the schedule's buffer sizing (schedule.h).
 template <typename Communicator>
 void DefCommonBindings(nanobind::module_& m) {
+  // The XLA FFI API the handlers were compiled against, and the jaxlib whose headers those
+  // were: XLA rejects handlers newer than its own API, so extension.py checks before
+  // registering.
+  m.attr("FFI_API_VERSION") = nanobind::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  m.attr("BUILT_AGAINST_JAXLIB") = JAX_UB_BUILT_JAXLIB;
   m.def("broken_reason", [](int64_t id) {
     auto c = Registry<Communicator>::Get(id);
     return c ? c->BrokenReason() : std::string();

@@ -74,6 +74,7 @@ def test_info_reports_what_a_bug_report_needs():
         "jax ",
         "jaxlib ",
         "jax_ub ",
+        "extensions built against jaxlib ",
         "extensions: host (CPU) loaded",
         "devices (",
         "settings: buffer_bytes=",

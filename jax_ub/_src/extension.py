@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import os
+import re
 from types import ModuleType
 
 import jax
@@ -20,6 +22,44 @@ def _register(module: ModuleType, platform: str) -> None:
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
+def runtime_ffi_api() -> tuple[int, int] | None:
+    """The XLA FFI API version of this process's jaxlib, read from the headers that jaxlib
+    ships (None where they are missing)."""
+    path = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{part} (\d+)", text) for part in ("MAJOR", "MINOR")]
+    if not all(found):
+        return None
+    return int(found[0][1]), int(found[1][1])
+
+
+def check_ffi_api(module: ModuleType, runtime: tuple[int, int] | None) -> None:
+    """ImportError where ``module``'s handlers were compiled against a newer XLA FFI API
+    than ``runtime``: XLA rejects such handlers when its backend starts, and the backend then
+    fails for every JAX program, not only jax_ub's. Older handlers register."""
+    built = tuple(module.FFI_API_VERSION)
+    if runtime is None or built <= tuple(runtime):
+        return
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib = "unknown"
+    raise ImportError(
+        f"jax_ub's extension {module.__name__} was built against jaxlib "
+        f"{module.BUILT_AGAINST_JAXLIB} (XLA FFI API {built[0]}.{built[1]}), newer than this "
+        f"process's jaxlib {jaxlib} (FFI API {runtime[0]}.{runtime[1]}), which would reject "
+        "its handlers and then fail to start. Build jax_ub again in this environment, "
+        "against the jaxlib installed here: `pip install --force-reinstall --no-deps "
+        "--no-cache-dir <jax_ub's source or sdist>`; or upgrade jax and jaxlib to "
+        f"{module.BUILT_AGAINST_JAXLIB} or newer."
+    )
+
+
+check_ffi_api(_host, runtime_ffi_api())
 _register(_host, _XLA_PLATFORM["cpu"])
 
 
@@ -46,6 +86,8 @@ def cuda_module() -> ModuleType | None:
     try:
         _preload_cublaslt()
         from jax_ub._src import _cuda  # noqa: PLC0415
+
+        check_ffi_api(_cuda, runtime_ffi_api())
     except ImportError as e:
         _cuda_import_error.append(str(e))
         return None
