@@ -143,7 +143,7 @@ def attention_call(
     def body(x, p_qkv, p_out, mask):
         return _core.row_local(attend(_core.column_local(x, p_qkv, **kw), mask), p_out, **kw)
 
-    col = _core.column_param_specs(axis_name, use_bias, fp8)
-    row = _core.row_param_specs(axis_name, use_bias, fp8)
+    col = _core.param_specs("column", axis_name, use_bias, fp8)
+    row = _core.param_specs("row", axis_name, use_bias, fp8)
     spec = _core.seq_spec(ndim, axis_name)
     return _core._over_tp(body, mesh, axis_name, (spec, col, row, P() if has_mask else None), spec)

@@ -122,17 +122,10 @@ def feature_spec(ndim: int, axis_name: str) -> P:
     return P(*([None] * (ndim - 1)), axis_name)
 
 
-def column_param_specs(axis_name: str, use_bias: bool, fp8: str | None = None) -> dict[str, Any]:
-    """How the ops need a column-parallel layer's params split over ``axis_name`` (with
-    ``fp8="delayed"``, its amax histories too, replicated)."""
-    names = param_names("", "column", axis_name, use_bias, None)
-    return {k: P(*v) for k, v in names.items()} | _fp8.history_specs(fp8)
-
-
-def row_param_specs(axis_name: str, use_bias: bool, fp8: str | None = None) -> dict[str, Any]:
-    """How the ops need a row-parallel layer's params split over ``axis_name`` (with
-    ``fp8="delayed"``, its amax histories too, replicated)."""
-    names = param_names("", "row", axis_name, use_bias, None)
+def param_specs(kind: str, axis_name: str, use_bias: bool, fp8: str | None = None) -> dict:
+    """How the ops need a ``kind`` (``"column"``, ``"row"``) layer's params split over
+    ``axis_name`` (with ``fp8="delayed"``, its amax histories too, replicated)."""
+    names = param_names("", kind, axis_name, use_bias, None)
     return {k: P(*v) for k, v in names.items()} | _fp8.history_specs(fp8)
 
 
@@ -265,8 +258,16 @@ def _resharded_explicit(axis_name: str, in_specs: Any, args: tuple) -> tuple:
     return tuple(jax.tree.map(move, in_specs, args, is_leaf=is_spec))
 
 
+# Per layer kind: its per-shard computation and the specs of its input and output.
+_LINEAR = {
+    "column": (column_local, seq_spec, feature_spec),  # sequence- -> feature-sharded
+    "row": (row_local, feature_spec, seq_spec),  # feature- -> sequence-sharded
+}
+
+
 @functools.lru_cache(maxsize=256)
-def column_call(
+def linear_call(
+    kind: str,
     mesh: Mesh | None,
     axis_name: str,
     impl: str,
@@ -275,26 +276,12 @@ def column_call(
     ndim: int,
     use_bias: bool,
 ) -> Callable[[jax.Array, Params], jax.Array]:
-    """``f(x, params)``: sequence-sharded ``x`` -> feature-sharded output."""
-    local = functools.partial(column_local, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
-    in_specs = (seq_spec(ndim, axis_name), column_param_specs(axis_name, use_bias, fp8))
-    return _over_tp(local, mesh, axis_name, in_specs, feature_spec(ndim, axis_name))
-
-
-@functools.lru_cache(maxsize=256)
-def row_call(
-    mesh: Mesh | None,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    ndim: int,
-    use_bias: bool,
-) -> Callable[[jax.Array, Params], jax.Array]:
-    """``f(x, params)``: feature-sharded ``x`` -> sequence-sharded output."""
-    local = functools.partial(row_local, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
-    in_specs = (feature_spec(ndim, axis_name), row_param_specs(axis_name, use_bias, fp8))
-    return _over_tp(local, mesh, axis_name, in_specs, seq_spec(ndim, axis_name))
+    """``f(x, params)`` of a ``kind`` layer: ``"column"`` takes sequence-sharded ``x`` to a
+    feature-sharded output, ``"row"`` the reverse."""
+    local_fn, x_spec, out_spec = _LINEAR[kind]
+    local = functools.partial(local_fn, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
+    in_specs = (x_spec(ndim, axis_name), param_specs(kind, axis_name, use_bias, fp8))
+    return _over_tp(local, mesh, axis_name, in_specs, out_spec(ndim, axis_name))
 
 
 @functools.lru_cache(maxsize=256)
@@ -326,7 +313,7 @@ def mlp_call(
         h = column_local(x, p_up, activation=fused, **kw)
         return row_local(h if fused else activation(h), p_down, **kw)
 
-    col = column_param_specs(axis_name, use_bias, fp8)
-    row = row_param_specs(axis_name, use_bias, fp8)
+    col = param_specs("column", axis_name, use_bias, fp8)
+    row = param_specs("row", axis_name, use_bias, fp8)
     spec = seq_spec(ndim, axis_name)
     return _over_tp(body, mesh, axis_name, (spec, col, row), spec)

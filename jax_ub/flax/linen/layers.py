@@ -160,7 +160,7 @@ class ColumnParallelLinear(_ParallelLinear):
         _core.check_divisible(owner, "features", self.features, tp, self.axis_name)
         _core.check_input(owner, inputs, None, tp, self.axis_name)
         params = self.get_params(inputs.shape[-1])
-        f = _core.column_call(*_core.op_settings(self), inputs.ndim, self.use_bias)
+        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias)
         return f(inputs, params)
 
 
@@ -200,5 +200,5 @@ class RowParallelLinear(_ParallelLinear):
         in_features = _core.global_features(inputs.shape[-1], tp, self.axis_name, split=True)
         _core.check_divisible(owner, "in_features", in_features, tp, self.axis_name)
         params = self.get_params(in_features)
-        f = _core.row_call(*_core.op_settings(self), inputs.ndim, self.use_bias)
+        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias)
         return f(inputs, params)

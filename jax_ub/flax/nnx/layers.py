@@ -243,7 +243,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""
-        return _core.column_call(*self._config(inputs))(inputs, self.param_values())
+        return _core.linear_call(self._kind, *self._config(inputs))(inputs, self.param_values())
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -283,4 +283,4 @@ class RowParallelLinear(_ParallelLinear):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""
-        return _core.row_call(*self._config(inputs))(inputs, self.param_values())
+        return _core.linear_call(self._kind, *self._config(inputs))(inputs, self.param_values())
