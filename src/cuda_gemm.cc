@@ -114,6 +114,12 @@ void CublasLtGemm::Destroy(Plan& p) {
   p = Plan{};
 }
 
+bool CublasLtGemm::FastAccumulation(const Key& key) const {
+  const uint32_t types = std::get<0>(key);
+  return options_.fp8_fast_accumulation && UnpackType(types, 0) == DType::kF8E4M3FN &&
+         UnpackType(types, 1) == DType::kF8E4M3FN;
+}
+
 Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
   auto [types, m, k, n, b_transposed, epilogue_code] = key;
   // Dense row-major operands: a[m, k], b[k, n] (stored [n, k] when transposed), c[m, n].
@@ -128,6 +134,11 @@ Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
   JAX_UB_CUBLAS(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
   p->scaled = IsFp8(in);
   if (p->scaled) JAX_UB_RETURN_IF_ERROR(SetScales(*p, ones_));
+  if (FastAccumulation(key)) {
+    const int8_t fast = 1;
+    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
+                                                 sizeof(fast)));
+  }
   JAX_UB_RETURN_IF_ERROR(DescribeEpilogue(p->epilogue, ct, IsFp8(in), n, p->desc));
   // The stored transpose of b is read with op T on whichever operand b is.
   const cublasOperation_t op_t = CUBLAS_OP_T;

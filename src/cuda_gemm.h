@@ -42,9 +42,14 @@ struct GemmOptions {
   // With autotuning: a file of kernel choices (cuda_gemm_choices.h) whose choice for a
   // shape is run without tuning or trials, and to which new choices are added; "": none.
   std::string choices_path;
+  // GEMMs of two float8_e4m3fn operands (a forward's) accumulate in cuBLASLt's FAST_ACCUM
+  // mode, without promoting partial sums to float32 along k, as XLA's fp8 dots do at
+  // default precision; those with an e5m2 operand (a gradient) always promote.
+  bool fp8_fast_accumulation = true;
 
   static GemmOptions From(const CommOptions& o) {
-    return GemmOptions{o.allow_tf32, o.autotune_gemm, o.gemm_order, o.gemm_trials, o.gemm_cache};
+    return GemmOptions{o.allow_tf32,  o.autotune_gemm, o.gemm_order,
+                       o.gemm_trials, o.gemm_cache,    o.fp8_fast_accumulation};
   }
 };
 
@@ -187,6 +192,8 @@ class CublasLtGemm {
   // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
   // ends the trial once every timing is in.
   Status Harvest(Plan& p);
+  // Whether `key`'s GEMM accumulates in FAST_ACCUM mode (GemmOptions::fp8_fast_accumulation).
+  bool FastAccumulation(const Key& key) const;
   // The choice file's key for `key` on this GPU and cuBLASLt, or "" when it is not used.
   std::string ChoiceKey(const Key& key) const;
   // A plan for `key` from the choice file's kernel, run once; null where the file has none

@@ -72,10 +72,11 @@ std::string CublasLtGemm::ChoiceKey(const Key& key) const {
   for (char& ch : gpu)
     if (ch == ' ' || ch == '|' || ch == '\n') ch = '_';
   const auto [types, m, k, n, b_transposed, epilogue_code] = key;
-  char text[160];
-  std::snprintf(text, sizeof(text), "v1 types=%d m=%lld k=%lld n=%lld bt=%d ep=%d tf32=%d", types,
-                static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n),
-                b_transposed ? 1 : 0, epilogue_code, options_.allow_tf32 ? 1 : 0);
+  char text[176];
+  std::snprintf(text, sizeof(text), "v1 types=%d m=%lld k=%lld n=%lld bt=%d ep=%d tf32=%d fa=%d",
+                types, static_cast<long long>(m), static_cast<long long>(k),
+                static_cast<long long>(n), b_transposed ? 1 : 0, epilogue_code,
+                options_.allow_tf32 ? 1 : 0, FastAccumulation(key) ? 1 : 0);
   return "gpu=" + gpu + " cublasLt=" + std::to_string(cublasLtGetVersion()) + " " + text;
 }
 

@@ -57,6 +57,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
                                                 "gemm_order",
                                                 "gemm_trials",
                                                 "reduce_scatter_fold_rows",
+                                                "fp8_fast_accumulation",
                                                 "gemm_cache"};
   for (auto item : d) {
     std::string key = nb::cast<std::string>(item.first);
@@ -77,6 +78,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   o.allow_tf32 = nb::cast<bool>(get("allow_tf32"));
   o.autotune_gemm = nb::cast<bool>(get("autotune_gemm"));
   o.autotune_reduce_scatter = nb::cast<bool>(get("autotune_reduce_scatter"));
+  o.fp8_fast_accumulation = nb::cast<bool>(get("fp8_fast_accumulation"));
   const std::string order = nb::cast<std::string>(get("gemm_order"));
   if (order == "auto") {
     o.gemm_order = GemmOrder::kAuto;

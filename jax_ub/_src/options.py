@@ -48,6 +48,11 @@ class Tuning:
         a backward pass is traced.
       dgelu_epilogue: ``gelu_mlp``'s backward runs GELU's gradient in a GEMM epilogue;
         else in XLA after the op. Read when a backward pass is traced.
+      fp8_fast_accumulation: on GPUs, fp8 GEMMs of two ``float8_e4m3fn`` operands (the
+        forward's) accumulate in the tensor cores' fast mode (cuBLASLt's FAST_ACCUM),
+        without promoting partial sums to float32 along k, as XLA's fp8 dots at default
+        precision and TransformerEngine's forward GEMMs do; GEMMs with an ``e5m2``
+        gradient (the backward's) always promote. Off: every fp8 GEMM promotes.
     """
 
     autotune_gemm: bool = True
@@ -57,10 +62,11 @@ class Tuning:
     reduce_scatter_fold_rows: int = 2048
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
+    fp8_fast_accumulation: bool = True
 
     def __post_init__(self) -> None:
         for name in ("autotune_gemm", "autotune_reduce_scatter", "transpose_w_in_place",
-                     "dgelu_epilogue"):  # fmt: skip
+                     "dgelu_epilogue", "fp8_fast_accumulation"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gemm_order not in _GEMM_ORDERS:
@@ -121,6 +127,7 @@ class Options:
     gemm_order: str
     gemm_trials: int
     reduce_scatter_fold_rows: int
+    fp8_fast_accumulation: bool
     gemm_cache: str
 
     def to_dict(self) -> dict[str, object]:

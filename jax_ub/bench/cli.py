@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         help="EXPERIMENTAL: more jax_ub rows, each under other internal tuning choices "
         "(jax_ub._src.options.Tuning), measured in the same interleaved rounds: "
         '"name=value,...;name=value" (e.g. "reduce_scatter_fold_rows=-1;gemm_order=auto"); '
-        "printed relative to jax_ub",
+        "printed relative to jax_ub (with --fp8, jax_ub_fp8 too)",
     )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
     ap.add_argument("--no-windowed-einsum", action="store_true")
@@ -235,9 +235,10 @@ def _report(row: dict, measured, args, variants, say) -> dict:
     shown = f"{100 * hidden:.0f}%" if t_seq > t_gemm and 0 <= hidden <= 2 else "n/a"
     say(f"  jax_ub / gemm = {t_ub / t_gemm:.3f}, comm hidden = {shown}", flush=True)
     for settings in variants:  # an A/B of settings, same rounds
-        name = variant_name(settings)
-        if name in times:
-            say(f"  {name} / jax_ub = {times[name] / t_ub:.3f}", flush=True)
+        for base in ("jax_ub", "jax_ub_fp8"):
+            name = variant_name(settings, base)
+            if name in times and base in times:
+                say(f"  {name} / {base} = {times[name] / times[base]:.3f}", flush=True)
     if "jax_ub_fp8" in times and "fp8_gemm" in times:
         row.update(ub_fp8_over_fp8_gemm=times["jax_ub_fp8"] / times["fp8_gemm"])
         t8 = times["jax_ub_fp8"]

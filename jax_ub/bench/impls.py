@@ -103,11 +103,12 @@ def _fp8_scales(x: np.ndarray, w: np.ndarray):
     return sx, sw, jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
 
 
-def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
+def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs, variants=()) -> None:
     """fp8 rows (``--fp8``), given (delayed) scales: jax_ub's op and XLA's unfused op on
     operands already quantized, as the fp8 GEMM alone (``fp8_gemm``, XLA's
-    dequantize-then-dot pattern) takes them; and jax_ub's op from bf16 operands, quantizing
-    x and w in the call as a training step does (``jax_ub_fp8_hp``)."""
+    dequantize-then-dot pattern) takes them, and jax_ub's op under each of ``variants``;
+    and jax_ub's op from bf16 operands, quantizing x and w in the call as a training step
+    does (``jax_ub_fp8_hp``)."""
     from jax_ub import fp8  # noqa: PLC0415
     from jax_ub._src.reference import pack_scales, scaled_matmul  # noqa: PLC0415
 
@@ -124,6 +125,7 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs) -> None:
 
     operands = quantized(impls["jax_ub"][1])
     impls["jax_ub_fp8"] = (op_fn("ub"), operands)
+    _add_variants(impls, lambda: op_fn("ub"), operands, variants, "jax_ub_fp8")
     impls["xla_fp8"] = (op_fn("xla"), operands)
     impls["jax_ub_fp8_hp"] = (op_fn("ub"), impls["jax_ub"][1])
     packed = pack_scales(sx, sw)
@@ -196,7 +198,7 @@ def build_ag(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
     }
     _add_variants(impls, ub, (xs, ws), variants)
     if fp8:
-        _add_fp8(impls, mesh, "ag", x, w, (row, col), ((P(), P(None, AXIS)), col))
+        _add_fp8(impls, mesh, "ag", x, w, (row, col), ((P(), P(None, AXIS)), col), variants)
     if epilogue:
         _add_epilogue(impls, mesh, seed, N, dtype, (row, col), ((P(), P(None, AXIS)), col))
     if jax.process_count() == 1:  # the Pallas kernel and the ring: one-process baselines
@@ -246,7 +248,7 @@ def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
     }
     _add_variants(impls, ub, (xs, ws), variants)
     if fp8:
-        _add_fp8(impls, mesh, "rs", x, w, (ins, out), (ins, P(AXIS, None)))
+        _add_fp8(impls, mesh, "rs", x, w, (ins, out), (ins, P(AXIS, None)), variants)
     if jax.process_count() == 1:
         solo = _solo_mesh(mesh)
         solo_args = (_put(x, solo, P(None, AXIS)), _put(w, solo, P(AXIS, None)))
@@ -277,8 +279,9 @@ def parse_variants(text: str) -> list[dict]:
     return variants
 
 
-def variant_name(settings: dict) -> str:
-    return "jax_ub[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
+def variant_name(settings: dict, row: str = "jax_ub") -> str:
+    """The name of ``row``'s variant under ``settings``: ``row[name=value,...]``."""
+    return row + "[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
 
 
 def _configured(settings: dict):
@@ -287,13 +290,14 @@ def _configured(settings: dict):
     return options.experimental_tuning(**settings)
 
 
-def _add_variants(impls, make, args, variants) -> None:
-    """jax_ub's op again under other settings, one row each, interleaved with the rest.
+def _add_variants(impls, make, args, variants, row: str = "jax_ub") -> None:
+    """jax_ub's op (the ``row`` that ``make`` builds) again under other settings, one row
+    each, interleaved with the rest.
     Communicators take their settings when they are created, at lowering: so each variant
     is compiled now, with its settings configured, and keeps a communicator of its own."""
     for settings in variants:
         with _configured(settings):
-            impls[variant_name(settings)] = (make().lower(*args).compile(), args)
+            impls[variant_name(settings, row)] = (make().lower(*args).compile(), args)
 
 
 def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters, tp) -> float | None:
