@@ -170,3 +170,37 @@ def test_flax_mlp_in_fp8():
     # the two paths' bf16 activations flip some e4m3 roundings (2.2% seen on an H100).
     assert _rel(ys[True, "ub"], ys[True, "xla"]) < 5e-2
     assert 1e-3 < _rel(ys[True, "ub"], ys[False, "ub"]) < 0.1
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_forward_fast_accumulation_error_and_switch(op):
+    """The forward's e4m3 x e4m3 GEMMs accumulate in the tensor cores' fast mode (as XLA's
+    fp8 dots at default precision): at k = 8192 its float32 output stays within 5e-3 of a
+    float32 product of the dequantized operands; with the tuning off (float32 promotion
+    along k) within 1e-3, and the two results differ (the switch reaches cuBLASLt)."""
+    from jax_ub._src.options import experimental_tuning  # noqa: PLC0415
+
+    k = 8192
+    keys = jax.random.split(jax.random.key(7), 2)
+    if op == "ag":
+        x = jax.random.normal(keys[0], (N * 256, k), jnp.float32)
+        w = jax.random.normal(keys[1], (k, N * 256), jnp.float32)
+    else:
+        x = jax.random.normal(keys[0], (N * 256, N * k), jnp.float32)
+        w = jax.random.normal(keys[1], (N * k, 256), jnp.float32)
+    sx, sw = 4.5 / 448, 4.4 / 448
+    scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
+    want = deq(np.asarray(x), sx) @ deq(np.asarray(w), sw)
+    errors = {}
+    for fast in (True, False):
+        jax_ub.finalize()  # a new communicator takes the tuning
+        with experimental_tuning(fp8_fast_accumulation=fast):
+            f = jax.jit(lambda a, b, s: _fn(op)(a, b, s))  # a new trace for each setting
+            out = np.asarray(f(x, w, scales))
+        errors[fast] = (_rel(out, want), out)
+    jax_ub.finalize()
+    fast, promoted = errors[True][0], errors[False][0]
+    print(f"{op}: relative error at k={k}: fast {fast:.2e}, promoted {promoted:.2e}")
+    assert errors[True][0] < 5e-3
+    assert errors[False][0] < 1e-3
+    assert not np.array_equal(errors[True][1], errors[False][1])
