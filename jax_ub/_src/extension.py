@@ -22,6 +22,7 @@ def _register(module: ModuleType, platform: str) -> None:
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
+@functools.cache
 def runtime_ffi_api() -> tuple[int, int] | None:
     """The XLA FFI API version of this process's jaxlib, read from the headers that jaxlib
     ships (None where they are missing)."""
