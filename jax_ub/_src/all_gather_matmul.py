@@ -32,6 +32,7 @@ def all_gather_matmul(
     impl: str = "auto",
     return_gathered: bool = False,
     fp8: Fp8Scales | None = None,
+    seq_axis: int = 0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """All-gather the rows of ``x`` over ``axis_name`` and multiply by ``w``, overlapped;
     then add ``bias`` and apply ``activation`` in the GEMMs' epilogue.
@@ -42,14 +43,16 @@ def all_gather_matmul(
       not), like a ``lax`` collective, on local shards. Other mesh axes may stay automatic
       (``axis_names={axis_name}``): batch dims sharded over them stay sharded.
     * On global arrays, from plain ``jit`` or eagerly, under ``jax.set_mesh(mesh)``:
-      ``x [seq, ..., k]`` sequence-sharded ``P(axis_name)`` and ``w [k, n]`` sharded
+      ``x [seq, ..., k]`` sequence-sharded ``P(axis_name)`` (``P(None, axis_name)`` for
+      ``[batch, seq, ..., k]`` with ``seq_axis=1``) and ``w [k, n]`` sharded
       ``P(None, axis_name)``; returns ``x @ w`` sharded ``P(None, ..., axis_name)``.
       Every other mesh axis is left to XLA. Where the layout is known (concrete arrays,
       ``Explicit`` axes) a wrong one is an error naming it; under ``Auto`` axes XLA moves
       the operands into this layout.
 
     Args:
-      x: local row shard ``[m, ..., k]``; gathered along axis 0 (sequence-parallel input).
+      x: local row shard ``[m, ..., k]``; gathered along axis 0 (sequence-parallel input),
+        or along ``seq_axis``.
       w: local weight ``[k, n]`` (typically the column shard of a larger weight).
       axis_name: the mesh axis to gather over, of size ``tp``.
       bias: ``[n]``, added to every row of the product (a column-parallel layer's bias
@@ -67,11 +70,16 @@ def all_gather_matmul(
         scale given; the result then has the other one's dtype (bfloat16 if both are fp8).
         ``impl="xla"`` runs the same quantized math on XLA's collectives. With a float32
         result the epilogue runs in XLA after the op (no cuBLASLt fp8 kernel).
+      seq_axis: the dim of ``x`` split over ``axis_name`` (the sequence): 0 for
+        ``[seq, batch, ..., k]``, 1 for batch-major ``[batch, seq, ..., k]``; not the last.
+        The result keeps it in the same place. Other than 0 the op runs on ``x`` with that
+        dim moved to the front and moves it back in its result, moves XLA fuses into the
+        neighbouring ops where it can (the feature dim stays last).
 
     Returns:
-      ``activation(all_gather(x, axis_name, tiled=True) @ w + bias)`` of shape
-      ``[tp * m, ..., n]`` and, with ``return_gathered``, the gathered ``x`` of shape
-      ``[tp * m, ..., k]``.
+      ``activation(all_gather(x, axis_name, axis=seq_axis, tiled=True) @ w + bias)``, of
+      shape ``[tp * m, ..., n]`` for ``seq_axis=0``, and, with ``return_gathered``, the
+      gathered ``x`` of shape ``[tp * m, ..., k]``.
 
     The gradient is overlapped too: ``dx = matmul_reduce_scatter(dp, w.T)`` and
     ``dw = all_gather(x).T @ dp`` from the gathered ``x`` kept by the forward pass, where
@@ -88,6 +96,7 @@ def all_gather_matmul(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
+    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
     check_epilogue(_OP, x, w, bias, activation)
     check_fp8_operands(_OP, x, w, fp8)
     if fp8 is not None:
@@ -96,7 +105,21 @@ def all_gather_matmul(
             raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
-        return _on_global_arrays(x, w, bias, activation, axis_name, impl, return_gathered, fp8)
+        return _on_global_arrays(
+            x, w, bias, activation, axis_name, impl, return_gathered, fp8, seq_axis
+        )
+    if seq_axis != 0:
+        result = all_gather_matmul(
+            layout.seq_first(x, seq_axis),
+            w,
+            axis_name,
+            bias=bias,
+            activation=activation,
+            impl=impl,
+            return_gathered=return_gathered,
+            fp8=fp8,
+        )
+        return layout.seq_back(result, seq_axis)
     operands = (x, w) if fp8 is None else compute_operands(x, w)
     ub = checks.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
     fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
@@ -112,7 +135,9 @@ def all_gather_matmul(
     return _all_gather_matmul(x, w, bias, axis_name, size, fallback, gelu, return_gathered)
 
 
-def _on_global_arrays(x, w, bias, activation, axis_name: str, impl: str, return_gathered, fp8):
+def _on_global_arrays(
+    x, w, bias, activation, axis_name: str, impl: str, return_gathered, fp8, seq_axis: int
+):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
     if return_gathered:
         layout.context_mesh(_OP, axis_name, x, w)  # the missing-mesh error comes first
@@ -124,7 +149,14 @@ def _on_global_arrays(x, w, bias, activation, axis_name: str, impl: str, return_
     def local(x, w, extra=(None, None)):
         bias, fp8 = extra
         return all_gather_matmul(
-            x, w, axis_name, bias=bias, activation=activation, impl=impl, fp8=fp8
+            x,
+            w,
+            axis_name,
+            bias=bias,
+            activation=activation,
+            impl=impl,
+            fp8=fp8,
+            seq_axis=seq_axis,
         )
 
     return layout.on_global_arrays(
@@ -133,9 +165,9 @@ def _on_global_arrays(x, w, bias, activation, axis_name: str, impl: str, return_
         x,
         w,
         axis_name,
-        (P(axis_name), P(None, axis_name)),
+        (layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, axis_name)),
         P(*([None] * (x.ndim - 1)), axis_name),
-        {"rows of x (dim 0)": x.shape[0], "columns of w": w.shape[1]},
+        {f"rows of x (dim {seq_axis})": x.shape[seq_axis], "columns of w": w.shape[1]},
         None if bias is None and fp8 is None else (bias, fp8),
         (P(axis_name), P()),  # the bias's columns are w's; fp8 scales replicated
     )

@@ -85,6 +85,49 @@ def _names(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+# --- the sequence dim --------------------------------------------------------------------
+
+
+def check_seq_axis(op: str, x: Any, seq_axis: Any) -> int:
+    """``seq_axis`` as an index in ``[0, x.ndim - 1)``: the dim of ``x`` the op gathers or
+    scatters over its mesh axis (the sequence). 0 for ``[seq, batch, ..., k]``, 1 for
+    batch-major ``[batch, seq, ..., k]``; negative values count from the end. The last dim
+    is the features, never the sequence."""
+    ndim = len(x.shape)
+    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)):
+        raise ValueError(f"{op}: seq_axis must be an int (a dim of x), got {seq_axis!r}")
+    index = int(seq_axis) + ndim if seq_axis < 0 else int(seq_axis)
+    if not 0 <= index < ndim - 1:
+        raise ValueError(
+            f"{op}: seq_axis={seq_axis} is not a dim of x before its features (the last "
+            f"dim); for x.shape={tuple(x.shape)} it is one of 0..{ndim - 2} (or {-ndim}..-2)"
+        )
+    return index
+
+
+def seq_first(a: Any, seq_axis: int) -> Any:
+    """``a`` with its sequence dim moved to the front, where the custom calls take it.
+
+    A batch-major activation's rows are then seq-major: each rank's rows are one
+    contiguous block, which the all-gather and reduce-scatter move whole. The move keeps
+    the feature dim last (rows are reordered, not transposed), and XLA fuses it into
+    the op that produces ``a`` (a norm, a residual add) where there is one."""
+    return a if seq_axis == 0 else jax.numpy.moveaxis(a, seq_axis, 0)
+
+
+def seq_back(tree: Any, seq_axis: int) -> Any:
+    """Every array of ``tree`` with dim 0 moved back to ``seq_axis``: :func:`seq_first`'s
+    inverse, for an op's results."""
+    if seq_axis == 0:
+        return tree
+    return jax.tree.map(lambda a: jax.numpy.moveaxis(a, 0, seq_axis), tree)
+
+
+def seq_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
+    """An ``ndim``-dim activation split over ``axis_name`` on its sequence dim."""
+    return P(*([None] * seq_axis), axis_name, *([None] * (ndim - seq_axis - 1)))
+
+
 # --- global arrays (case 3) -----------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ def matmul_reduce_scatter(
     bias: jax.Array | None = None,
     impl: str = "auto",
     fp8: Fp8Scales | None = None,
+    seq_axis: int = 0,
 ) -> jax.Array:
     """Multiply ``x @ w`` and reduce-scatter the rows over ``axis_name``, overlapped; then
     add ``bias``.
@@ -37,7 +38,7 @@ def matmul_reduce_scatter(
     under ``jax.set_mesh(mesh)``, as :func:`all_gather_matmul`. On global arrays ``x
     [seq, ..., K]`` is sharded ``P(None, ..., axis_name)`` (features), ``w [K, n]``
     ``P(axis_name, None)``, and the result ``x @ w`` comes back sequence-sharded
-    ``P(axis_name)``.
+    ``P(axis_name)`` (``P(None, axis_name)`` with ``seq_axis=1``).
 
     Args:
       x: local input ``[M, ..., k]`` (typically activations with ``k`` sharded over the
@@ -50,10 +51,14 @@ def matmul_reduce_scatter(
       impl: ``"ub"``, ``"xla"`` or ``"auto"``, as for :func:`all_gather_matmul`.
       fp8: run in fp8 with these scales, as for :func:`all_gather_matmul` (operands given
         in fp8 too); the partial sums the scatter moves are the result's dtype.
+      seq_axis: the dim of ``x`` (and of the result) scattered over ``axis_name``: 0 for
+        ``[M, ..., k]``, 1 for batch-major ``[batch, seq, ..., k]``, as for
+        :func:`all_gather_matmul`.
 
     Returns:
-      ``psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True) + bias`` of shape
-      ``[M / tp, ..., n]``: each rank keeps its block of rows of the summed product.
+      ``psum_scatter(x @ w, axis_name, scatter_dimension=seq_axis, tiled=True) + bias``, of
+      shape ``[M / tp, ..., n]`` for ``seq_axis=0``: each rank keeps its block of rows of
+      the summed product.
 
     The gradient is overlapped too: ``dx = all_gather_matmul(dy, w.T)`` and
     ``dw = x.T @ all_gather(dy)``, the gathered ``dy`` coming from that same op.
@@ -67,20 +72,26 @@ def matmul_reduce_scatter(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w)
+    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
     check_epilogue(_OP, x, w, bias, None)
     check_fp8_operands(_OP, x, w, fp8)
     if fp8 is not None:
         check_scales(_OP, fp8)
-    y = _reduced(x, w, axis_name, impl, fp8)
+    y = _reduced(x, w, axis_name, impl, fp8, seq_axis)
     return y if bias is None else y + jnp.asarray(bias, y.dtype)
 
 
-def _reduced(x, w, axis_name: str, impl: str, fp8):
-    """psum_scatter(x @ w): on local shards, or on global arrays."""
+def _reduced(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
+    """psum_scatter(x @ w) over the rows of ``seq_axis``: on local shards, or on global
+    arrays."""
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
-        return _on_global_arrays(x, w, axis_name, impl, fp8)
-    checks.check_divisible(_OP, "rows of x", x.shape[0], size, axis_name, f"{x.shape=}")
+        return _on_global_arrays(x, w, axis_name, impl, fp8, seq_axis)
+    what = "rows of x" if seq_axis == 0 else f"rows of x (dim {seq_axis})"
+    checks.check_divisible(_OP, what, x.shape[seq_axis], size, axis_name, f"{x.shape=}")
+    if seq_axis != 0:
+        y = _reduced(layout.seq_first(x, seq_axis), w, axis_name, impl, fp8, 0)
+        return layout.seq_back(y, seq_axis)
     operands = (x, w) if fp8 is None else compute_operands(x, w)
     ub = checks.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
     # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
@@ -92,11 +103,11 @@ def _reduced(x, w, axis_name: str, impl: str, fp8):
     return _matmul_reduce_scatter(x, w, axis_name, size, fallback)
 
 
-def _on_global_arrays(x, w, axis_name: str, impl: str, fp8):
+def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
 
     def local(x, w, fp8=None):
-        return matmul_reduce_scatter(x, w, axis_name, impl=impl, fp8=fp8)
+        return matmul_reduce_scatter(x, w, axis_name, impl=impl, fp8=fp8, seq_axis=seq_axis)
 
     return layout.on_global_arrays(
         _OP,
@@ -105,8 +116,8 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, fp8):
         w,
         axis_name,
         (P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
-        P(axis_name),
-        {"features of x (last dim)": x.shape[-1], "rows of x (dim 0)": x.shape[0]},
+        layout.seq_spec(x.ndim, axis_name, seq_axis),
+        {"features of x (last dim)": x.shape[-1], f"rows of x (dim {seq_axis})": x.shape[seq_axis]},
         fp8,
     )
 

@@ -14,7 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src import checks, options
+from jax_ub._src import checks, layout, options
 from jax_ub._src.all_gather_matmul import all_gather_matmul, contract_rows
 from jax_ub._src.epilogue import bias_grad, check_epilogue
 from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, result_dtype
@@ -38,6 +38,7 @@ def gelu_mlp(
     down_bias: jax.Array | None = None,
     impl: str = "auto",
     fp8: tuple[Fp8Scales, Fp8Scales] | None = None,
+    seq_axis: int = 0,
 ) -> jax.Array:
     """``matmul_reduce_scatter(gelu(all_gather_matmul(x, w_up) + up_bias), w_down) + down_bias``.
 
@@ -60,6 +61,9 @@ def gelu_mlp(
         :func:`all_gather_matmul` with ``fp8=up`` and :func:`matmul_reduce_scatter` with
         ``fp8=down`` run them (``down.x`` scales the hidden activation); GELU's gradient
         runs in the epilogue of the fp8 GEMM that computes it.
+      seq_axis: the sequence dim of ``x`` (and of the result): 0 for ``[m, ..., k]``, 1 for
+        batch-major ``[batch, m, ..., k]``, as for :func:`all_gather_matmul`. The block's
+        hidden activation stays sequence-first between the two projections.
 
     Returns:
       ``[m, ..., n]``, sequence-sharded like ``x``.
@@ -73,6 +77,7 @@ def gelu_mlp(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w_up)
+    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
     if w_down.ndim != 2 or w_down.shape[0] != w_up.shape[1]:
         raise ValueError(
             f"{_OP}: w_down must be [f, n] with f = w_up.shape[1] = {w_up.shape[1]}; "
@@ -89,6 +94,18 @@ def gelu_mlp(
         _OP, hidden_rows, w_down, down, ("the hidden activation", "w_down"), "fp8[1]"
     )
     size = checks.bound_axis_size(_OP, axis_name)
+    if size is not None and seq_axis != 0:
+        y = gelu_mlp(
+            layout.seq_first(x, seq_axis),
+            w_up,
+            w_down,
+            axis_name,
+            up_bias=up_bias,
+            down_bias=down_bias,
+            impl=impl,
+            fp8=fp8,
+        )
+        return layout.seq_back(y, seq_axis)
     fused = size is not None
     if fused:
         hidden = jax.ShapeDtypeStruct((size * h_rows[0], *h_rows[1:]), dtype)
@@ -100,10 +117,9 @@ def gelu_mlp(
         fused = checks.use_ub("all_gather_matmul", impl, *ops[0], **kw)
         fused = fused and checks.use_ub("matmul_reduce_scatter", impl, *ops[1], **kw)
     if not fused:  # the same block from the two ops, each taking its own path
-        h = all_gather_matmul(
-            x, w_up, axis_name, bias=up_bias, activation="gelu", impl=impl, fp8=up
-        )
-        return matmul_reduce_scatter(h, w_down, axis_name, bias=down_bias, impl=impl, fp8=down)
+        kw = dict(impl=impl, seq_axis=seq_axis)
+        h = all_gather_matmul(x, w_up, axis_name, bias=up_bias, activation="gelu", fp8=up, **kw)
+        return matmul_reduce_scatter(h, w_down, axis_name, bias=down_bias, fp8=down, **kw)
     if up_bias is not None:
         up_bias = jnp.asarray(up_bias, dtype)
     if fp8 is None:

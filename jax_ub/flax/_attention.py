@@ -13,14 +13,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_ub._src import layout
 from jax_ub._src.extension import normalize_platform
 from jax_ub.flax import _core
 from jax_ub.flax._core import Params
 
 
-def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...]) -> None:
-    """mask must broadcast to ``[*batch, 1, seq, seq]`` (one mask for every head)."""
-    seq, batch = x_shape[0], tuple(x_shape[1:-1])
+def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 0) -> None:
+    """mask must broadcast to ``[*batch, 1, seq, seq]`` (one mask for every head); the
+    batch dims are the input's others but the features, in order."""
+    seq_axis %= len(x_shape)
+    seq = x_shape[seq_axis]
+    batch = tuple(d for i, d in enumerate(x_shape[:-1]) if i != seq_axis)
     target = batch + (1, seq, seq)
     shape = tuple(getattr(mask, "shape", ()))
     try:
@@ -123,6 +127,7 @@ def attention_call(
     impl: str,
     dtype: Any,
     fp8: str | None,
+    seq_axis: int,
     head_dim: int,
     ndim: int,
     use_bias: bool,
@@ -131,7 +136,8 @@ def attention_call(
     attention_implementation: str | None = None,
 ) -> Callable[[jax.Array, Params, Params, jax.Array | None], jax.Array]:
     """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded."""
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
+    seq = seq_axis % ndim
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
     attend = functools.partial(
         attention_local,
         head_dim=head_dim,
@@ -141,9 +147,11 @@ def attention_call(
     )
 
     def body(x, p_qkv, p_out, mask):
-        return _core.row_local(attend(_core.column_local(x, p_qkv, **kw), mask), p_out, **kw)
+        # Attention takes the sequence first; XLA merges these moves with its own.
+        qkv = layout.seq_first(_core.column_local(x, p_qkv, **kw), seq)
+        return _core.row_local(layout.seq_back(attend(qkv, mask), seq), p_out, **kw)
 
     col = _core.param_specs("column", axis_name, use_bias, fp8)
     row = _core.param_specs("row", axis_name, use_bias, fp8)
-    spec = _core.seq_spec(ndim, axis_name)
+    spec = _core.seq_spec(ndim, axis_name, seq)
     return _core._over_tp(body, mesh, axis_name, (spec, col, row, P() if has_mask else None), spec)

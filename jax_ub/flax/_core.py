@@ -2,8 +2,9 @@
 
 Argument checks, the ``PartitionSpec``s of the sequence-parallel layout, and the
 per-shard computations that run inside ``jax.shard_map``. Activations are laid out
-``[seq, *batch, features]``; "sequence-sharded" means dim 0 is split over the tensor
-parallel axis, "feature-sharded" means the last dim is.
+``[seq, *batch, features]``, or with the layer's ``seq_axis`` batch-major
+``[batch, seq, ..., features]``; "sequence-sharded" means that dim (0 by default) is split
+over the tensor parallel axis, "feature-sharded" means the last dim is.
 """
 
 from __future__ import annotations
@@ -89,8 +90,17 @@ def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) 
         )
 
 
-def check_input(owner: str, x: Any, in_features: int | None, tp: int, axis_name: str) -> None:
-    """x must be ``[seq, *batch, in_features]`` with ``seq`` divisible by ``tp``.
+def check_seq_axis(owner: str, seq_axis: Any) -> None:
+    """A layer's ``seq_axis`` is an int (checked against each input's dims when called)."""
+    if isinstance(seq_axis, bool) or not isinstance(seq_axis, int):
+        raise ValueError(f"{owner}: seq_axis must be an int (a dim of the input), got {seq_axis!r}")
+
+
+def check_input(
+    owner: str, x: Any, in_features: int | None, tp: int, axis_name: str, seq_axis: int = 0
+) -> None:
+    """x must be ``[seq, *batch, in_features]`` (the sequence at ``seq_axis``) with ``seq``
+    divisible by ``tp``.
 
     ``in_features=None`` accepts any feature count (linen infers it from the input).
     """
@@ -102,23 +112,27 @@ def check_input(owner: str, x: Any, in_features: int | None, tp: int, axis_name:
             f"{owner}: input has {shape[-1]} features (last dim) but the layer expects "
             f"{in_features}; input shape {shape}"
         )
-    if shape[0] % tp != 0 and axis_name not in layout.manual_axes():
+    seq = layout.check_seq_axis(owner, x, seq_axis)
+    if shape[seq] % tp != 0 and axis_name not in layout.manual_axes():
         raise ValueError(
-            f"{owner}: sequence length (dim 0) {shape[0]} is not divisible by the size of "
-            f"axis {axis_name!r} ({tp}); input shape {shape}"
+            f"{owner}: sequence length (dim {seq}) {shape[seq]} is not divisible by the size "
+            f"of axis {axis_name!r} ({tp}); input shape {shape}"
         )
 
 
 # --- sharding layout ---------------------------------------------------------------------
 
 
-def seq_spec(ndim: int, axis_name: str) -> P:
-    """``[seq, *batch, features]`` split over ``axis_name`` on the sequence dim."""
-    return P(axis_name, *([None] * (ndim - 1)))
+def seq_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
+    """``[seq, *batch, features]`` split over ``axis_name`` on the sequence dim
+    (``seq_axis``, counted from the end where negative)."""
+    return layout.seq_spec(ndim, axis_name, seq_axis % ndim)
 
 
-def feature_spec(ndim: int, axis_name: str) -> P:
-    """``[seq, *batch, features]`` split over ``axis_name`` on the feature dim."""
+def feature_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
+    """``[seq, *batch, features]`` split over ``axis_name`` on the feature dim, wherever
+    the sequence is."""
+    del seq_axis
     return P(*([None] * (ndim - 1)), axis_name)
 
 
@@ -184,32 +198,50 @@ def column_local(
     impl: str,
     dtype: Any,
     fp8: str | None,
+    seq_axis: int = 0,
     activation: str | None = None,
 ) -> jax.Array:
-    """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]``: all_gather_matmul, its bias (this
-    rank's columns' shard) and ``activation`` applied in the GEMMs' epilogue."""
+    """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]`` (the sequence at ``seq_axis``):
+    all_gather_matmul, its bias (this rank's columns' shard) and ``activation`` applied in
+    the GEMMs' epilogue."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
+    scales = _scales(fp8, params)
     return jax_ub.all_gather_matmul(
-        x, kernel, axis_name, bias=bias, activation=activation, impl=impl, fp8=_scales(fp8, params)
+        x,
+        kernel,
+        axis_name,
+        bias=bias,
+        activation=activation,
+        impl=impl,
+        fp8=scales,
+        seq_axis=seq_axis,
     )
 
 
 def row_local(
-    x: jax.Array, params: Params, *, axis_name: str, impl: str, dtype: Any, fp8: str | None
+    x: jax.Array,
+    params: Params,
+    *,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    fp8: str | None,
+    seq_axis: int = 0,
 ) -> jax.Array:
-    """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``: matmul_reduce_scatter, its bias added
-    once after the reduction."""
+    """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]`` (the sequence at ``seq_axis``):
+    matmul_reduce_scatter, its bias added once after the reduction."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
     return jax_ub.matmul_reduce_scatter(
-        x, kernel, axis_name, bias=bias, impl=impl, fp8=_scales(fp8, params)
+        x, kernel, axis_name, bias=bias, impl=impl, fp8=_scales(fp8, params), seq_axis=seq_axis
     )
 
 
 def op_settings(layer: Any) -> tuple:
-    """``(mesh, axis_name, impl, dtype, fp8)`` of a layer or block (nnx or linen): the
-    leading arguments of every ``*_call`` below, the settings of the ops it runs; ``fp8``
-    is the recipe's name (``"current"``, ``"delayed"``) or None."""
-    return (layer.mesh, layer.axis_name, layer.impl, layer.dtype, _fp8.recipe(layer.fp8))
+    """``(mesh, axis_name, impl, dtype, fp8, seq_axis)`` of a layer or block (nnx or
+    linen): the leading arguments of every ``*_call`` below, the settings of the ops it
+    runs; ``fp8`` is the recipe's name (``"current"``, ``"delayed"``) or None."""
+    fp8 = _fp8.recipe(layer.fp8)
+    return (layer.mesh, layer.axis_name, layer.impl, layer.dtype, fp8, layer.seq_axis)
 
 
 # --- whole-layer functions, one per configuration ---------------------------------------
@@ -273,15 +305,18 @@ def linear_call(
     impl: str,
     dtype: Any,
     fp8: str | None,
+    seq_axis: int,
     ndim: int,
     use_bias: bool,
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)`` of a ``kind`` layer: ``"column"`` takes sequence-sharded ``x`` to a
     feature-sharded output, ``"row"`` the reverse."""
     local_fn, x_spec, out_spec = _LINEAR[kind]
-    local = functools.partial(local_fn, axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
-    in_specs = (x_spec(ndim, axis_name), param_specs(kind, axis_name, use_bias, fp8))
-    return _over_tp(local, mesh, axis_name, in_specs, out_spec(ndim, axis_name))
+    seq = seq_axis % ndim
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
+    local = functools.partial(local_fn, **kw)
+    in_specs = (x_spec(ndim, axis_name, seq), param_specs(kind, axis_name, use_bias, fp8))
+    return _over_tp(local, mesh, axis_name, in_specs, out_spec(ndim, axis_name, seq))
 
 
 @functools.lru_cache(maxsize=256)
@@ -291,6 +326,7 @@ def mlp_call(
     impl: str,
     dtype: Any,
     fp8: str | None,
+    seq_axis: int,
     activation: Callable[[jax.Array], jax.Array],
     ndim: int,
     use_bias: bool,
@@ -298,7 +334,8 @@ def mlp_call(
     """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded. GELU
     runs in the column GEMMs' epilogue and its backward in the row op's dgrad GEMM
     (``jax_ub.gelu_mlp``, in fp8 too); other activations in XLA after the column op."""
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8)
+    seq = seq_axis % ndim
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
     fused = fused_activation(activation)
 
     def body(x, p_up, p_down):
@@ -308,12 +345,20 @@ def mlp_call(
             )
             scales = None if not fp8 else (_scales(fp8, p_up), _scales(fp8, p_down))
             return jax_ub.gelu_mlp(
-                x, k_up, k_down, axis_name, up_bias=b_up, down_bias=b_down, impl=impl, fp8=scales
+                x,
+                k_up,
+                k_down,
+                axis_name,
+                up_bias=b_up,
+                down_bias=b_down,
+                impl=impl,
+                fp8=scales,
+                seq_axis=seq,
             )
         h = column_local(x, p_up, activation=fused, **kw)
         return row_local(h if fused else activation(h), p_down, **kw)
 
     col = param_specs("column", axis_name, use_bias, fp8)
     row = param_specs("row", axis_name, use_bias, fp8)
-    spec = seq_spec(ndim, axis_name)
+    spec = seq_spec(ndim, axis_name, seq)
     return _over_tp(body, mesh, axis_name, (spec, col, row), spec)

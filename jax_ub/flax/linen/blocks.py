@@ -30,6 +30,7 @@ _SHARED = (
     "impl",
     "fp8",
     "amax_history_length",
+    "seq_axis",
     "use_bias",
     "dtype",
     "param_dtype",
@@ -70,9 +71,9 @@ class ParallelMLP(nn.Module):
         scaling, ``up_proj`` and ``down_proj`` each keeping their amax histories in the
         ``"_overwrite_with_gradient"`` collection (see :class:`ColumnParallelLinear`);
         ``False``: no fp8 (default).
-      axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
-        kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared by both
-        projections.
+      axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
+        param_dtype, kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared
+        by both projections.
     """
 
     hidden_features: int
@@ -89,6 +90,7 @@ class ParallelMLP(nn.Module):
     activation: Callable[[jax.Array], jax.Array] = nn.gelu
     fp8: bool | str = False
     amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
+    seq_axis: int = 0
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -100,7 +102,7 @@ class ParallelMLP(nn.Module):
         down = RowParallelLinear(out_features, name="down_proj", **_layer_kwargs(self))
         tp = up.tp_size()
         _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
-        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         p_up = up.get_params(in_features)
         p_down = down.get_params(self.hidden_features)
         f = _core.mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, self.use_bias)
@@ -137,9 +139,9 @@ class ParallelSelfAttention(nn.Module):
         ``"current"``: current scaling; ``"delayed"``: delayed scaling, ``qkv`` and
         ``out`` each keeping their amax histories in the ``"_overwrite_with_gradient"``
         collection (see :class:`ColumnParallelLinear`); ``False``: no fp8 (default).
-      axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
-        kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared by both
-        projections.
+      axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
+        param_dtype, kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared
+        by both projections.
     """
 
     num_heads: int
@@ -157,6 +159,7 @@ class ParallelSelfAttention(nn.Module):
     attention_implementation: str | None = None
     fp8: bool | str = False
     amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
+    seq_axis: int = 0
 
     @nn.compact
     def __call__(
@@ -181,10 +184,10 @@ class ParallelSelfAttention(nn.Module):
                 f"{owner}: qkv_features={qkv_features} is not divisible by "
                 f"num_heads={self.num_heads}"
             )
-        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         _attention.check_attention_implementation(owner, self.attention_implementation, self.mesh)
         if mask is not None:
-            _attention.check_mask(owner, mask, inputs.shape)
+            _attention.check_mask(owner, mask, inputs.shape, self.seq_axis)
         p_qkv = qkv.get_params(in_features)
         p_out = out.get_params(qkv_features)
         f = _attention.attention_call(

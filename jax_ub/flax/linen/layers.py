@@ -32,6 +32,7 @@ class _ParallelLinear(nn.Module):
     bias_init: Initializer = default_bias_init
     fp8: bool | str = False
     amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
+    seq_axis: int = 0
 
     # Set by subclasses: "column" or "row".
     _kind: ClassVar[str]
@@ -44,6 +45,7 @@ class _ParallelLinear(nn.Module):
         tp = _core.group_size(owner, self.mesh, self.axis_name)
         _core.check_impl(owner, self.impl)
         _core.check_fp8(owner, self.fp8, self.amax_history_length)
+        _core.check_seq_axis(owner, self.seq_axis)
         return tp
 
     @nn.compact
@@ -124,6 +126,8 @@ class ColumnParallelLinear(_ParallelLinear):
         step); ``"delayed"``: delayed scaling from amax histories (below); ``False``: no
         fp8 (default).
       amax_history_length: steps of amaxes each delayed scale looks back over (default 16).
+      seq_axis: the sequence dim of the input and output, split over ``axis_name``: 0
+        (default) for ``[seq, *batch, in]``, 1 for batch-major ``[batch, seq, in]``.
 
     With ``fp8="delayed"`` the layer keeps the amax histories of flax's fp8 layers,
     ``input_amax_history``, ``kernel_amax_history`` and ``output_grad_amax_history``
@@ -158,7 +162,7 @@ class ColumnParallelLinear(_ParallelLinear):
         tp = self.tp_size()
         owner = type(self).__name__
         _core.check_divisible(owner, "features", self.features, tp, self.axis_name)
-        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         params = self.get_params(inputs.shape[-1])
         f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias)
         return f(inputs, params)
@@ -196,7 +200,7 @@ class RowParallelLinear(_ParallelLinear):
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
         tp = self.tp_size()
         owner = type(self).__name__
-        _core.check_input(owner, inputs, None, tp, self.axis_name)
+        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         in_features = _core.global_features(inputs.shape[-1], tp, self.axis_name, split=True)
         _core.check_divisible(owner, "in_features", in_features, tp, self.axis_name)
         params = self.get_params(in_features)

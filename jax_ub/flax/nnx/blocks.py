@@ -54,9 +54,9 @@ class ParallelMLP(nnx.Module):
         fp8 bytes. ``True`` or ``"current"``: current scaling; ``"delayed"``: delayed
         scaling, each projection keeping its own amax histories (as
         :class:`ColumnParallelLinear` describes); ``False``: no fp8 (default).
-      mesh, axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
-        kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both
-        projections.
+      mesh, axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
+        param_dtype, kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`,
+        shared by both projections.
     """
 
     def __init__(
@@ -71,6 +71,7 @@ class ParallelMLP(nnx.Module):
         impl: str = "auto",
         fp8: bool | str = False,
         amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
+        seq_axis: int = 0,
         activation: Callable[[jax.Array], jax.Array] = nnx.gelu,
         use_bias: bool = True,
         dtype: Dtype | None = None,
@@ -93,6 +94,7 @@ class ParallelMLP(nnx.Module):
             impl=impl,
             fp8=fp8,
             amax_history_length=amax_history_length,
+            seq_axis=seq_axis,
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -110,7 +112,7 @@ class ParallelMLP(nnx.Module):
         owner = type(self).__name__
         tp = _core.group_size(owner, up.mesh, up.axis_name)
         _core.check_divisible(owner, "hidden_features", up.out_features, tp, up.axis_name)
-        _core.check_input(owner, inputs, up.in_features, tp, up.axis_name)
+        _core.check_input(owner, inputs, up.in_features, tp, up.axis_name, up.seq_axis)
         f = _core.mlp_call(*_core.op_settings(up), self.activation, inputs.ndim, up.use_bias)
         return f(inputs, up.param_values(), down.param_values())
 
@@ -149,9 +151,9 @@ class ParallelSelfAttention(nnx.Module):
         ``"current"``: current scaling; ``"delayed"``: delayed scaling, each projection
         keeping its own amax histories (see :class:`ColumnParallelLinear`); ``False``: no
         fp8 (default).
-      mesh, axis_name, param_axes, impl, amax_history_length, use_bias, dtype, param_dtype,
-        kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`, shared by both
-        projections.
+      mesh, axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
+        param_dtype, kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`,
+        shared by both projections.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class ParallelSelfAttention(nnx.Module):
         impl: str = "auto",
         fp8: bool | str = False,
         amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
+        seq_axis: int = 0,
         use_bias: bool = True,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
@@ -195,6 +198,7 @@ class ParallelSelfAttention(nnx.Module):
             impl=impl,
             fp8=fp8,
             amax_history_length=amax_history_length,
+            seq_axis=seq_axis,
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -225,9 +229,9 @@ class ParallelSelfAttention(nnx.Module):
         qkv, out = self.qkv, self.out
         tp = _core.group_size(owner, qkv.mesh, qkv.axis_name)
         _core.check_divisible(owner, "num_heads", self.num_heads, tp, qkv.axis_name)
-        _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name)
+        _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name, qkv.seq_axis)
         if mask is not None:
-            _attention.check_mask(owner, mask, inputs.shape)
+            _attention.check_mask(owner, mask, inputs.shape, qkv.seq_axis)
         f = _attention.attention_call(
             *_core.op_settings(qkv),
             self.head_dim,

@@ -63,6 +63,7 @@ class _ParallelLinear(nnx.Module):
         impl: str = "auto",
         fp8: bool | str = False,
         amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
+        seq_axis: int = 0,
         use_bias: bool = True,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
@@ -73,6 +74,7 @@ class _ParallelLinear(nnx.Module):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, amax_history_length)
+        _core.check_seq_axis(owner, seq_axis)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             split = {"in_features": in_features, "out_features": out_features}[self._split]
@@ -84,6 +86,7 @@ class _ParallelLinear(nnx.Module):
         self.impl = impl
         self.fp8 = fp8
         self.amax_history_length = amax_history_length
+        self.seq_axis = seq_axis
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -120,7 +123,7 @@ class _ParallelLinear(nnx.Module):
         features = _core.local_features(
             self.in_features, tp, self.axis_name, self._split == "in_features"
         )
-        _core.check_input(owner, inputs, features, tp, self.axis_name)
+        _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
         return (*_core.op_settings(self), inputs.ndim, self.use_bias)
 
 
@@ -230,6 +233,9 @@ class ColumnParallelLinear(_ParallelLinear):
         step); ``"delayed"``: delayed scaling from amax histories kept in the layer (see
         below); ``False``: no fp8 (default).
       amax_history_length: steps of amaxes each delayed scale looks back over (default 16).
+      seq_axis: the sequence dim of the input (and output), the one split over
+        ``axis_name``: 0 (default) for ``[seq, *batch, in_features]``, 1 for batch-major
+        ``[batch, seq, in_features]``; not the last (see :func:`jax_ub.all_gather_matmul`).
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
       param_dtype: the dtype passed to parameter initializers (default: float32).
@@ -273,9 +279,9 @@ class RowParallelLinear(_ParallelLinear):
     Args:
       in_features: number of input features; a multiple of ``tp``.
       out_features: number of output features.
-      mesh, axis_name, param_axes, impl, fp8, use_bias, dtype, param_dtype, kernel_init,
-        bias_init, rngs: as for :class:`ColumnParallelLinear`. ``seq`` must be a multiple
-        of ``tp``.
+      mesh, axis_name, param_axes, impl, fp8, seq_axis, use_bias, dtype, param_dtype,
+        kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`. ``seq`` must be
+        a multiple of ``tp``.
     """
 
     _split = "in_features"
