@@ -121,3 +121,29 @@ def test_flax_mlp_from_jit_matches_xla(layout):
     if layout[0] > 1:  # the batch stays split over dp
         assert ys["ub"].sharding.spec[1] == "dp", ys["ub"].sharding
     assert _rel(ys["ub"], ys["xla"]) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batch_major_plain_jit(layout, dtype):
+    """Batch-major activations ``[batch, seq, d]`` (``seq_axis=1``): batch over dp,
+    sequence over tp, forward and gradients against the reference."""
+    mesh = _mesh(*layout)
+    x, w1, w2 = _operands(mesh, dtype)
+    x = jax.device_put(jnp.swapaxes(x, 0, 1), NamedSharding(mesh, P("dp", "tp")))
+
+    def f(x, w1, w2):
+        h = jnp.tanh(jax_ub.all_gather_matmul(x, w1, "tp", impl="ub", seq_axis=1))
+        return jax_ub.matmul_reduce_scatter(h, w2, "tp", impl="ub", seq_axis=1)
+
+    y_ref, grads_ref = _reference(x, w1, w2)
+    with jax.set_mesh(mesh):
+        y = jax.jit(f)(x, w1, w2)
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)  # noqa: E731
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+        hlo = jax.jit(f).lower(x, w1, w2).compile().as_text()
+    tol = TOL[jnp.dtype(dtype).type]
+    assert y.shape == (BATCH, SEQ, D) and _rel(y, y_ref) < tol
+    for g, r in zip(grads, grads_ref):
+        assert _rel(g, r) < 2 * tol
+    assert "jax_ub_all_gather_matmul" in hlo and "jax_ub_matmul_reduce_scatter" in hlo

@@ -39,6 +39,18 @@ def test_jax_ub_layer_equals_xla_forward_and_gradients(setup):
         assert rel_err(dp_ub[name], dp_xla[name]) < 1e-5, name
 
 
+def test_batch_major_layer_equals_xla_forward_and_gradients(setup):
+    """The layer on batch-major rows (the ops with seq_axis=1) computes the same layer."""
+    (x, params, dy), outs = setup
+    fwd, fwd_bwd = layer.build(make_mesh((2, "tp")), layer.BATCH_MAJOR, HEAD_DIM)
+    (y_xla, (dx_xla, dp_xla)) = outs["xla"]
+    assert rel_err(fwd(x, params), y_xla) < 1e-5
+    dx, dp = fwd_bwd(x, params, dy)
+    assert rel_err(dx, dx_xla) < 1e-5
+    for name in params:
+        assert rel_err(dp[name], dp_xla[name]) < 1e-5, name
+
+
 def test_bound_keeps_the_shapes_without_communicating(setup):
     (x, params, _), outs = setup
     y, (dx, dparams) = outs["bound"]
@@ -71,7 +83,8 @@ def test_layer_bench_table_and_json(tmp_path, capsys):
     out = tmp_path / "layer.json"
     rows = layer.main(
         f"--sizes {HIDDEN}x{FFN}x{SEQ} --batch {BATCH} --head-dim {HEAD_DIM} --tp 2 "
-        f"--rounds 2 --iters 2 --json {out} --ub-variants reduce_scatter_fold_rows=-1".split()
+        f"--rounds 2 --iters 2 --json {out} --ub-variants reduce_scatter_fold_rows=-1 "
+        "--batch-major".split()
     )
     tuned = "jax_ub[reduce_scatter_fold_rows=-1]"  # compiled under other tuning, checked too
     saved = json.loads(out.read_text())["results"]
@@ -81,12 +94,14 @@ def test_layer_bench_table_and_json(tmp_path, capsys):
         (HIDDEN, FFN, SEQ, 2, "fwd+bwd"),
     ]
     for r in saved:
-        assert set(r["times_ms"]) == {*layer.VARIANTS, tuned}, r["times_ms"]
+        assert set(r["times_ms"]) == {*layer.VARIANTS, tuned, layer.BATCH_MAJOR}, r["times_ms"]
         assert all(t > 0 for t in r["times_ms"].values())
         assert r["over_bound"]["bound"] == 1.0 and r["speedup_vs_xla"] > 0
         # bf16: jax_ub's layer (outputs; gradients) checked against XLA's on random data.
         assert r["rel_err"]["jax_ub"] < 3e-2 and "bound" not in r["rel_err"], r["rel_err"]
         assert r["rel_err"][tuned] < 3e-2, r["rel_err"]
+        # The batch-major layer computes the same layer: checked against XLA's too.
+        assert r["rel_err"][layer.BATCH_MAJOR] < 3e-2, r["rel_err"]
     text = capsys.readouterr().out
     assert "not speed" in text and "fwd+bwd" in text
     assert all(v in text for v in layer.VARIANTS) and f"{tuned}:" in text

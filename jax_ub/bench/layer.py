@@ -18,9 +18,13 @@ dot, dot then reduce-scatter) and ``bound``: the same GEMMs with every collectiv
 by a local op of the same shapes (the all-gather by ``tp`` copies of the local rows, the
 reduce-scatter by the sum of the product's ``tp`` row blocks), so no data crosses devices.
 ``bound`` computes other numbers; ``jax_ub``'s outputs and gradients are checked against
-``xla``'s. The forward+backward pass is the VJP of the layer for a fixed random output
-gradient: the gradients of x and of every weight. Each rank holds its own copy of the
-norms' gains (so no variant all-reduces their gradient; a model would, 2 x hidden floats).
+``xla``'s. ``--batch-major`` adds ``jax_ub_batch_major``: the same layer on batch-major
+activations ``[batch, seq/tp, hidden]`` (the ops with ``seq_axis=1``, attention on its
+``[batch, seq, ...]`` layout without a transpose), entered and left through a swap of the
+rank's rows so that it takes and returns what the others do. The forward+backward pass
+is the VJP of the layer for a fixed random output gradient: the gradients of x and of
+every weight. Each rank holds its own copy of the norms' gains (so no variant all-reduces
+their gradient; a model would, 2 x hidden floats).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from jax_ub.bench.timing import bar_chart, measure
 GPU_SIZES = "8192x28672x8192,4096x14336x8192,3072x12288x8192"
 CPU_SIZES = "64x128x32"  # the host protocol's GEMM is a plain loop: tiny on CPU
 VARIANTS = ("bound", "xla", "jax_ub")
+BATCH_MAJOR = "jax_ub_batch_major"
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -72,11 +77,12 @@ def collectives(variant: str):
         ag = functools.partial(bound_all_gather_matmul, axis_name=AXIS)
         rs = functools.partial(bound_matmul_reduce_scatter, axis_name=AXIS)
         return ag, rs, lambda x, w_up, w_down: rs(jax.nn.gelu(ag(x, w_up)), w_down)
-    impl = {"jax_ub": "ub", "xla": "xla"}[variant]
+    impl = {"jax_ub": "ub", "xla": "xla", BATCH_MAJOR: "ub"}[variant]
+    kw = dict(axis_name=AXIS, impl=impl, seq_axis=int(variant == BATCH_MAJOR))
     return (
-        functools.partial(jax_ub.all_gather_matmul, axis_name=AXIS, impl=impl),
-        functools.partial(jax_ub.matmul_reduce_scatter, axis_name=AXIS, impl=impl),
-        functools.partial(jax_ub.gelu_mlp, axis_name=AXIS, impl=impl),
+        functools.partial(jax_ub.all_gather_matmul, **kw),
+        functools.partial(jax_ub.matmul_reduce_scatter, **kw),
+        functools.partial(jax_ub.gelu_mlp, **kw),
     )
 
 
@@ -92,6 +98,8 @@ def layer(x: jax.Array, params: dict, variant: str, head_dim: int) -> jax.Array:
     the rank's weight shards (``params``: :func:`param_specs`); returns ``[seq/tp, batch,
     hidden]``."""
     ag, rs, mlp = collectives(variant)
+    if variant == BATCH_MAJOR:
+        return jnp.swapaxes(_batch_major_layer(jnp.swapaxes(x, 0, 1), params, head_dim), 0, 1)
     qkv = ag(rms_norm(x, params["norm1"][0]), params["w_qkv"])  # [seq, b, 3 * hidden/tp]
     seq, batch = qkv.shape[:2]
     # [seq, b, 3, heads/tp, head_dim] -> three [b, seq, heads/tp, head_dim] (BTNH).
@@ -100,6 +108,17 @@ def layer(x: jax.Array, params: dict, variant: str, head_dim: int) -> jax.Array:
     o = jnp.swapaxes(o, 0, 1).reshape(seq, batch, -1)  # [seq, b, hidden/tp]
     x = x + rs(o, params["w_o"])
     # [seq, b, ffn/tp] in between
+    return x + mlp(rms_norm(x, params["norm2"][0]), params["w_up"], params["w_down"])
+
+
+def _batch_major_layer(x: jax.Array, params: dict, head_dim: int) -> jax.Array:
+    """:func:`layer` on batch-major rows ``x [batch, seq/tp, hidden]``."""
+    ag, rs, mlp = collectives(BATCH_MAJOR)
+    qkv = ag(rms_norm(x, params["norm1"][0]), params["w_qkv"])  # [b, seq, 3 * hidden/tp]
+    batch, seq = qkv.shape[:2]
+    q, k, v = jnp.moveaxis(qkv.reshape(batch, seq, 3, -1, head_dim), 2, 0)  # BTNH each
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(batch, seq, -1)
+    x = x + rs(o, params["w_o"])
     return x + mlp(rms_norm(x, params["norm2"][0]), params["w_up"], params["w_down"])
 
 
@@ -185,6 +204,11 @@ def _parser() -> argparse.ArgumentParser:
         help="EXPERIMENTAL: more jax_ub columns, each under other internal tuning choices, "
         'in the same interleaved rounds (as python -m jax_ub.bench): "name=value,...;..."',
     )
+    ap.add_argument(
+        "--batch-major",
+        action="store_true",
+        help=f"add {BATCH_MAJOR}: jax_ub on batch-major activations (seq_axis=1)",
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
     return ap
@@ -237,6 +261,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for i, name in enumerate(PASSES):
             args_of = (x, params) if name == "fwd" else (x, params, dy)
             impls = {v: (built[v][i], args_of) for v in VARIANTS}
+            if args.batch_major:
+                impls[BATCH_MAJOR] = (build(mesh, BATCH_MAJOR, head_dim)[i], args_of)
             for settings in tunings:
                 # Communicators take their tuning when created, at lowering: compile now.
                 with _configured(settings):
