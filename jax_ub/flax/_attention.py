@@ -148,8 +148,9 @@ def attention_call(
 
     def body(x, p_qkv, p_out, mask):
         # Attention takes the sequence first; XLA merges these moves with its own.
-        qkv = layout.seq_first(_core.column_local(x, p_qkv, **kw), seq)
-        return _core.row_local(layout.seq_back(attend(qkv, mask), seq), p_out, **kw)
+        qkv = layout.seq_first(_core.linear_local("column", x, p_qkv, **kw), seq)
+        out = layout.seq_back(attend(qkv, mask), seq)
+        return _core.linear_local("row", out, p_out, **kw)
 
     col = _core.param_specs("column", axis_name, use_bias, fp8)
     row = _core.param_specs("row", axis_name, use_bias, fp8)

@@ -190,7 +190,8 @@ def fused_activation(activation: Callable[[jax.Array], jax.Array]) -> str | None
     return "gelu" if activation is jax.nn.gelu else None  # flax's gelu is jax.nn.gelu
 
 
-def column_local(
+def linear_local(
+    kind: str,
     x: jax.Array,
     params: Params,
     *,
@@ -201,39 +202,16 @@ def column_local(
     seq_axis: int = 0,
     activation: str | None = None,
 ) -> jax.Array:
-    """Local ``[seq/tp, *b, k]`` rows -> ``[seq, *b, n/tp]`` (the sequence at ``seq_axis``):
-    all_gather_matmul, its bias (this rank's columns' shard) and ``activation`` applied in
-    the GEMMs' epilogue."""
+    """A ``kind`` layer on local shards (the sequence at ``seq_axis``). ``"column"``: rows
+    ``[seq/tp, *b, k]`` -> ``[seq, *b, n/tp]``, all_gather_matmul with its bias (this
+    rank's columns' shard) and ``activation`` applied in the GEMMs' epilogue. ``"row"``:
+    ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``, matmul_reduce_scatter with its bias added
+    once after the reduction."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    scales = _scales(fp8, params)
-    return jax_ub.all_gather_matmul(
-        x,
-        kernel,
-        axis_name,
-        bias=bias,
-        activation=activation,
-        impl=impl,
-        fp8=scales,
-        seq_axis=seq_axis,
-    )
-
-
-def row_local(
-    x: jax.Array,
-    params: Params,
-    *,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    seq_axis: int = 0,
-) -> jax.Array:
-    """Local ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]`` (the sequence at ``seq_axis``):
-    matmul_reduce_scatter, its bias added once after the reduction."""
-    x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    return jax_ub.matmul_reduce_scatter(
-        x, kernel, axis_name, bias=bias, impl=impl, fp8=_scales(fp8, params), seq_axis=seq_axis
-    )
+    kw = dict(bias=bias, impl=impl, fp8=_scales(fp8, params), seq_axis=seq_axis)
+    if kind == "column":
+        return jax_ub.all_gather_matmul(x, kernel, axis_name, activation=activation, **kw)
+    return jax_ub.matmul_reduce_scatter(x, kernel, axis_name, **kw)
 
 
 def op_settings(layer: Any) -> tuple:
@@ -290,10 +268,10 @@ def _resharded_explicit(axis_name: str, in_specs: Any, args: tuple) -> tuple:
     return tuple(jax.tree.map(move, in_specs, args, is_leaf=is_spec))
 
 
-# Per layer kind: its per-shard computation and the specs of its input and output.
+# Per layer kind: the specs of its input and output.
 _LINEAR = {
-    "column": (column_local, seq_spec, feature_spec),  # sequence- -> feature-sharded
-    "row": (row_local, feature_spec, seq_spec),  # feature- -> sequence-sharded
+    "column": (seq_spec, feature_spec),  # sequence- -> feature-sharded
+    "row": (feature_spec, seq_spec),  # feature- -> sequence-sharded
 }
 
 
@@ -311,10 +289,10 @@ def linear_call(
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)`` of a ``kind`` layer: ``"column"`` takes sequence-sharded ``x`` to a
     feature-sharded output, ``"row"`` the reverse."""
-    local_fn, x_spec, out_spec = _LINEAR[kind]
+    x_spec, out_spec = _LINEAR[kind]
     seq = seq_axis % ndim
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
-    local = functools.partial(local_fn, **kw)
+    local = functools.partial(linear_local, kind, **kw)
     in_specs = (x_spec(ndim, axis_name, seq), param_specs(kind, axis_name, use_bias, fp8))
     return _over_tp(local, mesh, axis_name, in_specs, out_spec(ndim, axis_name, seq))
 
@@ -355,8 +333,8 @@ def mlp_call(
                 fp8=scales,
                 seq_axis=seq,
             )
-        h = column_local(x, p_up, activation=fused, **kw)
-        return row_local(h if fused else activation(h), p_down, **kw)
+        h = linear_local("column", x, p_up, activation=fused, **kw)
+        return linear_local("row", h if fused else activation(h), p_down, **kw)
 
     col = param_specs("column", axis_name, use_bias, fp8)
     row = param_specs("row", axis_name, use_bias, fp8)
