@@ -88,14 +88,19 @@ def _names(entry: Any) -> tuple[str, ...]:
 # --- the sequence dim --------------------------------------------------------------------
 
 
+def check_seq_axis_type(op: str, seq_axis: Any) -> None:
+    """``seq_axis`` is an int (a layer checks it when built, before it knows its input)."""
+    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)):
+        raise ValueError(f"{op}: seq_axis must be an int (a dim of x), got {seq_axis!r}")
+
+
 def check_seq_axis(op: str, x: Any, seq_axis: Any) -> int:
     """``seq_axis`` as an index in ``[0, x.ndim - 1)``: the dim of ``x`` the op gathers or
     scatters over its mesh axis (the sequence). 0 for ``[seq, batch, ..., k]``, 1 for
     batch-major ``[batch, seq, ..., k]``; negative values count from the end. The last dim
     is the features, never the sequence."""
     ndim = len(x.shape)
-    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)):
-        raise ValueError(f"{op}: seq_axis must be an int (a dim of x), got {seq_axis!r}")
+    check_seq_axis_type(op, seq_axis)
     index = int(seq_axis) + ndim if seq_axis < 0 else int(seq_axis)
     if not 0 <= index < ndim - 1:
         raise ValueError(

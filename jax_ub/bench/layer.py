@@ -97,9 +97,9 @@ def layer(x: jax.Array, params: dict, variant: str, head_dim: int) -> jax.Array:
     """One pre-norm transformer layer on a rank's rows ``x [seq/tp, batch, hidden]``, with
     the rank's weight shards (``params``: :func:`param_specs`); returns ``[seq/tp, batch,
     hidden]``."""
-    ag, rs, mlp = collectives(variant)
     if variant == BATCH_MAJOR:
         return jnp.swapaxes(_batch_major_layer(jnp.swapaxes(x, 0, 1), params, head_dim), 0, 1)
+    ag, rs, mlp = collectives(variant)
     qkv = ag(rms_norm(x, params["norm1"][0]), params["w_qkv"])  # [seq, b, 3 * hidden/tp]
     seq, batch = qkv.shape[:2]
     # [seq, b, 3, heads/tp, head_dim] -> three [b, seq, heads/tp, head_dim] (BTNH).

@@ -90,10 +90,9 @@ def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) 
         )
 
 
-def check_seq_axis(owner: str, seq_axis: Any) -> None:
-    """A layer's ``seq_axis`` is an int (checked against each input's dims when called)."""
-    if isinstance(seq_axis, bool) or not isinstance(seq_axis, int):
-        raise ValueError(f"{owner}: seq_axis must be an int (a dim of the input), got {seq_axis!r}")
+# A layer's seq_axis is an int, checked when it is built (against its input's dims when
+# it is called, by check_input).
+check_seq_axis = layout.check_seq_axis_type
 
 
 def check_input(
@@ -123,10 +122,9 @@ def check_input(
 # --- sharding layout ---------------------------------------------------------------------
 
 
-def seq_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
-    """``[seq, *batch, features]`` split over ``axis_name`` on the sequence dim
-    (``seq_axis``, counted from the end where negative)."""
-    return layout.seq_spec(ndim, axis_name, seq_axis % ndim)
+# ``[seq, *batch, features]`` split over the axis on the sequence dim (``seq_axis``, a
+# dim index in [0, ndim - 1)).
+seq_spec = layout.seq_spec
 
 
 def feature_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
