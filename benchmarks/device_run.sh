@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv > "$OUT/
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 cat "$OUT/gpus.txt" | head -12
 t0=$(date +%s)
-timeout 300 bash -c 'cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
+timeout 300 bash -c 'cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_UB_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90-real} \
   -DPython_EXECUTABLE=$(command -v python3) > '"$OUT"'/build.log 2>&1 && ninja -C build/dev >> '"$OUT"'/build.log 2>&1' \
   || { echo BUILD FAILED; tail -40 "$OUT/build.log"; exit 1; }
 ln -sf "$(pwd)"/build/dev/_host*.so "$(pwd)"/build/dev/_cuda*.so jax_ub/_src/

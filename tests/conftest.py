@@ -323,3 +323,41 @@ def assert_same_specials(got, want, dtype):
     np.testing.assert_array_equal(got[inf_w], want[inf_w], err_msg="Inf signs differ")
     fin = ~nan_w & ~inf_w
     assert rel_err(got[fin], want[fin]) < tol(dtype)
+
+
+_CHILD_ENV = "JAX_UB_TEST_IN_CHILD"
+
+
+def in_own_process(request, timeout_s: float = 300) -> bool:
+    """Run the calling test in a fresh Python process, so that a crash (a segfault in XLA's
+    compiler, an abort) fails that test alone instead of ending the session.
+
+    Returns True in that process, where the test's body runs; in the parent it runs the
+    child, fails with the child's output (and the signal, if it died of one) unless the
+    child passed, and returns False. Usage: ``if not in_own_process(request): return``.
+    """
+    import re
+    import subprocess
+    import sys
+
+    if os.environ.get(_CHILD_ENV) == "1":
+        return True
+    env = dict(os.environ, **{_CHILD_ENV: "1"})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
+    try:
+        done = subprocess.run(
+            cmd,
+            cwd=request.config.rootpath,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{request.node.nodeid} did not finish in {timeout_s} s:\n{e.stdout}")
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+    if done.returncode < 0:
+        pytest.fail(f"the test's process died of signal {-done.returncode}:\n{tail}")
+    if done.returncode != 0 or not re.search(r"^1 passed", done.stdout, re.MULTILINE):
+        pytest.fail(f"the test failed in its own process (rc={done.returncode}):\n{tail}")
+    return False

@@ -135,6 +135,38 @@ def test_grads_match_xla(tp):
         assert _rel(g_ub, g_ref) < 3e-2
 
 
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_float32_grads_follow_allow_tf32(allow_tf32):
+    """Float32: every GEMM of the forward and the gradients (the weight gradients are XLA's
+    dot) at full float32 precision unless allow_tf32, against precision="highest" math."""
+    jax_ub.configure(allow_tf32=allow_tf32)
+    mesh = _mesh(2)
+    x, w1, w2 = _data(jax.random.key(8), [(528, 512), (512, 768), (768, 512)], jnp.float32)
+    w1, w2 = w1 / np.sqrt(512), w2 / np.sqrt(768)
+
+    def mlp(x, w1, w2):
+        h = jnp.tanh(jax_ub.all_gather_matmul(x, w1, "tp", impl="ub"))
+        return jax_ub.matmul_reduce_scatter(h, w2, "tp", impl="ub")
+
+    def reference(x, w1, w2):
+        h = jnp.tanh(jnp.matmul(x, w1, precision="highest"))
+        return jnp.matmul(h, w2, precision="highest")
+
+    f = jax.shard_map(
+        mlp, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P("tp")
+    )
+    loss = lambda g: lambda *a: jnp.sum(jnp.sin(g(*a)))  # noqa: E731
+    grads = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(x, w1, w2)
+    with jax.default_device(jax.devices("cpu")[0]):
+        cpu = [np.asarray(a) for a in (x, w1, w2)]
+        grads_ref = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2)))(*cpu)
+    errors = [_rel(g, r) for g, r in zip(grads, grads_ref)]
+    if allow_tf32:
+        assert all(e < 5e-3 for e in errors), errors  # TF32: ~1e-4..1e-3
+    else:
+        assert all(e < 2e-5 for e in errors), errors
+
+
 @pytest.mark.parametrize("order", ["row", "auto"])
 def test_each_gemm_order_matches_xla(order):
     """The tests above run the default description ("column"). Forcing "row", and "auto"

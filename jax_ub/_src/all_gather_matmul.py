@@ -11,6 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks, layout
+from jax_ub._src.config import config
 from jax_ub._src.epilogue import check_epilogue, epilogue_grads
 from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, fp8_all_gather_matmul
 from jax_ub._src.fp8 import check_operands as check_fp8_operands
@@ -174,9 +175,14 @@ def _on_global_arrays(
 
 
 def contract_rows(a, b):
-    """``a [rows, *batch, p]``, ``b [rows, *batch, q]`` -> ``a^T b`` of shape ``[p, q]``."""
+    """``a [rows, *batch, p]``, ``b [rows, *batch, q]`` -> ``a^T b`` of shape ``[p, q]``.
+
+    The weight gradient is XLA's dot, not a custom call, so it follows ``allow_tf32`` here:
+    XLA's default float32 dot on GPUs may run in TF32, which the ops' own GEMMs do only
+    with ``allow_tf32``."""
     lead = tuple(range(a.ndim - 1))
-    return jnp.tensordot(a, b, axes=(lead, lead))
+    precision = None if config.allow_tf32 else lax.Precision.HIGHEST
+    return jnp.tensordot(a, b, axes=(lead, lead), precision=precision)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))

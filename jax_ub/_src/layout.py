@@ -75,6 +75,13 @@ def _warn_replicated(shape: tuple, axes: tuple, size: int) -> None:
     checks.warn_once(message, message)
 
 
+def local_shape(shape: Sequence[int], spec: P, mesh: Any) -> tuple[int, ...]:
+    """The shape of one device's shard of an array of ``shape`` laid out as ``spec``."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    sizes = [int(np.prod([mesh.shape[a] for a in _names(e)])) for e in entries]
+    return tuple(d // s for d, s in zip(shape, sizes))
+
+
 def _axis_type(mesh: Any, axis: str) -> Any:
     return dict(zip(mesh.axis_names, mesh.axis_types))[axis]
 

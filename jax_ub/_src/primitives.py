@@ -139,31 +139,55 @@ def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, *operands, **params)
     Each device then runs the custom call on its own shard of the batch dims, which keep
     their sharding over those axes (``layout.batch_spec``); the weight is replicated over
     them (XLA gathers an fsdp-sharded weight, as it would for a plain dot).
+
+    No empty array (an absent bias or GELU input, an unrequested result) crosses the
+    shard_map: empty operands are made inside it and empty results outside. XLA's GPU
+    compiler replaces empty values with constants before Shardy partitions the module,
+    which leaves the manual computation with unused inputs, and Shardy's pass that drops
+    them then crashes the process (jaxlib 0.11.2; tests/test_gpu_layouts.py has the
+    reproducer).
     """
     auto = tuple(a for a in mesh.axis_names if a not in manual)
     spec = layout.batch_spec(ctx.avals_in[0], mesh, auto)
     types = {a: AxisType.Manual for a in manual}
     abstract = mesh.abstract_mesh.update_axis_types(types) if types else mesh.abstract_mesh
+    in_specs = [spec if i in _BATCHED[prim] else P() for i in range(len(ctx.avals_in))]
+    empty_in = [_is_empty(a) for a in ctx.avals_in]
+    avals_out = ctx.avals_out if prim.multiple_results else [ctx.avals_out[0]]
+    kept_out = [i for i, a in enumerate(avals_out) if not _is_empty(a)]
 
-    def body(*operands):
-        return prim.bind(*operands, **params)
-
-    out_specs = [spec] * len(ctx.avals_out) if prim.multiple_results else spec
+    def body(*passed):
+        it = iter(passed)
+        args = [
+            jnp.zeros(layout.local_shape(a.shape, s, mesh), a.dtype) if e else next(it)
+            for a, s, e in zip(ctx.avals_in, in_specs, empty_in)
+        ]
+        outs = prim.bind(*args, **params)
+        outs = outs if prim.multiple_results else [outs]
+        return [outs[i] for i in kept_out]
 
     def nested(*operands):
-        return jax.shard_map(
+        outs = jax.shard_map(
             body,
             mesh=abstract,
-            in_specs=tuple(spec if i in _BATCHED[prim] else P() for i in range(len(operands))),
-            out_specs=out_specs,
+            in_specs=tuple(s for s, e in zip(in_specs, empty_in) if not e),
+            out_specs=[spec] * len(kept_out),
             axis_names=frozenset(auto),
             check_vma=False,
-        )(*operands)
+        )(*(o for o, e in zip(operands, empty_in) if not e))
+        full = [jnp.zeros(a.shape, a.dtype) for a in avals_out]
+        for i, o in zip(kept_out, outs):
+            full[i] = o
+        return full if prim.multiple_results else full[0]
 
     # The nested shard_map is traced against the partly manual mesh of this context and
     # lowered for its concrete devices.
     with mesh_lib.use_abstract_mesh(abstract), sharding_impls._internal_use_concrete_mesh(mesh):
         return mlir.lower_fun(nested, multiple_results=prim.multiple_results)(ctx, *operands)
+
+
+def _is_empty(aval) -> bool:
+    return 0 in aval.shape
 
 
 def _flat(aval: core.ShapedArray) -> core.ShapedArray:
