@@ -342,7 +342,8 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
 
     if os.environ.get(_CHILD_ENV) == "1":
         return True
-    env = dict(os.environ, **{_CHILD_ENV: "1"})
+    # The parent already holds its share of the GPUs: the child allocates as it goes.
+    env = dict(os.environ, **{_CHILD_ENV: "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
     try:
         done = subprocess.run(
