@@ -240,8 +240,10 @@ def test_fp8_plain_jit(request, layout):
         }
     (l_ub, g_ub), (l_xla, g_xla) = outs["ub"], outs["xla"]
     assert _rel(l_ub, l_xla) < 2e-2
+    # The gradients pass through e5m2 (2 mantissa bits): two implementations that round
+    # a few elements differently differ by several percent.
     for g, r in zip(g_ub, g_xla):
-        assert _rel(g, r) < 5e-2
+        assert _rel(g, r) < 1e-1
     # And near the unquantized float32 math.
     with jax.default_device(CPU):
         l_ref = jnp.sum(_mlp_reference(*map(_f32, (x, w1, w2))) ** 2)
@@ -300,7 +302,8 @@ def test_flax_linen_mlp_matches_xla(request, layout):
 
 def test_group_of_one_under_auto_is_a_plain_matmul(request):
     """tp=1 inside a larger mesh under impl="auto": XLA's dot, no custom call and no
-    communicator, with the same result as impl="ub"."""
+    communicator; the result is impl="xla"'s, and impl="ub"'s up to TF32 (XLA's default
+    float32 dot on GPUs)."""
     if not in_own_process(request):
         return
     if N < 2:
@@ -312,6 +315,8 @@ def test_group_of_one_under_auto_is_a_plain_matmul(request):
         hlo = jax.jit(_mlp("auto")).lower(*args).compile().as_text()
         y_auto = jax.jit(_mlp("auto"))(*args)
         assert not jax_ub.live_communicators()
+        y_xla = jax.jit(_mlp("xla"))(*args)
         y_ub = jax.jit(_mlp("ub"))(*args)
     assert not any(op in hlo for op in OPS_IN_HLO)
-    assert _rel(y_auto, y_ub) < 1e-4
+    assert _rel(y_auto, y_xla) < 1e-6
+    assert _rel(y_auto, y_ub) < 3e-3
