@@ -6,6 +6,8 @@ Public API:
   matmul_reduce_scatter(x, w, axis_name, *, bias=None, impl="auto", fp8=None)
   gelu_mlp(x, w_up, w_down, axis_name, *, up_bias=None, down_bias=None, impl="auto",
            fp8=None): the two ops around GELU, GELU's backward in a GEMM epilogue
+  gated_mlp(x, w_gate_up, w_down, axis_name, *, activation="silu", impl="auto", fp8=None):
+    SwiGLU / GeGLU, x gathered once for the gate and up projections
   Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
   initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
   configure(**settings) / config
@@ -19,6 +21,7 @@ from jax_ub._src.auto_rule import ImplChoice, explain_impl
 from jax_ub._src.communicator import Communicator, initialize, live_communicators
 from jax_ub._src.config import Config, config, configure
 from jax_ub._src.fp8 import Fp8Scales
+from jax_ub._src.gated_mlp import gated_mlp, gated_mlp_reference
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.mlp import gelu_mlp
 from jax_ub._src.reference import (
@@ -39,6 +42,8 @@ __all__ = [
     "configure",
     "explain_impl",
     "finalize",
+    "gated_mlp",
+    "gated_mlp_reference",
     "gelu_mlp",
     "initialize",
     "live_communicators",

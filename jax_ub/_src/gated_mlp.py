@@ -1,0 +1,156 @@
+"""gated_mlp: the gated MLP of Llama, Mistral, Qwen (SwiGLU) and Gemma (GeGLU), tensor-parallel.
+
+``down(act(x @ w_gate) * (x @ w_up))`` on sequence-parallel activations: ``x`` is
+all-gathered once into one GEMM over this rank's gate and up columns side by side (one
+:func:`all_gather_matmul`), the gated product stays feature-sharded on its rank, and the
+down-projection's result is reduce-scattered back (one :func:`matmul_reduce_scatter`). The
+backward is the ops' own: each swaps its collective for the other's, overlapped too, and
+the gate and up weights' gradient is one GEMM against the gathered ``x`` the forward kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_ub._src import checks, layout
+from jax_ub._src.all_gather_matmul import all_gather_matmul
+from jax_ub._src.fp8 import Fp8Scales, check_scales
+from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
+
+_OP = "gated_mlp"
+
+# The activations of the gate: SwiGLU's (Llama, Mistral, Qwen) and GeGLU's (Gemma: GELU's
+# tanh approximation, jax.nn.gelu's default).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+}
+
+
+def gated_mlp(
+    x: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    axis_name: str,
+    *,
+    activation: str | Callable[[jax.Array], jax.Array] = "silu",
+    impl: str = "auto",
+    fp8: tuple[Fp8Scales, Fp8Scales] | None = None,
+    seq_axis: int = 0,
+) -> jax.Array:
+    """``psum_scatter((act(x @ w_gate) * (x @ w_up)) @ w_down)`` with ``x`` all-gathered:
+    a tensor-parallel gated MLP block whose collectives overlap its GEMMs.
+
+    The gate and up kernels are one array ``w_gate_up [k, 2, f]``: ``w_gate_up[:, 0]`` is
+    the gate projection, ``w_gate_up[:, 1]`` the up projection. Split over ``axis_name``
+    on its last dim, every rank holds the gate and up columns of the same hidden units, so
+    the split of the product into gate and up is local. From an unsharded checkpoint with
+    ``gate_proj [k, F]`` and ``up_proj [k, F]`` (``x @ kernel`` convention; transpose
+    PyTorch's ``[F, k]`` weights first): ``w_gate_up = jnp.stack([gate_proj, up_proj],
+    axis=1)``, sharded ``P(None, None, axis_name)``; ``down_proj [F, n]`` is ``w_down``,
+    sharded ``P(axis_name, None)``.
+
+    Two ways to call it, as the ops: inside ``jax.shard_map`` over ``axis_name`` on local
+    shards (``x [m, ..., k]``, ``w_gate_up [k, 2, F / tp]``, ``w_down [F / tp, n]``), or on
+    global arrays under ``jax.set_mesh`` (``x`` sequence-sharded, the kernels as above).
+
+    Args:
+      x: ``[seq, ..., k]`` (or batch-major with ``seq_axis``), sequence-sharded.
+      w_gate_up: ``[k, 2, f]``, the gate and up kernels stacked on dim 1.
+      w_down: ``[f, n]``.
+      axis_name: the tensor-parallel mesh axis, of size ``tp``.
+      activation: the gate's activation: ``"silu"`` (SwiGLU), ``"gelu"`` (GeGLU, tanh
+        approximation) or any elementwise callable.
+      impl: ``"ub"``, ``"xla"`` or ``"auto"``, as for :func:`all_gather_matmul`.
+      fp8: ``(gate_up, down)``, two :class:`jax_ub.Fp8Scales`: both projections in fp8,
+        ``down.x`` scaling the gated product.
+      seq_axis: the sequence dim of ``x`` and of the result, as for the ops.
+
+    Returns:
+      ``[seq, ..., n]``, sequence-sharded like ``x``.
+
+    Example::
+
+        f = jax.jit(jax.shard_map(
+            lambda x, wgu, wd: jax_ub.gated_mlp(x, wgu, wd, "tp"), mesh=mesh,
+            in_specs=(P("tp"), P(None, None, "tp"), P("tp", None)), out_specs=P("tp")))
+        y = f(x, w_gate_up, w_down)  # == (silu(x @ wgu[:, 0]) * (x @ wgu[:, 1])) @ wd
+    """
+    checks.check_impl(_OP, impl)
+    act = _activation(activation)
+    shapes = f"{x.shape=} {w_gate_up.shape=} {w_down.shape=}"
+    if getattr(x, "ndim", 0) < 2:
+        raise ValueError(f"{_OP}: x must be [seq, ..., k]; {shapes}")
+    if w_gate_up.ndim != 3 or w_gate_up.shape[1] != 2 or w_gate_up.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{_OP}: w_gate_up must be [k, 2, f] (gate and up kernels stacked on dim 1) with "
+            f"k = x.shape[-1] = {x.shape[-1]}; {shapes}"
+        )
+    if w_down.ndim != 2 or w_down.shape[0] != w_gate_up.shape[2]:
+        raise ValueError(
+            f"{_OP}: w_down must be [f, n] with f = w_gate_up.shape[2] = "
+            f"{w_gate_up.shape[2]}; {shapes}"
+        )
+    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
+    scales = _check_fp8(fp8)
+
+    def local(x, w_gate_up, w_down_and_scales):
+        w_down, (up, down) = w_down_and_scales
+        k, _, f = w_gate_up.shape
+        kw = dict(impl=impl, seq_axis=seq_axis)
+        # [k, 2, f] -> [k, 2f] is free: this rank's gate columns, then its up columns.
+        gate_up = all_gather_matmul(x, w_gate_up.reshape(k, 2 * f), axis_name, fp8=up, **kw)
+        hidden = act(gate_up[..., :f]) * gate_up[..., f:]
+        return matmul_reduce_scatter(hidden, w_down, axis_name, fp8=down, **kw)
+
+    if checks.bound_axis_size(_OP, axis_name) is not None:
+        return local(x, w_gate_up, (w_down, scales))
+    return layout.on_global_arrays(
+        _OP,
+        local,
+        x,
+        w_gate_up,
+        axis_name,
+        (layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, None, axis_name)),
+        layout.seq_spec(x.ndim, axis_name, seq_axis),
+        {f"rows of x (dim {seq_axis})": x.shape[seq_axis], "f of w_gate_up": w_gate_up.shape[2]},
+        (w_down, scales),
+        (P(axis_name, None), P()),  # fp8 scales replicated
+    )
+
+
+def _activation(activation) -> Callable[[jax.Array], jax.Array]:
+    if callable(activation):
+        return activation
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{_OP}: activation must be one of {sorted(ACTIVATIONS)} or a callable, "
+            f"got {activation!r}"
+        )
+    return ACTIVATIONS[activation]
+
+
+def _check_fp8(fp8) -> tuple[Fp8Scales | None, Fp8Scales | None]:
+    """``fp8`` as ``(gate_up, down)``; ``(None, None)`` without fp8."""
+    if fp8 is None:
+        return None, None
+    if not isinstance(fp8, (tuple, list)) or len(fp8) != 2:
+        raise TypeError(
+            f"{_OP}: fp8 must be a pair (gate_up, down) of jax_ub.Fp8Scales, "
+            f"got {type(fp8).__name__}"
+        )
+    for scales in fp8:
+        check_scales(_OP, scales)
+    return tuple(fp8)
+
+
+def gated_mlp_reference(x, w_gate_up, w_down, activation="silu"):
+    """The unsharded math: ``(act(x @ w_gate) * (x @ w_up)) @ w_down`` on whole arrays."""
+    act = _activation(activation)
+    gate = jnp.einsum("...k,kf->...f", x, w_gate_up[:, 0])
+    up = jnp.einsum("...k,kf->...f", x, w_gate_up[:, 1])
+    return jnp.einsum("...f,fn->...n", act(gate) * up, w_down)
