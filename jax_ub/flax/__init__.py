@@ -8,6 +8,7 @@ live in :mod:`jax_ub.flax.linen`.
 * :class:`RowParallelLinear`: feature-sharded input, matmul reduce-scattered back to
   sequence-parallel (:func:`jax_ub.matmul_reduce_scatter`).
 * :class:`ParallelMLP`, :class:`ParallelSelfAttention`: blocks built from the two.
+* :class:`ParallelGatedMLP`: SwiGLU / GeGLU (:func:`jax_ub.gated_mlp`).
 
 Activations are ``[seq, *batch, features]``; parameters are global arrays annotated with
 their sharding over the tensor-parallel mesh axis, so model state holds only arrays and
@@ -26,6 +27,7 @@ from jax_ub.flax import linen, nnx
 from jax_ub.flax.nnx import (
     ColumnParallelLinear,
     OverwriteWithGradient,
+    ParallelGatedMLP,
     ParallelMLP,
     ParallelSelfAttention,
     RowParallelLinear,
@@ -34,6 +36,7 @@ from jax_ub.flax.nnx import (
 __all__ = [
     "ColumnParallelLinear",
     "OverwriteWithGradient",
+    "ParallelGatedMLP",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",

@@ -338,3 +338,51 @@ def mlp_call(
     row = param_specs("row", axis_name, use_bias, fp8)
     spec = seq_spec(ndim, axis_name, seq)
     return _over_tp(body, mesh, axis_name, (spec, col, row), spec)
+
+
+def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str, tuple]:
+    """Sharding names of a gated MLP's ``gate_up`` kernel ``[in, 2, hidden]`` (hidden split
+    over ``axis_name``, ``other_axes`` on ``in``) and its row-parallel ``down_proj``."""
+    row = param_names(owner, "row", axis_name, False, other_axes)
+    return {"gate_up": (other_axes, None, axis_name), "down_proj": row["kernel"]}
+
+
+def check_gated_fp8(owner: str, fp8: Any) -> None:
+    if _fp8.recipe(fp8) == "delayed":
+        raise ValueError(
+            f"{owner}: fp8='delayed' is not available for the gated MLP yet; use fp8=True "
+            "(current scaling)"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def gated_mlp_call(
+    mesh: Mesh | None,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    fp8: str | None,
+    seq_axis: int,
+    activation: Any,
+    ndim: int,
+) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """``f(x, gate_up, down)``: :func:`jax_ub.gated_mlp`, sequence-sharded."""
+    seq = seq_axis % ndim
+
+    def body(x, gate_up, down):
+        x, gate_up, down = _promote(dtype, x, gate_up, down)
+        scales = None if fp8 is None else (_scales(fp8, {}), _scales(fp8, {}))
+        return jax_ub.gated_mlp(
+            x,
+            gate_up,
+            down,
+            axis_name,
+            activation=activation,
+            impl=impl,
+            fp8=scales,
+            seq_axis=seq,
+        )
+
+    spec = seq_spec(ndim, axis_name, seq)
+    kernels = (P(None, None, axis_name), P(axis_name, None))
+    return _over_tp(body, mesh, axis_name, (spec, *kernels), spec)

@@ -4,7 +4,13 @@ Parameters are created with ``nn.with_partitioning`` (boxed as ``nn.Partitioned`
 ``nn.get_partition_spec(variables)`` gives their sharding over the tensor-parallel axis.
 """
 
-from jax_ub.flax.linen.blocks import ParallelMLP, ParallelSelfAttention
+from jax_ub.flax.linen.blocks import ParallelGatedMLP, ParallelMLP, ParallelSelfAttention
 from jax_ub.flax.linen.layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelGatedMLP",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "RowParallelLinear",
+]

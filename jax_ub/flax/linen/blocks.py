@@ -109,6 +109,64 @@ class ParallelMLP(nn.Module):
         return f(inputs, p_up, p_down)
 
 
+class ParallelGatedMLP(nn.Module):
+    """Linen version of :class:`jax_ub.flax.ParallelGatedMLP`: the same params
+    (``gate_up [in, 2, hidden]``, ``down_proj [hidden, out]``), math and sharding.
+
+    Example::
+
+        >>> mlp = jax_ub.flax.linen.ParallelGatedMLP(64, mesh=mesh)
+        >>> variables = mlp.init(jax.random.key(0), x)  # x: [seq, batch, 16]
+        >>> jax.jit(mlp.apply)(variables, x).shape
+        (32, 2, 16)
+
+    Attributes:
+      hidden_features: number of hidden features; a multiple of ``tp``.
+      out_features, activation, fp8, mesh, axis_name, param_axes, impl, seq_axis, dtype,
+        param_dtype, kernel_init: as for the NNX block.
+    """
+
+    hidden_features: int
+    mesh: Mesh | None = None
+    axis_name: str = "tp"
+    param_axes: str | tuple[str, ...] | None = None
+    impl: str = "auto"
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    out_features: int | None = None
+    activation: str | Callable[[jax.Array], jax.Array] = "silu"
+    fp8: bool | str = False
+    seq_axis: int = 0
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
+        owner = type(self).__name__
+        tp = _core.group_size(owner, self.mesh, self.axis_name)
+        _core.check_impl(owner, self.impl)
+        _core.check_fp8(owner, self.fp8, _fp8.DEFAULT_HISTORY_LENGTH)
+        _core.check_gated_fp8(owner, self.fp8)
+        _core.check_seq_axis(owner, self.seq_axis)
+        _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
+        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        k, hidden = inputs.shape[-1], self.hidden_features
+        out = k if self.out_features is None else self.out_features
+        names = _core.gated_kernel_names(owner, self.axis_name, self.param_axes)
+
+        def gate_up_init(key, shape, dtype):  # fan-in is k, not the 2 of [k, 2, hidden]
+            return self.kernel_init(key, (shape[0], 2 * shape[2]), dtype).reshape(shape)
+
+        def param(name, init, shape):
+            init = nn.with_partitioning(init, names[name], mesh=self.mesh)
+            return self.param(name, init, shape, self.param_dtype)
+
+        gate_up = param("gate_up", gate_up_init, (k, 2, hidden))
+        down = param("down_proj", self.kernel_init, (hidden, out))
+        f = _core.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim)
+        return f(inputs, gate_up, down)
+
+
 class ParallelSelfAttention(nn.Module):
     """Linen version of :class:`jax_ub.flax.ParallelSelfAttention`.
 

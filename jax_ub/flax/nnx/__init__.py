@@ -7,12 +7,13 @@ Parameters are ``nnx.Param``s carrying their sharding names as metadata, so
 variables (replicated), which a training step overwrites with their gradients.
 """
 
-from jax_ub.flax.nnx.blocks import ParallelMLP, ParallelSelfAttention
+from jax_ub.flax.nnx.blocks import ParallelGatedMLP, ParallelMLP, ParallelSelfAttention
 from jax_ub.flax.nnx.layers import ColumnParallelLinear, OverwriteWithGradient, RowParallelLinear
 
 __all__ = [
     "ColumnParallelLinear",
     "OverwriteWithGradient",
+    "ParallelGatedMLP",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
