@@ -38,6 +38,56 @@ def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 
         )
 
 
+def check_heads(
+    owner: str,
+    num_heads: int,
+    num_kv_heads: int | None,
+    qkv_features: int,
+    tp: int | None,
+    axis_name: str,
+    rope_theta: float | None = None,
+) -> tuple[int, int]:
+    """``(head_dim, queries per key/value head)`` of a (grouped-query) attention block, or a
+    ValueError naming the setting: ``num_kv_heads`` (default ``num_heads``) divides
+    ``num_heads`` and is a multiple of ``tp`` (whole groups on each device), ``num_heads``
+    divides ``qkv_features``, and rotary embeddings need an even head size."""
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads <= 0 or kv <= 0 or num_heads % kv != 0:
+        raise ValueError(f"{owner}: num_kv_heads={kv} must divide num_heads={num_heads}")
+    if tp is not None:
+        what = "num_heads" if num_kv_heads is None else "num_kv_heads"
+        _core.check_divisible(owner, what, kv, tp, axis_name)
+    if qkv_features % num_heads != 0:
+        raise ValueError(f"{owner}: qkv_features={qkv_features} is not divisible by {num_heads=}")
+    head_dim = qkv_features // num_heads
+    if rope_theta is not None and (head_dim % 2 or not rope_theta > 0):
+        raise ValueError(
+            f"{owner}: rotary embeddings need an even head size and rope_theta > 0, got "
+            f"head_dim={head_dim} (qkv_features={qkv_features} / {num_heads=}), {rope_theta=}"
+        )
+    return head_dim, num_heads // kv
+
+
+def qkv_width(head_dim: int, num_heads: int, q_per_kv: int) -> int:
+    """Columns of the fused QKV projection: per key/value head, its ``q_per_kv`` queries,
+    its key and its value."""
+    return (num_heads // q_per_kv) * (q_per_kv + 2) * head_dim
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embeddings of ``x [batch, seq, heads, head_dim]`` at ``positions
+    [seq]``, in the convention of Llama's reference and Hugging Face checkpoints: the two
+    halves of each head are rotated as pairs ``(x[i], x[i + head_dim / 2])`` by
+    ``position * theta ** (-2i / head_dim)``. Computed in float32."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1])
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
@@ -81,6 +131,8 @@ def attention_local(
     mask: jax.Array | None,
     *,
     head_dim: int,
+    q_per_kv: int = 1,
+    rope_theta: float | None = None,
     is_causal: bool = False,
     implementation: str | None = None,
     platform: str = "cpu",
@@ -88,7 +140,13 @@ def attention_local(
     """Self-attention over the local heads, with ``jax.nn.dot_product_attention``.
 
     Args:
-      qkv: ``[seq, *batch, heads * 3 * head_dim]``, columns ordered (head, q/k/v, head_dim).
+      qkv: ``[seq, *batch, kv_heads * (q_per_kv + 2) * head_dim]``, columns ordered
+        (key/value head, [its q_per_kv queries, key, value], head_dim); query head
+        ``g * q_per_kv + j`` attends with key/value head ``g``. With ``q_per_kv=1``:
+        (head, q/k/v, head_dim).
+      q_per_kv: queries per key/value head (grouped-query attention when > 1).
+      rope_theta: rotary embeddings (:func:`rotary`) of the queries and keys at positions
+        ``0 .. seq - 1`` with this base, or None for none.
       mask: boolean, broadcastable to ``[*batch, 1, seq, seq]``; True attends.
       is_causal: attend only to earlier positions (no mask array needed).
       implementation: ``"xla"``, ``"cudnn"``, or None (cuDNN on GPUs where it applies).
@@ -98,11 +156,16 @@ def attention_local(
       ``[seq, *batch, heads * head_dim]``, columns ordered (head, head_dim).
     """
     seq, batch = qkv.shape[0], qkv.shape[1:-1]
-    qkv = qkv.reshape(seq, *batch, -1, 3, head_dim)
-    heads = qkv.shape[-3]
+    qkv = qkv.reshape(seq, *batch, -1, q_per_kv + 2, head_dim)
+    groups = qkv.shape[-3]
+    heads = groups * q_per_kv
     # dot_product_attention takes [batch, seq, heads, head_dim]: fold the batch dims.
-    qkv = jnp.moveaxis(qkv, 0, len(batch)).reshape(-1, seq, heads, 3, head_dim)
-    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    qkv = jnp.moveaxis(qkv, 0, len(batch)).reshape(-1, seq, groups, q_per_kv + 2, head_dim)
+    q = qkv[..., :q_per_kv, :].reshape(-1, seq, heads, head_dim)
+    k, v = qkv[..., q_per_kv, :], qkv[..., q_per_kv + 1, :]
+    if rope_theta is not None:
+        positions = jnp.arange(seq)
+        q, k = rotary(q, positions, rope_theta), rotary(k, positions, rope_theta)
     if mask is not None:
         mask = jnp.broadcast_to(mask, (*batch, 1, seq, seq)).reshape(-1, 1, seq, seq)
     backend = _attention_backend(implementation, platform, q.dtype, head_dim, mask is not None)
@@ -134,6 +197,8 @@ def attention_call(
     has_mask: bool,
     is_causal: bool = False,
     attention_implementation: str | None = None,
+    q_per_kv: int = 1,
+    rope_theta: float | None = None,
 ) -> Callable[[jax.Array, Params, Params, jax.Array | None], jax.Array]:
     """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded."""
     seq = seq_axis % ndim
@@ -141,6 +206,8 @@ def attention_call(
     attend = functools.partial(
         attention_local,
         head_dim=head_dim,
+        q_per_kv=q_per_kv,
+        rope_theta=rope_theta,
         is_causal=is_causal,
         implementation=attention_implementation,
         platform=platform_of(mesh),

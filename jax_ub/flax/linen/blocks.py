@@ -184,7 +184,11 @@ class ParallelSelfAttention(nn.Module):
         (32, 2, 16)
 
     Attributes:
-      num_heads: number of attention heads; a multiple of ``tp``.
+      num_heads: number of attention (query) heads; a multiple of ``num_kv_heads``.
+      num_kv_heads: key/value heads (default ``num_heads``; fewer: grouped-query
+        attention, ``qkv`` laid out as :class:`jax_ub.flax.ParallelSelfAttention` says); a
+        multiple of ``tp``.
+      rope_theta: rotary embeddings' base, or None (default) for none.
       mesh: optional :class:`jax.sharding.Mesh` (default: the mesh set by ``jax.set_mesh``,
         or the enclosing shard_map's).
       qkv_features: total query (and key, value) width over all heads (default: the
@@ -203,6 +207,8 @@ class ParallelSelfAttention(nn.Module):
     """
 
     num_heads: int
+    num_kv_heads: int | None = None
+    rope_theta: float | None = None
     mesh: Mesh | None = None
     axis_name: str = "tp"
     param_axes: str | tuple[str, ...] | None = None
@@ -233,15 +239,19 @@ class ParallelSelfAttention(nn.Module):
         in_features = inputs.shape[-1] if inputs.ndim else 0
         qkv_features = in_features if self.qkv_features is None else self.qkv_features
         out_features = in_features if self.out_features is None else self.out_features
-        qkv = ColumnParallelLinear(3 * qkv_features, name="qkv", **_layer_kwargs(self))
         out = RowParallelLinear(out_features, name="out", **_layer_kwargs(self))
-        tp = qkv.tp_size()
-        _core.check_divisible(owner, "num_heads", self.num_heads, tp, self.axis_name)
-        if qkv_features % self.num_heads != 0:
-            raise ValueError(
-                f"{owner}: qkv_features={qkv_features} is not divisible by "
-                f"num_heads={self.num_heads}"
-            )
+        tp = out.tp_size()
+        head_dim, q_per_kv = _attention.check_heads(
+            owner,
+            self.num_heads,
+            self.num_kv_heads,
+            qkv_features,
+            tp,
+            self.axis_name,
+            self.rope_theta,
+        )
+        width = _attention.qkv_width(head_dim, self.num_heads, q_per_kv)
+        qkv = ColumnParallelLinear(width, name="qkv", **_layer_kwargs(self))
         _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         _attention.check_attention_implementation(owner, self.attention_implementation, self.mesh)
         if mask is not None:
@@ -250,11 +260,13 @@ class ParallelSelfAttention(nn.Module):
         p_out = out.get_params(qkv_features)
         f = _attention.attention_call(
             *_core.op_settings(self),
-            qkv_features // self.num_heads,
+            head_dim,
             inputs.ndim,
             self.use_bias,
             mask is not None,
             bool(is_causal),
             self.attention_implementation,
+            q_per_kv,
+            self.rope_theta,
         )
         return f(inputs, p_qkv, p_out, mask)

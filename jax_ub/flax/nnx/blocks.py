@@ -222,11 +222,30 @@ class ParallelSelfAttention(nnx.Module):
         >>> attn(jnp.ones((32, 2, 16)), is_causal=True).shape
         (32, 2, 16)
 
+    Grouped-query attention (Llama 3, Mistral, Qwen): with ``num_kv_heads < num_heads``,
+    each key/value head serves ``num_heads / num_kv_heads`` query heads, and ``qkv``'s
+    columns are ordered ``(kv_head, [its queries, key, value], head_dim)``, so each device
+    holds ``num_kv_heads / tp`` whole groups. From an unsharded checkpoint's ``q_proj
+    [in, num_heads * head_dim]``, ``k_proj`` and ``v_proj [in, num_kv_heads * head_dim]``
+    (``x @ kernel`` convention), with ``g = num_kv_heads``, ``r = num_heads / g``::
+
+        q = q_proj.reshape(in_features, g, r, head_dim)
+        k, v = (p.reshape(in_features, g, 1, head_dim) for p in (k_proj, v_proj))
+        qkv_kernel = jnp.concatenate([q, k, v], axis=2).reshape(in_features, -1)
+
+    and ``out``'s kernel is ``o_proj [num_heads * head_dim, out]`` as it is.
+    ``rope_theta`` applies rotary position embeddings to queries and keys (Llama's
+    convention, :func:`jax_ub.flax._attention.rotary`), positions ``0 .. seq - 1``.
+
     Args:
       in_features: number of input features.
-      num_heads: number of attention heads; a multiple of ``tp``.
-      qkv_features: total width of the queries (and keys, values) over all heads
-        (default: ``in_features``); a multiple of ``num_heads``.
+      num_heads: number of attention (query) heads; a multiple of ``num_kv_heads``.
+      num_kv_heads: number of key/value heads (default: ``num_heads``); a multiple of
+        ``tp``.
+      rope_theta: the rotary embeddings' base (e.g. 500000.0 for Llama 3), or None (default)
+        for none.
+      qkv_features: total width of the queries over all heads (default: ``in_features``);
+        a multiple of ``num_heads``.
       out_features: number of output features (default: ``in_features``).
       attention_implementation: the attention core, as ``jax.nn.dot_product_attention``'s
         ``implementation``: ``"xla"``, ``"cudnn"`` (fused flash attention, GPUs only), or
@@ -247,6 +266,8 @@ class ParallelSelfAttention(nnx.Module):
         in_features: int,
         num_heads: int,
         *,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = None,
         qkv_features: int | None = None,
         out_features: int | None = None,
         attention_implementation: str | None = None,
@@ -270,13 +291,10 @@ class ParallelSelfAttention(nnx.Module):
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, amax_history_length)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
-        if tp is not None:
-            _core.check_divisible(owner, "num_heads", num_heads, tp, axis_name)
+        head_dim, q_per_kv = _attention.check_heads(
+            owner, num_heads, num_kv_heads, qkv_features, tp, axis_name, rope_theta
+        )
         _attention.check_attention_implementation(owner, attention_implementation, mesh)
-        if qkv_features % num_heads != 0:
-            raise ValueError(
-                f"{owner}: qkv_features={qkv_features} is not divisible by {num_heads=}"
-            )
         common = dict(
             mesh=mesh,
             axis_name=axis_name,
@@ -292,10 +310,11 @@ class ParallelSelfAttention(nnx.Module):
             bias_init=bias_init,
             rngs=rngs,
         )
-        self.qkv = ColumnParallelLinear(in_features, 3 * qkv_features, **common)
+        width = _attention.qkv_width(head_dim, num_heads, q_per_kv)
+        self.qkv = ColumnParallelLinear(in_features, width, **common)
         self.out = RowParallelLinear(qkv_features, out_features, **common)
-        self.num_heads = num_heads
-        self.head_dim = qkv_features // num_heads
+        self.num_heads, self.q_per_kv, self.rope_theta = num_heads, q_per_kv, rope_theta
+        self.head_dim = head_dim
         self.attention_implementation = attention_implementation
 
     def __call__(
@@ -314,7 +333,8 @@ class ParallelSelfAttention(nnx.Module):
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
         tp = _core.group_size(owner, qkv.mesh, qkv.axis_name)
-        _core.check_divisible(owner, "num_heads", self.num_heads, tp, qkv.axis_name)
+        what = "num_heads" if self.q_per_kv == 1 else "num_kv_heads"
+        _core.check_divisible(owner, what, self.num_heads // self.q_per_kv, tp, qkv.axis_name)
         _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name, qkv.seq_axis)
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, qkv.seq_axis)
@@ -326,5 +346,7 @@ class ParallelSelfAttention(nnx.Module):
             mask is not None,
             bool(is_causal),
             self.attention_implementation,
+            self.q_per_kv,
+            self.rope_theta,
         )
         return f(inputs, qkv.param_values(), out.param_values(), mask)
