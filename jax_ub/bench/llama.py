@@ -1,0 +1,192 @@
+"""A Llama-style decoder built from jax_ub's Flax blocks, and its training step.
+
+Token embedding, ``layers`` blocks (RMSNorm, grouped-query causal attention with rotary
+embeddings, RMSNorm, SwiGLU MLP, each with a residual) under ``nnx.scan`` with a
+``jax.checkpoint`` policy, a final RMSNorm, an LM head and the cross-entropy of the next
+token; optax AdamW. Activations are batch-major ``[batch, seq, hidden]``: the batch split
+over the mesh's ``dp`` axis, the sequence over ``tp`` between the blocks (sequence
+parallelism: the norms and residuals run on ``seq / tp`` rows); the blocks' projections
+are tensor-parallel over ``tp``. The embedding and the LM head are replicated over ``tp``
+and run on each device's rows, so they need no communication in the forward.
+
+``impl`` picks the blocks' collectives: ``"ub"`` (jax_ub's overlapped ops), ``"xla"``
+(XLA's collectives), ``"auto"``. Run under ``jax.set_mesh(mesh)`` with a ``("dp", "tp")``
+mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jax_ub.flax as ubf
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The model's shapes."""
+
+    vocab: int
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token (forward and backward, 3x the forward's matmuls, with
+        causal attention counted at half the full square, as MFU is usually reported)."""
+        head_dim = self.hidden // self.heads
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * head_dim
+        per_layer = qkv + self.heads * head_dim * self.hidden + 3 * self.hidden * self.ffn
+        attention = 2 * seq * self.hidden / 2  # q.k and p.v over half the square
+        return 6 * (self.layers * per_layer + self.hidden * self.vocab) + 6 * self.layers * (
+            attention
+        )
+
+
+PRESETS = {
+    # Llama 3 8B's shapes; --layers picks how many of its 32 blocks fit the GPUs.
+    "llama3-8b": LlamaConfig(vocab=128256, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8),
+    # For CPU devices: small enough for CI, every dim still split over tp = 2.
+    "tiny": LlamaConfig(
+        vocab=256, hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, rope_theta=10000.0
+    ),
+}
+
+REMAT_POLICIES = {
+    "none": None,  # no rematerialization: keep every activation
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
+}
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * scale`` over the last dim, in float32."""
+
+    def __init__(self, features: int, *, eps: float, param_dtype: Any, rngs: nnx.Rngs):
+        del rngs
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``, on ``[batch, seq, hidden]``."""
+
+    def __init__(
+        self, cfg: LlamaConfig, *, impl: str, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
+    ):
+        common = dict(impl=impl, seq_axis=1, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.hidden, **norm)
+        self.attn = ubf.ParallelSelfAttention(
+            cfg.hidden,
+            cfg.heads,
+            num_kv_heads=cfg.kv_heads,
+            rope_theta=cfg.rope_theta,
+            use_bias=False,
+            **common,
+        )
+        self.mlp_norm = RMSNorm(cfg.hidden, **norm)
+        self.mlp = ubf.ParallelGatedMLP(cfg.hidden, cfg.ffn, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), is_causal=True)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    """The decoder: ``tokens [batch, seq]`` (int) -> logits ``[batch, seq, vocab]``.
+
+    Args:
+      cfg: the shapes.
+      impl: the blocks' collectives (``"ub"``, ``"xla"``, ``"auto"``).
+      remat: ``"none"``, ``"dots"`` (keep the matmuls' outputs, recompute the rest) or
+        ``"full"`` (recompute each block in the backward).
+      dtype: the computation's dtype (None: the params').
+      param_dtype: the params' dtype.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        *,
+        impl: str = "auto",
+        remat: str = "dots",
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        self.embed = nnx.Embed(
+            cfg.vocab, cfg.hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def blocks(rngs):
+            return Block(cfg, impl=impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.blocks = blocks(rngs)
+        self.norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.head = nnx.Linear(
+            cfg.hidden, cfg.vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.remat = remat
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        policy = REMAT_POLICIES[self.remat]
+
+        def block(x, b):
+            return b(x)
+
+        if self.remat != "none":
+            block = nnx.remat(block, policy=policy)
+
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0),
+            out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: None},
+        )
+        def layers(x, b):
+            return block(x, b)
+
+        x = layers(x, self.blocks)
+        return self.head(self.norm(x))
+
+
+def next_token_loss(model: Llama, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy of each next token (the last position has none to predict)."""
+    logits = model(tokens).astype(jnp.float32)
+    targets = jnp.roll(tokens, -1, axis=1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    valid = jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1
+    return jnp.sum(losses * valid) / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+
+def make_optimizer(model: Llama, learning_rate: float = 3e-4) -> nnx.Optimizer:
+    """AdamW over the params; its moments are float32 whatever the params' dtype."""
+    tx = optax.adamw(learning_rate, mu_dtype=jnp.float32, weight_decay=0.1)
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@nnx.jit
+def train_step(model: Llama, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
+    """One AdamW step on ``tokens [batch, seq]``; returns the loss before it."""
+    loss, grads = nnx.value_and_grad(next_token_loss)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
