@@ -80,3 +80,21 @@ def test_fp8_training_follows_bf16(example, devices):
     # Within 5% of the bf16 run's loss over the last 10 steps.
     assert abs(fp8[-10:].mean() - plain[-10:].mean()) < 0.05 * plain[-10:].mean()
     assert "apart" in example.loss_gap_summary(list(fp8), list(plain))
+
+
+def test_llama_example_runs_and_matches_xla():
+    """examples/train_llama.py, as the README runs it, in a process of its own."""
+    import subprocess
+    import sys
+
+    script = EXAMPLE.parent / "train_llama.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "3", "--seq", "32"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    difference = float(done.stdout.strip().splitlines()[-1].split()[-1])
+    assert difference < 1e-5, done.stdout
