@@ -2,11 +2,12 @@
 
 Public API:
   all_gather_matmul(x, w, axis_name, *, bias=None, activation=None, impl="auto",
-                    return_gathered=False, fp8=None)
-  matmul_reduce_scatter(x, w, axis_name, *, bias=None, impl="auto", fp8=None)
+                    return_gathered=False, fp8=None, seq_axis=0)
+  matmul_reduce_scatter(x, w, axis_name, *, bias=None, impl="auto", fp8=None, seq_axis=0)
   gelu_mlp(x, w_up, w_down, axis_name, *, up_bias=None, down_bias=None, impl="auto",
-           fp8=None): the two ops around GELU, GELU's backward in a GEMM epilogue
-  gated_mlp(x, w_gate_up, w_down, axis_name, *, activation="silu", impl="auto", fp8=None):
+           fp8=None, seq_axis=0): the two ops around GELU, GELU's backward in a GEMM epilogue
+  gated_mlp(x, w_gate_up, w_down, axis_name, *, activation="silu", impl="auto", fp8=None,
+            seq_axis=0):
     SwiGLU / GeGLU, x gathered once for the gate and up projections
   Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
   initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
