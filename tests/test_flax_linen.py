@@ -277,8 +277,8 @@ def test_argument_errors(mesh):
         ubl.ColumnParallelLinear(HIDDEN, mesh=mesh, axis_name="model").init(key, x)
     with pytest.raises(ValueError, match="impl must be one of"):
         ubl.ColumnParallelLinear(HIDDEN, mesh=mesh, impl="nccl").init(key, x)
-    with pytest.raises(ValueError, match="sequence length .* 18 is not divisible"):
-        ubl.ColumnParallelLinear(HIDDEN, mesh=mesh).init(key, jnp.ones((18, BATCH, D)))
+    # A sequence tp does not divide runs with the activations replicated over tp.
+    ubl.ColumnParallelLinear(HIDDEN, mesh=mesh).init(key, jnp.ones((18, BATCH, D)))
     with pytest.raises(ValueError, match="'cudnn' needs GPU devices"):
         ubl.ParallelSelfAttention(HEADS, mesh=mesh, attention_implementation="cudnn").init(key, x)
     with pytest.raises(ValueError, match="head dim of the mask must be 1"):

@@ -81,7 +81,7 @@ def gated_mlp(
         y = f(x, w_gate_up, w_down)  # == (silu(x @ wgu[:, 0]) * (x @ wgu[:, 1])) @ wd
     """
     checks.check_impl(_OP, impl)
-    act = _activation(activation)
+    act = activation_function(activation)
     shapes = f"{x.shape=} {w_gate_up.shape=} {w_down.shape=}"
     if getattr(x, "ndim", 0) < 2:
         raise ValueError(f"{_OP}: x must be [seq, ..., k]; {shapes}")
@@ -123,7 +123,7 @@ def gated_mlp(
     )
 
 
-def _activation(activation) -> Callable[[jax.Array], jax.Array]:
+def activation_function(activation) -> Callable[[jax.Array], jax.Array]:
     if callable(activation):
         return activation
     if activation not in ACTIVATIONS:
@@ -150,7 +150,7 @@ def _check_fp8(fp8) -> tuple[Fp8Scales | None, Fp8Scales | None]:
 
 def gated_mlp_reference(x, w_gate_up, w_down, activation="silu"):
     """The unsharded math: ``(act(x @ w_gate) * (x @ w_up)) @ w_down`` on whole arrays."""
-    act = _activation(activation)
+    act = activation_function(activation)
     gate = jnp.einsum("...k,kf->...f", x, w_gate_up[:, 0])
     up = jnp.einsum("...k,kf->...f", x, w_gate_up[:, 1])
     return jnp.einsum("...f,fn->...n", act(gate) * up, w_down)

@@ -199,8 +199,10 @@ def attention_call(
     attention_implementation: str | None = None,
     q_per_kv: int = 1,
     rope_theta: float | None = None,
+    sequence_parallel: bool = True,
 ) -> Callable[[jax.Array, Params, Params, jax.Array | None], jax.Array]:
-    """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded."""
+    """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded (or with
+    the activations replicated over the axis: ``_core.linear_replicated``)."""
     seq = seq_axis % ndim
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
     attend = functools.partial(
@@ -213,13 +215,15 @@ def attention_call(
         platform=platform_of(mesh),
     )
 
+    linear = _core.linear_local if sequence_parallel else _core.linear_replicated
+
     def body(x, p_qkv, p_out, mask):
         # Attention takes the sequence first; XLA merges these moves with its own.
-        qkv = layout.seq_first(_core.linear_local("column", x, p_qkv, **kw), seq)
+        qkv = layout.seq_first(linear("column", x, p_qkv, **kw), seq)
         out = layout.seq_back(attend(qkv, mask), seq)
-        return _core.linear_local("row", out, p_out, **kw)
+        return linear("row", out, p_out, **kw)
 
     col = _core.param_specs("column", axis_name, use_bias, fp8)
     row = _core.param_specs("row", axis_name, use_bias, fp8)
-    spec = _core.seq_spec(ndim, axis_name, seq)
+    spec = _core.activation_spec(ndim, axis_name, seq, sequence_parallel)
     return _core._over_tp(body, mesh, axis_name, (spec, col, row, P() if has_mask else None), spec)

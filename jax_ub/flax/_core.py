@@ -20,7 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src import checks, layout
+from jax_ub._src.gated_mlp import activation_function
 from jax_ub.flax import _fp8
+from jax_ub.fp8 import current_scale, quantize
 
 Params = Mapping[str, jax.Array]
 
@@ -97,11 +99,15 @@ check_seq_axis = layout.check_seq_axis_type
 
 def check_input(
     owner: str, x: Any, in_features: int | None, tp: int, axis_name: str, seq_axis: int = 0
-) -> None:
-    """x must be ``[seq, *batch, in_features]`` (the sequence at ``seq_axis``) with ``seq``
-    divisible by ``tp``.
+) -> bool:
+    """Check that x is ``[seq, *batch, in_features]`` (the sequence at ``seq_axis``) and
+    return whether the call runs sequence-parallel.
 
-    ``in_features=None`` accepts any feature count (linen infers it from the input).
+    Inside a shard_map over ``axis_name`` the layers take sequence shards (True). On global
+    arrays they run sequence-parallel where ``tp`` divides the sequence; otherwise (one
+    token being decoded, a prompt of any length) with the activations replicated over the
+    axis (False): see :func:`linear_replicated`. ``in_features=None`` accepts any feature
+    count (linen infers it from the input).
     """
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) < 2:
@@ -112,11 +118,7 @@ def check_input(
             f"{in_features}; input shape {shape}"
         )
     seq = layout.check_seq_axis(owner, x, seq_axis)
-    if shape[seq] % tp != 0 and axis_name not in layout.manual_axes():
-        raise ValueError(
-            f"{owner}: sequence length (dim {seq}) {shape[seq]} is not divisible by the size "
-            f"of axis {axis_name!r} ({tp}); input shape {shape}"
-        )
+    return axis_name in layout.manual_axes() or shape[seq] % tp == 0
 
 
 # --- sharding layout ---------------------------------------------------------------------
@@ -212,6 +214,47 @@ def linear_local(
     return jax_ub.matmul_reduce_scatter(x, kernel, axis_name, **kw)
 
 
+def dense(x: jax.Array, kernel: jax.Array, scales: jax_ub.Fp8Scales | None) -> jax.Array:
+    """``x [..., k] @ kernel [k, n]`` in XLA; with ``scales``, of the operands quantized to
+    e4m3 at those scales (this step's amax where a scale is None), as the fp8 ops quantize
+    them, and multiplied in float32."""
+    if scales is None:
+        return jnp.einsum("...k,kn->...n", x, kernel)
+
+    def dequantized(a, scale):
+        scale = current_scale(a) if scale is None else scale
+        return quantize(a, scale).astype(jnp.float32) * scale
+
+    y = jnp.einsum("...k,kn->...n", dequantized(x, scales.x), dequantized(kernel, scales.w))
+    return y.astype(x.dtype)
+
+
+def linear_replicated(
+    kind: str,
+    x: jax.Array,
+    params: Params,
+    *,
+    axis_name: str,
+    dtype: Any,
+    fp8: str | None,
+    activation: Callable[[jax.Array], jax.Array] | None = None,
+    **_: Any,
+) -> jax.Array:
+    """A ``kind`` layer with the activations replicated over ``axis_name`` (tensor
+    parallelism without sequence parallelism: decoding, or a sequence ``tp`` does not
+    divide). ``"column"``: ``x [..., k]`` times this rank's kernel columns, plus its bias
+    shard, ``[..., n/tp]``, no communication. ``"row"``: ``x [..., k/tp]`` times this rank's
+    kernel rows, summed over the axis (XLA's all-reduce), plus the bias: ``[..., n]``.
+    With fp8 the GEMM runs in XLA on the operands quantized as the ops quantize them."""
+    x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
+    y = dense(x, kernel, _scales(fp8, params))
+    if kind == "row":
+        y = jax.lax.psum(y, axis_name)
+    if bias is not None:
+        y = y + bias
+    return y if activation is None else activation(y)
+
+
 def op_settings(layer: Any) -> tuple:
     """``(mesh, axis_name, impl, dtype, fp8, seq_axis)`` of a layer or block (nnx or
     linen): the leading arguments of every ``*_call`` below, the settings of the ops it
@@ -267,10 +310,24 @@ def _resharded_explicit(axis_name: str, in_specs: Any, args: tuple) -> tuple:
 
 
 # Per layer kind: the specs of its input and output.
+def replicated_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
+    """``[seq, *batch, features]`` replicated over ``axis_name`` (other axes XLA's)."""
+    del ndim, axis_name, seq_axis
+    return P()
+
+
+# Per layer kind: the specs of its input and output, sequence-parallel (True) or not.
 _LINEAR = {
-    "column": (seq_spec, feature_spec),  # sequence- -> feature-sharded
-    "row": (feature_spec, seq_spec),  # feature- -> sequence-sharded
+    ("column", True): (seq_spec, feature_spec),  # sequence- -> feature-sharded
+    ("row", True): (feature_spec, seq_spec),  # feature- -> sequence-sharded
+    ("column", False): (replicated_spec, feature_spec),
+    ("row", False): (feature_spec, replicated_spec),
 }
+
+
+def activation_spec(ndim: int, axis_name: str, seq_axis: int, sequence_parallel: bool) -> P:
+    """A block's input and output: sequence-sharded, or replicated over the axis."""
+    return (seq_spec if sequence_parallel else replicated_spec)(ndim, axis_name, seq_axis)
 
 
 @functools.lru_cache(maxsize=256)
@@ -284,13 +341,15 @@ def linear_call(
     seq_axis: int,
     ndim: int,
     use_bias: bool,
+    sequence_parallel: bool = True,
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)`` of a ``kind`` layer: ``"column"`` takes sequence-sharded ``x`` to a
-    feature-sharded output, ``"row"`` the reverse."""
-    x_spec, out_spec = _LINEAR[kind]
+    feature-sharded output, ``"row"`` the reverse; without ``sequence_parallel``, the
+    sequence-sharded side is replicated over the axis instead."""
+    x_spec, out_spec = _LINEAR[kind, sequence_parallel]
     seq = seq_axis % ndim
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
-    local = functools.partial(linear_local, kind, **kw)
+    local = functools.partial(linear_local if sequence_parallel else linear_replicated, kind, **kw)
     in_specs = (x_spec(ndim, axis_name, seq), param_specs(kind, axis_name, use_bias, fp8))
     return _over_tp(local, mesh, axis_name, in_specs, out_spec(ndim, axis_name, seq))
 
@@ -306,6 +365,7 @@ def mlp_call(
     activation: Callable[[jax.Array], jax.Array],
     ndim: int,
     use_bias: bool,
+    sequence_parallel: bool = True,
 ) -> Callable[[jax.Array, Params, Params], jax.Array]:
     """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded. GELU
     runs in the column GEMMs' epilogue and its backward in the row op's dgrad GEMM
@@ -313,6 +373,10 @@ def mlp_call(
     seq = seq_axis % ndim
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
     fused = fused_activation(activation)
+
+    def replicated(x, p_up, p_down):
+        h = linear_replicated("column", x, p_up, activation=activation, **kw)
+        return linear_replicated("row", h, p_down, **kw)
 
     def body(x, p_up, p_down):
         if fused:
@@ -336,8 +400,9 @@ def mlp_call(
 
     col = param_specs("column", axis_name, use_bias, fp8)
     row = param_specs("row", axis_name, use_bias, fp8)
-    spec = seq_spec(ndim, axis_name, seq)
-    return _over_tp(body, mesh, axis_name, (spec, col, row), spec)
+    spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
+    f = body if sequence_parallel else replicated
+    return _over_tp(f, mesh, axis_name, (spec, col, row), spec)
 
 
 def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str, tuple]:
@@ -365,9 +430,18 @@ def gated_mlp_call(
     seq_axis: int,
     activation: Any,
     ndim: int,
+    sequence_parallel: bool = True,
 ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """``f(x, gate_up, down)``: :func:`jax_ub.gated_mlp`, sequence-sharded."""
+    """``f(x, gate_up, down)``: :func:`jax_ub.gated_mlp`, sequence-sharded (or with the
+    activations replicated over the axis, as :func:`linear_replicated`)."""
     seq = seq_axis % ndim
+
+    def replicated(x, gate_up, down):
+        k, _, f = gate_up.shape
+        kw = dict(axis_name=axis_name, dtype=dtype, fp8=fp8)
+        gu = linear_replicated("column", x, {"kernel": gate_up.reshape(k, 2 * f)}, **kw)
+        act = activation_function(activation)
+        return linear_replicated("row", act(gu[..., :f]) * gu[..., f:], {"kernel": down}, **kw)
 
     def body(x, gate_up, down):
         x, gate_up, down = _promote(dtype, x, gate_up, down)
@@ -383,6 +457,7 @@ def gated_mlp_call(
             seq_axis=seq,
         )
 
-    spec = seq_spec(ndim, axis_name, seq)
+    spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
     kernels = (P(None, None, axis_name), P(axis_name, None))
-    return _over_tp(body, mesh, axis_name, (spec, *kernels), spec)
+    f = body if sequence_parallel else replicated
+    return _over_tp(f, mesh, axis_name, (spec, *kernels), spec)

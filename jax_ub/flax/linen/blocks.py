@@ -102,10 +102,11 @@ class ParallelMLP(nn.Module):
         down = RowParallelLinear(out_features, name="down_proj", **_layer_kwargs(self))
         tp = up.tp_size()
         _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
-        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         p_up = up.get_params(in_features)
         p_down = down.get_params(self.hidden_features)
-        f = _core.mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, self.use_bias)
+        settings = _core.op_settings(self)
+        f = _core.mlp_call(*settings, self.activation, inputs.ndim, self.use_bias, sp)
         return f(inputs, p_up, p_down)
 
 
@@ -149,7 +150,7 @@ class ParallelGatedMLP(nn.Module):
         _core.check_gated_fp8(owner, self.fp8)
         _core.check_seq_axis(owner, self.seq_axis)
         _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
-        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         k, hidden = inputs.shape[-1], self.hidden_features
         out = k if self.out_features is None else self.out_features
         names = _core.gated_kernel_names(owner, self.axis_name, self.param_axes)
@@ -163,7 +164,7 @@ class ParallelGatedMLP(nn.Module):
 
         gate_up = param("gate_up", gate_up_init, (k, 2, hidden))
         down = param("down_proj", self.kernel_init, (hidden, out))
-        f = _core.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim)
+        f = _core.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
         return f(inputs, gate_up, down)
 
 
@@ -252,7 +253,7 @@ class ParallelSelfAttention(nn.Module):
         )
         width = _attention.qkv_width(head_dim, self.num_heads, q_per_kv)
         qkv = ColumnParallelLinear(width, name="qkv", **_layer_kwargs(self))
-        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         _attention.check_attention_implementation(owner, self.attention_implementation, self.mesh)
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, self.seq_axis)
@@ -268,5 +269,6 @@ class ParallelSelfAttention(nn.Module):
             self.attention_implementation,
             q_per_kv,
             self.rope_theta,
+            sp,
         )
         return f(inputs, p_qkv, p_out, mask)

@@ -162,9 +162,9 @@ class ColumnParallelLinear(_ParallelLinear):
         tp = self.tp_size()
         owner = type(self).__name__
         _core.check_divisible(owner, "features", self.features, tp, self.axis_name)
-        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         params = self.get_params(inputs.shape[-1])
-        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias)
+        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias, sp)
         return f(inputs, params)
 
 
@@ -200,9 +200,9 @@ class RowParallelLinear(_ParallelLinear):
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
         tp = self.tp_size()
         owner = type(self).__name__
-        _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
         in_features = _core.global_features(inputs.shape[-1], tp, self.axis_name, split=True)
         _core.check_divisible(owner, "in_features", in_features, tp, self.axis_name)
         params = self.get_params(in_features)
-        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias)
+        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias, sp)
         return f(inputs, params)

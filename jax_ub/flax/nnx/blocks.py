@@ -113,8 +113,9 @@ class ParallelMLP(nnx.Module):
         owner = type(self).__name__
         tp = _core.group_size(owner, up.mesh, up.axis_name)
         _core.check_divisible(owner, "hidden_features", up.out_features, tp, up.axis_name)
-        _core.check_input(owner, inputs, up.in_features, tp, up.axis_name, up.seq_axis)
-        f = _core.mlp_call(*_core.op_settings(up), self.activation, inputs.ndim, up.use_bias)
+        sp = _core.check_input(owner, inputs, up.in_features, tp, up.axis_name, up.seq_axis)
+        settings = _core.op_settings(up)
+        f = _core.mlp_call(*settings, self.activation, inputs.ndim, up.use_bias, sp)
         return f(inputs, up.param_values(), down.param_values())
 
 
@@ -198,8 +199,8 @@ class ParallelGatedMLP(nnx.Module):
         tp = _core.group_size(owner, self.mesh, self.axis_name)
         _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
         features = _core.local_features(self.in_features, tp, self.axis_name, False)
-        _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
-        f = _core.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim)
+        sp = _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
+        f = _core.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
         return f(inputs, self.gate_up[...], self.down_proj[...])
 
 
@@ -335,7 +336,7 @@ class ParallelSelfAttention(nnx.Module):
         tp = _core.group_size(owner, qkv.mesh, qkv.axis_name)
         what = "num_heads" if self.q_per_kv == 1 else "num_kv_heads"
         _core.check_divisible(owner, what, self.num_heads // self.q_per_kv, tp, qkv.axis_name)
-        _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name, qkv.seq_axis)
+        sp = _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name, qkv.seq_axis)
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, qkv.seq_axis)
         f = _attention.attention_call(
@@ -348,5 +349,6 @@ class ParallelSelfAttention(nnx.Module):
             self.attention_implementation,
             self.q_per_kv,
             self.rope_theta,
+            sp,
         )
         return f(inputs, qkv.param_values(), out.param_values(), mask)

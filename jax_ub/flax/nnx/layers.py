@@ -123,8 +123,8 @@ class _ParallelLinear(nnx.Module):
         features = _core.local_features(
             self.in_features, tp, self.axis_name, self._split == "in_features"
         )
-        _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
-        return (*_core.op_settings(self), inputs.ndim, self.use_bias)
+        sp = _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
+        return (*_core.op_settings(self), inputs.ndim, self.use_bias, sp)
 
 
 class ColumnParallelLinear(_ParallelLinear):
