@@ -115,3 +115,18 @@ def test_linen_mlp_one_token(rand):
     up, down = p["up_proj"], p["down_proj"]
     want = jax.nn.gelu(np.asarray(x) @ up["kernel"] + up["bias"]) @ down["kernel"] + down["bias"]
     assert rel_err(y, want) < 1e-5
+
+
+def test_attention_and_gated_mlp_without_a_mesh_equal_with_one(rand):
+    """No mesh set or given: XLA's plain math (one warning), equal to the same blocks
+    (same params) run over tp under jax.set_mesh."""
+    mesh = mesh_dp_tp()
+    x = batch_sharded(mesh, rand(8, BATCH, D))
+    attn = ubf.ParallelSelfAttention(D, 4, num_kv_heads=2, rope_theta=1e4, rngs=nnx.Rngs(0))
+    mlp = ubf.ParallelGatedMLP(D, F, rngs=nnx.Rngs(1))
+    step = nnx.jit(lambda a, m, x: m(a(x, is_causal=True)))
+    with pytest.warns(UserWarning, match="nothing is overlapped"):
+        plain = step(attn, mlp, x)
+    with jax.set_mesh(mesh):
+        over_tp = step(attn, mlp, x)
+    assert rel_err(plain, over_tp) < 1e-5

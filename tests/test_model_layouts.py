@@ -280,10 +280,24 @@ def test_nnx_layer_inside_user_shard_map(rand):
     assert rel_err(y, NnxReference(mlp)(x)) < 1e-5
 
 
-def test_nnx_layer_without_any_mesh_is_a_clear_error(rand):
-    layer = ubf.ColumnParallelLinear(D, H, rngs=nnx.Rngs(0))  # built with no mesh: fine
-    with pytest.raises(ValueError, match="no mesh to run over"):
-        layer(rand(SEQ, BATCH, D))
+def test_no_mesh_anywhere_runs_plain_matmuls_or_names_the_remedy(rand):
+    """A model jitted on sharded arrays with no mesh set or given (as nn.Dense allows):
+    impl="auto" runs XLA's plain matmuls, with one warning; impl="ub" says how to give a
+    mesh."""
+    mesh = mesh_of("dp2_tp2")
+    x = jax.device_put(rand(SEQ, BATCH, D), NamedSharding(mesh, P("tp", "dp")))
+    mlp = ubf.ParallelMLP(D, H, rngs=nnx.Rngs(0))  # built with no mesh: fine
+    with pytest.warns(UserWarning, match="no mesh is set .* nothing is overlapped"):
+        y = nnx.jit(lambda m, x: m(x))(mlp, x)
+    up, down = mlp.up_proj, mlp.down_proj
+    h = jax.nn.gelu(np.asarray(x) @ up.kernel[...] + up.bias[...])
+    assert rel_err(y, h @ down.kernel[...] + down.bias[...]) < 1e-5
+    linen_mlp = ubf.linen.ParallelMLP(H)
+    variables = linen_mlp.init(jax.random.key(0), x)
+    assert jax.jit(linen_mlp.apply)(variables, x).shape == x.shape
+    layer = ubf.ColumnParallelLinear(D, H, impl="ub", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no mesh to run over.*impl='ub' does not"):
+        layer(x)
 
 
 @pytest.mark.parametrize("name", ["dp2_tp2", "fsdp2_tp2"])

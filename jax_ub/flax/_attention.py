@@ -215,15 +215,18 @@ def attention_call(
         platform=platform_of(mesh),
     )
 
-    linear = _core.linear_local if sequence_parallel else _core.linear_replicated
-
-    def body(x, p_qkv, p_out, mask):
+    def body(x, p_qkv, p_out, mask, linear=None, axis=axis_name):
+        if linear is None:
+            linear = _core.linear_local if sequence_parallel else _core.linear_replicated
         # Attention takes the sequence first; XLA merges these moves with its own.
-        qkv = layout.seq_first(linear("column", x, p_qkv, **kw), seq)
+        qkv = layout.seq_first(linear("column", x, p_qkv, **(kw | {"axis_name": axis})), seq)
         out = layout.seq_back(attend(qkv, mask), seq)
-        return linear("row", out, p_out, **kw)
+        return linear("row", out, p_out, **(kw | {"axis_name": axis}))
+
+    plain = functools.partial(body, linear=_core.linear_replicated, axis=None)
 
     col = _core.param_specs("column", axis_name, use_bias, fp8)
     row = _core.param_specs("row", axis_name, use_bias, fp8)
     spec = _core.activation_spec(ndim, axis_name, seq, sequence_parallel)
-    return _core._over_tp(body, mesh, axis_name, (spec, col, row, P() if has_mask else None), spec)
+    in_specs = (spec, col, row, P() if has_mask else None)
+    return _core._over_tp(body, mesh, axis_name, in_specs, spec, plain, impl)

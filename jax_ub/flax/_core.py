@@ -30,13 +30,16 @@ Params = Mapping[str, jax.Array]
 # --- argument checks ---------------------------------------------------------------------
 
 
-def group_size(owner: str, mesh: Any, axis_name: Any, *, required: bool = True) -> int | None:
+def group_size(
+    owner: str, mesh: Any, axis_name: Any, *, required: bool = True, impl: str | None = None
+) -> int | None:
     """Size of the tensor-parallel axis, from where it is known, in this order: a shard_map
     over it being traced, the layer's ``mesh``, the mesh set by ``jax.set_mesh``.
 
-    None when none of them is known and ``required`` is False (a layer built before any
-    mesh is set checks its sizes when it is called); a ValueError otherwise, or when the
-    axis is not in the mesh.
+    When none of them is known: None if ``required`` is False (a layer built before any
+    mesh is set checks its sizes when it is called); 1 for a call with ``impl`` other than
+    ``"ub"``, which then runs XLA's plain matmuls (:func:`_over_tp`); a ValueError
+    otherwise. A ValueError too when the axis is not in the mesh.
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         raise ValueError(
@@ -51,9 +54,12 @@ def group_size(owner: str, mesh: Any, axis_name: Any, *, required: bool = True) 
     if known.empty:
         if not required:
             return None
+        if impl is not None and impl != "ub":
+            return 1
         raise ValueError(
             f"{owner}: no mesh to run over: call the layer under `with jax.set_mesh(mesh):`, "
-            f"pass mesh=..., or call it inside a shard_map over axis {axis_name!r}"
+            f"pass mesh=..., or call it inside a shard_map over axis {axis_name!r} (impl="
+            f"'auto' runs XLA's plain matmuls when no mesh is known; impl={impl!r} does not)"
         )
     if axis_name not in known.axis_names:
         raise ValueError(
@@ -234,7 +240,7 @@ def linear_replicated(
     x: jax.Array,
     params: Params,
     *,
-    axis_name: str,
+    axis_name: str | None,
     dtype: Any,
     fp8: str | None,
     activation: Callable[[jax.Array], jax.Array] | None = None,
@@ -245,10 +251,11 @@ def linear_replicated(
     divide). ``"column"``: ``x [..., k]`` times this rank's kernel columns, plus its bias
     shard, ``[..., n/tp]``, no communication. ``"row"``: ``x [..., k/tp]`` times this rank's
     kernel rows, summed over the axis (XLA's all-reduce), plus the bias: ``[..., n]``.
-    With fp8 the GEMM runs in XLA on the operands quantized as the ops quantize them."""
+    With fp8 the GEMM runs in XLA on the operands quantized as the ops quantize them. With
+    ``axis_name=None``, on global arrays: the plain layer, which XLA partitions itself."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
     y = dense(x, kernel, _scales(fp8, params))
-    if kind == "row":
+    if kind == "row" and axis_name is not None:
         y = jax.lax.psum(y, axis_name)
     if bias is not None:
         y = y + bias
@@ -272,7 +279,20 @@ def op_settings(layer: Any) -> tuple:
 # that eager calls compile once per shape; under an outer jit the inner jit is inlined.
 
 
-def _over_tp(f: Callable, mesh: Mesh | None, axis_name: str, in_specs: Any, out_specs: Any):
+def _over_tp(
+    f: Callable,
+    mesh: Mesh | None,
+    axis_name: str,
+    in_specs: Any,
+    out_specs: Any,
+    plain: Callable | None = None,
+    impl: str = "ub",
+):
+    """``f`` on local shards, run as described above. With no mesh known (none given, none
+    set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the same
+    layer written on global arrays) runs instead where ``impl`` is not ``"ub"``, after one
+    warning that nothing is overlapped: XLA partitions its matmuls from the operands'
+    shardings."""
     # One jit(shard_map) per mesh it runs under: shard_map binds its mesh when built.
     mapped: dict[Any, Callable] = {}
 
@@ -281,10 +301,17 @@ def _over_tp(f: Callable, mesh: Mesh | None, axis_name: str, in_specs: Any, out_
             return f(*args)
         context = jax.sharding.get_abstract_mesh()
         if mesh is None and context.empty:
-            raise ValueError(
-                f"no mesh to run over axis {axis_name!r}: call the layer under "
-                "`with jax.set_mesh(mesh):`, pass mesh=..., or call it inside a shard_map"
+            if plain is None or impl == "ub":
+                raise ValueError(
+                    f"no mesh to run over axis {axis_name!r}: call the layer under "
+                    "`with jax.set_mesh(mesh):`, pass mesh=..., or call it inside a shard_map"
+                )
+            message = (
+                f"jax_ub.flax: no mesh is set (jax.set_mesh) or given (mesh=), so the layers "
+                f"run XLA's plain matmuls over axis {axis_name!r}: nothing is overlapped"
             )
+            checks.warn_once(message, message)
+            return plain(*args)
         key = mesh if context.empty else context  # the layer's mesh only when none is set
         if key not in mapped:
             mapped[key] = jax.jit(layout.over_axis(f, mesh, axis_name, in_specs, out_specs))
@@ -350,8 +377,10 @@ def linear_call(
     seq = seq_axis % ndim
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
     local = functools.partial(linear_local if sequence_parallel else linear_replicated, kind, **kw)
+    plain = functools.partial(linear_replicated, kind, **(kw | {"axis_name": None}))
     in_specs = (x_spec(ndim, axis_name, seq), param_specs(kind, axis_name, use_bias, fp8))
-    return _over_tp(local, mesh, axis_name, in_specs, out_spec(ndim, axis_name, seq))
+    out_specs = out_spec(ndim, axis_name, seq)
+    return _over_tp(local, mesh, axis_name, in_specs, out_specs, plain, impl)
 
 
 @functools.lru_cache(maxsize=256)
@@ -374,9 +403,10 @@ def mlp_call(
     kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
     fused = fused_activation(activation)
 
-    def replicated(x, p_up, p_down):
-        h = linear_replicated("column", x, p_up, activation=activation, **kw)
-        return linear_replicated("row", h, p_down, **kw)
+    def replicated(x, p_up, p_down, axis_name=axis_name):
+        kw_axis = kw | {"axis_name": axis_name}
+        h = linear_replicated("column", x, p_up, activation=activation, **kw_axis)
+        return linear_replicated("row", h, p_down, **kw_axis)
 
     def body(x, p_up, p_down):
         if fused:
@@ -402,7 +432,8 @@ def mlp_call(
     row = param_specs("row", axis_name, use_bias, fp8)
     spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
     f = body if sequence_parallel else replicated
-    return _over_tp(f, mesh, axis_name, (spec, col, row), spec)
+    plain = functools.partial(replicated, axis_name=None)
+    return _over_tp(f, mesh, axis_name, (spec, col, row), spec, plain, impl)
 
 
 def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str, tuple]:
@@ -436,7 +467,7 @@ def gated_mlp_call(
     activations replicated over the axis, as :func:`linear_replicated`)."""
     seq = seq_axis % ndim
 
-    def replicated(x, gate_up, down):
+    def replicated(x, gate_up, down, axis_name=axis_name):
         k, _, f = gate_up.shape
         kw = dict(axis_name=axis_name, dtype=dtype, fp8=fp8)
         gu = linear_replicated("column", x, {"kernel": gate_up.reshape(k, 2 * f)}, **kw)
@@ -460,4 +491,5 @@ def gated_mlp_call(
     spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
     kernels = (P(None, None, axis_name), P(axis_name, None))
     f = body if sequence_parallel else replicated
-    return _over_tp(f, mesh, axis_name, (spec, *kernels), spec)
+    plain = functools.partial(replicated, axis_name=None)
+    return _over_tp(f, mesh, axis_name, (spec, *kernels), spec, plain, impl)

@@ -144,7 +144,7 @@ class ParallelGatedMLP(nn.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
         owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name)
+        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
         _core.check_impl(owner, self.impl)
         _core.check_fp8(owner, self.fp8, _fp8.DEFAULT_HISTORY_LENGTH)
         _core.check_gated_fp8(owner, self.fp8)

@@ -42,7 +42,7 @@ class _ParallelLinear(nn.Module):
         """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name``, ``impl``,
         ``fp8`` and ``amax_history_length``."""
         owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name)
+        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
         _core.check_impl(owner, self.impl)
         _core.check_fp8(owner, self.fp8, self.amax_history_length)
         _core.check_seq_axis(owner, self.seq_axis)

@@ -111,7 +111,7 @@ class ParallelMLP(nnx.Module):
         """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
         up, down = self.up_proj, self.down_proj
         owner = type(self).__name__
-        tp = _core.group_size(owner, up.mesh, up.axis_name)
+        tp = _core.group_size(owner, up.mesh, up.axis_name, impl=up.impl)
         _core.check_divisible(owner, "hidden_features", up.out_features, tp, up.axis_name)
         sp = _core.check_input(owner, inputs, up.in_features, tp, up.axis_name, up.seq_axis)
         settings = _core.op_settings(up)
@@ -196,7 +196,7 @@ class ParallelGatedMLP(nnx.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
         owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name)
+        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
         _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
         features = _core.local_features(self.in_features, tp, self.axis_name, False)
         sp = _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
@@ -333,7 +333,7 @@ class ParallelSelfAttention(nnx.Module):
         """
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
-        tp = _core.group_size(owner, qkv.mesh, qkv.axis_name)
+        tp = _core.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
         what = "num_heads" if self.q_per_kv == 1 else "num_kv_heads"
         _core.check_divisible(owner, what, self.num_heads // self.q_per_kv, tp, qkv.axis_name)
         sp = _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name, qkv.seq_axis)

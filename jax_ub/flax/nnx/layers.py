@@ -117,7 +117,7 @@ class _ParallelLinear(nnx.Module):
 
     def _config(self, inputs: jax.Array) -> tuple:
         owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name)
+        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
         split = {"in_features": self.in_features, "out_features": self.out_features}[self._split]
         _core.check_divisible(owner, self._split, split, tp, self.axis_name)
         features = _core.local_features(
