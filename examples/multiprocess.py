@@ -20,11 +20,41 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("--coordinator", default="127.0.0.1:29477")
-ap.add_argument("--process-id", type=int, default=None)
-ap.add_argument("--num-processes", type=int, default=None)
+USAGE = """\
+Start one process per id, each knowing its place; e.g. 2 processes on this machine:
+
+    python3 examples/multiprocess.py --process-id 0 --num-processes 2 &
+    python3 examples/multiprocess.py --process-id 1 --num-processes 2
+
+or under a launcher that JAX reads (SLURM, Open MPI, ...), without the flags:
+
+    srun -N 2 --ntasks-per-node=1 python3 examples/multiprocess.py --layout dp_tp
+"""
+
+ap = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    epilog=USAGE,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+)
+ap.add_argument(
+    "--coordinator",
+    default="127.0.0.1:29477",
+    help="host:port of process 0's coordination service, with --process-id (default: %(default)s)",
+)
+ap.add_argument(
+    "--process-id",
+    type=int,
+    default=None,
+    help="this process's id, 0 .. NUM_PROCESSES-1 (leave out under a launcher)",
+)
+ap.add_argument(
+    "--num-processes",
+    type=int,
+    default=None,
+    help="how many processes the job has, with --process-id (leave out under a launcher)",
+)
 ap.add_argument("--cpu-devices", type=int, default=2, help="CPU devices per process")
 ap.add_argument(
     "--layout",
@@ -33,6 +63,16 @@ ap.add_argument(
     help="tp: one group over all devices; dp_tp: dp across processes, tp inside",
 )
 args = ap.parse_args()
+if (args.process_id is None) != (args.num_processes is None):
+    ap.error(
+        "--process-id and --num-processes go together, got "
+        f"--process-id={args.process_id} --num-processes={args.num_processes}"
+    )
+if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
+    ap.error(
+        f"--process-id must be in 0 .. {args.num_processes - 1} for --num-processes="
+        f"{args.num_processes}, got {args.process_id}"
+    )
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
@@ -43,7 +83,32 @@ import jax  # noqa: E402
 
 # CPU collectives for the xla reference (the CPU client only; GPUs use NCCL).
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def launcher_found() -> bool:
+    """Whether jax.distributed.initialize() can find its coordinator, process count and id
+    in the environment (JAX_COORDINATOR_ADDRESS, or a cluster JAX detects: SLURM, Open MPI,
+    Cloud TPU, Kubernetes)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    try:
+        from jax._src.clusters import ClusterEnv  # noqa: PLC0415  (JAX's own detection)
+
+        kinds = ClusterEnv._cluster_types
+        return any(not k.opt_in_only_method and k.is_env_present() for k in kinds)
+    except Exception:  # noqa: BLE001  (JAX moved it: let initialize() decide)
+        return True
+
+
 if args.process_id is None:
+    if not launcher_found():
+        print(
+            "examples/multiprocess.py runs as one of several processes, and none of "
+            "--process-id/--num-processes, a launcher's variables (SLURM, Open MPI, ...) or "
+            "JAX_COORDINATOR_ADDRESS says which.\n" + USAGE,
+            file=sys.stderr,
+        )
+        sys.exit(2)
     jax.distributed.initialize()  # coordinator, count and id from the launcher's environment
 else:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)

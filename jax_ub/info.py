@@ -3,13 +3,15 @@
 Versions (Python, jax, jaxlib, JAX's CUDA plugin, flax, jax_ub; the jaxlib and XLA FFI API
 the extensions were built against; CUDA runtime and driver, and the cuBLASLt library
 loaded), the devices, the GPUs' peer-access matrix, which extensions loaded (and why the
-CUDA one did not), and the settings in force.
+CUDA one did not), the settings in force and the JAX_UB_* variables set (with the error of
+any invalid one, which the first op would raise).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import platform
 import sys
 
@@ -58,6 +60,22 @@ def _loaded_library(fragment: str) -> str | None:
     return None
 
 
+def _settings() -> list[str]:
+    """The settings in force, the JAX_UB_* variables set, and the error of each setting
+    whose variable is invalid (which the first op would raise)."""
+    problems = config.problems()
+    shown = [
+        f"{f.name}=INVALID" if f.name in problems else f"{f.name}={getattr(config, f.name)!r}"
+        for f in dataclasses.fields(config)
+    ]
+    lines = ["settings: " + ", ".join(shown)]
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("JAX_UB_")}
+    if env:
+        lines.append("JAX_UB_* variables: " + ", ".join(f"{k}={v!r}" for k, v in env.items()))
+    lines += [f"  ERROR (raised by the first op): {message}" for message in problems.values()]
+    return lines
+
+
 def report() -> list[str]:
     """The report, line by line."""
     lines = [f"python {platform.python_version()} on {platform.platform()}"]
@@ -92,8 +110,7 @@ def report() -> list[str]:
                 f"{'yes' if a == b or cuda.can_access_peer(a, b) else 'NO':>3}" for b in ordinals
             )
             lines.append(f"  {a:>3}  {row}")
-    settings = dataclasses.asdict(config)
-    lines.append("settings: " + ", ".join(f"{k}={v!r}" for k, v in settings.items()))
+    lines += _settings()
     tuning = dataclasses.asdict(options.tuning())
     lines.append("tuning (internal): " + ", ".join(f"{k}={v!r}" for k, v in tuning.items()))
     return lines

@@ -252,6 +252,41 @@ def run_fp8_without_collectives(mesh, axis, m, k, n, dtype):
     return shard_errors(got, want)
 
 
+# The processes that report an outcome of their own: all but the one that dies (or sleeps)
+# on purpose.
+REPORTERS = [
+    p
+    for p in range(nproc)
+    if not (scenario in ("killed_in_bootstrap", "absent_peer") and p == nproc - 1)
+]
+
+
+def exit_after_peers_reported(code: int) -> None:
+    """Leave with `code`, skipping jax.distributed's shutdown barrier (it would wait for
+    peers that died or wait elsewhere), but not before every peer expected to report has
+    printed its error. Process 0 hosts the coordination service: if it left at once, a peer
+    still on its way to its own error (a loaded machine can hold it back for seconds) would
+    be aborted by its agent ("Socket closed") before printing anything. So each process
+    publishes a key once its error is printed, and process 0 leaves after the other
+    REPORTERS' keys have come (or 60 s have passed)."""
+    from jax._src import distributed  # noqa: PLC0415
+
+    client = distributed.global_state.client
+    try:
+        client.key_value_set(f"mp_test/reported/p{pid}", str(code))
+        if pid == 0:
+            deadline = time.monotonic() + 60
+            for p in REPORTERS[1:]:
+                left_ms = int(1000 * (deadline - time.monotonic()))
+                client.blocking_key_value_get(f"mp_test/reported/p{p}", max(1, left_ms))
+            # A peer's key comes just before its os._exit; give the exit a moment so that
+            # the service's closing does not abort it first (its exit code stays `code`).
+            time.sleep(1)
+    except Exception as e:  # noqa: BLE001  (a peer gone or late: leave anyway)
+        print(f"(leaving without every peer's report: {type(e).__name__}: {e})", flush=True)
+    os._exit(code)
+
+
 t0 = time.time()
 devices = np.array(jax.devices())
 try:
@@ -343,6 +378,6 @@ try:
         raise SystemExit(f"unknown scenario {scenario}")
 except Exception as e:  # noqa: BLE001
     print(f"ERROR after {time.time() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)
-    os._exit(3)  # skip jax.distributed's shutdown barrier, which would wait for the peers
+    exit_after_peers_reported(3)
 print("RESULT " + json.dumps({"errs": result, "seconds": time.time() - t0}), flush=True)
 jax_ub.finalize()

@@ -136,10 +136,10 @@ def test_auto_min_bytes_from_the_environment(monkeypatch):
     assert jax_ub.Config().auto_min_bytes == MiB
     monkeypatch.setenv("JAX_UB_AUTO_MIN_BYTES", "-5")
     with pytest.raises(ValueError, match=r"got -5 \(environment variable JAX_UB_AUTO_MIN_BYTES"):
-        jax_ub.Config()
+        jax_ub.Config().check()  # raised at first use, not when the config is built
     monkeypatch.setenv("JAX_UB_AUTO_MIN_BYTES", "4M")
     with pytest.raises(ValueError, match=r"JAX_UB_AUTO_MIN_BYTES='4M' is not a valid value"):
-        jax_ub.Config()
+        jax_ub.Config().check()
 
 
 # ------------------------------------------------------------------ use_ub on a simulated GPU

@@ -134,3 +134,54 @@ def test_bench_on_cpu_says_so_and_skips_a_png_it_cannot_draw(tmp_path, capsys, m
     assert "skipped, matplotlib is missing" in text
     rows = json.loads(out.read_text())["results"]
     assert [(r["op"], r["M"], r["K"], r["N"]) for r in rows] == [("ag", 256, 128, 256)]
+
+
+def _bench_parsers():
+    """(module name, parser) of every command line in jax_ub.bench: each module there that
+    builds one with _parser()."""
+    import importlib
+    import pkgutil
+
+    found = []
+    for info in pkgutil.iter_modules(bench.__path__):
+        if info.name.startswith("_"):  # __main__ would run the benchmark
+            continue
+        module = importlib.import_module(f"jax_ub.bench.{info.name}")
+        if callable(getattr(module, "_parser", None)):
+            found.append((module.__name__, module._parser()))
+    return found
+
+
+# Options that only the benchmark's own child processes pass (hidden from --help).
+INTERNAL_OPTIONS = {"--process-id", "--coordinator", "--windowed-einsum-child"}
+
+
+def test_every_bench_cli_describes_itself_and_every_option(capsys):
+    """`--help` of each bench command line: a one-paragraph description in full sentences
+    (not a module docstring's first line, cut or about the code), and help for every
+    option; the help text formats (a stray % would break it)."""
+    import argparse
+    import re
+
+    parsers = _bench_parsers()
+    assert {name for name, _ in parsers} >= {"jax_ub.bench.cli", "jax_ub.bench.layer"}
+    for name, ap in parsers:
+        text = ap.description or ""
+        assert re.fullmatch(r"[A-Z][^\n]*\.", text), (name, text)
+        assert len(text.split()) >= 30 and text.count(". ") >= 1, (name, text)
+        assert "benchmark" in text.lower() and text.count("(") == text.count(")"), (name, text)
+        for action in ap._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            option = action.option_strings[0] if action.option_strings else action.dest
+            if action.help == argparse.SUPPRESS:
+                assert option in INTERNAL_OPTIONS, f"{name}: {option} is hidden from --help"
+                continue
+            assert action.help and len(action.help.split()) >= 3, f"{name}: {option} has no help"
+        ap.format_help()
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "Overlap benchmark: times jax_ub's all_gather_matmul" in out
+    assert "Command line: parse" not in out

@@ -1,9 +1,14 @@
 """Bad settings fail early with a clear message and change nothing: configure(), the
-JAX_UB_* environment variables, the experimental tuning hook, initialize(), a buffer too
-small without growth, and the extension's create_communicator."""
+JAX_UB_* environment variables (at first use, not at import: jax_ub and jax_ub.info still
+load), the experimental tuning hook, initialize(), a buffer too small without growth, and
+the extension's create_communicator."""
 
 import dataclasses
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 from conftest import ag_fn as _ag
@@ -12,6 +17,7 @@ from conftest import rs_fn as _rs
 
 import jax_ub
 from jax_ub._src import _host, options
+from jax_ub._src import config as config_module
 
 BAD_SETTINGS = [
     # (configure keyword arguments, exception type(s), regex)
@@ -113,8 +119,149 @@ def test_configure_error_leaves_config_unchanged():
 )
 def test_env_var_errors_name_the_variable(monkeypatch, var, value, match):
     monkeypatch.setenv(var, value)
+    config = jax_ub.Config()  # what `import jax_ub` builds from the environment: no error
     with pytest.raises(ValueError, match=match):
-        jax_ub.Config()  # what `import jax_ub` builds from the environment
+        config.check()  # what every op runs first
+
+
+# One invalid text per setting that has an environment variable, and its error.
+BAD_ENV = {
+    "timeout_s": (
+        "JAX_UB_TIMEOUT_S",
+        "abc",
+        r"jax_ub: timeout_s: environment variable JAX_UB_TIMEOUT_S='abc' is not a valid "
+        r"value \(expected a number of seconds\); fix or unset JAX_UB_TIMEOUT_S, or call "
+        r"jax_ub.configure\(timeout_s=...\)",
+    ),
+    "buffer_bytes": (
+        "JAX_UB_BUFFER_BYTES",
+        "1.5GB",
+        r"JAX_UB_BUFFER_BYTES='1.5GB' is not a valid value \(expected an integer number of "
+        r"bytes\)",
+    ),
+    "allow_grow": (
+        "JAX_UB_ALLOW_GROW",
+        "maybe",
+        r"JAX_UB_ALLOW_GROW='maybe' is not a valid value \(expected one of "
+        r"1/true/yes/on or 0/false/no/off\)",
+    ),
+    "auto_min_bytes": (
+        "JAX_UB_AUTO_MIN_BYTES",
+        "-5",
+        r"auto_min_bytes must be an integer number of bytes >= 0, got -5 \(environment "
+        r"variable JAX_UB_AUTO_MIN_BYTES='-5'\)",
+    ),
+    "gemm_cache": (
+        "JAX_UB_GEMM_CACHE",
+        "/no/such/folder/x",
+        r"its directory '/no/such/folder' does not exist \(environment variable "
+        r"JAX_UB_GEMM_CACHE='/no/such/folder/x'\)",
+    ),
+}
+VALID = {
+    "timeout_s": 30.0,
+    "buffer_bytes": 0,
+    "allow_grow": True,
+    "auto_min_bytes": 8 << 20,
+    "gemm_cache": "",
+}
+
+
+def test_every_env_backed_setting_is_covered():
+    assert set(BAD_ENV) == set(config_module.ENV_VARS)
+    assert {name: spec[0] for name, spec in BAD_ENV.items()} == config_module.ENV_VARS
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("0", False), ("false", False), ("OFF", False), ("no", False), ("1", True), ("on", True)],
+)
+def test_allow_grow_from_the_environment(monkeypatch, text, value):
+    """JAX_UB_ALLOW_GROW=false turns growth off (it once meant on: any text but "0" did)."""
+    monkeypatch.setenv("JAX_UB_ALLOW_GROW", text)
+    assert jax_ub.Config().allow_grow is value
+
+
+@pytest.mark.parametrize("name", list(BAD_ENV))
+def test_invalid_env_var_fails_first_use_not_import(monkeypatch, mesh1d, rand, name):
+    """An invalid JAX_UB_* variable: building the config (at import) succeeds; every first
+    use (reading the setting, each op under every impl, explain_impl, initialize) raises
+    the same ValueError naming the variable and its text; configure() of the setting
+    replaces it."""
+    var, text, match = BAD_ENV[name]
+    monkeypatch.setenv(var, text)
+    fresh = jax_ub.Config()
+    (message,) = fresh.problems().values()
+    assert list(fresh.problems()) == [name]
+    assert re.search(match, message), message
+    assert message in repr(fresh)  # repr shows the problem instead of raising it
+    with pytest.raises(ValueError) as e:
+        getattr(fresh, name)
+    assert str(e.value) == message
+
+    # The live config as `import jax_ub` leaves it (restored after the test by conftest).
+    setattr(jax_ub.config, name, config_module._from_env(name))
+    mesh = mesh1d(2)
+    x, w = rand(2 * 4, 16), rand(16, 2 * 8)
+    uses = [
+        (f"all_gather_matmul impl={impl!r}", lambda impl=impl: _ag(mesh, impl)(x, w))
+        for impl in ("ub", "xla", "auto")
+    ]
+    uses += [
+        ("matmul_reduce_scatter", lambda: _rs(mesh, "xla")(rand(8, 2 * 16), rand(2 * 16, 8))),
+        (
+            "explain_impl",
+            lambda: jax_ub.explain_impl("all_gather_matmul", (4, 16), (16, 8), "float32", 2),
+        ),
+        ("initialize", lambda: jax_ub.initialize(mesh, "tp")),
+    ]
+    for what, use in uses:
+        with pytest.raises(ValueError) as e:
+            use()
+        assert str(e.value) == message, what
+
+    jax_ub.configure(**{name: VALID[name]})
+    assert jax_ub.config.problems() == {}
+    assert rel_err(_ag(mesh, "ub")(x, w), to_f32(x) @ to_f32(w)) < 1e-5
+
+
+def test_invalid_env_vars_let_jax_ub_import_and_info_report_them():
+    """With every JAX_UB_* variable invalid, `import jax_ub` succeeds, the first op raises
+    the first one's error, and `python -m jax_ub.info` exits 0, printing the whole report
+    with each variable's error (the same text the ops raise)."""
+    env = dict(os.environ, **{var: text for var, text, _ in BAD_ENV.values()})
+    script = (
+        "import jax, jax.numpy as jnp, jax_ub\n"
+        "try:\n"
+        "    jax_ub.matmul_reduce_scatter(jnp.ones((4, 4)), jnp.ones((4, 4)), 'tp')\n"
+        "except ValueError as e:\n"
+        "    print('FIRST USE:', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("Traceback") == 0, out.stderr[-3000:]
+    (first,) = [ln for ln in out.stdout.splitlines() if ln.startswith("FIRST USE: ")]
+    assert re.search(BAD_ENV["buffer_bytes"][2], first), first  # the first setting's
+
+    info = subprocess.run(
+        [sys.executable, "-m", "jax_ub.info"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert info.returncode == 0, info.stderr[-3000:]
+    text = info.stdout
+    for needle in ("jax_ub ", "devices (", "tuning (internal): ", "allow_tf32=False"):
+        assert needle in text, (needle, text)
+    settings = [ln for ln in text.splitlines() if ln.startswith("settings: ")][0]
+    for name, (var, value, match) in BAD_ENV.items():
+        assert f"{name}=INVALID" in settings, settings
+        assert f"{var}={value!r}" in text, text
+        assert re.search(
+            r"ERROR \(raised by the first op\): jax_ub: .*" + match.removeprefix("jax_ub: "), text
+        ), (
+            name,
+            text,
+        )
 
 
 @pytest.mark.parametrize(

@@ -228,3 +228,40 @@ def test_fp8_on_global_arrays(mesh1d, rand):
     with jax.set_mesh(mesh):
         y = jax.jit(lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", fp8=jax_ub.Fp8Scales()))(x, w)
     assert rel_err(y, reference_forward("ag", x, w, 2)) < 1e-2
+
+
+# fp8 shapes that cuBLASLt's fp8 GEMMs refuse: (k, n) per rank, the one not divisible by 16.
+UNALIGNED = [(100, 16), (32, 24)]
+
+
+@pytest.mark.parametrize("k,n", UNALIGNED)
+@pytest.mark.parametrize("op", OPS)
+def test_fp8_shapes_gpus_refuse_are_refused_on_cpu_too(mesh1d, rand, op, k, n):
+    """fp8 with k or n (this rank's) not divisible by 16: the host path could run it, but
+    it decides as the GPU path does, so that a CPU run finds out before the GPU job:
+    impl="ub" raises naming the rule and the shapes, impl="auto" takes XLA's fp8 path (and
+    explain_impl says why), impl="xla" runs (XLA pads its fp8 dots on GPUs)."""
+    x, w = op_operands(rand, op, 2, 8, k, n, dtype=jnp.bfloat16)
+    local_x = (8, k) if op == "ag" else (16, k)
+    with pytest.raises(ValueError) as e:
+        fp8_fn(op, mesh1d(2), "ub")(x, w, jax_ub.Fp8Scales())
+    assert str(e.value).startswith(
+        f"{'all_gather_matmul' if op == 'ag' else 'matmul_reduce_scatter'}: impl='ub' cannot "
+        "run this call: fp8 GEMMs need k and n divisible by 16"
+    ), str(e.value)
+    assert f"got k={k}, n={n} in this rank's shards x.shape={local_x}, w.shape={(k, n)}" in str(
+        e.value
+    )
+    auto = fp8_fn(op, mesh1d(2), "auto")(x, w, jax_ub.Fp8Scales())
+    xla = fp8_fn(op, mesh1d(2), "xla")(x, w, jax_ub.Fp8Scales())
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(xla, np.float32))
+    assert rel_err(xla, reference_forward(op, x, w, 2)) < 1e-2
+    name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
+    choice = jax_ub.explain_impl(name, local_x, (k, n), jnp.bfloat16, 2, fp8=True)
+    assert choice.impl == "xla" and "divisible by 16" in choice.reason, choice
+
+
+def test_fp8_aligned_shapes_still_run_the_userbuffer_op_on_cpu():
+    """k and n multiples of 16: impl="auto" on CPU devices still runs the host protocol."""
+    choice = jax_ub.explain_impl("all_gather_matmul", (8, 32), (32, 16), jnp.bfloat16, 2, fp8=True)
+    assert choice.impl == "ub", choice

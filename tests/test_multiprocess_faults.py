@@ -64,7 +64,10 @@ def test_mismatched_shape_fails_clearly():
 def test_mismatched_setting_fails_clearly():
     """One process sets reduce_scatter_fold_rows otherwise: every process fails when the
     communicator is created, naming the setting and both values, before any op can wait
-    for a piece its peer will never send."""
+    for a piece its peer will never send. (Process 0 hosts jax.distributed's service and
+    leaves only after the others have printed their errors, or a loaded machine's slower
+    process would be aborted, "Socket closed", before printing: _mp_worker.py's
+    exit_after_peers_reported.)"""
     out = run("mismatched_setting", 2, 1)
     for code, text in out:
         assert code != 0, text[-2000:]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ub._src import auto_rule
+from jax_ub._src.config import config
 
 UB_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 IMPLS = ("auto", "ub", "xla")
@@ -35,6 +36,9 @@ def check_divisible(op: str, what: str, value: int, size: int, axis_name: str, s
 
 
 def check_impl(op: str, impl: str) -> None:
+    """Every public op, layer and explain_impl call starts here: a JAX_UB_* environment
+    variable with invalid text fails it (its error names the variable), then a bad impl."""
+    config.check()
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl=}")
 
@@ -62,16 +66,28 @@ def ub_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
     return None
 
 
-def fp8_unsupported_reason(w: jax.Array) -> str | None:
-    """Why the userbuffer path cannot run fp8 with weight ``w`` [k, n] here, or None."""
-    if jax.default_backend() != "gpu":
-        return None  # the host path emulates fp8
-    caps = [getattr(d, "compute_capability", "0.0") for d in jax.devices()]
-    if min(tuple(map(int, c.split("."))) for c in caps) < (8, 9):
-        return f"fp8 GEMMs need GPUs of compute capability 8.9 or newer, these have {caps}"
+def fp8_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
+    """Why the userbuffer path cannot run fp8 with ``x`` [..., k] and weight ``w`` [k, n]
+    (this rank's shards) here, or None.
+
+    The shape rule is cuBLASLt's (its fp8 GEMMs need k and n divisible by 16; the backward's
+    GEMMs swap them), and it holds on every platform: the host path, which emulates fp8 and
+    could run any shape, refuses the same calls, so that a CPU run meets the error (or, with
+    impl="auto", the fallback to XLA) that the GPU job would. XLA's own fp8 dots pad to 16
+    on GPUs, so impl="xla" takes any shape everywhere.
+    """
+    if jax.default_backend() == "gpu":
+        caps = [getattr(d, "compute_capability", "0.0") for d in jax.devices()]
+        if min(tuple(map(int, c.split("."))) for c in caps) < (8, 9):
+            return f"fp8 GEMMs need GPUs of compute capability 8.9 or newer, these have {caps}"
     k, n = w.shape
     if k % 16 or n % 16:
-        return f"fp8 GEMMs on GPUs need k and n divisible by 16 ({k=}, {n=}; {w.shape=})"
+        return (
+            f"fp8 GEMMs need k and n divisible by 16 (cuBLASLt's rule on GPUs, checked on "
+            f"every platform), got k={k}, n={n} in this rank's shards x.shape={tuple(x.shape)}, "
+            f"w.shape={tuple(w.shape)}; pad k and n to multiples of 16, or use impl='xla' "
+            "(XLA pads its fp8 dots)"
+        )
     return None
 
 
@@ -96,7 +112,7 @@ def operands_unsupported_reason(x, w, fp8: bool) -> str | None:
     ``x`` and ``w`` need only ``shape`` and ``dtype``."""
     reason = ub_unsupported_reason(x, w)
     if reason is None and fp8:
-        reason = fp8_unsupported_reason(w)
+        reason = fp8_unsupported_reason(x, w)
     return reason
 
 

@@ -2,8 +2,12 @@
 smallest call that ``impl="auto"`` runs as the userbuffer op on GPUs, and a file that keeps
 GPU kernel choices across processes.
 
-Each value is validated where it enters: from the environment at import (an error names
-the variable that was set) or from :func:`configure` (an error names the argument).
+Each value is validated where it enters: from :func:`configure` (an error names the
+argument) or from the environment, read at import. An invalid environment variable does not
+break ``import jax_ub`` (nor ``python -m jax_ub.info``, which shows it): its error, naming
+the variable and its value, is raised at first use, by any op, layer or
+:func:`jax_ub.explain_impl` call, and by reading the setting; ``configure()`` of that
+setting replaces it.
 """
 
 from __future__ import annotations
@@ -62,19 +66,72 @@ def _check_gemm_cache(value: object, source: str) -> None:
 # reduce-scatter was): the calibration is in jax_ub._src.auto_rule's docstring.
 DEFAULT_AUTO_MIN_BYTES = 8 << 20
 
-# name -> (env variable or None, parse the variable's text, check, default)
+
+def _parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+# name -> (env variable or None, parse the variable's text, what the text must be, check,
+# default)
 _SETTINGS = {
-    "buffer_bytes": ("JAX_UB_BUFFER_BYTES", int, _check_buffer_bytes, 0),
-    "timeout_s": ("JAX_UB_TIMEOUT_S", float, _check_timeout, 30.0),
-    "allow_grow": ("JAX_UB_ALLOW_GROW", lambda t: t != "0", _check_bool("allow_grow"), True),
-    "allow_tf32": (None, None, _check_bool("allow_tf32"), False),
-    "auto_min_bytes": ("JAX_UB_AUTO_MIN_BYTES", int, _check_auto_min_bytes, DEFAULT_AUTO_MIN_BYTES),
-    "gemm_cache": ("JAX_UB_GEMM_CACHE", str, _check_gemm_cache, ""),
+    "buffer_bytes": (
+        "JAX_UB_BUFFER_BYTES",
+        int,
+        "an integer number of bytes",
+        _check_buffer_bytes,
+        0,
+    ),
+    "timeout_s": ("JAX_UB_TIMEOUT_S", float, "a number of seconds", _check_timeout, 30.0),
+    "allow_grow": (
+        "JAX_UB_ALLOW_GROW",
+        _parse_bool,
+        f"one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}",
+        _check_bool("allow_grow"),
+        True,
+    ),
+    "allow_tf32": (None, None, "", _check_bool("allow_tf32"), False),
+    "auto_min_bytes": (
+        "JAX_UB_AUTO_MIN_BYTES",
+        int,
+        "an integer number of bytes",
+        _check_auto_min_bytes,
+        DEFAULT_AUTO_MIN_BYTES,
+    ),
+    "gemm_cache": ("JAX_UB_GEMM_CACHE", str, "a file path", _check_gemm_cache, ""),
 }
+
+# The environment variable behind each setting that has one.
+ENV_VARS = {name: spec[0] for name, spec in _SETTINGS.items() if spec[0]}
+
+
+class InvalidSetting:
+    """What a setting holds while its environment variable's text is invalid: the error,
+    raised when the setting is read (see :class:`Config`), so that importing jax_ub and
+    ``python -m jax_ub.info`` still work."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"<invalid: {self.message}>"
+
+    def error(self) -> ValueError:
+        return ValueError(self.message)
 
 
 def _from_env(name: str) -> object:
-    env, parse, check, default = _SETTINGS[name]
+    """The setting's value from its environment variable (its default where unset or
+    empty), or an InvalidSetting holding the error that names the variable and its text."""
+    env, parse, expected, check, default = _SETTINGS[name]
     text = os.environ.get(env) if env else None
     if not text:
         return default
@@ -82,8 +139,16 @@ def _from_env(name: str) -> object:
     try:
         value = parse(text)
     except ValueError:
-        raise ValueError(f"{name}: {source} is not a valid value") from None
-    check(value, source)
+        return InvalidSetting(
+            f"jax_ub: {name}: {source} is not a valid value (expected {expected}); fix or "
+            f"unset {env}, or call jax_ub.configure({name}=...)"
+        )
+    try:
+        check(value, source)
+    except ValueError as e:
+        return InvalidSetting(
+            f"jax_ub: {e}; fix or unset {env}, or call jax_ub.configure({name}=...)"
+        )
     return value
 
 
@@ -91,6 +156,11 @@ def _from_env(name: str) -> object:
 class Config:
     """Settings read when a communicator is created (``auto_min_bytes``: when a call is
     traced).
+
+    A setting whose environment variable holds invalid text raises its ValueError (naming
+    the variable and the text) when read, and :meth:`check`, which every op, layer and
+    :func:`jax_ub.explain_impl` call runs first, raises it too; ``configure()`` of the
+    setting replaces it.
 
     Attributes:
       buffer_bytes: the symmetric buffer per device, in bytes. ``0`` (default) sizes it
@@ -117,6 +187,34 @@ class Config:
         choices are appended; processes may share it on a local file system. Delete it
         to choose again (after a driver, library or clock change). CPU devices ignore it.
     """
+
+    # An environment variable's invalid text is kept as an InvalidSetting and raised here,
+    # when the setting is read, not when the Config is made (at import).
+    def __getattribute__(self, name: str) -> object:
+        value = object.__getattribute__(self, name)
+        if type(value) is InvalidSetting:
+            raise value.error()
+        return value
+
+    def problems(self) -> dict[str, str]:
+        """The settings whose environment variable is invalid: name -> the error's text."""
+        found = {}
+        for field in dataclasses.fields(self):
+            value = object.__getattribute__(self, field.name)
+            if type(value) is InvalidSetting:
+                found[field.name] = value.message
+        return found
+
+    def check(self) -> None:
+        """Raise the error of the first setting whose environment variable is invalid."""
+        for message in self.problems().values():
+            raise ValueError(message)
+
+    def __repr__(self) -> str:
+        values = ", ".join(
+            f"{f.name}={object.__getattribute__(self, f.name)!r}" for f in dataclasses.fields(self)
+        )
+        return f"Config({values})"
 
     buffer_bytes: int = dataclasses.field(default_factory=lambda: _from_env("buffer_bytes"))
     timeout_s: float = dataclasses.field(default_factory=lambda: _from_env("timeout_s"))
@@ -149,7 +247,7 @@ def configure(**changes: object) -> Config:
         raise ValueError(f"unknown jax_ub setting {names}; known: {list(_SETTINGS)}")
     # Validate the whole change before applying any of it.
     for name, value in changes.items():
-        _SETTINGS[name][2](value, f"jax_ub.configure({name}=...)")
+        _SETTINGS[name][3](value, f"jax_ub.configure({name}=...)")
     for name, value in changes.items():
         setattr(config, name, value)
     return config

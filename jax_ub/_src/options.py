@@ -145,7 +145,9 @@ _TRACE_TIME = ("transpose_w_in_place", "dgelu_epilogue")
 
 
 def current_options() -> Options:
-    """The options a communicator created now gets: the config's and the tuning's."""
+    """The options a communicator created now gets: the config's and the tuning's. A
+    JAX_UB_* variable with invalid text fails it, naming the variable (``config.check``)."""
+    config.check()
     tuned = {k: v for k, v in dataclasses.asdict(_tuning).items() if k not in _TRACE_TIME}
     return Options(
         timeout_s=config.timeout_s,

@@ -1,4 +1,5 @@
-"""Command line: parse, run each shape and op, print the tables, write JSON and PNG."""
+"""``python -m jax_ub.bench``'s command line (its description: DESCRIPTION): parse, run
+each shape and op, print the tables, write JSON and PNG."""
 
 from __future__ import annotations
 
@@ -27,9 +28,20 @@ from jax_ub.bench.impls import (
 )
 from jax_ub.bench.timing import UNCHECKED, bar_chart, measure, rel_err
 
+DESCRIPTION = (
+    "Overlap benchmark: times jax_ub's all_gather_matmul (AG+GEMM) and "
+    "matmul_reduce_scatter (GEMM+RS) on a 1-D tensor-parallel mesh of this host's devices "
+    "against the GEMM alone, XLA's unfused collective and dot, and XLA's windowed einsum "
+    "(a process of its own per shape, GPUs only). The implementations run interleaved round "
+    "by round; each reported time is the median over the rounds of a loop average of async "
+    "calls, per device, and every result is checked against XLA's. On CPU devices it checks "
+    "the benchmark and the host protocol, not speed."
+)
+DTYPES = ("bfloat16", "float16", "float32")
+
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jax_ub.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jax_ub.bench", description=DESCRIPTION)
     ap.add_argument(
         "--shapes",
         default="",
@@ -37,10 +49,31 @@ def _parser() -> argparse.ArgumentParser:
         f"{GPU_SHAPES} on GPUs, {CPU_SHAPES} on CPU devices)",
     )
     ap.add_argument("--sweep-m", default="", help="comma-separated M values at the first K,N")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--ops", default="ag,rs")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=DTYPES,
+        help="the operands' dtype (default: %(default)s); --fp8 adds fp8 rows on top",
+    )
+    ap.add_argument(
+        "--ops",
+        default="ag,rs",
+        help="comma-separated ops to time: ag (all_gather_matmul, AG+GEMM), rs "
+        "(matmul_reduce_scatter, GEMM+RS) (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timed rounds, interleaved across the implementations; each time reported is "
+        "the median over them (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=30,
+        help="async calls per timed loop, after a warm-up (default: %(default)s)",
+    )
     ap.add_argument(
         "--loop-seconds",
         type=float,
@@ -57,7 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         "printed relative to jax_ub (with --fp8, jax_ub_fp8 too)",
     )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
-    ap.add_argument("--no-windowed-einsum", action="store_true")
+    ap.add_argument(
+        "--no-windowed-einsum",
+        action="store_true",
+        help="skip XLA's windowed einsum (it compiles and runs in a process of its own per "
+        "shape; always skipped on CPU devices and with --processes)",
+    )
     ap.add_argument(
         "--epilogue",
         action="store_true",
@@ -70,15 +108,34 @@ def _parser() -> argparse.ArgumentParser:
         help="also time the ops in fp8 (given scales) against the fp8 GEMM alone and XLA's "
         "unfused fp8 op",
     )
-    ap.add_argument("--json", default="")
-    ap.add_argument("--png", default="")
+    ap.add_argument(
+        "--json",
+        default="",
+        metavar="PATH",
+        help="write the results (times, spreads, errors, ratios per op and shape) to this "
+        "JSON file, rewritten after each one so that a later failure loses nothing",
+    )
+    ap.add_argument(
+        "--png",
+        default="",
+        metavar="PATH",
+        help="write a bar chart of every implementation's time over the GEMM alone, per op "
+        "and shape, to this PNG file (needs matplotlib)",
+    )
     ap.add_argument(
         "--processes",
         type=int,
         default=0,
         help="run as this many processes on this host (jax.distributed), GPUs split evenly",
     )
-    ap.add_argument("--gpus-per-process", type=int, default=1)
+    ap.add_argument(
+        "--gpus-per-process",
+        type=int,
+        default=1,
+        help="with --processes: the GPUs each process drives, process i taking GPUs "
+        "[i * G, (i + 1) * G) (default: %(default)s)",
+    )
+    # Internal: how --processes and the windowed einsum start their child processes.
     ap.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     ap.add_argument("--windowed-einsum-child", action="store_true", help=argparse.SUPPRESS)

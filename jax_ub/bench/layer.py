@@ -176,22 +176,61 @@ def build(mesh: Mesh, variant: str, head_dim: int):
 # ------------------------------------------------------------------ command line
 
 
+DESCRIPTION = (
+    "Layer benchmark: times one sequence-parallel transformer layer (RMS norm, QKV "
+    "projection, causal attention, output projection, RMS norm, GELU MLP), forward and "
+    "forward+backward, on a 1-D "
+    "tensor-parallel mesh of this host's devices, three ways: jax_ub's ops (impl='ub'), "
+    "XLA's collectives (impl='xla'), and the bound, the same GEMMs with every collective "
+    "replaced by a local op of the same shapes. The ways run interleaved round by round; "
+    "each reported time is the median over the rounds, and jax_ub's outputs and gradients "
+    "are checked against XLA's. On CPU devices it checks the benchmark, not speed."
+)
+DTYPES = ("bfloat16", "float16", "float32")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m jax_ub.bench.layer", description=__doc__.splitlines()[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m jax_ub.bench.layer", description=DESCRIPTION)
     ap.add_argument(
         "--sizes",
         default="",
         help=f"comma-separated HIDDENxFFNxSEQ (default: {GPU_SIZES} on GPUs, {CPU_SIZES} "
         "on CPU devices)",
     )
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--head-dim", type=int, default=0, help="default 128 (16 on CPU devices)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences per step: the batch dimension of the activations "
+        "[seq/tp, batch, hidden] (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--head-dim",
+        type=int,
+        default=0,
+        help="attention head size; HIDDEN must be a multiple of it (default: 128, 16 on CPU "
+        "devices)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=DTYPES,
+        help="the activations' and weights' dtype (default: %(default)s)",
+    )
     ap.add_argument("--tp", type=int, default=0, help="use the first TP devices (default: all)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timed rounds, interleaved across the ways; each time reported is the median "
+        "over them (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=10,
+        help="async calls per timed loop, after a warm-up (default: %(default)s)",
+    )
     ap.add_argument(
         "--loop-seconds",
         type=float,
@@ -209,8 +248,21 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"add {BATCH_MAJOR}: jax_ub on batch-major activations (seq_axis=1)",
     )
-    ap.add_argument("--json", default="")
-    ap.add_argument("--png", default="")
+    ap.add_argument(
+        "--json",
+        default="",
+        metavar="PATH",
+        help="write the results (times, spreads, errors, ratios to the bound per size and "
+        "pass) to this JSON file, rewritten after each one so that a later failure loses "
+        "nothing",
+    )
+    ap.add_argument(
+        "--png",
+        default="",
+        metavar="PATH",
+        help="write a bar chart of each way's time over the bound, per size and pass, to "
+        "this PNG file (needs matplotlib)",
+    )
     return ap
 
 
