@@ -165,3 +165,20 @@ def test_bad_head_counts_are_named():
         ubf.ParallelSelfAttention(
             12, 4, rope_theta=THETA, mesh=make_mesh((2, "tp")), rngs=nnx.Rngs(0)
         )
+
+
+def test_float_masks_as_flax_makes_them(rand):
+    """nn.make_causal_mask's float 0/1 mask, a boolean mask and is_causal agree."""
+    mesh = make_mesh((2, "tp"))
+    block = nnx_block(mesh)
+    x = rand(SEQ, BATCH, D)
+    float_mask = nn.make_causal_mask(jnp.ones((BATCH, SEQ)))  # [batch, 1, seq, seq] float32
+    assert float_mask.dtype == jnp.float32
+    ys = [
+        block(x, float_mask),
+        block(x, float_mask.astype(bool)),
+        block(x, is_causal=True),
+    ]
+    assert rel_err(ys[0], ys[2]) < 1e-6 and rel_err(ys[1], ys[2]) < 1e-6
+    with pytest.raises(ValueError, match="mask of dtype complex64"):
+        block(x, float_mask.astype(jnp.complex64))

@@ -36,6 +36,12 @@ def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 
             f"{owner}: mask of shape {shape} does not broadcast to [*batch, 1, seq, seq] = "
             f"{target} (heads are split over devices, so the head dim of the mask must be 1)"
         )
+    dtype = jnp.dtype(getattr(mask, "dtype", jnp.bool_))
+    if not any(jnp.issubdtype(dtype, kind) for kind in (jnp.bool_, jnp.integer, jnp.floating)):
+        raise ValueError(
+            f"{owner}: mask of dtype {dtype}: pass booleans or flax's 0/1 float masks "
+            f"(nonzero attends); mask shape {shape}"
+        )
 
 
 def check_heads(
@@ -147,7 +153,8 @@ def attention_local(
       q_per_kv: queries per key/value head (grouped-query attention when > 1).
       rope_theta: rotary embeddings (:func:`rotary`) of the queries and keys at positions
         ``0 .. seq - 1`` with this base, or None for none.
-      mask: boolean, broadcastable to ``[*batch, 1, seq, seq]``; True attends.
+      mask: broadcastable to ``[*batch, 1, seq, seq]``; True (or nonzero, as flax's float
+        masks) attends.
       is_causal: attend only to earlier positions (no mask array needed).
       implementation: ``"xla"``, ``"cudnn"``, or None (cuDNN on GPUs where it applies).
       platform: the devices' platform, for ``implementation=None``.
@@ -167,6 +174,9 @@ def attention_local(
         positions = jnp.arange(seq)
         q, k = rotary(q, positions, rope_theta), rotary(k, positions, rope_theta)
     if mask is not None:
+        # Flax's masks (nn.make_attention_mask, nn.make_causal_mask) are float 0/1: nonzero
+        # attends, as in flax's own attention; dot_product_attention takes booleans only.
+        mask = jnp.asarray(mask).astype(bool)
         mask = jnp.broadcast_to(mask, (*batch, 1, seq, seq)).reshape(-1, 1, seq, seq)
     backend = _attention_backend(implementation, platform, q.dtype, head_dim, mask is not None)
     out = jax.nn.dot_product_attention(
