@@ -1,0 +1,324 @@
+"""End-to-end training step of the Llama-style model (jax_ub.bench.llama) per way of
+communicating: jax_ub's overlapped ops, XLA's collectives with default flags, XLA with the
+flags a MaxText user sets for overlap (in a process of its own: XLA flags are per process),
+and the no-communication bound (every GEMM kept, every collective removed).
+
+Run as ``python -m jax_ub.bench.model`` (``--help`` for the options). In-process variants
+run in interleaved rounds on the same data from the same init; each prints step time
+(median of the rounds, and their spread), tokens/s, MFU (model FLOPs over the devices'
+stated peak), the compiled step's memory (XLA's estimate: arguments, outputs and
+temporaries), the ratio to the bound and to the best XLA variant, and the first step's
+loss, which for jax_ub and XLA must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+DESCRIPTION = (
+    "Time one training step of a Llama-style model (GQA with rotary embeddings, SwiGLU, "
+    "layers under nnx.scan with remat, AdamW) with jax_ub's overlapped ops, with XLA's "
+    "collectives, with XLA's collectives and MaxText's overlap flags (in a process of its "
+    "own), and with every collective removed (the bound), over a (dp, tp) mesh of this "
+    "process's devices; print step time, tokens/s, MFU, memory and the ratios to the bound "
+    "and to the best XLA variant."
+)
+VARIANTS = ("jax_ub", "xla", "xla_overlap", "bound")
+# What a MaxText user sets on GPUs for collective/compute overlap: the latency-hiding
+# scheduler and the windowed-einsum collective matmul at every size.
+OVERLAP_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_threshold_for_windowed_einsum_mib=0"
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from jax_ub.bench import llama
+
+    ap = argparse.ArgumentParser(prog="python -m jax_ub.bench.model", description=DESCRIPTION)
+    ap.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(llama.PRESETS),
+        help="the model's shapes (default: tiny, for CPU devices)",
+    )
+    ap.add_argument("--layers", type=int, help="number of blocks (default: the preset's)")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    ap.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size; dp = devices / tp")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="computation dtype (params float32, AdamW moments float32)",
+    )
+    ap.add_argument(
+        "--remat",
+        default="dots",
+        choices=["none", "dots", "full"],
+        help="rematerialization policy of each block (default: dots)",
+    )
+    ap.add_argument(
+        "--variants",
+        default="jax_ub,xla,bound",
+        help=f"comma-separated, of {', '.join(VARIANTS)} (default: "
+        "jax_ub,xla,bound; xla_overlap needs GPUs)",
+    )
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    ap.add_argument("--steps", type=int, default=5, help="steps timed per round and variant")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="each device's peak for MFU (default: 989 on H100/H200, dense "
+        "bf16 by the datasheet; none on CPU)",
+    )
+    ap.add_argument(
+        "--overlap-flags",
+        default=OVERLAP_FLAGS,
+        help="XLA_FLAGS of the xla_overlap variant's process",
+    )
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # one variant, in its own process
+    return ap
+
+
+@contextlib.contextmanager
+def bound_ops():
+    """jax_ub's two ops replaced, while models are traced, by the same GEMMs with no
+    communication: the gather becomes ``tp`` copies of the local rows, the reduce-scatter
+    a sum of the product's ``tp`` row blocks (the layer benchmark's bound, with the ops'
+    keyword arguments)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import jax_ub
+    from jax_ub._src import gated_mlp
+
+    def ag(x, w, axis_name, *, bias=None, activation=None, seq_axis=0, **_):
+        y = jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis) @ w
+        y = y if bias is None else y + bias
+        return jax.nn.gelu(y) if activation == "gelu" else y
+
+    def rs(x, w, axis_name, *, bias=None, seq_axis=0, **_):
+        tp, y = lax.axis_size(axis_name), x @ w
+        blocks = y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :])
+        y = blocks.sum(axis=seq_axis)
+        return y if bias is None else y + bias
+
+    saved = [
+        (m, n, getattr(m, n))
+        for m in (jax_ub, gated_mlp)
+        for n in ("all_gather_matmul", "matmul_reduce_scatter")
+    ]
+    from jax_ub.flax import _attention, _core
+
+    def forget_traces():
+        # The layers keep one jitted shard_map per configuration: without this, the bound
+        # would reuse the traces of jax_ub's ops, and jax_ub those of the bound.
+        for cached in (
+            _core.linear_call,
+            _core.mlp_call,
+            _core.gated_mlp_call,
+            _attention.attention_call,
+        ):
+            cached.cache_clear()
+
+    for module, name, _ in saved:
+        setattr(module, name, ag if name == "all_gather_matmul" else rs)
+    forget_traces()
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        forget_traces()
+
+
+def _setup(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ub.bench import llama
+
+    cfg = llama.PRESETS[args.preset]
+    if args.layers:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    devices = jax.devices()
+    dp = len(devices) // args.tp
+    if dp < 1:
+        raise SystemExit(f"--tp {args.tp} needs that many devices; this process has {len(devices)}")
+    mesh = Mesh(np.array(devices[: dp * args.tp]).reshape(dp, args.tp), ("dp", "tp"))
+    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+    return cfg, mesh, tokens, jnp.dtype(args.dtype)
+
+
+def _compiled_step(variant: str, cfg, mesh, tokens, dtype, remat: str):
+    """(jitted step, state) of one variant: the model and AdamW state in one pytree, the
+    step donating it; and the compiled step's memory estimate in bytes."""
+    import jax
+    from flax import nnx
+
+    from jax_ub.bench import llama
+
+    impl = {"jax_ub": "ub", "bound": "ub"}.get(variant, "xla")
+    with jax.set_mesh(mesh):
+        model = llama.Llama(cfg, impl=impl, remat=remat, dtype=dtype, rngs=nnx.Rngs(0))
+        optimizer = llama.make_optimizer(model)
+        graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, tokens):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(llama.next_token_loss)(model, tokens)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    step = jax.jit(step, donate_argnums=0)
+    with jax.set_mesh(mesh), bound_ops() if variant == "bound" else contextlib.nullcontext():
+        compiled = step.lower(state, tokens).compile()
+    memory = compiled.memory_analysis()
+    used = None
+    if memory is not None:
+        used = (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes
+        )
+    return compiled, state, used
+
+
+def _run(variants: list[str], args, say) -> dict:
+    """Compile each variant, then time them in interleaved rounds."""
+    import jax
+
+    cfg, mesh, tokens, dtype = _setup(args)
+    steps, states, first_loss, memory = {}, {}, {}, {}
+    for v in variants:
+        t0 = time.perf_counter()
+        steps[v], states[v], memory[v] = _compiled_step(v, cfg, mesh, tokens, dtype, args.remat)
+        states[v], loss = steps[v](states[v], tokens)
+        first_loss[v] = float(loss)
+        say(
+            f"  {v}: compiled and ran a step in {time.perf_counter() - t0:.1f} s, "
+            f"loss {first_loss[v]:.5f}"
+        )
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for v in variants:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                states[v], loss = steps[v](states[v], tokens)
+            jax.block_until_ready(loss)
+            times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
+        say(
+            f"  round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in variants)
+        )
+    return {
+        v: {
+            "step_ms": statistics.median(times[v]),
+            "spread": (max(times[v]) - min(times[v])) / statistics.median(times[v]),
+            "first_loss": first_loss[v],
+            "memory_bytes": memory[v],
+        }
+        for v in variants
+    } | {"_config": dataclasses.asdict(cfg), "_devices": [str(d) for d in mesh.devices.flat]}
+
+
+def _run_child(variant: str, args, argv: list[str], say) -> dict | None:
+    """A variant in its own process (its XLA flags), the same arguments otherwise."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.overlap_flags).strip()
+    cmd = [sys.executable, "-m", "jax_ub.bench.model", *argv, "--child", variant]
+    say(f"  {variant}: in its own process, XLA_FLAGS+={args.overlap_flags!r}")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("MODEL_RESULT "):
+            return json.loads(line[len("MODEL_RESULT ") :])[variant]
+    say(f"  {variant} failed (rc={done.returncode}): {done.stderr.strip()[-400:]}")
+    return None
+
+
+def _report(results: dict, args, say) -> None:
+    import jax
+
+    from jax_ub.bench import llama
+
+    cfg = llama.PRESETS[args.preset]
+    if args.layers:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    device = jax.devices()[0]
+    peak = args.peak_tflops
+    if peak is None and any(kind in device.device_kind for kind in ("H100", "H200")):
+        peak = 989.0  # H100/H200 SXM dense bf16, datasheet
+    n_dev = (len(jax.devices()) // args.tp) * args.tp
+    tokens = args.batch * args.seq
+    rows = {v: r for v, r in results.items() if not v.startswith("_") and r}
+    xla = [rows[v]["step_ms"] for v in ("xla", "xla_overlap") if v in rows]
+    bound = rows.get("bound", {}).get("step_ms")
+    say(
+        f"\n{args.preset} x{cfg.layers} layers, seq {args.seq}, batch {args.batch}, "
+        f"{args.dtype}, remat {args.remat}, {n_dev} x {device.device_kind}"
+        + (f", MFU against {peak:g} TFLOP/s per device" if peak else "")
+    )
+    say(
+        f"{'variant':12s} {'step ms':>9s} {'spread':>7s} {'tokens/s':>10s} {'MFU':>6s} "
+        f"{'memory GiB':>10s} {'/bound':>7s} {'/best XLA':>9s} {'first loss':>11s}"
+    )
+    for v, r in rows.items():
+        ms = r["step_ms"]
+        tps = tokens / ms * 1e3
+        mfu = cfg.flops_per_token(args.seq) * tps / (n_dev * peak * 1e12) if peak else None
+        mem = r["memory_bytes"] / 2**30 if r["memory_bytes"] else float("nan")  # CPU: none
+        say(
+            f"{v:12s} {ms:9.2f} {100 * r['spread']:6.1f}% {tps:10.0f} "
+            f"{'' if mfu is None else f'{100 * mfu:5.1f}%':>6s} {mem:10.2f} "
+            f"{'' if not bound else f'{ms / bound:7.3f}':>7s} "
+            f"{'' if not xla else f'{ms / min(xla):9.3f}':>9s} {r['first_loss']:11.5f}"
+        )
+    if "jax_ub" in rows and "xla" in rows:
+        a, b = rows["jax_ub"]["first_loss"], rows["xla"]["first_loss"]
+        say(f"first-step loss, jax_ub vs XLA: relative difference {abs(a - b) / abs(b):.2e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    say = (
+        (lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True))
+        if args.child
+        else (lambda *a, **k: print(*a, **k, flush=True))
+    )
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if args.child:
+        print("MODEL_RESULT " + json.dumps(_run([args.child], args, say)), flush=True)
+        return
+    say(f"variants {variants}: compiling ...")
+    here = [v for v in variants if v != "xla_overlap"]
+    results = _run(here, args, say) if here else {}
+    if "xla_overlap" in variants:
+        results["xla_overlap"] = _run_child("xla_overlap", args, argv, say)
+    _report(results, args, say)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

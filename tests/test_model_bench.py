@@ -1,0 +1,43 @@
+"""python -m jax_ub.bench.model on CPU devices: every in-process variant runs and reports,
+jax_ub's first loss equals XLA's, and the bound (no communication) is traced apart from
+jax_ub's ops whichever runs first."""
+
+import json
+
+import pytest
+
+from jax_ub.bench import model
+
+
+@pytest.mark.parametrize("order", ["jax_ub,xla,bound", "bound,jax_ub,xla"])
+def test_variants_run_and_agree(tmp_path, capsys, order):
+    path = tmp_path / "model.json"
+    model.main(
+        [
+            "--variants",
+            order,
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--dtype",
+            "float32",
+            "--json",
+            str(path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "first-step loss, jax_ub vs XLA" in out and "/bound" in out
+    results = json.loads(path.read_text())["results"]
+    losses = {v: results[v]["first_loss"] for v in ("jax_ub", "xla", "bound")}
+    assert abs(losses["jax_ub"] - losses["xla"]) <= 1e-5 * abs(losses["xla"])
+    # The bound multiplies copies of the local rows, not the gathered sequence.
+    assert abs(losses["bound"] - losses["xla"]) > 1e-4
+    assert all(results[v]["step_ms"] > 0 for v in losses)
+
+
+def test_unknown_variant_is_named():
+    with pytest.raises(SystemExit, match="unknown variants \\['nccl'\\]"):
+        model.main(["--variants", "jax_ub,nccl"])
