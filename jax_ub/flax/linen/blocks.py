@@ -39,12 +39,28 @@ _SHARED = (
 )
 
 
-def _layer_kwargs(block: nn.Module) -> dict[str, Any]:
-    """The settings a block passes on to both of its parallel layers."""
-    return {name: getattr(block, name) for name in _SHARED}
+def _layer_kwargs(block: nn.Module, kind: str) -> dict[str, Any]:
+    """The settings a block passes on to its ``kind`` (column or row) parallel layer: the
+    shared ones, and the layer's logical names from the block's ``kernel_axes``
+    ``(model dim, split dim)``."""
+    axes = block.kernel_axes
+    if axes is not None and kind == "row":
+        axes = tuple(reversed(axes))
+    return {name: getattr(block, name) for name in _SHARED} | {"kernel_axes": axes}
 
 
-class ParallelMLP(nn.Module):
+class _ResolvedAxis:
+    """The block's tensor-parallel axis: ``axis_name``, or what the logical axis rules
+    map its split dim (``kernel_axes[1]``) to, or ``"tp"``."""
+
+    @nn.nowrap
+    def resolved_axis(self) -> str:
+        owner = type(self).__name__
+        split = _core.block_split_name(owner, self.kernel_axes, self.param_axes)
+        return _core.tp_axis(owner, self.axis_name, split)
+
+
+class ParallelMLP(_ResolvedAxis, nn.Module):
     """Linen version of :class:`jax_ub.flax.ParallelMLP`.
 
     ``down_proj(activation(up_proj(x)))``: a :class:`ColumnParallelLinear` to
@@ -78,8 +94,9 @@ class ParallelMLP(nn.Module):
 
     hidden_features: int
     mesh: Mesh | None = None
-    axis_name: str = "tp"
+    axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
+    kernel_axes: tuple[str | None, str | None] | None = None
     impl: str = "auto"
     use_bias: bool = True
     dtype: Dtype | None = None
@@ -98,11 +115,15 @@ class ParallelMLP(nn.Module):
         owner = type(self).__name__
         in_features = inputs.shape[-1] if inputs.ndim else 0
         out_features = in_features if self.out_features is None else self.out_features
-        up = ColumnParallelLinear(self.hidden_features, name="up_proj", **_layer_kwargs(self))
-        down = RowParallelLinear(out_features, name="down_proj", **_layer_kwargs(self))
+        up = ColumnParallelLinear(
+            self.hidden_features, name="up_proj", **_layer_kwargs(self, "column")
+        )
+        down = RowParallelLinear(out_features, name="down_proj", **_layer_kwargs(self, "row"))
         tp = up.tp_size()
-        _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
-        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        _core.check_divisible(
+            owner, "hidden_features", self.hidden_features, tp, self.resolved_axis()
+        )
+        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
         p_up = up.get_params(in_features)
         p_down = down.get_params(self.hidden_features)
         settings = _core.op_settings(self)
@@ -110,7 +131,7 @@ class ParallelMLP(nn.Module):
         return f(inputs, p_up, p_down)
 
 
-class ParallelGatedMLP(nn.Module):
+class ParallelGatedMLP(_ResolvedAxis, nn.Module):
     """Linen version of :class:`jax_ub.flax.ParallelGatedMLP`: the same params
     (``gate_up [in, 2, hidden]``, ``down_proj [hidden, out]``), math and sharding.
 
@@ -129,8 +150,9 @@ class ParallelGatedMLP(nn.Module):
 
     hidden_features: int
     mesh: Mesh | None = None
-    axis_name: str = "tp"
+    axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
+    kernel_axes: tuple[str | None, str | None] | None = None
     impl: str = "auto"
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
@@ -144,22 +166,32 @@ class ParallelGatedMLP(nn.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
         owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
+        tp = _core.group_size(owner, self.mesh, self.resolved_axis(), impl=self.impl)
         _core.check_impl(owner, self.impl)
         _core.check_fp8(owner, self.fp8, _fp8.DEFAULT_HISTORY_LENGTH)
         _core.check_gated_fp8(owner, self.fp8)
         _core.check_seq_axis(owner, self.seq_axis)
-        _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
-        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        _core.check_divisible(
+            owner, "hidden_features", self.hidden_features, tp, self.resolved_axis()
+        )
+        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
         k, hidden = inputs.shape[-1], self.hidden_features
         out = k if self.out_features is None else self.out_features
-        names = _core.gated_kernel_names(owner, self.axis_name, self.param_axes)
+        if self.kernel_axes is None:
+            names = _core.gated_kernel_names(owner, self.resolved_axis(), self.param_axes)
+            partitioning = nn.with_partitioning
+        else:  # logical names, mapped by the user's logical_axis_rules
+            model, split = _core.logical_param_names(
+                "column", self.kernel_axes, owner, self.param_axes
+            )["kernel"]
+            names = {"gate_up": (model, None, split), "down_proj": (split, model)}
+            partitioning = nn.with_logical_partitioning
 
         def gate_up_init(key, shape, dtype):  # fan-in is k, not the 2 of [k, 2, hidden]
             return self.kernel_init(key, (shape[0], 2 * shape[2]), dtype).reshape(shape)
 
         def param(name, init, shape):
-            init = nn.with_partitioning(init, names[name], mesh=self.mesh)
+            init = partitioning(init, names[name], mesh=self.mesh)
             return self.param(name, init, shape, self.param_dtype)
 
         gate_up = param("gate_up", gate_up_init, (k, 2, hidden))
@@ -168,7 +200,7 @@ class ParallelGatedMLP(nn.Module):
         return f(inputs, gate_up, down)
 
 
-class ParallelSelfAttention(nn.Module):
+class ParallelSelfAttention(_ResolvedAxis, nn.Module):
     """Linen version of :class:`jax_ub.flax.ParallelSelfAttention`.
 
     ``qkv`` (column-parallel, columns ordered ``(head, q/k/v, head_dim)``) splits the heads
@@ -211,8 +243,9 @@ class ParallelSelfAttention(nn.Module):
     num_kv_heads: int | None = None
     rope_theta: float | None = None
     mesh: Mesh | None = None
-    axis_name: str = "tp"
+    axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
+    kernel_axes: tuple[str | None, str | None] | None = None
     impl: str = "auto"
     use_bias: bool = True
     dtype: Dtype | None = None
@@ -240,7 +273,7 @@ class ParallelSelfAttention(nn.Module):
         in_features = inputs.shape[-1] if inputs.ndim else 0
         qkv_features = in_features if self.qkv_features is None else self.qkv_features
         out_features = in_features if self.out_features is None else self.out_features
-        out = RowParallelLinear(out_features, name="out", **_layer_kwargs(self))
+        out = RowParallelLinear(out_features, name="out", **_layer_kwargs(self, "row"))
         tp = out.tp_size()
         head_dim, q_per_kv = _attention.check_heads(
             owner,
@@ -248,12 +281,12 @@ class ParallelSelfAttention(nn.Module):
             self.num_kv_heads,
             qkv_features,
             tp,
-            self.axis_name,
+            self.resolved_axis(),
             self.rope_theta,
         )
         width = _attention.qkv_width(head_dim, self.num_heads, q_per_kv)
-        qkv = ColumnParallelLinear(width, name="qkv", **_layer_kwargs(self))
-        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        qkv = ColumnParallelLinear(width, name="qkv", **_layer_kwargs(self, "column"))
+        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
         _attention.check_attention_implementation(owner, self.attention_implementation, self.mesh)
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, self.seq_axis)

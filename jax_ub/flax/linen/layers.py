@@ -22,8 +22,9 @@ class _ParallelLinear(nn.Module):
 
     features: int
     mesh: Mesh | None = None
-    axis_name: str = "tp"
+    axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
+    kernel_axes: tuple[str | None, str | None] | None = None
     impl: str = "auto"
     use_bias: bool = True
     dtype: Dtype | None = None
@@ -38,11 +39,17 @@ class _ParallelLinear(nn.Module):
     _kind: ClassVar[str]
 
     @nn.nowrap
+    def resolved_axis(self) -> str:
+        """The tensor-parallel mesh axis (``_core.tp_axis``)."""
+        split = _core.split_name(self._kind, self.kernel_axes)
+        return _core.tp_axis(type(self).__name__, self.axis_name, split)
+
+    @nn.nowrap
     def tp_size(self) -> int:
         """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name``, ``impl``,
         ``fp8`` and ``amax_history_length``."""
         owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
+        tp = _core.group_size(owner, self.mesh, self.resolved_axis(), impl=self.impl)
         _core.check_impl(owner, self.impl)
         _core.check_fp8(owner, self.fp8, self.amax_history_length)
         _core.check_seq_axis(owner, self.seq_axis)
@@ -56,10 +63,17 @@ class _ParallelLinear(nn.Module):
         Blocks call this to run several layers in one ``shard_map``.
         """
         owner = type(self).__name__
-        names = _core.param_names(owner, self._kind, self.axis_name, self.use_bias, self.param_axes)
+        if self.kernel_axes is None:
+            axis = self.resolved_axis()
+            names = _core.param_names(owner, self._kind, axis, self.use_bias, self.param_axes)
 
-        def init(base, names):
-            return nn.with_partitioning(base, names, mesh=self.mesh)
+            def init(base, names):
+                return nn.with_partitioning(base, names, mesh=self.mesh)
+        else:  # logical names, mapped to mesh axes by the user's logical_axis_rules
+            names = _core.logical_param_names(self._kind, self.kernel_axes, owner, self.param_axes)
+
+            def init(base, names):
+                return nn.with_logical_partitioning(base, names, mesh=self.mesh)
 
         params = {
             "kernel": self.param(
@@ -115,7 +129,13 @@ class ColumnParallelLinear(_ParallelLinear):
       features: number of output features; a multiple of ``tp``.
       mesh: optional :class:`jax.sharding.Mesh` to run on when no mesh is set (default:
         the mesh set by ``jax.set_mesh``, or the enclosing shard_map's).
-      axis_name: the tensor-parallel mesh axis (default ``"tp"``).
+      axis_name: the tensor-parallel mesh axis (default: with ``kernel_axes``, the mesh
+        axis the active ``nn.logical_axis_rules`` map the split dim's name to; else
+        ``"tp"``).
+      kernel_axes: logical names of the kernel's dims ``(in, out)``, e.g.
+        ``("embed", "mlp")``, as flax's ``with_logical_partitioning`` takes them: the params
+        are boxed ``nn.LogicallyPartitioned`` (the bias named as the output dim) and your
+        ``logical_axis_rules`` map them to mesh axes. Instead of ``param_axes``.
       param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
         (default: None); XLA gathers them for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
@@ -161,8 +181,9 @@ class ColumnParallelLinear(_ParallelLinear):
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
         tp = self.tp_size()
         owner = type(self).__name__
-        _core.check_divisible(owner, "features", self.features, tp, self.axis_name)
-        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
+        axis = self.resolved_axis()
+        _core.check_divisible(owner, "features", self.features, tp, axis)
+        sp = _core.check_input(owner, inputs, None, tp, axis, self.seq_axis)
         params = self.get_params(inputs.shape[-1])
         f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias, sp)
         return f(inputs, params)
@@ -200,9 +221,10 @@ class RowParallelLinear(_ParallelLinear):
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
         tp = self.tp_size()
         owner = type(self).__name__
-        sp = _core.check_input(owner, inputs, None, tp, self.axis_name, self.seq_axis)
-        in_features = _core.global_features(inputs.shape[-1], tp, self.axis_name, split=True)
-        _core.check_divisible(owner, "in_features", in_features, tp, self.axis_name)
+        axis = self.resolved_axis()
+        sp = _core.check_input(owner, inputs, None, tp, axis, self.seq_axis)
+        in_features = _core.global_features(inputs.shape[-1], tp, axis, split=True)
+        _core.check_divisible(owner, "in_features", in_features, tp, axis)
         params = self.get_params(in_features)
         f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias, sp)
         return f(inputs, params)

@@ -26,6 +26,14 @@ from jax_ub.flax.nnx.layers import (
 )
 
 
+def _kernel_axes(kernel_axes) -> tuple[dict, dict]:
+    """A block's ``kernel_axes`` ``(model dim, split dim)`` as its column and row layers'
+    keyword arguments."""
+    if kernel_axes is None:
+        return {}, {}
+    return {"kernel_axes": tuple(kernel_axes)}, {"kernel_axes": tuple(reversed(kernel_axes))}
+
+
 class ParallelMLP(nnx.Module):
     """``down_proj(activation(up_proj(x)))`` with tensor-parallel projections.
 
@@ -67,8 +75,9 @@ class ParallelMLP(nnx.Module):
         *,
         out_features: int | None = None,
         mesh: Mesh | None = None,
-        axis_name: str = "tp",
+        axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
+        kernel_axes: tuple[str | None, str | None] | None = None,
         impl: str = "auto",
         fp8: bool | str = False,
         amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
@@ -84,6 +93,8 @@ class ParallelMLP(nnx.Module):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, amax_history_length)
+        split = _core.block_split_name(owner, kernel_axes, param_axes)
+        axis_name = _core.tp_axis(owner, axis_name, split)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
@@ -103,8 +114,9 @@ class ParallelMLP(nnx.Module):
             bias_init=bias_init,
             rngs=rngs,
         )
-        self.up_proj = ColumnParallelLinear(in_features, hidden_features, **common)
-        self.down_proj = RowParallelLinear(hidden_features, out_features, **common)
+        col, row = _kernel_axes(kernel_axes)
+        self.up_proj = ColumnParallelLinear(in_features, hidden_features, **common, **col)
+        self.down_proj = RowParallelLinear(hidden_features, out_features, **common, **row)
         self.activation = activation
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -163,8 +175,9 @@ class ParallelGatedMLP(nnx.Module):
         out_features: int | None = None,
         activation: str | Callable[[jax.Array], jax.Array] = "silu",
         mesh: Mesh | None = None,
-        axis_name: str = "tp",
+        axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
+        kernel_axes: tuple[str | None, str | None] | None = None,
         impl: str = "auto",
         fp8: bool | str = False,
         seq_axis: int = 0,
@@ -178,11 +191,19 @@ class ParallelGatedMLP(nnx.Module):
         _core.check_fp8(owner, fp8, _fp8.DEFAULT_HISTORY_LENGTH)
         _core.check_gated_fp8(owner, fp8)
         _core.check_seq_axis(owner, seq_axis)
+        split = _core.block_split_name(owner, kernel_axes, param_axes)
+        axis_name = _core.tp_axis(owner, axis_name, split)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
         out_features = in_features if out_features is None else out_features
-        names = _core.gated_kernel_names(owner, axis_name, param_axes)
+        if kernel_axes is None:
+            names = _core.gated_kernel_names(owner, axis_name, param_axes)
+        else:  # logical names, mapped by the user's logical_axis_rules
+            model, split = _core.logical_param_names("column", kernel_axes, owner, param_axes)[
+                "kernel"
+            ]
+            names = {"gate_up": (model, None, split), "down_proj": (split, model)}
         gate_up = kernel_init(rngs.params(), (in_features, 2 * hidden_features), param_dtype)
         gate_up = gate_up.reshape(in_features, 2, hidden_features)
         down = kernel_init(rngs.params(), (hidden_features, out_features), param_dtype)
@@ -273,8 +294,9 @@ class ParallelSelfAttention(nnx.Module):
         out_features: int | None = None,
         attention_implementation: str | None = None,
         mesh: Mesh | None = None,
-        axis_name: str = "tp",
+        axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
+        kernel_axes: tuple[str | None, str | None] | None = None,
         impl: str = "auto",
         fp8: bool | str = False,
         amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
@@ -291,6 +313,8 @@ class ParallelSelfAttention(nnx.Module):
         out_features = in_features if out_features is None else out_features
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, amax_history_length)
+        split = _core.block_split_name(owner, kernel_axes, param_axes)
+        axis_name = _core.tp_axis(owner, axis_name, split)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         head_dim, q_per_kv = _attention.check_heads(
             owner, num_heads, num_kv_heads, qkv_features, tp, axis_name, rope_theta
@@ -312,8 +336,9 @@ class ParallelSelfAttention(nnx.Module):
             rngs=rngs,
         )
         width = _attention.qkv_width(head_dim, num_heads, q_per_kv)
-        self.qkv = ColumnParallelLinear(in_features, width, **common)
-        self.out = RowParallelLinear(qkv_features, out_features, **common)
+        col, row = _kernel_axes(kernel_axes)
+        self.qkv = ColumnParallelLinear(in_features, width, **common, **col)
+        self.out = RowParallelLinear(qkv_features, out_features, **common, **row)
         self.num_heads, self.q_per_kv, self.rope_theta = num_heads, q_per_kv, rope_theta
         self.head_dim = head_dim
         self.attention_implementation = attention_implementation

@@ -58,8 +58,9 @@ class _ParallelLinear(nnx.Module):
         out_features: int,
         *,
         mesh: Mesh | None = None,
-        axis_name: str = "tp",
+        axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
+        kernel_axes: tuple[str | None, str | None] | None = None,
         impl: str = "auto",
         fp8: bool | str = False,
         amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
@@ -75,6 +76,9 @@ class _ParallelLinear(nnx.Module):
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, amax_history_length)
         _core.check_seq_axis(owner, seq_axis)
+        if kernel_axes is not None:  # checked before the names resolve the axis
+            _core.logical_param_names(self._kind, kernel_axes, owner, param_axes)
+        axis_name = _core.tp_axis(owner, axis_name, _core.split_name(self._kind, kernel_axes))
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             split = {"in_features": in_features, "out_features": out_features}[self._split]
@@ -90,7 +94,10 @@ class _ParallelLinear(nnx.Module):
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
-        names = _core.param_names(owner, self._kind, axis_name, use_bias, param_axes)
+        if kernel_axes is None:
+            names = _core.param_names(owner, self._kind, axis_name, use_bias, param_axes)
+        else:  # logical names, which the user's logical_axis_rules map to mesh axes
+            names = _core.logical_param_names(self._kind, kernel_axes, owner, param_axes)
         kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
         self.kernel = sharded_param(kernel, names["kernel"], mesh)
         self.bias: nnx.Param[jax.Array] | None
@@ -222,7 +229,13 @@ class ColumnParallelLinear(_ParallelLinear):
       mesh: optional :class:`jax.sharding.Mesh` to create the params on and to run on when
         no mesh is set (default: the mesh set by ``jax.set_mesh``, or the enclosing
         shard_map's).
-      axis_name: the tensor-parallel mesh axis (default ``"tp"``).
+      axis_name: the tensor-parallel mesh axis (default: with ``kernel_axes``, the mesh
+        axis the ``logical_axis_rules`` active when the layer is built map the split dim's
+        name to; else ``"tp"``).
+      kernel_axes: logical names of the kernel's dims ``(in, out)``, e.g.
+        ``("embed", "mlp")``: the params carry them as their sharding names (the bias the
+        output dim's), which your ``logical_axis_rules`` map to mesh axes
+        (``nnx.get_partition_spec`` under the rules). Instead of ``param_axes``.
       param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
         (default: None, replicated). Only where the params are placed: XLA gathers them
         for the matmul.

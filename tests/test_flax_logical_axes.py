@@ -1,0 +1,90 @@
+"""Logical axis names (``kernel_axes``) and the user's ``logical_axis_rules`` govern the Flax
+layers' params and their tensor-parallel axis, as in public Flax LMs: a mesh whose axes are
+("data", "model"), no axis named "tp", the rules saying where "mlp" and "heads" go."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+import jax_ub.flax as ubf
+
+SEQ, BATCH, D, F, HEADS = 16, 4, 16, 32, 4
+RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("heads", "model"))
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+
+
+class Block(nn.Module):
+    impl: str
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + ubf.linen.ParallelSelfAttention(
+            num_heads=HEADS, kernel_axes=("embed", "heads"), impl=self.impl
+        )(x, None, True)
+        return x + ubf.linen.ParallelMLP(F, kernel_axes=("embed", "mlp"), impl=self.impl)(x)
+
+
+def test_linen_params_follow_the_rules_and_train_like_xla(rand):
+    mesh = _mesh()
+    x = jax.device_put(rand(SEQ, BATCH, D), NamedSharding(mesh, P("model", "data")))
+    out = {}
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        for impl in ("ub", "xla"):
+            block = Block(impl)
+            abstract = jax.eval_shape(block.init, jax.random.key(0), x)
+            logical = nn.get_partition_spec(abstract)["params"]
+            assert logical["ParallelMLP_0"]["up_proj"]["kernel"] == P("embed", "mlp")
+            shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, RULES)
+            up = shardings["params"]["ParallelMLP_0"]["up_proj"]["kernel"]
+            assert up.spec == P(None, "model"), up
+            variables = jax.jit(block.init, out_shardings=shardings)(jax.random.key(0), x)
+            loss = lambda v, b=block: jnp.sum(jnp.sin(b.apply(v, x)))  # noqa: E731
+            out[impl] = jax.jit(jax.value_and_grad(loss))(variables)
+            if impl == "ub":
+                hlo = jax.jit(block.apply).lower(variables, x).compile().as_text()
+                assert "jax_ub_all_gather_matmul" in hlo  # over "model", from the rules
+    assert rel_err(out["ub"][0], out["xla"][0]) < 1e-5
+    grads = [jax.tree.leaves(nn.unbox(out[impl][1])) for impl in ("ub", "xla")]
+    for g, r in zip(*grads):
+        assert rel_err(g, r) < 1e-4
+
+
+def test_nnx_params_follow_the_rules(rand):
+    mesh = _mesh()
+    x = rand(SEQ, BATCH, D)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
+        mlp = ubf.ParallelGatedMLP(D, F, kernel_axes=("embed", "mlp"), rngs=nnx.Rngs(0))
+        assert mlp.axis_name == "model"
+        assert mlp.gate_up[...].sharding.spec == P(None, None, "model")
+        assert nnx.get_partition_spec(nnx.state(mlp))["down_proj"].get_value() == P("model", None)
+        attn = ubf.ParallelSelfAttention(D, HEADS, kernel_axes=("embed", "heads"), rngs=nnx.Rngs(1))
+        assert attn.qkv.kernel[...].sharding.spec == P(None, "model")
+        y = nnx.jit(lambda m, x: m(x))(mlp, x)
+    want = jax_ub.gated_mlp_reference(x, mlp.gate_up[...], mlp.down_proj[...])
+    assert rel_err(y, want) < 1e-5
+
+
+def test_bad_logical_settings_are_named():
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="either param_axes .* or kernel_axes"):
+            ubf.ColumnParallelLinear(
+                D, F, param_axes="data", kernel_axes=("embed", "mlp"), rngs=nnx.Rngs(0)
+            )
+        with pytest.raises(ValueError, match="kernel_axes must name the kernel's two dims"):
+            ubf.ColumnParallelLinear(D, F, kernel_axes=("mlp",), rngs=nnx.Rngs(0))
+        with (
+            nnx.logical_axis_rules((("mlp", ("data", "model")),)),
+            pytest.raises(ValueError, match="map 'mlp' to the mesh axes \\('data', 'model'\\)"),
+        ):
+            ubf.ColumnParallelLinear(D, F, kernel_axes=("embed", "mlp"), rngs=nnx.Rngs(0))
