@@ -16,6 +16,7 @@ Public API:
     (or "ub", "xla") runs for a call, and why
 """
 
+from jax_ub._src import cpu_runtime as _cpu_runtime
 from jax_ub._src import extension as _extension  # registers the FFI handlers
 from jax_ub._src.all_gather_matmul import all_gather_matmul
 from jax_ub._src.auto_rule import ImplChoice, explain_impl
@@ -52,5 +53,8 @@ __all__ = [
     "matmul_reduce_scatter_reference",
 ]
 
-del _extension
+# Before JAX creates its CPU client: enough worker threads for any number of calls in
+# flight on CPU devices (cpu_runtime says why).
+_cpu_runtime.install()
+del _cpu_runtime, _extension
 __version__ = "0.1.0"

@@ -153,7 +153,7 @@ def _bench_parsers():
 
 
 # Options that only the benchmark's own child processes pass (hidden from --help).
-INTERNAL_OPTIONS = {"--process-id", "--coordinator", "--windowed-einsum-child"}
+INTERNAL_OPTIONS = {"--process-id", "--coordinator", "--windowed-einsum-child", "--child"}
 
 
 def test_every_bench_cli_describes_itself_and_every_option(capsys):

@@ -2,6 +2,13 @@
 arrives late, calls with no data dependency between them, and bitwise-identical results
 from run to run. Stale flags, early buffer reuse and arrival-order sums show up here."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -221,3 +228,135 @@ def test_bitwise_deterministic_across_groups_and_reinitialization(mesh2d, rand):
     ag2, rs2 = (bits(o) for o in f(x, w, h, v))
     np.testing.assert_array_equal(ag2, ag1)
     np.testing.assert_array_equal(rs2, rs1)
+
+
+# --------------------------------------------------------------------- many calls in flight
+# XLA's CPU client blocks one of its worker threads per device once a device has 32 calls
+# queued; with only as many threads as devices, a call whose parts wait for each other (a
+# jax_ub op, or XLA's own all-gather) then deadlocks. jax_ub sizes the pool when JAX creates
+# the client (jax_ub/_src/cpu_runtime.py). These loops dispatch far more than 32 calls before
+# the first sync. In this process the client has 8 devices, so the 8-device mesh is the one
+# that deadlocked (on machines of fewer than 16 CPUs); the subprocess tests below start from
+# 2 and 4 devices and a pool sized as on one CPU, which deadlocked on any machine.
+
+IN_FLIGHT = 300
+
+
+def _in_flight_operands(rand, mesh, op, n_dev, count=3):
+    """`count` different x and one w for `op` on `n_dev` ranks, placed with their shardings."""
+    (x_spec, w_spec), _ = op_specs(op)
+    pairs = [op_operands(rand, op, n_dev, 8, 16, 8) for _ in range(count)]
+    xs = [place(mesh, x_spec, x) for x, _ in pairs]
+    return xs, place(mesh, w_spec, pairs[0][1])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_hundreds_of_calls_in_flight(mesh1d, rand, op):
+    """300 dispatches of one op on 8 devices and one sync at the end (the issue's loop; it
+    timed out after some 40 calls): every result equals XLA's."""
+    mesh = mesh1d(8)
+    xs, w = _in_flight_operands(rand, mesh, op, 8)
+    f_ub, f_ref = op_fn(op, mesh, "ub"), op_fn(op, mesh, "xla")
+    outs = [f_ub(xs[i % len(xs)], w) for i in range(IN_FLIGHT)]
+    jax.block_until_ready(outs[-1])
+    want = [f_ref(x, w) for x in xs]
+    bad = [i for i, o in enumerate(outs) if not rel_err(o, want[i % len(xs)]) < 1e-5]
+    assert not bad, f"wrong calls: {bad}"
+
+
+def test_two_ops_alternating_in_flight(mesh1d, rand):
+    """Two programs, all_gather_matmul's and matmul_reduce_scatter's, alternating for 300
+    calls with no sync in between."""
+    mesh = mesh1d(8)
+    (xs_ag, w_ag), (xs_rs, w_rs) = (_in_flight_operands(rand, mesh, op, 8) for op in OPS)
+    ag, rs = op_fn("ag", mesh, "ub"), op_fn("rs", mesh, "ub")
+    outs = [
+        ag(xs_ag[i % 3], w_ag) if i % 2 == 0 else rs(xs_rs[i % 3], w_rs) for i in range(IN_FLIGHT)
+    ]
+    jax.block_until_ready(outs[-1])
+    want_ag = [op_fn("ag", mesh, "xla")(x, w_ag) for x in xs_ag]
+    want_rs = [op_fn("rs", mesh, "xla")(x, w_rs) for x in xs_rs]
+    bad = [
+        i
+        for i, o in enumerate(outs)
+        if not rel_err(o, (want_ag if i % 2 == 0 else want_rs)[i % 3]) < 1e-5
+    ]
+    assert not bad, f"wrong calls: {bad}"
+
+
+def test_chained_calls_in_flight(mesh1d, rand):
+    """300 steps of a training-like loop, each consuming the previous step's result and never
+    read back in between: x -> all_gather_matmul -> tanh -> matmul_reduce_scatter -> x'.
+    Every step equals XLA's (the step is contractive, so rounding does not grow; a term that
+    changes with the step keeps the steps apart)."""
+    n_dev, m, k, n = 8, 8, 16, 8
+    mesh = mesh1d(n_dev)
+    scale = 1 / (np.sqrt(k) + np.sqrt(n_dev * n))  # weights of spectral norm ~1
+
+    def chain(impl):
+        def body(x, w1, w2, c, t):
+            y = AG(x, w1, "tp", impl=impl)
+            z = RS(jnp.tanh(y), w2, "tp", impl=impl)
+            return 0.5 * jnp.tanh(z) + 0.1 * x + jnp.sin(t) * c
+
+        specs = (P("tp"), P(None, "tp"), P("tp"), P("tp"), P())
+        return smap(body, mesh, specs, P("tp"))
+
+    x0, c = (place(mesh, P("tp"), rand(n_dev * m, k)) for _ in range(2))
+    w1 = place(mesh, P(None, "tp"), rand(k, n_dev * n, scale=scale))
+    w2 = place(mesh, P("tp"), rand(n_dev * n, k, scale=scale))
+    ts = [place(mesh, P(), np.float32(0.37 * i)) for i in range(IN_FLIGHT)]
+    steps = {}
+    for impl in ("ub", "xla"):
+        f, x, outs = chain(impl), x0, []
+        for t in ts:
+            x = f(x, w1, w2, c, t)
+            outs.append(x)
+        steps[impl] = [np.asarray(o) for o in outs]  # read once all 300 are dispatched
+    bad = [i for i, (a, b) in enumerate(zip(steps["ub"], steps["xla"])) if not rel_err(a, b) < 1e-4]
+    assert not bad, f"wrong steps: {bad}"
+
+
+_WORKER = Path(__file__).with_name("_inflight_worker.py")
+
+
+def _run_in_own_process(cmd, env_changes, timeout_s=300) -> str:
+    """stdout of `cmd` run with NPROC=1 (XLA then sizes the CPU client's worker pool as on
+    a 1-core machine: the worst case, on any CI machine) and `env_changes`; fails the test
+    with the output's tail unless the process succeeded."""
+    env = dict(os.environ, NPROC="1", **env_changes)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+    assert done.returncode == 0, f"rc={done.returncode}:\n{tail}"
+    return done.stdout
+
+
+@pytest.mark.parametrize("n_dev", [2, 4])
+def test_hundreds_in_flight_on_a_client_of_few_devices(n_dev):
+    """The issue's loops where they failed, a process whose CPU client has 2 (4) devices:
+    300 calls of each op, the two alternating, and a 300-step chain, no sync in between;
+    the client got 2 worker threads per device and every result equals XLA's."""
+    out = _run_in_own_process([sys.executable, str(_WORKER), "ops", str(n_dev), str(IN_FLIGHT)], {})
+    (line,) = [x for x in out.splitlines() if x.startswith("OK ")]
+    result = json.loads(line[3:])
+    assert result["threads"] >= 2 * n_dev, result
+
+
+def test_warns_when_the_cpu_client_predates_jax_ub():
+    """A CPU client created before jax_ub was imported keeps XLA's pool: the first
+    communicator on it warns, once, and says what to do."""
+    out = _run_in_own_process([sys.executable, str(_WORKER), "late", "4", "0"], {})
+    (line,) = [x for x in out.splitlines() if x.startswith("OK ")]
+    warning = json.loads(line[3:])["warning"]
+    assert "4 worker threads for 4 devices" in warning and "NPROC=8" in warning, warning
+
+
+def test_bench_loops_on_four_devices():
+    """python -m jax_ub.bench --loop-seconds on 4 CPU devices: loops of hundreds of async
+    calls of every implementation, XLA's own all-gather included (it aborted in XLA's
+    rendezvous before jax_ub sized the CPU client's pool)."""
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jax_ub.bench", "--loop-seconds", "0.3", "--shapes", "32x32x32"]
+    out = _run_in_own_process([*cmd, "--rounds", "1", "--ops", "ag"], flags)
+    rows = [x.split()[0] for x in out.splitlines() if x.startswith("  ") and "vs xla_seq" in x]
+    assert {"gemm", "comm", "xla_seq", "jax_ub"} <= set(rows), out

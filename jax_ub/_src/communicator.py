@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub._src import bootstrap, checks, extension
+from jax_ub._src import bootstrap, checks, cpu_runtime, extension
 from jax_ub._src.config import config
 from jax_ub._src.options import Options, current_options
 
@@ -98,6 +98,8 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
             f"jax_ub has no userbuffer implementation for platform {key.platform!r} in this "
             "build (CUDA needs the extension built with a CUDA toolkit); use impl='xla'"
         )
+    if key.platform == "cpu":
+        cpu_runtime.check_worker_threads(len(jax.local_devices(backend="cpu")))
     ordinals = [_device_ordinal(d) for d in devices]
     options = key.options.to_dict()
     timeout_s = key.options.timeout_s

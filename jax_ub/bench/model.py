@@ -24,12 +24,13 @@ import sys
 import time
 
 DESCRIPTION = (
-    "Time one training step of a Llama-style model (GQA with rotary embeddings, SwiGLU, "
+    "Benchmark one training step of a Llama-style model (GQA with rotary embeddings, SwiGLU, "
     "layers under nnx.scan with remat, AdamW) with jax_ub's overlapped ops, with XLA's "
     "collectives, with XLA's collectives and MaxText's overlap flags (in a process of its "
     "own), and with every collective removed (the bound), over a (dp, tp) mesh of this "
     "process's devices; print step time, tokens/s, MFU, memory and the ratios to the bound "
-    "and to the best XLA variant."
+    "and to the best XLA variant. Variants in this process run in interleaved rounds from "
+    "the same init on the same tokens, and jax_ub's first loss is checked against XLA's."
 )
 VARIANTS = ("jax_ub", "xla", "xla_overlap", "bound")
 # What a MaxText user sets on GPUs for collective/compute overlap: the latency-hiding
