@@ -240,3 +240,63 @@ def attention_call(
     spec = _core.activation_spec(ndim, axis_name, seq, sequence_parallel)
     in_specs = (spec, col, row, P() if has_mask else None)
     return _core._over_tp(body, mesh, axis_name, in_specs, spec, plain, impl)
+
+
+@functools.lru_cache(maxsize=256)
+def decode_call(
+    mesh: Mesh | None,
+    axis_name: str,
+    impl: str,
+    dtype: Any,
+    fp8: str | None,
+    seq_axis: int,
+    head_dim: int,
+    use_bias: bool,
+    q_per_kv: int = 1,
+    rope_theta: float | None = None,
+) -> Callable:
+    """``f(x, qkv_params, out_params, cached_key, cached_value, index) -> (y, key, value)``:
+    self-attention of new tokens ``x`` (``[t, batch, features]``, or ``[batch, t, ...]``
+    with ``seq_axis=1``) at positions ``index .. index + t - 1`` over the key/value cache
+    ``[batch, max_length, kv_heads, head_dim]`` (kv heads split over the axis), which comes
+    back with the new tokens' keys and values written at ``index``. Causal: each new token
+    attends to the cache up to itself. Activations replicated over the axis
+    (``_core.linear_replicated``): decoding has no sequence to split."""
+    seq = seq_axis % 3
+    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
+
+    def body(x, p_qkv, p_out, cached_key, cached_value, index, axis=axis_name):
+        kw_axis = kw | {"axis_name": axis}
+        qkv = layout.seq_first(_core.linear_replicated("column", x, p_qkv, **kw_axis), seq)
+        t, batch = qkv.shape[0], qkv.shape[1]
+        qkv = jnp.swapaxes(qkv.reshape(t, batch, -1, q_per_kv + 2, head_dim), 0, 1)
+        groups = qkv.shape[2]
+        q = qkv[..., :q_per_kv, :].reshape(batch, t, groups * q_per_kv, head_dim)
+        k, v = qkv[..., q_per_kv, :], qkv[..., q_per_kv + 1, :]
+        if rope_theta is not None:
+            positions = index + jnp.arange(t)
+            q, k = rotary(q, positions, rope_theta), rotary(k, positions, rope_theta)
+        start = (0, index, 0, 0)
+        cached_key = jax.lax.dynamic_update_slice(cached_key, k.astype(cached_key.dtype), start)
+        cached_value = jax.lax.dynamic_update_slice(
+            cached_value, v.astype(cached_value.dtype), start
+        )
+        length = cached_key.shape[1]
+        mask = jnp.arange(length)[None, :] <= (index + jnp.arange(t))[:, None]  # [t, length]
+        out = jax.nn.dot_product_attention(
+            q,
+            cached_key.astype(q.dtype),
+            cached_value.astype(q.dtype),
+            mask=mask[None, None],
+            implementation="xla",
+        )
+        out = layout.seq_back(jnp.swapaxes(out.reshape(batch, t, -1), 0, 1), seq)
+        y = _core.linear_replicated("row", out, p_out, **kw_axis)
+        return y, cached_key, cached_value
+
+    col = _core.param_specs("column", axis_name, use_bias, fp8)
+    row = _core.param_specs("row", axis_name, use_bias, fp8)
+    cache = P(None, None, axis_name, None)
+    in_specs = (P(), col, row, cache, cache, P())
+    plain = functools.partial(body, axis=None)
+    return _core._over_tp(body, mesh, axis_name, in_specs, (P(), cache, cache), plain, impl)

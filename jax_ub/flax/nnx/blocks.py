@@ -343,8 +343,27 @@ class ParallelSelfAttention(nnx.Module):
         self.head_dim = head_dim
         self.attention_implementation = attention_implementation
 
+    def init_cache(self, batch: int, max_length: int, dtype: Dtype | None = None) -> None:
+        """Allocate the key/value cache that ``decode=True`` calls fill: ``cached_key`` and
+        ``cached_value`` ``[batch, max_length, num_kv_heads, head_dim]`` (``nnx.Cache``,
+        the key/value heads split over the tensor-parallel axis like the layer's), and
+        ``cache_index``, the next position (0). ``dtype`` defaults to the layer's."""
+        qkv = self.qkv
+        kv_heads = self.num_heads // self.q_per_kv
+        dtype = dtype or qkv.dtype or qkv.param_dtype
+        zeros = jnp.zeros((batch, max_length, kv_heads, self.head_dim), dtype)
+        names = (None, None, qkv.axis_name, None)
+        self.cached_key = sharded_param(zeros, names, qkv.mesh, nnx.Cache)
+        self.cached_value = sharded_param(zeros, names, qkv.mesh, nnx.Cache)
+        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
     def __call__(
-        self, inputs: jax.Array, mask: jax.Array | None = None, *, is_causal: bool = False
+        self,
+        inputs: jax.Array,
+        mask: jax.Array | None = None,
+        *,
+        is_causal: bool = False,
+        decode: bool = False,
     ) -> jax.Array:
         """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
 
@@ -355,7 +374,13 @@ class ParallelSelfAttention(nnx.Module):
           is_causal: each position attends only to itself and earlier ones; the same as
             ``mask=jnp.tril(jnp.ones((seq, seq), bool))`` but with no mask array, so the
             fused cuDNN kernel can run it.
+          decode: the ``t`` tokens of ``inputs`` (``[t, batch, in_features]``, or
+            ``[batch, t, ...]`` batch-major) continue the sequence in the cache
+            (:meth:`init_cache`): they attend causally to it and to each other, their keys
+            and values are written into it and ``cache_index`` advances by ``t``.
         """
+        if decode:
+            return self._decode(inputs, mask, is_causal)
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
         tp = _core.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
@@ -377,3 +402,52 @@ class ParallelSelfAttention(nnx.Module):
             sp,
         )
         return f(inputs, qkv.param_values(), out.param_values(), mask)
+
+    def _decode(self, inputs: jax.Array, mask: jax.Array | None, is_causal: bool) -> jax.Array:
+        owner = type(self).__name__
+        qkv, out = self.qkv, self.out
+        if getattr(self, "cached_key", None) is None:
+            raise ValueError(f"{owner}: decode=True needs the cache: call init_cache first")
+        if mask is not None:
+            raise ValueError(
+                f"{owner}: decode=True attends causally over the cache; pass no mask "
+                f"(got one of shape {getattr(mask, 'shape', None)})"
+            )
+        del is_causal  # decoding is causal
+        shape = getattr(inputs, "shape", ())
+        batch, length = self.cached_key.shape[:2]
+        seq = qkv.seq_axis % 3 if len(shape) == 3 else None
+        t = shape[seq] if seq is not None else None
+        if seq is None or shape[1 - seq] != batch or shape[-1] != qkv.in_features:
+            raise ValueError(
+                f"{owner}: decode=True takes [t, batch, {qkv.in_features}] (or [batch, t, "
+                f"{qkv.in_features}] with seq_axis=1) with the cache's batch {batch}; got "
+                f"input shape {shape}"
+            )
+        _core.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
+        f = _attention.decode_call(
+            *_core.op_settings(qkv), self.head_dim, qkv.use_bias, self.q_per_kv, self.rope_theta
+        )
+        index = self.cache_index[...]
+        try:
+            position = int(index)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+            # Under jit: known at run time only.
+            position = None
+        if position is not None and position + t > length:
+            raise ValueError(
+                f"{owner}: {t} new tokens at position {position} overflow the cache of "
+                f"max_length {length}"
+            )
+        y, self.cached_key[...], self.cached_value[...] = f(
+            inputs,
+            qkv.param_values(),
+            out.param_values(),
+            self.cached_key[...],
+            self.cached_value[...],
+            index,
+        )
+        self.cache_index[...] = index + t
+        # Under jit the position is not known until run time: an overflow gives NaN, never
+        # numbers from a clipped write.
+        return jnp.where(index + t <= length, y, jnp.nan)
