@@ -55,19 +55,25 @@ PASSES = ("fwd", "fwd+bwd")
 # ------------------------------------------------------------------ the layer
 
 
-def bound_all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+def bound_all_gather_matmul(
+    x: jax.Array, w: jax.Array, axis_name: str, *, bias=None, activation=None, seq_axis=0, **_
+) -> jax.Array:
     """all_gather_matmul's shapes without its communication: ``tp`` copies of the local
-    rows ``x [m, ..., k]`` stacked to ``[tp * m, ..., k]``, times ``w [k, n]``."""
-    tp = lax.axis_size(axis_name)
-    return jnp.concatenate([x] * tp, axis=0) @ w
+    rows ``x [m, ..., k]`` stacked to ``[tp * m, ..., k]`` (on ``seq_axis``), times
+    ``w [k, n]``, then the op's bias and activation. Takes the op's keyword arguments."""
+    y = jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis) @ w
+    y = y if bias is None else y + bias
+    return jax.nn.gelu(y) if activation == "gelu" else y
 
 
-def bound_matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+def bound_matmul_reduce_scatter(
+    x: jax.Array, w: jax.Array, axis_name: str, *, bias=None, seq_axis=0, **_
+) -> jax.Array:
     """matmul_reduce_scatter's shapes without its communication: ``x [M, ..., k] @ w``,
-    then the sum of its ``tp`` blocks of ``M / tp`` rows: ``[M / tp, ..., n]``."""
-    tp = lax.axis_size(axis_name)
-    y = x @ w
-    return y.reshape(tp, y.shape[0] // tp, *y.shape[1:]).sum(axis=0)
+    then the sum of its ``tp`` blocks of ``M / tp`` rows (on ``seq_axis``), plus the bias."""
+    tp, y = lax.axis_size(axis_name), x @ w
+    y = y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :]).sum(axis=seq_axis)
+    return y if bias is None else y + bias
 
 
 def collectives(variant: str):

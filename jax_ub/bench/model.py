@@ -95,32 +95,18 @@ def _parser() -> argparse.ArgumentParser:
 def bound_ops():
     """jax_ub's two ops replaced, while models are traced, by the same GEMMs with no
     communication: the gather becomes ``tp`` copies of the local rows, the reduce-scatter
-    a sum of the product's ``tp`` row blocks (the layer benchmark's bound, with the ops'
-    keyword arguments)."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
+    a sum of the product's ``tp`` row blocks (the layer benchmark's bound)."""
     import jax_ub
     from jax_ub._src import gated_mlp
-
-    def ag(x, w, axis_name, *, bias=None, activation=None, seq_axis=0, **_):
-        y = jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis) @ w
-        y = y if bias is None else y + bias
-        return jax.nn.gelu(y) if activation == "gelu" else y
-
-    def rs(x, w, axis_name, *, bias=None, seq_axis=0, **_):
-        tp, y = lax.axis_size(axis_name), x @ w
-        blocks = y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :])
-        y = blocks.sum(axis=seq_axis)
-        return y if bias is None else y + bias
+    from jax_ub.bench.layer import bound_all_gather_matmul as ag
+    from jax_ub.bench.layer import bound_matmul_reduce_scatter as rs
+    from jax_ub.flax import _attention, _core, _gated
 
     saved = [
         (m, n, getattr(m, n))
         for m in (jax_ub, gated_mlp)
         for n in ("all_gather_matmul", "matmul_reduce_scatter")
     ]
-    from jax_ub.flax import _attention, _core
 
     def forget_traces():
         # The layers keep one jitted shard_map per configuration: without this, the bound
@@ -128,7 +114,7 @@ def bound_ops():
         for cached in (
             _core.linear_call,
             _core.mlp_call,
-            _core.gated_mlp_call,
+            _gated.gated_mlp_call,
             _attention.attention_call,
         ):
             cached.cache_clear()
@@ -144,6 +130,14 @@ def bound_ops():
         forget_traces()
 
 
+def _config(args):
+    """The preset's shapes, with ``--layers``."""
+    from jax_ub.bench import llama
+
+    cfg = llama.PRESETS[args.preset]
+    return dataclasses.replace(cfg, layers=args.layers) if args.layers else cfg
+
+
 def _setup(args):
     import jax
     import jax.numpy as jnp
@@ -151,11 +145,7 @@ def _setup(args):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ub.bench import llama
-
-    cfg = llama.PRESETS[args.preset]
-    if args.layers:
-        cfg = dataclasses.replace(cfg, layers=args.layers)
+    cfg = _config(args)
     devices = jax.devices()
     dp = len(devices) // args.tp
     if dp < 1:
@@ -256,11 +246,7 @@ def _run_child(variant: str, args, argv: list[str], say) -> dict | None:
 def _report(results: dict, args, say) -> None:
     import jax
 
-    from jax_ub.bench import llama
-
-    cfg = llama.PRESETS[args.preset]
-    if args.layers:
-        cfg = dataclasses.replace(cfg, layers=args.layers)
+    cfg = _config(args)
     device = jax.devices()[0]
     peak = args.peak_tflops
     if peak is None and any(kind in device.device_kind for kind in ("H100", "H200")):

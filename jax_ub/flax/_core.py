@@ -15,13 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src import checks, layout
-from jax_ub._src.gated_mlp import activation_function
 from jax_ub.flax import _fp8
 from jax_ub.fp8 import current_scale, quantize
 
@@ -68,59 +66,6 @@ def group_size(
             f"mesh.axis_names={known.axis_names}"
         )
     return int(known.shape[axis_name])
-
-
-def tp_axis(owner: str, axis_name: str | None, split_name: str | None) -> str:
-    """The tensor-parallel mesh axis of a layer: ``axis_name`` where given; else, for a
-    layer with logical axis names, the mesh axis the user's ``logical_axis_rules``
-    (``nn.logical_axis_rules`` / ``nnx.logical_axis_rules``) map its split dim's name
-    ``split_name`` to; else ``"tp"``."""
-    if axis_name is not None:
-        return axis_name
-    if split_name is None:
-        return "tp"
-    rules = flax_spmd.get_logical_axis_rules()
-    mapped = next((mesh_axes for name, mesh_axes in rules or () if name == split_name), None)
-    if isinstance(mapped, (tuple, list)):
-        if len(mapped) != 1:
-            raise ValueError(
-                f"{owner}: the logical axis rules map {split_name!r} to the mesh axes "
-                f"{tuple(mapped)}; jax_ub splits over one axis: map it to one, or pass "
-                "axis_name=..."
-            )
-        mapped = mapped[0]
-    return mapped if isinstance(mapped, str) else "tp"
-
-
-def logical_param_names(kind: str, kernel_axes: Any, owner: str, param_axes: Any) -> dict:
-    """Param names of a ``kind`` layer given the kernel's logical axis names ``(in, out)``:
-    the kernel's, and the bias's (its output dim's)."""
-    if param_axes is not None:
-        raise ValueError(
-            f"{owner}: pass either param_axes (mesh axes) or kernel_axes (logical names, "
-            f"for logical_axis_rules), not both; got {param_axes=}, {kernel_axes=}"
-        )
-    if not isinstance(kernel_axes, (tuple, list)) or len(kernel_axes) != 2:
-        raise ValueError(
-            f"{owner}: kernel_axes must name the kernel's two dims, (in, out), e.g. "
-            f"('embed', 'mlp'); got {kernel_axes!r}"
-        )
-    return {"kernel": tuple(kernel_axes), "bias": (kernel_axes[1],)}
-
-
-def block_split_name(owner: str, kernel_axes: Any, param_axes: Any) -> str | None:
-    """The logical name of a block's split dim (hidden units, heads) from its checked
-    ``kernel_axes`` ``(model dim, split dim)``; None without them."""
-    if kernel_axes is None:
-        return None
-    return logical_param_names("column", kernel_axes, owner, param_axes)["kernel"][1]
-
-
-def split_name(kind: str, kernel_axes: Any) -> str | None:
-    """The logical name of the kernel dim a ``kind`` layer splits over its axis."""
-    if kernel_axes is None:
-        return None
-    return kernel_axes[1] if kind == "column" else kernel_axes[0]
 
 
 def global_features(features: int, tp: int, axis_name: str, split: bool) -> int:
@@ -490,62 +435,3 @@ def mlp_call(
     f = body if sequence_parallel else replicated
     plain = functools.partial(replicated, axis_name=None)
     return _over_tp(f, mesh, axis_name, (spec, col, row), spec, plain, impl)
-
-
-def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str, tuple]:
-    """Sharding names of a gated MLP's ``gate_up`` kernel ``[in, 2, hidden]`` (hidden split
-    over ``axis_name``, ``other_axes`` on ``in``) and its row-parallel ``down_proj``."""
-    row = param_names(owner, "row", axis_name, False, other_axes)
-    return {"gate_up": (other_axes, None, axis_name), "down_proj": row["kernel"]}
-
-
-def check_gated_fp8(owner: str, fp8: Any) -> None:
-    if _fp8.recipe(fp8) == "delayed":
-        raise ValueError(
-            f"{owner}: fp8='delayed' is not available for the gated MLP yet; use fp8=True "
-            "(current scaling)"
-        )
-
-
-@functools.lru_cache(maxsize=256)
-def gated_mlp_call(
-    mesh: Mesh | None,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    seq_axis: int,
-    activation: Any,
-    ndim: int,
-    sequence_parallel: bool = True,
-) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """``f(x, gate_up, down)``: :func:`jax_ub.gated_mlp`, sequence-sharded (or with the
-    activations replicated over the axis, as :func:`linear_replicated`)."""
-    seq = seq_axis % ndim
-
-    def replicated(x, gate_up, down, axis_name=axis_name):
-        k, _, f = gate_up.shape
-        kw = dict(axis_name=axis_name, dtype=dtype, fp8=fp8)
-        gu = linear_replicated("column", x, {"kernel": gate_up.reshape(k, 2 * f)}, **kw)
-        act = activation_function(activation)
-        return linear_replicated("row", act(gu[..., :f]) * gu[..., f:], {"kernel": down}, **kw)
-
-    def body(x, gate_up, down):
-        x, gate_up, down = _promote(dtype, x, gate_up, down)
-        scales = None if fp8 is None else (_scales(fp8, {}), _scales(fp8, {}))
-        return jax_ub.gated_mlp(
-            x,
-            gate_up,
-            down,
-            axis_name,
-            activation=activation,
-            impl=impl,
-            fp8=scales,
-            seq_axis=seq,
-        )
-
-    spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
-    kernels = (P(None, None, axis_name), P(axis_name, None))
-    f = body if sequence_parallel else replicated
-    plain = functools.partial(replicated, axis_name=None)
-    return _over_tp(f, mesh, axis_name, (spec, *kernels), spec, plain, impl)

@@ -15,7 +15,7 @@ from flax import linen as nn
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _attention, _core, _fp8
+from jax_ub.flax import _attention, _axes, _core, _fp8, _gated
 from jax_ub.flax.linen.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -56,8 +56,8 @@ class _ResolvedAxis:
     @nn.nowrap
     def resolved_axis(self) -> str:
         owner = type(self).__name__
-        split = _core.block_split_name(owner, self.kernel_axes, self.param_axes)
-        return _core.tp_axis(owner, self.axis_name, split)
+        split = _axes.block_split_name(owner, self.kernel_axes, self.param_axes)
+        return _axes.tp_axis(owner, self.axis_name, split)
 
 
 class ParallelMLP(_ResolvedAxis, nn.Module):
@@ -169,7 +169,7 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
         tp = _core.group_size(owner, self.mesh, self.resolved_axis(), impl=self.impl)
         _core.check_impl(owner, self.impl)
         _core.check_fp8(owner, self.fp8, _fp8.DEFAULT_HISTORY_LENGTH)
-        _core.check_gated_fp8(owner, self.fp8)
+        _gated.check_gated_fp8(owner, self.fp8)
         _core.check_seq_axis(owner, self.seq_axis)
         _core.check_divisible(
             owner, "hidden_features", self.hidden_features, tp, self.resolved_axis()
@@ -178,10 +178,10 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
         k, hidden = inputs.shape[-1], self.hidden_features
         out = k if self.out_features is None else self.out_features
         if self.kernel_axes is None:
-            names = _core.gated_kernel_names(owner, self.resolved_axis(), self.param_axes)
+            names = _gated.gated_kernel_names(owner, self.resolved_axis(), self.param_axes)
             partitioning = nn.with_partitioning
         else:  # logical names, mapped by the user's logical_axis_rules
-            model, split = _core.logical_param_names(
+            model, split = _axes.logical_param_names(
                 "column", self.kernel_axes, owner, self.param_axes
             )["kernel"]
             names = {"gate_up": (model, None, split), "down_proj": (split, model)}
@@ -196,7 +196,7 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
 
         gate_up = param("gate_up", gate_up_init, (k, 2, hidden))
         down = param("down_proj", self.kernel_init, (hidden, out))
-        f = _core.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
+        f = _gated.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
         return f(inputs, gate_up, down)
 
 

@@ -11,7 +11,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core, _fp8
+from jax_ub.flax import _axes, _core, _fp8
 
 default_kernel_init = nn.initializers.lecun_normal()
 default_bias_init = nn.initializers.zeros_init()
@@ -40,9 +40,9 @@ class _ParallelLinear(nn.Module):
 
     @nn.nowrap
     def resolved_axis(self) -> str:
-        """The tensor-parallel mesh axis (``_core.tp_axis``)."""
-        split = _core.split_name(self._kind, self.kernel_axes)
-        return _core.tp_axis(type(self).__name__, self.axis_name, split)
+        """The tensor-parallel mesh axis (``_axes.tp_axis``)."""
+        split = _axes.split_name(self._kind, self.kernel_axes)
+        return _axes.tp_axis(type(self).__name__, self.axis_name, split)
 
     @nn.nowrap
     def tp_size(self) -> int:
@@ -70,7 +70,7 @@ class _ParallelLinear(nn.Module):
             def init(base, names):
                 return nn.with_partitioning(base, names, mesh=self.mesh)
         else:  # logical names, mapped to mesh axes by the user's logical_axis_rules
-            names = _core.logical_param_names(self._kind, self.kernel_axes, owner, self.param_axes)
+            names = _axes.logical_param_names(self._kind, self.kernel_axes, owner, self.param_axes)
 
             def init(base, names):
                 return nn.with_logical_partitioning(base, names, mesh=self.mesh)

@@ -16,7 +16,7 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _attention, _core, _fp8
+from jax_ub.flax import _attention, _axes, _core, _fp8, _gated
 from jax_ub.flax.nnx.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -93,8 +93,8 @@ class ParallelMLP(nnx.Module):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, amax_history_length)
-        split = _core.block_split_name(owner, kernel_axes, param_axes)
-        axis_name = _core.tp_axis(owner, axis_name, split)
+        split = _axes.block_split_name(owner, kernel_axes, param_axes)
+        axis_name = _axes.tp_axis(owner, axis_name, split)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
@@ -189,18 +189,18 @@ class ParallelGatedMLP(nnx.Module):
         owner = type(self).__name__
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, _fp8.DEFAULT_HISTORY_LENGTH)
-        _core.check_gated_fp8(owner, fp8)
+        _gated.check_gated_fp8(owner, fp8)
         _core.check_seq_axis(owner, seq_axis)
-        split = _core.block_split_name(owner, kernel_axes, param_axes)
-        axis_name = _core.tp_axis(owner, axis_name, split)
+        split = _axes.block_split_name(owner, kernel_axes, param_axes)
+        axis_name = _axes.tp_axis(owner, axis_name, split)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
         out_features = in_features if out_features is None else out_features
         if kernel_axes is None:
-            names = _core.gated_kernel_names(owner, axis_name, param_axes)
+            names = _gated.gated_kernel_names(owner, axis_name, param_axes)
         else:  # logical names, mapped by the user's logical_axis_rules
-            model, split = _core.logical_param_names("column", kernel_axes, owner, param_axes)[
+            model, split = _axes.logical_param_names("column", kernel_axes, owner, param_axes)[
                 "kernel"
             ]
             names = {"gate_up": (model, None, split), "down_proj": (split, model)}
@@ -221,7 +221,7 @@ class ParallelGatedMLP(nnx.Module):
         _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
         features = _core.local_features(self.in_features, tp, self.axis_name, False)
         sp = _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
-        f = _core.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
+        f = _gated.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
         return f(inputs, self.gate_up[...], self.down_proj[...])
 
 
@@ -313,8 +313,8 @@ class ParallelSelfAttention(nnx.Module):
         out_features = in_features if out_features is None else out_features
         _core.check_impl(owner, impl)
         _core.check_fp8(owner, fp8, amax_history_length)
-        split = _core.block_split_name(owner, kernel_axes, param_axes)
-        axis_name = _core.tp_axis(owner, axis_name, split)
+        split = _axes.block_split_name(owner, kernel_axes, param_axes)
+        axis_name = _axes.tp_axis(owner, axis_name, split)
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         head_dim, q_per_kv = _attention.check_heads(
             owner, num_heads, num_kv_heads, qkv_features, tp, axis_name, rope_theta
@@ -380,7 +380,7 @@ class ParallelSelfAttention(nnx.Module):
             and values are written into it and ``cache_index`` advances by ``t``.
         """
         if decode:
-            return self._decode(inputs, mask, is_causal)
+            return self._decode(inputs, mask)  # causal whatever is_causal says
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
         tp = _core.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
@@ -403,7 +403,7 @@ class ParallelSelfAttention(nnx.Module):
         )
         return f(inputs, qkv.param_values(), out.param_values(), mask)
 
-    def _decode(self, inputs: jax.Array, mask: jax.Array | None, is_causal: bool) -> jax.Array:
+    def _decode(self, inputs: jax.Array, mask: jax.Array | None) -> jax.Array:
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
         if getattr(self, "cached_key", None) is None:
@@ -413,7 +413,6 @@ class ParallelSelfAttention(nnx.Module):
                 f"{owner}: decode=True attends causally over the cache; pass no mask "
                 f"(got one of shape {getattr(mask, 'shape', None)})"
             )
-        del is_causal  # decoding is causal
         shape = getattr(inputs, "shape", ())
         batch, length = self.cached_key.shape[:2]
         seq = qkv.seq_axis % 3 if len(shape) == 3 else None

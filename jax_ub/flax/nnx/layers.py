@@ -10,7 +10,7 @@ from flax.nnx import variablelib
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _core, _fp8
+from jax_ub.flax import _axes, _core, _fp8
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -77,8 +77,8 @@ class _ParallelLinear(nnx.Module):
         _core.check_fp8(owner, fp8, amax_history_length)
         _core.check_seq_axis(owner, seq_axis)
         if kernel_axes is not None:  # checked before the names resolve the axis
-            _core.logical_param_names(self._kind, kernel_axes, owner, param_axes)
-        axis_name = _core.tp_axis(owner, axis_name, _core.split_name(self._kind, kernel_axes))
+            _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
+        axis_name = _axes.tp_axis(owner, axis_name, _axes.split_name(self._kind, kernel_axes))
         tp = _core.group_size(owner, mesh, axis_name, required=False)
         if tp is not None:
             split = {"in_features": in_features, "out_features": out_features}[self._split]
@@ -97,7 +97,7 @@ class _ParallelLinear(nnx.Module):
         if kernel_axes is None:
             names = _core.param_names(owner, self._kind, axis_name, use_bias, param_axes)
         else:  # logical names, which the user's logical_axis_rules map to mesh axes
-            names = _core.logical_param_names(self._kind, kernel_axes, owner, param_axes)
+            names = _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
         kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
         self.kernel = sharded_param(kernel, names["kernel"], mesh)
         self.bias: nnx.Param[jax.Array] | None
