@@ -38,7 +38,7 @@ export PYTHONPATH=$(pwd)
 # Log lines of JAX/XLA/gRPC that say nothing about the run; filtered from what is printed.
 NOISE='^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:'
 cleanup() {
-  pkill -9 -f "pytest|jax_ub.bench|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step|profile_layer" 2>/dev/null
+  pkill -9 -f "pytest|jax_ub.bench|train_llama|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step|profile_layer" 2>/dev/null
   sleep 1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -69,6 +69,22 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   tag=${TAG:-bench}
   timeout -k 10 400 python3 -m jax_ub.bench --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
     | tee "$OUT/$tag.log" | grep -v "^  .*failed" | grep -vE "$NOISE" | tail -60
+  cleanup
+fi
+if [ "$what" = model ]; then
+  # One training step of the Llama-style model per variant (python -m jax_ub.bench.model;
+  # args: its own). MEM_FRACTION: the share of each GPU JAX may take.
+  tag=${TAG:-model}
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.9} timeout -k 10 ${MODEL_S:-450} \
+    python3 -m jax_ub.bench.model --json "$OUT/$tag.json" "$@" 2>&1 \
+    | tee "$OUT/$tag.log" | grep -vE "$NOISE" | tail -${MODEL_LINES:-30}
+  cleanup
+fi
+if [ "$what" = llama ]; then
+  # examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3).
+  timeout -k 10 ${TRAIN_S:-300} python3 examples/train_llama.py "$@" > "$OUT/${TAG:-llama}.log" 2>&1
+  echo "train_llama: rc=$?"
+  grep -vE "$NOISE" "$OUT/${TAG:-llama}.log" | tail -12
   cleanup
 fi
 if [ "$what" = layer ]; then

@@ -8,6 +8,10 @@ preset, float32):
 
     python3 examples/train_llama.py
     python3 examples/train_llama.py --preset llama3-8b --layers 2 --seq 8192 --dtype bfloat16
+
+With ``--fp8 current`` (or ``delayed``) it trains jax_ub's model in fp8 and, from
+``--seeds`` other inits, the same model without fp8, and says whether the fp8 loss curve
+stays within the bf16 runs' seed-to-seed spread.
 """
 
 from __future__ import annotations
@@ -59,6 +63,14 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="computation dtype (params stay float32; default float32)",
     )
+    parser.add_argument(
+        "--fp8",
+        choices=["current", "delayed"],
+        help="train in fp8 and compare the loss curve with --seeds runs without fp8",
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="runs without fp8 for --fp8's spread (default 3)"
+    )
     args = parser.parse_args()
 
     cfg = llama.PRESETS[args.preset]
@@ -72,25 +84,46 @@ def main() -> None:
         f"{cfg}\nmesh dp={dp} x tp={args.tp} on {devices[0].platform}, "
         f"tokens {tokens.shape}, remat={args.remat}, dtype={args.dtype}"
     )
-    losses = {}
+
+    def train(name, impl, seed=0, fp8=False):
+        model = llama.Llama(
+            cfg,
+            impl=impl,
+            fp8=fp8,
+            remat=args.remat,
+            dtype=jnp.dtype(args.dtype),
+            rngs=nnx.Rngs(seed),
+        )
+        optimizer = llama.make_optimizer(model, 3e-3)
+        losses = [float(llama.train_step(model, optimizer, tokens))]
+        t0 = time.perf_counter()
+        for _ in range(args.steps - 1):
+            losses.append(float(llama.train_step(model, optimizer, tokens)))
+        step_ms = (time.perf_counter() - t0) / max(args.steps - 1, 1) * 1e3
+        print(
+            f"{name:12s} loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"{step_ms:.1f} ms/step (host-synchronous loop, not a benchmark)"
+        )
+        return np.array(losses)
+
     with jax.set_mesh(mesh):
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
-        for impl in ("ub", "xla"):
-            model = llama.Llama(
-                cfg, impl=impl, remat=args.remat, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0)
-            )
-            optimizer = llama.make_optimizer(model, 3e-3)
-            losses[impl] = [float(llama.train_step(model, optimizer, tokens))]
-            t0 = time.perf_counter()
-            for _ in range(args.steps - 1):
-                loss = llama.train_step(model, optimizer, tokens)
-                losses[impl].append(float(loss))
-            step_ms = (time.perf_counter() - t0) / max(args.steps - 1, 1) * 1e3
+        if args.fp8:
+            fp8 = train(f"ub fp8 {args.fp8}", "ub", 0, args.fp8)
+            runs = np.stack([train(f"ub seed {s}", "ub", s) for s in range(args.seeds)])
+            low, high = runs.min(axis=0), runs.max(axis=0)
+            outside = np.maximum(low - fp8, fp8 - high).clip(min=0)
             print(
-                f"{impl:4s} loss {losses[impl][0]:.4f} -> {losses[impl][-1]:.4f}, "
-                f"{step_ms:.1f} ms/step (host-synchronous loop, not a benchmark)"
+                f"fp8 ({args.fp8}) against {args.seeds} runs without fp8 (seeds "
+                f"0..{args.seeds - 1}): largest step-to-step seed spread "
+                f"{np.max(high - low):.4f}, fp8 outside that spread at "
+                f"{int(np.sum(outside > 0))} of {args.steps} steps (by at most "
+                f"{np.max(outside):.4f}); final loss fp8 {fp8[-1]:.4f}, without "
+                f"{low[-1]:.4f}..{high[-1]:.4f}"
             )
-    ub, xla = np.array(losses["ub"]), np.array(losses["xla"])
+            return
+        losses = {impl: train(impl, impl) for impl in ("ub", "xla")}
+    ub, xla = losses["ub"], losses["xla"]
     print(
         f"largest relative loss difference, jax_ub vs XLA: "
         f"{np.max(np.abs(ub - xla) / np.abs(xla)):.2e}"

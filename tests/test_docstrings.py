@@ -18,11 +18,13 @@ import jax_ub.flax
 import jax_ub.flax.linen.blocks
 import jax_ub.flax.linen.layers
 import jax_ub.flax.nnx.blocks
+import jax_ub.flax.nnx.gated
 import jax_ub.flax.nnx.layers
 
 MODULES = [
     jax_ub.flax.nnx.layers,
     jax_ub.flax.nnx.blocks,
+    jax_ub.flax.nnx.gated,
     jax_ub.flax.linen.layers,
     jax_ub.flax.linen.blocks,
 ]

@@ -1,6 +1,7 @@
 """ParallelGatedMLP (nnx and linen) on CPU devices: forward and gradients against the
 unsharded math from the same params, on (dp, tp) meshes from plain jit, batch-major, the
-params' sharding and checkpoint layout, fp8, bad settings."""
+params' sharding and checkpoint layout, fp8 (current scaling; delayed:
+test_flax_gated_fp8_delayed.py), bad settings."""
 
 import jax
 import jax.numpy as jnp
@@ -112,8 +113,13 @@ def test_bad_settings_are_named():
     mesh = make_mesh((4, "tp"))
     with pytest.raises(ValueError, match="hidden_features=6 must be a positive multiple"):
         ubf.ParallelGatedMLP(D, 6, mesh=mesh, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="fp8='delayed' is not available"):
-        ubf.ParallelGatedMLP(D, F, mesh=mesh, fp8="delayed", rngs=nnx.Rngs(0))
+    bad_length = dict(fp8="delayed", amax_history_length=0)
+    with pytest.raises(ValueError, match="ParallelGatedMLP: amax_history_length .* got 0"):
+        ubf.ParallelGatedMLP(D, F, mesh=mesh, rngs=nnx.Rngs(0), **bad_length)
+    with pytest.raises(ValueError, match="ParallelGatedMLP: fp8 must be False, True .* 'delayd'"):
+        ubf.linen.ParallelGatedMLP(F, mesh=mesh, fp8="delayd").init(
+            jax.random.key(0), jnp.ones((SEQ, BATCH, D))
+        )
     with jax.set_mesh(mesh):
         mlp = ubf.ParallelGatedMLP(D, F, activation="relu", rngs=nnx.Rngs(0))
         with pytest.raises(ValueError, match="activation must be one of"):

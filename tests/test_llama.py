@@ -3,6 +3,7 @@ jax_ub's ops follows XLA's collectives step for step (float32, scan over layers 
 remat policy), the model's sharding, and the FLOP count."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
@@ -48,3 +49,42 @@ def test_flops_per_token_counts_the_matmuls():
     # About 6 x 8.0e9 params (the embedding's lookup is no matmul, so 7.5e9 count) plus
     # attention: the usual ~4.9e10 per token at seq 8192 for Llama 3 8B.
     assert 4.5e10 < cfg.flops_per_token(8192) < 5.5e10
+
+
+@pytest.mark.parametrize("fp8", ["current", "delayed"])
+def test_fp8_training_matches_xla(fp8):
+    """fp8 projections: jax_ub's fp8 ops and XLA's fp8 GEMMs of the same quantized
+    operands follow each other; with delayed scaling every layer's amax histories fill
+    step by step."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    tokens = jax.random.randint(jax.random.key(2), (4, 32), 0, CFG.vocab)
+    losses, models = {}, {}
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        for impl in ("ub", "xla"):
+            model = llama.Llama(CFG, impl=impl, fp8=fp8, rngs=nnx.Rngs(0))
+            optimizer = llama.make_optimizer(model, 3e-3)
+            losses[impl] = np.array(
+                [float(llama.train_step(model, optimizer, tokens)) for _ in range(3)]
+            )
+            models[impl] = model
+    assert np.all(np.isfinite(losses["ub"])) and losses["ub"][-1] < losses["ub"][0]
+    np.testing.assert_allclose(losses["ub"], losses["xla"], rtol=1e-4)
+    if fp8 == "delayed":
+        history = models["ub"].blocks.attn.qkv.input_amax_history[...]  # [layers, length]
+        assert history.shape[0] == CFG.layers
+        assert np.all(history[:, :3] > 0) and np.all(history[:, 3:] == 0)
+
+
+def test_bfloat16_params_keep_float32_moments():
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    tokens = jax.random.randint(jax.random.key(2), (4, 32), 0, CFG.vocab)
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        model = llama.Llama(CFG, impl="ub", param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        optimizer = llama.make_optimizer(model, 3e-3)
+        losses = [float(llama.train_step(model, optimizer, tokens)) for _ in range(3)]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    moments = [m for m in jax.tree.leaves(nnx.state(optimizer, nnx.OptState)) if m.ndim]
+    assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.float32)}
+    assert model.blocks.mlp.gate_up[...].dtype == jnp.bfloat16

@@ -10,8 +10,10 @@ are tensor-parallel over ``tp``. The embedding and the LM head are replicated ov
 and run on each device's rows, so they need no communication in the forward.
 
 ``impl`` picks the blocks' collectives: ``"ub"`` (jax_ub's overlapped ops), ``"xla"``
-(XLA's collectives), ``"auto"``. Run under ``jax.set_mesh(mesh)`` with a ``("dp", "tp")``
-mesh.
+(XLA's collectives), ``"auto"``; ``fp8`` runs the blocks' projections in fp8 (current or
+delayed scaling; with ``impl="xla"`` XLA's collectives and XLA's fp8 GEMMs of the same
+quantized operands, flax's fp8 recipe). Run under ``jax.set_mesh(mesh)`` with a
+``("dp", "tp")`` mesh.
 """
 
 from __future__ import annotations
@@ -86,9 +88,18 @@ class Block(nnx.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))``, on ``[batch, seq, hidden]``."""
 
     def __init__(
-        self, cfg: LlamaConfig, *, impl: str, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
+        self,
+        cfg: LlamaConfig,
+        *,
+        impl: str,
+        fp8: bool | str,
+        dtype: Any,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
     ):
-        common = dict(impl=impl, seq_axis=1, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        common = dict(
+            impl=impl, fp8=fp8, seq_axis=1, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.hidden, **norm)
         self.attn = ubf.ParallelSelfAttention(
@@ -113,6 +124,8 @@ class Llama(nnx.Module):
     Args:
       cfg: the shapes.
       impl: the blocks' collectives (``"ub"``, ``"xla"``, ``"auto"``).
+      fp8: the blocks' projections in fp8: ``False``, ``"current"`` or ``"delayed"``
+        (amax histories kept per layer; :func:`train_step` overwrites them).
       remat: ``"none"``, ``"dots"`` (keep the matmuls' outputs, recompute the rest) or
         ``"full"`` (recompute each block in the backward).
       dtype: the computation's dtype (None: the params').
@@ -124,6 +137,7 @@ class Llama(nnx.Module):
         cfg: LlamaConfig,
         *,
         impl: str = "auto",
+        fp8: bool | str = False,
         remat: str = "dots",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -138,7 +152,7 @@ class Llama(nnx.Module):
         @nnx.split_rngs(splits=cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def blocks(rngs):
-            return Block(cfg, impl=impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            return Block(cfg, impl=impl, fp8=fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
         self.blocks = blocks(rngs)
         self.norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -178,15 +192,40 @@ def next_token_loss(model: Llama, tokens: jax.Array) -> jax.Array:
     return jnp.sum(losses * valid) / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
+def float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` keeping its state in float32 whatever the params' dtype (bf16 params with
+    float32 AdamW moments, as mixed-precision training does): it sees float32 gradients
+    and params, and its updates come back in each param's dtype."""
+
+    def f32(tree):
+        return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+    def init(params):
+        return tx.init(f32(params))
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(f32(grads), state, None if params is None else f32(params))
+        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(model: Llama, learning_rate: float = 3e-4) -> nnx.Optimizer:
-    """AdamW over the params; its moments are float32 whatever the params' dtype."""
-    tx = optax.adamw(learning_rate, mu_dtype=jnp.float32, weight_decay=0.1)
+    """AdamW over the params, its moments in float32 whatever the params' dtype."""
+    tx = float32_state(optax.adamw(learning_rate, weight_decay=0.1))
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-@nnx.jit
-def train_step(model: Llama, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
-    """One AdamW step on ``tokens [batch, seq]``; returns the loss before it."""
-    loss, grads = nnx.value_and_grad(next_token_loss)(model, tokens)
-    optimizer.update(model, grads)
+def loss_and_update(model: Llama, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
+    """One AdamW step on ``tokens [batch, seq]``; returns the loss before it. With delayed
+    fp8 the amax histories are differentiated too and overwritten with their gradients
+    (flax's OVERWRITE_WITH_GRADIENT convention)."""
+    owg = ubf.OverwriteWithGradient
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, owg))
+    loss, grads = nnx.value_and_grad(next_token_loss, argnums=wrt)(model, tokens)
+    optimizer.update(model, nnx.state(grads, nnx.Param))
+    nnx.update(model, nnx.state(grads, owg))
     return loss
+
+
+train_step = nnx.jit(loss_and_update)

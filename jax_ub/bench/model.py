@@ -58,7 +58,21 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         default="bfloat16",
         choices=["bfloat16", "float32"],
-        help="computation dtype (params float32, AdamW moments float32)",
+        help="computation dtype (default bfloat16)",
+    )
+    ap.add_argument(
+        "--param-dtype",
+        default="float32",
+        choices=["bfloat16", "float32"],
+        help="the params' dtype (default float32; AdamW's moments are float32 either way)",
+    )
+    ap.add_argument(
+        "--fp8",
+        default="none",
+        choices=["none", "current", "delayed"],
+        help="the blocks' projections in fp8 with current or delayed scaling (jax_ub: its "
+        "fp8 ops; xla and xla_overlap: XLA's collectives and fp8 GEMMs of the same "
+        "quantized operands; default none)",
     )
     ap.add_argument(
         "--remat",
@@ -85,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
         "--overlap-flags",
         default=OVERLAP_FLAGS,
         help="XLA_FLAGS of the xla_overlap variant's process",
+    )
+    ap.add_argument(
+        "--park-states",
+        action="store_true",
+        help="keep the variants' params and optimizer states in host memory while the "
+        "others run, so that one variant's state at a time fills the devices (moved "
+        "outside the timed loops)",
     )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one variant, in its own process
@@ -140,7 +161,6 @@ def _config(args):
 
 def _setup(args):
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -153,27 +173,35 @@ def _setup(args):
     mesh = Mesh(np.array(devices[: dp * args.tp]).reshape(dp, args.tp), ("dp", "tp"))
     tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab)
     tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
-    return cfg, mesh, tokens, jnp.dtype(args.dtype)
+    return cfg, mesh, tokens
 
 
-def _compiled_step(variant: str, cfg, mesh, tokens, dtype, remat: str):
+def _compiled_step(variant: str, cfg, mesh, tokens, args):
     """(jitted step, state) of one variant: the model and AdamW state in one pytree, the
     step donating it; and the compiled step's memory estimate in bytes."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from jax_ub.bench import llama
 
     impl = {"jax_ub": "ub", "bound": "ub"}.get(variant, "xla")
     with jax.set_mesh(mesh):
-        model = llama.Llama(cfg, impl=impl, remat=remat, dtype=dtype, rngs=nnx.Rngs(0))
+        model = llama.Llama(
+            cfg,
+            impl=impl,
+            fp8=False if args.fp8 == "none" else args.fp8,
+            remat=args.remat,
+            dtype=jnp.dtype(args.dtype),
+            param_dtype=jnp.dtype(args.param_dtype),
+            rngs=nnx.Rngs(0),
+        )
         optimizer = llama.make_optimizer(model)
         graphdef, state = nnx.split((model, optimizer))
 
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(llama.next_token_loss)(model, tokens)
-        optimizer.update(model, grads)
+        loss = llama.loss_and_update(model, optimizer, tokens)
         return nnx.state((model, optimizer)), loss
 
     step = jax.jit(step, donate_argnums=0)
@@ -195,13 +223,27 @@ def _run(variants: list[str], args, say) -> dict:
     """Compile each variant, then time them in interleaved rounds."""
     import jax
 
-    cfg, mesh, tokens, dtype = _setup(args)
-    steps, states, first_loss, memory = {}, {}, {}, {}
+    cfg, mesh, tokens = _setup(args)
+    steps, states, first_loss, memory, placement = {}, {}, {}, {}, {}
+    park = args.park_states and len(variants) > 1
+
+    def to_host(v):  # the variant's params and optimizer state wait in host memory
+        states[v] = jax.device_put(
+            states[v], jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), placement[v])
+        )
+        jax.block_until_ready(states[v])
+
+    def to_device(v):
+        states[v] = jax.block_until_ready(jax.device_put(states[v], placement[v]))
+
     for v in variants:
         t0 = time.perf_counter()
-        steps[v], states[v], memory[v] = _compiled_step(v, cfg, mesh, tokens, dtype, args.remat)
+        steps[v], states[v], memory[v] = _compiled_step(v, cfg, mesh, tokens, args)
         states[v], loss = steps[v](states[v], tokens)
         first_loss[v] = float(loss)
+        placement[v] = jax.tree.map(lambda a: a.sharding, states[v])
+        if park:
+            to_host(v)
         say(
             f"  {v}: compiled and ran a step in {time.perf_counter() - t0:.1f} s, "
             f"loss {first_loss[v]:.5f}"
@@ -209,24 +251,38 @@ def _run(variants: list[str], args, say) -> dict:
     times: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.rounds):
         for v in variants:
+            if park:
+                to_device(v)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 states[v], loss = steps[v](states[v], tokens)
             jax.block_until_ready(loss)
             times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
+            if park:
+                to_host(v)
         say(
             f"  round {r + 1}/{args.rounds}: "
             + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in variants)
         )
+    from jax_ub._src import communicator
+
+    # jax_ub's symmetric buffers live outside XLA's allocator: reported beside its estimate.
+    userbuffers = sum(c.capacity_bytes for c in communicator.live_communicators())
+    stats = mesh.devices.flat[0].memory_stats() or {}
     return {
         v: {
             "step_ms": statistics.median(times[v]),
             "spread": (max(times[v]) - min(times[v])) / statistics.median(times[v]),
             "first_loss": first_loss[v],
             "memory_bytes": memory[v],
+            "userbuffer_bytes": userbuffers if v == "jax_ub" else 0,
         }
         for v in variants
-    } | {"_config": dataclasses.asdict(cfg), "_devices": [str(d) for d in mesh.devices.flat]}
+    } | {
+        "_config": dataclasses.asdict(cfg),
+        "_devices": [str(d) for d in mesh.devices.flat],
+        "_peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+    }
 
 
 def _run_child(variant: str, args, argv: list[str], say) -> dict | None:
@@ -258,24 +314,31 @@ def _report(results: dict, args, say) -> None:
     bound = rows.get("bound", {}).get("step_ms")
     say(
         f"\n{args.preset} x{cfg.layers} layers, seq {args.seq}, batch {args.batch}, "
-        f"{args.dtype}, remat {args.remat}, {n_dev} x {device.device_kind}"
+        f"{args.dtype} (params {args.param_dtype}), fp8 {args.fp8}, remat {args.remat}, "
+        f"{n_dev} x {device.device_kind}"
         + (f", MFU against {peak:g} TFLOP/s per device" if peak else "")
     )
     say(
         f"{'variant':12s} {'step ms':>9s} {'spread':>7s} {'tokens/s':>10s} {'MFU':>6s} "
-        f"{'memory GiB':>10s} {'/bound':>7s} {'/best XLA':>9s} {'first loss':>11s}"
+        f"{'XLA GiB':>8s} {'ub GiB':>7s} {'/bound':>7s} {'/best XLA':>9s} {'first loss':>11s}"
     )
     for v, r in rows.items():
         ms = r["step_ms"]
         tps = tokens / ms * 1e3
         mfu = cfg.flops_per_token(args.seq) * tps / (n_dev * peak * 1e12) if peak else None
         mem = r["memory_bytes"] / 2**30 if r["memory_bytes"] else float("nan")  # CPU: none
+        ub = r.get("userbuffer_bytes", 0) / 2**30
         say(
             f"{v:12s} {ms:9.2f} {100 * r['spread']:6.1f}% {tps:10.0f} "
-            f"{'' if mfu is None else f'{100 * mfu:5.1f}%':>6s} {mem:10.2f} "
+            f"{'' if mfu is None else f'{100 * mfu:5.1f}%':>6s} {mem:8.2f} {ub:7.2f} "
             f"{'' if not bound else f'{ms / bound:7.3f}':>7s} "
             f"{'' if not xla else f'{ms / min(xla):9.3f}':>9s} {r['first_loss']:11.5f}"
         )
+    say(
+        "XLA GiB: the compiled step's arguments, outputs and temporaries per device "
+        "(XLA's memory analysis); ub GiB: jax_ub's userbuffers per device, allocated "
+        "outside XLA"
+    )
     if "jax_ub" in rows and "xla" in rows:
         a, b = rows["jax_ub"]["first_loss"], rows["xla"]["first_loss"]
         say(f"first-step loss, jax_ub vs XLA: relative difference {abs(a - b) / abs(b):.2e}")

@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 import jax_ub
 from jax_ub._src import checks, layout
 from jax_ub.flax import _fp8
-from jax_ub.fp8 import current_scale, quantize
 
 Params = Mapping[str, jax.Array]
 
@@ -219,19 +218,18 @@ def linear_local(
     return jax_ub.matmul_reduce_scatter(x, kernel, axis_name, **kw)
 
 
-def dense(x: jax.Array, kernel: jax.Array, scales: jax_ub.Fp8Scales | None) -> jax.Array:
-    """``x [..., k] @ kernel [k, n]`` in XLA; with ``scales``, of the operands quantized to
-    e4m3 at those scales (this step's amax where a scale is None), as the fp8 ops quantize
-    them, and multiplied in float32."""
+def dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    scales: jax_ub.Fp8Scales | None,
+    axis_name: str | None = None,
+) -> jax.Array:
+    """``x [..., k] @ kernel [k, n]`` in XLA; with ``scales``, in fp8 as the ops compute it,
+    forward and backward, the given scales' gradients the amaxes over ``axis_name``'s
+    group (:func:`jax_ub.flax._fp8.dense`)."""
     if scales is None:
         return jnp.einsum("...k,kn->...n", x, kernel)
-
-    def dequantized(a, scale):
-        scale = current_scale(a) if scale is None else scale
-        return quantize(a, scale).astype(jnp.float32) * scale
-
-    y = jnp.einsum("...k,kn->...n", dequantized(x, scales.x), dequantized(kernel, scales.w))
-    return y.astype(x.dtype)
+    return _fp8.dense(x, kernel, scales, axis_name)
 
 
 def linear_replicated(
@@ -250,10 +248,11 @@ def linear_replicated(
     divide). ``"column"``: ``x [..., k]`` times this rank's kernel columns, plus its bias
     shard, ``[..., n/tp]``, no communication. ``"row"``: ``x [..., k/tp]`` times this rank's
     kernel rows, summed over the axis (XLA's all-reduce), plus the bias: ``[..., n]``.
-    With fp8 the GEMM runs in XLA on the operands quantized as the ops quantize them. With
-    ``axis_name=None``, on global arrays: the plain layer, which XLA partitions itself."""
+    With fp8 the GEMM runs in XLA on the operands (and its output gradient) quantized as the
+    ops quantize them, delayed scales included (:func:`dense`). With ``axis_name=None``, on
+    global arrays: the plain layer, which XLA partitions itself."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    y = dense(x, kernel, _scales(fp8, params))
+    y = dense(x, kernel, _scales(fp8, params), axis_name)
     if kind == "row" and axis_name is not None:
         y = jax.lax.psum(y, axis_name)
     if bias is not None:

@@ -16,17 +16,24 @@ the ops' :class:`jax_ub.Fp8Scales` for a layer's recipe.
 
 The histories travel to the ops beside the params, under ``params["fp8"] = {"x": ...,
 "w": ..., "grad": ...}``, replicated over the tensor-parallel axis.
+
+Where a layer runs with its activations replicated over that axis (no sequence to split:
+``_core.linear_replicated``), :func:`dense` computes its GEMM in XLA with the same recipe:
+the same quantization forward and backward, and the same amaxes as the scales' gradients.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub import fp8 as _ops_fp8
+from jax_ub._src.varying import match_varying
 
 RECIPES = ("current", "delayed")
 DEFAULT_HISTORY_LENGTH = 16
@@ -90,3 +97,61 @@ def scales(fp8: str | None, histories: dict[str, jax.Array] | None) -> jax_ub.Fp
     return jax_ub.Fp8Scales(
         **{k: _ops_fp8.delayed_scale_owg(histories[k], _DTYPES[k]) for k in HISTORY_NAMES}
     )
+
+
+# --- the recipe in XLA (the replicated layout) ---------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fake_quant(a: jax.Array, scale: jax.Array | None, dtype: Any, axis_name: str | None):
+    """``a`` quantized to ``dtype`` at ``scale`` (this rank's current scale when None) and
+    back, in float32; straight-through."""
+    return _fake_quant_fwd(a, scale, dtype, axis_name)[0]
+
+
+def _fake_quant_fwd(a, scale, dtype, axis_name):
+    s = jax.lax.stop_gradient(_ops_fp8.current_scale(a, dtype)) if scale is None else scale
+    seen = None if scale is None else _ops_fp8.amax(a, axis_name)
+    return _ops_fp8.quantize(a, s, dtype).astype(jnp.float32) * s, (a[:0], seen)
+
+
+def _fake_quant_bwd(dtype, axis_name, res, ct):
+    a0, seen = res  # a given scale's gradient: a's amax
+    return match_varying(ct.astype(a0.dtype), a0), seen
+
+
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _quantized_grad(y: jax.Array, scale: jax.Array | None, axis_name: str | None):
+    """``y`` as it is; its gradient quantized to e5m2 at ``scale`` (the gradient's current
+    scale when None) and back, with the gradient's amax as a given scale's gradient."""
+    return y
+
+
+def _quantized_grad_fwd(y, scale, axis_name):
+    return y, scale
+
+
+def _quantized_grad_bwd(axis_name, scale, dy):
+    dq = _fake_quant_fwd(dy, scale, _ops_fp8.E5M2, axis_name)[0].astype(dy.dtype)
+    return dq, None if scale is None else _ops_fp8.amax(dy, axis_name)
+
+
+_quantized_grad.defvjp(_quantized_grad_fwd, _quantized_grad_bwd)
+
+
+def dense(
+    x: jax.Array, kernel: jax.Array, scales: jax_ub.Fp8Scales, axis_name: str | None = None
+) -> jax.Array:
+    """``x [..., k] @ kernel [k, n]`` in XLA, in fp8 as the ops compute it: ``x`` and
+    ``kernel`` quantized to e4m3 at ``scales.x``, ``scales.w`` and multiplied in float32
+    (result in ``x.dtype``), the output gradient quantized to e5m2 at ``scales.grad``; a
+    scale left None is the tensor's current one (on this rank). The gradient of each scale
+    given is its tensor's amax this step, over ``axis_name``'s group (the ops' report, which
+    :func:`jax_ub.fp8.delayed_scale_owg` records in its history)."""
+    xq = _fake_quant(x, scales.x, _ops_fp8.E4M3, axis_name)
+    wq = _fake_quant(kernel, scales.w, _ops_fp8.E4M3, axis_name)
+    y = jnp.einsum("...k,kn->...n", xq, wq).astype(x.dtype)
+    return _quantized_grad(y, scales.grad, axis_name)

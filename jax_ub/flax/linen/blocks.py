@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
@@ -142,10 +143,20 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
         >>> jax.jit(mlp.apply)(variables, x).shape
         (32, 2, 16)
 
+    With ``fp8="delayed"`` the block keeps the NNX block's six amax histories, with its
+    names (``gate_up_input_amax_history``, ..., ``down_proj_output_grad_amax_history``:
+    float32 ``[amax_history_length]``, zeros at first, boxed with names ``(None,)``:
+    replicated), in the ``"_overwrite_with_gradient"`` collection; train as
+    :class:`ColumnParallelLinear` shows.
+
     Attributes:
       hidden_features: number of hidden features; a multiple of ``tp``.
-      out_features, activation, fp8, mesh, axis_name, param_axes, impl, seq_axis, dtype,
-        param_dtype, kernel_init: as for the NNX block.
+      fp8: ``True`` or ``"current"``: both projections in fp8 with current scaling;
+        ``"delayed"``: delayed scaling from the amax histories above; ``False``: no fp8
+        (default).
+      out_features, activation, amax_history_length, mesh, axis_name, param_axes,
+        kernel_axes, impl, seq_axis, dtype, param_dtype, kernel_init: as for the NNX
+        block.
     """
 
     hidden_features: int
@@ -160,6 +171,7 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
     out_features: int | None = None
     activation: str | Callable[[jax.Array], jax.Array] = "silu"
     fp8: bool | str = False
+    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
     seq_axis: int = 0
 
     @nn.compact
@@ -168,8 +180,7 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
         owner = type(self).__name__
         tp = _core.group_size(owner, self.mesh, self.resolved_axis(), impl=self.impl)
         _core.check_impl(owner, self.impl)
-        _core.check_fp8(owner, self.fp8, _fp8.DEFAULT_HISTORY_LENGTH)
-        _gated.check_gated_fp8(owner, self.fp8)
+        _core.check_fp8(owner, self.fp8, self.amax_history_length)
         _core.check_seq_axis(owner, self.seq_axis)
         _core.check_divisible(
             owner, "hidden_features", self.hidden_features, tp, self.resolved_axis()
@@ -181,10 +192,7 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
             names = _gated.gated_kernel_names(owner, self.resolved_axis(), self.param_axes)
             partitioning = nn.with_partitioning
         else:  # logical names, mapped by the user's logical_axis_rules
-            model, split = _axes.logical_param_names(
-                "column", self.kernel_axes, owner, self.param_axes
-            )["kernel"]
-            names = {"gate_up": (model, None, split), "down_proj": (split, model)}
+            names = _gated.logical_kernel_names(owner, self.kernel_axes, self.param_axes)
             partitioning = nn.with_logical_partitioning
 
         def gate_up_init(key, shape, dtype):  # fan-in is k, not the 2 of [k, 2, hidden]
@@ -194,10 +202,16 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
             init = partitioning(init, names[name], mesh=self.mesh)
             return self.param(name, init, shape, self.param_dtype)
 
+        def history(name):
+            # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
+            zeros = lambda: jnp.zeros((self.amax_history_length,), jnp.float32)  # noqa: E731
+            init = partitioning(zeros, (None,), mesh=self.mesh)
+            return self.variable(OVERWRITE_WITH_GRADIENT, name, init).value
+
         gate_up = param("gate_up", gate_up_init, (k, 2, hidden))
         down = param("down_proj", self.kernel_init, (hidden, out))
         f = _gated.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
-        return f(inputs, gate_up, down)
+        return f(inputs, gate_up, down, *_gated.histories(self.fp8, history))
 
 
 class ParallelSelfAttention(_ResolvedAxis, nn.Module):

@@ -7,7 +7,8 @@ Parameters are ``nnx.Param``s carrying their sharding names as metadata, so
 variables (replicated), which a training step overwrites with their gradients.
 """
 
-from jax_ub.flax.nnx.blocks import ParallelGatedMLP, ParallelMLP, ParallelSelfAttention
+from jax_ub.flax.nnx.blocks import ParallelMLP, ParallelSelfAttention
+from jax_ub.flax.nnx.gated import ParallelGatedMLP
 from jax_ub.flax.nnx.layers import ColumnParallelLinear, OverwriteWithGradient, RowParallelLinear
 
 __all__ = [

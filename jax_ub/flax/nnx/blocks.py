@@ -3,7 +3,8 @@
 Each block runs as one ``shard_map``: the column-parallel layer all-gathers the
 sequence-parallel input into its matmul, the middle of the block works on the local
 feature/head shard with no communication, and the row-parallel layer reduce-scatters the
-result back to sequence-parallel.
+result back to sequence-parallel. The gated MLP, :class:`ParallelGatedMLP`, lives in
+:mod:`jax_ub.flax.nnx.gated` (and is importable from here too).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _attention, _axes, _core, _fp8, _gated
+from jax_ub.flax import _attention, _axes, _core, _fp8
+from jax_ub.flax.nnx.gated import ParallelGatedMLP as ParallelGatedMLP  # re-exported
 from jax_ub.flax.nnx.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -129,100 +131,6 @@ class ParallelMLP(nnx.Module):
         settings = _core.op_settings(up)
         f = _core.mlp_call(*settings, self.activation, inputs.ndim, up.use_bias, sp)
         return f(inputs, up.param_values(), down.param_values())
-
-
-class ParallelGatedMLP(nnx.Module):
-    """The gated MLP of Llama, Mistral and Qwen (SwiGLU) or Gemma (GeGLU), tensor-parallel:
-    ``down_proj(activation(x @ gate) * (x @ up))`` (:func:`jax_ub.gated_mlp`).
-
-    Params: ``gate_up`` ``[in_features, 2, hidden_features]`` (the gate kernel at ``[:, 0]``,
-    the up kernel at ``[:, 1]``), split over ``axis_name`` on its last dim, and
-    ``down_proj`` ``[hidden_features, out_features]``, split on its first; no biases, as in
-    those models. From an unsharded checkpoint's ``gate_proj [in, hidden]``, ``up_proj``
-    and ``down_proj [hidden, out]`` (PyTorch's ``[out, in]`` weights transposed):
-    ``gate_up = jnp.stack([gate_proj, up_proj], axis=1)``, ``down_proj = down_proj``.
-
-    Shapes and sharding: input and output ``[seq, *batch, features]``, sequence-sharded
-    ``P(axis_name, None, ...)`` (or batch-major with ``seq_axis``).
-
-    Example::
-
-        >>> mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-        >>> mlp = jax_ub.flax.ParallelGatedMLP(16, 64, mesh=mesh, rngs=nnx.Rngs(0))
-        >>> jax.jit(mlp)(jnp.ones((32, 2, 16))).shape
-        (32, 2, 16)
-
-    Args:
-      in_features: number of input features.
-      hidden_features: number of hidden features; a multiple of ``tp``.
-      out_features: number of output features (default: ``in_features``).
-      activation: the gate's activation: ``"silu"`` (default, SwiGLU), ``"gelu"`` (GeGLU)
-        or an elementwise callable.
-      fp8: ``True`` or ``"current"``: both projections in fp8 with current scaling;
-        ``False`` (default): none.
-      kernel_init: initializer of ``gate_up`` (called with shape
-        ``[in_features, 2 * hidden_features]``, so fan-in is ``in_features``) and
-        ``down_proj``.
-      mesh, axis_name, param_axes, impl, seq_axis, dtype, param_dtype, rngs: as for
-        :class:`ColumnParallelLinear`.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        hidden_features: int,
-        *,
-        out_features: int | None = None,
-        activation: str | Callable[[jax.Array], jax.Array] = "silu",
-        mesh: Mesh | None = None,
-        axis_name: str | None = None,
-        param_axes: str | tuple[str, ...] | None = None,
-        kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str = "auto",
-        fp8: bool | str = False,
-        seq_axis: int = 0,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        kernel_init: Initializer = default_kernel_init,
-        rngs: nnx.Rngs,
-    ):
-        owner = type(self).__name__
-        _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8, _fp8.DEFAULT_HISTORY_LENGTH)
-        _gated.check_gated_fp8(owner, fp8)
-        _core.check_seq_axis(owner, seq_axis)
-        split = _axes.block_split_name(owner, kernel_axes, param_axes)
-        axis_name = _axes.tp_axis(owner, axis_name, split)
-        tp = _core.group_size(owner, mesh, axis_name, required=False)
-        if tp is not None:
-            _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
-        out_features = in_features if out_features is None else out_features
-        if kernel_axes is None:
-            names = _gated.gated_kernel_names(owner, axis_name, param_axes)
-        else:  # logical names, mapped by the user's logical_axis_rules
-            model, split = _axes.logical_param_names("column", kernel_axes, owner, param_axes)[
-                "kernel"
-            ]
-            names = {"gate_up": (model, None, split), "down_proj": (split, model)}
-        gate_up = kernel_init(rngs.params(), (in_features, 2 * hidden_features), param_dtype)
-        gate_up = gate_up.reshape(in_features, 2, hidden_features)
-        down = kernel_init(rngs.params(), (hidden_features, out_features), param_dtype)
-        self.gate_up = sharded_param(gate_up, names["gate_up"], mesh)
-        self.down_proj = sharded_param(down, names["down_proj"], mesh)
-        self.in_features, self.hidden_features = in_features, hidden_features
-        self.activation = activation
-        self.mesh, self.axis_name, self.impl, self.fp8 = mesh, axis_name, impl, fp8
-        self.seq_axis, self.dtype = seq_axis, dtype
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
-        owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
-        _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
-        features = _core.local_features(self.in_features, tp, self.axis_name, False)
-        sp = _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
-        f = _gated.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
-        return f(inputs, self.gate_up[...], self.down_proj[...])
 
 
 class ParallelSelfAttention(nnx.Module):

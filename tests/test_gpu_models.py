@@ -1,0 +1,86 @@
+"""GPU tier of the model-level features: the Llama-style model trains with jax_ub's ops
+as with XLA's collectives (float32 at highest precision, and fp8), and decoding with a
+key/value cache (GQA, rotary positions, the replicated layout of one token) gives the
+tokens of recomputing the sequence and of impl="xla". On (1, 2) and (2, 1) meshes of GPUs.
+
+Skipped without at least 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import gpus
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_flax_decode import BATCH, TinyLM, greedy
+
+from jax_ub.bench import llama
+
+pytestmark = pytest.mark.gpu
+
+GPUS = gpus()
+if len(GPUS) < 2:
+    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+
+CFG = llama.PRESETS["tiny"]
+
+
+def _mesh(dp: int, tp: int) -> Mesh:
+    return Mesh(np.array(GPUS[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+
+
+def _losses(mesh, impl, fp8, steps=5):
+    tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, CFG.vocab)
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        model = llama.Llama(CFG, impl=impl, fp8=fp8, rngs=nnx.Rngs(0))
+        optimizer = llama.make_optimizer(model, 3e-3)
+        return np.array([float(llama.train_step(model, optimizer, tokens)) for _ in range(steps)])
+
+
+@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("fp8", [False, "current", "delayed"])
+def test_llama_trains_as_with_xla(dp, tp, fp8):
+    with jax.default_matmul_precision("highest"):  # XLA's f32 dots would use TF32
+        ub, xla = (_losses(_mesh(dp, tp), impl, fp8) for impl in ("ub", "xla"))
+    assert np.all(np.isfinite(ub)) and ub[-1] < ub[0], ub
+    np.testing.assert_allclose(ub, xla, rtol=1e-4 if not fp8 else 1e-3)
+
+
+@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])
+def test_greedy_decoding_with_a_cache(dp, tp):
+    mesh = _mesh(dp, tp)
+    prompt = jax.random.randint(jax.random.key(3), (BATCH, 5), 0, 64)
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+        prompt = jax.device_put(prompt, NamedSharding(mesh, P("dp")))
+        out = {
+            (impl, cached): greedy(TinyLM(64, impl, nnx.Rngs(0)), prompt, 6, cached)
+            for impl in ("ub", "xla")
+            for cached in (True, False)
+        }
+    reference = out["xla", False]
+    assert reference.shape == (BATCH, 11)
+    for key, tokens in out.items():
+        np.testing.assert_array_equal(tokens, reference, err_msg=str(key))
+
+
+def test_bfloat16_llama_step_on_gpus_is_close_to_xla():
+    """bf16 compute and params, tp=2: the first losses agree to bf16 precision."""
+    mesh = _mesh(1, 2)
+    tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, CFG.vocab)
+    losses = {}
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        for impl in ("ub", "xla"):
+            model = llama.Llama(
+                CFG, impl=impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+            )
+            optimizer = llama.make_optimizer(model, 3e-3)
+            steps = [llama.train_step(model, optimizer, tokens) for _ in range(3)]
+            losses[impl] = np.array([float(loss) for loss in steps])
+    assert np.all(np.isfinite(losses["ub"]))
+    np.testing.assert_allclose(losses["ub"], losses["xla"], rtol=2e-2)
