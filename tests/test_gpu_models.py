@@ -48,7 +48,7 @@ def test_llama_trains_as_with_xla(dp, tp, fp8):
     with jax.default_matmul_precision("highest"):  # XLA's f32 dots would use TF32
         ub, xla = (_losses(_mesh(dp, tp), impl, fp8) for impl in ("ub", "xla"))
     assert np.all(np.isfinite(ub)) and ub[-1] < ub[0], ub
-    np.testing.assert_allclose(ub, xla, rtol=1e-4 if not fp8 else 1e-3)
+    np.testing.assert_allclose(ub, xla, rtol=1e-4 if not fp8 else 1e-2)
 
 
 @pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])

@@ -88,3 +88,35 @@ def test_bfloat16_params_keep_float32_moments():
     moments = [m for m in jax.tree.leaves(nnx.state(optimizer, nnx.OptState)) if m.ndim]
     assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.float32)}
     assert model.blocks.mlp.gate_up[...].dtype == jnp.bfloat16
+
+
+def test_cudnn_core_runs_with_every_axis_manual(monkeypatch):
+    """cuDNN attention (custom_partitioning) cannot run in a partly manual computation:
+    the attention core runs in a shard_map over the remaining axes (here dp), the batch
+    split over them. Forced on CPU (XLA's core under the cuDNN path): the losses are
+    those of the plain path, and the module holds the nested manual computations."""
+    from jax_ub.flax import _attention
+
+    real = jax.nn.dot_product_attention
+
+    def as_xla(q, k, v, mask=None, is_causal=False, implementation=None):
+        return real(q, k, v, mask=mask, is_causal=is_causal, implementation="xla")
+
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, CFG.vocab)
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        plain = _losses("ub", "dots", 3, tokens)
+        model = llama.Llama(CFG, impl="ub", rngs=nnx.Rngs(0))
+        lowered = nnx.jit(llama.next_token_loss).lower(model, tokens).as_text()
+        monkeypatch.setattr(_attention, "_attention_backend", lambda *a, **k: "cudnn")
+        monkeypatch.setattr(jax.nn, "dot_product_attention", as_xla)
+        _attention.attention_call.cache_clear()
+        nested = _losses("ub", "dots", 3, tokens)
+        model = llama.Llama(CFG, impl="ub", rngs=nnx.Rngs(0))
+        text = nnx.jit(llama.next_token_loss).lower(model, tokens).as_text()
+    _attention.attention_call.cache_clear()
+    np.testing.assert_allclose(nested, plain, rtol=1e-6)
+    # One more manual computation per block: the core's, over dp, inside the layer's.
+    count = "sdy.manual_computation"
+    assert text.count(count) == lowered.count(count) + 1, (text.count(count), lowered.count(count))

@@ -65,7 +65,11 @@ class Fp8Scales:
 def amax(a: jax.Array, axis_name: str | None = None) -> jax.Array:
     """max |a| as float32, over the group of ``axis_name`` too when given."""
     m = jnp.max(jnp.abs(a)).astype(jnp.float32)
-    return lax.pmax(m, axis_name) if axis_name is not None else m
+    # A group of one needs no reduction (and JAX leaves a size-1 axis automatic, where
+    # XLA refuses a cross-device reduction).
+    if axis_name is None or lax.axis_size(axis_name) == 1:
+        return m
+    return lax.pmax(m, axis_name)
 
 
 def scale_from_amax(a: jax.Array, dtype=E4M3) -> jax.Array:

@@ -272,11 +272,25 @@ def on_global_arrays(
     return over_axis(local, mesh, axis_name, specs, out_spec)(x, w)
 
 
-def over_axis(f: Callable, mesh: Any, axis_name: str, in_specs: tuple, out_specs: Any) -> Callable:
-    """``f`` in a shard_map whose only manual axis is ``axis_name``; other axes stay XLA's."""
+def over_axis(
+    f: Callable,
+    mesh: Any,
+    axis_name: str,
+    in_specs: tuple,
+    out_specs: Any,
+    check_vma: bool = True,
+) -> Callable:
+    """``f`` in a shard_map whose only manual axis is ``axis_name``; other axes stay XLA's.
+    ``check_vma=False`` where ``f`` nests a shard_map over those other axes (JAX cannot
+    differentiate a nested unchecked shard_map inside a checked one)."""
     kwargs: dict[str, Any] = {}
     if isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
         kwargs["mesh"] = mesh  # eager call on concrete arrays, no mesh in context
     return jax.shard_map(
-        f, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}, **kwargs
+        f,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={axis_name},
+        check_vma=check_vma,
+        **kwargs,
     )

@@ -179,11 +179,41 @@ def attention_local(
         mask = jnp.asarray(mask).astype(bool)
         mask = jnp.broadcast_to(mask, (*batch, 1, seq, seq)).reshape(-1, 1, seq, seq)
     backend = _attention_backend(implementation, platform, q.dtype, head_dim, mask is not None)
-    out = jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=is_causal, implementation=backend
+    core = functools.partial(
+        jax.nn.dot_product_attention, mask=mask, is_causal=is_causal, implementation=backend
     )
+    out = _every_axis_manual(core, q, k, v) if backend == "cudnn" else core(q, k, v)
     out = out.reshape(*batch, seq, heads * head_dim)
     return jnp.moveaxis(out, len(batch), 0)
+
+
+def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
+    """``f(*arrays)`` (each ``[batch, ...]``) in a shard_map over the mesh axes still
+    automatic here (those besides the tensor-parallel one: dp, fsdp, ...), the batch split
+    over them as :func:`jax_ub._src.layout.batch_spec` lays it out.
+
+    cuDNN attention partitions itself with ``custom_partitioning``, which XLA's GPU
+    compiler cannot handle in a partly manual computation: it fails or crashes the process
+    (jaxlib 0.11.2, a ``(dp, tp)`` mesh even with ``dp = 1``). With every axis manual
+    there is nothing left to partition. The batch is already laid out this way by data
+    parallelism, so nothing moves.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = tuple(a for a in mesh.axis_names if a not in layout.manual_axes())
+    if mesh.empty or not auto:
+        return f(*arrays)
+    # batch_spec reads [rows, *batch, cols]: the batch as its one batch dim.
+    batch = jax.ShapeDtypeStruct((1, arrays[0].shape[0], 1), arrays[0].dtype)
+    spec = P(layout.batch_spec(batch, mesh, auto)[1])
+
+    return jax.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=(spec,) * len(arrays),
+        out_specs=spec,
+        axis_names=frozenset(auto),
+        check_vma=False,
+    )(*arrays)
 
 
 def platform_of(mesh: Mesh | None) -> str:
@@ -239,7 +269,8 @@ def attention_call(
     row = _core.param_specs("row", axis_name, use_bias, fp8)
     spec = _core.activation_spec(ndim, axis_name, seq, sequence_parallel)
     in_specs = (spec, col, row, P() if has_mask else None)
-    return _core._over_tp(body, mesh, axis_name, in_specs, spec, plain, impl)
+    # Unchecked: cuDNN's core runs in a nested shard_map (_every_axis_manual).
+    return _core._over_tp(body, mesh, axis_name, in_specs, spec, plain, impl, check_vma=False)
 
 
 @functools.lru_cache(maxsize=256)

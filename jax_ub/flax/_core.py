@@ -253,7 +253,9 @@ def linear_replicated(
     global arrays: the plain layer, which XLA partitions itself."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
     y = dense(x, kernel, _scales(fp8, params), axis_name)
-    if kind == "row" and axis_name is not None:
+    # A group of one sums nothing; JAX leaves a size-1 axis automatic, and XLA refuses an
+    # all-reduce outside manual partitioning.
+    if kind == "row" and axis_name is not None and jax.lax.axis_size(axis_name) > 1:
         y = jax.lax.psum(y, axis_name)
     if bias is not None:
         y = y + bias
@@ -287,10 +289,12 @@ def _over_tp(
     out_specs: Any,
     plain: Callable | None = None,
     impl: str = "ub",
+    check_vma: bool = True,
 ):
-    """``f`` on local shards, run as described above. With no mesh known (none given, none
-    set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the same
-    layer written on global arrays) runs instead where ``impl`` is not ``"ub"``, after one
+    """``f`` on local shards, run as described above (``check_vma``: as
+    ``layout.over_axis``). With no mesh known (none given, none set: a model jitted on
+    sharded arrays, as ``nn.Dense`` allows), ``plain`` (the same layer written on global
+    arrays) runs instead where ``impl`` is not ``"ub"``, after one
     warning that nothing is overlapped: XLA partitions its matmuls from the operands'
     shardings."""
     # One jit(shard_map) per mesh it runs under: shard_map binds its mesh when built.
@@ -314,7 +318,9 @@ def _over_tp(
             return plain(*args)
         key = mesh if context.empty else context  # the layer's mesh only when none is set
         if key not in mapped:
-            mapped[key] = jax.jit(layout.over_axis(f, mesh, axis_name, in_specs, out_specs))
+            mapped[key] = jax.jit(
+                layout.over_axis(f, mesh, axis_name, in_specs, out_specs, check_vma)
+            )
         return mapped[key](*_resharded_explicit(axis_name, in_specs, args))
 
     return call
