@@ -318,8 +318,11 @@ def _over_tp(
             return plain(*args)
         key = mesh if context.empty else context  # the layer's mesh only when none is set
         if key not in mapped:
+            # A size-1 axis stays automatic in JAX, where XLA refuses the psum that would
+            # type a replicated output as such: nothing to check over a group of one.
+            checked = check_vma and key.shape[axis_name] > 1
             mapped[key] = jax.jit(
-                layout.over_axis(f, mesh, axis_name, in_specs, out_specs, check_vma)
+                layout.over_axis(f, mesh, axis_name, in_specs, out_specs, checked)
             )
         return mapped[key](*_resharded_explicit(axis_name, in_specs, args))
 
