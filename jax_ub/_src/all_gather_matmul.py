@@ -179,9 +179,11 @@ def contract_rows(a, b):
 
     The weight gradient is XLA's dot, not a custom call, so it follows ``allow_tf32`` here:
     XLA's default float32 dot on GPUs may run in TF32, which the ops' own GEMMs do only
-    with ``allow_tf32``."""
+    with ``allow_tf32``. 16-bit operands keep XLA's default: they have no TF32 to avoid,
+    and HIGHEST would make XLA's GPU GEMM slower for nothing."""
     lead = tuple(range(a.ndim - 1))
-    precision = None if config.allow_tf32 else lax.Precision.HIGHEST
+    wide = all(jnp.dtype(t.dtype).itemsize >= 4 for t in (a, b))
+    precision = lax.Precision.HIGHEST if wide and not config.allow_tf32 else None
     return jnp.tensordot(a, b, axes=(lead, lead), precision=precision)
 
 
