@@ -17,7 +17,7 @@ from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, fp8_all_g
 from jax_ub._src.fp8 import check_operands as check_fp8_operands
 from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.reference import all_gather_matmul_reference
+from jax_ub._src.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.varying import match_varying
 
 _OP = "all_gather_matmul"
@@ -217,7 +217,7 @@ def _bwd(axis_name, size, fallback, gelu, return_gathered, res, cts):
     )
     dx = match_varying(dx, x)
     if dgathered is not None:
-        scattered = lax.psum_scatter(dgathered, axis_name, scatter_dimension=0, tiled=True)
+        scattered = reduce_scatter_rows(dgathered, axis_name)
         dx = dx + match_varying(scattered, x)
     return dx, match_varying(contract_rows(gathered, dp), w), dbias
 

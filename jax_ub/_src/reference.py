@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -68,7 +70,7 @@ def all_gather_matmul_reference(
     """``activation(all_gather(x, axis_name, tiled=True) @ w + bias)``; fp8 operands scaled by
     ``scales``, as :func:`scaled_matmul`. Returns the result, then the gathered ``x`` with
     ``return_gathered``, then the activation's input with ``return_pre_activation``."""
-    gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
+    gathered = all_gather_rows(x, axis_name)
     out, pre = epilogue(scaled_matmul(gathered, w, scales, out_dtype), bias, activation)
     extra = (gathered,) * return_gathered + (pre,) * return_pre_activation
     return (out, *extra) if extra else out
@@ -79,6 +81,45 @@ def matmul_reduce_scatter_reference(
 ) -> jax.Array:
     """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True); fp8 operands
     scaled by ``scales``, as :func:`scaled_matmul`."""
-    return lax.psum_scatter(
-        scaled_matmul(x, w, scales, out_dtype), axis_name, scatter_dimension=0, tiled=True
-    )
+    return reduce_scatter_rows(scaled_matmul(x, w, scales, out_dtype), axis_name)
+
+
+def all_gather_rows(x: jax.Array, axis_name: str) -> jax.Array:
+    """``all_gather(x, axis_name, axis=0, tiled=True)``, whose transpose is
+    :func:`reduce_scatter_rows` (for 16-bit floats on the CPU backend, see there)."""
+    if _cpu_16bit(x):
+        return _all_gather_rows_cpu(x, axis_name)
+    return lax.all_gather(x, axis_name, axis=0, tiled=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _all_gather_rows_cpu(x, axis_name):
+    return lax.all_gather(x, axis_name, axis=0, tiled=True)
+
+
+def _all_gather_rows_fwd(x, axis_name):
+    return _all_gather_rows_cpu(x, axis_name), None
+
+
+def _all_gather_rows_bwd(axis_name, _, ct):
+    return (reduce_scatter_rows(ct, axis_name),)
+
+
+_all_gather_rows_cpu.defvjp(_all_gather_rows_fwd, _all_gather_rows_bwd)
+
+
+def _cpu_16bit(a: jax.Array) -> bool:
+    return jax.default_backend() == "cpu" and a.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def reduce_scatter_rows(y: jax.Array, axis_name: str) -> jax.Array:
+    """``psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)``.
+
+    On the CPU backend a 16-bit float sum runs in float32, as XLA's CPU compiler would
+    run it anyway: its pass that promotes such reductions crashes the process on the
+    reduction JAX builds inside a shard_map over some of the mesh's axes (jaxlib 0.10.2,
+    ``Invalid binary instruction opcode copy``)."""
+    if _cpu_16bit(y):
+        summed = lax.psum_scatter(y.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
+        return summed.astype(y.dtype)
+    return lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
