@@ -14,6 +14,7 @@ Public API:
   configure(**settings) / config
   explain_impl(op, x_shape, w_shape, dtype, axis_size, ...) -> ImplChoice: what impl="auto"
     (or "ub", "xla") runs for a call, and why
+  dots_and_ops_saveable: a jax.checkpoint policy that saves the dots and the ops' results
 """
 
 from jax_ub._src import cpu_runtime as _cpu_runtime
@@ -30,6 +31,7 @@ from jax_ub._src.reference import (
     all_gather_matmul_reference,
     matmul_reduce_scatter_reference,
 )
+from jax_ub._src.remat import dots_and_ops_saveable
 from jax_ub._src.teardown import check_health, finalize
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "check_health",
     "config",
     "configure",
+    "dots_and_ops_saveable",
     "explain_impl",
     "finalize",
     "gated_mlp",

@@ -120,3 +120,20 @@ def test_cudnn_core_runs_with_every_axis_manual(monkeypatch):
     # One more manual computation per block: the core's, over dp, inside the layer's.
     count = "sdy.manual_computation"
     assert text.count(count) == lowered.count(count) + 1, (text.count(count), lowered.count(count))
+
+
+def test_dots_policy_keeps_the_ops_results():
+    """Under remat="dots" the backward reuses jax_ub's op results (named for
+    jax_ub.dots_and_ops_saveable) as XLA's dots are reused: as many op calls as with no
+    remat, fewer than with full remat (which recomputes the forward's ops)."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    tokens = jax.random.randint(jax.random.key(2), (4, 32), 0, CFG.vocab)
+    calls = {}
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        for remat in ("none", "dots", "full"):
+            model = llama.Llama(CFG, impl="ub", remat=remat, rngs=nnx.Rngs(0))
+            grad = nnx.jit(lambda m, t: nnx.value_and_grad(llama.next_token_loss)(m, t))
+            text = grad.lower(model, tokens).compile().as_text()
+            calls[remat] = text.count('custom_call_target="jax_ub_')
+    assert calls["dots"] == calls["none"] < calls["full"], calls

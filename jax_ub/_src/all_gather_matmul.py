@@ -18,6 +18,7 @@ from jax_ub._src.fp8 import check_operands as check_fp8_operands
 from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import all_gather_matmul_reference, reduce_scatter_rows
+from jax_ub._src.remat import saved_gathered, saved_output
 from jax_ub._src.varying import match_varying
 
 _OP = "all_gather_matmul"
@@ -202,6 +203,7 @@ def _fwd(x, w, bias, axis_name, size, fallback, gelu, return_gathered):
     # The backward needs only x's and the bias's types (the mesh axes they vary over), not
     # their values: empty slices carry them without keeping the activation alive.
     bias_like = None if bias is None else bias[:0]
+    out, gathered = saved_output(out), saved_gathered(gathered)  # kept under remat (remat.py)
     res = (x[:0], gathered, w, pre if gelu else None, bias_like)
     return ((out, gathered) if return_gathered else out), res
 

@@ -45,6 +45,7 @@ from jax_ub._src.reference import (
     matmul_reduce_scatter_reference,
     pack_scales,
 )
+from jax_ub._src.remat import saved_gathered, saved_output
 from jax_ub._src.varying import match_varying
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
@@ -294,6 +295,7 @@ def ag_forward(x, w, fp8, bias, axis_name, size, fallback, ub, gelu):
         out, g_q, pre = _ag(*args)
     seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
     epilogue_res = (pre if gelu else None, None if bias is None else bias[:0])
+    out, g_q = saved_output(out), saved_gathered(g_q)  # kept under remat (remat.py)
     return out, (x[:0], w[:0], w_q, g_q, sx, sw, fp8.grad, seen, epilogue_res)
 
 
@@ -334,7 +336,7 @@ def rs_forward(x, w, fp8, axis_name, size, fallback, ub):
     x_q, w_q = _quantized(x, sx), _quantized(w, sw)
     out = _rs(x_q, w_q.T, sx, sw, result_dtype(x, w), axis_name, size, fallback, ub)
     seen = (_seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name))
-    return out, (x[:0], w[:0], x_q, w_q, sx, sw, fp8.grad, seen)
+    return saved_output(out), (x[:0], w[:0], x_q, w_q, sx, sw, fp8.grad, seen)
 
 
 def rs_grads(res, dy, axis_name, size, fallback, ub, dgelu_at=None):

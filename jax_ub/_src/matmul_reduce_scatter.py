@@ -16,6 +16,7 @@ from jax_ub._src.fp8 import check_operands as check_fp8_operands
 from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import matmul_reduce_scatter_reference
+from jax_ub._src.remat import saved_output
 from jax_ub._src.varying import match_varying
 
 _OP = "matmul_reduce_scatter"
@@ -128,7 +129,8 @@ def _matmul_reduce_scatter(x, w, axis_name, size, fallback):
 
 
 def _fwd(x, w, axis_name, size, fallback):
-    return bind_matmul_reduce_scatter(x, w, axis_name, size, fallback=fallback), (x, w)
+    out = bind_matmul_reduce_scatter(x, w, axis_name, size, fallback=fallback)
+    return saved_output(out), (x, w)  # kept under remat (remat.py)
 
 
 def _bwd(axis_name, size, fallback, res, dy):

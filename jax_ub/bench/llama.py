@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import jax_ub
 import jax_ub.flax as ubf
 
 
@@ -65,7 +66,8 @@ PRESETS = {
 
 REMAT_POLICIES = {
     "none": None,  # no rematerialization: keep every activation
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep the matmuls' outputs, XLA's dots and jax_ub's ops alike, recompute the rest
+    "dots": jax_ub.dots_and_ops_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
 }
 
