@@ -142,6 +142,7 @@ def attention_local(
     is_causal: bool = False,
     implementation: str | None = None,
     platform: str = "cpu",
+    nest_cudnn: bool = True,
 ) -> jax.Array:
     """Self-attention over the local heads, with ``jax.nn.dot_product_attention``.
 
@@ -158,6 +159,9 @@ def attention_local(
       is_causal: attend only to earlier positions (no mask array needed).
       implementation: ``"xla"``, ``"cudnn"``, or None (cuDNN on GPUs where it applies).
       platform: the devices' platform, for ``implementation=None``.
+      nest_cudnn: where mesh axes besides the manual ones remain, run cuDNN's core in a
+        shard_map over them (:func:`_every_axis_manual`; the caller's shard_map must then
+        be unchecked); if False, XLA's core runs there instead.
 
     Returns:
       ``[seq, *batch, heads * head_dim]``, columns ordered (head, head_dim).
@@ -179,12 +183,23 @@ def attention_local(
         mask = jnp.asarray(mask).astype(bool)
         mask = jnp.broadcast_to(mask, (*batch, 1, seq, seq)).reshape(-1, 1, seq, seq)
     backend = _attention_backend(implementation, platform, q.dtype, head_dim, mask is not None)
+    partly_manual = backend == "cudnn" and _automatic_axes()
+    if partly_manual and not nest_cudnn:
+        backend = "xla"
     core = functools.partial(
         jax.nn.dot_product_attention, mask=mask, is_causal=is_causal, implementation=backend
     )
     out = _every_axis_manual(core, q, k, v) if backend == "cudnn" else core(q, k, v)
     out = out.reshape(*batch, seq, heads * head_dim)
     return jnp.moveaxis(out, len(batch), 0)
+
+
+def _automatic_axes() -> tuple[str, ...]:
+    """The mesh axes not manual where the caller is traced (none outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in mesh.axis_names if a not in layout.manual_axes())
 
 
 def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
@@ -199,8 +214,8 @@ def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
     parallelism, so nothing moves.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    auto = tuple(a for a in mesh.axis_names if a not in layout.manual_axes())
-    if mesh.empty or not auto:
+    auto = _automatic_axes()
+    if not auto:
         return f(*arrays)
     # batch_spec reads [rows, *batch, cols]: the batch as its one batch dim.
     batch = jax.ShapeDtypeStruct((1, arrays[0].shape[0], 1), arrays[0].dtype)
@@ -253,6 +268,11 @@ def attention_call(
         is_causal=is_causal,
         implementation=attention_implementation,
         platform=platform_of(mesh),
+        # The nested shard_map needs an unchecked one around it, whose transpose sums the
+        # cotangents of replicated inputs over the axis: right for the bias's partial sums,
+        # tp times the delayed-fp8 histories' (each device's is the whole history). With
+        # delayed scaling, a partly manual cuDNN core gives way to XLA's.
+        nest_cudnn=fp8 != "delayed",
     )
 
     def body(x, p_qkv, p_out, mask, linear=None, axis=axis_name):
@@ -269,8 +289,10 @@ def attention_call(
     row = _core.param_specs("row", axis_name, use_bias, fp8)
     spec = _core.activation_spec(ndim, axis_name, seq, sequence_parallel)
     in_specs = (spec, col, row, P() if has_mask else None)
-    # Unchecked: cuDNN's core runs in a nested shard_map (_every_axis_manual).
-    return _core._over_tp(body, mesh, axis_name, in_specs, spec, plain, impl, check_vma=False)
+    unchecked = fp8 != "delayed"  # see nest_cudnn above
+    return _core._over_tp(
+        body, mesh, axis_name, in_specs, spec, plain, impl, check_vma=not unchecked
+    )
 
 
 @functools.lru_cache(maxsize=256)
