@@ -16,7 +16,7 @@ from conftest import gpus
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_flax_decode import BATCH, TinyLM, greedy
+from test_flax_decode import check_greedy_decoding
 
 from jax_ub.bench import llama
 
@@ -53,19 +53,8 @@ def test_llama_trains_as_with_xla(dp, tp, fp8):
 
 @pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])
 def test_greedy_decoding_with_a_cache(dp, tp):
-    mesh = _mesh(dp, tp)
-    prompt = jax.random.randint(jax.random.key(3), (BATCH, 5), 0, 64)
-    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-        prompt = jax.device_put(prompt, NamedSharding(mesh, P("dp")))
-        out = {
-            (impl, cached): greedy(TinyLM(64, impl, nnx.Rngs(0)), prompt, 6, cached)
-            for impl in ("ub", "xla")
-            for cached in (True, False)
-        }
-    reference = out["xla", False]
-    assert reference.shape == (BATCH, 11)
-    for key, tokens in out.items():
-        np.testing.assert_array_equal(tokens, reference, err_msg=str(key))
+    with jax.default_matmul_precision("highest"):
+        check_greedy_decoding(_mesh(dp, tp))
 
 
 def test_bfloat16_llama_step_on_gpus_is_close_to_xla():

@@ -230,6 +230,37 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
         >>> jax.jit(attn.apply)(variables, x, causal).shape
         (32, 2, 16)
 
+    Decoding with a key/value cache, as ``flax.linen.MultiHeadDotProductAttention`` does:
+    with ``decode=True`` the block keeps ``cached_key`` and ``cached_value`` (``[batch,
+    max_length, num_kv_heads, head_dim]`` in ``dtype`` or else ``param_dtype``, boxed like
+    the params with names ``(None, None, axis_name, None)`` or, with ``kernel_axes``,
+    ``(None, None, kernel_axes[1], None)``: the key/value heads split over the axis) and
+    ``cache_index`` (int32, the next position) in the ``"cache"`` collection. The first
+    ``decode=True`` call creates them, zeros at position 0, sized by its input
+    ``[max_length, batch, features]``: ``init(..., decode=True)``, or an ``apply(...,
+    decode=True, mutable=["cache"])`` given only the params. Later ``decode=True`` calls
+    take a prompt or one token ``[t, batch, features]`` (``[batch, t, ...]`` with
+    ``seq_axis=1``; activations replicated over the axis), attend causally over the cache
+    (rotary positions from ``cache_index``) and, applied with ``mutable=["cache"]``, return
+    the cache with their keys and values written and ``cache_index`` advanced by ``t``. A
+    call past ``max_length`` raises a ValueError, or under ``jit`` gives NaN::
+
+        >>> attn = jax_ub.flax.linen.ParallelSelfAttention(num_heads=4, mesh=mesh)
+        >>> variables = attn.init(jax.random.key(0), jnp.ones((32, 2, 16)), decode=True)
+        >>> nn.get_partition_spec(variables["cache"])  # max_length 32
+        {'cache_index': P(), 'cached_key': P(None, None, 'tp', None),
+         'cached_value': P(None, None, 'tp', None)}
+        >>> step = jax.jit(lambda v, x: attn.apply(v, x, decode=True, mutable=["cache"]))
+        >>> tokens = jax.random.normal(jax.random.key(1), (6, 2, 16))
+        >>> y, cache = step(variables, tokens[:5])  # a prompt of 5 tokens
+        >>> variables = {**variables, **cache}
+        >>> y, cache = step(variables, tokens[5:])  # then one token
+        >>> int(cache["cache"]["cache_index"]), y.shape
+        (6, (1, 2, 16))
+        >>> full = attn.apply(variables, tokens, is_causal=True)  # recomputed: the same
+        >>> bool(jnp.allclose(y, full[5:], atol=1e-5))
+        True
+
     Attributes:
       num_heads: number of attention (query) heads; a multiple of ``num_kv_heads``.
       num_kv_heads: key/value heads (default ``num_heads``; fewer: grouped-query
@@ -275,13 +306,23 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
 
     @nn.compact
     def __call__(
-        self, inputs: jax.Array, mask: jax.Array | None = None, is_causal: bool = False
+        self,
+        inputs: jax.Array,
+        mask: jax.Array | None = None,
+        is_causal: bool = False,
+        decode: bool = False,
     ) -> jax.Array:
         """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
 
         ``mask``: optional boolean mask broadcastable to ``[*batch, 1, seq, seq]`` (True
         attends). ``is_causal``: attend only to earlier positions, with no mask array (so
-        the fused cuDNN kernel can run it).
+        the fused cuDNN kernel can run it). ``decode``: the ``t`` tokens of ``inputs``
+        (``[t, batch, in_features]``, or ``[batch, t, ...]`` with ``seq_axis=1``) continue
+        the sequence in the ``"cache"`` collection, as the class docstring shows: they
+        attend causally to it and to each other (no mask), their keys and values are
+        written into it and ``cache_index`` advances by ``t``. Where the cache does not
+        exist yet, it is created with ``max_length`` the input's length, and the input is
+        attended causally from position 0 without being written (flax's convention).
         """
         owner = type(self).__name__
         in_features = inputs.shape[-1] if inputs.ndim else 0
@@ -300,8 +341,10 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
         )
         width = _attention.qkv_width(head_dim, self.num_heads, q_per_kv)
         qkv = ColumnParallelLinear(width, name="qkv", **_layer_kwargs(self, "column"))
-        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
         _attention.check_attention_implementation(owner, self.attention_implementation, self.mesh)
+        if decode:
+            return self._decode(inputs, mask, qkv, out, qkv_features, head_dim, q_per_kv)
+        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, self.seq_axis)
         p_qkv = qkv.get_params(in_features)
@@ -319,3 +362,76 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
             sp,
         )
         return f(inputs, p_qkv, p_out, mask)
+
+    @nn.nowrap
+    def _decode(self, inputs, mask, qkv, out, qkv_features, head_dim, q_per_kv) -> jax.Array:
+        """``decode=True``: :func:`jax_ub.flax._attention.decode_call` over the cache
+        variables, created here where they do not exist yet."""
+        owner = type(self).__name__
+        if mask is not None:
+            raise ValueError(
+                f"{owner}: decode=True attends causally over the cache; pass no mask "
+                f"(got one of shape {getattr(mask, 'shape', None)})"
+            )
+        has_cache = self.has_variable("cache", "cached_key")
+        if not has_cache and not self.is_mutable_collection("cache"):
+            raise ValueError(
+                f"{owner}: decode=True needs the cache: create it with "
+                f"model.init(..., decode=True) on an input of length max_length, or with "
+                f"model.apply(..., decode=True, mutable=['cache']), and pass it back in the "
+                f"variables' 'cache' collection"
+            )
+        if has_cache and not self.is_mutable_collection("cache"):
+            raise ValueError(
+                f"{owner}: decode=True writes the new keys and values into the cache: call "
+                f"apply with mutable=['cache'] and keep the cache it returns"
+            )
+        shape, seq = inputs.shape, self.seq_axis % 3
+        if has_cache:  # boxed or not: its one leaf
+            batch, length = jax.tree.leaves(self.get_variable("cache", "cached_key"))[0].shape[:2]
+        if len(shape) != 3 or (has_cache and shape[1 - seq] != batch):
+            raise ValueError(
+                f"{owner}: decode=True takes [t, batch, features] (or [batch, t, features] "
+                f"with seq_axis=1)"
+                + (f" with the cache's batch {batch}" if has_cache else "")
+                + f"; got input shape {shape}"
+            )
+        t = shape[seq]
+        if not has_cache:  # flax's convention: the first input's length is max_length
+            batch, length = shape[1 - seq], t
+        # The cache: [batch, max_length, kv_heads, head_dim], kv heads split like qkv's.
+        if self.kernel_axes is None:
+            names = (None, None, self.resolved_axis(), None)
+            partitioning = nn.with_partitioning
+        else:  # logical names, mapped by the user's logical_axis_rules
+            names = (None, None, self.kernel_axes[1], None)
+            partitioning = nn.with_logical_partitioning
+        kv_shape = (batch, length, self.num_heads // q_per_kv, head_dim)
+        dtype = self.dtype or self.param_dtype
+        zeros = partitioning(lambda: jnp.zeros(kv_shape, dtype), names, mesh=self.mesh)
+        cached_key = self.variable("cache", "cached_key", zeros)
+        cached_value = self.variable("cache", "cached_value", zeros)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        f = _attention.decode_call(
+            *_core.op_settings(self), head_dim, self.use_bias, q_per_kv, self.rope_theta
+        )
+        params = (qkv.get_params(shape[-1]), out.get_params(qkv_features))
+        index = cache_index.value
+        if not has_cache:  # just created: attend from position 0, keep the cache empty
+            return f(inputs, *params, cached_key.value, cached_value.value, index)[0]
+        try:
+            position = int(index)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+            position = None  # under jit: known at run time only
+        if position is not None and position + t > length:
+            raise ValueError(
+                f"{owner}: {t} new tokens at position {position} overflow the cache of "
+                f"max_length {length}"
+            )
+        y, cached_key.value, cached_value.value = f(
+            inputs, *params, cached_key.value, cached_value.value, index
+        )
+        cache_index.value = index + t
+        # Under jit the position is not known until run time: an overflow gives NaN, never
+        # numbers from a clipped write.
+        return jnp.where(index + t <= length, y, jnp.nan)
