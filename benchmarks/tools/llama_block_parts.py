@@ -2,7 +2,8 @@
 rotary embeddings, projections) and the gated-MLP sublayer of one block
 (jax_ub.bench.llama), each alone, forward and backward (jit of its VJP), with jax_ub's
 ops, with XLA's collectives, and with the no-communication bound (the model bench's
-``bound_ops``). Interleaved rounds, loop averages, medians; ratios to the bound.
+``bound_ops``), timed as the op benchmark times (``jax_ub.bench.timing.measure``:
+interleaved rounds, loop averages, medians); ratios to the bound.
 
     python3 benchmarks/tools/llama_block_parts.py --seq 8192 --batch 1   # GPUs
     python3 benchmarks/tools/llama_block_parts.py --preset tiny --seq 64  # CPU check
@@ -13,8 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
-import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -31,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ub.flax as ubf
 from jax_ub.bench import llama
 from jax_ub.bench.model import bound_ops
+from jax_ub.bench.timing import measure
 
 
 def sublayer(kind: str, cfg, impl: str, dtype, seq_axis: int) -> nnx.Module:
@@ -74,13 +74,17 @@ def main() -> None:
     with jax.set_mesh(mesh):
         x = jax.device_put(jax.random.normal(keys[0], shape, dtype), NamedSharding(mesh, spec))
         ct = jax.device_put(jax.random.normal(keys[1], shape, dtype), NamedSharding(mesh, spec))
-    runs, outputs = {}, {}
+    print(
+        f"{args.preset} sublayers, seq {args.seq}, batch {args.batch}, tp {args.tp}, bf16, "
+        f"{'seq' if args.seq_major else 'batch'}-major, forward+backward, "
+        f"{jax.devices()[0].device_kind}; median of {args.rounds} rounds"
+    )
     for kind in ("attention", "mlp"):
-        for variant in ("ub", "xla", "bound"):
+        runs = {}
+        for variant in ("jax_ub", "xla", "bound"):
             with jax.set_mesh(mesh):
                 impl = "xla" if variant == "xla" else "ub"
-                module = sublayer(kind, cfg, impl, dtype, seq_axis)
-                graphdef, params = nnx.split(module)
+                graphdef, params = nnx.split(sublayer(kind, cfg, impl, dtype, seq_axis))
 
                 def step(params, x, ct, graphdef=graphdef, kind=kind):
                     def apply(params, x):
@@ -93,39 +97,15 @@ def main() -> None:
                 bound = bound_ops() if variant == "bound" else contextlib.nullcontext()
                 with bound:
                     compiled = jax.jit(step).lower(params, x, ct).compile()
-                y, _ = compiled(params, x, ct)
-                outputs[kind, variant] = np.asarray(y, np.float32)
-            runs[kind, variant] = (compiled, params)
-    for kind in ("attention", "mlp"):
-        ref = outputs[kind, "xla"]
-        err = np.linalg.norm(outputs[kind, "ub"] - ref) / np.linalg.norm(ref)
-        print(f"{kind}: jax_ub vs XLA output, relative error {err:.2e}", flush=True)
-    times: dict = {k: [] for k in runs}
-    cpu = jax.devices()[0].platform == "cpu"
-    for _ in range(args.rounds):
-        for k, (compiled, params) in runs.items():
-            jax.block_until_ready(compiled(params, x, ct))
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                out = compiled(params, x, ct)
-                if cpu:  # XLA's CPU runtime may interleave two programs' calls
-                    jax.block_until_ready(out)
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / args.iters * 1e3)
-    print(
-        f"{args.preset} sublayers, seq {args.seq}, batch {args.batch}, tp {args.tp}, bf16, "
-        f"{'seq' if args.seq_major else 'batch'}-major, forward+backward, "
-        f"{jax.devices()[0].device_kind}; median of {args.rounds} rounds"
-    )
-    for kind in ("attention", "mlp"):
-        bound = statistics.median(times[kind, "bound"])
-        for variant in ("ub", "xla", "bound"):
-            t = times[kind, variant]
-            ms = statistics.median(t)
-            spread = (max(t) - min(t)) / ms
+            runs[variant] = (compiled, (params, x, ct))
+        # The bound multiplies copies of the local rows: no reference to check it against.
+        m = measure(runs, runs["xla"], args.rounds, args.iters, unchecked=("bound",))
+        for variant in runs:
+            err = m.errs.get(variant)
             print(
-                f"  {kind:9s} {variant:5s} {ms:8.3f} ms (spread {100 * spread:4.1f}%) "
-                f"{ms / bound:6.3f}x bound"
+                f"  {kind:9s} {variant:6s} {m.times[variant]:8.3f} ms (spread "
+                f"{100 * m.spread[variant]:4.1f}%) {m.times[variant] / m.times['bound']:6.3f}x "
+                f"bound" + ("" if err is None else f", output and grads vs XLA {err:.1e}")
             )
 
 
