@@ -132,6 +132,8 @@ class Llama(nnx.Module):
         ``"full"`` (recompute each block in the backward).
       dtype: the computation's dtype (None: the params').
       param_dtype: the params' dtype.
+      scan_unroll: blocks per iteration of the scan over them (``True``: all, no loop left),
+        as ``jax.lax.scan``'s ``unroll``.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class Llama(nnx.Module):
         remat: str = "dots",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
+        scan_unroll: int | bool = 1,
         rngs: nnx.Rngs,
     ):
         if remat not in REMAT_POLICIES:
@@ -162,6 +165,7 @@ class Llama(nnx.Module):
             cfg.hidden, cfg.vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.remat = remat
+        self.scan_unroll = scan_unroll
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
@@ -176,6 +180,7 @@ class Llama(nnx.Module):
         @nnx.scan(
             in_axes=(nnx.Carry, 0),
             out_axes=nnx.Carry,
+            unroll=self.scan_unroll,
             transform_metadata={nnx.PARTITION_NAME: None},
         )
         def layers(x, b):

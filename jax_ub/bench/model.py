@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated, of {', '.join(VARIANTS)} (default: "
         "jax_ub,xla,bound; xla_overlap needs GPUs)",
     )
+    ap.add_argument(
+        "--scan-unroll",
+        type=int,
+        default=1,
+        help="blocks per iteration of the scan over them (0: all, no loop; default 1)",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     ap.add_argument("--steps", type=int, default=5, help="steps timed per round and variant")
     ap.add_argument(
@@ -192,6 +198,7 @@ def _compiled_step(variant: str, cfg, mesh, tokens, args):
             impl=impl,
             fp8=False if args.fp8 == "none" else args.fp8,
             remat=args.remat,
+            scan_unroll=args.scan_unroll or True,
             dtype=jnp.dtype(args.dtype),
             param_dtype=jnp.dtype(args.param_dtype),
             rngs=nnx.Rngs(0),
@@ -315,6 +322,7 @@ def _report(results: dict, args, say) -> None:
     say(
         f"\n{args.preset} x{cfg.layers} layers, seq {args.seq}, batch {args.batch}, "
         f"{args.dtype} (params {args.param_dtype}), fp8 {args.fp8}, remat {args.remat}, "
+        f"scan unroll {args.scan_unroll or 'all'}, "
         f"{n_dev} x {device.device_kind}"
         + (f", MFU against {peak:g} TFLOP/s per device" if peak else "")
     )
