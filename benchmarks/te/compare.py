@@ -65,10 +65,11 @@ def parse(argv=None):
     ap.add_argument(
         "--devices",
         choices=("visible", "ids"),
-        default="visible",
-        help="with --launch: each process sees its GPU alone (CUDA_VISIBLE_DEVICES, as "
-        "jax_ub.bench --processes does), or sees all and JAX takes its own (local_device_ids, "
-        "as TE's examples/jax/collective_gemm does)",
+        default="ids",
+        help="with --launch: each process sees all GPUs and JAX takes its own "
+        "(local_device_ids, as TE's examples/jax/collective_gemm does; TE's userbuffers "
+        "check peer access between the GPUs it sees), or sees its GPU alone "
+        "(CUDA_VISIBLE_DEVICES, as jax_ub.bench --processes does)",
     )
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU devices, tiny shapes, 2 procs")
     ap.add_argument("--ms", default="2048,8192,32768", help="comma-separated M (rows)")
@@ -93,6 +94,23 @@ def parse(argv=None):
     return args
 
 
+def pip_cudnn_env() -> dict[str, str]:
+    """CUDNN_PATH and LD_LIBRARY_PATH naming the cuDNN of NVIDIA's pip wheel, the one JAX
+    loads: TE otherwise dlopens a system cuDNN's sub-libraries beside it, and their symbol
+    versions clash (``libcudnn_heuristic.so.9: undefined symbol ... libcudnn_graph.so.9``)."""
+    import importlib.util  # noqa: PLC0415
+
+    try:
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except ModuleNotFoundError:  # no nvidia namespace at all
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    root = list(spec.submodule_search_locations)[0]
+    path = ":".join(p for p in (f"{root}/lib", os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    return dict(CUDNN_PATH=root, CUDNN_HOME=root, LD_LIBRARY_PATH=path)
+
+
 def launch(args, argv) -> int:
     """Start args.launch copies of this script, rank 0 printing, the others logging to
     $OUT (or /tmp)/te_compare_rank<i>.log; wait for all, at most args.timeout s."""
@@ -101,7 +119,7 @@ def launch(args, argv) -> int:
         port = sock.getsockname()[1]
     n, procs, logs = args.launch, [], {}
     for i in range(n):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **NVLS_OFF)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **NVLS_OFF, **pip_cudnn_env())
         if args.devices == "visible" and not args.cpu_smoke:
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         cmd = [sys.executable, __file__, *argv, "--process-id", str(i), "--num-processes", str(n)]

@@ -31,7 +31,11 @@ VER=2.20.2
 export PYTHONNOUSERSITE=1 UB_SKIPMC=1 NCCL_NVLS_ENABLE=0
 # The NCCL that JAX uses (pip nvidia-nccl-cu13): the extension links libnccl.so.2.
 NCCL_LIB=$($PY -c "import importlib.metadata as m; print(m.distribution('nvidia-nccl-cu13').locate_file('nvidia/nccl/lib'))" 2> /dev/null)
-export LD_LIBRARY_PATH=${NCCL_LIB:+$NCCL_LIB:}${LD_LIBRARY_PATH:-}
+# And JAX's pip cuDNN: TE would otherwise load a system cuDNN's sub-libraries beside it
+# (undefined symbols); compare.py sets the same for its processes.
+CUDNN_ROOT=$($PY -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2> /dev/null)
+[ -n "$CUDNN_ROOT" ] && export CUDNN_PATH=$CUDNN_ROOT CUDNN_HOME=$CUDNN_ROOT
+export LD_LIBRARY_PATH=${CUDNN_ROOT:+$CUDNN_ROOT/lib:}${NCCL_LIB:+$NCCL_LIB:}${LD_LIBRARY_PATH:-}
 
 imports() {
   PYTHONPATH=$SITE timeout 300 $PY -c 'import transformer_engine.jax, transformer_engine_jax as e
