@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine session: build, GPU tests, benchmark. Logs go to $OUT.
+# On a GPU machine: build, then GPU tests or a benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, repo root):
 #   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
 #   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer,
@@ -94,7 +94,7 @@ if [ "$what" = layer ]; then
   cleanup
 fi
 if [ "$what" = processes ]; then
-  # Issue #5: the same bench as one process, as 4 x 1 and as 2 x 2 processes x GPUs, one
+  # The same bench as one process, as 4 x 1 and as 2 x 2 processes x GPUs, one
   # after the other in one call, so drift between them stays small. Prints jax_ub/GEMM.
   for layout in "1 0" "4 1" "2 2"; do
     set -- $layout; procs=$1; per=$2
