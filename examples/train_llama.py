@@ -11,7 +11,11 @@ preset, float32):
 
 With ``--fp8 current`` (or ``delayed``) it trains jax_ub's model in fp8 and, from
 ``--seeds`` other inits, the same model without fp8, and says whether the fp8 loss curve
-stays within the bf16 runs' seed-to-seed spread.
+stays within the bf16 runs' seed-to-seed spread. With ``--generate N`` it then continues
+the first training sequence's opening greedily for N tokens with both trained models
+(decoding from their key/value caches) and prints the continuations:
+
+    python3 examples/train_llama.py --steps 40 --generate 16
 """
 
 from __future__ import annotations
@@ -71,7 +75,17 @@ def main() -> None:
     parser.add_argument(
         "--seeds", type=int, default=3, help="runs without fp8 for --fp8's spread (default 3)"
     )
+    parser.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, greedily decode N tokens from the opening of the training "
+        "data with each trained model and print them (default 0: none)",
+    )
     args = parser.parse_args()
+    if args.generate and args.fp8:
+        parser.error("--generate goes with the ub/xla comparison, not --fp8")
 
     cfg = llama.PRESETS[args.preset]
     if args.layers:
@@ -104,13 +118,13 @@ def main() -> None:
             f"{name:12s} loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"{step_ms:.1f} ms/step (host-synchronous loop, not a benchmark)"
         )
-        return np.array(losses)
+        return np.array(losses), model
 
     with jax.set_mesh(mesh):
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
         if args.fp8:
-            fp8 = train(f"ub fp8 {args.fp8}", "ub", 0, args.fp8)
-            runs = np.stack([train(f"ub seed {s}", "ub", s) for s in range(args.seeds)])
+            fp8, _ = train(f"ub fp8 {args.fp8}", "ub", 0, args.fp8)
+            runs = np.stack([train(f"ub seed {s}", "ub", s)[0] for s in range(args.seeds)])
             low, high = runs.min(axis=0), runs.max(axis=0)
             outside = np.maximum(low - fp8, fp8 - high).clip(min=0)
             print(
@@ -122,12 +136,33 @@ def main() -> None:
                 f"{low[-1]:.4f}..{high[-1]:.4f}"
             )
             return
-        losses = {impl: train(impl, impl) for impl in ("ub", "xla")}
-    ub, xla = losses["ub"], losses["xla"]
-    print(
-        f"largest relative loss difference, jax_ub vs XLA: "
-        f"{np.max(np.abs(ub - xla) / np.abs(xla)):.2e}"
-    )
+        runs = {impl: train(impl, impl) for impl in ("ub", "xla")}
+        ub, xla = runs["ub"][0], runs["xla"][0]
+        print(
+            f"largest relative loss difference, jax_ub vs XLA: "
+            f"{np.max(np.abs(ub - xla) / np.abs(xla)):.2e}"
+        )
+        if args.generate:
+            generate(runs, tokens, args.generate)
+
+
+def generate(runs: dict, tokens: jax.Array, steps: int) -> None:
+    """Greedy continuations of the first training sequence's opening (a quarter of it,
+    at least one token), from each trained model, next to what the data has there."""
+    prompt = tokens[:, : max(tokens.shape[1] // 4, 1)]
+    n = prompt.shape[1]
+    print(f"greedy decoding of {steps} tokens after a prompt of {n} (first sequence):")
+    print(f"  {'prompt':8s} {np.asarray(prompt[0]).tolist()}")
+    data = np.asarray(tokens[0, n : n + steps]).tolist()
+    print(f"  {'data':8s} {data}" + (" (shorter: the data ends)" if len(data) < steps else ""))
+    out = {}
+    for impl, (_, model) in runs.items():
+        t0 = time.perf_counter()
+        out[impl] = np.asarray(llama.greedy_generate(model, prompt, steps))
+        ms = (time.perf_counter() - t0) * 1e3
+        print(f"  {impl:8s} {out[impl][0, n:].tolist()} ({ms:.0f} ms, compiles included)")
+    same = np.array_equal(out["ub"], out["xla"])
+    print(f"jax_ub and XLA decode the same tokens (whole batch): {same}")
 
 
 if __name__ == "__main__":

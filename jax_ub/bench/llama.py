@@ -14,6 +14,13 @@ and run on each device's rows, so they need no communication in the forward.
 delayed scaling; with ``impl="xla"`` XLA's collectives and XLA's fp8 GEMMs of the same
 quantized operands, flax's fp8 recipe). Run under ``jax.set_mesh(mesh)`` with a
 ``("dp", "tp")`` mesh.
+
+The same model decodes: :meth:`Llama.init_cache` gives every block's attention a key/value
+cache (stacked over the layers like the params), ``model(tokens, decode=True)`` (or
+:meth:`Llama.decode`) runs a prompt or one new token per sequence through the same scanned
+blocks against it, and :func:`greedy_generate` continues a prompt greedily. Decoding
+activations are replicated over ``tp`` (a token or a short prompt has no sequence to
+split); the blocks' projections stay tensor-parallel.
 """
 
 from __future__ import annotations
@@ -115,8 +122,9 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, **norm)
         self.mlp = ubf.ParallelGatedMLP(cfg.hidden, cfg.ffn, **common)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), is_causal=True)
+    def __call__(self, x: jax.Array, decode: bool = False) -> jax.Array:
+        # With decode=True the attention reads and extends its cache (causal over it).
+        x = x + self.attn(self.attn_norm(x), is_causal=not decode, decode=decode)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -167,14 +175,36 @@ class Llama(nnx.Module):
         self.remat = remat
         self.scan_unroll = scan_unroll
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> None:
+        """Allocate (or reset to empty) every block's key/value cache for ``batch``
+        sequences of up to ``max_length`` tokens, prompt included: each attention's
+        ``init_cache`` run under ``nnx.vmap``, so ``cached_key`` and ``cached_value`` are
+        ``[layers, batch, max_length, kv_heads, head_dim]`` (kv heads split over ``tp``) and
+        ``cache_index`` ``[layers]``, scanned with the blocks like their params. ``dtype``
+        defaults to the attention's."""
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def init(b):
+            b.attn.init_cache(batch, max_length, dtype)
+
+        init(self.blocks)
+
+    def decode(self, tokens: jax.Array) -> jax.Array:
+        """``tokens [batch, t]`` continuing the cached sequences (a prompt to prefill, or
+        ``t = 1``) -> their logits ``[batch, t, vocab]``; the cache advances by ``t``."""
+        return self(tokens, decode=True)
+
+    def __call__(self, tokens: jax.Array, *, decode: bool = False) -> jax.Array:
+        """``tokens [batch, seq]`` -> logits ``[batch, seq, vocab]``; with ``decode=True``
+        the tokens continue the sequences in the cache (:meth:`init_cache`)."""
         x = self.embed(tokens)
         policy = REMAT_POLICIES[self.remat]
 
         def block(x, b):
-            return b(x)
+            return b(x, decode)
 
-        if self.remat != "none":
+        # Decoding takes no gradient: nothing to rematerialize.
+        if self.remat != "none" and not decode:
             block = nnx.remat(block, policy=policy)
 
         @nnx.scan(
@@ -188,6 +218,33 @@ class Llama(nnx.Module):
 
         x = layers(x, self.blocks)
         return self.head(self.norm(x))
+
+
+@nnx.jit
+def _decode(model: Llama, tokens: jax.Array) -> jax.Array:
+    return model.decode(tokens)
+
+
+def greedy_generate(
+    model: Llama, prompt: jax.Array, steps: int, max_length: int | None = None
+) -> jax.Array:
+    """``prompt [batch, p]`` followed by its ``steps`` greedy (argmax) next tokens:
+    ``[batch, p + steps]``. Allocates the model's cache (``max_length``, default
+    ``p + steps``), prefills it with the prompt in one step, then decodes a token at a
+    time (two compiled steps: the prompt's length and one token)."""
+    if steps < 0:
+        raise ValueError(f"greedy_generate: steps must be >= 0, got {steps}")
+    batch, length = prompt.shape
+    model.init_cache(batch, length + steps if max_length is None else max_length)
+    tokens = [prompt]
+    if steps:
+        logits = _decode(model, prompt)
+        for i in range(steps):
+            nxt = jnp.argmax(logits[:, -1], axis=-1).astype(prompt.dtype)[:, None]
+            tokens.append(nxt)
+            if i + 1 < steps:
+                logits = _decode(model, nxt)
+    return jnp.concatenate(tokens, axis=1)
 
 
 def next_token_loss(model: Llama, tokens: jax.Array) -> jax.Array:
