@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda_gemm.h"
+#include "cuda/gemm/cublaslt_gemm.h"
 #include "cuda_tool.h"
 
 namespace {

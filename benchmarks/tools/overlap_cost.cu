@@ -29,8 +29,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda_gemm.h"
-#include "cuda_sum.h"
+#include "cuda/gemm/cublaslt_gemm.h"
+#include "cuda/sum.h"
 #include "cuda_tool.h"
 
 namespace {
@@ -172,8 +172,10 @@ void Iteration(Gpu* gpus, Phase phase, Shape s) {
         Check(
             cudaStreamWaitEvent(g.compute, q == 0 ? gpus[1 - i].pushed_first : gpus[1 - i].pushed),
             "wait");
+        jax_ub::GemmArgs args;
+        args.addend = g.c + 2 * c_half + q * c_half / 2;
         Check(g.gemm->Matmul(g.quarter, g.a + (s.m + q * s.m / 2) * s.k, g.b,
-                             g.out + q * c_half / 2, g.compute, g.c + 2 * c_half + q * c_half / 2),
+                             g.out + q * c_half / 2, g.compute, args),
               "Matmul (addend)");
       }
     }

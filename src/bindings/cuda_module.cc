@@ -12,10 +12,10 @@
 #include <string>
 #include <tuple>
 
-#include "cuda_check.h"
-#include "cuda_communicator.h"
-#include "nb_helpers.h"
-#include "registry.h"
+#include "bindings/nb_helpers.h"
+#include "bindings/registry.h"
+#include "cuda/check.h"
+#include "cuda/communicator.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;

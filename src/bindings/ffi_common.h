@@ -7,10 +7,10 @@
 #include <string>
 #include <utility>
 
-#include "dtype.h"
-#include "registry.h"
-#include "schedule.h"
-#include "status.h"
+#include "bindings/registry.h"
+#include "protocol/dtype.h"
+#include "protocol/schedule.h"
+#include "protocol/status.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ub {

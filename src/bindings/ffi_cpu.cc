@@ -1,8 +1,8 @@
 // XLA FFI handlers for platform "cpu": decode, find the communicator, call it.
 #include <cstdint>
 
-#include "ffi_common.h"
-#include "host_communicator.h"
+#include "bindings/ffi_common.h"
+#include "host/communicator.h"
 
 namespace jax_ub {
 namespace {

@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "cuda_communicator.h"
-#include "ffi_common.h"
+#include "bindings/ffi_common.h"
+#include "cuda/communicator.h"
 
 namespace jax_ub {
 namespace {

@@ -7,9 +7,9 @@
 #include <memory>
 #include <stdexcept>
 
-#include "host_communicator.h"
-#include "nb_helpers.h"
-#include "registry.h"
+#include "bindings/nb_helpers.h"
+#include "bindings/registry.h"
+#include "host/communicator.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;

@@ -13,11 +13,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "call_descriptor.h"
-#include "comm_options.h"
-#include "registry.h"
-#include "schedule.h"
-#include "status.h"
+#include "bindings/registry.h"
+#include "protocol/call_descriptor.h"
+#include "protocol/comm_options.h"
+#include "protocol/schedule.h"
+#include "protocol/status.h"
 #include "xla/ffi/api/c_api.h"
 
 #ifndef JAX_UB_BUILT_JAXLIB  // CMakeLists.txt defines it
@@ -104,7 +104,8 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
 // The bindings both platform modules share, with the same names, so the Python side
 // (bootstrap, finalize, check_health, buffer sizing) serves either:
 // broken_reason, quiesce, destroy_communicator, num_communicators, and
-// `required_bytes(op, chunk_bytes, group_size)`, the schedule's buffer sizing (schedule.h).
+// `required_bytes(op, chunk_bytes, group_size)`, the schedule's buffer sizing
+// (protocol/schedule.h).
 template <typename Communicator>
 void DefCommonBindings(nanobind::module_& m) {
   // The XLA FFI API the handlers were compiled against, and the jaxlib whose headers those

@@ -4,14 +4,14 @@
 #include <cstdio>
 #include <cstring>
 
-#include "cuda_check.h"
-#include "cuda_communicator.h"
-#include "cuda_communicator_internal.h"
-#include "cuda_driver.h"
-#include "cuda_sum.h"
-#include "cuda_verify.h"
-#include "schedule.h"
-#include "trace.h"
+#include "cuda/check.h"
+#include "cuda/communicator.h"
+#include "cuda/communicator_internal.h"
+#include "cuda/driver.h"
+#include "cuda/sum.h"
+#include "cuda/trace.h"
+#include "cuda/verify.h"
+#include "protocol/schedule.h"
 
 namespace jax_ub {
 

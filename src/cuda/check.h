@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "status.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 

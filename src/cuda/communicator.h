@@ -25,14 +25,14 @@
 #include <thread>
 #include <vector>
 
-#include "broken_state.h"
-#include "call_descriptor.h"
-#include "comm_options.h"
-#include "cuda_gemm.h"
-#include "dtype.h"
-#include "schedule.h"
-#include "status.h"
-#include "topology.h"
+#include "cuda/gemm/cublaslt_gemm.h"
+#include "protocol/broken_state.h"
+#include "protocol/call_descriptor.h"
+#include "protocol/comm_options.h"
+#include "protocol/dtype.h"
+#include "protocol/schedule.h"
+#include "protocol/status.h"
+#include "protocol/topology.h"
 
 namespace jax_ub {
 
@@ -158,7 +158,7 @@ class CudaCommunicator {
                   bool tune_reduce_scatter, bool multiprocess);
   Status Wire();
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
-  // Enqueues the call's steps (schedule.h) on the slot's streams, joined back into
+  // Enqueues the call's steps (protocol/schedule.h) on the slot's streams, joined back into
   // `stream`; `began` is set once Begin has succeeded.
   Status Enqueue(int device, cudaStream_t stream, OpKind op, const CallShape& shape,
                  const Operands& ops, Slot** began);

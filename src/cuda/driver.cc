@@ -1,6 +1,6 @@
-#include "cuda_driver.h"
+#include "cuda/driver.h"
 
-#include "cuda_check.h"
+#include "cuda/check.h"
 
 namespace jax_ub {
 

@@ -6,7 +6,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "status.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 

@@ -3,8 +3,8 @@
 
 #include <algorithm>
 
-#include "cuda_check.h"
-#include "cuda_sum.h"
+#include "cuda/check.h"
+#include "cuda/sum.h"
 
 namespace jax_ub {
 namespace {

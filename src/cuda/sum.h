@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "dtype.h"
-#include "status.h"
+#include "protocol/dtype.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 

@@ -1,6 +1,6 @@
-#include "cuda_check.h"
-#include "cuda_sum.h"
-#include "cuda_verify.h"
+#include "cuda/check.h"
+#include "cuda/sum.h"
+#include "cuda/verify.h"
 
 namespace jax_ub {
 namespace {

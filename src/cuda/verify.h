@@ -7,9 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "call_descriptor.h"
-#include "cuda_communicator.h"
-#include "status.h"
+#include "cuda/communicator.h"
+#include "protocol/call_descriptor.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 

@@ -1,4 +1,4 @@
-#include "host_communicator.h"
+#include "host/communicator.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -14,8 +14,8 @@
 #include <cstring>
 #include <thread>
 
-#include "host_gemm.h"
-#include "schedule.h"
+#include "host/gemm.h"
+#include "protocol/schedule.h"
 
 namespace jax_ub {
 namespace {

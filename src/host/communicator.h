@@ -19,13 +19,13 @@
 #include <string>
 #include <vector>
 
-#include "broken_state.h"
-#include "call_descriptor.h"
-#include "comm_options.h"
-#include "dtype.h"
-#include "schedule.h"
-#include "status.h"
-#include "topology.h"
+#include "protocol/broken_state.h"
+#include "protocol/call_descriptor.h"
+#include "protocol/comm_options.h"
+#include "protocol/dtype.h"
+#include "protocol/schedule.h"
+#include "protocol/status.h"
+#include "protocol/topology.h"
 
 namespace jax_ub {
 
@@ -84,7 +84,7 @@ class HostCommunicator {
                   const char* what);
   Status CheckDescriptor(const CallContext& ctx, int peer);
   void Fail(const CallContext& ctx, const Status& st);
-  // Runs one call's steps (schedule.h); on an error, fails the group and returns it.
+  // Runs one call's steps (protocol/schedule.h); on an error, fails the group and returns it.
   Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,
                  const Operands& ops);
   // The word of `flag` for `rank` in `slot`'s header.

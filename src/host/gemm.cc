@@ -1,4 +1,4 @@
-#include "host_gemm.h"
+#include "host/gemm.h"
 
 #include <algorithm>
 #include <cmath>

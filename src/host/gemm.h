@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "dtype.h"
-#include "epilogue.h"
+#include "protocol/dtype.h"
+#include "protocol/epilogue.h"
 
 namespace jax_ub {
 

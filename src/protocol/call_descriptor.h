@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <string>
 
-#include "dtype.h"
+#include "protocol/dtype.h"
 
 namespace jax_ub {
 

@@ -1,7 +1,7 @@
 // The settings a communicator is created with, fixed for its lifetime: the C++ form of
 // jax_ub's Python `Options` (jax_ub/_src/options.py), field for field and name for name.
 // Python validates the user's values where they enter (configure, environment); the
-// modules convert the dict Python passes with nb_helpers.h's OptionsFromDict, which
+// modules convert the dict Python passes with bindings/nb_helpers.h's OptionsFromDict, which
 // refuses values that would break the protocol for direct callers too.
 #pragma once
 

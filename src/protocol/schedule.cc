@@ -1,5 +1,5 @@
-// The step lists of the two ops (see schedule.h): the protocol, written once.
-#include "schedule.h"
+// The step lists of the two ops (see protocol/schedule.h): the protocol, written once.
+#include "protocol/schedule.h"
 
 namespace jax_ub {
 namespace {

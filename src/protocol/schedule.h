@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "call_descriptor.h"
-#include "epilogue.h"
+#include "protocol/call_descriptor.h"
+#include "protocol/epilogue.h"
 
 namespace jax_ub {
 

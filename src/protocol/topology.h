@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "status.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 

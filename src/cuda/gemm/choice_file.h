@@ -7,8 +7,9 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
-#include "status.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 

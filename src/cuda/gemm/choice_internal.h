@@ -1,17 +1,16 @@
-// What the GEMM wrapper's source files share: tuning constants and small helpers.
+// What choosing a kernel (kernel_choice.cc) and comparing candidates in the op (trials.cc)
+// share: how many candidates are timed, and for how long.
 #pragma once
 
 #include <algorithm>
-#include <cstddef>
 #include <vector>
 
 namespace jax_ub {
 namespace gemm_internal {
 
-constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt asks for on Hopper
-constexpr int kCandidates = 8;                 // heuristic results timed per description
-constexpr int kTimedRounds = 3;                // a candidate's time: median of the rounds,
-constexpr int kRunsPerRound = 3;               // each this many runs back to back
+constexpr int kCandidates = 8;    // heuristic results timed per description
+constexpr int kTimedRounds = 3;   // a candidate's time: median of the rounds,
+constexpr int kRunsPerRound = 3;  // each this many runs back to back
 // Tuning a shape takes about this long at most (a GPU's peers wait for it, under the op's
 // deadline, while its first call of a shape tunes): candidates beyond what three rounds
 // can time in it are dropped, the slowest first, and rounds stop once it is spent.

@@ -1,19 +1,20 @@
-#include "cuda_gemm.h"
+// The cuBLASLt wrapper itself: its lifetime, how a plan describes a row-major GEMM to
+// cuBLASLt, running a plan, and Prepare and Matmul, which choose (kernel_choice.cc) or
+// compare (trials.cc) a shape's kernel the first time it is seen.
+#include "cuda/gemm/cublaslt_gemm.h"
 
 #include <algorithm>
-#include <chrono>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
-#include "cuda_check.h"
-#include "cuda_gemm_internal.h"
-#include "trace.h"
+#include "cuda/check.h"
+#include "cuda/trace.h"
 
 namespace jax_ub {
-using namespace gemm_internal;  // NOLINT: this unit's own constants
 namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt asks for on Hopper
 
 cudaDataType_t CudaType(DType t) {
   switch (t) {
@@ -114,20 +115,19 @@ void CublasLtGemm::Destroy(Plan& p) {
   p = Plan{};
 }
 
-bool CublasLtGemm::FastAccumulation(const Key& key) const {
-  const uint32_t types = std::get<0>(key);
-  return options_.fp8_fast_accumulation && UnpackType(types, 0) == DType::kF8E4M3FN &&
-         UnpackType(types, 1) == DType::kF8E4M3FN;
+bool CublasLtGemm::FastAccumulation(const PlanKey& key) const {
+  return options_.fp8_fast_accumulation && key.a_type == DType::kF8E4M3FN &&
+         key.b_type == DType::kF8E4M3FN;
 }
 
-Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
-  auto [types, m, k, n, b_transposed, epilogue_code] = key;
+Status CublasLtGemm::Describe(const PlanKey& key, bool row, Plan* p) const {
+  const int64_t m = key.m, k = key.k, n = key.n;
+  const bool b_transposed = key.b_transposed;
   // Dense row-major operands: a[m, k], b[k, n] (stored [n, k] when transposed), c[m, n].
   const int64_t lda = k, ldb = b_transposed ? k : n, ldc = n;
-  const DType in = UnpackType(types, 0);
+  const DType in = key.a_type;
   // a's, b's and c's types.
-  const cudaDataType_t at = CudaType(in), bt = CudaType(UnpackType(types, 1)),
-                       ct = CudaType(UnpackType(types, 2));
+  const cudaDataType_t at = CudaType(in), bt = CudaType(key.b_type), ct = CudaType(key.out_type);
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (in == DType::kF32 && options_.allow_tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   p->row = row;
@@ -171,134 +171,6 @@ Status CublasLtGemm::Describe(const Key& key, bool row, Plan* p) const {
     JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, at, k, m, lda));  // A^T: k x m
     JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, ct, n, m, ldc));     // C^T: n x m
   }
-  return Status::Ok();
-}
-
-Status CublasLtGemm::Heuristic(const Plan& p, int want,
-                               std::vector<cublasLtMatmulHeuristicResult_t>* out) const {
-  cublasLtMatmulPreference_t pref = nullptr;
-  JAX_UB_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
-  size_t ws = workspace_bytes_;
-  out->resize(want);
-  int found = 0;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.first, p.second, p.out, p.out, pref,
-                                        want, out->data(), &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  JAX_UB_RETURN_IF_ERROR(CublasStatus(st, "cublasLtMatmulAlgoGetHeuristic"));
-  out->resize(found);
-  if (found == 0) return Internal("cuBLASLt found no algorithm");
-  return Status::Ok();
-}
-
-Status CublasLtGemm::MakePlan(const Key& key, const Epilogue& ep, const void* a, const void* b,
-                              void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan) {
-  const bool tune = options_.autotune;
-  // cuBLASLt's fp8 kernels take both operands k-major: the column description of a with
-  // b stored transposed (op T on its first operand, N on its second), and nothing else.
-  const bool fp8 = IsFp8(UnpackType(std::get<0>(key), 0));
-  if (fp8 && !std::get<4>(key))
-    return InvalidArgument("fp8 GEMMs need b stored transposed ([n, k]), for cuBLASLt");
-  // Epilogues take the column description too: in the row one cuBLASLt's bias would run
-  // along our rows.
-  const bool column_only = fp8 || ep.Any();
-  std::vector<bool> rows;  // the descriptions tried: GemmOrder::kRow or not
-  if (column_only || options_.order != GemmOrder::kRow) rows.push_back(false);
-  if (!column_only &&
-      (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune)))
-    rows.push_back(true);
-  const std::string choice_key = ChoiceKey(key);
-  if (!choice_key.empty()) {
-    JAX_UB_RETURN_IF_ERROR(PlanFromChoices(key, choice_key, ep, rows, a, b, c, args, stream, plan));
-    if (*plan != nullptr) return Status::Ok();
-  }
-  std::vector<Plan> described;  // one per description cuBLASLt serves
-  std::vector<Candidate> candidates;
-  std::string declined;  // why cuBLASLt served no description, should none be served
-  Status st;
-  for (bool row : rows) {
-    Plan p;
-    p.epilogue = ep;
-    std::vector<cublasLtMatmulHeuristicResult_t> results;
-    st = Describe(key, row, &p);
-    if (st.ok()) st = Heuristic(p, tune ? kCandidates : 1, &results);
-    if (!st.ok()) {  // a description cuBLASLt cannot serve; the other may do
-      declined +=
-          std::string(declined.empty() ? "" : "; ") + (row ? "row: " : "column: ") + st.message();
-      Destroy(p);
-      continue;
-    }
-    for (size_t i = 0; i < results.size(); ++i)
-      if (results[i].state == CUBLAS_STATUS_SUCCESS)
-        candidates.push_back(Candidate{
-            static_cast<int>(described.size()), results[i].algo, {}, static_cast<int>(i)});
-    described.push_back(std::move(p));
-  }
-  st = Status::Ok();
-  int best = candidates.empty() ? -1 : 0;
-  GemmArgs tune_args = args;  // tuning runs without an addend
-  tune_args.addend = nullptr;
-  if (tune && !candidates.empty())
-    st = Tune(described, a, b, c, tune_args, stream, &candidates, &best);
-  if (st.ok() && best < 0)
-    st = Internal("cuBLASLt has no algorithm for m=" + std::to_string(std::get<1>(key)) + " k=" +
-                  std::to_string(std::get<2>(key)) + " n=" + std::to_string(std::get<3>(key)) +
-                  (declined.empty() ? "" : " (" + declined + ")"));
-  if (!st.ok()) {
-    for (Plan& p : described) Destroy(p);
-    return st;
-  }
-  const Candidate& chosen = candidates[best];
-  Plan kept = std::move(described[chosen.description]);
-  kept.algo = chosen.algo;
-  std::tie(std::ignore, kept.m, kept.k, kept.n, std::ignore, std::ignore) = key;
-  for (size_t i = 0; i < described.size(); ++i)
-    if (static_cast<int>(i) != chosen.description) Destroy(described[i]);
-  // The op's first calls compare the fastest few of the kept description (see Matmul).
-  std::vector<const Candidate*> timed;
-  for (const Candidate& cand : candidates)
-    if (cand.description == chosen.description && !cand.ms.empty()) timed.push_back(&cand);
-  std::stable_sort(timed.begin(), timed.end(), [](const Candidate* x, const Candidate* y) {
-    return Median(x->ms) < Median(y->ms);
-  });
-  // cuBLASLt's own first pick always takes part: tuning times kernels alone, and beside
-  // the op's copies the heuristic's kernel was at times the faster one (a reduce-scatter
-  // at some shapes, benchmarks/RESULTS.md "Kernel choice"); the trials decide from the
-  // time beside the copies.
-  const Candidate* heuristic = nullptr;
-  for (const Candidate& cand : candidates)
-    if (cand.description == chosen.description) {
-      heuristic = &cand;
-      break;
-    }
-  if (options_.trials >= 2 && timed.size() >= 2) {
-    const size_t count = std::min(timed.size(), static_cast<size_t>(options_.trials));
-    std::vector<const Candidate*> compared(timed.begin(), timed.begin() + count);
-    if (heuristic != nullptr && !heuristic->ms.empty() &&
-        std::find(compared.begin(), compared.end(), heuristic) == compared.end())
-      compared.back() = heuristic;
-    kept.trial = std::make_unique<Trial>();
-    for (const Candidate* cand : compared) {
-      kept.trial->algos.push_back(cand->algo);
-      kept.trial->indices.push_back(cand->index);
-    }
-    kept.trial->ms.resize(kept.trial->algos.size());
-  }
-  kept.choice_key = choice_key;
-  kept.choice_index = chosen.index;
-  if (kept.trial == nullptr) RecordChoice(kept);  // else once the trials end (Harvest)
-  JAX_UB_TRACE(
-      "GPU %d GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, "
-      "%.3f ms",
-      device_, static_cast<long long>(std::get<1>(key)), static_cast<long long>(std::get<2>(key)),
-      static_cast<long long>(std::get<3>(key)), kept.row ? "row" : "column",
-      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
-      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
-      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-      chosen.ms.empty() ? -1.0f : Median(chosen.ms));
-  *plan = &plans_.emplace(key, std::move(kept)).first->second;
   return Status::Ok();
 }
 
@@ -349,7 +221,7 @@ Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const
   if (m == 0 || n == 0) return Status::Ok();
   const void* addend = args.addend;
   if (addend != nullptr && ep.Any()) return Internal("a GEMM with an addend takes no epilogue");
-  const Key key{static_cast<int>(PackTypes(ta, tb, out)), m, k, n, b_transposed, ep.Code()};
+  const PlanKey key{ta, tb, out, m, k, n, b_transposed, ep.Code()};
   auto it = plans_.find(key);
   if (it != plans_.end() && (addend == nullptr || it->second.ran_with_addend)) {
     *plan = &it->second;  // every call after a shape's first

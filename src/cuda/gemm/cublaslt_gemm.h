@@ -12,11 +12,11 @@
 #include <tuple>
 #include <vector>
 
-#include "comm_options.h"
-#include "cuda_gemm_choices.h"
-#include "dtype.h"
-#include "epilogue.h"
-#include "status.h"
+#include "cuda/gemm/choice_file.h"
+#include "protocol/comm_options.h"
+#include "protocol/dtype.h"
+#include "protocol/epilogue.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 
@@ -24,7 +24,7 @@ namespace jax_ub {
 // C^T = B^T @ A^T (no layout attributes). kRow: as C = A @ B with every matrix in
 // CUBLASLT_ORDER_ROW. The two get different candidate kernels, and neither is fastest at
 // every shape (up to ~10% apart on an H200; benchmarks/tools/gemm_candidates.cu).
-// (GemmOrder itself is in comm_options.h: a communicator is created with one.)
+// (GemmOrder itself is in protocol/comm_options.h: a communicator is created with one.)
 
 // The GEMM wrapper's settings. A communicator derives them from its CommOptions (whose
 // defaults live in jax_ub's Python Options); the values here serve standalone tools.
@@ -39,7 +39,7 @@ struct GemmOptions {
   // op's own first calls of a shape compare before keeping one (see Matmul); 0 or 1: none
   // (a tool's default: its calls then always run tuning's pick).
   int trials = 0;
-  // With autotuning: a file of kernel choices (cuda_gemm_choices.h) whose choice for a
+  // With autotuning: a file of kernel choices (choice_file.h) whose choice for a
   // shape is run without tuning or trials, and to which new choices are added; "": none.
   std::string choices_path;
   // GEMMs of two float8_e4m3fn operands (a forward's) accumulate in cuBLASLt's FAST_ACCUM
@@ -161,14 +161,19 @@ class CublasLtGemm {
                 const GemmArgs& args = {});
 
  private:
-  // PackTypes(a's, b's and c's type), m, k, n, b transposed, Epilogue::Code()
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, int>;
-  // The descriptor and layouts of `key` as `row` describes it.
-  Status Describe(const Key& key, bool row, Plan* p) const;
-  static void Destroy(Plan& p);
-  // cuBLASLt's best `want` candidates for `p` (at least one, else an error).
-  Status Heuristic(const Plan& p, int want,
-                   std::vector<cublasLtMatmulHeuristicResult_t>* out) const;
+  // What a plan is made for, one plan per key: operand types, shape, b's layout, epilogue.
+  struct PlanKey {
+    DType a_type, b_type, out_type;
+    int64_t m, k, n;
+    bool b_transposed;
+    int epilogue;  // Epilogue::Code()
+
+    // Any strict order will do: it only keys plans_.
+    friend bool operator<(const PlanKey& x, const PlanKey& y) {
+      return std::tie(x.a_type, x.b_type, x.out_type, x.m, x.k, x.n, x.b_transposed, x.epilogue) <
+             std::tie(y.a_type, y.b_type, y.out_type, y.m, y.k, y.n, y.b_transposed, y.epilogue);
+    }
+  };
   // One of cuBLASLt's candidates for a shape: its description (an index into the plans
   // MakePlan describes), algorithm, and time per run in each timed round.
   struct Candidate {
@@ -177,34 +182,14 @@ class CublasLtGemm {
     std::vector<float> ms;
     int index;  // its place in its description's heuristic list
   };
-  // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
-  // candidate, timed on `stream`), stored in plans_.
-  Status MakePlan(const Key& key, const Epilogue& ep, const void* a, const void* b, void* c,
-                  const GemmArgs& args, cudaStream_t stream, Plan** plan);
-  // Times `candidates` on `stream` (see the .cc) and sets `best` to the fastest one's index,
-  // or -1 if none can run here.
-  Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
-              const GemmArgs& args, cudaStream_t stream, std::vector<Candidate>* candidates,
-              int* best);
-  // Matmul while `p` has a trial.
-  Status TrialMatmul(Plan& p, const void* a, const void* b, void* c, cudaStream_t stream,
-                     const GemmArgs& args);
-  // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
-  // ends the trial once every timing is in.
-  Status Harvest(Plan& p);
+
+  // Describing and running a GEMM (cublaslt_gemm.cc).
+
+  // The descriptor and layouts of `key` as `row` describes it.
+  Status Describe(const PlanKey& key, bool row, Plan* p) const;
+  static void Destroy(Plan& p);
   // Whether `key`'s GEMM accumulates in FAST_ACCUM mode (GemmOptions::fp8_fast_accumulation).
-  bool FastAccumulation(const Key& key) const;
-  // The choice file's key for `key` on this GPU and cuBLASLt, or "" when it is not used.
-  std::string ChoiceKey(const Key& key) const;
-  // A plan for `key` from the choice file's kernel, run once; null where the file has none
-  // for it or cuBLASLt refuses it here (then the shape is tuned as if there were no file).
-  Status PlanFromChoices(const Key& key, const std::string& choice_key, const Epilogue& ep,
-                         const std::vector<bool>& rows, const void* a, const void* b, void* c,
-                         const GemmArgs& args, cudaStream_t stream, Plan** plan);
-  // Adds `p`'s final kernel to the choice file. A file that cannot be written is reported
-  // once on stderr and otherwise ignored: it only saves later processes' tuning.
-  void RecordChoice(const Plan& p);
-  static void DestroyTrial(Trial& t);
+  bool FastAccumulation(const PlanKey& key) const;
   // Points `p`'s fp8 scales at `scales` (as Matmul's, device memory).
   Status SetScales(const Plan& p, const float* scales) const;
   // Points `p`'s epilogue at its bias and pre-GELU output.
@@ -212,6 +197,41 @@ class CublasLtGemm {
   // Enqueues one GEMM of `p`'s shape with `algo`.
   Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
              cudaStream_t stream, const GemmArgs& args = {});
+
+  // Choosing a new shape's kernel (kernel_choice.cc).
+
+  // cuBLASLt's best `want` candidates for `p` (at least one, else an error).
+  Status Heuristic(const Plan& p, int want,
+                   std::vector<cublasLtMatmulHeuristicResult_t>* out) const;
+  // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
+  // candidate, timed on `stream`), stored in plans_.
+  Status MakePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b, void* c,
+                  const GemmArgs& args, cudaStream_t stream, Plan** plan);
+  // Times `candidates` on `stream` (see kernel_choice.cc) and sets `best` to the fastest
+  // one's index, or -1 if none can run here.
+  Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
+              const GemmArgs& args, cudaStream_t stream, std::vector<Candidate>* candidates,
+              int* best);
+  // The choice file's key for `key` on this GPU and cuBLASLt, or "" when it is not used.
+  std::string ChoiceKey(const PlanKey& key) const;
+  // A plan for `key` from the choice file's kernel, run once; null where the file has none
+  // for it or cuBLASLt refuses it here (then the shape is tuned as if there were no file).
+  Status PlanFromChoices(const PlanKey& key, const std::string& choice_key, const Epilogue& ep,
+                         const std::vector<bool>& rows, const void* a, const void* b, void* c,
+                         const GemmArgs& args, cudaStream_t stream, Plan** plan);
+  // Adds `p`'s final kernel to the choice file. A file that cannot be written is reported
+  // once on stderr and otherwise ignored: it only saves later processes' tuning.
+  void RecordChoice(const Plan& p);
+
+  // Comparing the fastest candidates inside the op's own calls (trials.cc).
+
+  // Matmul while `p` has a trial.
+  Status TrialMatmul(Plan& p, const void* a, const void* b, void* c, cudaStream_t stream,
+                     const GemmArgs& args);
+  // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
+  // ends the trial once every timing is in.
+  Status Harvest(Plan& p);
+  static void DestroyTrial(Trial& t);
 
   cublasLtHandle_t handle_ = nullptr;
   int device_ = -1;       // the GPU it was created on, for traces (each GPU keeps its own kernels)
@@ -225,8 +245,8 @@ class CublasLtGemm {
   float* ones_ = nullptr;
   size_t workspace_bytes_ = 0;
   GemmOptions options_;
-  std::map<Key, Plan> plans_;  // one per shape; only the owning device's thread uses it
-  uint64_t call_ = 0;          // BeginCall's count
+  std::map<PlanKey, Plan> plans_;  // one per shape; only the owning device's thread uses it
+  uint64_t call_ = 0;              // BeginCall's count
 };
 
 }  // namespace jax_ub

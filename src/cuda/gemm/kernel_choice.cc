@@ -1,29 +1,150 @@
-// The GEMM wrapper's kernel choice: tuning candidates once per shape (Tune), then
-// comparing the fastest inside the op's own calls (trials: TrialMatmul, Harvest).
+// Choosing a shape's kernel when its first Prepare makes a plan (MakePlan): the choice
+// file's kernel where it has one, else cuBLASLt's heuristic candidates of each
+// description, timed here (Tune) when autotuning; and the choice recorded once final.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <memory>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
-#include "cuda_check.h"
-#include "cuda_gemm.h"
-#include "cuda_gemm_internal.h"
-#include "trace.h"
+#include "cuda/check.h"
+#include "cuda/gemm/choice_internal.h"
+#include "cuda/gemm/cublaslt_gemm.h"
+#include "cuda/trace.h"
 
 namespace jax_ub {
-using namespace gemm_internal;  // NOLINT: this unit's own constants
+using namespace gemm_internal;  // NOLINT: the kernel choice's own constants
 
-void CublasLtGemm::DestroyTrial(Trial& t) {
-  // An event still pending is released once it completes (cudaEventDestroy).
-  for (const Trial::Timing& x : t.pending) {
-    cudaEventDestroy(x.begin);
-    cudaEventDestroy(x.end);
+Status CublasLtGemm::Heuristic(const Plan& p, int want,
+                               std::vector<cublasLtMatmulHeuristicResult_t>* out) const {
+  cublasLtMatmulPreference_t pref = nullptr;
+  JAX_UB_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  size_t ws = workspace_bytes_;
+  out->resize(want);
+  int found = 0;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.first, p.second, p.out, p.out, pref,
+                                        want, out->data(), &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  JAX_UB_RETURN_IF_ERROR(CublasStatus(st, "cublasLtMatmulAlgoGetHeuristic"));
+  out->resize(found);
+  if (found == 0) return Internal("cuBLASLt found no algorithm");
+  return Status::Ok();
+}
+
+Status CublasLtGemm::MakePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b,
+                              void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan) {
+  const bool tune = options_.autotune;
+  // cuBLASLt's fp8 kernels take both operands k-major: the column description of a with
+  // b stored transposed (op T on its first operand, N on its second), and nothing else.
+  const bool fp8 = IsFp8(key.a_type);
+  if (fp8 && !key.b_transposed)
+    return InvalidArgument("fp8 GEMMs need b stored transposed ([n, k]), for cuBLASLt");
+  // Epilogues take the column description too: in the row one cuBLASLt's bias would run
+  // along our rows.
+  const bool column_only = fp8 || ep.Any();
+  std::vector<bool> rows;  // the descriptions tried: GemmOrder::kRow or not
+  if (column_only || options_.order != GemmOrder::kRow) rows.push_back(false);
+  if (!column_only &&
+      (options_.order == GemmOrder::kRow || (options_.order == GemmOrder::kAuto && tune)))
+    rows.push_back(true);
+  const std::string choice_key = ChoiceKey(key);
+  if (!choice_key.empty()) {
+    JAX_UB_RETURN_IF_ERROR(PlanFromChoices(key, choice_key, ep, rows, a, b, c, args, stream, plan));
+    if (*plan != nullptr) return Status::Ok();
   }
-  for (cudaEvent_t e : t.spare) cudaEventDestroy(e);
-  t.pending.clear();
-  t.spare.clear();
+  std::vector<Plan> described;  // one per description cuBLASLt serves
+  std::vector<Candidate> candidates;
+  std::string declined;  // why cuBLASLt served no description, should none be served
+  Status st;
+  for (bool row : rows) {
+    Plan p;
+    p.epilogue = ep;
+    std::vector<cublasLtMatmulHeuristicResult_t> results;
+    st = Describe(key, row, &p);
+    if (st.ok()) st = Heuristic(p, tune ? kCandidates : 1, &results);
+    if (!st.ok()) {  // a description cuBLASLt cannot serve; the other may do
+      declined +=
+          std::string(declined.empty() ? "" : "; ") + (row ? "row: " : "column: ") + st.message();
+      Destroy(p);
+      continue;
+    }
+    for (size_t i = 0; i < results.size(); ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS)
+        candidates.push_back(Candidate{
+            static_cast<int>(described.size()), results[i].algo, {}, static_cast<int>(i)});
+    described.push_back(std::move(p));
+  }
+  st = Status::Ok();
+  int best = candidates.empty() ? -1 : 0;
+  GemmArgs tune_args = args;  // tuning runs without an addend
+  tune_args.addend = nullptr;
+  if (tune && !candidates.empty())
+    st = Tune(described, a, b, c, tune_args, stream, &candidates, &best);
+  if (st.ok() && best < 0)
+    st = Internal("cuBLASLt has no algorithm for m=" + std::to_string(key.m) +
+                  " k=" + std::to_string(key.k) + " n=" + std::to_string(key.n) +
+                  (declined.empty() ? "" : " (" + declined + ")"));
+  if (!st.ok()) {
+    for (Plan& p : described) Destroy(p);
+    return st;
+  }
+  const Candidate& chosen = candidates[best];
+  Plan kept = std::move(described[chosen.description]);
+  kept.algo = chosen.algo;
+  kept.m = key.m;
+  kept.k = key.k;
+  kept.n = key.n;
+  for (size_t i = 0; i < described.size(); ++i)
+    if (static_cast<int>(i) != chosen.description) Destroy(described[i]);
+  // The op's first calls compare the fastest few of the kept description (see Matmul).
+  std::vector<const Candidate*> timed;
+  for (const Candidate& cand : candidates)
+    if (cand.description == chosen.description && !cand.ms.empty()) timed.push_back(&cand);
+  std::stable_sort(timed.begin(), timed.end(), [](const Candidate* x, const Candidate* y) {
+    return Median(x->ms) < Median(y->ms);
+  });
+  // cuBLASLt's own first pick always takes part: tuning times kernels alone, and beside
+  // the op's copies the heuristic's kernel was at times the faster one (a reduce-scatter
+  // at some shapes, benchmarks/RESULTS.md "Kernel choice"); the trials decide from the
+  // time beside the copies.
+  const Candidate* heuristic = nullptr;
+  for (const Candidate& cand : candidates)
+    if (cand.description == chosen.description) {
+      heuristic = &cand;
+      break;
+    }
+  if (options_.trials >= 2 && timed.size() >= 2) {
+    const size_t count = std::min(timed.size(), static_cast<size_t>(options_.trials));
+    std::vector<const Candidate*> compared(timed.begin(), timed.begin() + count);
+    if (heuristic != nullptr && !heuristic->ms.empty() &&
+        std::find(compared.begin(), compared.end(), heuristic) == compared.end())
+      compared.back() = heuristic;
+    kept.trial = std::make_unique<Trial>();
+    for (const Candidate* cand : compared) {
+      kept.trial->algos.push_back(cand->algo);
+      kept.trial->indices.push_back(cand->index);
+    }
+    kept.trial->ms.resize(kept.trial->algos.size());
+  }
+  kept.choice_key = choice_key;
+  kept.choice_index = chosen.index;
+  if (kept.trial == nullptr) RecordChoice(kept);  // else once the trials end (Harvest)
+  JAX_UB_TRACE(
+      "GPU %d GEMM m=%lld k=%lld n=%lld: %s description, algo %d tile %d stages %d, "
+      "%.3f ms",
+      device_, static_cast<long long>(key.m), static_cast<long long>(key.k),
+      static_cast<long long>(key.n), kept.row ? "row" : "column",
+      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
+      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+      AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+      chosen.ms.empty() ? -1.0f : Median(chosen.ms));
+  *plan = &plans_.emplace(key, std::move(kept)).first->second;
+  return Status::Ok();
 }
 
 Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
@@ -114,80 +235,74 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   return Status::Ok();
 }
 
-Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
-                                 cudaStream_t stream, const GemmArgs& args) {
-  JAX_UB_RETURN_IF_ERROR(Harvest(p));
-  if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, args);  // just decided
-  Trial& tr = *p.trial;
-  const int count = static_cast<int>(tr.algos.size());
-  if (tr.last_call != call_) {  // this call's first GEMM of the shape: the next candidate
-    tr.last_call = call_;
-    ++tr.calls;
+std::string CublasLtGemm::ChoiceKey(const PlanKey& key) const {
+  if (!choices_.enabled()) return "";
+  std::string gpu = gpu_name_;
+  for (char& ch : gpu)
+    if (ch == ' ' || ch == '|' || ch == '\n') ch = '_';
+  // The types as one word, PackTypes', so the file's keys read as they always have.
+  const int types = static_cast<int>(PackTypes(key.a_type, key.b_type, key.out_type));
+  char text[176];
+  std::snprintf(text, sizeof(text), "v1 types=%d m=%lld k=%lld n=%lld bt=%d ep=%d tf32=%d fa=%d",
+                types, static_cast<long long>(key.m), static_cast<long long>(key.k),
+                static_cast<long long>(key.n), key.b_transposed ? 1 : 0, key.epilogue,
+                options_.allow_tf32 ? 1 : 0, FastAccumulation(key) ? 1 : 0);
+  return "gpu=" + gpu + " cublasLt=" + std::to_string(cublasLtGetVersion()) + " " + text;
+}
+
+Status CublasLtGemm::PlanFromChoices(const PlanKey& key, const std::string& choice_key,
+                                     const Epilogue& ep, const std::vector<bool>& rows,
+                                     const void* a, const void* b, void* c, const GemmArgs& args,
+                                     cudaStream_t stream, Plan** plan) {
+  *plan = nullptr;
+  bool row = false;
+  int index = -1;
+  if (!choices_.Find(choice_key, &row, &index)) return Status::Ok();
+  if (std::find(rows.begin(), rows.end(), row) == rows.end()) return Status::Ok();
+  Plan p;
+  p.epilogue = ep;
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  Status st = Describe(key, row, &p);
+  // Tuning's candidates are the first kCandidates: a larger index is no choice of ours.
+  if (st.ok() && index < kCandidates) st = Heuristic(p, kCandidates, &results);
+  cublasLtMatmulAlgo_t algo{};
+  const bool usable = st.ok() && index < static_cast<int>(results.size()) &&
+                      results[index].state == CUBLAS_STATUS_SUCCESS;
+  if (usable) algo = results[index].algo;
+  GemmArgs no_addend = args;
+  no_addend.addend = nullptr;
+  // Run once, as tuning would have: its kernel is loaded before any peer wait (Prepare).
+  if (usable) st = Run(p, algo, a, b, c, stream, no_addend);
+  if (!usable || !st.ok()) {
+    JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: the choice file's kernel is refused here (%s)",
+                 device_, static_cast<long long>(key.m), static_cast<long long>(key.k),
+                 static_cast<long long>(key.n),
+                 st.ok() ? "no such candidate" : st.message().c_str());
+    Destroy(p);
+    return Status::Ok();  // tuned instead
   }
-  // Past the warm-up round and the timed ones: the tuned pick until the timings are in.
-  const int round = (tr.calls - 1) / count;
-  // Odd rounds visit the candidates in reverse, so over an even number of timed rounds
-  // each candidate holds every position equally often: a clock that drifts through the
-  // trials (a GPU settling at its power cap) costs every candidate alike, where a fixed
-  // order would always time the last candidate at the lowest clock.
-  const int slot = (tr.calls - 1) % count;
-  const int candidate = round % 2 == 0 ? slot : count - 1 - slot;
-  if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, args);
-  const cublasLtMatmulAlgo_t& algo = tr.algos[candidate];
-  if (round == 0) return Run(p, algo, a, b, c, stream, args);
-  while (tr.spare.size() < 2) {  // events are owned by the trial from creation on
-    cudaEvent_t e = nullptr;
-    JAX_UB_CUDA(cudaEventCreate(&e));
-    tr.spare.push_back(e);
-  }
-  const Trial::Timing timing{candidate, tr.spare[tr.spare.size() - 2], tr.spare.back()};
-  Status st = CudaStatus(cudaEventRecord(timing.begin, stream), "cudaEventRecord");
-  if (st.ok()) st = Run(p, algo, a, b, c, stream, args);
-  if (st.ok()) st = CudaStatus(cudaEventRecord(timing.end, stream), "cudaEventRecord");
-  if (!st.ok()) return st;  // the events stay spare
-  tr.spare.resize(tr.spare.size() - 2);
-  tr.pending.push_back(timing);
+  p.algo = algo;
+  p.m = key.m;
+  p.k = key.k;
+  p.n = key.n;
+  p.choice_key = choice_key;
+  p.choice_index = index;
+  JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: %s description, tile %d, from the choice file",
+               device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
+               static_cast<long long>(p.n), row ? "row" : "column",
+               AlgoConfig(algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
+  *plan = &plans_.emplace(key, std::move(p)).first->second;
   return Status::Ok();
 }
 
-Status CublasLtGemm::Harvest(Plan& p) {
-  Trial& tr = *p.trial;
-  while (!tr.pending.empty()) {
-    const Trial::Timing x = tr.pending.front();
-    const cudaError_t q = cudaEventQuery(x.end);
-    if (q == cudaErrorNotReady) break;
-    JAX_UB_CUDA(q);
-    float ms = 0;
-    JAX_UB_CUDA(cudaEventElapsedTime(&ms, x.begin, x.end));
-    tr.ms[x.candidate].push_back(ms);
-    tr.spare.push_back(x.begin);
-    tr.spare.push_back(x.end);
-    tr.pending.pop_front();
+void CublasLtGemm::RecordChoice(const Plan& p) {
+  if (p.choice_key.empty()) return;
+  const Status st = choices_.Record(p.choice_key, p.row, p.choice_index);
+  if (!st.ok() && !choices_failed_) {
+    choices_failed_ = true;
+    std::fprintf(stderr, "jax_ub: %s; kernel choices are not kept for later processes\n",
+                 st.message().c_str());
   }
-  const int count = static_cast<int>(tr.algos.size());
-  if (!tr.pending.empty() || tr.calls < count * (kTrialRounds + 1)) return Status::Ok();
-  // Every candidate's timings are in: keep the smallest median.
-  int best = 0;
-  std::string times;
-  for (int i = 0; i < count; ++i) {
-    if (tr.ms[i].empty()) continue;
-    if (tr.ms[best].empty() || Median(tr.ms[i]) < Median(tr.ms[best])) best = i;
-    times += (times.empty() ? "" : ", ") +
-             std::to_string(AlgoConfig(tr.algos[i], CUBLASLT_ALGO_CONFIG_TILE_ID)) + ": " +
-             std::to_string(Median(tr.ms[i]));
-  }
-  JAX_UB_TRACE(
-      "GPU %d GEMM m=%lld k=%lld n=%lld in the op, median ms by tile (tuned pick first): %s; "
-      "keeping candidate %d (tile %d)",
-      device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
-      static_cast<long long>(p.n), times.c_str(), best,
-      AlgoConfig(tr.algos[best], CUBLASLT_ALGO_CONFIG_TILE_ID));
-  p.algo = tr.algos[best];
-  p.choice_index = tr.indices[best];
-  DestroyTrial(tr);
-  p.trial.reset();
-  RecordChoice(p);
-  return Status::Ok();
 }
 
 }  // namespace jax_ub

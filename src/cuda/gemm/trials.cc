@@ -1,0 +1,104 @@
+// Comparing tuning's fastest candidates inside the op's own calls: each runs in turn,
+// bracketed by events read later without waiting (TrialMatmul, Harvest), until the
+// fastest beside the op's copies is kept.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/gemm/choice_internal.h"
+#include "cuda/gemm/cublaslt_gemm.h"
+#include "cuda/trace.h"
+
+namespace jax_ub {
+using namespace gemm_internal;  // NOLINT: the kernel choice's own constants
+
+void CublasLtGemm::DestroyTrial(Trial& t) {
+  // An event still pending is released once it completes (cudaEventDestroy).
+  for (const Trial::Timing& x : t.pending) {
+    cudaEventDestroy(x.begin);
+    cudaEventDestroy(x.end);
+  }
+  for (cudaEvent_t e : t.spare) cudaEventDestroy(e);
+  t.pending.clear();
+  t.spare.clear();
+}
+
+Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
+                                 cudaStream_t stream, const GemmArgs& args) {
+  JAX_UB_RETURN_IF_ERROR(Harvest(p));
+  if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, args);  // just decided
+  Trial& tr = *p.trial;
+  const int count = static_cast<int>(tr.algos.size());
+  if (tr.last_call != call_) {  // this call's first GEMM of the shape: the next candidate
+    tr.last_call = call_;
+    ++tr.calls;
+  }
+  // Past the warm-up round and the timed ones: the tuned pick until the timings are in.
+  const int round = (tr.calls - 1) / count;
+  // Odd rounds visit the candidates in reverse, so over an even number of timed rounds
+  // each candidate holds every position equally often: a clock that drifts through the
+  // trials (a GPU settling at its power cap) costs every candidate alike, where a fixed
+  // order would always time the last candidate at the lowest clock.
+  const int slot = (tr.calls - 1) % count;
+  const int candidate = round % 2 == 0 ? slot : count - 1 - slot;
+  if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, args);
+  const cublasLtMatmulAlgo_t& algo = tr.algos[candidate];
+  if (round == 0) return Run(p, algo, a, b, c, stream, args);
+  while (tr.spare.size() < 2) {  // events are owned by the trial from creation on
+    cudaEvent_t e = nullptr;
+    JAX_UB_CUDA(cudaEventCreate(&e));
+    tr.spare.push_back(e);
+  }
+  const Trial::Timing timing{candidate, tr.spare[tr.spare.size() - 2], tr.spare.back()};
+  Status st = CudaStatus(cudaEventRecord(timing.begin, stream), "cudaEventRecord");
+  if (st.ok()) st = Run(p, algo, a, b, c, stream, args);
+  if (st.ok()) st = CudaStatus(cudaEventRecord(timing.end, stream), "cudaEventRecord");
+  if (!st.ok()) return st;  // the events stay spare
+  tr.spare.resize(tr.spare.size() - 2);
+  tr.pending.push_back(timing);
+  return Status::Ok();
+}
+
+Status CublasLtGemm::Harvest(Plan& p) {
+  Trial& tr = *p.trial;
+  while (!tr.pending.empty()) {
+    const Trial::Timing x = tr.pending.front();
+    const cudaError_t q = cudaEventQuery(x.end);
+    if (q == cudaErrorNotReady) break;
+    JAX_UB_CUDA(q);
+    float ms = 0;
+    JAX_UB_CUDA(cudaEventElapsedTime(&ms, x.begin, x.end));
+    tr.ms[x.candidate].push_back(ms);
+    tr.spare.push_back(x.begin);
+    tr.spare.push_back(x.end);
+    tr.pending.pop_front();
+  }
+  const int count = static_cast<int>(tr.algos.size());
+  if (!tr.pending.empty() || tr.calls < count * (kTrialRounds + 1)) return Status::Ok();
+  // Every candidate's timings are in: keep the smallest median.
+  int best = 0;
+  std::string times;
+  for (int i = 0; i < count; ++i) {
+    if (tr.ms[i].empty()) continue;
+    if (tr.ms[best].empty() || Median(tr.ms[i]) < Median(tr.ms[best])) best = i;
+    times += (times.empty() ? "" : ", ") +
+             std::to_string(AlgoConfig(tr.algos[i], CUBLASLT_ALGO_CONFIG_TILE_ID)) + ": " +
+             std::to_string(Median(tr.ms[i]));
+  }
+  JAX_UB_TRACE(
+      "GPU %d GEMM m=%lld k=%lld n=%lld in the op, median ms by tile (tuned pick first): %s; "
+      "keeping candidate %d (tile %d)",
+      device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
+      static_cast<long long>(p.n), times.c_str(), best,
+      AlgoConfig(tr.algos[best], CUBLASLT_ALGO_CONFIG_TILE_ID));
+  p.algo = tr.algos[best];
+  p.choice_index = tr.indices[best];
+  DestroyTrial(tr);
+  p.trial.reset();
+  RecordChoice(p);
+  return Status::Ok();
+}
+
+}  // namespace jax_ub
