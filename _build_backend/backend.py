@@ -43,7 +43,7 @@ _CUDA_WHEELS = [
 
 
 # Keep with pyproject.toml's ``jax>=`` (jax and jaxlib release together).
-_MIN_JAXLIB = "0.6.1"
+_MIN_JAXLIB = "0.9.2"
 
 
 def _installed_jaxlib() -> str | None:

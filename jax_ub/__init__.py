@@ -15,16 +15,57 @@ Public API:
   explain_impl(op, x_shape, w_shape, dtype, axis_size, ...) -> ImplChoice: what impl="auto"
     (or "ub", "xla") runs for a call, and why
   dots_and_ops_saveable: a jax.checkpoint policy that saves the dots and the ops' results
+
+The rules behind the options (each function's docstring has its shapes and shardings):
+
+  impl: "ub" runs the userbuffer op at any size; "xla" the same math on lax collectives
+    (the *_reference functions); "auto" (default) the userbuffer op where the platform,
+    dtype and extension allow it and, on GPUs, only for a group of two or more GPUs whose
+    collective moves at least config.auto_min_bytes per rank (default 8 MiB, calibrated on
+    2x H200: jax_ub._src.auto_rule), else XLA's op. On CPU devices "auto" runs the host
+    protocol at any size: it is CI's test of the protocol, not a speed path. explain_impl
+    says what a call runs and why; the "jax_ub" logger logs each decision at DEBUG when a
+    call is traced.
+  seq_axis: the dim of x split over the axis (the sequence): 0 (default) for
+    [seq, batch, ..., k], 1 for batch-major [batch, seq, ..., k]. Results keep it in place;
+    the Flax layers take it too (jax_ub.flax.ParallelConfig).
+  float32: the ops' GEMMs and their weight gradients' dots run at full float32 precision
+    unless configure(allow_tf32=True); impl="xla" (and "auto" where it picks XLA) runs
+    XLA's dots at JAX's default precision, which on GPUs is TF32 for float32.
+  fp8: fp8=Fp8Scales(...) quantizes x and w to float8_e4m3fn with per-tensor scales, moves
+    fp8 bytes in the all-gather and returns x.dtype; gradients go through float8_e5m2.
+    cuBLASLt's fp8 GEMMs need compute capability 8.9 or newer and k and n of each rank's
+    shards divisible by 16, checked on CPU devices too (impl="ub" refuses other shapes,
+    "auto" takes XLA's fp8 path). The forward's e4m3 x e4m3 GEMMs accumulate in the tensor
+    cores' fast mode, as XLA's fp8 dots at default precision do; GEMMs with an e5m2
+    gradient promote partial sums to float32. Scaling recipes: jax_ub.fp8.
+  Failures: every wait on a peer has a deadline (config.timeout_s), and every call carries
+    a descriptor (op, dtype, shape, call number) that its peers check, so a missing rank or
+    ranks that disagree give an error naming them, not a hang or wrong numbers. On GPUs
+    most failures are found on the device after the op has returned to XLA: the call's
+    outputs are NaN, the reason is printed at once, and check_health() (or the next jax_ub
+    call) raises it. JAX_UB_TRACE=1 prints on stderr which call each GPU's handler thread
+    has reached, for diagnosing a hang. Guarantees and their tests: tests/RELIABILITY.md.
+  GPU kernel choice: a GEMM shape's first call on a GPU drains that GPU once, times
+    cuBLASLt's best candidate kernels (up to about 2 s per shape) and loads them before
+    anything waits on a peer (CUDA's lazy kernel loading could otherwise hang a group); the
+    shape's next 15 calls compare the 3 fastest beside the op's copies and keep the
+    fastest. From then on results are bitwise reproducible, though the kernel kept may
+    differ between processes. configure(gemm_cache=path) keeps each shape's kernel in a
+    file (keyed by GPU model, cuBLASLt version and shape) that later processes, and other
+    GPUs of the same model, run from their first call, with no tuning and no trials.
+    The tuning choices themselves are internal (jax_ub._src.options.Tuning).
 """
 
 from jax_ub._src import cpu_runtime as _cpu_runtime
 from jax_ub._src import extension as _extension  # registers the FFI handlers
 from jax_ub._src.all_gather_matmul import all_gather_matmul
-from jax_ub._src.auto_rule import ImplChoice, explain_impl
+from jax_ub._src.auto_rule import ImplChoice
 from jax_ub._src.communicator import Communicator, initialize, live_communicators
 from jax_ub._src.config import Config, config, configure
 from jax_ub._src.fp8 import Fp8Scales
 from jax_ub._src.gated_mlp import gated_mlp, gated_mlp_reference
+from jax_ub._src.impl_choice import explain_impl
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.mlp import gelu_mlp
 from jax_ub._src.reference import (

@@ -16,7 +16,7 @@ from conftest import OPS, op_fn, op_operands, rel_err
 from jax import lax
 
 import jax_ub
-from jax_ub._src import auto_rule, checks, extension
+from jax_ub._src import auto_rule, extension, impl_choice
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 NAME = {"ag": AG, "rs": RS}
@@ -148,23 +148,23 @@ def test_auto_min_bytes_from_the_environment(monkeypatch):
 @pytest.mark.usefixtures("simulated_gpu")
 def test_use_ub_on_gpus_follows_the_rule(rand):
     x_small, w = rand(8, 16, dtype=BF16), rand(16, 8, dtype=BF16)
-    assert checks.use_ub(AG, "auto", x_small, w, axis_size=2) is False
-    assert checks.use_ub(AG, "auto", x_small, w, axis_size=1) is False
-    assert checks.use_ub(AG, "ub", x_small, w, axis_size=1) is True  # ub always means ub
+    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=2) is False
+    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=1) is False
+    assert impl_choice.use_ub(AG, "ub", x_small, w, axis_size=1) is True  # ub always means ub
     jax_ub.configure(auto_min_bytes=8 * 16 * 2)  # exactly this call's bytes at tp=2
-    assert checks.use_ub(AG, "auto", x_small, w, axis_size=2) is True
-    assert checks.use_ub(AG, "auto", x_small, w, axis_size=1) is False
+    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=2) is True
+    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=1) is False
 
 
 def _with_axis_size(monkeypatch):
-    """Pass the axis size to use_ub as the ops will (checks.use_ub(..., axis_size=size))."""
-    real = checks.use_ub
+    """Pass the axis size to use_ub as the ops will (impl_choice.use_ub(..., axis_size=size))."""
+    real = impl_choice.use_ub
 
     def use_ub(op, impl, x, w, fp8=False, axis_size=None):
         axis_size = lax.axis_size("tp") if axis_size is None else axis_size
         return real(op, impl, x, w, fp8=fp8, axis_size=axis_size)
 
-    monkeypatch.setattr(checks, "use_ub", use_ub)
+    monkeypatch.setattr(impl_choice, "use_ub", use_ub)
 
 
 @pytest.mark.usefixtures("simulated_gpu")
@@ -214,7 +214,7 @@ def test_auto_on_cpu_is_the_host_protocol_and_logs_why(mesh1d, rand, caplog, op)
 def test_auto_logs_a_gpu_decision_for_xla(rand, caplog):
     x, w = rand(8, 16, dtype=BF16), rand(16, 8, dtype=BF16)
     with caplog.at_level(logging.DEBUG, logger="jax_ub"):
-        checks.use_ub(RS, "auto", x, w, axis_size=2)
+        impl_choice.use_ub(RS, "auto", x, w, axis_size=2)
     (message,) = [r.getMessage() for r in caplog.records if r.name == "jax_ub"]
     assert "matmul_reduce_scatter impl='auto' -> 'xla'" in message
     assert "(x (8, 16), w (16, 8), bfloat16, group of 2)" in message
@@ -224,7 +224,7 @@ def test_auto_logs_a_gpu_decision_for_xla(rand, caplog):
 def test_auto_logs_why_it_cannot_take_ub(rand, caplog):
     x, w = rand(8, 16), rand(16, 8, dtype=BF16)
     with caplog.at_level(logging.DEBUG, logger="jax_ub"):
-        assert checks.use_ub(AG, "auto", x, w, axis_size=2) is False
+        assert impl_choice.use_ub(AG, "auto", x, w, axis_size=2) is False
     assert "-> 'xla'" in caplog.text and "different dtypes" in caplog.text
 
 
@@ -263,14 +263,14 @@ def test_explain_impl_says_what_the_op_does_on_gpus(rand):
         choice = jax_ub.explain_impl(AG, (m, 8192), (8192, 64), BF16, 2)
         assert choice.impl == impl, choice
         x, w = rand(m, 8192, dtype=BF16), rand(8192, 64, dtype=BF16)
-        assert checks.use_ub(AG, "auto", x, w, axis_size=2) is (impl == "ub")
+        assert impl_choice.use_ub(AG, "auto", x, w, axis_size=2) is (impl == "ub")
     solo = jax_ub.explain_impl(RS, (4096, 8192), (8192, 8192), BF16, 1)
     assert solo.impl == "xla" and "group of one device" in solo.reason
 
 
 def test_explain_impl_docstring_example_runs():
     globs = dict(jax_ub=jax_ub, jnp=jnp)
-    tests = doctest.DocTestFinder().find(auto_rule.explain_impl, "explain_impl", globs=globs)
+    tests = doctest.DocTestFinder().find(impl_choice.explain_impl, "explain_impl", globs=globs)
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     for test in tests:
         runner.run(test)

@@ -27,6 +27,7 @@ MODULES = [
     jax_ub.flax.nnx.gated,
     jax_ub.flax.linen.layers,
     jax_ub.flax.linen.blocks,
+    jax_ub.flax._settings,
 ]
 
 

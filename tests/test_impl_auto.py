@@ -55,7 +55,7 @@ def test_auto_falls_back_to_xla_for_mixed_dtypes(mesh1d, rand):
 
 def _no_peer_access(monkeypatch):
     """Every group of this process looks like GPUs without peer access."""
-    from jax_ub._src import checks, communicator
+    from jax_ub._src import communicator, warn_registry
 
     def refuse(module, key, devices, ordinals):
         raise communicator.PeersUnreachable(
@@ -66,7 +66,7 @@ def _no_peer_access(monkeypatch):
     monkeypatch.setattr(communicator, "_check_peer_access", refuse)
     # What this test learns about unreachable groups goes with it, even if it fails.
     monkeypatch.setattr(communicator, "_unreachable", {})
-    monkeypatch.setattr(checks, "_warned", set())
+    monkeypatch.setattr(warn_registry, "_warned", set())
 
 
 def test_auto_falls_back_to_xla_where_peers_cannot_share_memory(mesh1d, rand, monkeypatch):
@@ -104,12 +104,12 @@ def test_ub_raises_where_peers_cannot_share_memory(mesh1d, rand, monkeypatch):
 def test_gpu_without_cuda_extension_says_why(monkeypatch, rand):
     """On GPUs with only the CPU extension loaded: impl="ub" says what is missing and how to
     see it, impl="auto" warns once and takes XLA's path."""
-    from jax_ub._src import checks, extension
+    from jax_ub._src import extension, impl_choice, warn_registry
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(extension, "cuda_module", lambda: None)
     monkeypatch.setattr(extension, "cuda_import_error", lambda: "not built (no CUDA toolkit)")
-    monkeypatch.setattr(checks, "_warned", set())
+    monkeypatch.setattr(warn_registry, "_warned", set())
     x, w = rand(8, 4), rand(4, 8)
     with pytest.raises(
         ValueError,
@@ -117,6 +117,6 @@ def test_gpu_without_cuda_extension_says_why(monkeypatch, rand):
         r"implementation for platform 'gpu': the CUDA extension is not built "
         r"\(no CUDA toolkit\).*python -m jax_ub.info",
     ):
-        checks.use_ub("all_gather_matmul", "ub", x, w)
+        impl_choice.use_ub("all_gather_matmul", "ub", x, w)
     with pytest.warns(UserWarning, match=r"impl='auto' uses XLA's collectives on GPUs"):
-        assert checks.use_ub("all_gather_matmul", "auto", x, w) is False
+        assert impl_choice.use_ub("all_gather_matmul", "auto", x, w) is False

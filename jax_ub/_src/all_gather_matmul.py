@@ -4,17 +4,19 @@ matmul and the bias and activation applied in its epilogue."""
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks, layout
+from jax_ub._src import checks, impl_choice, layout
 from jax_ub._src.config import config
 from jax_ub._src.epilogue import check_epilogue, epilogue_grads
-from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, fp8_all_gather_matmul
-from jax_ub._src.fp8 import check_operands as check_fp8_operands
+from jax_ub._src.fp8 import Fp8Scales, compute_operands
+from jax_ub._src.fp8_ops import fp8_all_gather_matmul
+from jax_ub._src.group import Group
 from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import all_gather_matmul_reference, reduce_scatter_rows
@@ -100,9 +102,9 @@ def all_gather_matmul(
     checks.check_matmul_shapes(_OP, x, w)
     seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
     check_epilogue(_OP, x, w, bias, activation)
-    check_fp8_operands(_OP, x, w, fp8)
+    checks.check_fp8_operands(_OP, x, w, fp8)
     if fp8 is not None:
-        check_scales(_OP, fp8)
+        checks.check_fp8_scales(_OP, fp8)
         if return_gathered:
             raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
     size = checks.bound_axis_size(_OP, axis_name)
@@ -123,18 +125,19 @@ def all_gather_matmul(
         )
         return layout.seq_back(result, seq_axis)
     operands = (x, w) if fp8 is None else compute_operands(x, w)
-    ub = checks.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
-    fallback = impl == "auto"  # to XLA's collectives if the group's GPUs cannot share memory
+    ub = impl_choice.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
+    # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
+    group = Group(axis_name, size, fallback=impl == "auto", ub=ub)
     if bias is not None:  # the output's dtype, as the epilogue adds it
         bias = jnp.asarray(bias, operands[0].dtype)
     gelu = activation == "gelu"
     if fp8 is not None:
-        return fp8_all_gather_matmul(x, w, fp8, bias, axis_name, size, fallback, ub, gelu)
+        return fp8_all_gather_matmul(x, w, fp8, bias, group, gelu)
     if not ub:
         return all_gather_matmul_reference(
-            x, w, axis_name, return_gathered, bias=bias, activation=activation
+            x, w, axis_name, return_gathered=return_gathered, bias=bias, activation=activation
         )
-    return _all_gather_matmul(x, w, bias, axis_name, size, fallback, gelu, return_gathered)
+    return _all_gather_matmul(x, w, bias, group, gelu, return_gathered)
 
 
 def _on_global_arrays(
@@ -188,40 +191,62 @@ def contract_rows(a, b):
     return jnp.tensordot(a, b, axes=(lead, lead), precision=precision)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _all_gather_matmul(x, w, bias, axis_name, size, fallback, gelu, return_gathered):
+class _Residuals(NamedTuple):
+    # The backward needs only x's and the bias's types (the mesh axes they vary over), not
+    # their values: empty slices carry them without keeping the activation alive.
+    x_like: jax.Array
+    gathered: jax.Array  # all_gather(x), for the weight gradient
+    w: jax.Array
+    pre_gelu: jax.Array | None  # GELU's input, with activation="gelu"
+    bias_like: jax.Array | None
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _all_gather_matmul(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
     out, gathered, _ = bind_all_gather_matmul(
-        x, w, axis_name, size, return_gathered, fallback=fallback, bias=bias, gelu=gelu
+        x,
+        w,
+        group.axis_name,
+        group.size,
+        return_gathered=return_gathered,
+        fallback=group.fallback,
+        bias=bias,
+        gelu=gelu,
     )
     return (out, gathered) if return_gathered else out
 
 
-def _fwd(x, w, bias, axis_name, size, fallback, gelu, return_gathered):
+def _fwd(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
     out, gathered, pre = bind_all_gather_matmul(
-        x, w, axis_name, size, True, fallback=fallback, bias=bias, gelu=gelu, keep_pre_gelu=True
+        x,
+        w,
+        group.axis_name,
+        group.size,
+        return_gathered=True,
+        fallback=group.fallback,
+        bias=bias,
+        gelu=gelu,
+        keep_pre_gelu=True,
     )
-    # The backward needs only x's and the bias's types (the mesh axes they vary over), not
-    # their values: empty slices carry them without keeping the activation alive.
     bias_like = None if bias is None else bias[:0]
     out, gathered = saved_output(out), saved_gathered(gathered)  # kept under remat (remat.py)
-    res = (x[:0], gathered, w, pre if gelu else None, bias_like)
+    res = _Residuals(x[:0], gathered, w, pre if gelu else None, bias_like)
     return ((out, gathered) if return_gathered else out), res
 
 
-def _bwd(axis_name, size, fallback, gelu, return_gathered, res, cts):
-    x, gathered, w, pre, bias_like = res
+def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     dy, dgathered = cts if return_gathered else (cts, None)
-    dp, dbias = epilogue_grads(dy, pre, bias_like, gelu)
+    dp, dbias = epilogue_grads(dy, res.pre_gelu, res.bias_like, gelu)
     # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    w_t, in_place = weight_transposed(w)
+    w_t, in_place = weight_transposed(res.w)
     dx = bind_matmul_reduce_scatter(
-        dp, w_t, axis_name, size, transpose_w=in_place, fallback=fallback
+        dp, w_t, group.axis_name, group.size, transpose_w=in_place, fallback=group.fallback
     )
-    dx = match_varying(dx, x)
+    dx = match_varying(dx, res.x_like)
     if dgathered is not None:
-        scattered = reduce_scatter_rows(dgathered, axis_name)
-        dx = dx + match_varying(scattered, x)
-    return dx, match_varying(contract_rows(gathered, dp), w), dbias
+        scattered = reduce_scatter_rows(dgathered, group.axis_name)
+        dx = dx + match_varying(scattered, res.x_like)
+    return dx, match_varying(contract_rows(res.gathered, dp), res.w), dbias
 
 
 _all_gather_matmul.defvjp(_fwd, _bwd)

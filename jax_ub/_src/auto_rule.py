@@ -1,7 +1,7 @@
 """What ``impl="auto"`` runs: the userbuffer op where it pays, XLA's unfused op elsewhere.
 
 The rule, applied at trace time to every call whose operands the userbuffer op ("ub") can
-run (dtype, platform, extension, fp8 support: :mod:`jax_ub._src.checks`):
+run (dtype, platform, extension, fp8 support: :mod:`jax_ub._src.impl_choice`):
 
 * **CPU devices: ub, always.** The host protocol is CI's test vehicle for the protocol the
   GPUs run, not a speed path, so ``auto`` exercises it wherever it can run.
@@ -181,57 +181,3 @@ def _size(n: int) -> str:
     if n >= 1 << 20:
         return f"{n} bytes ({n / (1 << 20):.3g} MiB)"
     return f"{n} bytes"
-
-
-def explain_impl(
-    op: str,
-    x_shape: Sequence[int],
-    w_shape: Sequence[int],
-    dtype: object,
-    axis_size: int,
-    *,
-    impl: str = "auto",
-    fp8: bool = False,
-) -> ImplChoice:
-    """What ``op(x, w, axis_name, impl=impl)`` runs in this process, and why.
-
-    The same decision the op makes at trace time (module ``jax_ub._src.auto_rule``), for a
-    call inside ``shard_map`` on local shards, on this process's default backend.
-
-    Args:
-      op: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"``.
-      x_shape, w_shape: the local shapes (``x [m, ..., k]``, ``w [k, n]``), as inside
-        ``shard_map``.
-      dtype: the dtype of ``x`` and ``w``.
-      axis_size: the size of the op's mesh axis (``tp``).
-      impl: ``"auto"``, ``"ub"`` or ``"xla"``.
-      fp8: the call passes ``fp8=Fp8Scales(...)``.
-
-    Returns:
-      an :class:`ImplChoice`: ``impl`` ("ub" or "xla"), ``reason``, ``comm_bytes``.
-
-    Raises:
-      ValueError: where ``impl="ub"`` cannot run this call (the op raises the same).
-
-    Example (on CPU devices, where the host protocol runs wherever it can; on GPUs this
-    call would run XLA's op, its 1.5 MiB per rank being below the default 8 MiB)::
-
-        >>> choice = jax_ub.explain_impl("all_gather_matmul", (256, 1024), (1024, 4096),
-        ...                              jnp.bfloat16, axis_size=4)
-        >>> choice.impl, choice.comm_bytes
-        ('ub', 1572864)
-        >>> choice.comm_bytes == (4 - 1) * 256 * 1024 * 2  # 3 peers' bf16 shards of x
-        True
-    """
-    import jax  # noqa: PLC0415
-
-    from jax_ub._src import checks  # noqa: PLC0415  (checks calls into this module)
-
-    check_op(op)
-    checks.check_impl(op, impl)
-    x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(dtype))
-    w = jax.ShapeDtypeStruct(tuple(w_shape), jnp.dtype(dtype))
-    checks.check_matmul_shapes(op, x, w)
-    choice = checks.choose_impl(op, impl, x, w, fp8, axis_size)
-    moved = comm_bytes(op, x_shape, w_shape, dtype, axis_size, fp8=fp8)
-    return dataclasses.replace(choice, comm_bytes=moved)

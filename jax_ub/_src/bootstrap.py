@@ -22,6 +22,7 @@ from types import ModuleType
 
 import jax
 
+from jax_ub._src.jax_compat import distributed_client
 from jax_ub._src.options import Options
 
 # Communicators are created in program order, which is the same in every process of an
@@ -122,9 +123,7 @@ def _check_agreed(process: int, theirs: dict, ours: dict[str, object]) -> None:
 
 
 def kv_client():
-    from jax._src import distributed  # noqa: PLC0415
-
-    client = distributed.global_state.client
+    client = distributed_client()
     if client is None:
         raise RuntimeError(
             "jax_ub: this mesh spans several processes; call jax.distributed.initialize() "

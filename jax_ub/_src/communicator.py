@@ -16,9 +16,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub._src import bootstrap, checks, cpu_runtime, extension
+from jax_ub._src import bootstrap, cpu_runtime, extension
 from jax_ub._src.config import config
 from jax_ub._src.options import Options, current_options
+from jax_ub._src.warn_registry import clear_warnings, warn_once
 
 _MIB = 1 << 20
 # Default userbuffer when the config leaves it to us: what the op needs, but at least this,
@@ -158,7 +159,7 @@ def warn_fallback(axis_name: str, reason: Exception) -> None:
     """Warn once per group layout (the reason names its devices) that impl="auto" uses
     XLA's collectives instead."""
     message = f"jax_ub: impl='auto' uses XLA's collectives on axis {axis_name!r}: {reason}"
-    checks.warn_once(str(reason), message)
+    warn_once(str(reason), message)
 
 
 def get_communicator(
@@ -260,7 +261,7 @@ def take_all() -> list[Communicator]:
         _live.clear()
         _retired.clear()
         _unreachable.clear()
-    checks.clear_warnings()
+    clear_warnings()
     return comms
 
 

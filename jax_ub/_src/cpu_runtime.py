@@ -45,9 +45,10 @@ import os
 import re
 import threading
 
-from jax._src import xla_bridge
+import jax
 
-from jax_ub._src import checks
+from jax_ub._src.jax_compat import cpu_backend_registry
+from jax_ub._src.warn_registry import warn_once
 
 _lock = threading.Lock()
 # The CPU client's worker threads, once JAX has created it through install()'s factory.
@@ -70,8 +71,7 @@ def available_cpus() -> int:
 def requested_cpu_devices() -> int:
     """How many CPU devices JAX's CPU client will have: jax_num_cpu_devices, else XLA's
     --xla_force_host_platform_device_count, else 1."""
-    configured = getattr(xla_bridge, "num_cpu_devices", None)
-    value = getattr(configured, "value", -1) if configured is not None else -1
+    value = getattr(jax.config, "jax_num_cpu_devices", -1)
     if value is not None and value >= 0:
         return int(value)
     found = re.findall(
@@ -123,8 +123,7 @@ def install() -> None:
         if _installed:
             return
         _installed = True
-    backends = getattr(xla_bridge, "_backends", {})
-    factories = getattr(xla_bridge, "_backend_factories", {})
+    backends, factories = cpu_backend_registry()
     registration = factories.get("cpu")
     if "cpu" in backends or registration is None:
         return
@@ -162,7 +161,7 @@ def check_worker_threads(num_devices: int) -> None:
             "it was created before jax_ub was imported: import jax_ub before JAX first "
             "uses a device"
         )
-    checks.warn_once(
+    warn_once(
         "cpu_worker_threads",
         f"jax_ub: JAX's CPU client has {threads} worker threads for {num_devices} devices: "
         "with more than 31 calls in flight (no block_until_ready or host read in between), "

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks, layout
 from jax_ub._src.all_gather_matmul import all_gather_matmul
-from jax_ub._src.fp8 import Fp8Scales, check_scales
+from jax_ub._src.fp8 import Fp8Scales
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 
 _OP = "gated_mlp"
@@ -96,7 +96,7 @@ def gated_mlp(
             f"{w_gate_up.shape[2]}; {shapes}"
         )
     seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
-    scales = _check_fp8(fp8)
+    scales = checks.check_fp8_pair(_OP, fp8, "(gate_up, down)")
 
     def local(x, w_gate_up, w_down_and_scales):
         w_down, (up, down) = w_down_and_scales
@@ -132,20 +132,6 @@ def activation_function(activation) -> Callable[[jax.Array], jax.Array]:
             f"got {activation!r}"
         )
     return ACTIVATIONS[activation]
-
-
-def _check_fp8(fp8) -> tuple[Fp8Scales | None, Fp8Scales | None]:
-    """``fp8`` as ``(gate_up, down)``; ``(None, None)`` without fp8."""
-    if fp8 is None:
-        return None, None
-    if not isinstance(fp8, (tuple, list)) or len(fp8) != 2:
-        raise TypeError(
-            f"{_OP}: fp8 must be a pair (gate_up, down) of jax_ub.Fp8Scales, "
-            f"got {type(fp8).__name__}"
-        )
-    for scales in fp8:
-        check_scales(_OP, scales)
-    return tuple(fp8)
 
 
 def gated_mlp_reference(x, w_gate_up, w_down, activation="silu"):

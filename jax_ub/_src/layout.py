@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import checks
+from jax_ub._src.warn_registry import warn_once
 
 
 def manual_axes() -> frozenset[str]:
@@ -72,7 +73,7 @@ def _warn_replicated(shape: tuple, axes: tuple, size: int) -> None:
         "the whole batch on every device of those axes. Keep a batch dim, e.g. "
         "[seq, batch, features] rather than [seq * batch, features]."
     )
-    checks.warn_once(message, message)
+    warn_once(message, message)
 
 
 def local_shape(shape: Sequence[int], spec: P, mesh: Any) -> tuple[int, ...]:
@@ -268,8 +269,51 @@ def on_global_arrays(
     check_global_layout(op, mesh, {"x": (x, specs[0]), "w": (w, specs[1])})
     if extra is not None:
         spec = P() if extra_spec is None else extra_spec
-        return over_axis(local, mesh, axis_name, (*specs, spec), out_spec)(x, w, extra)
-    return over_axis(local, mesh, axis_name, specs, out_spec)(x, w)
+        return global_call(local, mesh, axis_name, (*specs, spec), out_spec)(x, w, extra)
+    return global_call(local, mesh, axis_name, specs, out_spec)(x, w)
+
+
+def global_call(
+    f: Callable,
+    mesh: Any,
+    axis_name: str,
+    in_specs: tuple,
+    out_specs: Any,
+    check_vma: bool = True,
+) -> Callable:
+    """``f`` (a computation on local shards) as a function of global arrays laid out on
+    ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3).
+
+    Runs in :func:`over_axis`. Under ``Explicit`` axes shard_map takes inputs only already
+    split as its ``in_specs`` say: each array's split over ``axis_name`` is moved there,
+    its other axes kept (the ops check the layout first, so theirs stay as they are).
+    A size-1 axis stays automatic in JAX, where XLA refuses the psum that would type a
+    replicated output as such: nothing to check over a group of one, so ``check_vma``
+    applies to larger groups only.
+    """
+    checked = check_vma and int(mesh.shape[axis_name]) > 1
+    mapped = over_axis(f, mesh, axis_name, in_specs, out_specs, checked)
+
+    def call(*args):
+        return mapped(*_moved_to_specs(axis_name, in_specs, args))
+
+    return call
+
+
+def _moved_to_specs(axis_name: str, in_specs: Any, args: tuple) -> tuple:
+    """Each array of ``args`` whose type carries its sharding, with its split over
+    ``axis_name`` moved to where ``in_specs`` has it. Arrays whose type carries no sharding
+    (``Auto`` axes) pass as they are: XLA moves them."""
+
+    def move(spec, a):
+        actual = typed_spec(a)
+        if spec is None or actual is None:
+            return a
+        target = replace_axis(actual, spec, axis_name, a.ndim)
+        return a if target == actual else jax.sharding.reshard(a, target)
+
+    is_spec = lambda s: s is None or isinstance(s, P)  # noqa: E731
+    return tuple(jax.tree.map(move, in_specs, args, is_leaf=is_spec))
 
 
 def over_axis(

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks, layout
+from jax_ub._src import checks, impl_choice, layout
 from jax_ub._src.all_gather_matmul import contract_rows
 from jax_ub._src.epilogue import check_epilogue
-from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, fp8_matmul_reduce_scatter
-from jax_ub._src.fp8 import check_operands as check_fp8_operands
+from jax_ub._src.fp8 import Fp8Scales, compute_operands
+from jax_ub._src.fp8_ops import fp8_matmul_reduce_scatter
+from jax_ub._src.group import Group
 from jax_ub._src.options import weight_transposed
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import matmul_reduce_scatter_reference
@@ -75,9 +76,9 @@ def matmul_reduce_scatter(
     checks.check_matmul_shapes(_OP, x, w)
     seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
     check_epilogue(_OP, x, w, bias, None)
-    check_fp8_operands(_OP, x, w, fp8)
+    checks.check_fp8_operands(_OP, x, w, fp8)
     if fp8 is not None:
-        check_scales(_OP, fp8)
+        checks.check_fp8_scales(_OP, fp8)
     y = _reduced(x, w, axis_name, impl, fp8, seq_axis)
     return y if bias is None else y + jnp.asarray(bias, y.dtype)
 
@@ -94,14 +95,14 @@ def _reduced(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
         y = _reduced(layout.seq_first(x, seq_axis), w, axis_name, impl, fp8, 0)
         return layout.seq_back(y, seq_axis)
     operands = (x, w) if fp8 is None else compute_operands(x, w)
-    ub = checks.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
+    ub = impl_choice.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
     # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
-    fallback = impl == "auto"
+    group = Group(axis_name, size, fallback=impl == "auto", ub=ub)
     if fp8 is not None:
-        return fp8_matmul_reduce_scatter(x, w, fp8, axis_name, size, fallback, ub)
+        return fp8_matmul_reduce_scatter(x, w, fp8, group)
     if not ub:
         return matmul_reduce_scatter_reference(x, w, axis_name)
-    return _matmul_reduce_scatter(x, w, axis_name, size, fallback)
+    return _matmul_reduce_scatter(x, w, group)
 
 
 def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
@@ -123,23 +124,29 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
     )
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul_reduce_scatter(x, w, axis_name, size, fallback):
-    return bind_matmul_reduce_scatter(x, w, axis_name, size, fallback=fallback)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_reduce_scatter(x, w, group: Group):
+    return bind_matmul_reduce_scatter(x, w, group.axis_name, group.size, fallback=group.fallback)
 
 
-def _fwd(x, w, axis_name, size, fallback):
-    out = bind_matmul_reduce_scatter(x, w, axis_name, size, fallback=fallback)
+def _fwd(x, w, group: Group):
+    out = bind_matmul_reduce_scatter(x, w, group.axis_name, group.size, fallback=group.fallback)
     return saved_output(out), (x, w)  # kept under remat (remat.py)
 
 
-def _bwd(axis_name, size, fallback, res, dy):
+def _bwd(group: Group, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
     w_t, in_place = weight_transposed(w)
     dx, dy_gathered, _ = bind_all_gather_matmul(
-        dy, w_t, axis_name, size, True, transpose_w=in_place, fallback=fallback
+        dy,
+        w_t,
+        group.axis_name,
+        group.size,
+        return_gathered=True,
+        transpose_w=in_place,
+        fallback=group.fallback,
     )
     return match_varying(dx, x), match_varying(contract_rows(x, dy_gathered), w)
 

@@ -10,16 +10,17 @@ cuBLASLt's DGELU epilogue instead, reading GELU's input (kept by the forward) an
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src import checks, layout, options
+from jax_ub._src import checks, impl_choice, layout, options
 from jax_ub._src.all_gather_matmul import all_gather_matmul, contract_rows
 from jax_ub._src.epilogue import bias_grad, check_epilogue
-from jax_ub._src.fp8 import Fp8Scales, check_scales, compute_operands, result_dtype
-from jax_ub._src.fp8 import check_operands as check_fp8_operands
+from jax_ub._src.fp8 import Fp8Scales, compute_operands, result_dtype
 from jax_ub._src.fp8_mlp import fp8_gelu_mlp
+from jax_ub._src.group import Group
 from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.reference import dgelu_reference
@@ -85,12 +86,12 @@ def gelu_mlp(
         )
     check_epilogue(_OP, x, w_up, up_bias, "gelu")
     check_epilogue(_OP, x, w_down, down_bias, None)
-    up, down = _check_fp8(fp8)
+    up, down = checks.check_fp8_pair(_OP, fp8, "(up, down)")
     dtype = x.dtype if fp8 is None else result_dtype(x, w_up)  # of the hidden activation
     h_rows = (x.shape[0], *x.shape[1:-1], w_up.shape[1])
-    check_fp8_operands(_OP, x, w_up, up, ("x", "w_up"), "fp8[0]")
+    checks.check_fp8_operands(_OP, x, w_up, up, ("x", "w_up"), "fp8[0]")
     hidden_rows = jax.ShapeDtypeStruct(h_rows, dtype)
-    check_fp8_operands(
+    checks.check_fp8_operands(
         _OP, hidden_rows, w_down, down, ("the hidden activation", "w_down"), "fp8[1]"
     )
     size = checks.bound_axis_size(_OP, axis_name)
@@ -114,84 +115,82 @@ def gelu_mlp(
             ops = (compute_operands(x, w_up), compute_operands(hidden, w_down))
         # Each projection as its own op would decide (the rule counts each op's bytes).
         kw = dict(fp8=fp8 is not None, axis_size=size)
-        fused = checks.use_ub("all_gather_matmul", impl, *ops[0], **kw)
-        fused = fused and checks.use_ub("matmul_reduce_scatter", impl, *ops[1], **kw)
+        fused = impl_choice.use_ub("all_gather_matmul", impl, *ops[0], **kw)
+        fused = fused and impl_choice.use_ub("matmul_reduce_scatter", impl, *ops[1], **kw)
     if not fused:  # the same block from the two ops, each taking its own path
         kw = dict(impl=impl, seq_axis=seq_axis)
         h = all_gather_matmul(x, w_up, axis_name, bias=up_bias, activation="gelu", fp8=up, **kw)
         return matmul_reduce_scatter(h, w_down, axis_name, bias=down_bias, fp8=down, **kw)
     if up_bias is not None:
         up_bias = jnp.asarray(up_bias, dtype)
+    # Both projections run the userbuffer op here; impl="auto" falls back to XLA's
+    # collectives if the group's GPUs cannot share memory.
+    group = Group(axis_name, size, fallback=impl == "auto")
     if fp8 is None:
-        y = _gelu_mlp(x, w_up, up_bias, w_down, axis_name, size, impl == "auto")
+        y = _gelu_mlp(x, w_up, up_bias, w_down, group)
     else:
-        y = fp8_gelu_mlp(x, w_up, up_bias, w_down, up, down, axis_name, size, impl == "auto", True)
+        y = fp8_gelu_mlp(x, w_up, up_bias, w_down, up, down, group)
     return y if down_bias is None else y + jnp.asarray(down_bias, y.dtype)
 
 
-def _check_fp8(fp8) -> tuple[Fp8Scales | None, Fp8Scales | None]:
-    """``fp8`` as ``(up, down)``: (None, None) without fp8; a clear error unless a pair of
-    Fp8Scales."""
-    if fp8 is None:
-        return None, None
-    if not isinstance(fp8, (tuple, list)) or len(fp8) != 2:
-        raise TypeError(
-            f"{_OP}: fp8 must be a pair (up, down) of jax_ub.Fp8Scales, got {type(fp8).__name__}"
-        )
-    for scales in fp8:
-        check_scales(_OP, scales)
-    return tuple(fp8)
+class _Residuals(NamedTuple):
+    x_like: jax.Array  # an empty slice of x: its dtype and the mesh axes it varies over
+    gathered: jax.Array  # all_gather(x), for w_up's gradient
+    w_up: jax.Array
+    pre_gelu: jax.Array  # GELU's input
+    h: jax.Array  # GELU's output, for w_down's gradient
+    w_down: jax.Array
+    bias_like: jax.Array | None  # an empty slice of up_bias, where there is one
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _gelu_mlp(x, w_up, up_bias, w_down, axis_name, size, fallback):
-    return _fwd(x, w_up, up_bias, w_down, axis_name, size, fallback)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gelu_mlp(x, w_up, up_bias, w_down, group: Group):
+    return _fwd(x, w_up, up_bias, w_down, group)[0]
 
 
-def _fwd(x, w_up, up_bias, w_down, axis_name, size, fallback):
+def _fwd(x, w_up, up_bias, w_down, group: Group):
     h, gathered, pre = bind_all_gather_matmul(
         x,
         w_up,
-        axis_name,
-        size,
-        True,
-        fallback=fallback,
+        group.axis_name,
+        group.size,
+        return_gathered=True,
+        fallback=group.fallback,
         bias=up_bias,
         gelu=True,
         keep_pre_gelu=True,
     )
-    y = bind_matmul_reduce_scatter(h, w_down, axis_name, size, fallback=fallback)
+    y = bind_matmul_reduce_scatter(h, w_down, group.axis_name, group.size, fallback=group.fallback)
     bias_like = None if up_bias is None else up_bias[:0]
-    return y, (x[:0], gathered, w_up, pre, h, w_down, bias_like)
+    return y, _Residuals(x[:0], gathered, w_up, pre, h, w_down, bias_like)
 
 
-def _bwd(axis_name, size, fallback, res, dy):
-    x, gathered, w_up, pre, h, w_down, bias_like = res
+def _bwd(group: Group, res: _Residuals, dy):
     # dp = (all_gather(dy) @ w_down.T) * gelu'(pre): the down-projection's input gradient
     # with GELU's backward in its epilogue; the gathered dy is the down weight's gradient's.
     fused_dgelu = options.tuning().dgelu_epilogue
-    w_t, in_place = options.weight_transposed(w_down)
+    w_t, in_place = options.weight_transposed(res.w_down)
     dp, dy_gathered, _ = bind_all_gather_matmul(
         dy,
         w_t,
-        axis_name,
-        size,
-        True,
+        group.axis_name,
+        group.size,
+        return_gathered=True,
         transpose_w=in_place,
-        fallback=fallback,
-        gelu_input=pre if fused_dgelu else None,
+        fallback=group.fallback,
+        gelu_input=res.pre_gelu if fused_dgelu else None,
     )
     if not fused_dgelu:
-        dp = dgelu_reference(dp, pre)
-    w_t, in_place = options.weight_transposed(w_up)
+        dp = dgelu_reference(dp, res.pre_gelu)
+    w_t, in_place = options.weight_transposed(res.w_up)
     dx = bind_matmul_reduce_scatter(
-        dp, w_t, axis_name, size, transpose_w=in_place, fallback=fallback
+        dp, w_t, group.axis_name, group.size, transpose_w=in_place, fallback=group.fallback
     )
     return (
-        match_varying(dx, x),
-        match_varying(contract_rows(gathered, dp), w_up),
-        bias_grad(dp, bias_like),
-        match_varying(contract_rows(h, dy_gathered), w_down),
+        match_varying(dx, res.x_like),
+        match_varying(contract_rows(res.gathered, dp), res.w_up),
+        bias_grad(dp, res.bias_like),
+        match_varying(contract_rows(res.h, dy_gathered), res.w_down),
     )
 
 

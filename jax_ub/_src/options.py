@@ -4,7 +4,7 @@ A communicator takes the user's settings that matter to it (``timeout_s``,
 ``allow_tf32``, ``gemm_cache``: :mod:`jax_ub._src.config`) and the tuning choices
 (internal defaults, below) when it is created, and keeps them for its lifetime.
 ``Options`` holds both, is the key communicators are cached under, and crosses to C++ as
-a dict of the same names (``src/comm_options.h``). Each value is validated once, where it
+a dict of the same names (``src/protocol/comm_options.h``). Each value is validated once, where it
 enters: the user's in ``config``, the tuning choices in :class:`Tuning`.
 """
 

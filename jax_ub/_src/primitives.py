@@ -1,6 +1,6 @@
 """JAX primitives that lower to the userbuffer FFI custom calls.
 
-Operands are ``x [rows, *batch, k]``, ``w [k, n]``, ``scales`` (``reference.pack_scales``: the
+Operands are ``x [rows, *batch, k]``, ``w [k, n]``, ``scales`` (``wire_format.pack_scales``: the
 scales multiplying the product when x and w are fp8; ones otherwise) and, for the all-gather,
 the epilogue's ``bias`` (``[n]``, or ``[0]`` for none) and ``gelu_input`` (DGELU's, laid out as
 the output, or ``[0, ..., n]`` for none); the custom call itself sees ``x`` and
@@ -32,25 +32,25 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core, sharding_impls
-from jax._src import mesh as mesh_lib
-from jax._src.interpreters import batching, mlir
-from jax._src.sharding_impls import SPMDAxisContext
-from jax.sharding import AxisType, Mesh
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.interpreters.mlir import SPMDAxisContext
+from jax.sharding import AxisType, Mesh, use_abstract_mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import communicator, layout
+from jax_ub._src import communicator, jax_compat, layout
 from jax_ub._src.reference import (
-    SCALE_STRIDE,
     all_gather_matmul_reference,
     dgelu_reference,
     matmul_reduce_scatter_reference,
 )
 from jax_ub._src.varying import result_aval
+from jax_ub._src.wire_format import unit_scales
 
-all_gather_matmul_p = core.Primitive("jax_ub_all_gather_matmul")
+all_gather_matmul_p = Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
-matmul_reduce_scatter_p = core.Primitive("jax_ub_matmul_reduce_scatter")
+matmul_reduce_scatter_p = Primitive("jax_ub_matmul_reduce_scatter")
 # The operands laid out like x's batch dims (which a nested shard_map keeps split over the
 # mesh's automatic axes): x, and the all-gather's gelu_input (laid out as its output). The
 # weight, scales and bias are replicated over those axes.
@@ -110,7 +110,7 @@ def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
     mesh = axis_ctx.mesh
     if not isinstance(mesh, Mesh):
         # shard_map without mesh= under jax.set_mesh: the concrete mesh is the context's.
-        mesh = mesh_lib.get_concrete_mesh()
+        mesh = jax_compat.concrete_mesh()
     if not isinstance(mesh, Mesh) or mesh.empty:
         raise ValueError(
             "jax_ub impl='ub' needs the concrete mesh at lowering time: pass "
@@ -119,7 +119,7 @@ def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
         )
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
-    return mesh, frozenset(axis_ctx.manual_axes)
+    return mesh, jax_compat.manual_axes(axis_ctx)
 
 
 def _platform(ctx: mlir.LoweringRuleContext) -> str:
@@ -182,7 +182,11 @@ def _lower_nested(prim, ctx, mesh: Mesh, manual: frozenset, *operands, **params)
 
     # The nested shard_map is traced against the partly manual mesh of this context and
     # lowered for its concrete devices.
-    with mesh_lib.use_abstract_mesh(abstract), sharding_impls._internal_use_concrete_mesh(mesh):
+    with (
+        use_abstract_mesh(abstract),
+        jax_compat.use_concrete_mesh(mesh),
+        jax_compat.enclosing_manual_axes(manual),
+    ):
         return mlir.lower_fun(nested, multiple_results=prim.multiple_results)(ctx, *operands)
 
 
@@ -190,7 +194,7 @@ def _is_empty(aval) -> bool:
     return 0 in aval.shape
 
 
-def _flat(aval: core.ShapedArray) -> core.ShapedArray:
+def _flat(aval: ShapedArray) -> ShapedArray:
     """[rows, *batch, cols] -> [rows * prod(batch), cols]: what the custom call sees."""
     return aval.update(shape=(int(np.prod(aval.shape[:-1])), aval.shape[-1]))
 
@@ -199,16 +203,14 @@ def _ffi_call_flat(ctx, target: str, x, *operands, comm_id: int, **attrs):
     """The custom call on x flattened to 2-D; results reshaped back to their avals."""
     x_aval, *others = ctx.avals_in
     flat_outs = [_flat(a) for a in ctx.avals_out]
-    x2 = mlir.reshape(ctx, x, _flat(x_aval))
+    x2 = jax_compat.reshape(ctx, x, _flat(x_aval))
     flat_ctx = ctx.replace(avals_in=[_flat(x_aval), *others], avals_out=flat_outs)
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
     outs = rule(flat_ctx, x2, *operands, comm_id=np.int64(comm_id), **attrs)
-    return [mlir.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
+    return [jax_compat.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
-def _lowering(
-    prim: core.Primitive, op: str, chunk_aval: Callable, unfused: Callable, attrs: tuple = ()
-):
+def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable, attrs: tuple = ()):
     """The lowering rule of `prim`: nested in a shard_map where mesh axes are still
     automatic (see the module docstring); else the custom call on the communicator for
     the mesh, or `unfused` (XLA's collectives) where impl="auto" finds the group's devices
@@ -328,7 +330,7 @@ batching.primitive_batchers[matmul_reduce_scatter_p] = lambda args, dims, **kw: 
 def _scales_and_type(x, scales, out_dtype):
     """The scales operand (ones unless given) and the output dtype (x's unless given)."""
     if scales is None:
-        scales = jnp.ones((2 * SCALE_STRIDE,), jnp.float32)
+        scales = unit_scales()
     return scales, jnp.dtype(out_dtype if out_dtype is not None else x.dtype)
 
 
@@ -337,6 +339,7 @@ def bind_all_gather_matmul(
     w,
     axis_name: str,
     axis_size: int,
+    *,
     return_gathered: bool,
     transpose_w: bool = False,
     fallback: bool = False,
@@ -353,7 +356,7 @@ def bind_all_gather_matmul(
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
     backward passes multiply by ``w.T`` without materialising it). With ``fallback``
     (impl="auto"), a group whose devices cannot share memory lowers to XLA's collectives.
-    fp8 ``x`` and ``w`` (``w`` transposed) come with ``scales`` (``reference.pack_scales``) and an
+    fp8 ``x`` and ``w`` (``w`` transposed) come with ``scales`` (``wire_format.pack_scales``) and an
     ``out_dtype``: the product is ``x_scale * w_scale * (x @ w)``. The epilogue (``bias``
     ``[n]`` of the output's dtype, ``gelu``) runs in the GEMMs; ``keep_pre_gelu`` (with
     ``gelu``) also returns GELU's input, for the backward. With ``gelu_input`` (GELU's input,
@@ -389,6 +392,7 @@ def bind_matmul_reduce_scatter(
     w,
     axis_name: str,
     axis_size: int,
+    *,
     transpose_w: bool = False,
     fallback: bool = False,
     scales=None,

@@ -7,23 +7,17 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 
-# fp8 scales travel to the custom calls as float32 [8]: x's at [0], w's at [4], each 16-byte
-# aligned on the device, as cuBLASLt reads them (kScaleStride in src/dtype.h).
-SCALE_STRIDE = 4
-
-
-def pack_scales(x_scale, w_scale) -> jax.Array:
-    """The scales operand of the custom calls: ``x_scale`` at [0], ``w_scale`` at [4]."""
-    z = jnp.zeros((SCALE_STRIDE - 1,), jnp.float32)
-    parts = (x_scale, z, w_scale, z)
-    return jnp.concatenate([jnp.reshape(jnp.asarray(p, jnp.float32), (-1,)) for p in parts])
+from jax_ub._src import jax_compat
+from jax_ub._src.wire_format import product_scale
 
 
 def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> jax.Array:
     """``x @ w``; with fp8 operands, ``x_scale * w_scale * (x @ w)`` (``scales`` laid out by
-    :func:`pack_scales`) accumulated in float32 and cast to ``out_dtype``: XLA's
-    dequantize-then-dot pattern, which its GPU compiler turns into an fp8 GEMM."""
+    :func:`jax_ub._src.wire_format.pack_scales`) accumulated in float32 and cast to
+    ``out_dtype``: XLA's dequantize-then-dot pattern, which its GPU compiler turns into an
+    fp8 GEMM."""
     if scales is None or jnp.dtype(x.dtype).itemsize > 1:
         out = x @ w
         return out if out_dtype is None else out.astype(out_dtype)
@@ -34,7 +28,7 @@ def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> ja
         (((x.ndim - 1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
-    return (out * (scales[0] * scales[SCALE_STRIDE])).astype(wide)
+    return (out * product_scale(scales)).astype(wide)
 
 
 ACTIVATIONS = (None, "gelu")
@@ -86,30 +80,38 @@ def matmul_reduce_scatter_reference(
 
 def all_gather_rows(x: jax.Array, axis_name: str) -> jax.Array:
     """``all_gather(x, axis_name, axis=0, tiled=True)``, whose transpose is
-    :func:`reduce_scatter_rows` (for 16-bit floats on the CPU backend, see there)."""
-    if _cpu_16bit(x):
-        return _all_gather_rows_cpu(x, axis_name)
+    :func:`reduce_scatter_rows` (where that differs from psum_scatter, see there)."""
+    if _cpu_16bit(x) or not _psum_scatter_lowers():
+        return _all_gather_rows_custom(x, axis_name)
     return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _all_gather_rows_cpu(x, axis_name):
+def _all_gather_rows_custom(x, axis_name):
     return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
 
 def _all_gather_rows_fwd(x, axis_name):
-    return _all_gather_rows_cpu(x, axis_name), None
+    return _all_gather_rows_custom(x, axis_name), None
 
 
 def _all_gather_rows_bwd(axis_name, _, ct):
     return (reduce_scatter_rows(ct, axis_name),)
 
 
-_all_gather_rows_cpu.defvjp(_all_gather_rows_fwd, _all_gather_rows_bwd)
+_all_gather_rows_custom.defvjp(_all_gather_rows_fwd, _all_gather_rows_bwd)
 
 
 def _cpu_16bit(a: jax.Array) -> bool:
     return jax.default_backend() == "cpu" and a.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def _psum_scatter_lowers() -> bool:
+    """False where this JAX's psum_scatter would fail to lower: under a mesh that still has
+    Explicit axes, in the releases ``jax_compat`` names."""
+    if not jax_compat.PSUM_SCATTER_BREAKS_UNDER_EXPLICIT_AXES:
+        return True
+    return AxisType.Explicit not in jax.sharding.get_abstract_mesh().axis_types
 
 
 def reduce_scatter_rows(y: jax.Array, axis_name: str) -> jax.Array:
@@ -120,6 +122,15 @@ def reduce_scatter_rows(y: jax.Array, axis_name: str) -> jax.Array:
     reduction JAX builds inside a shard_map over some of the mesh's axes (jaxlib 0.10.2,
     ``Invalid binary instruction opcode copy``)."""
     if _cpu_16bit(y):
-        summed = lax.psum_scatter(y.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
-        return summed.astype(y.dtype)
-    return lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+        return _reduce_scatter(y.astype(jnp.float32), axis_name).astype(y.dtype)
+    return _reduce_scatter(y, axis_name)
+
+
+def _reduce_scatter(y: jax.Array, axis_name: str) -> jax.Array:
+    if _psum_scatter_lowers():
+        return lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+    # An all-to-all moves the same bytes as a reduce-scatter; each rank then sums the blocks
+    # of its rows that the others sent.
+    n = lax.axis_size(axis_name)
+    blocks = lax.all_to_all(y, axis_name, split_axis=0, concat_axis=0, tiled=True)
+    return jnp.sum(blocks.reshape((n, y.shape[0] // n, *y.shape[1:])), axis=0)

@@ -4,20 +4,16 @@ primitives' abstract values and the custom VJPs' cotangents."""
 from __future__ import annotations
 
 import jax
-import jax._src.config
-from jax._src import core
+from jax.core import AbstractValue
+
+from jax_ub._src.jax_compat import check_vma as _check_vma
 
 
-def _varying(aval: core.AbstractValue) -> frozenset:
+def _varying(aval: AbstractValue) -> frozenset:
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", frozenset()))
-
-
-def _check_vma() -> bool:
-    state = getattr(jax._src.config, "_check_vma", None)
-    return bool(state.value) if state is not None else True
 
 
 def match_varying(ct, like):

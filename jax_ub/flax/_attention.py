@@ -16,7 +16,6 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src import layout
 from jax_ub._src.extension import normalize_platform
 from jax_ub.flax import _core
-from jax_ub.flax._core import Params
 
 
 def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 0) -> None:
@@ -143,6 +142,10 @@ def attention_local(
     implementation: str | None = None,
     platform: str = "cpu",
     nest_cudnn: bool = True,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+    dropout_key: jax.Array | None = None,
+    axis_name: str | None = None,
 ) -> jax.Array:
     """Self-attention over the local heads, with ``jax.nn.dot_product_attention``.
 
@@ -162,6 +165,15 @@ def attention_local(
       nest_cudnn: where mesh axes besides the manual ones remain, run cuDNN's core in a
         shard_map over them (:func:`_every_axis_manual`; the caller's shard_map must then
         be unchecked); if False, XLA's core runs there instead.
+      dropout_rate, broadcast_dropout, dropout_key: with a key, dropout of the attention
+        weights (after the softmax), as flax's ``dot_product_attention_weights``: one
+        ``[seq, seq]`` mask for every batch entry and head (``broadcast_dropout``), else one
+        per batch entry and head (head ``h``'s drawn from the key folded with its global
+        index, so that a head's mask does not depend on the device it is on). Runs the
+        explicit softmax (:func:`_explicit_attention`): ``jax.nn.dot_product_attention``
+        has no dropout.
+      axis_name: the tensor-parallel axis, inside a shard_map over it (None on global
+        arrays): where this device's heads start, for the per-head masks.
 
     Returns:
       ``[seq, *batch, heads * head_dim]``, columns ordered (head, head_dim).
@@ -182,6 +194,18 @@ def attention_local(
         # attends, as in flax's own attention; dot_product_attention takes booleans only.
         mask = jnp.asarray(mask).astype(bool)
         mask = jnp.broadcast_to(mask, (*batch, 1, seq, seq)).reshape(-1, 1, seq, seq)
+    if dropout_key is not None:
+        first_head = 0 if axis_name is None else jax.lax.axis_index(axis_name) * heads
+        drop = functools.partial(
+            _drop_weights,
+            rate=dropout_rate,
+            key=dropout_key,
+            broadcast=broadcast_dropout,
+            first_head=first_head,
+        )
+        out = _explicit_attention(q, k, v, mask, is_causal, drop)
+        out = out.reshape(*batch, seq, heads * head_dim)
+        return jnp.moveaxis(out, len(batch), 0)
     backend = _attention_backend(implementation, platform, q.dtype, head_dim, mask is not None)
     partly_manual = backend == "cudnn" and _automatic_axes()
     if partly_manual and not nest_cudnn:
@@ -192,6 +216,52 @@ def attention_local(
     out = _every_axis_manual(core, q, k, v) if backend == "cudnn" else core(q, k, v)
     out = out.reshape(*batch, seq, heads * head_dim)
     return jnp.moveaxis(out, len(batch), 0)
+
+
+def _explicit_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    is_causal: bool,
+    drop: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` (XLA's) written out, with ``drop`` applied to the
+    attention weights ``[batch, heads, q, k]`` after the softmax. ``q [batch, seq, heads,
+    head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]``: query head ``h`` attends with
+    key/value head ``h // (heads / kv_heads)``. Logits and softmax in float32."""
+    b, t, heads, d = q.shape
+    groups = k.shape[2]
+    qg = q.reshape(b, t, groups, heads // groups, d)
+    logits = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+    logits = logits.reshape(b, heads, t, k.shape[1]) / jnp.sqrt(jnp.float32(d))
+    allowed = None if mask is None else mask  # [b, 1, t, s]
+    if is_causal:
+        causal = jnp.tril(jnp.ones((t, k.shape[1]), bool))
+        allowed = causal if allowed is None else allowed & causal
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    weights = drop(jax.nn.softmax(logits, axis=-1)).astype(q.dtype)
+    weights = weights.reshape(b, groups, heads // groups, t, k.shape[1])
+    out = jnp.einsum("bgrts,bsgd->btgrd", weights, v)
+    return out.reshape(b, t, heads, d)
+
+
+def _drop_weights(
+    w: jax.Array, *, rate: float, key: jax.Array, broadcast: bool, first_head: Any
+) -> jax.Array:
+    """Dropout of attention weights ``w [batch, heads, q, k]``, kept ones scaled by ``1 /
+    (1 - rate)`` (flax's). ``broadcast``: one ``[q, k]`` mask for all; else each head's
+    ``[batch, q, k]`` from ``key`` folded with its global index ``first_head + h``."""
+    keep_prob = 1.0 - rate
+    if broadcast:
+        keep = jax.random.bernoulli(key, keep_prob, w.shape[-2:])
+    else:
+        heads = first_head + jnp.arange(w.shape[1])
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, heads)
+        shape = (w.shape[0], *w.shape[2:])
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, keep_prob, shape), out_axes=1)(keys)
+    return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
 
 
 def _automatic_axes() -> tuple[str, ...]:
@@ -240,12 +310,7 @@ def platform_of(mesh: Mesh | None) -> str:
 
 @functools.lru_cache(maxsize=256)
 def attention_call(
-    mesh: Mesh | None,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    seq_axis: int,
+    ops: _core.Ops,
     head_dim: int,
     ndim: int,
     use_bias: bool,
@@ -255,11 +320,16 @@ def attention_call(
     q_per_kv: int = 1,
     rope_theta: float | None = None,
     sequence_parallel: bool = True,
-) -> Callable[[jax.Array, Params, Params, jax.Array | None], jax.Array]:
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+) -> Callable[..., jax.Array]:
     """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded (or with
-    the activations replicated over the axis: ``_core.linear_replicated``)."""
-    seq = seq_axis % ndim
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
+    the activations replicated over the axis: ``_core.linear_replicated``). With
+    ``dropout_rate`` > 0, ``f(x, qkv_params, out_params, mask, key)``: the attention
+    weights dropped as :func:`attention_local` says."""
+    seq = ops.seq_axis % ndim
+    axis_name, fp8 = ops.axis_name, ops.fp8
+    kw = _core._kw(ops, seq)
     attend = functools.partial(
         attention_local,
         head_dim=head_dim,
@@ -267,20 +337,22 @@ def attention_call(
         rope_theta=rope_theta,
         is_causal=is_causal,
         implementation=attention_implementation,
-        platform=platform_of(mesh),
+        platform=platform_of(ops.mesh),
         # The nested shard_map needs an unchecked one around it, whose transpose sums the
         # cotangents of replicated inputs over the axis: right for the bias's partial sums,
         # tp times the delayed-fp8 histories' (each device's is the whole history). With
         # delayed scaling, a partly manual cuDNN core gives way to XLA's.
         nest_cudnn=fp8 != "delayed",
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
     )
 
-    def body(x, p_qkv, p_out, mask, linear=None, axis=axis_name):
+    def body(x, p_qkv, p_out, mask, key=None, linear=None, axis=axis_name):
         if linear is None:
             linear = _core.linear_local if sequence_parallel else _core.linear_replicated
         # Attention takes the sequence first; XLA merges these moves with its own.
         qkv = layout.seq_first(linear("column", x, p_qkv, **(kw | {"axis_name": axis})), seq)
-        out = layout.seq_back(attend(qkv, mask), seq)
+        out = layout.seq_back(attend(qkv, mask, dropout_key=key, axis_name=axis), seq)
         return linear("row", out, p_out, **(kw | {"axis_name": axis}))
 
     plain = functools.partial(body, linear=_core.linear_replicated, axis=None)
@@ -289,20 +361,14 @@ def attention_call(
     row = _core.param_specs("row", axis_name, use_bias, fp8)
     spec = _core.activation_spec(ndim, axis_name, seq, sequence_parallel)
     in_specs = (spec, col, row, P() if has_mask else None)
+    in_specs += (P(),) if dropout_rate > 0 else ()
     unchecked = fp8 != "delayed"  # see nest_cudnn above
-    return _core._over_tp(
-        body, mesh, axis_name, in_specs, spec, plain, impl, check_vma=not unchecked
-    )
+    return _core._over_tp(body, ops, in_specs, spec, plain, check_vma=not unchecked)
 
 
 @functools.lru_cache(maxsize=256)
 def decode_call(
-    mesh: Mesh | None,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    seq_axis: int,
+    ops: _core.Ops,
     head_dim: int,
     use_bias: bool,
     q_per_kv: int = 1,
@@ -315,8 +381,9 @@ def decode_call(
     back with the new tokens' keys and values written at ``index``. Causal: each new token
     attends to the cache up to itself. Activations replicated over the axis
     (``_core.linear_replicated``): decoding has no sequence to split."""
-    seq = seq_axis % 3
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
+    seq = ops.seq_axis % 3
+    axis_name, fp8 = ops.axis_name, ops.fp8
+    kw = _core._kw(ops, seq)
 
     def body(x, p_qkv, p_out, cached_key, cached_value, index, axis=axis_name):
         kw_axis = kw | {"axis_name": axis}
@@ -352,4 +419,4 @@ def decode_call(
     cache = P(None, None, axis_name, None)
     in_specs = (P(), col, row, cache, cache, P())
     plain = functools.partial(body, axis=None)
-    return _core._over_tp(body, mesh, axis_name, in_specs, (P(), cache, cache), plain, impl)
+    return _core._over_tp(body, ops, in_specs, (P(), cache, cache), plain)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src import checks, layout
+from jax_ub._src import layout
+from jax_ub._src.warn_registry import warn_once
 from jax_ub.flax import _fp8
 
 Params = Mapping[str, jax.Array]
@@ -39,11 +40,6 @@ def group_size(
     ``"ub"``, which then runs XLA's plain matmuls (:func:`_over_tp`); a ValueError
     otherwise. A ValueError too when the axis is not in the mesh.
     """
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise ValueError(
-            f"{owner}: mesh must be a concrete jax.sharding.Mesh or None (then the mesh set by "
-            f"jax.set_mesh is used), got {type(mesh).__name__}"
-        )
     if not isinstance(axis_name, str):
         raise ValueError(f"{owner}: axis_name must be a mesh axis name (str), got {axis_name!r}")
     if axis_name in layout.manual_axes():
@@ -56,7 +52,8 @@ def group_size(
             return 1
         raise ValueError(
             f"{owner}: no mesh to run over: call the layer under `with jax.set_mesh(mesh):`, "
-            f"pass mesh=..., or call it inside a shard_map over axis {axis_name!r} (impl="
+            f"pass mesh=... (to the layer or to jax_ub.flax.defaults), or call it inside a "
+            f"shard_map over axis {axis_name!r} (impl="
             f"'auto' runs XLA's plain matmuls when no mesh is known; impl={impl!r} does not)"
         )
     if axis_name not in known.axis_names:
@@ -78,14 +75,10 @@ def local_features(features: int, tp: int, axis_name: str, split: bool) -> int:
     return features // tp if split and axis_name in layout.manual_axes() else features
 
 
-# One spelling of the impl check for the ops and the layers.
-check_impl = checks.check_impl
-
-
-def check_fp8(owner: str, fp8: Any, amax_history_length: Any) -> None:
-    """A layer's ``fp8`` is False, True (= ``"current"``), ``"current"`` or ``"delayed"``;
-    see :mod:`jax_ub.flax._fp8`."""
-    _fp8.check(owner, fp8, amax_history_length)
+def check_dropout(owner: str, rate: Any) -> None:
+    """A dropout rate is a number in ``[0, 1)``."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ValueError(f"{owner}: dropout_rate must be a number in [0, 1), got {rate!r}")
 
 
 def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) -> None:
@@ -96,22 +89,25 @@ def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) 
         )
 
 
-# A layer's seq_axis is an int, checked when it is built (against its input's dims when
-# it is called, by check_input).
-check_seq_axis = layout.check_seq_axis_type
-
-
 def check_input(
-    owner: str, x: Any, in_features: int | None, tp: int, axis_name: str, seq_axis: int = 0
+    owner: str,
+    x: Any,
+    in_features: int | None,
+    tp: int,
+    axis_name: str,
+    seq_axis: int = 0,
+    sequence_parallel: bool | None = None,
 ) -> bool:
     """Check that x is ``[seq, *batch, in_features]`` (the sequence at ``seq_axis``) and
     return whether the call runs sequence-parallel.
 
-    Inside a shard_map over ``axis_name`` the layers take sequence shards (True). On global
-    arrays they run sequence-parallel where ``tp`` divides the sequence; otherwise (one
-    token being decoded, a prompt of any length) with the activations replicated over the
-    axis (False): see :func:`linear_replicated`. ``in_features=None`` accepts any feature
-    count (linen infers it from the input).
+    ``sequence_parallel`` is the layer's setting (``ParallelConfig``'s): False runs with
+    the activations replicated over the axis (:func:`linear_replicated`). Otherwise, inside
+    a shard_map over ``axis_name`` the layers take sequence shards (True); on global arrays
+    they run sequence-parallel where ``tp`` divides the sequence, and else (one token being
+    decoded, a prompt of any length) replicated, unless ``sequence_parallel`` is True,
+    which makes that a ValueError. ``in_features=None`` accepts any feature count (linen
+    infers it from the input).
     """
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) < 2:
@@ -122,7 +118,42 @@ def check_input(
             f"{in_features}; input shape {shape}"
         )
     seq = layout.check_seq_axis(owner, x, seq_axis)
-    return axis_name in layout.manual_axes() or shape[seq] % tp == 0
+    if sequence_parallel is False:
+        return False
+    if axis_name in layout.manual_axes() or shape[seq] % tp == 0:
+        return True
+    if sequence_parallel:
+        raise ValueError(
+            f"{owner}: sequence_parallel=True splits the sequence (dim {seq} of the input, "
+            f"{shape[seq]}) over axis {axis_name!r}, whose size {tp} does not divide it; "
+            f"input shape {shape}"
+        )
+    return False
+
+
+def prepare(
+    owner: str,
+    config: Any,
+    axis_name: str,
+    x: Any,
+    in_features: int | None = None,
+    *,
+    split_in: bool = False,
+    divisible: Mapping[str, int] | None = None,
+) -> tuple[Ops, bool]:
+    """What every layer checks when called, and what its compiled function is keyed on:
+        the tensor-parallel group's size (from the mesh) divides each of ``divisible``'s
+        values, ``x`` is ``[seq, *batch, in_features]`` (the local shard of them inside a
+    shard_map over the axis where they are ``split_in``). Returns the ops' settings and whether
+        the call runs sequence-parallel (:func:`check_input`)."""
+    tp = group_size(owner, config.mesh, axis_name, impl=config.impl)
+    for what, value in (divisible or {}).items():
+        check_divisible(owner, what, value, tp, axis_name)
+    features = in_features
+    if features is not None:
+        features = local_features(features, tp, axis_name, split_in)
+    sp = check_input(owner, x, features, tp, axis_name, config.seq_axis, config.sequence_parallel)
+    return op_settings(config, axis_name), sp
 
 
 # --- sharding layout ---------------------------------------------------------------------
@@ -262,14 +293,35 @@ def linear_replicated(
     return y if activation is None else activation(y)
 
 
-def op_settings(layer: Any) -> tuple:
-    """``(mesh, axis_name, impl, dtype, fp8, seq_axis)`` of a layer or block (nnx or
-    linen): the leading arguments of every ``*_call`` below, the settings of the ops it
-    runs; ``fp8`` is the recipe's name (``"current"``, ``"delayed"``) or None."""
-    fp8 = _fp8.recipe(layer.fp8)
-    # linen modules resolve their axis (tp_axis) when called; nnx ones when built.
-    axis = layer.resolved_axis() if hasattr(layer, "resolved_axis") else layer.axis_name
-    return (layer.mesh, axis, layer.impl, layer.dtype, fp8, layer.seq_axis)
+class Ops(NamedTuple):
+    """The settings of the ops a layer runs, from its ``ParallelConfig`` and resolved
+    axis: the leading argument of every ``*_call`` below, which are cached on it. ``fp8``
+    is the recipe's name (``"current"``, ``"delayed"``) or None."""
+
+    mesh: Mesh | None
+    axis_name: str
+    impl: str
+    dtype: Any
+    fp8: str | None
+    seq_axis: int
+
+
+def op_settings(config: Any, axis_name: str) -> Ops:
+    """:class:`Ops` of a layer's ``ParallelConfig`` over its resolved ``axis_name``."""
+    return Ops(
+        config.mesh, axis_name, config.impl, config.dtype, config.fp8_recipe, config.seq_axis
+    )
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array, axis_name: str | None) -> jax.Array:
+    """Inverted dropout of ``x`` (as ``nnx.Dropout``: kept values scaled by ``1 / (1 -
+    rate)``). Inside a shard_map over ``axis_name`` (not None), ``x`` is this device's
+    shard of features and the key is folded with the device's index, so each shard draws
+    its own mask, the same whichever collectives (impl) move the activations."""
+    if axis_name is not None:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jax.lax.select(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
 
 
 # --- whole-layer functions, one per configuration ---------------------------------------
@@ -283,20 +335,19 @@ def op_settings(layer: Any) -> tuple:
 
 def _over_tp(
     f: Callable,
-    mesh: Mesh | None,
-    axis_name: str,
+    ops: Ops,
     in_specs: Any,
     out_specs: Any,
-    plain: Callable | None = None,
-    impl: str = "ub",
+    plain: Callable,
     check_vma: bool = True,
 ):
-    """``f`` on local shards, run as described above (``check_vma``: as
-    ``layout.over_axis``). With no mesh known (none given, none set: a model jitted on
-    sharded arrays, as ``nn.Dense`` allows), ``plain`` (the same layer written on global
-    arrays) runs instead where ``impl`` is not ``"ub"``, after one
-    warning that nothing is overlapped: XLA partitions its matmuls from the operands'
-    shardings."""
+    """``f`` on local shards, run as described above, on global arrays through
+    :func:`jax_ub._src.layout.global_call` (as the ops run). With no mesh known (none given,
+    none set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the
+    same layer written on global arrays) runs instead where ``ops.impl`` is not ``"ub"``,
+    after one warning that nothing is overlapped: XLA partitions its matmuls from the
+    operands' shardings."""
+    axis_name = ops.axis_name
     # One jit(shard_map) per mesh it runs under: shard_map binds its mesh when built.
     mapped: dict[Any, Callable] = {}
 
@@ -304,45 +355,27 @@ def _over_tp(
         if axis_name in layout.manual_axes():
             return f(*args)
         context = jax.sharding.get_abstract_mesh()
-        if mesh is None and context.empty:
-            if plain is None or impl == "ub":
+        if ops.mesh is None and context.empty:
+            if ops.impl == "ub":
                 raise ValueError(
                     f"no mesh to run over axis {axis_name!r}: call the layer under "
-                    "`with jax.set_mesh(mesh):`, pass mesh=..., or call it inside a shard_map"
+                    "`with jax.set_mesh(mesh):`, pass mesh=... (to the layer or to "
+                    "jax_ub.flax.defaults), or call it inside a shard_map"
                 )
             message = (
-                f"jax_ub.flax: no mesh is set (jax.set_mesh) or given (mesh=), so the layers "
-                f"run XLA's plain matmuls over axis {axis_name!r}: nothing is overlapped"
+                f"jax_ub.flax: no mesh is set (jax.set_mesh) or given (mesh= to the layer or "
+                f"to jax_ub.flax.defaults), so the layers run XLA's plain matmuls over axis "
+                f"{axis_name!r}: nothing is overlapped"
             )
-            checks.warn_once(message, message)
+            warn_once(message, message)
             return plain(*args)
-        key = mesh if context.empty else context  # the layer's mesh only when none is set
+        key = ops.mesh if context.empty else context  # the layer's mesh only when none is set
         if key not in mapped:
-            # A size-1 axis stays automatic in JAX, where XLA refuses the psum that would
-            # type a replicated output as such: nothing to check over a group of one.
-            checked = check_vma and key.shape[axis_name] > 1
-            mapped[key] = jax.jit(
-                layout.over_axis(f, mesh, axis_name, in_specs, out_specs, checked)
-            )
-        return mapped[key](*_resharded_explicit(axis_name, in_specs, args))
+            run = layout.global_call(f, key, axis_name, in_specs, out_specs, check_vma)
+            mapped[key] = jax.jit(run)
+        return mapped[key](*args)
 
     return call
-
-
-def _resharded_explicit(axis_name: str, in_specs: Any, args: tuple) -> tuple:
-    """Under ``Explicit`` axes shard_map takes inputs only already split as its in_specs
-    say: move each array's split over ``axis_name`` to where the layer needs it, keeping
-    its other axes. Arrays whose type carries no sharding (``Auto``) pass as they are."""
-
-    def move(spec, a):
-        actual = layout.typed_spec(a)
-        if spec is None or actual is None:
-            return a
-        target = layout.replace_axis(actual, spec, axis_name, a.ndim)
-        return a if target == actual else jax.sharding.reshard(a, target)
-
-    is_spec = lambda s: s is None or isinstance(s, P)  # noqa: E731
-    return tuple(jax.tree.map(move, in_specs, args, is_leaf=is_spec))
 
 
 # Per layer kind: the specs of its input and output.
@@ -368,78 +401,85 @@ def activation_spec(ndim: int, axis_name: str, seq_axis: int, sequence_parallel:
 
 @functools.lru_cache(maxsize=256)
 def linear_call(
-    kind: str,
-    mesh: Mesh | None,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    seq_axis: int,
-    ndim: int,
-    use_bias: bool,
-    sequence_parallel: bool = True,
+    kind: str, ops: Ops, ndim: int, use_bias: bool, sequence_parallel: bool = True
 ) -> Callable[[jax.Array, Params], jax.Array]:
     """``f(x, params)`` of a ``kind`` layer: ``"column"`` takes sequence-sharded ``x`` to a
     feature-sharded output, ``"row"`` the reverse; without ``sequence_parallel``, the
     sequence-sharded side is replicated over the axis instead."""
     x_spec, out_spec = _LINEAR[kind, sequence_parallel]
-    seq = seq_axis % ndim
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
+    seq = ops.seq_axis % ndim
+    kw = _kw(ops, seq)
     local = functools.partial(linear_local if sequence_parallel else linear_replicated, kind, **kw)
     plain = functools.partial(linear_replicated, kind, **(kw | {"axis_name": None}))
-    in_specs = (x_spec(ndim, axis_name, seq), param_specs(kind, axis_name, use_bias, fp8))
-    out_specs = out_spec(ndim, axis_name, seq)
-    return _over_tp(local, mesh, axis_name, in_specs, out_specs, plain, impl)
+    in_specs = (
+        x_spec(ndim, ops.axis_name, seq),
+        param_specs(kind, ops.axis_name, use_bias, ops.fp8),
+    )
+    out_specs = out_spec(ndim, ops.axis_name, seq)
+    return _over_tp(local, ops, in_specs, out_specs, plain)
+
+
+def _kw(ops: Ops, seq: int) -> dict[str, Any]:
+    """The per-shard functions' keyword arguments for ``ops``, the sequence at ``seq``."""
+    return dict(axis_name=ops.axis_name, impl=ops.impl, dtype=ops.dtype, fp8=ops.fp8, seq_axis=seq)
 
 
 @functools.lru_cache(maxsize=256)
 def mlp_call(
-    mesh: Mesh | None,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    seq_axis: int,
+    ops: Ops,
     activation: Callable[[jax.Array], jax.Array],
     ndim: int,
     use_bias: bool,
     sequence_parallel: bool = True,
-) -> Callable[[jax.Array, Params, Params], jax.Array]:
+    dropout_rate: float = 0.0,
+) -> Callable[..., jax.Array]:
     """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded. GELU
     runs in the column GEMMs' epilogue and its backward in the row op's dgrad GEMM
-    (``jax_ub.gelu_mlp``, in fp8 too); other activations in XLA after the column op."""
-    seq = seq_axis % ndim
-    kw = dict(axis_name=axis_name, impl=impl, dtype=dtype, fp8=fp8, seq_axis=seq)
+    (``jax_ub.gelu_mlp``, in fp8 too); other activations in XLA after the column op.
+
+    With ``dropout_rate`` > 0, ``f(x, up_params, down_params, key)``: the hidden
+    activations are dropped (:func:`dropout`) before the row projection, so GELU's
+    backward is XLA's (``gelu_mlp`` has no place for the mask)."""
+    seq = ops.seq_axis % ndim
+    kw = _kw(ops, seq)
     fused = fused_activation(activation)
 
-    def replicated(x, p_up, p_down, axis_name=axis_name):
+    def hidden(h, key, axis):
+        return h if key is None else dropout(h, dropout_rate, key, axis)
+
+    def replicated(x, p_up, p_down, key=None, axis_name=ops.axis_name):
         kw_axis = kw | {"axis_name": axis_name}
         h = linear_replicated("column", x, p_up, activation=activation, **kw_axis)
-        return linear_replicated("row", h, p_down, **kw_axis)
+        return linear_replicated("row", hidden(h, key, axis_name), p_down, **kw_axis)
 
-    def body(x, p_up, p_down):
-        if fused:
-            x, k_up, b_up, k_down, b_down = _promote(
-                dtype, x, p_up["kernel"], p_up.get("bias"), p_down["kernel"], p_down.get("bias")
-            )
-            scales = None if not fp8 else (_scales(fp8, p_up), _scales(fp8, p_down))
-            return jax_ub.gelu_mlp(
-                x,
-                k_up,
-                k_down,
-                axis_name,
-                up_bias=b_up,
-                down_bias=b_down,
-                impl=impl,
-                fp8=scales,
-                seq_axis=seq,
-            )
-        h = linear_local("column", x, p_up, activation=fused, **kw)
-        return linear_local("row", h if fused else activation(h), p_down, **kw)
+    def body(x, p_up, p_down, key=None):
+        if key is not None:  # the hidden activations are needed, for the mask
+            h = linear_local("column", x, p_up, activation=fused, **kw)
+            h = hidden(h if fused else activation(h), key, ops.axis_name)
+            return linear_local("row", h, p_down, **kw)
+        if not fused:
+            h = linear_local("column", x, p_up, **kw)
+            return linear_local("row", activation(h), p_down, **kw)
+        x, k_up, b_up, k_down, b_down = _promote(
+            ops.dtype, x, p_up["kernel"], p_up.get("bias"), p_down["kernel"], p_down.get("bias")
+        )
+        scales = None if not ops.fp8 else (_scales(ops.fp8, p_up), _scales(ops.fp8, p_down))
+        return jax_ub.gelu_mlp(
+            x,
+            k_up,
+            k_down,
+            ops.axis_name,
+            up_bias=b_up,
+            down_bias=b_down,
+            impl=ops.impl,
+            fp8=scales,
+            seq_axis=seq,
+        )
 
-    col = param_specs("column", axis_name, use_bias, fp8)
-    row = param_specs("row", axis_name, use_bias, fp8)
-    spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
+    col = param_specs("column", ops.axis_name, use_bias, ops.fp8)
+    row = param_specs("row", ops.axis_name, use_bias, ops.fp8)
+    spec = activation_spec(ndim, ops.axis_name, seq, sequence_parallel)
+    in_specs = (spec, col, row) + ((P(),) if dropout_rate > 0 else ())
     f = body if sequence_parallel else replicated
     plain = functools.partial(replicated, axis_name=None)
-    return _over_tp(f, mesh, axis_name, (spec, col, row), spec, plain, impl)
+    return _over_tp(f, ops, in_specs, spec, plain)

@@ -9,17 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src.gated_mlp import activation_function
 from jax_ub.flax import _axes, _fp8
 from jax_ub.flax._core import (
+    Ops,
     _over_tp,
     _promote,
     _scales,
     activation_spec,
+    dropout,
+    linear_local,
     linear_replicated,
     param_names,
 )
@@ -47,65 +49,76 @@ HISTORY_NAMES = {
 }
 
 
-def histories(fp8: Any, read: Callable[[str], jax.Array]) -> tuple:
+def histories(fp8: Any, read: Callable[[str], jax.Array]) -> dict | None:
     """The :func:`gated_mlp_call` operand of the amax histories, ``{projection: {"x", "w",
-    "grad"}}`` from ``read(variable name)``, for ``fp8="delayed"``; else none."""
+    "grad"}}`` from ``read(variable name)``, for ``fp8="delayed"``; else None."""
     if _fp8.recipe(fp8) != "delayed":
-        return ()
-    return ({p: {k: read(n) for k, n in names.items()} for p, names in HISTORY_NAMES.items()},)
+        return None
+    return {p: {k: read(n) for k, n in names.items()} for p, names in HISTORY_NAMES.items()}
 
 
 @functools.lru_cache(maxsize=256)
 def gated_mlp_call(
-    mesh: Mesh | None,
-    axis_name: str,
-    impl: str,
-    dtype: Any,
-    fp8: str | None,
-    seq_axis: int,
+    ops: Ops,
     activation: Any,
     ndim: int,
     sequence_parallel: bool = True,
+    dropout_rate: float = 0.0,
 ) -> Callable[..., jax.Array]:
-    """``f(x, gate_up, down)``: :func:`jax_ub.gated_mlp`, sequence-sharded (or with the
-    activations replicated over the axis, as :func:`linear_replicated`). With
-    ``fp8="delayed"``, ``f(x, gate_up, down, hist)``, ``hist`` the amax histories of
-    :func:`histories`, replicated; their gradients are the histories with this step's
-    amaxes rolled in front."""
-    seq = seq_axis % ndim
+    """``f(x, gate_up, down, hist, key)``: :func:`jax_ub.gated_mlp`, sequence-sharded (or
+    with the activations replicated over the axis, as :func:`linear_replicated`).
+    ``hist``: with ``fp8="delayed"``, the amax histories of :func:`histories`, replicated
+    (their gradients are the histories with this step's amaxes rolled in front), else
+    None. ``key``: with ``dropout_rate`` > 0, the dropout key of the gated hidden
+    activations (:func:`jax_ub.flax._core.dropout`), which then run through the two
+    projections of :func:`linear_local` (``gated_mlp`` has no place for the mask), else
+    None."""
+    seq = ops.seq_axis % ndim
+    gate = activation_function(activation)
 
-    def replicated(x, gate_up, down, hist=None, axis_name=axis_name):
-        k, _, f = gate_up.shape
-        kw = dict(axis_name=axis_name, dtype=dtype, fp8=fp8)
-        p_gate_up = _params("gate_up", gate_up.reshape(k, 2 * f), hist)
-        gu = linear_replicated("column", x, p_gate_up, **kw)
-        hidden = activation_function(activation)(gu[..., :f]) * gu[..., f:]
-        return linear_replicated("row", hidden, _params("down_proj", down, hist), **kw)
+    def projections(x, gate_up, down, hist, key, linear, axis_name):
+        k, _, f = gate_up.shape  # f: this device's hidden units
+        kw = dict(axis_name=axis_name, impl=ops.impl, dtype=ops.dtype, fp8=ops.fp8, seq_axis=seq)
+        # [k, 2, f] -> [k, 2f]: the gate's columns, then the up projection's.
+        gu = linear("column", x, _params("gate_up", gate_up.reshape(k, 2 * f), hist), **kw)
+        hidden = gate(gu[..., :f]) * gu[..., f:]
+        if key is not None:
+            hidden = dropout(hidden, dropout_rate, key, axis_name)
+        return linear("row", hidden, _params("down_proj", down, hist), **kw)
 
-    def body(x, gate_up, down, hist=None):
-        x, gate_up, down = _promote(dtype, x, gate_up, down)
+    def replicated(x, gate_up, down, hist=None, key=None, axis_name=ops.axis_name):
+        return projections(x, gate_up, down, hist, key, linear_replicated, axis_name)
+
+    def body(x, gate_up, down, hist=None, key=None):
+        if key is not None:
+            return projections(x, gate_up, down, hist, key, linear_local, ops.axis_name)
+        x, gate_up, down = _promote(ops.dtype, x, gate_up, down)
         scales = None
-        if fp8 is not None:  # (gate_up's, down_proj's)
-            scales = tuple(_scales(fp8, _params(p, None, hist)) for p in PROJECTIONS)
+        if ops.fp8 is not None:  # (gate_up's, down_proj's)
+            scales = tuple(_scales(ops.fp8, _params(p, None, hist)) for p in PROJECTIONS)
         return jax_ub.gated_mlp(
             x,
             gate_up,
             down,
-            axis_name,
+            ops.axis_name,
             activation=activation,
-            impl=impl,
+            impl=ops.impl,
             fp8=scales,
             seq_axis=seq,
         )
 
+    axis_name = ops.axis_name
     spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
     kernels = (P(None, None, axis_name), P(axis_name, None))
     # The histories, replicated: P() for each.
-    hist = {p: _fp8.history_specs(fp8)["fp8"] for p in PROJECTIONS} if fp8 == "delayed" else None
-    in_specs = (spec, *kernels) + (() if hist is None else (hist,))
+    hist = None
+    if ops.fp8 == "delayed":
+        hist = {p: _fp8.history_specs(ops.fp8)["fp8"] for p in PROJECTIONS}
+    key = P() if dropout_rate > 0 else None
+    in_specs = (spec, *kernels, hist, key)
     f = body if sequence_parallel else replicated
     plain = functools.partial(replicated, axis_name=None)
-    return _over_tp(f, mesh, axis_name, in_specs, spec, plain, impl)
+    return _over_tp(f, ops, in_specs, spec, plain)
 
 
 def _params(projection: str, kernel: jax.Array | None, hist: dict | None) -> dict[str, Any]:

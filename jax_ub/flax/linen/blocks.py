@@ -16,52 +16,44 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _attention, _axes, _core, _fp8, _gated
+from jax_ub.flax import _attention, _axes, _core, _gated
+from jax_ub.flax._settings import ParallelConfig
 from jax_ub.flax.linen.layers import (
     ColumnParallelLinear,
+    Configured,
     RowParallelLinear,
     default_bias_init,
     default_kernel_init,
 )
 
-_SHARED = (
-    "mesh",
-    "axis_name",
-    "param_axes",
-    "impl",
-    "fp8",
-    "amax_history_length",
-    "seq_axis",
-    "use_bias",
-    "dtype",
-    "param_dtype",
-    "kernel_init",
-    "bias_init",
-)
-
 
 def _layer_kwargs(block: nn.Module, kind: str) -> dict[str, Any]:
-    """The settings a block passes on to its ``kind`` (column or row) parallel layer: the
-    shared ones, and the layer's logical names from the block's ``kernel_axes``
-    ``(model dim, split dim)``."""
+    """What a block passes on to its ``kind`` (column or row) parallel layer: its settings,
+    and the layer's logical names from the block's ``kernel_axes`` ``(model dim, split
+    dim)``."""
     axes = block.kernel_axes
     if axes is not None and kind == "row":
         axes = tuple(reversed(axes))
-    return {name: getattr(block, name) for name in _SHARED} | {"kernel_axes": axes}
+    return dict(
+        config=block.resolved_config(),
+        param_axes=block.param_axes,
+        kernel_axes=axes,
+        use_bias=block.use_bias,
+        kernel_init=block.kernel_init,
+        bias_init=block.bias_init,
+    )
 
 
-class _ResolvedAxis:
-    """The block's tensor-parallel axis: ``axis_name``, or what the logical axis rules
+class _Block(Configured):
+    """A block's tensor-parallel axis: ``axis_name``, or what the logical axis rules
     map its split dim (``kernel_axes[1]``) to, or ``"tp"``."""
 
     @nn.nowrap
-    def resolved_axis(self) -> str:
-        owner = type(self).__name__
-        split = _axes.block_split_name(owner, self.kernel_axes, self.param_axes)
-        return _axes.tp_axis(owner, self.axis_name, split)
+    def _split_name(self) -> str | None:
+        return _axes.block_split_name(type(self).__name__, self.kernel_axes, self.param_axes)
 
 
-class ParallelMLP(_ResolvedAxis, nn.Module):
+class ParallelMLP(_Block, nn.Module):
     """Linen version of :class:`jax_ub.flax.ParallelMLP`.
 
     ``down_proj(activation(up_proj(x)))``: a :class:`ColumnParallelLinear` to
@@ -88,51 +80,58 @@ class ParallelMLP(_ResolvedAxis, nn.Module):
         scaling, ``up_proj`` and ``down_proj`` each keeping their amax histories in the
         ``"_overwrite_with_gradient"`` collection (see :class:`ColumnParallelLinear`);
         ``False``: no fp8 (default).
-      axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
-        param_dtype, kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared
-        by both projections.
+      dropout_rate: dropout of the hidden activations before ``down_proj`` (default 0),
+        drawing from the ``"dropout"`` rng; ``deterministic`` (the attribute or the call's
+        argument, merged as flax's attention merges them) turns it off.
+      deterministic: see ``dropout_rate``.
+      config, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
+        seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
+        :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     hidden_features: int
+    config: ParallelConfig | None = None
     mesh: Mesh | None = None
     axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
     kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str = "auto"
+    impl: str | None = None
+    sequence_parallel: bool | None = None
     use_bias: bool = True
     dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
+    param_dtype: Dtype | None = None
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = default_bias_init
     out_features: int | None = None
     activation: Callable[[jax.Array], jax.Array] = nn.gelu
-    fp8: bool | str = False
-    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
-    seq_axis: int = 0
+    fp8: bool | str | None = None
+    amax_history_length: int | None = None
+    seq_axis: int | None = None
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
-        owner = type(self).__name__
+    def __call__(self, inputs: jax.Array, deterministic: bool | None = None) -> jax.Array:
+        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
+
+        ``deterministic``: no dropout (merged with the attribute, as flax's attention
+        does; with ``dropout_rate`` > 0 only). Dropout draws from the ``"dropout"`` rng."""
         in_features = inputs.shape[-1] if inputs.ndim else 0
         out_features = in_features if self.out_features is None else self.out_features
         up = ColumnParallelLinear(
             self.hidden_features, name="up_proj", **_layer_kwargs(self, "column")
         )
         down = RowParallelLinear(out_features, name="down_proj", **_layer_kwargs(self, "row"))
-        tp = up.tp_size()
-        _core.check_divisible(
-            owner, "hidden_features", self.hidden_features, tp, self.resolved_axis()
-        )
-        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
+        _, ops, sp = self.prepare(inputs, divisible={"hidden_features": self.hidden_features})
         p_up = up.get_params(in_features)
         p_down = down.get_params(self.hidden_features)
-        settings = _core.op_settings(self)
-        f = _core.mlp_call(*settings, self.activation, inputs.ndim, self.use_bias, sp)
-        return f(inputs, p_up, p_down)
+        key = self.dropout_key(deterministic)
+        rate = 0.0 if key is None else self.dropout_rate
+        f = _core.mlp_call(ops, self.activation, inputs.ndim, self.use_bias, sp, rate)
+        return f(inputs, p_up, p_down, *(() if key is None else (key,)))
 
 
-class ParallelGatedMLP(_ResolvedAxis, nn.Module):
+class ParallelGatedMLP(_Block, nn.Module):
     """Linen version of :class:`jax_ub.flax.ParallelGatedMLP`: the same params
     (``gate_up [in, 2, hidden]``, ``down_proj [hidden, out]``), math and sharding.
 
@@ -154,42 +153,41 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
       fp8: ``True`` or ``"current"``: both projections in fp8 with current scaling;
         ``"delayed"``: delayed scaling from the amax histories above; ``False``: no fp8
         (default).
-      out_features, activation, amax_history_length, mesh, axis_name, param_axes,
-        kernel_axes, impl, seq_axis, dtype, param_dtype, kernel_init: as for the NNX
-        block.
+      out_features, activation, amax_history_length, config, mesh, axis_name, param_axes,
+        kernel_axes, impl, sequence_parallel, seq_axis, dtype, param_dtype, kernel_init: as
+        for the NNX block.
+      dropout_rate, deterministic: as for :class:`ParallelMLP`.
     """
 
     hidden_features: int
+    config: ParallelConfig | None = None
     mesh: Mesh | None = None
     axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
     kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str = "auto"
+    impl: str | None = None
+    sequence_parallel: bool | None = None
     dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
+    param_dtype: Dtype | None = None
     kernel_init: Initializer = default_kernel_init
     out_features: int | None = None
     activation: str | Callable[[jax.Array], jax.Array] = "silu"
-    fp8: bool | str = False
-    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
-    seq_axis: int = 0
+    fp8: bool | str | None = None
+    amax_history_length: int | None = None
+    seq_axis: int | None = None
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
+    def __call__(self, inputs: jax.Array, deterministic: bool | None = None) -> jax.Array:
+        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``;
+        ``deterministic`` as for :class:`ParallelMLP`."""
         owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.resolved_axis(), impl=self.impl)
-        _core.check_impl(owner, self.impl)
-        _core.check_fp8(owner, self.fp8, self.amax_history_length)
-        _core.check_seq_axis(owner, self.seq_axis)
-        _core.check_divisible(
-            owner, "hidden_features", self.hidden_features, tp, self.resolved_axis()
-        )
-        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
+        config, ops, sp = self.prepare(inputs, divisible={"hidden_features": self.hidden_features})
         k, hidden = inputs.shape[-1], self.hidden_features
         out = k if self.out_features is None else self.out_features
         if self.kernel_axes is None:
-            names = _gated.gated_kernel_names(owner, self.resolved_axis(), self.param_axes)
+            names = _gated.gated_kernel_names(owner, config.axis_name, self.param_axes)
             partitioning = nn.with_partitioning
         else:  # logical names, mapped by the user's logical_axis_rules
             names = _gated.logical_kernel_names(owner, self.kernel_axes, self.param_axes)
@@ -199,22 +197,24 @@ class ParallelGatedMLP(_ResolvedAxis, nn.Module):
             return self.kernel_init(key, (shape[0], 2 * shape[2]), dtype).reshape(shape)
 
         def param(name, init, shape):
-            init = partitioning(init, names[name], mesh=self.mesh)
-            return self.param(name, init, shape, self.param_dtype)
+            init = partitioning(init, names[name], mesh=config.mesh)
+            return self.param(name, init, shape, config.param_dtype)
 
         def history(name):
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
-            zeros = lambda: jnp.zeros((self.amax_history_length,), jnp.float32)  # noqa: E731
-            init = partitioning(zeros, (None,), mesh=self.mesh)
+            zeros = lambda: jnp.zeros((config.amax_history_length,), jnp.float32)  # noqa: E731
+            init = partitioning(zeros, (None,), mesh=config.mesh)
             return self.variable(OVERWRITE_WITH_GRADIENT, name, init).value
 
         gate_up = param("gate_up", gate_up_init, (k, 2, hidden))
         down = param("down_proj", self.kernel_init, (hidden, out))
-        f = _gated.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
-        return f(inputs, gate_up, down, *_gated.histories(self.fp8, history))
+        key = self.dropout_key(deterministic)
+        rate = 0.0 if key is None else self.dropout_rate
+        f = _gated.gated_mlp_call(ops, self.activation, inputs.ndim, sp, rate)
+        return f(inputs, gate_up, down, _gated.histories(config.fp8, history), key)
 
 
-class ParallelSelfAttention(_ResolvedAxis, nn.Module):
+class ParallelSelfAttention(_Block, nn.Module):
     """Linen version of :class:`jax_ub.flax.ParallelSelfAttention`.
 
     ``qkv`` (column-parallel, columns ordered ``(head, q/k/v, head_dim)``) splits the heads
@@ -279,30 +279,38 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
         ``"current"``: current scaling; ``"delayed"``: delayed scaling, ``qkv`` and
         ``out`` each keeping their amax histories in the ``"_overwrite_with_gradient"``
         collection (see :class:`ColumnParallelLinear`); ``False``: no fp8 (default).
-      axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
-        param_dtype, kernel_init, bias_init: as for :class:`ColumnParallelLinear`, shared
-        by both projections.
+      dropout_rate, broadcast_dropout, deterministic: dropout of the attention weights,
+        as :class:`jax_ub.flax.ParallelSelfAttention`'s, drawing from the ``"dropout"``
+        rng; ``deterministic`` as for :class:`ParallelMLP`.
+      config, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
+        seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
+        :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     num_heads: int
     num_kv_heads: int | None = None
     rope_theta: float | None = None
+    config: ParallelConfig | None = None
     mesh: Mesh | None = None
     axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
     kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str = "auto"
+    impl: str | None = None
+    sequence_parallel: bool | None = None
     use_bias: bool = True
     dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
+    param_dtype: Dtype | None = None
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = default_bias_init
     qkv_features: int | None = None
     out_features: int | None = None
     attention_implementation: str | None = None
-    fp8: bool | str = False
-    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
-    seq_axis: int = 0
+    broadcast_dropout: bool = True
+    fp8: bool | str | None = None
+    amax_history_length: int | None = None
+    seq_axis: int | None = None
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
 
     @nn.compact
     def __call__(
@@ -311,11 +319,15 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
         mask: jax.Array | None = None,
         is_causal: bool = False,
         decode: bool = False,
+        deterministic: bool | None = None,
     ) -> jax.Array:
         """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
 
-        ``mask``: optional boolean mask broadcastable to ``[*batch, 1, seq, seq]`` (True
-        attends). ``is_causal``: attend only to earlier positions, with no mask array (so
+        ``mask``: optional mask broadcastable to ``[*batch, 1, seq, seq]``: booleans (True
+        attends) or flax's 0/1 masks (``nn.make_attention_mask``; nonzero attends).
+        ``deterministic``: no attention dropout (merged with the attribute, as flax's
+        attention does; with ``dropout_rate`` > 0 only; decoding drops nothing).
+        ``is_causal``: attend only to earlier positions, with no mask array (so
         the fused cuDNN kernel can run it). ``decode``: the ``t`` tokens of ``inputs``
         (``[t, batch, in_features]``, or ``[batch, t, ...]`` with ``seq_axis=1``) continue
         the sequence in the ``"cache"`` collection, as the class docstring shows: they
@@ -325,6 +337,7 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
         attended causally from position 0 without being written (flax's convention).
         """
         owner = type(self).__name__
+        config = self.resolved_config()
         in_features = inputs.shape[-1] if inputs.ndim else 0
         qkv_features = in_features if self.qkv_features is None else self.qkv_features
         out_features = in_features if self.out_features is None else self.out_features
@@ -336,21 +349,22 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
             self.num_kv_heads,
             qkv_features,
             tp,
-            self.resolved_axis(),
+            config.axis_name,
             self.rope_theta,
         )
         width = _attention.qkv_width(head_dim, self.num_heads, q_per_kv)
         qkv = ColumnParallelLinear(width, name="qkv", **_layer_kwargs(self, "column"))
-        _attention.check_attention_implementation(owner, self.attention_implementation, self.mesh)
+        _attention.check_attention_implementation(owner, self.attention_implementation, config.mesh)
         if decode:
             return self._decode(inputs, mask, qkv, out, qkv_features, head_dim, q_per_kv)
-        sp = _core.check_input(owner, inputs, None, tp, self.resolved_axis(), self.seq_axis)
+        _, ops, sp = self.prepare(inputs)
         if mask is not None:
-            _attention.check_mask(owner, mask, inputs.shape, self.seq_axis)
+            _attention.check_mask(owner, mask, inputs.shape, config.seq_axis)
         p_qkv = qkv.get_params(in_features)
         p_out = out.get_params(qkv_features)
+        key = self.dropout_key(deterministic)
         f = _attention.attention_call(
-            *_core.op_settings(self),
+            ops,
             head_dim,
             inputs.ndim,
             self.use_bias,
@@ -360,8 +374,9 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
             q_per_kv,
             self.rope_theta,
             sp,
+            *(() if key is None else (self.dropout_rate, self.broadcast_dropout)),
         )
-        return f(inputs, p_qkv, p_out, mask)
+        return f(inputs, p_qkv, p_out, mask, *(() if key is None else (key,)))
 
     @nn.nowrap
     def _decode(self, inputs, mask, qkv, out, qkv_features, head_dim, q_per_kv) -> jax.Array:
@@ -386,7 +401,8 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
                 f"{owner}: decode=True writes the new keys and values into the cache: call "
                 f"apply with mutable=['cache'] and keep the cache it returns"
             )
-        shape, seq = inputs.shape, self.seq_axis % 3
+        config = self.resolved_config()
+        shape, seq = inputs.shape, config.seq_axis % 3
         if has_cache:  # boxed or not: its one leaf
             batch, length = jax.tree.leaves(self.get_variable("cache", "cached_key"))[0].shape[:2]
         if len(shape) != 3 or (has_cache and shape[1 - seq] != batch):
@@ -401,20 +417,19 @@ class ParallelSelfAttention(_ResolvedAxis, nn.Module):
             batch, length = shape[1 - seq], t
         # The cache: [batch, max_length, kv_heads, head_dim], kv heads split like qkv's.
         if self.kernel_axes is None:
-            names = (None, None, self.resolved_axis(), None)
+            names = (None, None, config.axis_name, None)
             partitioning = nn.with_partitioning
         else:  # logical names, mapped by the user's logical_axis_rules
             names = (None, None, self.kernel_axes[1], None)
             partitioning = nn.with_logical_partitioning
         kv_shape = (batch, length, self.num_heads // q_per_kv, head_dim)
-        dtype = self.dtype or self.param_dtype
-        zeros = partitioning(lambda: jnp.zeros(kv_shape, dtype), names, mesh=self.mesh)
+        dtype = config.dtype or config.param_dtype
+        zeros = partitioning(lambda: jnp.zeros(kv_shape, dtype), names, mesh=config.mesh)
         cached_key = self.variable("cache", "cached_key", zeros)
         cached_value = self.variable("cache", "cached_value", zeros)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        f = _attention.decode_call(
-            *_core.op_settings(self), head_dim, self.use_bias, q_per_kv, self.rope_theta
-        )
+        ops = _core.op_settings(config, config.axis_name)
+        f = _attention.decode_call(ops, head_dim, self.use_bias, q_per_kv, self.rope_theta)
         params = (qkv.get_params(shape[-1]), out.get_params(qkv_features))
         index = cache_index.value
         if not has_cache:  # just created: attend from position 0, keep the cache empty

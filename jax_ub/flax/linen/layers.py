@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import jax
@@ -11,49 +12,85 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _core, _fp8
+from jax_ub.flax import _axes, _core, _fp8, _settings
+from jax_ub.flax._settings import ParallelConfig
 
 default_kernel_init = nn.initializers.lecun_normal()
 default_bias_init = nn.initializers.zeros_init()
 
 
-class _ParallelLinear(nn.Module):
+class Configured:
+    """A linen layer's settings: its :class:`~jax_ub.flax.ParallelConfig` from its
+    attributes (those not None) over its ``config`` or else the model defaults
+    (:func:`jax_ub.flax.defaults`, read when the layer is called), the tensor-parallel
+    axis resolved (``_axes.tp_axis``)."""
+
+    @nn.nowrap
+    def resolved_config(self) -> ParallelConfig:
+        owner = type(self).__name__
+        given = {name: getattr(self, name) for name in _settings.FIELDS}
+        config = _settings.resolve(owner, self.config, **given)
+        axis = _axes.tp_axis(owner, config.axis_name, self._split_name())
+        return dataclasses.replace(config, axis_name=axis, owner=owner)
+
+    @nn.nowrap
+    def resolved_axis(self) -> str:
+        """The tensor-parallel mesh axis."""
+        return self.resolved_config().axis_name
+
+    @nn.nowrap
+    def prepare(self, x: jax.Array, **kw) -> tuple[ParallelConfig, _core.Ops, bool]:
+        """The settings, checked against the call's input (``_core.prepare``)."""
+        config = self.resolved_config()
+        return (config, *_core.prepare(type(self).__name__, config, config.axis_name, x, **kw))
+
+    @nn.nowrap
+    def dropout_key(self, deterministic: bool | None) -> jax.Array | None:
+        """This call's dropout key (the ``"dropout"`` rng), or None where no dropout runs:
+        ``dropout_rate`` 0, or ``deterministic`` (the attribute's or the call's, as
+        ``nn.merge_param`` merges them, as flax's attention does)."""
+        _core.check_dropout(type(self).__name__, self.dropout_rate)
+        if self.dropout_rate == 0:
+            return None
+        if nn.merge_param("deterministic", self.deterministic, deterministic):
+            return None
+        return self.make_rng("dropout")
+
+
+class _ParallelLinear(Configured, nn.Module):
     """Shared fields, checks and parameter creation of the two parallel layers."""
 
     features: int
+    config: ParallelConfig | None = None
     mesh: Mesh | None = None
     axis_name: str | None = None
     param_axes: str | tuple[str, ...] | None = None
     kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str = "auto"
+    impl: str | None = None
+    sequence_parallel: bool | None = None
     use_bias: bool = True
     dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
+    param_dtype: Dtype | None = None
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = default_bias_init
-    fp8: bool | str = False
-    amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH
-    seq_axis: int = 0
+    fp8: bool | str | None = None
+    amax_history_length: int | None = None
+    seq_axis: int | None = None
 
     # Set by subclasses: "column" or "row".
     _kind: ClassVar[str]
 
     @nn.nowrap
-    def resolved_axis(self) -> str:
-        """The tensor-parallel mesh axis (``_axes.tp_axis``)."""
-        split = _axes.split_name(self._kind, self.kernel_axes)
-        return _axes.tp_axis(type(self).__name__, self.axis_name, split)
+    def _split_name(self) -> str | None:
+        return _axes.split_name(self._kind, self.kernel_axes)
 
     @nn.nowrap
     def tp_size(self) -> int:
-        """Size of the tensor-parallel axis; validates ``mesh``, ``axis_name``, ``impl``,
-        ``fp8`` and ``amax_history_length``."""
-        owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.resolved_axis(), impl=self.impl)
-        _core.check_impl(owner, self.impl)
-        _core.check_fp8(owner, self.fp8, self.amax_history_length)
-        _core.check_seq_axis(owner, self.seq_axis)
-        return tp
+        """Size of the tensor-parallel axis; validates the settings."""
+        config = self.resolved_config()
+        return _core.group_size(
+            type(self).__name__, config.mesh, config.axis_name, impl=config.impl
+        )
 
     @nn.compact
     def get_params(self, in_features: int) -> dict[str, Any]:
@@ -63,33 +100,34 @@ class _ParallelLinear(nn.Module):
         Blocks call this to run several layers in one ``shard_map``.
         """
         owner = type(self).__name__
+        config = self.resolved_config()
         if self.kernel_axes is None:
-            axis = self.resolved_axis()
+            axis = config.axis_name
             names = _core.param_names(owner, self._kind, axis, self.use_bias, self.param_axes)
 
             def init(base, names):
-                return nn.with_partitioning(base, names, mesh=self.mesh)
+                return nn.with_partitioning(base, names, mesh=config.mesh)
         else:  # logical names, mapped to mesh axes by the user's logical_axis_rules
             names = _axes.logical_param_names(self._kind, self.kernel_axes, owner, self.param_axes)
 
             def init(base, names):
-                return nn.with_logical_partitioning(base, names, mesh=self.mesh)
+                return nn.with_logical_partitioning(base, names, mesh=config.mesh)
 
         params = {
             "kernel": self.param(
                 "kernel",
                 init(self.kernel_init, names["kernel"]),
                 (in_features, self.features),
-                self.param_dtype,
+                config.param_dtype,
             )
         }
         if self.use_bias:
             params["bias"] = self.param(
-                "bias", init(self.bias_init, names["bias"]), (self.features,), self.param_dtype
+                "bias", init(self.bias_init, names["bias"]), (self.features,), config.param_dtype
             )
-        if _fp8.recipe(self.fp8) == "delayed":
+        if config.fp8_recipe == "delayed":
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
-            zeros = lambda: jnp.zeros((self.amax_history_length,), jnp.float32)  # noqa: E731
+            zeros = lambda: jnp.zeros((config.amax_history_length,), jnp.float32)  # noqa: E731
             params["fp8"] = {
                 k: self.variable(OVERWRITE_WITH_GRADIENT, name, init(zeros, (None,))).value
                 for k, name in _fp8.HISTORY_NAMES.items()
@@ -138,7 +176,10 @@ class ColumnParallelLinear(_ParallelLinear):
         ``logical_axis_rules`` map them to mesh axes. Instead of ``param_axes``.
       param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
         (default: None); XLA gathers them for the matmul.
-      impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
+      impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"`` (default).
+      config, sequence_parallel: as for :class:`jax_ub.flax.ColumnParallelLinear`. The
+        settings of :class:`~jax_ub.flax.ParallelConfig` left None are ``config``'s, else
+        those of the :func:`jax_ub.flax.defaults` active when the layer is called.
       use_bias, dtype, param_dtype, kernel_init, bias_init: as for ``nn.Dense``.
       fp8: run the matmul in fp8 (per-tensor scales; e4m3 forward, e5m2 gradients), in
         forward and backward; the collective moves fp8 bytes and the output is in the
@@ -179,14 +220,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
-        tp = self.tp_size()
-        owner = type(self).__name__
-        axis = self.resolved_axis()
-        _core.check_divisible(owner, "features", self.features, tp, axis)
-        sp = _core.check_input(owner, inputs, None, tp, axis, self.seq_axis)
+        _, ops, sp = self.prepare(inputs, divisible={"features": self.features})
         params = self.get_params(inputs.shape[-1])
-        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias, sp)
-        return f(inputs, params)
+        return _core.linear_call(self._kind, ops, inputs.ndim, self.use_bias, sp)(inputs, params)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -220,11 +256,8 @@ class RowParallelLinear(_ParallelLinear):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
         tp = self.tp_size()
-        owner = type(self).__name__
         axis = self.resolved_axis()
-        sp = _core.check_input(owner, inputs, None, tp, axis, self.seq_axis)
         in_features = _core.global_features(inputs.shape[-1], tp, axis, split=True)
-        _core.check_divisible(owner, "in_features", in_features, tp, axis)
+        _, ops, sp = self.prepare(inputs, divisible={"in_features": in_features})
         params = self.get_params(in_features)
-        f = _core.linear_call(self._kind, *_core.op_settings(self), inputs.ndim, self.use_bias, sp)
-        return f(inputs, params)
+        return _core.linear_call(self._kind, ops, inputs.ndim, self.use_bias, sp)(inputs, params)

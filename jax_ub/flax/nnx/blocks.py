@@ -9,6 +9,7 @@ result back to sequence-parallel. The gated MLP, :class:`ParallelGatedMLP`, live
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -17,15 +18,29 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _attention, _axes, _core, _fp8
+from jax_ub.flax import _attention, _axes, _core, _settings
+from jax_ub.flax._settings import ParallelConfig
 from jax_ub.flax.nnx.gated import ParallelGatedMLP as ParallelGatedMLP  # re-exported
 from jax_ub.flax.nnx.layers import (
     ColumnParallelLinear,
+    Dropping,
     RowParallelLinear,
     default_bias_init,
     default_kernel_init,
     sharded_param,
 )
+
+
+def _block_config(
+    owner: str, config: ParallelConfig | None, kernel_axes, param_axes, arguments: dict
+) -> ParallelConfig:
+    """A block's settings, from its constructor's ``arguments`` (``locals()``) over
+    ``config`` or the model defaults, with its tensor-parallel axis resolved from its
+    ``kernel_axes`` ``(model dim, split dim)``: what it gives both its projections."""
+    given = {name: arguments[name] for name in _settings.FIELDS}
+    config = _settings.resolve(owner, config, **given)
+    split = _axes.block_split_name(owner, kernel_axes, param_axes)
+    return dataclasses.replace(config, axis_name=_axes.tp_axis(owner, config.axis_name, split))
 
 
 def _kernel_axes(kernel_axes) -> tuple[dict, dict]:
@@ -36,7 +51,7 @@ def _kernel_axes(kernel_axes) -> tuple[dict, dict]:
     return {"kernel_axes": tuple(kernel_axes)}, {"kernel_axes": tuple(reversed(kernel_axes))}
 
 
-class ParallelMLP(nnx.Module):
+class ParallelMLP(Dropping, nnx.Module):
     """``down_proj(activation(up_proj(x)))`` with tensor-parallel projections.
 
     ``up_proj`` is a :class:`ColumnParallelLinear` ``in_features -> hidden_features`` and
@@ -65,9 +80,15 @@ class ParallelMLP(nnx.Module):
         fp8 bytes. ``True`` or ``"current"``: current scaling; ``"delayed"``: delayed
         scaling, each projection keeping its own amax histories (as
         :class:`ColumnParallelLinear` describes); ``False``: no fp8 (default).
-      mesh, axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
-        param_dtype, kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`,
-        shared by both projections.
+      dropout_rate: dropout of the hidden activations before ``down_proj`` (default 0:
+        none), as ``nnx.Dropout``: ``deterministic`` (here, per call, or with
+        ``nnx.view(model, deterministic=...)``) turns it off, and the masks draw from the
+        call's ``rngs`` or else the ``dropout`` stream of ``rngs`` (forked). The masks are
+        drawn per device for its shard of the hidden units, the same whichever ``impl``.
+      deterministic: see ``dropout_rate`` (default None: given per call).
+      config, mesh, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
+        seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for
+        :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     def __init__(
@@ -76,42 +97,36 @@ class ParallelMLP(nnx.Module):
         hidden_features: int,
         *,
         out_features: int | None = None,
+        config: ParallelConfig | None = None,
         mesh: Mesh | None = None,
         axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
         kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str = "auto",
-        fp8: bool | str = False,
-        amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
-        seq_axis: int = 0,
+        impl: str | None = None,
+        sequence_parallel: bool | None = None,
+        fp8: bool | str | None = None,
+        amax_history_length: int | None = None,
+        seq_axis: int | None = None,
         activation: Callable[[jax.Array], jax.Array] = nnx.gelu,
         use_bias: bool = True,
         dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
+        param_dtype: Dtype | None = None,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
-        _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8, amax_history_length)
-        split = _axes.block_split_name(owner, kernel_axes, param_axes)
-        axis_name = _axes.tp_axis(owner, axis_name, split)
-        tp = _core.group_size(owner, mesh, axis_name, required=False)
+        config = _block_config(owner, config, kernel_axes, param_axes, locals())
+        tp = _core.group_size(owner, config.mesh, config.axis_name, required=False)
         if tp is not None:
-            _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
+            _core.check_divisible(owner, "hidden_features", hidden_features, tp, config.axis_name)
         out_features = in_features if out_features is None else out_features
         common = dict(
-            mesh=mesh,
-            axis_name=axis_name,
+            config=config,
             param_axes=param_axes,
-            impl=impl,
-            fp8=fp8,
-            amax_history_length=amax_history_length,
-            seq_axis=seq_axis,
             use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
             kernel_init=kernel_init,
             bias_init=bias_init,
             rngs=rngs,
@@ -120,20 +135,31 @@ class ParallelMLP(nnx.Module):
         self.up_proj = ColumnParallelLinear(in_features, hidden_features, **common, **col)
         self.down_proj = RowParallelLinear(hidden_features, out_features, **common, **row)
         self.activation = activation
+        self._init_dropout(owner, dropout_rate, deterministic, rngs)
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
+    def __call__(
+        self, inputs: jax.Array, *, deterministic: bool | None = None, rngs=None
+    ) -> jax.Array:
+        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
+
+        ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
+        (with ``dropout_rate`` > 0 only)."""
         up, down = self.up_proj, self.down_proj
-        owner = type(self).__name__
-        tp = _core.group_size(owner, up.mesh, up.axis_name, impl=up.impl)
-        _core.check_divisible(owner, "hidden_features", up.out_features, tp, up.axis_name)
-        sp = _core.check_input(owner, inputs, up.in_features, tp, up.axis_name, up.seq_axis)
-        settings = _core.op_settings(up)
-        f = _core.mlp_call(*settings, self.activation, inputs.ndim, up.use_bias, sp)
-        return f(inputs, up.param_values(), down.param_values())
+        ops, sp = _core.prepare(
+            type(self).__name__,
+            up.config,
+            up.axis_name,
+            inputs,
+            up.in_features,
+            divisible={"hidden_features": up.out_features},
+        )
+        key = self._dropout_key(deterministic, rngs)
+        rate = self.dropout_rate if key is not None else 0.0
+        f = _core.mlp_call(ops, self.activation, inputs.ndim, up.use_bias, sp, rate)
+        return f(inputs, up.param_values(), down.param_values(), *([] if key is None else [key]))
 
 
-class ParallelSelfAttention(nnx.Module):
+class ParallelSelfAttention(Dropping, nnx.Module):
     """Multi-head self-attention with heads split over a tensor-parallel axis.
 
     ``qkv`` is a :class:`ColumnParallelLinear` ``in_features -> 3 * qkv_features`` whose
@@ -186,9 +212,16 @@ class ParallelSelfAttention(nnx.Module):
         ``"current"``: current scaling; ``"delayed"``: delayed scaling, each projection
         keeping its own amax histories (see :class:`ColumnParallelLinear`); ``False``: no
         fp8 (default).
-      mesh, axis_name, param_axes, impl, amax_history_length, seq_axis, use_bias, dtype,
-        param_dtype, kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`,
-        shared by both projections.
+      dropout_rate: dropout of the attention weights (after the softmax), as flax's
+        attention (default 0: none). With it active the attention core runs the explicit
+        softmax in XLA (``jax.nn.dot_product_attention`` and cuDNN have no dropout).
+        ``deterministic`` and the rngs as ``nnx.Dropout``'s (see :class:`ParallelMLP`).
+      broadcast_dropout: one ``[seq, seq]`` mask for every batch entry and head (default,
+        flax's), else one per batch entry and head.
+      deterministic: see ``dropout_rate`` (default None: given per call).
+      config, mesh, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
+        seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for
+        :class:`ColumnParallelLinear`, shared by both projections.
     """
 
     def __init__(
@@ -201,17 +234,22 @@ class ParallelSelfAttention(nnx.Module):
         qkv_features: int | None = None,
         out_features: int | None = None,
         attention_implementation: str | None = None,
+        broadcast_dropout: bool = True,
+        config: ParallelConfig | None = None,
         mesh: Mesh | None = None,
         axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
         kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str = "auto",
-        fp8: bool | str = False,
-        amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
-        seq_axis: int = 0,
+        impl: str | None = None,
+        sequence_parallel: bool | None = None,
+        fp8: bool | str | None = None,
+        amax_history_length: int | None = None,
+        seq_axis: int | None = None,
         use_bias: bool = True,
         dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
+        param_dtype: Dtype | None = None,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
@@ -219,26 +257,16 @@ class ParallelSelfAttention(nnx.Module):
         owner = type(self).__name__
         qkv_features = in_features if qkv_features is None else qkv_features
         out_features = in_features if out_features is None else out_features
-        _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8, amax_history_length)
-        split = _axes.block_split_name(owner, kernel_axes, param_axes)
-        axis_name = _axes.tp_axis(owner, axis_name, split)
-        tp = _core.group_size(owner, mesh, axis_name, required=False)
+        config = _block_config(owner, config, kernel_axes, param_axes, locals())
+        tp = _core.group_size(owner, config.mesh, config.axis_name, required=False)
         head_dim, q_per_kv = _attention.check_heads(
-            owner, num_heads, num_kv_heads, qkv_features, tp, axis_name, rope_theta
+            owner, num_heads, num_kv_heads, qkv_features, tp, config.axis_name, rope_theta
         )
-        _attention.check_attention_implementation(owner, attention_implementation, mesh)
+        _attention.check_attention_implementation(owner, attention_implementation, config.mesh)
         common = dict(
-            mesh=mesh,
-            axis_name=axis_name,
+            config=config,
             param_axes=param_axes,
-            impl=impl,
-            fp8=fp8,
-            amax_history_length=amax_history_length,
-            seq_axis=seq_axis,
             use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
             kernel_init=kernel_init,
             bias_init=bias_init,
             rngs=rngs,
@@ -250,6 +278,8 @@ class ParallelSelfAttention(nnx.Module):
         self.num_heads, self.q_per_kv, self.rope_theta = num_heads, q_per_kv, rope_theta
         self.head_dim = head_dim
         self.attention_implementation = attention_implementation
+        self.broadcast_dropout = broadcast_dropout
+        self._init_dropout(owner, dropout_rate, deterministic, rngs)
 
     def init_cache(self, batch: int, max_length: int, dtype: Dtype | None = None) -> None:
         """Allocate the key/value cache that ``decode=True`` calls fill: ``cached_key`` and
@@ -272,13 +302,16 @@ class ParallelSelfAttention(nnx.Module):
         *,
         is_causal: bool = False,
         decode: bool = False,
+        deterministic: bool | None = None,
+        rngs=None,
     ) -> jax.Array:
         """Attend over ``inputs [seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
 
         Args:
           inputs: sequence-sharded activations.
-          mask: optional boolean mask broadcastable to ``[*batch, 1, seq, seq]`` (True
-            attends).
+          mask: optional mask broadcastable to ``[*batch, 1, seq, seq]``: booleans (True
+            attends) or flax's 0/1 masks of another dtype (nonzero attends, as
+            ``nn.make_attention_mask`` makes them).
           is_causal: each position attends only to itself and earlier ones; the same as
             ``mask=jnp.tril(jnp.ones((seq, seq), bool))`` but with no mask array, so the
             fused cuDNN kernel can run it.
@@ -286,19 +319,27 @@ class ParallelSelfAttention(nnx.Module):
             ``[batch, t, ...]`` batch-major) continue the sequence in the cache
             (:meth:`init_cache`): they attend causally to it and to each other, their keys
             and values are written into it and ``cache_index`` advances by ``t``.
+          deterministic, rngs: the attention dropout's, as ``nnx.Dropout``'s call takes
+            them (with ``dropout_rate`` > 0 only; decoding drops nothing).
         """
         if decode:
             return self._decode(inputs, mask)  # causal whatever is_causal says
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
-        tp = _core.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
         what = "num_heads" if self.q_per_kv == 1 else "num_kv_heads"
-        _core.check_divisible(owner, what, self.num_heads // self.q_per_kv, tp, qkv.axis_name)
-        sp = _core.check_input(owner, inputs, qkv.in_features, tp, qkv.axis_name, qkv.seq_axis)
+        ops, sp = _core.prepare(
+            owner,
+            qkv.config,
+            qkv.axis_name,
+            inputs,
+            qkv.in_features,
+            divisible={what: self.num_heads // self.q_per_kv},
+        )
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, qkv.seq_axis)
+        key = self._dropout_key(deterministic, rngs)
         f = _attention.attention_call(
-            *_core.op_settings(qkv),
+            ops,
             self.head_dim,
             inputs.ndim,
             qkv.use_bias,
@@ -308,8 +349,10 @@ class ParallelSelfAttention(nnx.Module):
             self.q_per_kv,
             self.rope_theta,
             sp,
+            *(() if key is None else (self.dropout_rate, self.broadcast_dropout)),
         )
-        return f(inputs, qkv.param_values(), out.param_values(), mask)
+        extra = () if key is None else (key,)
+        return f(inputs, qkv.param_values(), out.param_values(), mask, *extra)
 
     def _decode(self, inputs: jax.Array, mask: jax.Array | None) -> jax.Array:
         owner = type(self).__name__
@@ -332,9 +375,8 @@ class ParallelSelfAttention(nnx.Module):
                 f"input shape {shape}"
             )
         _core.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
-        f = _attention.decode_call(
-            *_core.op_settings(qkv), self.head_dim, qkv.use_bias, self.q_per_kv, self.rope_theta
-        )
+        ops = _core.op_settings(qkv.config, qkv.axis_name)
+        f = _attention.decode_call(ops, self.head_dim, qkv.use_bias, self.q_per_kv, self.rope_theta)
         index = self.cache_index[...]
         try:
             position = int(index)

@@ -13,11 +13,18 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _core, _fp8, _gated
-from jax_ub.flax.nnx.layers import OverwriteWithGradient, default_kernel_init, sharded_param
+from jax_ub.flax import _axes, _core, _gated, _settings
+from jax_ub.flax._settings import ParallelConfig
+from jax_ub.flax.nnx.layers import (
+    Configured,
+    Dropping,
+    OverwriteWithGradient,
+    default_kernel_init,
+    sharded_param,
+)
 
 
-class ParallelGatedMLP(nnx.Module):
+class ParallelGatedMLP(Configured, Dropping, nnx.Module):
     """The gated MLP of Llama, Mistral and Qwen (SwiGLU) or Gemma (GeGLU), tensor-parallel:
     ``down_proj(activation(x @ gate) * (x @ up))`` (:func:`jax_ub.gated_mlp`).
 
@@ -70,8 +77,10 @@ class ParallelGatedMLP(nnx.Module):
       kernel_init: initializer of ``gate_up`` (called with shape
         ``[in_features, 2 * hidden_features]``, so fan-in is ``in_features``) and
         ``down_proj``.
-      mesh, axis_name, param_axes, kernel_axes, impl, seq_axis, dtype, param_dtype, rngs:
-        as for :class:`ColumnParallelLinear`.
+      dropout_rate, deterministic: dropout of the gated hidden activations before
+        ``down_proj``, as :class:`ParallelMLP`'s.
+      config, mesh, axis_name, param_axes, kernel_axes, impl, sequence_parallel, seq_axis,
+        dtype, param_dtype, rngs: as for :class:`ColumnParallelLinear`.
     """
 
     def __init__(
@@ -81,58 +90,70 @@ class ParallelGatedMLP(nnx.Module):
         *,
         out_features: int | None = None,
         activation: str | Callable[[jax.Array], jax.Array] = "silu",
+        config: ParallelConfig | None = None,
         mesh: Mesh | None = None,
         axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
         kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str = "auto",
-        fp8: bool | str = False,
-        amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
-        seq_axis: int = 0,
+        impl: str | None = None,
+        sequence_parallel: bool | None = None,
+        fp8: bool | str | None = None,
+        amax_history_length: int | None = None,
+        seq_axis: int | None = None,
         dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
+        param_dtype: Dtype | None = None,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
         kernel_init: Initializer = default_kernel_init,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
-        _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8, amax_history_length)
-        _core.check_seq_axis(owner, seq_axis)
+        arguments = locals()
+        given = {name: arguments[name] for name in _settings.FIELDS}
         split = _axes.block_split_name(owner, kernel_axes, param_axes)
-        axis_name = _axes.tp_axis(owner, axis_name, split)
-        tp = _core.group_size(owner, mesh, axis_name, required=False)
+        self._configure(owner, config, given, split)
+        cfg = self.config
+        tp = _core.group_size(owner, cfg.mesh, cfg.axis_name, required=False)
         if tp is not None:
-            _core.check_divisible(owner, "hidden_features", hidden_features, tp, axis_name)
+            _core.check_divisible(owner, "hidden_features", hidden_features, tp, cfg.axis_name)
         out_features = in_features if out_features is None else out_features
         if kernel_axes is None:
-            names = _gated.gated_kernel_names(owner, axis_name, param_axes)
+            names = _gated.gated_kernel_names(owner, cfg.axis_name, param_axes)
         else:  # logical names, mapped by the user's logical_axis_rules
             names = _gated.logical_kernel_names(owner, kernel_axes, param_axes)
-        gate_up = kernel_init(rngs.params(), (in_features, 2 * hidden_features), param_dtype)
+        gate_up = kernel_init(rngs.params(), (in_features, 2 * hidden_features), cfg.param_dtype)
         gate_up = gate_up.reshape(in_features, 2, hidden_features)
-        down = kernel_init(rngs.params(), (hidden_features, out_features), param_dtype)
-        self.gate_up = sharded_param(gate_up, names["gate_up"], mesh)
-        self.down_proj = sharded_param(down, names["down_proj"], mesh)
-        if _fp8.recipe(fp8) == "delayed":
+        down = kernel_init(rngs.params(), (hidden_features, out_features), cfg.param_dtype)
+        self.gate_up = sharded_param(gate_up, names["gate_up"], cfg.mesh)
+        self.down_proj = sharded_param(down, names["down_proj"], cfg.mesh)
+        if cfg.fp8_recipe == "delayed":
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
-            history = jnp.zeros((amax_history_length,), jnp.float32)
+            history = jnp.zeros((cfg.amax_history_length,), jnp.float32)
             for projection in _gated.HISTORY_NAMES.values():
                 for name in projection.values():
-                    var = sharded_param(history, (None,), mesh, OverwriteWithGradient)
+                    var = sharded_param(history, (None,), cfg.mesh, OverwriteWithGradient)
                     setattr(self, name, var)
         self.in_features, self.hidden_features = in_features, hidden_features
         self.activation = activation
-        self.mesh, self.axis_name, self.impl, self.fp8 = mesh, axis_name, impl, fp8
-        self.amax_history_length = amax_history_length
-        self.seq_axis, self.dtype = seq_axis, dtype
+        self._init_dropout(owner, dropout_rate, deterministic, rngs)
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``."""
-        owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
-        _core.check_divisible(owner, "hidden_features", self.hidden_features, tp, self.axis_name)
-        features = _core.local_features(self.in_features, tp, self.axis_name, False)
-        sp = _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
-        f = _gated.gated_mlp_call(*_core.op_settings(self), self.activation, inputs.ndim, sp)
+    def __call__(
+        self, inputs: jax.Array, *, deterministic: bool | None = None, rngs=None
+    ) -> jax.Array:
+        """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``.
+
+        ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
+        (with ``dropout_rate`` > 0 only)."""
+        ops, sp = _core.prepare(
+            type(self).__name__,
+            self.config,
+            self.axis_name,
+            inputs,
+            self.in_features,
+            divisible={"hidden_features": self.hidden_features},
+        )
+        key = self._dropout_key(deterministic, rngs)
+        rate = 0.0 if key is None else self.dropout_rate
+        f = _gated.gated_mlp_call(ops, self.activation, inputs.ndim, sp, rate)
         hist = _gated.histories(self.fp8, lambda name: getattr(self, name)[...])
-        return f(inputs, self.gate_up[...], self.down_proj[...], *hist)
+        return f(inputs, self.gate_up[...], self.down_proj[...], hist, key)

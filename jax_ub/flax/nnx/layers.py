@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -10,7 +12,8 @@ from flax.nnx import variablelib
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _core, _fp8
+from jax_ub.flax import _axes, _core, _fp8, _settings
+from jax_ub.flax._settings import ParallelConfig
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -45,7 +48,81 @@ def sharded_param(
     return kind(value, out_sharding=names, mesh=mesh)
 
 
-class _ParallelLinear(nnx.Module):
+class Configured:
+    """A layer's :class:`~jax_ub.flax.ParallelConfig` as ``config``, and its fields as
+    attributes: ``layer.impl = "xla"`` replaces the record by a checked copy."""
+
+    config: ParallelConfig
+
+    def _configure(self, owner: str, config: ParallelConfig | None, given: dict, axis) -> None:
+        """Settle the settings ``given`` (keyword arguments, None where not given) over
+        ``config`` or the model defaults, the tensor-parallel axis resolved as ``axis``
+        (``_axes.tp_axis``'s split name) says."""
+        config = _settings.resolve(owner, config, **given)
+        axis_name = _axes.tp_axis(owner, config.axis_name, axis)
+        self.config = dataclasses.replace(config, axis_name=axis_name, owner=owner)
+
+
+def _setting(name: str) -> property:
+    def get(self):
+        return getattr(self.config, name)
+
+    def set(self, value):
+        self.config = dataclasses.replace(self.config, owner=type(self).__name__, **{name: value})
+
+    return property(get, set, doc=f"The layer's ``config.{name}``.")
+
+
+for _name in _settings.FIELDS:
+    setattr(Configured, _name, _setting(_name))
+
+
+class Dropping:
+    """The dropout of a block (of its hidden activations or attention weights), with
+    ``nnx.Dropout``'s conventions: ``dropout_rate``; ``deterministic`` set when built, by
+    ``nnx.view(model, deterministic=...)`` or per call (the call's wins); the key from the
+    call's ``rngs`` or else the ``dropout`` stream of the ``rngs`` the block was built
+    with (forked)."""
+
+    dropout_rate: float
+    deterministic: bool | None
+
+    def _init_dropout(
+        self, owner: str, rate: float, deterministic: bool | None, rngs: nnx.Rngs
+    ) -> None:
+        _core.check_dropout(owner, rate)
+        self.dropout_rate, self.deterministic = float(rate), deterministic
+        self.rngs = rngs.dropout.fork() if rate > 0 else nnx.data(None)
+
+    def _dropout_key(self, deterministic: bool | None, rngs) -> jax.Array | None:
+        """This call's dropout key, or None where no dropout runs (rate 0, deterministic)."""
+        owner = type(self).__name__
+        if self.dropout_rate == 0:
+            return None
+        deterministic = nnx.module.first_from(
+            deterministic,
+            self.deterministic,
+            error_msg=f"{owner}: dropout_rate={self.dropout_rate} needs `deterministic`: "
+            "pass it to the constructor or the call, or use nnx.view(model, deterministic=...)",
+        )
+        if deterministic:
+            return None
+        rngs = self.rngs if rngs is None else rngs
+        if isinstance(rngs, nnx.Rngs):
+            return rngs.dropout()
+        if isinstance(rngs, nnx.RngStream):
+            return rngs()
+        if rngs is None:
+            raise ValueError(f"{owner}: deterministic=False needs rngs for the dropout masks")
+        return rngs  # a key
+
+    def set_view(self, deterministic: bool | None = None, **_) -> None:
+        """For ``nnx.view``: ``deterministic=True`` turns dropout off."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+
+class _ParallelLinear(Configured, nnx.Module):
     """Shared constructor: global-shaped params carrying their sharding over ``axis_name``."""
 
     # Set by subclasses: which features are split over the axis, and the layer's kind.
@@ -57,60 +134,64 @@ class _ParallelLinear(nnx.Module):
         in_features: int,
         out_features: int,
         *,
+        config: ParallelConfig | None = None,
         mesh: Mesh | None = None,
         axis_name: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
         kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str = "auto",
-        fp8: bool | str = False,
-        amax_history_length: int = _fp8.DEFAULT_HISTORY_LENGTH,
-        seq_axis: int = 0,
+        impl: str | None = None,
+        sequence_parallel: bool | None = None,
+        fp8: bool | str | None = None,
+        amax_history_length: int | None = None,
+        seq_axis: int | None = None,
         use_bias: bool = True,
         dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
+        param_dtype: Dtype | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
-        _core.check_impl(owner, impl)
-        _core.check_fp8(owner, fp8, amax_history_length)
-        _core.check_seq_axis(owner, seq_axis)
+        given = dict(
+            mesh=mesh,
+            axis_name=axis_name,
+            impl=impl,
+            sequence_parallel=sequence_parallel,
+            fp8=fp8,
+            amax_history_length=amax_history_length,
+            seq_axis=seq_axis,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         if kernel_axes is not None:  # checked before the names resolve the axis
             _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
-        axis_name = _axes.tp_axis(owner, axis_name, _axes.split_name(self._kind, kernel_axes))
-        tp = _core.group_size(owner, mesh, axis_name, required=False)
+        self._configure(owner, config, given, _axes.split_name(self._kind, kernel_axes))
+        cfg = self.config
+        tp = _core.group_size(owner, cfg.mesh, cfg.axis_name, required=False)
         if tp is not None:
             split = {"in_features": in_features, "out_features": out_features}[self._split]
-            _core.check_divisible(owner, self._split, split, tp, axis_name)
+            _core.check_divisible(owner, self._split, split, tp, cfg.axis_name)
         self.in_features = in_features
         self.out_features = out_features
-        self.mesh = mesh
-        self.axis_name = axis_name
-        self.impl = impl
-        self.fp8 = fp8
-        self.amax_history_length = amax_history_length
-        self.seq_axis = seq_axis
         self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         if kernel_axes is None:
-            names = _core.param_names(owner, self._kind, axis_name, use_bias, param_axes)
+            names = _core.param_names(owner, self._kind, cfg.axis_name, use_bias, param_axes)
         else:  # logical names, which the user's logical_axis_rules map to mesh axes
             names = _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
-        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
-        self.kernel = sharded_param(kernel, names["kernel"], mesh)
+        kernel = kernel_init(rngs.params(), (in_features, out_features), cfg.param_dtype)
+        self.kernel = sharded_param(kernel, names["kernel"], cfg.mesh)
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
-            bias = bias_init(rngs.params(), (out_features,), param_dtype)
-            self.bias = sharded_param(bias, names["bias"], mesh)
+            bias = bias_init(rngs.params(), (out_features,), cfg.param_dtype)
+            self.bias = sharded_param(bias, names["bias"], cfg.mesh)
         else:
             self.bias = nnx.data(None)
-        if _fp8.recipe(fp8) == "delayed":
+        if cfg.fp8_recipe == "delayed":
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
-            history = jnp.zeros((amax_history_length,), jnp.float32)
+            history = jnp.zeros((cfg.amax_history_length,), jnp.float32)
             for name in _fp8.HISTORY_NAMES.values():
-                setattr(self, name, sharded_param(history, (None,), mesh, OverwriteWithGradient))
+                var = sharded_param(history, (None,), cfg.mesh, OverwriteWithGradient)
+                setattr(self, name, var)
 
     def param_values(self) -> dict[str, jax.Array]:
         """The global arrays the ops take: ``kernel``, with ``use_bias`` ``bias``, and with
@@ -118,20 +199,22 @@ class _ParallelLinear(nnx.Module):
         values = {"kernel": self.kernel[...]}
         if self.bias is not None:
             values["bias"] = self.bias[...]
-        if _fp8.recipe(self.fp8) == "delayed":
+        if self.config.fp8_recipe == "delayed":
             values["fp8"] = {k: getattr(self, n)[...] for k, n in _fp8.HISTORY_NAMES.items()}
         return values
 
     def _config(self, inputs: jax.Array) -> tuple:
-        owner = type(self).__name__
-        tp = _core.group_size(owner, self.mesh, self.axis_name, impl=self.impl)
         split = {"in_features": self.in_features, "out_features": self.out_features}[self._split]
-        _core.check_divisible(owner, self._split, split, tp, self.axis_name)
-        features = _core.local_features(
-            self.in_features, tp, self.axis_name, self._split == "in_features"
+        ops, sp = _core.prepare(
+            type(self).__name__,
+            self.config,
+            self.axis_name,
+            inputs,
+            self.in_features,
+            split_in=self._split == "in_features",
+            divisible={self._split: split},
         )
-        sp = _core.check_input(owner, inputs, features, tp, self.axis_name, self.seq_axis)
-        return (*_core.op_settings(self), inputs.ndim, self.use_bias, sp)
+        return ops, inputs.ndim, self.use_bias, sp
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -226,6 +309,10 @@ class ColumnParallelLinear(_ParallelLinear):
     Args:
       in_features: number of input features.
       out_features: number of output features; a multiple of ``tp``.
+      config: a :class:`~jax_ub.flax.ParallelConfig` of the settings below from ``mesh``
+        to ``param_dtype`` (default: the model defaults, :func:`jax_ub.flax.defaults`);
+        those given as keyword arguments take precedence. A setting left None is the
+        config's (its default where none is given).
       mesh: optional :class:`jax.sharding.Mesh` to create the params on and to run on when
         no mesh is set (default: the mesh set by ``jax.set_mesh``, or the enclosing
         shard_map's).
@@ -239,7 +326,11 @@ class ColumnParallelLinear(_ParallelLinear):
       param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
         (default: None, replicated). Only where the params are placed: XLA gathers them
         for the matmul.
-      impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
+      impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"`` (default).
+      sequence_parallel: the activations' layout: None (default) sequence-parallel where
+        ``tp`` divides the sequence, else replicated over the axis; True always
+        sequence-parallel; False replicated (no sequence parallelism). See
+        :class:`~jax_ub.flax.ParallelConfig`.
       fp8: run the matmul in fp8 (per-tensor scales; e4m3 forward, e5m2 gradients), in
         forward and backward; the collective moves fp8 bytes and the output is in the
         compute dtype. ``True`` or ``"current"``: current scaling (each tensor's amax this
@@ -292,8 +383,9 @@ class RowParallelLinear(_ParallelLinear):
     Args:
       in_features: number of input features; a multiple of ``tp``.
       out_features: number of output features.
-      mesh, axis_name, param_axes, impl, fp8, seq_axis, use_bias, dtype, param_dtype,
-        kernel_init, bias_init, rngs: as for :class:`ColumnParallelLinear`. ``seq`` must be
+      config, mesh, axis_name, param_axes, impl, sequence_parallel, fp8, seq_axis,
+        use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for
+        :class:`ColumnParallelLinear`. ``seq`` must be
         a multiple of ``tp``.
     """
 

@@ -1,0 +1,312 @@
+"""The overlapped ops' fp8 forward and backward (the scales and recipes they take are
+:mod:`jax_ub._src.fp8`).
+
+With ``fp8=Fp8Scales(...)`` an op takes high-precision ``x`` and ``w`` (bfloat16, float16 or
+float32), quantizes both to ``float8_e4m3fn`` (``x ~ x_q * x_scale``), moves and multiplies
+fp8 (the all-gather moves half of bf16's bytes) and returns ``x.dtype``. The backward
+quantizes the output gradient to ``float8_e5m2``: the input gradient is the swapped
+overlapped op on fp8 operands, the weight gradient an fp8 product of the gathered fp8
+activation (or gradient) kept by the forward, which is never gathered twice.
+Quantization is transparent to autodiff (straight-through), as in fp8 training recipes.
+
+An operand given already quantized (``float8_e4m3fn`` with its scale in ``Fp8Scales``,
+e.g. weights stored in fp8 for serving, or an activation its producer quantized) is used
+as it is. Its gradient is the op's gradient cast to fp8, as autodiff treats any cast; its
+scale gets no gradient (no amax is taken of it).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ub._src import options
+from jax_ub._src.epilogue import epilogue_grads
+from jax_ub._src.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Scales,
+    amax,
+    is_quantized,
+    quantize,
+    result_dtype,
+    scale_from_amax,
+)
+from jax_ub._src.group import Group
+from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.reference import (
+    all_gather_matmul_reference,
+    dgelu_reference,
+    epilogue,
+    matmul_reduce_scatter_reference,
+)
+from jax_ub._src.remat import saved_gathered, saved_output
+from jax_ub._src.varying import match_varying
+from jax_ub._src.wire_format import pack_scales
+
+
+class AgResiduals(NamedTuple):
+    """What fp8_all_gather_matmul's forward keeps for its backward."""
+
+    x_like: jax.Array  # an empty slice of x: its dtype and the mesh axes it varies over
+    w_like: jax.Array  # the same of w
+    w_q: jax.Array  # w in fp8, [k, n]: w.T read k-major by the dgrad GEMM
+    gathered_q: jax.Array  # all_gather(x) in fp8, for the weight gradient
+    x_scale: jax.Array
+    w_scale: jax.Array
+    grad_scale: jax.Array | None  # the caller's scale for the output's gradient, if given
+    seen_x: jax.Array | None  # x's amax over the group where the caller gave its scale
+    seen_w: jax.Array | None  # the same of w
+    pre_gelu: jax.Array | None  # GELU's input, with activation="gelu"
+    bias_like: jax.Array | None  # an empty slice of the bias, where there is one
+
+
+class RsResiduals(NamedTuple):
+    """What fp8_matmul_reduce_scatter's forward keeps for its backward."""
+
+    x_like: jax.Array  # an empty slice of x: its dtype and the mesh axes it varies over
+    w_like: jax.Array  # the same of w
+    x_q: jax.Array  # x in fp8, for the weight gradient
+    w_q: jax.Array  # w in fp8, [k, n]: w.T read k-major by the dgrad GEMM
+    x_scale: jax.Array
+    w_scale: jax.Array
+    grad_scale: jax.Array | None  # the caller's scale for the output's gradient, if given
+    seen_x: jax.Array | None  # x's amax over the group where the caller gave its scale
+    seen_w: jax.Array | None  # the same of w
+
+
+def _ag(
+    x_q,
+    w_t,
+    sx,
+    sw,
+    *,
+    out_dtype,
+    group: Group,
+    bias=None,
+    gelu: bool = False,
+    dgelu_at=None,
+):
+    """(y, all_gather(x_q), GELU's input or an empty [0, ..., n]), y = gelu?(all_gather(x_q)
+    @ w_t.T scaled by sx * sw + bias?), or with ``dgelu_at`` (GELU's input, laid out as y)
+    that product times gelu'(dgelu_at), in the epilogue; ``w_t`` is the weight stored
+    k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
+    scales = pack_scales(sx, sw)
+    if group.ub:
+        return bind_all_gather_matmul(
+            x_q,
+            w_t,
+            group.axis_name,
+            group.size,
+            return_gathered=True,
+            transpose_w=True,
+            fallback=group.fallback,
+            scales=scales,
+            out_dtype=out_dtype,
+            bias=bias,
+            gelu=gelu,
+            keep_pre_gelu=gelu,
+            gelu_input=dgelu_at,
+        )
+    out, gathered, pre = all_gather_matmul_reference(
+        x_q,
+        w_t.T,
+        group.axis_name,
+        return_gathered=True,
+        scales=scales,
+        out_dtype=out_dtype,
+        bias=bias,
+        activation="gelu" if gelu else None,
+        return_pre_activation=True,
+    )
+    return (out if dgelu_at is None else dgelu_reference(out, dgelu_at)), gathered, pre
+
+
+def _rs(x_q, w_t, sx, sw, *, out_dtype, group: Group):
+    """psum_scatter(x_q @ w_t.T scaled by sx * sw); ``w_t`` as for :func:`_ag`."""
+    scales = pack_scales(sx, sw)
+    if group.ub:
+        return bind_matmul_reduce_scatter(
+            x_q,
+            w_t,
+            group.axis_name,
+            group.size,
+            transpose_w=True,
+            fallback=group.fallback,
+            scales=scales,
+            out_dtype=out_dtype,
+        )
+    return matmul_reduce_scatter_reference(
+        x_q, w_t.T, group.axis_name, scales=scales, out_dtype=out_dtype
+    )
+
+
+def _weight_grad(a_q, b_q, scale, dtype):
+    """``a^T b`` over the rows (and batch dims) of fp8 ``a_q``, ``b_q``, times ``scale``, in
+    ``dtype`` (high precision)."""
+    lead = tuple(range(a_q.ndim - 1))
+    wide = jnp.dtype(dtype)
+    out = lax.dot_general(
+        a_q.astype(wide),
+        b_q.astype(wide),
+        ((lead, lead), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    return (out * scale).astype(wide)
+
+
+def _scale_of(given, observed_amax, dtype):
+    return given if given is not None else scale_from_amax(observed_amax, dtype)
+
+
+def _seen(given, local_amax, axis_name):
+    """The amax to report for a scale the caller gave (over the group), else None: no
+    collective is traced for a gradient nobody asked for, nor for an operand given in fp8
+    (``local_amax`` None)."""
+    return None if given is None or local_amax is None else lax.pmax(local_amax, axis_name)
+
+
+def _local_amax(a, axis_name=None):
+    """amax of a high-precision operand (over ``axis_name``'s group if given); None for an
+    operand given in fp8, whose scale the caller passed."""
+    return None if is_quantized(a) else amax(a, axis_name)
+
+
+def _quantized(a, scale):
+    return a if is_quantized(a) else quantize(a, scale)
+
+
+def _cotangent(d, primal_like):
+    """A gradient typed like its primal (cast to fp8 for an operand given in fp8)."""
+    return match_varying(d.astype(primal_like.dtype), primal_like)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fp8_all_gather_matmul(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
+    """gelu?(all_gather(x) @ w + bias?) in fp8 (module docstring); ``group.ub`` picks the
+    custom call or XLA."""
+    return ag_forward(x, w, fp8, bias, group, gelu)[0]
+
+
+def ag_forward(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
+    """fp8_all_gather_matmul's forward: (its result, its :class:`AgResiduals`)."""
+    axis_name = group.axis_name
+    # x is gathered: its current scale is the group's, one scale for every chunk.
+    lx = _local_amax(x, axis_name if fp8.x is None else None)
+    lw = _local_amax(w)
+    sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
+    w_q = _quantized(w, sw)
+    x_q = _quantized(x, sx)
+    out_dtype = result_dtype(x, w)
+    if out_dtype == jnp.float32:
+        # cuBLASLt has no fp8 GEMM with a float32 output, float32 bias and GELU (it answered
+        # NOT_SUPPORTED on an H200): with float32 outputs the epilogue runs in XLA after the op.
+        out, g_q, _ = _ag(x_q, w_q.T, sx, sw, out_dtype=out_dtype, group=group)
+        out, pre = epilogue(out, bias, "gelu" if gelu else None)
+    else:
+        out, g_q, pre = _ag(
+            x_q, w_q.T, sx, sw, out_dtype=out_dtype, group=group, bias=bias, gelu=gelu
+        )
+    seen_x, seen_w = _seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name)
+    out, g_q = saved_output(out), saved_gathered(g_q)  # kept under remat (remat.py)
+    res = AgResiduals(
+        x_like=x[:0],
+        w_like=w[:0],
+        w_q=w_q,
+        gathered_q=g_q,
+        x_scale=sx,
+        w_scale=sw,
+        grad_scale=fp8.grad,
+        seen_x=seen_x,
+        seen_w=seen_w,
+        pre_gelu=pre if gelu else None,
+        bias_like=None if bias is None else bias[:0],
+    )
+    return out, res
+
+
+def ag_product_grads(res: AgResiduals, dp, group: Group):
+    """(dx, dw, the amaxes seen) of fp8_all_gather_matmul from ``dp``, the gradient of its
+    product (after the epilogue's backward); ``res`` from :func:`ag_forward`."""
+    lg = amax(dp)  # dp's partials are dequantized by each rank's GEMM: a local scale fits
+    sg = _scale_of(res.grad_scale, lg, E5M2)
+    dp_q = quantize(dp, sg, E5M2)
+    # dx = reduce_scatter(dp @ w.T): w_q [k, n] is w.T stored k-major.
+    dx = _rs(dp_q, res.w_q, sg, res.w_scale, out_dtype=dp.dtype, group=group)
+    dw = _weight_grad(res.gathered_q, dp_q, res.x_scale * sg, dp.dtype)
+    seen = Fp8Scales(x=res.seen_x, w=res.seen_w, grad=_seen(res.grad_scale, lg, group.axis_name))
+    return _cotangent(dx, res.x_like), _cotangent(dw, res.w_like), seen
+
+
+def _ag_bwd(group: Group, gelu: bool, res: AgResiduals, dy):
+    dp, dbias = epilogue_grads(dy, res.pre_gelu, res.bias_like, gelu)
+    return (*ag_product_grads(res, dp, group), dbias)
+
+
+fp8_all_gather_matmul.defvjp(ag_forward, _ag_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_matmul_reduce_scatter(x, w, fp8: Fp8Scales, group: Group):
+    """psum_scatter(x @ w) in fp8 (module docstring); ``group.ub`` as above."""
+    return rs_forward(x, w, fp8, group)[0]
+
+
+def rs_forward(x, w, fp8: Fp8Scales, group: Group):
+    """fp8_matmul_reduce_scatter's forward: (its result, its :class:`RsResiduals`)."""
+    # Partials are dequantized by each rank's GEMM before they are summed: local scales fit.
+    lx, lw = _local_amax(x), _local_amax(w)
+    sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
+    x_q, w_q = _quantized(x, sx), _quantized(w, sw)
+    out = _rs(x_q, w_q.T, sx, sw, out_dtype=result_dtype(x, w), group=group)
+    res = RsResiduals(
+        x_like=x[:0],
+        w_like=w[:0],
+        x_q=x_q,
+        w_q=w_q,
+        x_scale=sx,
+        w_scale=sw,
+        grad_scale=fp8.grad,
+        seen_x=_seen(fp8.x, lx, group.axis_name),
+        seen_w=_seen(fp8.w, lw, group.axis_name),
+    )
+    return saved_output(out), res
+
+
+def rs_grads(res: RsResiduals, dy, group: Group, dgelu_at=None):
+    """(dx, dw, the amaxes seen) of fp8_matmul_reduce_scatter (``res`` from
+    :func:`rs_forward`); with ``dgelu_at``, dx times gelu'(dgelu_at) (GELU's backward, in
+    the dgrad GEMM's epilogue where it can run there)."""
+    axis_name = group.axis_name
+    # dy is gathered: its current scale is the group's, one scale for every chunk.
+    lg = amax(dy, axis_name) if res.grad_scale is None else amax(dy)
+    sg = _scale_of(res.grad_scale, lg, E5M2)
+    # As for the float32 GELU above; and the benchmarks' A/B switch.
+    fused = dgelu_at is not None and dy.dtype != jnp.float32 and options.tuning().dgelu_epilogue
+    # dx = all_gather(dy) @ w.T, which hands back the gathered fp8 dy for dw.
+    dy_q = quantize(dy, sg, E5M2)
+    dx, dyg_q, _ = _ag(
+        dy_q,
+        res.w_q,
+        sg,
+        res.w_scale,
+        out_dtype=dy.dtype,
+        group=group,
+        dgelu_at=dgelu_at if fused else None,
+    )
+    if dgelu_at is not None and not fused:
+        dx = dgelu_reference(dx, dgelu_at)
+    dw = _weight_grad(res.x_q, dyg_q, res.x_scale * sg, dy.dtype)
+    seen = Fp8Scales(x=res.seen_x, w=res.seen_w, grad=_seen(res.grad_scale, lg, axis_name))
+    return _cotangent(dx, res.x_like), _cotangent(dw, res.w_like), seen
+
+
+def _rs_bwd(group: Group, res: RsResiduals, dy):
+    return rs_grads(res, dy, group)
+
+
+fp8_matmul_reduce_scatter.defvjp(rs_forward, _rs_bwd)

@@ -1,0 +1,115 @@
+"""Every use of JAX's private modules (``jax._src``) in jax_ub, in one place.
+
+JAX changes its private modules without notice, so the rest of jax_ub imports what it needs
+from here and never from ``jax._src``; a JAX release that moves something then breaks this
+file alone. Each entry names the public API that would replace it, or says that none exists
+yet. Workarounds for bugs of particular JAX releases live here too, each with the versions
+it was seen in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+
+import jax
+from jax._src import config as _config
+from jax._src import distributed as _distributed
+from jax._src import mesh as _mesh
+from jax._src import sharding_impls as _sharding_impls
+from jax._src import xla_bridge as _xla_bridge
+from jax.extend.mlir.dialects import stablehlo as _stablehlo
+from jax.interpreters import mlir as _mlir
+
+JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__)
+
+
+def concrete_mesh():
+    """The concrete mesh of the enclosing ``jax.set_mesh`` (an empty mesh outside one).
+
+    Public replacement: ``jax.sharding.get_mesh()`` returns the same, but refuses to run
+    while a trace is active, and the lowering rules that need it run under one."""
+    return _mesh.get_concrete_mesh()
+
+
+def use_concrete_mesh(mesh):
+    """Context manager: `mesh` as the concrete mesh, the abstract mesh left as it is.
+
+    No public replacement: ``jax.set_mesh`` sets the abstract mesh as well (to one with no
+    manual axes), which a lowering nested in a partly manual shard_map must not do."""
+    return _sharding_impls._internal_use_concrete_mesh(mesh)
+
+
+def check_vma() -> bool:
+    """Whether the shard_map being traced tracks which axes values vary over
+    (``check_vma=True``); True where this JAX has no such switch.
+
+    No public replacement: shard_map's ``check_vma`` argument is not readable from inside
+    its body."""
+    state = getattr(_config, "_check_vma", None)
+    return bool(state.value) if state is not None else True
+
+
+def distributed_client():
+    """The key-value store client of ``jax.distributed.initialize()``, or None before it.
+
+    No public replacement: ``jax.distributed`` offers initialize/shutdown/is_initialized,
+    not the client."""
+    return _distributed.global_state.client
+
+
+def cpu_backend_registry() -> tuple[dict, dict]:
+    """(the backends JAX has created, by platform; the factories it creates them with).
+
+    No public replacement: JAX has no hook around the creation of a backend, and jax_ub
+    wraps the CPU factory to size the client's worker pool (``cpu_runtime.install``)."""
+    return getattr(_xla_bridge, "_backends", {}), getattr(_xla_bridge, "_backend_factories", {})
+
+
+_ENCLOSING_MANUAL: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "jax_ub_enclosing_manual_axes", default=frozenset()
+)
+
+
+def manual_axes(axis_ctx) -> frozenset:
+    """The mesh axes that are manual where a lowering rule runs (``axis_ctx``: its module
+    context's ``SPMDAxisContext``), those of enclosing shard_maps included.
+
+    JAX 0.9.2 lowers the body of a shard_map nested in another with the inner one's axes
+    alone as manual, 0.10.2 with both; ``enclosing_manual_axes`` supplies the outer ones.
+    Public: ``SPMDAxisContext.manual_axes`` itself."""
+    return frozenset(axis_ctx.manual_axes) | _ENCLOSING_MANUAL.get()
+
+
+@contextlib.contextmanager
+def enclosing_manual_axes(axes: frozenset):
+    """While lowering a shard_map nested in one that made `axes` manual (see manual_axes)."""
+    token = _ENCLOSING_MANUAL.set(_ENCLOSING_MANUAL.get() | frozenset(axes))
+    try:
+        yield
+    finally:
+        _ENCLOSING_MANUAL.reset(token)
+
+
+def reshape(ctx, value, aval):
+    """`value` reshaped to `aval`'s (static) shape, inside a lowering rule.
+
+    Public already (stablehlo and ``aval_to_ir_type``); it stands in for the private
+    ``jax._src.interpreters.mlir.reshape``, which ``jax.interpreters.mlir`` does not export."""
+    if _IR_TYPE_TAKES_CONTEXT:
+        ir_type = _mlir.aval_to_ir_type(ctx.module_context, aval)
+    else:
+        ir_type = _mlir.aval_to_ir_type(aval)
+    return _stablehlo.reshape(ir_type, value)
+
+
+# aval_to_ir_type(aval) in JAX 0.9.2, aval_to_ir_type(module_context, aval) in 0.10.2 on.
+_IR_TYPE_TAKES_CONTEXT = len(inspect.signature(_mlir.aval_to_ir_type).parameters) > 1
+
+
+# lax.psum_scatter fails to lower inside a shard_map whose mesh still has Explicit axes
+# ("Length of sharding.spec (3) must be equal to aval's ndim (0)": its reducer's scalar type
+# keeps the operand's sharding). Seen in JAX 0.11.2 and 0.12.0.1, not in 0.10.2; lax.psum
+# and lax.all_to_all lower there. Public replacement: lax.psum_scatter, once fixed.
+PSUM_SCATTER_BREAKS_UNDER_EXPLICIT_AXES = JAX_VERSION >= (0, 11)

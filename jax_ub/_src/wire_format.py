@@ -1,0 +1,30 @@
+"""How fp8 scales travel to the userbuffer custom calls (the FFI's scales operand).
+
+The scales are one float32 ``[8]`` array: x's at ``[0]``, w's at ``[SCALE_STRIDE]``, each
+16-byte aligned on the device, as cuBLASLt reads them (the C++ side's ``kScaleStride`` must
+equal :data:`SCALE_STRIDE`). Non-fp8 calls pass ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SCALE_STRIDE = 4
+
+
+def pack_scales(x_scale, w_scale) -> jax.Array:
+    """The scales operand of the custom calls: ``x_scale`` at [0], ``w_scale`` at [4]."""
+    z = jnp.zeros((SCALE_STRIDE - 1,), jnp.float32)
+    parts = (x_scale, z, w_scale, z)
+    return jnp.concatenate([jnp.reshape(jnp.asarray(p, jnp.float32), (-1,)) for p in parts])
+
+
+def unit_scales() -> jax.Array:
+    """The scales operand of a call whose product is not scaled (operands not in fp8)."""
+    return jnp.ones((2 * SCALE_STRIDE,), jnp.float32)
+
+
+def product_scale(scales: jax.Array) -> jax.Array:
+    """``x_scale * w_scale``: what multiplies the product of a call given ``scales``."""
+    return scales[0] * scales[SCALE_STRIDE]

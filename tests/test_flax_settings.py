@@ -1,0 +1,232 @@
+"""The Flax layers' settings record (jax_ub.flax.ParallelConfig), the model-wide defaults
+(jax_ub.flax.defaults), the activation layout setting (sequence_parallel) and attention
+masks of other dtypes than bool. CPU devices."""
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh, rel_err
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh
+
+import jax_ub
+import jax_ub.flax as ubf
+from jax_ub.flax import _settings
+
+D, F, HEADS, SEQ, BATCH = 16, 32, 4, 8, 2
+
+
+def hlo(f, *args) -> str:
+    return f.lower(*args).as_text()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("impl", "nccl"),
+        ("sequence_parallel", "yes"),
+        ("seq_axis", "0"),
+        ("fp8", "e4m3"),
+        ("amax_history_length", 0),
+        ("dtype", "float99"),
+        ("param_dtype", "float99"),
+        ("mesh", "tp"),
+        ("axis_name", 3),
+    ],
+)
+def test_bad_settings_are_named(field, value):
+    with pytest.raises((ValueError, TypeError), match=f"{field}.*{value!r}|{field}.*str"):
+        ubf.ParallelConfig(**{field: value})
+    # The layers report it under their own name; the defaults under theirs.
+    with pytest.raises((ValueError, TypeError), match=f"^ColumnParallelLinear: {field}"):
+        ubf.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0), **{field: value})
+    with pytest.raises((ValueError, TypeError), match=f"^jax_ub.flax.defaults: {field}"):
+        with ubf.defaults(**{field: value}):
+            pass
+    with pytest.raises((ValueError, TypeError), match=f"^ParallelMLP: {field}"):
+        ubf.linen.ParallelMLP(F, **{field: value}).init(jax.random.key(0), jnp.ones((8, 2, D)))
+
+
+def test_unknown_default_and_bad_config_are_named():
+    with pytest.raises(ValueError, match="unknown settings \\['implementation'\\]"):
+        with ubf.defaults(implementation="ub"):
+            pass
+    with pytest.raises(ValueError, match="config must be a jax_ub.flax.ParallelConfig"):
+        ubf.ParallelMLP(D, F, config={"impl": "ub"}, rngs=nnx.Rngs(0))
+
+
+def test_config_is_frozen_and_keys_the_cache():
+    a, b = ubf.ParallelConfig(impl="ub"), ubf.ParallelConfig(impl="ub")
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(AttributeError):
+        a.impl = "xla"
+
+
+def test_precedence_keyword_over_config_over_defaults():
+    mesh = make_mesh((2, "tp"))
+    config = ubf.ParallelConfig(impl="xla", seq_axis=1, mesh=mesh)
+    with ubf.defaults(impl="ub", dtype=jnp.bfloat16):
+        from_defaults = ubf.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0))
+        from_config = ubf.ColumnParallelLinear(D, F, config=config, rngs=nnx.Rngs(0))
+        given = ubf.ColumnParallelLinear(D, F, config=config, impl="auto", rngs=nnx.Rngs(0))
+    assert (from_defaults.impl, from_defaults.dtype) == ("ub", jnp.bfloat16)
+    assert (from_config.impl, from_config.seq_axis, from_config.dtype) == ("xla", 1, None)
+    assert (given.impl, given.seq_axis) == ("auto", 1)
+    assert ubf.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0)).impl == "auto"  # outside: none
+    # A layer's settings are replaced through the record, checked.
+    given.impl = "ub"
+    assert given.config.impl == "ub"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        given.impl = "nccl"
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = ubf.ParallelSelfAttention(D, HEADS, rngs=rngs)
+        self.mlp = ubf.ParallelMLP(D, F, rngs=rngs)
+        self.gated = ubf.ParallelGatedMLP(D, F, rngs=rngs)
+        self.col = ubf.ColumnParallelLinear(D, F, rngs=rngs)
+        self.row = ubf.RowParallelLinear(F, D, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(x, is_causal=True)
+        x = x + self.mlp(x) + self.gated(x)
+        return x + self.row(jnp.tanh(self.col(x)))
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = x + ubf.linen.ParallelSelfAttention(num_heads=HEADS)(x, is_causal=True)
+        x = x + ubf.linen.ParallelMLP(F)(x) + ubf.linen.ParallelGatedMLP(F)(x)
+        return x + ubf.linen.RowParallelLinear(D)(jnp.tanh(ubf.linen.ColumnParallelLinear(F)(x)))
+
+
+def _layers(model):
+    nodes = (m for _, m in nnx.iter_graph(model))
+    return [m for m in nodes if isinstance(m, nnx.Module) and hasattr(m, "config")]
+
+
+def test_nnx_layers_take_the_model_defaults(rand):
+    """Every jax_ub layer of an NNX model built under defaults() runs as they say: batch
+    major, with the impl given (userbuffers: custom calls in the HLO; XLA: none), and the
+    same numbers either way."""
+    mesh = make_mesh((2, "tp"))
+    x = rand(BATCH, SEQ, D)
+    out = {}
+    for impl in ("ub", "xla"):
+        with ubf.defaults(impl=impl, seq_axis=1, mesh=mesh):
+            model = NnxModel(nnx.Rngs(0))
+        layers = _layers(model)
+        assert len(layers) == 7  # qkv, out, up_proj, down_proj, gated, col, row
+        assert {(m.impl, m.seq_axis, m.mesh) for m in layers} == {(impl, 1, mesh)}
+        f = nnx.jit(lambda m, x: m(x))
+        out[impl] = f(model, x)
+        graphdef, state = nnx.split(model)
+        text = hlo(jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x)), state, x)
+        assert ("jax_ub_all_gather_matmul" in text) == (impl == "ub")
+    assert out["ub"].shape == (BATCH, SEQ, D)
+    assert rel_err(out["ub"], out["xla"]) < 1e-5
+
+
+def test_linen_layers_take_the_model_defaults(rand):
+    mesh = make_mesh((2, "tp"))
+    x = rand(BATCH, SEQ, D)
+    model = LinenModel()
+    out = {}
+    for impl in ("ub", "xla"):
+        with ubf.defaults(impl=impl, seq_axis=1, mesh=mesh):
+            variables = model.init(jax.random.key(0), x)
+            out[impl] = jax.jit(model.apply)(variables, x)
+            text = hlo(jax.jit(model.apply), variables, x)
+        assert ("jax_ub_all_gather_matmul" in text) == (impl == "ub")
+        assert ("jax_ub_matmul_reduce_scatter" in text) == (impl == "ub")
+    assert rel_err(out["ub"], out["xla"]) < 1e-5
+    # seq_axis=1 reached every layer: the same model on [seq, batch, D] matches.
+    with ubf.defaults(impl="xla", mesh=mesh):
+        seq_major = jax.jit(model.apply)(variables, jnp.swapaxes(x, 0, 1))
+    assert rel_err(jnp.swapaxes(seq_major, 0, 1), out["xla"]) < 1e-5
+
+
+def test_defaults_docstring_runs():
+    globs = dict(
+        jax=jax, jnp=jnp, np=np, nn=nn, nnx=nnx, jax_ub=jax_ub,
+        mesh=Mesh(np.array(jax.devices()[:4]), ("tp",)), x=jnp.ones((32, 2, 16)),
+    )  # fmt: skip
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in doctest.DocTestFinder().find(_settings, globs=globs):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_sequence_parallel_false_replicates_the_activations(rand, api):
+    """sequence_parallel=False: no jax_ub collective (replicated activations, an
+    all-reduce after the row projection), the same numbers as sequence-parallel."""
+    mesh = make_mesh((2, "tp"))
+    x = rand(SEQ, BATCH, D)
+    out, texts = {}, {}
+    for sp in (None, False):
+        with ubf.defaults(impl="ub", mesh=mesh, sequence_parallel=sp):
+            if api == "nnx":
+                m = ubf.ParallelMLP(D, F, rngs=nnx.Rngs(0))
+                f = jax.jit(lambda s, x, m=m: nnx.merge(nnx.graphdef(m), s)(x))
+                args = (nnx.state(m), x)
+            else:
+                m = ubf.linen.ParallelMLP(F)
+                f = jax.jit(m.apply)
+                args = (m.init(jax.random.key(0), x), x)
+            out[sp], texts[sp] = f(*args), hlo(f, *args)
+    assert "jax_ub_all_gather_matmul" in texts[None]
+    assert "jax_ub_all_gather_matmul" not in texts[False]
+    assert "jax_ub_matmul_reduce_scatter" not in texts[False]
+    assert "all_reduce" in texts[False]
+    assert rel_err(out[False], out[None]) < 1e-5
+
+
+def test_sequence_parallel_true_needs_a_divisible_sequence(rand):
+    mesh = make_mesh((2, "tp"))
+    layer = ubf.ColumnParallelLinear(D, F, mesh=mesh, sequence_parallel=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"sequence_parallel=True .* 5\) .* size 2"):
+        layer(rand(5, BATCH, D))
+
+
+def _masks(seq):
+    causal = np.tril(np.ones((seq, seq), bool))
+    causal[3, :] = False  # a row that attends nowhere as well
+    causal[3, 0] = True
+    return causal
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_masks_of_other_dtypes_attend_where_nonzero(rand, dtype):
+    """flax's masks (nn.make_attention_mask) are float 0/1: nonzero attends, as a bool."""
+    mesh = make_mesh((2, "tp"))
+    x = rand(SEQ, BATCH, D)
+    mask = _masks(SEQ)
+    attn = ubf.ParallelSelfAttention(D, HEADS, mesh=mesh, impl="ub", rngs=nnx.Rngs(0))
+    ref = attn(x, jnp.asarray(mask))
+    assert jnp.array_equal(attn(x, jnp.asarray(mask, dtype)), ref)
+    lin = ubf.linen.ParallelSelfAttention(num_heads=HEADS, mesh=mesh, impl="ub")
+    variables = lin.init(jax.random.key(0), x, jnp.asarray(mask))
+    ref = lin.apply(variables, x, jnp.asarray(mask))
+    assert jnp.array_equal(lin.apply(variables, x, jnp.asarray(mask, dtype)), ref)
+    flax_mask = nn.make_attention_mask(jnp.ones((BATCH, SEQ)), jnp.ones((BATCH, SEQ)))
+    assert flax_mask.dtype == jnp.float32
+    lin.apply(variables, x, flax_mask)  # [batch, 1, seq, seq]
+
+
+def test_a_mask_of_no_number_dtype_is_named(rand):
+    mesh = make_mesh((2, "tp"))
+    x = rand(SEQ, BATCH, D)
+    attn = ubf.ParallelSelfAttention(D, HEADS, mesh=mesh, rngs=nnx.Rngs(0))
+    mask = jnp.ones((SEQ, SEQ), jnp.complex64)
+    with pytest.raises(ValueError, match=r"mask of dtype complex64.*\(8, 8\)"):
+        attn(x, mask)
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 8\) does not broadcast"):
+        attn(x, jnp.ones((3, SEQ)))
