@@ -21,7 +21,7 @@ unused; and every device runs the same SPMD program. The nested shard_map change
 neither. Their order is the data's: a call that consumes another's result runs after it.
 XLA does not order side-effecting calls with no data path between them, and XLA's CPU
 runtime may run such calls in different orders on different devices (tests/RELIABILITY.md,
-known gap 15).
+known gaps: the order of independent calls).
 """
 
 from __future__ import annotations
