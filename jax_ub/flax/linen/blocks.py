@@ -13,17 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
-from flax.typing import Dtype, Initializer
-from jax.sharding import Mesh
 
 from jax_ub.flax import _attention, _axes, _core, _gated
-from jax_ub.flax._settings import ParallelConfig
 from jax_ub.flax.linen.layers import (
+    Biased,
     ColumnParallelLinear,
     Configured,
     RowParallelLinear,
-    default_bias_init,
-    default_kernel_init,
 )
 
 
@@ -44,7 +40,7 @@ def _layer_kwargs(block: nn.Module, kind: str) -> dict[str, Any]:
     )
 
 
-class _Block(Configured):
+class _Block:
     """A block's tensor-parallel axis: ``axis_name``, or what the logical axis rules
     map its split dim (``kernel_axes[1]``) to, or ``"tp"``."""
 
@@ -53,7 +49,7 @@ class _Block(Configured):
         return _axes.block_split_name(type(self).__name__, self.kernel_axes, self.param_axes)
 
 
-class ParallelMLP(_Block, nn.Module):
+class ParallelMLP(_Block, Biased):
     """Linen version of :class:`jax_ub.flax.ParallelMLP`.
 
     ``down_proj(activation(up_proj(x)))``: a :class:`ColumnParallelLinear` to
@@ -90,23 +86,8 @@ class ParallelMLP(_Block, nn.Module):
     """
 
     hidden_features: int
-    config: ParallelConfig | None = None
-    mesh: Mesh | None = None
-    axis_name: str | None = None
-    param_axes: str | tuple[str, ...] | None = None
-    kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str | None = None
-    sequence_parallel: bool | None = None
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype | None = None
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
     out_features: int | None = None
     activation: Callable[[jax.Array], jax.Array] = nn.gelu
-    fp8: bool | str | None = None
-    amax_history_length: int | None = None
-    seq_axis: int | None = None
     dropout_rate: float = 0.0
     deterministic: bool | None = None
 
@@ -131,7 +112,7 @@ class ParallelMLP(_Block, nn.Module):
         return f(inputs, p_up, p_down, *(() if key is None else (key,)))
 
 
-class ParallelGatedMLP(_Block, nn.Module):
+class ParallelGatedMLP(_Block, Configured):
     """Linen version of :class:`jax_ub.flax.ParallelGatedMLP`: the same params
     (``gate_up [in, 2, hidden]``, ``down_proj [hidden, out]``), math and sharding.
 
@@ -160,21 +141,8 @@ class ParallelGatedMLP(_Block, nn.Module):
     """
 
     hidden_features: int
-    config: ParallelConfig | None = None
-    mesh: Mesh | None = None
-    axis_name: str | None = None
-    param_axes: str | tuple[str, ...] | None = None
-    kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str | None = None
-    sequence_parallel: bool | None = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype | None = None
-    kernel_init: Initializer = default_kernel_init
     out_features: int | None = None
     activation: str | Callable[[jax.Array], jax.Array] = "silu"
-    fp8: bool | str | None = None
-    amax_history_length: int | None = None
-    seq_axis: int | None = None
     dropout_rate: float = 0.0
     deterministic: bool | None = None
 
@@ -214,7 +182,7 @@ class ParallelGatedMLP(_Block, nn.Module):
         return f(inputs, gate_up, down, _gated.histories(config.fp8, history), key)
 
 
-class ParallelSelfAttention(_Block, nn.Module):
+class ParallelSelfAttention(_Block, Biased):
     """Linen version of :class:`jax_ub.flax.ParallelSelfAttention`.
 
     ``qkv`` (column-parallel, columns ordered ``(head, q/k/v, head_dim)``) splits the heads
@@ -290,25 +258,10 @@ class ParallelSelfAttention(_Block, nn.Module):
     num_heads: int
     num_kv_heads: int | None = None
     rope_theta: float | None = None
-    config: ParallelConfig | None = None
-    mesh: Mesh | None = None
-    axis_name: str | None = None
-    param_axes: str | tuple[str, ...] | None = None
-    kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str | None = None
-    sequence_parallel: bool | None = None
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype | None = None
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
     qkv_features: int | None = None
     out_features: int | None = None
     attention_implementation: str | None = None
     broadcast_dropout: bool = True
-    fp8: bool | str | None = None
-    amax_history_length: int | None = None
-    seq_axis: int | None = None
     dropout_rate: float = 0.0
     deterministic: bool | None = None
 

@@ -19,11 +19,33 @@ default_kernel_init = nn.initializers.lecun_normal()
 default_bias_init = nn.initializers.zeros_init()
 
 
-class Configured:
+def _setting(default: Any = None) -> Any:
+    """A keyword-only attribute: the layers' own attributes stay positional, first."""
+    return dataclasses.field(default=default, kw_only=True)
+
+
+class Configured(nn.Module):
     """A linen layer's settings: its :class:`~jax_ub.flax.ParallelConfig` from its
     attributes (those not None) over its ``config`` or else the model defaults
     (:func:`jax_ub.flax.defaults`, read when the layer is called), the tensor-parallel
-    axis resolved (``_axes.tp_axis``)."""
+    axis resolved (``_axes.tp_axis``).
+
+    The attributes every layer shares, keyword-only (documented by
+    :class:`ColumnParallelLinear`)."""
+
+    config: ParallelConfig | None = _setting()
+    mesh: Mesh | None = _setting()
+    axis_name: str | None = _setting()
+    param_axes: str | tuple[str, ...] | None = _setting()
+    kernel_axes: tuple[str | None, str | None] | None = _setting()
+    impl: str | None = _setting()
+    sequence_parallel: bool | None = _setting()
+    fp8: bool | str | None = _setting()
+    amax_history_length: int | None = _setting()
+    seq_axis: int | None = _setting()
+    dtype: Dtype | None = _setting()
+    param_dtype: Dtype | None = _setting()
+    kernel_init: Initializer = _setting(default_kernel_init)
 
     @nn.nowrap
     def resolved_config(self) -> ParallelConfig:
@@ -57,25 +79,17 @@ class Configured:
         return self.make_rng("dropout")
 
 
-class _ParallelLinear(Configured, nn.Module):
+class Biased(Configured):
+    """:class:`Configured` with the layers' bias: ``use_bias`` and ``bias_init``."""
+
+    use_bias: bool = _setting(True)
+    bias_init: Initializer = _setting(default_bias_init)
+
+
+class _ParallelLinear(Biased):
     """Shared fields, checks and parameter creation of the two parallel layers."""
 
     features: int
-    config: ParallelConfig | None = None
-    mesh: Mesh | None = None
-    axis_name: str | None = None
-    param_axes: str | tuple[str, ...] | None = None
-    kernel_axes: tuple[str | None, str | None] | None = None
-    impl: str | None = None
-    sequence_parallel: bool | None = None
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype | None = None
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
-    fp8: bool | str | None = None
-    amax_history_length: int | None = None
-    seq_axis: int | None = None
 
     # Set by subclasses: "column" or "row".
     _kind: ClassVar[str]

@@ -9,46 +9,45 @@ result back to sequence-parallel. The gated MLP, :class:`ParallelGatedMLP`, live
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.typing import Dtype, Initializer
-from jax.sharding import Mesh
+from flax.typing import Dtype
 
-from jax_ub.flax import _attention, _axes, _core, _settings
+from jax_ub.flax import _attention, _core
 from jax_ub.flax._settings import ParallelConfig
 from jax_ub.flax.nnx.gated import ParallelGatedMLP as ParallelGatedMLP  # re-exported
 from jax_ub.flax.nnx.layers import (
+    BiasedSettings,
     ColumnParallelLinear,
     Dropping,
     RowParallelLinear,
-    default_bias_init,
-    default_kernel_init,
+    block_config,
+    check_split,
     sharded_param,
+    take_settings,
 )
 
-
-def _block_config(
-    owner: str, config: ParallelConfig | None, kernel_axes, param_axes, arguments: dict
-) -> ParallelConfig:
-    """A block's settings, from its constructor's ``arguments`` (``locals()``) over
-    ``config`` or the model defaults, with its tensor-parallel axis resolved from its
-    ``kernel_axes`` ``(model dim, split dim)``: what it gives both its projections."""
-    given = {name: arguments[name] for name in _settings.FIELDS}
-    config = _settings.resolve(owner, config, **given)
-    split = _axes.block_split_name(owner, kernel_axes, param_axes)
-    return dataclasses.replace(config, axis_name=_axes.tp_axis(owner, config.axis_name, split))
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
-def _kernel_axes(kernel_axes) -> tuple[dict, dict]:
-    """A block's ``kernel_axes`` ``(model dim, split dim)`` as its column and row layers'
-    keyword arguments."""
+def _projections(config: ParallelConfig, settings: dict, rngs: nnx.Rngs) -> tuple[dict, dict]:
+    """A block's column and row projections' keyword arguments: its settings (from
+    :func:`take_settings`, resolved as ``config``), and their logical names from its
+    ``kernel_axes`` ``(model dim, split dim)``."""
+    common = {name: settings[name] for name in ("param_axes", "use_bias", "kernel_init")}
+    common |= dict(config=config, bias_init=settings["bias_init"], rngs=rngs)
+    kernel_axes = settings["kernel_axes"]
     if kernel_axes is None:
-        return {}, {}
-    return {"kernel_axes": tuple(kernel_axes)}, {"kernel_axes": tuple(reversed(kernel_axes))}
+        return common, common
+    return (
+        common | {"kernel_axes": tuple(kernel_axes)},
+        common | {"kernel_axes": tuple(reversed(kernel_axes))},
+    )
 
 
 class ParallelMLP(Dropping, nnx.Module):
@@ -97,43 +96,20 @@ class ParallelMLP(Dropping, nnx.Module):
         hidden_features: int,
         *,
         out_features: int | None = None,
-        config: ParallelConfig | None = None,
-        mesh: Mesh | None = None,
-        axis_name: str | None = None,
-        param_axes: str | tuple[str, ...] | None = None,
-        kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str | None = None,
-        sequence_parallel: bool | None = None,
-        fp8: bool | str | None = None,
-        amax_history_length: int | None = None,
-        seq_axis: int | None = None,
         activation: Callable[[jax.Array], jax.Array] = nnx.gelu,
-        use_bias: bool = True,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype | None = None,
         dropout_rate: float = 0.0,
         deterministic: bool | None = None,
-        kernel_init: Initializer = default_kernel_init,
-        bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
+        **settings: Unpack[BiasedSettings],
     ):
         owner = type(self).__name__
-        config = _block_config(owner, config, kernel_axes, param_axes, locals())
-        tp = _core.group_size(owner, config.mesh, config.axis_name, required=False)
-        if tp is not None:
-            _core.check_divisible(owner, "hidden_features", hidden_features, tp, config.axis_name)
+        s = take_settings(owner, settings)
+        config = block_config(owner, s)
+        check_split(owner, config, "hidden_features", hidden_features)
         out_features = in_features if out_features is None else out_features
-        common = dict(
-            config=config,
-            param_axes=param_axes,
-            use_bias=use_bias,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            rngs=rngs,
-        )
-        col, row = _kernel_axes(kernel_axes)
-        self.up_proj = ColumnParallelLinear(in_features, hidden_features, **common, **col)
-        self.down_proj = RowParallelLinear(hidden_features, out_features, **common, **row)
+        col, row = _projections(config, s, rngs)
+        self.up_proj = ColumnParallelLinear(in_features, hidden_features, **col)
+        self.down_proj = RowParallelLinear(hidden_features, out_features, **row)
         self.activation = activation
         self._init_dropout(owner, dropout_rate, deterministic, rngs)
 
@@ -235,46 +211,25 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         out_features: int | None = None,
         attention_implementation: str | None = None,
         broadcast_dropout: bool = True,
-        config: ParallelConfig | None = None,
-        mesh: Mesh | None = None,
-        axis_name: str | None = None,
-        param_axes: str | tuple[str, ...] | None = None,
-        kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str | None = None,
-        sequence_parallel: bool | None = None,
-        fp8: bool | str | None = None,
-        amax_history_length: int | None = None,
-        seq_axis: int | None = None,
-        use_bias: bool = True,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype | None = None,
         dropout_rate: float = 0.0,
         deterministic: bool | None = None,
-        kernel_init: Initializer = default_kernel_init,
-        bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
+        **settings: Unpack[BiasedSettings],
     ):
         owner = type(self).__name__
         qkv_features = in_features if qkv_features is None else qkv_features
         out_features = in_features if out_features is None else out_features
-        config = _block_config(owner, config, kernel_axes, param_axes, locals())
+        s = take_settings(owner, settings)
+        config = block_config(owner, s)
         tp = _core.group_size(owner, config.mesh, config.axis_name, required=False)
         head_dim, q_per_kv = _attention.check_heads(
             owner, num_heads, num_kv_heads, qkv_features, tp, config.axis_name, rope_theta
         )
         _attention.check_attention_implementation(owner, attention_implementation, config.mesh)
-        common = dict(
-            config=config,
-            param_axes=param_axes,
-            use_bias=use_bias,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            rngs=rngs,
-        )
+        col, row = _projections(config, s, rngs)
         width = _attention.qkv_width(head_dim, num_heads, q_per_kv)
-        col, row = _kernel_axes(kernel_axes)
-        self.qkv = ColumnParallelLinear(in_features, width, **common, **col)
-        self.out = RowParallelLinear(qkv_features, out_features, **common, **row)
+        self.qkv = ColumnParallelLinear(in_features, width, **col)
+        self.out = RowParallelLinear(qkv_features, out_features, **row)
         self.num_heads, self.q_per_kv, self.rope_theta = num_heads, q_per_kv, rope_theta
         self.head_dim = head_dim
         self.attention_implementation = attention_implementation

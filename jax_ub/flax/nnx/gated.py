@@ -6,22 +6,25 @@ Also exported by :mod:`jax_ub.flax`, :mod:`jax_ub.flax.nnx` and :mod:`jax_ub.fla
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from flax.typing import Dtype, Initializer
-from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _core, _gated, _settings
-from jax_ub.flax._settings import ParallelConfig
+from jax_ub.flax import _core, _gated
 from jax_ub.flax.nnx.layers import (
     Configured,
     Dropping,
-    OverwriteWithGradient,
-    default_kernel_init,
+    Settings,
+    add_histories,
+    block_config,
+    check_split,
     sharded_param,
+    take_settings,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class ParallelGatedMLP(Configured, Dropping, nnx.Module):
@@ -90,33 +93,17 @@ class ParallelGatedMLP(Configured, Dropping, nnx.Module):
         *,
         out_features: int | None = None,
         activation: str | Callable[[jax.Array], jax.Array] = "silu",
-        config: ParallelConfig | None = None,
-        mesh: Mesh | None = None,
-        axis_name: str | None = None,
-        param_axes: str | tuple[str, ...] | None = None,
-        kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str | None = None,
-        sequence_parallel: bool | None = None,
-        fp8: bool | str | None = None,
-        amax_history_length: int | None = None,
-        seq_axis: int | None = None,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype | None = None,
         dropout_rate: float = 0.0,
         deterministic: bool | None = None,
-        kernel_init: Initializer = default_kernel_init,
         rngs: nnx.Rngs,
+        **settings: Unpack[Settings],
     ):
         owner = type(self).__name__
-        arguments = locals()
-        given = {name: arguments[name] for name in _settings.FIELDS}
-        split = _axes.block_split_name(owner, kernel_axes, param_axes)
-        self._configure(owner, config, given, split)
-        cfg = self.config
-        tp = _core.group_size(owner, cfg.mesh, cfg.axis_name, required=False)
-        if tp is not None:
-            _core.check_divisible(owner, "hidden_features", hidden_features, tp, cfg.axis_name)
+        s = take_settings(owner, settings, bias=False)
+        self.config = cfg = block_config(owner, s)
+        check_split(owner, cfg, "hidden_features", hidden_features)
         out_features = in_features if out_features is None else out_features
+        kernel_axes, param_axes, kernel_init = s["kernel_axes"], s["param_axes"], s["kernel_init"]
         if kernel_axes is None:
             names = _gated.gated_kernel_names(owner, cfg.axis_name, param_axes)
         else:  # logical names, mapped by the user's logical_axis_rules
@@ -126,13 +113,8 @@ class ParallelGatedMLP(Configured, Dropping, nnx.Module):
         down = kernel_init(rngs.params(), (hidden_features, out_features), cfg.param_dtype)
         self.gate_up = sharded_param(gate_up, names["gate_up"], cfg.mesh)
         self.down_proj = sharded_param(down, names["down_proj"], cfg.mesh)
-        if cfg.fp8_recipe == "delayed":
-            # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
-            history = jnp.zeros((cfg.amax_history_length,), jnp.float32)
-            for projection in _gated.HISTORY_NAMES.values():
-                for name in projection.values():
-                    var = sharded_param(history, (None,), cfg.mesh, OverwriteWithGradient)
-                    setattr(self, name, var)
+        histories = (name for p in _gated.HISTORY_NAMES.values() for name in p.values())
+        add_histories(self, histories, cfg)
         self.in_features, self.hidden_features = in_features, hidden_features
         self.activation = activation
         self._init_dropout(owner, dropout_rate, deterministic, rngs)

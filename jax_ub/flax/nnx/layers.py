@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,9 @@ from jax.sharding import Mesh
 
 from jax_ub.flax import _axes, _core, _fp8, _settings
 from jax_ub.flax._settings import ParallelConfig
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -46,6 +51,76 @@ def sharded_param(
     if mesh is None and jax.sharding.get_abstract_mesh().empty:
         return kind(value, out_sharding=names, eager_sharding=False)
     return kind(value, out_sharding=names, mesh=mesh)
+
+
+class Settings(TypedDict, total=False):
+    """The keyword settings every NNX layer takes, as :class:`ColumnParallelLinear`
+    documents them; a layer's constructor takes them as ``**settings``."""
+
+    config: ParallelConfig | None
+    mesh: Mesh | None
+    axis_name: str | None
+    param_axes: str | tuple[str, ...] | None
+    kernel_axes: tuple[str | None, str | None] | None
+    impl: str | None
+    sequence_parallel: bool | None
+    fp8: bool | str | None
+    amax_history_length: int | None
+    seq_axis: int | None
+    dtype: Dtype | None
+    param_dtype: Dtype | None
+    kernel_init: Initializer
+
+
+class BiasedSettings(Settings, total=False):
+    """:class:`Settings` and the bias of the layers that have one."""
+
+    use_bias: bool
+    bias_init: Initializer
+
+
+_DEFAULTS = dict.fromkeys(Settings.__annotations__) | {"kernel_init": default_kernel_init}
+_BIAS_DEFAULTS = {"use_bias": True, "bias_init": default_bias_init}
+
+
+def take_settings(owner: str, given: dict[str, Any], bias: bool = True) -> dict[str, Any]:
+    """The settings ``given`` to a constructor as ``**settings``, each one there (its
+    default where not given); a name that is not one (with ``bias``, of
+    :class:`BiasedSettings`, else of :class:`Settings`) raises a TypeError as Python does."""
+    defaults = _DEFAULTS | (_BIAS_DEFAULTS if bias else {})
+    for name in given:
+        if name not in defaults:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
+    return defaults | given
+
+
+def block_config(owner: str, settings: dict[str, Any]) -> ParallelConfig:
+    """A block's settings (from :func:`take_settings`) over ``config`` or the model
+    defaults, with its tensor-parallel axis resolved from its ``kernel_axes`` ``(model
+    dim, split dim)``: what it gives its projections."""
+    given = {name: settings[name] for name in _settings.FIELDS}
+    config = _settings.resolve(owner, settings["config"], **given)
+    split = _axes.block_split_name(owner, settings["kernel_axes"], settings["param_axes"])
+    axis_name = _axes.tp_axis(owner, config.axis_name, split)
+    return dataclasses.replace(config, axis_name=axis_name, owner=owner)
+
+
+def check_split(owner: str, config: ParallelConfig, what: str, features: int) -> None:
+    """``features`` (named ``what``) divide over the axis, where its size is known."""
+    tp = _core.group_size(owner, config.mesh, config.axis_name, required=False)
+    if tp is not None:
+        _core.check_divisible(owner, what, features, tp, config.axis_name)
+
+
+def add_histories(module: nnx.Module, names: Iterable[str], config: ParallelConfig) -> None:
+    """With ``fp8="delayed"``, the amax histories ``names`` of ``module``: float32
+    ``[amax_history_length]`` zeros (scale 1 until the first step records its amaxes, as
+    flax's fp8 ops), replicated, :class:`OverwriteWithGradient` variables."""
+    if config.fp8_recipe != "delayed":
+        return
+    history = jnp.zeros((config.amax_history_length,), jnp.float32)
+    for name in names:
+        setattr(module, name, sharded_param(history, (None,), config.mesh, OverwriteWithGradient))
 
 
 class Configured:
@@ -134,43 +209,20 @@ class _ParallelLinear(Configured, nnx.Module):
         in_features: int,
         out_features: int,
         *,
-        config: ParallelConfig | None = None,
-        mesh: Mesh | None = None,
-        axis_name: str | None = None,
-        param_axes: str | tuple[str, ...] | None = None,
-        kernel_axes: tuple[str | None, str | None] | None = None,
-        impl: str | None = None,
-        sequence_parallel: bool | None = None,
-        fp8: bool | str | None = None,
-        amax_history_length: int | None = None,
-        seq_axis: int | None = None,
-        use_bias: bool = True,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype | None = None,
-        kernel_init: Initializer = default_kernel_init,
-        bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
+        **settings: Unpack[BiasedSettings],
     ):
         owner = type(self).__name__
-        given = dict(
-            mesh=mesh,
-            axis_name=axis_name,
-            impl=impl,
-            sequence_parallel=sequence_parallel,
-            fp8=fp8,
-            amax_history_length=amax_history_length,
-            seq_axis=seq_axis,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        s = take_settings(owner, settings)
+        kernel_axes, param_axes, use_bias = s["kernel_axes"], s["param_axes"], s["use_bias"]
         if kernel_axes is not None:  # checked before the names resolve the axis
             _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
-        self._configure(owner, config, given, _axes.split_name(self._kind, kernel_axes))
+        given = {name: s[name] for name in _settings.FIELDS}
+        split_name = _axes.split_name(self._kind, kernel_axes)
+        self._configure(owner, s["config"], given, split_name)
         cfg = self.config
-        tp = _core.group_size(owner, cfg.mesh, cfg.axis_name, required=False)
-        if tp is not None:
-            split = {"in_features": in_features, "out_features": out_features}[self._split]
-            _core.check_divisible(owner, self._split, split, tp, cfg.axis_name)
+        split = {"in_features": in_features, "out_features": out_features}[self._split]
+        check_split(owner, cfg, self._split, split)
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias
@@ -178,20 +230,15 @@ class _ParallelLinear(Configured, nnx.Module):
             names = _core.param_names(owner, self._kind, cfg.axis_name, use_bias, param_axes)
         else:  # logical names, which the user's logical_axis_rules map to mesh axes
             names = _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
-        kernel = kernel_init(rngs.params(), (in_features, out_features), cfg.param_dtype)
+        kernel = s["kernel_init"](rngs.params(), (in_features, out_features), cfg.param_dtype)
         self.kernel = sharded_param(kernel, names["kernel"], cfg.mesh)
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
-            bias = bias_init(rngs.params(), (out_features,), cfg.param_dtype)
+            bias = s["bias_init"](rngs.params(), (out_features,), cfg.param_dtype)
             self.bias = sharded_param(bias, names["bias"], cfg.mesh)
         else:
             self.bias = nnx.data(None)
-        if cfg.fp8_recipe == "delayed":
-            # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
-            history = jnp.zeros((cfg.amax_history_length,), jnp.float32)
-            for name in _fp8.HISTORY_NAMES.values():
-                var = sharded_param(history, (None,), cfg.mesh, OverwriteWithGradient)
-                setattr(self, name, var)
+        add_histories(self, _fp8.HISTORY_NAMES.values(), cfg)
 
     def param_values(self) -> dict[str, jax.Array]:
         """The global arrays the ops take: ``kernel``, with ``use_bias`` ``bias``, and with
