@@ -148,7 +148,7 @@ echo "== 5. the CUDA extension loads, with nvidia-cublas installed"
 "$work/venv/bin/python" -m pip install nvidia-cublas > "$work/install_cublas.log" 2>&1 \
   || { tail -n 30 "$work/install_cublas.log"; echo "FAIL: nvidia-cublas did not install"; exit 1; }
 timeout 300 "$work/venv/bin/python" -c "
-from jax_ub._src import extension
+from jax_ub._src.runtime import extension
 cuda = extension.cuda_module()
 assert cuda is not None, extension.cuda_import_error()
 runtime, driver = cuda.cuda_versions()

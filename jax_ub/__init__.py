@@ -22,7 +22,7 @@ The rules behind the options (each function's docstring has its shapes and shard
     (the *_reference functions); "auto" (default) the userbuffer op where the platform,
     dtype and extension allow it and, on GPUs, only for a group of two or more GPUs whose
     collective moves at least config.auto_min_bytes per rank (default 8 MiB, calibrated on
-    2x H200: jax_ub._src.auto_rule), else XLA's op. On CPU devices "auto" runs the host
+    2x H200: jax_ub._src.settings.auto_rule), else XLA's op. On CPU devices "auto" runs the host
     protocol at any size: it is CI's test of the protocol, not a speed path. explain_impl
     says what a call runs and why; the "jax_ub" logger logs each decision at DEBUG when a
     call is traced.
@@ -54,26 +54,26 @@ The rules behind the options (each function's docstring has its shapes and shard
     differ between processes. configure(gemm_cache=path) keeps each shape's kernel in a
     file (keyed by GPU model, cuBLASLt version and shape) that later processes, and other
     GPUs of the same model, run from their first call, with no tuning and no trials.
-    The tuning choices themselves are internal (jax_ub._src.options.Tuning).
+    The tuning choices themselves are internal (jax_ub._src.settings.options.Tuning).
 """
 
-from jax_ub._src import cpu_runtime as _cpu_runtime
-from jax_ub._src import extension as _extension  # registers the FFI handlers
-from jax_ub._src.all_gather_matmul import all_gather_matmul
-from jax_ub._src.auto_rule import ImplChoice
-from jax_ub._src.communicator import Communicator, initialize, live_communicators
-from jax_ub._src.config import Config, config, configure
-from jax_ub._src.fp8 import Fp8Scales
-from jax_ub._src.gated_mlp import gated_mlp, gated_mlp_reference
-from jax_ub._src.impl_choice import explain_impl
-from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
-from jax_ub._src.mlp import gelu_mlp
-from jax_ub._src.reference import (
+from jax_ub._src.lowering.reference import (
     all_gather_matmul_reference,
     matmul_reduce_scatter_reference,
 )
-from jax_ub._src.remat import dots_and_ops_saveable
-from jax_ub._src.teardown import check_health, finalize
+from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
+from jax_ub._src.ops.gated_mlp import gated_mlp, gated_mlp_reference
+from jax_ub._src.ops.impl_choice import explain_impl
+from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.ops.mlp import gelu_mlp
+from jax_ub._src.ops.remat import dots_and_ops_saveable
+from jax_ub._src.runtime import cpu_runtime as _cpu_runtime
+from jax_ub._src.runtime import extension as _extension  # registers the FFI handlers
+from jax_ub._src.runtime.communicator import Communicator, initialize, live_communicators
+from jax_ub._src.runtime.teardown import check_health, finalize
+from jax_ub._src.settings.auto_rule import ImplChoice
+from jax_ub._src.settings.config import Config, config, configure
+from jax_ub._src.settings.fp8 import Fp8Scales
 
 __all__ = [
     "Communicator",

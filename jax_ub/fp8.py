@@ -28,7 +28,7 @@ itself, for state that a training step overwrites with its gradient (flax's
 OVERWRITE_WITH_GRADIENT convention; the Flax layers' ``fp8="delayed"`` uses it).
 """
 
-from jax_ub._src.fp8 import (
+from jax_ub._src.settings.fp8 import (
     E4M3,
     E5M2,
     Fp8Scales,

@@ -17,8 +17,9 @@ import sys
 
 import jax
 
-from jax_ub._src import extension, options
-from jax_ub._src.config import config
+from jax_ub._src.runtime import extension
+from jax_ub._src.settings import options
+from jax_ub._src.settings.config import config
 
 _PACKAGES = (
     "jax",

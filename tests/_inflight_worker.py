@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
-from jax_ub._src import cpu_runtime  # noqa: E402
+from jax_ub._src.runtime import cpu_runtime  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()[:ndev]), ("tp",))
 rng = np.random.default_rng(ndev)

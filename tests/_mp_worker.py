@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
-from jax_ub._src import options  # noqa: E402
+from jax_ub._src.settings import options  # noqa: E402
 
 
 def global_array(mesh, spec, shape, seed):
@@ -344,7 +344,7 @@ try:
         # The last process dies in the middle of the bootstrap: after publishing its
         # userbuffers, before mapping its peers'. The others must fail naming it.
         if pid == nproc - 1:
-            from jax_ub._src import extension
+            from jax_ub._src.runtime import extension
 
             class DiesOnConnect:
                 def __init__(self, module):

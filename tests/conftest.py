@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
 from jax_ub._src import _host as _host_module  # noqa: E402
-from jax_ub._src import options as _options  # noqa: E402
-from jax_ub._src.config import config as _config  # noqa: E402
-from jax_ub._src.options import current_options  # noqa: E402
+from jax_ub._src.settings import options as _options  # noqa: E402
+from jax_ub._src.settings.config import config as _config  # noqa: E402
+from jax_ub._src.settings.options import current_options  # noqa: E402
 
 NUM_DEVICES = 8
 

@@ -1,4 +1,4 @@
-"""impl="auto"'s rule (jax_ub._src.auto_rule): on GPUs the userbuffer op only where its
+"""impl="auto"'s rule (jax_ub._src.settings.auto_rule): on GPUs the userbuffer op only where its
 collective moves at least auto_min_bytes per rank and the group has two or more devices,
 XLA's op elsewhere; on CPU devices the host protocol wherever it can run. The GPU branch
 runs here on a simulated GPU platform (the backend's name patched, the CPU extension
@@ -16,7 +16,9 @@ from conftest import OPS, op_fn, op_operands, rel_err
 from jax import lax
 
 import jax_ub
-from jax_ub._src import auto_rule, extension, impl_choice
+from jax_ub._src.ops import impl_choice
+from jax_ub._src.runtime import extension
+from jax_ub._src.settings import auto_rule
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 NAME = {"ag": AG, "rs": RS}

@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from jax_ub._src import extension
+from jax_ub._src.runtime import extension
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

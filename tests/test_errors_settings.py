@@ -16,8 +16,9 @@ from conftest import comm_options, make_mesh, rel_err, to_f32
 from conftest import rs_fn as _rs
 
 import jax_ub
-from jax_ub._src import _host, options
-from jax_ub._src import config as config_module
+from jax_ub._src import _host
+from jax_ub._src.settings import config as config_module
+from jax_ub._src.settings import options
 
 BAD_SETTINGS = [
     # (configure keyword arguments, exception type(s), regex)

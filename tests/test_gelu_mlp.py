@@ -10,7 +10,7 @@ from conftest import make_mesh, rel_err, smap, to_f32, tol
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src import options
+from jax_ub._src.settings import options
 
 
 def gelu_np(v):

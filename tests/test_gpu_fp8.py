@@ -178,7 +178,7 @@ def test_forward_fast_accumulation_error_and_switch(op):
     fp8 dots at default precision): at k = 8192 its float32 output stays within 5e-3 of a
     float32 product of the dequantized operands; with the tuning off (float32 promotion
     along k) within 1e-3, and the two results differ (the switch reaches cuBLASLt)."""
-    from jax_ub._src.options import experimental_tuning  # noqa: PLC0415
+    from jax_ub._src.settings.options import experimental_tuning  # noqa: PLC0415
 
     k = 8192
     keys = jax.random.split(jax.random.key(7), 2)

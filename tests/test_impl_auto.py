@@ -55,7 +55,8 @@ def test_auto_falls_back_to_xla_for_mixed_dtypes(mesh1d, rand):
 
 def _no_peer_access(monkeypatch):
     """Every group of this process looks like GPUs without peer access."""
-    from jax_ub._src import communicator, warn_registry
+    from jax_ub._src.runtime import communicator
+    from jax_ub._src.settings import warn_registry
 
     def refuse(module, key, devices, ordinals):
         raise communicator.PeersUnreachable(
@@ -104,7 +105,9 @@ def test_ub_raises_where_peers_cannot_share_memory(mesh1d, rand, monkeypatch):
 def test_gpu_without_cuda_extension_says_why(monkeypatch, rand):
     """On GPUs with only the CPU extension loaded: impl="ub" says what is missing and how to
     see it, impl="auto" warns once and takes XLA's path."""
-    from jax_ub._src import extension, impl_choice, warn_registry
+    from jax_ub._src.ops import impl_choice
+    from jax_ub._src.runtime import extension
+    from jax_ub._src.settings import warn_registry
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(extension, "cuda_module", lambda: None)

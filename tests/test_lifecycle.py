@@ -10,7 +10,8 @@ from conftest import rel_err, smap, to_f32
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src import _host, options
+from jax_ub._src import _host
+from jax_ub._src.settings import options
 
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter

@@ -8,7 +8,7 @@ import pytest
 from conftest import op_fn, rel_err, to_f32, tol
 
 import jax_ub
-from jax_ub._src import options
+from jax_ub._src.settings import options
 
 
 @pytest.mark.parametrize(

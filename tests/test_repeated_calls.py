@@ -234,8 +234,8 @@ def test_bitwise_deterministic_across_groups_and_reinitialization(mesh2d, rand):
 # XLA's CPU client blocks one of its worker threads per device once a device has 32 calls
 # queued; with only as many threads as devices, a call whose parts wait for each other (a
 # jax_ub op, or XLA's own all-gather) then deadlocks. jax_ub sizes the pool when JAX creates
-# the client (jax_ub/_src/cpu_runtime.py). These loops dispatch far more than 32 calls before
-# the first sync. In this process the client has 8 devices, so the 8-device mesh is the one
+# the client (jax_ub/_src/runtime/cpu_runtime.py). These loops dispatch far more than 32 calls
+# before the first sync. In this process the client has 8 devices, so the 8-device mesh is the one
 # that deadlocked (on machines of fewer than 16 CPUs); the subprocess tests below start from
 # 2 and 4 devices and a pool sized as on one CPU, which deadlocked on any machine.
 

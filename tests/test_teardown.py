@@ -117,7 +117,7 @@ def test_shared_memory_communicators_leak_nothing():
 def test_stale_shared_memory_names_are_removed(tmp_path, monkeypatch):
     """Names a crashed bootstrap left in /dev/shm go once older than any bootstrap runs;
     fresh names (a bootstrap in progress) and other files stay."""
-    from jax_ub._src import bootstrap
+    from jax_ub._src.runtime import bootstrap
 
     monkeypatch.setattr(bootstrap, "_SHM_DIR", str(tmp_path))
     now = time.time()

@@ -14,7 +14,7 @@ the reported number is the median over rounds. Per GPU shapes: x [M/tp, K] gathe
 to [M/tp, K] (GEMM+RS).
 """
 
-from jax_ub._src import options
+from jax_ub._src.settings import options
 from jax_ub.bench.cli import main
 from jax_ub.bench.impls import parse_variants
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src import options
+from jax_ub._src.settings import options
 from jax_ub.bench.timing import loop_time_ms
 
 AXIS = "tp"
@@ -110,8 +110,8 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs, variants=()) -> None:
     and jax_ub's op from bf16 operands, quantizing x and w in the call as a training step
     does (``jax_ub_fp8_hp``)."""
     from jax_ub import fp8  # noqa: PLC0415
-    from jax_ub._src.reference import scaled_matmul  # noqa: PLC0415
-    from jax_ub._src.wire_format import pack_scales  # noqa: PLC0415
+    from jax_ub._src.lowering.reference import scaled_matmul  # noqa: PLC0415
+    from jax_ub._src.lowering.wire_format import pack_scales  # noqa: PLC0415
 
     call = OPS[op]
     sx, sw, scales = _fp8_scales(x, w)
@@ -259,7 +259,7 @@ def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
 
 def parse_variants(text: str) -> list[dict]:
     """ "name=value,name=value;name=value" -> one dict of tuning choices per variant
-    (jax_ub._src.options.Tuning's names).
+    (jax_ub._src.settings.options.Tuning's names).
     Values are read as Python literals where they parse (ints, floats, True), else kept as
     strings ("auto")."""
     variants = []

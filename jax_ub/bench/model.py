@@ -124,7 +124,7 @@ def bound_ops():
     communication: the gather becomes ``tp`` copies of the local rows, the reduce-scatter
     a sum of the product's ``tp`` row blocks (the layer benchmark's bound)."""
     import jax_ub
-    from jax_ub._src import gated_mlp
+    from jax_ub._src.ops import gated_mlp
     from jax_ub.bench.layer import bound_all_gather_matmul as ag
     from jax_ub.bench.layer import bound_matmul_reduce_scatter as rs
     from jax_ub.flax import _attention, _core, _gated
@@ -271,7 +271,7 @@ def _run(variants: list[str], args, say) -> dict:
             f"  round {r + 1}/{args.rounds}: "
             + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in variants)
         )
-    from jax_ub._src import communicator
+    from jax_ub._src.runtime import communicator
 
     # jax_ub's symmetric buffers live outside XLA's allocator: reported beside its estimate.
     userbuffers = sum(c.capacity_bytes for c in communicator.live_communicators())

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ub._src import extension
-from jax_ub._src.communicator import live_communicators
+from jax_ub._src.runtime import extension
+from jax_ub._src.runtime.communicator import live_communicators
 
 WARMUP_CALLS = 20  # per implementation and shape, before anything is timed
 

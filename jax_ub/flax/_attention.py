@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import layout
-from jax_ub._src.extension import normalize_platform
+from jax_ub._src.lowering import layout
+from jax_ub._src.runtime.extension import normalize_platform
 from jax_ub.flax import _core
 
 
@@ -275,7 +275,7 @@ def _automatic_axes() -> tuple[str, ...]:
 def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
     """``f(*arrays)`` (each ``[batch, ...]``) in a shard_map over the mesh axes still
     automatic here (those besides the tensor-parallel one: dp, fsdp, ...), the batch split
-    over them as :func:`jax_ub._src.layout.batch_spec` lays it out.
+    over them as :func:`jax_ub._src.lowering.layout.batch_spec` lays it out.
 
     cuDNN attention partitions itself with ``custom_partitioning``, which XLA's GPU
     compiler cannot handle in a partly manual computation: it fails or crashes the process

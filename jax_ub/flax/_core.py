@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src import layout
-from jax_ub._src.warn_registry import warn_once
+from jax_ub._src.lowering import layout
+from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
 
 Params = Mapping[str, jax.Array]
@@ -342,8 +342,8 @@ def _over_tp(
     check_vma: bool = True,
 ):
     """``f`` on local shards, run as described above, on global arrays through
-    :func:`jax_ub._src.layout.global_call` (as the ops run). With no mesh known (none given,
-    none set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the
+    :func:`jax_ub._src.lowering.layout.global_call` (as the ops run). With no mesh known (none
+    given, none set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the
     same layer written on global arrays) runs instead where ``ops.impl`` is not ``"ub"``,
     after one warning that nothing is overlapped: XLA partitions its matmuls from the
     operands' shardings."""

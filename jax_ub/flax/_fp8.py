@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub import fp8 as _ops_fp8
-from jax_ub._src.varying import match_varying
+from jax_ub._src.lowering.varying import match_varying
 
 RECIPES = ("current", "delayed")
 DEFAULT_HISTORY_LENGTH = 16

@@ -12,7 +12,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src.gated_mlp import activation_function
+from jax_ub._src.ops.gated_mlp import activation_function
 from jax_ub.flax import _axes, _fp8
 from jax_ub.flax._core import (
     Ops,

@@ -17,7 +17,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_ub._src import checks, layout
+from jax_ub._src.lowering import layout
+from jax_ub._src.settings import checks
 from jax_ub.flax import _fp8
 
 

@@ -1,6 +1,6 @@
 """Argument checks shared by the public ops: all of them run before anything is traced.
 
-What path a valid call takes is :mod:`jax_ub._src.impl_choice`'s job, not this module's.
+What path a valid call takes is :mod:`jax_ub._src.ops.impl_choice`'s job, not this module's.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ub._src.config import config
-from jax_ub._src.fp8 import E4M3, Fp8Scales, is_quantized
+from jax_ub._src.settings.config import config
+from jax_ub._src.settings.fp8 import E4M3, Fp8Scales, is_quantized
 
 IMPLS = ("auto", "ub", "xla")
 

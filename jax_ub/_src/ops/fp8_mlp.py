@@ -3,7 +3,7 @@ in the epilogue of the fp8 GEMM that computes the down-projection's input gradie
 
 Forward: ``h = gelu(all_gather(x) @ w_up + up_bias)`` (bias and GELU in the up-projection's
 fp8 GEMMs, GELU's input kept), then ``psum_scatter(h @ w_down)``, each quantized as the ops
-quantize (:mod:`jax_ub._src.fp8_ops`). Backward: ``dp = (all_gather(dy) @ w_down.T) *
+quantize (:mod:`jax_ub._src.ops.fp8_ops`). Backward: ``dp = (all_gather(dy) @ w_down.T) *
 gelu'(pre)`` in one fp8 all-gather GEMM with cuBLASLt's DGELU epilogue (what the two ops
 written one after the other do in a pass of their own over ``[seq, ffn/tp]``), then the
 up-projection's gradients from ``dp`` exactly as its op computes them.
@@ -16,9 +16,8 @@ from typing import NamedTuple
 
 import jax
 
-from jax_ub._src.epilogue import bias_grad
-from jax_ub._src.fp8 import Fp8Scales
-from jax_ub._src.fp8_ops import (
+from jax_ub._src.ops.epilogue import bias_grad
+from jax_ub._src.ops.fp8_ops import (
     AgResiduals,
     RsResiduals,
     ag_forward,
@@ -26,7 +25,8 @@ from jax_ub._src.fp8_ops import (
     rs_forward,
     rs_grads,
 )
-from jax_ub._src.group import Group
+from jax_ub._src.ops.group import Group
+from jax_ub._src.settings.fp8 import Fp8Scales
 
 
 class Residuals(NamedTuple):

@@ -1,6 +1,6 @@
 """fp8 formats, per-tensor scales and the scaling recipes: what a caller passes as
 ``fp8=Fp8Scales(...)`` (public in :mod:`jax_ub.fp8`), and the dtype rules of an fp8 call.
-The ops' fp8 forward and backward are :mod:`jax_ub._src.fp8_ops`.
+The ops' fp8 forward and backward are :mod:`jax_ub._src.ops.fp8_ops`.
 
 Scales, per tensor (per local shard for ``w`` and for tensors that are not gathered):
 * current scaling: leave a field ``None``; the op uses this step's ``amax / fp8_max``

@@ -23,7 +23,7 @@ from types import ModuleType
 import jax
 
 from jax_ub._src.jax_compat import distributed_client
-from jax_ub._src.options import Options
+from jax_ub._src.settings.options import Options
 
 # Communicators are created in program order, which is the same in every process of an
 # SPMD job; the count keeps keys of successive communicators (and of re-initializations

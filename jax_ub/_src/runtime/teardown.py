@@ -8,8 +8,8 @@ import warnings
 
 import jax
 
-from jax_ub._src import bootstrap, communicator, extension
-from jax_ub._src.communicator import Communicator
+from jax_ub._src.runtime import bootstrap, communicator, extension
+from jax_ub._src.runtime.communicator import Communicator
 
 
 def finalize() -> None:

@@ -10,12 +10,12 @@ from jax import lax
 from jax.sharding import AxisType
 
 from jax_ub._src import jax_compat
-from jax_ub._src.wire_format import product_scale
+from jax_ub._src.lowering.wire_format import product_scale
 
 
 def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> jax.Array:
     """``x @ w``; with fp8 operands, ``x_scale * w_scale * (x @ w)`` (``scales`` laid out by
-    :func:`jax_ub._src.wire_format.pack_scales`) accumulated in float32 and cast to
+    :func:`jax_ub._src.lowering.wire_format.pack_scales`) accumulated in float32 and cast to
     ``out_dtype``: XLA's dequantize-then-dot pattern, which its GPU compiler turns into an
     fp8 GEMM."""
     if scales is None or jnp.dtype(x.dtype).itemsize > 1:

@@ -1,5 +1,5 @@
 """The overlapped ops' fp8 forward and backward (the scales and recipes they take are
-:mod:`jax_ub._src.fp8`).
+:mod:`jax_ub._src.settings.fp8`).
 
 With ``fp8=Fp8Scales(...)`` an op takes high-precision ``x`` and ``w`` (bfloat16, float16 or
 float32), quantizes both to ``float8_e4m3fn`` (``x ~ x_q * x_scale``), moves and multiplies
@@ -24,9 +24,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ub._src import options
-from jax_ub._src.epilogue import epilogue_grads
-from jax_ub._src.fp8 import (
+from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.lowering.reference import (
+    all_gather_matmul_reference,
+    dgelu_reference,
+    epilogue,
+    matmul_reduce_scatter_reference,
+)
+from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.lowering.wire_format import pack_scales
+from jax_ub._src.ops.epilogue import epilogue_grads
+from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.remat import saved_gathered, saved_output
+from jax_ub._src.settings import options
+from jax_ub._src.settings.fp8 import (
     E4M3,
     E5M2,
     Fp8Scales,
@@ -36,17 +47,6 @@ from jax_ub._src.fp8 import (
     result_dtype,
     scale_from_amax,
 )
-from jax_ub._src.group import Group
-from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.reference import (
-    all_gather_matmul_reference,
-    dgelu_reference,
-    epilogue,
-    matmul_reduce_scatter_reference,
-)
-from jax_ub._src.remat import saved_gathered, saved_output
-from jax_ub._src.varying import match_varying
-from jax_ub._src.wire_format import pack_scales
 
 
 class AgResiduals(NamedTuple):

@@ -39,14 +39,16 @@ from jax.interpreters.mlir import SPMDAxisContext
 from jax.sharding import AxisType, Mesh, use_abstract_mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import communicator, jax_compat, layout
-from jax_ub._src.reference import (
+from jax_ub._src import jax_compat
+from jax_ub._src.lowering import layout
+from jax_ub._src.lowering.reference import (
     all_gather_matmul_reference,
     dgelu_reference,
     matmul_reduce_scatter_reference,
 )
-from jax_ub._src.varying import result_aval
-from jax_ub._src.wire_format import unit_scales
+from jax_ub._src.lowering.varying import result_aval
+from jax_ub._src.lowering.wire_format import unit_scales
+from jax_ub._src.runtime import communicator
 
 all_gather_matmul_p = Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True

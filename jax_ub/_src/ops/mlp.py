@@ -15,16 +15,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src import checks, impl_choice, layout, options
-from jax_ub._src.all_gather_matmul import all_gather_matmul, contract_rows
-from jax_ub._src.epilogue import bias_grad, check_epilogue
-from jax_ub._src.fp8 import Fp8Scales, compute_operands, result_dtype
-from jax_ub._src.fp8_mlp import fp8_gelu_mlp
-from jax_ub._src.group import Group
-from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
-from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.reference import dgelu_reference
-from jax_ub._src.varying import match_varying
+from jax_ub._src.lowering import layout
+from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.lowering.reference import dgelu_reference
+from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops import impl_choice
+from jax_ub._src.ops.all_gather_matmul import all_gather_matmul, contract_rows
+from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
+from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
+from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.settings import checks, options
+from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands, result_dtype
 
 _OP = "gelu_mlp"
 

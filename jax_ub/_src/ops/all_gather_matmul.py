@@ -11,17 +11,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks, impl_choice, layout
-from jax_ub._src.config import config
-from jax_ub._src.epilogue import check_epilogue, epilogue_grads
-from jax_ub._src.fp8 import Fp8Scales, compute_operands
-from jax_ub._src.fp8_ops import fp8_all_gather_matmul
-from jax_ub._src.group import Group
-from jax_ub._src.options import weight_transposed
-from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.reference import all_gather_matmul_reference, reduce_scatter_rows
-from jax_ub._src.remat import saved_gathered, saved_output
-from jax_ub._src.varying import match_varying
+from jax_ub._src.lowering import layout
+from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
+from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops import impl_choice
+from jax_ub._src.ops.epilogue import check_epilogue, epilogue_grads
+from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
+from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.remat import saved_gathered, saved_output
+from jax_ub._src.settings import checks
+from jax_ub._src.settings.config import config
+from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands
+from jax_ub._src.settings.options import weight_transposed
 
 _OP = "all_gather_matmul"
 

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks
-from jax_ub._src.warn_registry import warn_once
+from jax_ub._src.settings import checks
+from jax_ub._src.settings.warn_registry import warn_once
 
 
 def manual_axes() -> frozenset[str]:

@@ -63,7 +63,7 @@ def _check_gemm_cache(value: object, source: str) -> None:
 
 
 # The smallest size measured at which neither op was slower than XLA's (at 4 MiB the
-# reduce-scatter was): the calibration is in jax_ub._src.auto_rule's docstring.
+# reduce-scatter was): the calibration is in jax_ub._src.settings.auto_rule's docstring.
 DEFAULT_AUTO_MIN_BYTES = 8 << 20
 
 
@@ -177,7 +177,7 @@ class Config:
       auto_min_bytes: on GPUs, ``impl="auto"`` runs the userbuffer op only for calls whose
         collective moves at least this many bytes per rank, XLA's unfused op below (env
         ``JAX_UB_AUTO_MIN_BYTES``, default 8 MiB, calibrated on 2x H200; the rule and its
-        calibration: ``jax_ub._src.auto_rule``, :func:`jax_ub.explain_impl`). CPU devices
+        calibration: ``jax_ub._src.settings.auto_rule``, :func:`jax_ub.explain_impl`). CPU devices
         and ``impl="ub"`` ignore it. Every process of a group needs the same value.
       gemm_cache: a file that keeps the GPU kernel each GEMM shape's tuning and trials
         chose (env ``JAX_UB_GEMM_CACHE``; default ``""``: none). A shape the file holds

@@ -8,17 +8,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks, impl_choice, layout
-from jax_ub._src.all_gather_matmul import contract_rows
-from jax_ub._src.epilogue import check_epilogue
-from jax_ub._src.fp8 import Fp8Scales, compute_operands
-from jax_ub._src.fp8_ops import fp8_matmul_reduce_scatter
-from jax_ub._src.group import Group
-from jax_ub._src.options import weight_transposed
-from jax_ub._src.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.reference import matmul_reduce_scatter_reference
-from jax_ub._src.remat import saved_output
-from jax_ub._src.varying import match_varying
+from jax_ub._src.lowering import layout
+from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
+from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops import impl_choice
+from jax_ub._src.ops.all_gather_matmul import contract_rows
+from jax_ub._src.ops.epilogue import check_epilogue
+from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
+from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.remat import saved_output
+from jax_ub._src.settings import checks
+from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands
+from jax_ub._src.settings.options import weight_transposed
 
 _OP = "matmul_reduce_scatter"
 

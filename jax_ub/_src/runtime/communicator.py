@@ -16,10 +16,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ub._src import bootstrap, cpu_runtime, extension
-from jax_ub._src.config import config
-from jax_ub._src.options import Options, current_options
-from jax_ub._src.warn_registry import clear_warnings, warn_once
+from jax_ub._src.runtime import bootstrap, cpu_runtime, extension
+from jax_ub._src.settings.config import config
+from jax_ub._src.settings.options import Options, current_options
+from jax_ub._src.settings.warn_registry import clear_warnings, warn_once
 
 _MIB = 1 << 20
 # Default userbuffer when the config leaves it to us: what the op needs, but at least this,

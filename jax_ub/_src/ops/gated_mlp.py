@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import checks, layout
-from jax_ub._src.all_gather_matmul import all_gather_matmul
-from jax_ub._src.fp8 import Fp8Scales
-from jax_ub._src.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.lowering import layout
+from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
+from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.settings import checks
+from jax_ub._src.settings.fp8 import Fp8Scales
 
 _OP = "gated_mlp"
 

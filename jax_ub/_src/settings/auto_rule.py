@@ -1,7 +1,7 @@
 """What ``impl="auto"`` runs: the userbuffer op where it pays, XLA's unfused op elsewhere.
 
 The rule, applied at trace time to every call whose operands the userbuffer op ("ub") can
-run (dtype, platform, extension, fp8 support: :mod:`jax_ub._src.impl_choice`):
+run (dtype, platform, extension, fp8 support: :mod:`jax_ub._src.ops.impl_choice`):
 
 * **CPU devices: ub, always.** The host protocol is CI's test vehicle for the protocol the
   GPUs run, not a speed path, so ``auto`` exercises it wherever it can run.
@@ -72,7 +72,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from jax_ub._src.config import config
+from jax_ub._src.settings.config import config
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 

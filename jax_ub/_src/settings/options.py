@@ -1,7 +1,7 @@
 """What a communicator is created with: one frozen record, bound to C++'s CommOptions.
 
 A communicator takes the user's settings that matter to it (``timeout_s``,
-``allow_tf32``, ``gemm_cache``: :mod:`jax_ub._src.config`) and the tuning choices
+``allow_tf32``, ``gemm_cache``: :mod:`jax_ub._src.settings.config`) and the tuning choices
 (internal defaults, below) when it is created, and keeps them for its lifetime.
 ``Options`` holds both, is the key communicators are cached under, and crosses to C++ as
 a dict of the same names (``src/protocol/comm_options.h``). Each value is validated once, where it
@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from jax_ub._src.config import config
+from jax_ub._src.settings.config import config
 
 _GEMM_ORDERS = ("auto", "column", "row")
 

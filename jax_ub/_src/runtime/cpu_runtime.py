@@ -48,7 +48,7 @@ import threading
 import jax
 
 from jax_ub._src.jax_compat import cpu_backend_registry
-from jax_ub._src.warn_registry import warn_once
+from jax_ub._src.settings.warn_registry import warn_once
 
 _lock = threading.Lock()
 # The CPU client's worker threads, once JAX has created it through install()'s factory.

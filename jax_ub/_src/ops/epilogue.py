@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src.reference import ACTIVATIONS, dgelu_reference
-from jax_ub._src.varying import match_varying
+from jax_ub._src.lowering.reference import ACTIVATIONS, dgelu_reference
+from jax_ub._src.lowering.varying import match_varying
 
 
 def check_epilogue(op: str, x: jax.Array, w: jax.Array, bias, activation) -> None:

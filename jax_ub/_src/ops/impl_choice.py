@@ -2,7 +2,7 @@
 
 What the userbuffer op can run at all (dtypes, fp8 support, platform and extension) is
 decided here; among the calls it can run, impl="auto" follows the rule of
-:mod:`jax_ub._src.auto_rule`.
+:mod:`jax_ub._src.settings.auto_rule`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src import auto_rule, checks, extension
-from jax_ub._src.auto_rule import ImplChoice
-from jax_ub._src.warn_registry import warn_once
+from jax_ub._src.runtime import extension
+from jax_ub._src.settings import auto_rule, checks
+from jax_ub._src.settings.auto_rule import ImplChoice
+from jax_ub._src.settings.warn_registry import warn_once
 
 UB_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -88,7 +89,7 @@ def choose_impl(
     axis_size: int | None = None,
 ) -> ImplChoice:
     """What ``impl`` runs for ``x @ w`` (local shards, in fp8 with ``fp8``) on this process's
-    backend, and why: impl="auto" resolved by the rule (:mod:`jax_ub._src.auto_rule`;
+    backend, and why: impl="auto" resolved by the rule (:mod:`jax_ub._src.settings.auto_rule`;
     without ``axis_size`` its size tests are skipped). Raises if impl="ub" cannot run it;
     warns once where "auto" falls back on GPUs for want of the CUDA extension."""
     if impl == "xla":
@@ -139,7 +140,7 @@ def explain_impl(
 ) -> ImplChoice:
     """What ``op(x, w, axis_name, impl=impl)`` runs in this process, and why.
 
-    The same decision the op makes at trace time (module ``jax_ub._src.auto_rule``), for a
+    The same decision the op makes at trace time (module ``jax_ub._src.settings.auto_rule``), for a
     call inside ``shard_map`` on local shards, on this process's default backend.
 
     Args:

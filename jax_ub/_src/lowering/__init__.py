@@ -1,0 +1,1 @@
+"""From the ops to XLA: primitives, custom-call operands, the unfused reference ops, placement."""

@@ -1,0 +1,1 @@
+"""The userbuffer runtime: compiled extensions, communicators, their bootstrap and teardown."""
