@@ -21,37 +21,10 @@ partial sums in ``x.dtype`` (fp8 too). The backward of each op moves the same by
 forward (dx of an all-gather matmul is a reduce-scatter of ``dy [tp * m, ..., n] @ w.T``),
 so one decision covers both.
 
-Calibration of the default, ``config.DEFAULT_AUTO_MIN_BYTES`` = 8 MiB: 2x H200 (NVLink),
-bf16, tp=2, one process, both ops against XLA's unfused op (one command line)::
-
-    python -m jax_ub.bench --tp 2 --ops ag,rs --rounds 3 --iters 20 --loop-seconds 0.3
-        --shapes 256x8192x28672,512x8192x28672,1024x8192x28672,2048x8192x28672
-        --no-windowed-einsum
-
-The AG gathers x [M, 8192] (M / 2 rows per rank) and multiplies it by w [8192, 28672];
-the RS multiplies x [M, 28672] (columns split over the ranks) by w [28672, 8192], so its
-output rows are 8192 wide. Per-GPU ms, medians of 3 rounds; in brackets the rounds' spread
-((max - min) / median), ub's / XLA's:
-
-=====  =========  ==================================  ==================================
-M      per rank   all_gather_matmul: ub, XLA          matmul_reduce_scatter: ub, XLA
-=====  =========  ==================================  ==================================
-256    2 MiB      0.166, 0.140 (13.7% / 6.3%)         0.178, 0.144 (19.2% / 14.4%)
-512    4 MiB      0.217, 0.226 (8.0% / 1.4%)          0.215, 0.207 (0.8% / 1.8%)
-1024   8 MiB      0.403, 0.414 (0.5% / 0.9%)          0.388, 0.388 (0.8% / 2.1%)
-2048   16 MiB     0.749, 0.791 (1.3% / 2.0%)          0.722, 0.761 (0.7% / 0.9%)
-=====  =========  ==================================  ==================================
-
-At 2 MiB both ops were slower than XLA's (XLA's time over ub's: 0.85 AG, 0.81 RS). At
-4 MiB the RS was still slower (0.96, beyond both spreads), the AG faster (1.04) within its
-spread. From 8 MiB on, every call tied or won (1.00-1.06; an earlier sweep with loops of
-1 s and N up to 32768 found ub 4-22% faster at every M from 1024 to 32768). 8 MiB is the
-smallest size measured at which no call lost: the crossover lies between 4 and 8 MiB and
-was not measured more finely. It is where the collective outgrows the op's fixed cost:
-XLA's all-gather moved 16 MiB per rank in 97 us (about 170 GB/s), so 4 MiB takes about
-25 us, barely more than the fixed cost, and 8 MiB about 50 us. Not calibrated: tp > 2
-below 24 MiB per rank (at tp=4, M=2048 moves 24 MiB and ub ran at 0.475 ms against XLA's
-0.487), where the fixed cost was larger (35-75 us per call), other GPUs, fp8. Set
+The default, ``config.DEFAULT_AUTO_MIN_BYTES`` = 8 MiB, is the smallest size per rank at
+which neither op lost to XLA's on 2x H200 (bf16, tp=2; benchmarks/RESULTS.md, "Small calls",
+has the sweep and its command): below it the collective is too short to hide the op's fixed
+cost. Not calibrated: tp > 2 below 24 MiB per rank, other GPUs, fp8. Set
 ``jax_ub.configure(auto_min_bytes=...)`` (or ``JAX_UB_AUTO_MIN_BYTES``) from your own
 ``python -m jax_ub.bench --sweep-m ...``; ``0`` takes ub for every call of a group of two
 or more. ``impl="ub"`` always runs the userbuffer op, ``impl="xla"`` XLA's.
