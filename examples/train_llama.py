@@ -44,23 +44,8 @@ from jax_ub.bench import llama
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--preset",
-        default="tiny",
-        choices=sorted(llama.PRESETS),
-        help="the model's shapes (default: tiny)",
-    )
-    parser.add_argument("--layers", type=int, help="number of blocks (default: the preset's)")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
-    parser.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    llama.add_shape_args(parser)
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    parser.add_argument(
-        "--remat",
-        default="dots",
-        choices=sorted(llama.REMAT_POLICIES),
-        help="rematerialization policy of each block (default: dots)",
-    )
     parser.add_argument(
         "--dtype",
         default="float32",

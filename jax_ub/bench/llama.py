@@ -25,6 +25,7 @@ split); the blocks' projections stay tensor-parallel.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any
 
@@ -77,6 +78,29 @@ REMAT_POLICIES = {
     "dots": jax_ub.dots_and_ops_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
 }
+
+
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The model's and the run's shapes, as the training example and the benchmark take
+    them: --preset, --layers, --seq, --batch, --tp, --remat."""
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="the model's shapes (default: tiny, for CPU devices)",
+    )
+    parser.add_argument("--layers", type=int, help="number of blocks (default: the preset's)")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    parser.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
+    parser.add_argument(
+        "--tp", type=int, default=2, help="tensor-parallel size; dp = devices / tp (default 2)"
+    )
+    parser.add_argument(
+        "--remat",
+        default="dots",
+        choices=sorted(REMAT_POLICIES),
+        help="rematerialization policy of each block (default: dots)",
+    )
 
 
 class RMSNorm(nnx.Module):

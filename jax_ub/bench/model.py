@@ -44,16 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     from jax_ub.bench import llama
 
     ap = argparse.ArgumentParser(prog="python -m jax_ub.bench.model", description=DESCRIPTION)
-    ap.add_argument(
-        "--preset",
-        default="tiny",
-        choices=sorted(llama.PRESETS),
-        help="the model's shapes (default: tiny, for CPU devices)",
-    )
-    ap.add_argument("--layers", type=int, help="number of blocks (default: the preset's)")
-    ap.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
-    ap.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size; dp = devices / tp")
+    llama.add_shape_args(ap)
     ap.add_argument(
         "--dtype",
         default="bfloat16",
@@ -73,12 +64,6 @@ def _parser() -> argparse.ArgumentParser:
         help="the blocks' projections in fp8 with current or delayed scaling (jax_ub: its "
         "fp8 ops; xla and xla_overlap: XLA's collectives and fp8 GEMMs of the same "
         "quantized operands; default none)",
-    )
-    ap.add_argument(
-        "--remat",
-        default="dots",
-        choices=["none", "dots", "full"],
-        help="rematerialization policy of each block (default: dots)",
     )
     ap.add_argument(
         "--variants",
