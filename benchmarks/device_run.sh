@@ -48,7 +48,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   : > "$OUT/gpu_tests.log"
   # TEST_SPECS overrides the files and their limits ("file:seconds ..."); TEST_K selects
   # tests by pytest's -k expression. The trace rerun does not capture output (-s).
-  for spec in ${TEST_SPECS:-test_gpu.py:300 test_gpu_layouts.py:200 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200 test_gpu_fp8.py:150 test_gpu_epilogue.py:200 test_gpu_gemm_cache.py:150}; do
+  for spec in ${TEST_SPECS:-test_gpu.py:300 test_gpu_layouts.py:360 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200 test_gpu_fp8.py:150 test_gpu_epilogue.py:200 test_gpu_gemm_cache.py:150 test_gpu_models.py:300}; do
     file=${spec%%:*}; limit=${spec##*:}
     timeout -k 10 "$limit" python3 -m pytest -v -rsxX -m gpu "tests/$file" -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} \
       >> "$OUT/gpu_tests.log" 2>&1
