@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import layout
 from jax_ub._src.runtime.extension import normalize_platform
-from jax_ub.flax import _core
+from jax_ub.flax import _checks, _core
 
 
 def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 0) -> None:
@@ -61,7 +61,7 @@ def check_heads(
         raise ValueError(f"{owner}: num_kv_heads={kv} must divide num_heads={num_heads}")
     if tp is not None:
         what = "num_heads" if num_kv_heads is None else "num_kv_heads"
-        _core.check_divisible(owner, what, kv, tp, axis_name)
+        _checks.check_divisible(owner, what, kv, tp, axis_name)
     if qkv_features % num_heads != 0:
         raise ValueError(f"{owner}: qkv_features={qkv_features} is not divisible by {num_heads=}")
     head_dim = qkv_features // num_heads
@@ -310,7 +310,7 @@ def platform_of(mesh: Mesh | None) -> str:
 
 @functools.lru_cache(maxsize=256)
 def attention_call(
-    ops: _core.Ops,
+    ops: _checks.Ops,
     head_dim: int,
     ndim: int,
     use_bias: bool,
@@ -368,7 +368,7 @@ def attention_call(
 
 @functools.lru_cache(maxsize=256)
 def decode_call(
-    ops: _core.Ops,
+    ops: _checks.Ops,
     head_dim: int,
     use_bias: bool,
     q_per_kv: int = 1,

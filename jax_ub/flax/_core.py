@@ -1,7 +1,8 @@
 """Framework-free pieces shared by the nnx and linen layers.
 
-Argument checks, the ``PartitionSpec``s of the sequence-parallel layout, and the
-per-shard computations that run inside ``jax.shard_map``. Activations are laid out
+The ``PartitionSpec``s of the sequence-parallel layout, and the
+per-shard computations that run inside ``jax.shard_map`` (the checks are in
+:mod:`jax_ub.flax._checks`). Activations are laid out
 ``[seq, *batch, features]``, or with the layer's ``seq_axis`` batch-major
 ``[batch, seq, ..., features]``; "sequence-sharded" means that dim (0 by default) is split
 over the tensor parallel axis, "feature-sharded" means the last dim is.
@@ -11,149 +12,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src.lowering import layout
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
+from jax_ub.flax._checks import Ops
 
 Params = Mapping[str, jax.Array]
-
-
-# --- argument checks ---------------------------------------------------------------------
-
-
-def group_size(
-    owner: str, mesh: Any, axis_name: Any, *, required: bool = True, impl: str | None = None
-) -> int | None:
-    """Size of the tensor-parallel axis, from where it is known, in this order: a shard_map
-    over it being traced, the layer's ``mesh``, the mesh set by ``jax.set_mesh``.
-
-    When none of them is known: None if ``required`` is False (a layer built before any
-    mesh is set checks its sizes when it is called); 1 for a call with ``impl`` other than
-    ``"ub"``, which then runs XLA's plain matmuls (:func:`_over_tp`); a ValueError
-    otherwise. A ValueError too when the axis is not in the mesh.
-    """
-    if not isinstance(axis_name, str):
-        raise ValueError(f"{owner}: axis_name must be a mesh axis name (str), got {axis_name!r}")
-    if axis_name in layout.manual_axes():
-        return int(jax.lax.axis_size(axis_name))
-    known = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if known.empty:
-        if not required:
-            return None
-        if impl is not None and impl != "ub":
-            return 1
-        raise ValueError(
-            f"{owner}: no mesh to run over: call the layer under `with jax.set_mesh(mesh):`, "
-            f"pass mesh=... (to the layer or to jax_ub.flax.defaults), or call it inside a "
-            f"shard_map over axis {axis_name!r} (impl="
-            f"'auto' runs XLA's plain matmuls when no mesh is known; impl={impl!r} does not)"
-        )
-    if axis_name not in known.axis_names:
-        raise ValueError(
-            f"{owner}: axis_name {axis_name!r} is not an axis of the mesh; "
-            f"mesh.axis_names={known.axis_names}"
-        )
-    return int(known.shape[axis_name])
-
-
-def global_features(features: int, tp: int, axis_name: str, split: bool) -> int:
-    """The layer's feature count from an input's (the inverse of :func:`local_features`)."""
-    return features * tp if split and axis_name in layout.manual_axes() else features
-
-
-def local_features(features: int, tp: int, axis_name: str, split: bool) -> int:
-    """Features an input has where the layer sees it: the local shard inside a shard_map
-    over ``axis_name`` when they are ``split`` over it, else all of them."""
-    return features // tp if split and axis_name in layout.manual_axes() else features
-
-
-def check_dropout(owner: str, rate: Any) -> None:
-    """A dropout rate is a number in ``[0, 1)``."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-        raise ValueError(f"{owner}: dropout_rate must be a number in [0, 1), got {rate!r}")
-
-
-def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) -> None:
-    if value <= 0 or value % tp != 0:
-        raise ValueError(
-            f"{owner}: {what}={value} must be a positive multiple of the size of axis "
-            f"{axis_name!r} ({tp})"
-        )
-
-
-def check_input(
-    owner: str,
-    x: Any,
-    in_features: int | None,
-    tp: int,
-    axis_name: str,
-    seq_axis: int = 0,
-    sequence_parallel: bool | None = None,
-) -> bool:
-    """Check that x is ``[seq, *batch, in_features]`` (the sequence at ``seq_axis``) and
-    return whether the call runs sequence-parallel.
-
-    ``sequence_parallel`` is the layer's setting (``ParallelConfig``'s): False runs with
-    the activations replicated over the axis (:func:`linear_replicated`). Otherwise, inside
-    a shard_map over ``axis_name`` the layers take sequence shards (True); on global arrays
-    they run sequence-parallel where ``tp`` divides the sequence, and else (one token being
-    decoded, a prompt of any length) replicated, unless ``sequence_parallel`` is True,
-    which makes that a ValueError. ``in_features=None`` accepts any feature count (linen
-    infers it from the input).
-    """
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) < 2:
-        raise ValueError(f"{owner}: input must be [seq, *batch, features], got shape {shape}")
-    if in_features is not None and shape[-1] != in_features:
-        raise ValueError(
-            f"{owner}: input has {shape[-1]} features (last dim) but the layer expects "
-            f"{in_features}; input shape {shape}"
-        )
-    seq = layout.check_seq_axis(owner, x, seq_axis)
-    if sequence_parallel is False:
-        return False
-    if axis_name in layout.manual_axes() or shape[seq] % tp == 0:
-        return True
-    if sequence_parallel:
-        raise ValueError(
-            f"{owner}: sequence_parallel=True splits the sequence (dim {seq} of the input, "
-            f"{shape[seq]}) over axis {axis_name!r}, whose size {tp} does not divide it; "
-            f"input shape {shape}"
-        )
-    return False
-
-
-def prepare(
-    owner: str,
-    config: Any,
-    axis_name: str,
-    x: Any,
-    in_features: int | None = None,
-    *,
-    split_in: bool = False,
-    divisible: Mapping[str, int] | None = None,
-) -> tuple[Ops, bool]:
-    """What every layer checks when called, and what its compiled function is keyed on:
-        the tensor-parallel group's size (from the mesh) divides each of ``divisible``'s
-        values, ``x`` is ``[seq, *batch, in_features]`` (the local shard of them inside a
-    shard_map over the axis where they are ``split_in``). Returns the ops' settings and whether
-        the call runs sequence-parallel (:func:`check_input`)."""
-    tp = group_size(owner, config.mesh, axis_name, impl=config.impl)
-    for what, value in (divisible or {}).items():
-        check_divisible(owner, what, value, tp, axis_name)
-    features = in_features
-    if features is not None:
-        features = local_features(features, tp, axis_name, split_in)
-    sp = check_input(owner, x, features, tp, axis_name, config.seq_axis, config.sequence_parallel)
-    return op_settings(config, axis_name), sp
 
 
 # --- sharding layout ---------------------------------------------------------------------
@@ -291,26 +162,6 @@ def linear_replicated(
     if bias is not None:
         y = y + bias
     return y if activation is None else activation(y)
-
-
-class Ops(NamedTuple):
-    """The settings of the ops a layer runs, from its ``ParallelConfig`` and resolved
-    axis: the leading argument of every ``*_call`` below, which are cached on it. ``fp8``
-    is the recipe's name (``"current"``, ``"delayed"``) or None."""
-
-    mesh: Mesh | None
-    axis_name: str
-    impl: str
-    dtype: Any
-    fp8: str | None
-    seq_axis: int
-
-
-def op_settings(config: Any, axis_name: str) -> Ops:
-    """:class:`Ops` of a layer's ``ParallelConfig`` over its resolved ``axis_name``."""
-    return Ops(
-        config.mesh, axis_name, config.impl, config.dtype, config.fp8_recipe, config.seq_axis
-    )
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array, axis_name: str | None) -> jax.Array:

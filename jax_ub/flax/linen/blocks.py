@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from jax_ub.flax import _attention, _axes, _core, _gated
+from jax_ub.flax import _attention, _axes, _checks, _core, _gated
 from jax_ub.flax.linen.layers import (
     Biased,
     ColumnParallelLinear,
@@ -381,7 +381,7 @@ class ParallelSelfAttention(_Block, Biased):
         cached_key = self.variable("cache", "cached_key", zeros)
         cached_value = self.variable("cache", "cached_value", zeros)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        ops = _core.op_settings(config, config.axis_name)
+        ops = _checks.op_settings(config, config.axis_name)
         f = _attention.decode_call(ops, head_dim, self.use_bias, q_per_kv, self.rope_theta)
         params = (qkv.get_params(shape[-1]), out.get_params(qkv_features))
         index = cache_index.value

@@ -12,7 +12,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _core, _fp8, _settings
+from jax_ub.flax import _axes, _checks, _core, _fp8, _settings
 from jax_ub.flax._settings import ParallelConfig
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -61,17 +61,17 @@ class Configured(nn.Module):
         return self.resolved_config().axis_name
 
     @nn.nowrap
-    def prepare(self, x: jax.Array, **kw) -> tuple[ParallelConfig, _core.Ops, bool]:
-        """The settings, checked against the call's input (``_core.prepare``)."""
+    def prepare(self, x: jax.Array, **kw) -> tuple[ParallelConfig, _checks.Ops, bool]:
+        """The settings, checked against the call's input (``_checks.prepare``)."""
         config = self.resolved_config()
-        return (config, *_core.prepare(type(self).__name__, config, config.axis_name, x, **kw))
+        return (config, *_checks.prepare(type(self).__name__, config, config.axis_name, x, **kw))
 
     @nn.nowrap
     def dropout_key(self, deterministic: bool | None) -> jax.Array | None:
         """This call's dropout key (the ``"dropout"`` rng), or None where no dropout runs:
         ``dropout_rate`` 0, or ``deterministic`` (the attribute's or the call's, as
         ``nn.merge_param`` merges them, as flax's attention does)."""
-        _core.check_dropout(type(self).__name__, self.dropout_rate)
+        _checks.check_dropout(type(self).__name__, self.dropout_rate)
         if self.dropout_rate == 0:
             return None
         if nn.merge_param("deterministic", self.deterministic, deterministic):
@@ -102,7 +102,7 @@ class _ParallelLinear(Biased):
     def tp_size(self) -> int:
         """Size of the tensor-parallel axis; validates the settings."""
         config = self.resolved_config()
-        return _core.group_size(
+        return _checks.group_size(
             type(self).__name__, config.mesh, config.axis_name, impl=config.impl
         )
 
@@ -271,7 +271,7 @@ class RowParallelLinear(_ParallelLinear):
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
         tp = self.tp_size()
         axis = self.resolved_axis()
-        in_features = _core.global_features(inputs.shape[-1], tp, axis, split=True)
+        in_features = _checks.global_features(inputs.shape[-1], tp, axis, split=True)
         _, ops, sp = self.prepare(inputs, divisible={"in_features": in_features})
         params = self.get_params(in_features)
         return _core.linear_call(self._kind, ops, inputs.ndim, self.use_bias, sp)(inputs, params)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
 
-from jax_ub.flax import _attention, _core
+from jax_ub.flax import _attention, _checks, _core
 from jax_ub.flax._settings import ParallelConfig
 from jax_ub.flax.nnx.gated import ParallelGatedMLP as ParallelGatedMLP  # re-exported
 from jax_ub.flax.nnx.layers import (
@@ -121,7 +121,7 @@ class ParallelMLP(Dropping, nnx.Module):
         ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
         (with ``dropout_rate`` > 0 only)."""
         up, down = self.up_proj, self.down_proj
-        ops, sp = _core.prepare(
+        ops, sp = _checks.prepare(
             type(self).__name__,
             up.config,
             up.axis_name,
@@ -221,7 +221,7 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         out_features = in_features if out_features is None else out_features
         s = take_settings(owner, settings)
         config = block_config(owner, s)
-        tp = _core.group_size(owner, config.mesh, config.axis_name, required=False)
+        tp = _checks.group_size(owner, config.mesh, config.axis_name, required=False)
         head_dim, q_per_kv = _attention.check_heads(
             owner, num_heads, num_kv_heads, qkv_features, tp, config.axis_name, rope_theta
         )
@@ -282,7 +282,7 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
         what = "num_heads" if self.q_per_kv == 1 else "num_kv_heads"
-        ops, sp = _core.prepare(
+        ops, sp = _checks.prepare(
             owner,
             qkv.config,
             qkv.axis_name,
@@ -329,8 +329,8 @@ class ParallelSelfAttention(Dropping, nnx.Module):
                 f"{qkv.in_features}] with seq_axis=1) with the cache's batch {batch}; got "
                 f"input shape {shape}"
             )
-        _core.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
-        ops = _core.op_settings(qkv.config, qkv.axis_name)
+        _checks.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
+        ops = _checks.op_settings(qkv.config, qkv.axis_name)
         f = _attention.decode_call(ops, self.head_dim, qkv.use_bias, self.q_per_kv, self.rope_theta)
         index = self.cache_index[...]
         try:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import jax
 from flax import nnx
 
-from jax_ub.flax import _core, _gated
+from jax_ub.flax import _checks, _gated
 from jax_ub.flax.nnx.layers import (
     Configured,
     Dropping,
@@ -126,7 +126,7 @@ class ParallelGatedMLP(Configured, Dropping, nnx.Module):
 
         ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
         (with ``dropout_rate`` > 0 only)."""
-        ops, sp = _core.prepare(
+        ops, sp = _checks.prepare(
             type(self).__name__,
             self.config,
             self.axis_name,

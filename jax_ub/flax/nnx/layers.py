@@ -14,7 +14,7 @@ from flax.nnx import variablelib
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _core, _fp8, _settings
+from jax_ub.flax import _axes, _checks, _core, _fp8, _settings
 from jax_ub.flax._settings import ParallelConfig
 
 if TYPE_CHECKING:
@@ -107,9 +107,9 @@ def block_config(owner: str, settings: dict[str, Any]) -> ParallelConfig:
 
 def check_split(owner: str, config: ParallelConfig, what: str, features: int) -> None:
     """``features`` (named ``what``) divide over the axis, where its size is known."""
-    tp = _core.group_size(owner, config.mesh, config.axis_name, required=False)
+    tp = _checks.group_size(owner, config.mesh, config.axis_name, required=False)
     if tp is not None:
-        _core.check_divisible(owner, what, features, tp, config.axis_name)
+        _checks.check_divisible(owner, what, features, tp, config.axis_name)
 
 
 def add_histories(module: nnx.Module, names: Iterable[str], config: ParallelConfig) -> None:
@@ -165,7 +165,7 @@ class Dropping:
     def _init_dropout(
         self, owner: str, rate: float, deterministic: bool | None, rngs: nnx.Rngs
     ) -> None:
-        _core.check_dropout(owner, rate)
+        _checks.check_dropout(owner, rate)
         self.dropout_rate, self.deterministic = float(rate), deterministic
         self.rngs = rngs.dropout.fork() if rate > 0 else nnx.data(None)
 
@@ -252,7 +252,7 @@ class _ParallelLinear(Configured, nnx.Module):
 
     def _config(self, inputs: jax.Array) -> tuple:
         split = {"in_features": self.in_features, "out_features": self.out_features}[self._split]
-        ops, sp = _core.prepare(
+        ops, sp = _checks.prepare(
             type(self).__name__,
             self.config,
             self.axis_name,
