@@ -18,8 +18,9 @@ average of --iters async calls, per device), for each M of --ms with K, N (globa
 - MLP: y = (x @ w1) @ w2, w1 [K,N] column-, w2 [N,K] row-parallel, forward (fwd) and
   forward+backward (bwd: the gradients of sum(y * dy)): TE's dense twice (collective_op_set
   AG, then RS), jax_ub's all_gather_matmul then matmul_reduce_scatter (what its
-  ColumnParallelLinear and RowParallelLinear run), XLA's; bf16 and fp8 current scaling;
-  the bound (gemm) is the same MLP's per-device GEMMs without communication.
+  ColumnParallelLinear and RowParallelLinear run), jax_ub_layer (those two Flax NNX layers
+  themselves, kernels w1 and w2, no bias), XLA's; bf16 and fp8 current scaling; the bound
+  (gemm) is the same MLP's per-device GEMMs without communication.
 
 Each row prints ms, ms over its bound (bf16 and MLP rows over gemm, fp8 GEMM rows over
 fp8_gemm), the rounds' spread and its relative error (Frobenius) against XLA's float32 product

@@ -170,6 +170,9 @@ class Bench:
             a = (xb, w1, w2) if name == "gemm" else (x, w1, w2)
             fwd[name], bwd[name] = (f, a), (g, (*a, dyb if name == "gemm" else dy))
         x3, dy3 = (self.relayout(a, P(None, AXIS, None), lambda a: a[None]) for a in (x, dy))
+        layers = [("jax_ub_layer", False)] + ([("jax_ub_layer_fp8", "current")] if self.fp8 else [])
+        for name, fp8 in layers:
+            fwd[name], bwd[name] = self.layer_rows(fp8, x3, w1, w2, dy3)
         for name, kind in [("te", None)] + ([("te_fp8_cs", "cs")] if self.fp8 else []):
             built = {}
             self._te(
@@ -199,21 +202,52 @@ class Bench:
             self.timed("mlp_bwd", M, bwd, (ref_g, (x, w1, w2, dy))),
         ]
 
+    def layer_rows(self, fp8, x3, w1, w2, dy3):
+        """jax_ub's Flax NNX ColumnParallelLinear then RowParallelLinear (no bias), their
+        kernels w1 and w2, on x [1, M, K] split over the sequence: ((forward, args),
+        (forward+backward, args)), both giving what the ops' rows give."""
+        from flax import nnx  # noqa: PLC0415
+
+        from jax_ub.flax import nnx as ubnnx  # noqa: PLC0415
+
+        K, N = self.args.k, self.args.n
+        common = dict(use_bias=False, impl="ub", mesh=self.mesh, axis_name=AXIS, seq_axis=1,
+                      fp8=fp8, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))  # fmt: skip
+        col = ubnnx.ColumnParallelLinear(K, N, kernel_init=lambda *_: w1, **common)
+        row = ubnnx.RowParallelLinear(N, K, kernel_init=lambda *_: w2, **common)
+        graph, params, rest = nnx.split((col, row), nnx.Param, ...)
+
+        def apply(x3, params):
+            col, row = nnx.merge(graph, params, rest)
+            return row(col(x3))
+
+        def grads(x3, params, dy3):
+            def loss(x3, params):
+                return jnp.sum(apply(x3, params).astype(F32) * dy3.astype(F32))
+
+            gx, gp = jax.grad(loss, argnums=(0, 1))(x3, params)
+            return (gx[0], *jax.tree.leaves(gp))  # the kernels' gradients, w1's first
+
+        return (jax.jit(lambda x3, p: apply(x3, p)[0]), (x3, params)), (
+            jax.jit(grads),
+            (x3, params, dy3),
+        )
+
     def timed(self, section, M, rows, reference):
         """Time the rows interleaved, check them, print the table; return its JSON row."""
         a, say = self.args, self.say
         say(f"\n{TITLES[section]} M={M} K={a.k} N={a.n} tp={self.tp}: {', '.join(rows)}")
         m = measure(rows, reference, a.rounds, a.iters, 0.0, None, BOUNDS)
-        say(f"  {'':12s} {'ms':>8s} {'/ bound':>8s} {'spread':>7s} {'rel_err':>8s}")
+        say(f"  {'':16s} {'ms':>8s} {'/ bound':>8s} {'spread':>7s} {'rel_err':>8s}")
         for name in rows:
             if name not in m.times:
-                say(f"  {name:12s} failed (said above)")
+                say(f"  {name:16s} failed (said above)")
                 continue
             t, e, fp8 = m.times[name], m.errs.get(name), "fp8" in name
             bound = m.times.get("fp8_gemm" if fp8 and section in OPS else "gemm", float("nan"))
             high = e is not None and e > TOLERANCE[fp8][section]
             say(
-                f"  {name:12s} {t:8.3f} {t / bound:8.3f} {100 * m.spread[name]:6.1f}%"
+                f"  {name:16s} {t:8.3f} {t / bound:8.3f} {100 * m.spread[name]:6.1f}%"
                 + (f" {e:8.1e}" if e is not None else f" {'-':>8s}")
                 + ("  ABOVE TOLERANCE" if high else "")
             )

@@ -9,6 +9,15 @@ duration of the device kernels by kind (GEMMs, attention, collectives, copies, j
 kernels, other XLA fusions) and the largest kernels. Kernels on different streams overlap,
 so the sums can exceed the step time. Per GPU it also prints how much of the traced steps
 some kernel was running (copies excluded) and how long the GPU sat idle.
+
+With ``--model llama`` it profiles instead the Llama-style model's step of ``python -m
+jax_ub.bench.model`` (the arguments after ``--model llama`` are that benchmark's: preset,
+layers, seq, batch, tp, remat, fp8, scan unroll, variants, dtypes), each variant in turn
+(jax_ub, xla, bound: every GEMM kept, the collectives removed), and ends with a table of the
+variants side by side: step time, busy and idle time per GPU, and time per kernel kind.
+
+    python benchmarks/tools/profile_train_step.py --model llama --preset llama3-8b \\
+        --layers 4 --seq 8192 --batch 1 --param-dtype bfloat16 --scan-unroll 0
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ import collections
 import importlib.util
 import pathlib
 import re
+import sys
 import tempfile
 
 from profile_kernels import busy_and_span, idle_gaps, kernels
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_tp_transformer.py"
 TRACED_STEPS = 3
+TOP_KERNELS = 14
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("attention (cuDNN)", r"cudnn|fmha|flash|sdpa"),
     ("NCCL collective", r"nccl"),
@@ -51,55 +62,131 @@ def load_example():
     return module
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("seq", 8192), ("batch", 1), ("hidden", 8192), ("layers", 1),
-                          ("heads", 64), ("vocab", 1024), ("steps", 8)):  # fmt: skip
-        ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--impls", default="auto,xla")
-    ap.add_argument("--log-every", type=int, help="the example's: wait for the loss every N steps")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+def report(label: str, step_ms: float, trace_dir: str, ndev: int) -> dict[str, float]:
+    """Print where one variant's traced steps spent their GPU time; return its summary
+    (ms per step and GPU): span, busy, idle and the time per kernel kind."""
+    per_kind: dict[str, float] = collections.defaultdict(float)
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for name, us in kernels(trace_dir):
+        per_kind[kind_of(name)] += us
+        per_name[name].append(us)
+    scale = 1e-3 / TRACED_STEPS / ndev  # us -> ms per step per GPU
+    print(f"\n{label}: {step_ms:.2f} ms/step (timed outside the trace)")
+    spans = busy_and_span(trace_dir)
+    for gpu, (busy, span) in sorted(spans.items()):
+        print(
+            f"  GPU pid {gpu}: traced steps span {span * 1e-3 / TRACED_STEPS:.2f} ms/step, "
+            f"some kernel running {busy * 1e-3 / TRACED_STEPS:.2f}, idle "
+            f"{(span - busy) * 1e-3 / TRACED_STEPS:.2f}"
+        )
+    # Where the idle time sits: gaps summed by the kinds of kernel around them.
+    around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for gaps in idle_gaps(trace_dir).values():
+        for us, before, after in gaps:
+            around[(short(before), short(after))].append(us)
+    print("  idle gaps >= 5 us by (kernel before -> kernel after): ms/step/GPU, gaps/step/GPU")
+    for (before, after), v in sorted(around.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        per_step = len(v) / TRACED_STEPS / ndev
+        print(f"    {sum(v) * scale:6.2f}  {per_step:5.1f}  {before} -> {after}")
+    for kind, _ in KINDS:
+        print(f"  {kind:20s} {per_kind[kind] * scale:8.2f} ms/step/GPU")
+    print("  largest kernels (ms/step/GPU, calls/step/GPU, name):")
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    for name, v in top:
+        print(f"    {sum(v) * scale:7.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {name[:90]}")
+    busy = sum(b for b, _ in spans.values()) * scale
+    span = sum(t for _, t in spans.values()) * scale
+    return {"step": step_ms, "span": span, "busy": busy, "idle": span - busy} | {
+        kind: per_kind[kind] * scale for kind, _ in KINDS
+    }
+
+
+def side_by_side(summaries: dict[str, dict[str, float]]) -> None:
+    """The variants' summaries as one table, ms per step and GPU."""
+    names = list(summaries)
+    print("\nms per step and GPU" + "".join(f"{n:>12s}" for n in names))
+    for row in next(iter(summaries.values())):
+        print(f"  {row:20s}" + "".join(f"{summaries[n][row]:12.2f}" for n in names))
+
+
+def profile_example(args) -> None:
+    """The TP transformer example's step, per impl."""
     example = load_example()
     devices = example.default_devices()
     ndev = len(devices)
     config = dict(seq=args.seq, batch=args.batch, hidden=args.hidden, layers=args.layers,
                   heads=args.heads, vocab=args.vocab, dtype="bfloat16")  # fmt: skip
     print(f"{ndev} x {devices[0].device_kind}, tp={ndev}, {config}")
+    summaries = {}
     for impl in args.impls.split(","):
         trace_dir = tempfile.mkdtemp(dir=args.out or None, prefix=f"trace_step_{impl}_")
         result = example.train(
             impl=impl, steps=args.steps, lr=3e-4, devices=devices, progress=False,
             trace_dir=trace_dir, log_every=args.log_every, **config,
         )  # fmt: skip
-        per_kind: dict[str, float] = collections.defaultdict(float)
-        per_name: dict[str, list[float]] = collections.defaultdict(list)
-        for name, us in kernels(trace_dir):
-            per_kind[kind_of(name)] += us
-            per_name[name].append(us)
-        scale = 1e-3 / TRACED_STEPS / ndev  # us -> ms per step per GPU
-        print(f"\nimpl={impl}: {1e3 * result.step_time_s:.2f} ms/step (mean over all steps)")
-        for gpu, (busy, span) in sorted(busy_and_span(trace_dir).items()):
-            print(
-                f"  GPU pid {gpu}: traced steps span {span * 1e-3 / TRACED_STEPS:.2f} ms/step, "
-                f"some kernel running {busy * 1e-3 / TRACED_STEPS:.2f}, idle "
-                f"{(span - busy) * 1e-3 / TRACED_STEPS:.2f}"
-            )
-        # Where the idle time sits: gaps summed by the kinds of kernel around them.
-        around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-        for gaps in idle_gaps(trace_dir).values():
-            for us, before, after in gaps:
-                around[(short(before), short(after))].append(us)
-        print("  idle gaps >= 5 us by (kernel before -> kernel after): ms/step/GPU, gaps/step/GPU")
-        for (before, after), v in sorted(around.items(), key=lambda kv: -sum(kv[1]))[:12]:
-            per_step = len(v) / TRACED_STEPS / ndev
-            print(f"    {sum(v) * scale:6.2f}  {per_step:5.1f}  {before} -> {after}")
-        for kind, _ in KINDS:
-            print(f"  {kind:20s} {per_kind[kind] * scale:8.2f} ms/step/GPU")
-        print("  largest kernels (ms/step/GPU, calls/step/GPU, name):")
-        top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:14]
-        for name, v in top:
-            print(f"    {sum(v) * scale:7.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {name[:90]}")
+        label = f"impl={impl} (mean over all steps)"
+        summaries[impl] = report(label, 1e3 * result.step_time_s, trace_dir, ndev)
+    side_by_side(summaries)
+
+
+def profile_llama(argv: list[str], out: str) -> None:
+    """The Llama-style model's step (jax_ub.bench.model), per variant, one at a time."""
+    import time
+
+    import jax
+
+    from jax_ub.bench import model
+
+    margs = model._parser().parse_args(argv)
+    cfg, mesh, tokens = model.setup(margs)
+    ndev = mesh.devices.size
+    print(f"{ndev} x {mesh.devices.flat[0].device_kind}, mesh {dict(mesh.shape)}, {cfg}")
+    summaries = {}
+    for variant in margs.variants.split(","):
+        step, state, _ = model.compiled_step(variant, cfg, mesh, tokens, margs)
+        for _ in range(3):  # warm up: autotuning, the userbuffers' first use
+            state, loss = step(state, tokens)
+        jax.block_until_ready(loss)
+        t0 = time.perf_counter()
+        for _ in range(margs.steps):
+            state, loss = step(state, tokens)
+        jax.block_until_ready(loss)
+        step_ms = (time.perf_counter() - t0) / margs.steps * 1e3
+        trace_dir = tempfile.mkdtemp(dir=out or None, prefix=f"trace_llama_{variant}_")
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(TRACED_STEPS):
+                state, loss = step(state, tokens)
+            jax.block_until_ready(loss)
+        del state  # one variant's params and optimizer state on the devices at a time
+        label = f"{variant} (loss {float(loss):.5f}, mean of {margs.steps} steps)"
+        summaries[variant] = report(label, step_ms, trace_dir, ndev)
+    side_by_side(summaries)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model",
+        default="example",
+        choices=["example", "llama"],
+        help="example: examples/train_tp_transformer.py (default); llama: "
+        "jax_ub.bench.model's step, the arguments that follow being that benchmark's",
+    )
+    for name, default in (("seq", 8192), ("batch", 1), ("hidden", 8192), ("layers", 1),
+                          ("heads", 64), ("vocab", 1024), ("steps", 8)):  # fmt: skip
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--impls", default="auto,xla")
+    ap.add_argument("--log-every", type=int, help="the example's: wait for the loss every N steps")
+    ap.add_argument("--out", default="")
+    argv = sys.argv[1:]
+    # After "--model llama" every argument is the model benchmark's (--seq, --layers and
+    # --batch mean the same there, for another model).
+    cut = next((i for i in range(len(argv) - 1) if argv[i : i + 2] == ["--model", "llama"]), None)
+    args = ap.parse_args(argv if cut is None else argv[: cut + 2])
+    if args.model == "llama":
+        profile_llama(argv[cut + 2 :], args.out)
+        return
+    profile_example(args)
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ def _config(args):
     return dataclasses.replace(cfg, layers=args.layers) if args.layers else cfg
 
 
-def _setup(args):
+def setup(args):
+    """(model config, (dp, tp) mesh, the batch of tokens sharded over dp) of the run."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -167,7 +168,7 @@ def _setup(args):
     return cfg, mesh, tokens
 
 
-def _compiled_step(variant: str, cfg, mesh, tokens, args):
+def compiled_step(variant: str, cfg, mesh, tokens, args):
     """(jitted step, state) of one variant: the model and AdamW state in one pytree, the
     step donating it; and the compiled step's memory estimate in bytes."""
     import jax
@@ -215,7 +216,7 @@ def _run(variants: list[str], args, say) -> dict:
     """Compile each variant, then time them in interleaved rounds."""
     import jax
 
-    cfg, mesh, tokens = _setup(args)
+    cfg, mesh, tokens = setup(args)
     steps, states, first_loss, memory, placement = {}, {}, {}, {}, {}
     park = args.park_states and len(variants) > 1
 
@@ -230,7 +231,7 @@ def _run(variants: list[str], args, say) -> dict:
 
     for v in variants:
         t0 = time.perf_counter()
-        steps[v], states[v], memory[v] = _compiled_step(v, cfg, mesh, tokens, args)
+        steps[v], states[v], memory[v] = compiled_step(v, cfg, mesh, tokens, args)
         states[v], loss = steps[v](states[v], tokens)
         first_loss[v] = float(loss)
         placement[v] = jax.tree.map(lambda a: a.sharding, states[v])
