@@ -6,8 +6,11 @@ embeddings, RMSNorm, SwiGLU MLP, each with a residual) under ``nnx.scan`` with a
 token; optax AdamW. Activations are batch-major ``[batch, seq, hidden]``: the batch split
 over the mesh's ``dp`` axis, the sequence over ``tp`` between the blocks (sequence
 parallelism: the norms and residuals run on ``seq / tp`` rows); the blocks' projections
-are tensor-parallel over ``tp``. The embedding and the LM head are replicated over ``tp``
-and run on each device's rows, so they need no communication in the forward.
+are tensor-parallel over ``tp``. The embedding table and the LM head are split over
+``tp`` by vocabulary (:class:`VocabParallelEmbed`; the head a column-parallel linear whose
+logits stay split, :func:`cross_entropy` reducing over them where they lie), as Megatron
+does: a replicated table's gradient would be all-reduced whole every step (vocab x hidden,
+1 GB per table for Llama 3 8B in bf16) and its AdamW state kept on every device.
 
 ``impl`` picks the blocks' collectives: ``"ub"`` (jax_ub's overlapped ops), ``"xla"``
 (XLA's collectives), ``"auto"``; ``fp8`` runs the blocks' projections in fp8 (current or
@@ -36,6 +39,12 @@ from flax import nnx
 
 import jax_ub
 import jax_ub.flax as ubf
+from jax_ub._src.lowering.reference import reduce_scatter_rows
+from jax_ub.flax.nnx.layers import sharded_param
+
+# The embedding's reduce-scatter of its partial sums over the sequence (looked up at trace
+# time: the model benchmark's bound replaces it with the same sum, uncommunicated).
+scatter_sequence = reduce_scatter_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +126,58 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+class VocabParallelEmbed(nnx.Module):
+    """``tokens [batch, seq]`` (int) -> ``[batch, seq, features]`` from a table
+    ``embedding [vocab, features]`` whose rows are split over ``axis``.
+
+    Each device looks the tokens up in its own rows (zeros for tokens outside them); the
+    partial sums are then reduce-scattered over the sequence (``sequence_parallel``: the
+    output sharded ``P(None, axis, None)``, as the blocks take it in training) or
+    all-reduced (replicated over ``axis``, as for decoding). The table's gradient is a
+    scatter-add into each device's own rows, with no all-reduce. The param and its default
+    initializer are ``nnx.Embed``'s, its rows split ``P(axis, None)``: a checkpoint's
+    ``[vocab, features]`` table loads as it is. Called from ``jit`` under ``jax.set_mesh``;
+    ``vocab`` and (sequence-parallel) ``seq`` must be divisible by the axis's size.
+    """
+
+    def __init__(
+        self,
+        vocab: int,
+        features: int,
+        *,
+        axis: str = "tp",
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+        table = init(rngs.params(), (vocab, features), param_dtype)
+        self.embedding = sharded_param(table, (axis, None), None)
+        self.axis, self.dtype = axis, dtype
+
+    def __call__(self, tokens: jax.Array, *, sequence_parallel: bool) -> jax.Array:
+        axis, dtype = self.axis, self.dtype or self.embedding.dtype
+
+        def lookup(table, tokens):
+            rows = table.shape[0]
+            local = tokens - jax.lax.axis_index(axis) * rows
+            mine = (local >= 0) & (local < rows)
+            x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0).astype(dtype)
+            x = jnp.where(mine[..., None], x, jnp.zeros((), dtype))
+            if not sequence_parallel:
+                return jax.lax.psum(x, axis)
+            return jnp.moveaxis(scatter_sequence(jnp.moveaxis(x, 1, 0), axis), 0, 1)
+
+        out = jax.sharding.PartitionSpec(None, axis, None) if sequence_parallel else None
+        return jax.shard_map(
+            lookup,
+            in_specs=(jax.sharding.PartitionSpec(axis, None), jax.sharding.PartitionSpec()),
+            out_specs=out or jax.sharding.PartitionSpec(),
+            axis_names={axis},
+            check_vma=False,
+        )(self.embedding[...], tokens)
+
+
 class Block(nnx.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))``, on ``[batch, seq, hidden]``."""
 
@@ -182,7 +243,7 @@ class Llama(nnx.Module):
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
-        self.embed = nnx.Embed(
+        self.embed = VocabParallelEmbed(
             cfg.vocab, cfg.hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
 
@@ -193,8 +254,17 @@ class Llama(nnx.Module):
 
         self.blocks = blocks(rngs)
         self.norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
-        self.head = nnx.Linear(
-            cfg.hidden, cfg.vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        # Column-parallel: the vocabulary split over tp, the sequence gathered into the
+        # matmul (overlapped with impl="ub"); the logits stay split (cross_entropy).
+        self.head = ubf.ColumnParallelLinear(
+            cfg.hidden,
+            cfg.vocab,
+            use_bias=False,
+            impl=impl,
+            seq_axis=1,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
         self.remat = remat
         self.scan_unroll = scan_unroll
@@ -221,7 +291,8 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, *, decode: bool = False) -> jax.Array:
         """``tokens [batch, seq]`` -> logits ``[batch, seq, vocab]``; with ``decode=True``
         the tokens continue the sequences in the cache (:meth:`init_cache`)."""
-        x = self.embed(tokens)
+        tp = jax.sharding.get_abstract_mesh().shape.get("tp", 1)
+        x = self.embed(tokens, sequence_parallel=not decode and tokens.shape[1] % tp == 0)
         policy = REMAT_POLICIES[self.remat]
 
         def block(x, b):
@@ -271,11 +342,23 @@ def greedy_generate(
     return jnp.concatenate(tokens, axis=1)
 
 
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``-log softmax(logits)[target]`` per position: ``logits [..., vocab]``, ``targets
+    [...]`` (int), computed in float32 (optax's ``softmax_cross_entropy_with_integer_labels``).
+    Written with reductions over the vocabulary only, so that logits split over it stay
+    split: each reduction is a local one and an all-reduce of ``[...]`` values, where
+    picking the targets' logits by index would make XLA gather the logits."""
+    logits = logits.astype(jnp.float32)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1)) + top[..., 0]
+    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+    return log_sum - jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+
+
 def next_token_loss(model: Llama, tokens: jax.Array) -> jax.Array:
     """Mean cross-entropy of each next token (the last position has none to predict)."""
-    logits = model(tokens).astype(jnp.float32)
     targets = jnp.roll(tokens, -1, axis=1)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    losses = cross_entropy(model(tokens), targets)
     valid = jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1
     return jnp.sum(losses * valid) / (tokens.shape[0] * (tokens.shape[1] - 1))
 

@@ -107,9 +107,12 @@ def _parser() -> argparse.ArgumentParser:
 def bound_ops():
     """jax_ub's two ops replaced, while models are traced, by the same GEMMs with no
     communication: the gather becomes ``tp`` copies of the local rows, the reduce-scatter
-    a sum of the product's ``tp`` row blocks (the layer benchmark's bound)."""
+    a sum of the product's ``tp`` row blocks (the layer benchmark's bound); the embedding's
+    reduce-scatter the same sum. What stays: the loss's all-reduces of per-token values
+    over the vocabulary's split (``[batch, seq]`` floats)."""
     import jax_ub
     from jax_ub._src.ops import gated_mlp
+    from jax_ub.bench import llama
     from jax_ub.bench.layer import bound_all_gather_matmul as ag
     from jax_ub.bench.layer import bound_matmul_reduce_scatter as rs
     from jax_ub.flax import _attention, _core, _gated
@@ -131,8 +134,14 @@ def bound_ops():
         ):
             cached.cache_clear()
 
+    saved.append((llama, "scatter_sequence", llama.scatter_sequence))
+    bounds = {
+        "all_gather_matmul": ag,
+        "matmul_reduce_scatter": rs,
+        "scatter_sequence": bound_scatter_sequence,
+    }
     for module, name, _ in saved:
-        setattr(module, name, ag if name == "all_gather_matmul" else rs)
+        setattr(module, name, bounds[name])
     forget_traces()
     try:
         yield
@@ -140,6 +149,14 @@ def bound_ops():
         for module, name, value in saved:
             setattr(module, name, value)
         forget_traces()
+
+
+def bound_scatter_sequence(y, axis_name: str):
+    """The embedding's reduce-scatter without its communication: the sum of ``y``'s
+    ``tp`` blocks of rows."""
+    import jax
+
+    return y.reshape(jax.lax.axis_size(axis_name), -1, *y.shape[1:]).sum(axis=0)
 
 
 def _config(args):
