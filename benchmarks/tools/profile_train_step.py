@@ -144,7 +144,7 @@ def profile_llama(argv: list[str], out: str) -> None:
     summaries = {}
     for variant in margs.variants.split(","):
         step, state, _ = model.compiled_step(variant, cfg, mesh, tokens, margs)
-        for _ in range(3):  # warm up: autotuning, the userbuffers' first use
+        for _ in range(1 + margs.warmup):  # past autotuning and jax_ub's GEMM trials
             state, loss = step(state, tokens)
         jax.block_until_ready(loss)
         t0 = time.perf_counter()

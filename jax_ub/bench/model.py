@@ -80,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     ap.add_argument("--steps", type=int, default=5, help="steps timed per round and variant")
     ap.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="untimed steps per variant after its first (default 20: past the GEMM "
+        "kernel trials of jax_ub's ops, a dozen calls of each shape, and a shape may run "
+        "once a step)",
+    )
+    ap.add_argument(
         "--peak-tflops",
         type=float,
         default=None,
@@ -251,11 +259,14 @@ def _run(variants: list[str], args, say) -> dict:
         steps[v], states[v], memory[v] = compiled_step(v, cfg, mesh, tokens, args)
         states[v], loss = steps[v](states[v], tokens)
         first_loss[v] = float(loss)
+        for _ in range(args.warmup):
+            states[v], loss = steps[v](states[v], tokens)
+        jax.block_until_ready(loss)
         placement[v] = jax.tree.map(lambda a: a.sharding, states[v])
         if park:
             to_host(v)
         say(
-            f"  {v}: compiled and ran a step in {time.perf_counter() - t0:.1f} s, "
+            f"  {v}: compiled and ran {1 + args.warmup} steps in {time.perf_counter() - t0:.1f} s, "
             f"loss {first_loss[v]:.5f}"
         )
     times: dict[str, list[float]] = {v: [] for v in variants}
