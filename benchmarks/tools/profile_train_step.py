@@ -30,7 +30,7 @@ import re
 import sys
 import tempfile
 
-from profile_kernels import busy_and_span, idle_gaps, kernels
+from profile_kernels import busy_and_span, device_events, idle_gaps, kernels
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_tp_transformer.py"
 TRACED_STEPS = 3
@@ -101,6 +101,32 @@ def report(label: str, step_ms: float, trace_dir: str, ndev: int) -> dict[str, f
     }
 
 
+def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
+    """Print the HLO instructions whose kernels took the most GPU time (the trace's
+    ``hlo_op`` annotation), jax_ub's custom calls named by their op and result shape from
+    the compiled step's HLO: which op's GEMMs run long, where kernel names do not say."""
+    described = {
+        name: f"{target.removeprefix('jax_ub_')} -> {shape}"
+        for name, shape, target in re.findall(
+            r"%?(custom-call[.\w]*) = (\S+) custom-call\(.*?custom_call_target=\"([^\"]+)\"",
+            hlo_text,
+        )
+    }
+    per_op: dict[str, list[float]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        op = e.get("args", {}).get("hlo_op")
+        if op:
+            per_op[op].append(float(e["dur"]))
+    if not per_op:
+        print("  (the trace names no HLO instructions)")
+        return
+    scale = 1e-3 / TRACED_STEPS / ndev
+    print("  HLO instructions by GPU time (ms/step/GPU, kernels/step/GPU, instruction):")
+    for op, v in sorted(per_op.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]:
+        what = described.get(op, "")
+        print(f"    {sum(v) * scale:7.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {op} {what}")
+
+
 def side_by_side(summaries: dict[str, dict[str, float]]) -> None:
     """The variants' summaries as one table, ms per step and GPU."""
     names = list(summaries)
@@ -160,6 +186,7 @@ def profile_llama(argv: list[str], out: str) -> None:
         del state  # one variant's params and optimizer state on the devices at a time
         label = f"{variant} (loss {float(loss):.5f}, mean of {margs.steps} steps)"
         summaries[variant] = report(label, step_ms, trace_dir, ndev)
+        by_hlo_op(trace_dir, ndev, step.as_text())
     side_by_side(summaries)
 
 
