@@ -2,6 +2,8 @@
 as with XLA's collectives (float32 at highest precision, and fp8), and decoding with a
 key/value cache (GQA, rotary positions, the replicated layout of one token) gives the
 tokens of recomputing the sequence and of impl="xla". On (1, 2) and (2, 1) meshes of GPUs.
+The lm1b-style linen LM of test_flax_public_lm.py (logical axis rules, no set_mesh) trains
+and decodes greedily on a ("data", "model") = (1, 2) mesh of GPUs.
 
 Skipped without at least 2 GPUs.
 """
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_flax_public_lm as public_lm
 from conftest import gpus
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -73,3 +76,25 @@ def test_bfloat16_llama_step_on_gpus_is_close_to_xla():
             losses[impl] = np.array([float(loss) for loss in steps])
     assert np.all(np.isfinite(losses["ub"]))
     np.testing.assert_allclose(losses["ub"], losses["xla"], rtol=2e-2)
+
+
+def test_public_style_lm_trains_and_decodes_alike_on_gpus():
+    """Trained with ub and with xla: the same losses; then greedy decoding of the ub-trained
+    params, with the cache and recomputing, ub and xla: the same tokens and logits."""
+    mesh = Mesh(np.array(GPUS[:2]).reshape(1, 2), ("data", "model"))
+    batches = public_lm.make_batches()
+    with jax.default_matmul_precision("highest"):
+        run = {impl: public_lm.train(mesh, impl, batches) for impl in ("ub", "xla")}
+        np.testing.assert_allclose(run["ub"]["losses"], run["xla"]["losses"], rtol=1e-4)
+        prompt = jax.device_put(batches[-1][:, : public_lm.PROMPT], NamedSharding(mesh, P("data")))
+        params = public_lm.nn.unbox(run["ub"]["state"].params)
+        out = {
+            (impl, cached): public_lm.greedy(mesh, impl, params, prompt, cached)
+            for impl in ("ub", "xla")
+            for cached in (True, False)
+        }
+    tokens, logits = out["xla", False]
+    assert len(np.unique(tokens[:, public_lm.PROMPT :])) > 1
+    for key, (t, lg) in out.items():
+        np.testing.assert_array_equal(t, tokens, err_msg=str(key))
+        np.testing.assert_allclose(lg, logits, rtol=1e-3, atol=1e-4, err_msg=str(key))
