@@ -273,13 +273,15 @@ class Llama(nnx.Module):
         """Allocate (or reset to empty) every block's key/value cache for ``batch``
         sequences of up to ``max_length`` tokens, prompt included: each attention's
         ``init_cache`` run under ``nnx.vmap``, so ``cached_key`` and ``cached_value`` are
-        ``[layers, batch, max_length, kv_heads, head_dim]`` (kv heads split over ``tp``) and
-        ``cache_index`` ``[layers]``, scanned with the blocks like their params. ``dtype``
-        defaults to the attention's."""
+        ``[layers, batch, max_length, kv_heads, head_dim]`` (the batch split over ``dp``
+        where the mesh has it, as the tokens are; kv heads over ``tp``) and ``cache_index``
+        ``[layers]``, scanned with the blocks like their params. ``dtype`` defaults to the
+        attention's."""
+        dp = "dp" if "dp" in jax.sharding.get_abstract_mesh().axis_names else None
 
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def init(b):
-            b.attn.init_cache(batch, max_length, dtype)
+            b.attn.init_cache(batch, max_length, dtype, batch_axis=dp)
 
         init(self.blocks)
 

@@ -236,16 +236,25 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         self.broadcast_dropout = broadcast_dropout
         self._init_dropout(owner, dropout_rate, deterministic, rngs)
 
-    def init_cache(self, batch: int, max_length: int, dtype: Dtype | None = None) -> None:
+    def init_cache(
+        self,
+        batch: int,
+        max_length: int,
+        dtype: Dtype | None = None,
+        *,
+        batch_axis: str | tuple[str, ...] | None = None,
+    ) -> None:
         """Allocate the key/value cache that ``decode=True`` calls fill: ``cached_key`` and
         ``cached_value`` ``[batch, max_length, num_kv_heads, head_dim]`` (``nnx.Cache``,
-        the key/value heads split over the tensor-parallel axis like the layer's), and
-        ``cache_index``, the next position (0). ``dtype`` defaults to the layer's."""
+        the key/value heads split over the tensor-parallel axis like the layer's, the
+        batch over ``batch_axis``, the mesh axes a data-parallel batch is split over, or
+        kept whole with None), and ``cache_index``, the next position (0). ``dtype``
+        defaults to the layer's."""
         qkv = self.qkv
         kv_heads = self.num_heads // self.q_per_kv
         dtype = dtype or qkv.dtype or qkv.param_dtype
         zeros = jnp.zeros((batch, max_length, kv_heads, self.head_dim), dtype)
-        names = (None, None, qkv.axis_name, None)
+        names = (batch_axis, None, qkv.axis_name, None)
         self.cached_key = sharded_param(zeros, names, qkv.mesh, nnx.Cache)
         self.cached_value = sharded_param(zeros, names, qkv.mesh, nnx.Cache)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
