@@ -12,7 +12,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import impl_choice
@@ -23,7 +22,6 @@ from jax_ub._src.ops.remat import saved_gathered, saved_output
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.config import config
 from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands
-from jax_ub._src.settings.options import weight_transposed
 
 _OP = "all_gather_matmul"
 
@@ -205,30 +203,15 @@ class _Residuals(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _all_gather_matmul(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
-    out, gathered, _ = bind_all_gather_matmul(
-        x,
-        w,
-        group.axis_name,
-        group.size,
-        return_gathered=return_gathered,
-        fallback=group.fallback,
-        bias=bias,
-        gelu=gelu,
+    out, gathered, _ = group.all_gather_matmul(
+        x, w, return_gathered=return_gathered, bias=bias, gelu=gelu
     )
     return (out, gathered) if return_gathered else out
 
 
 def _fwd(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
-    out, gathered, pre = bind_all_gather_matmul(
-        x,
-        w,
-        group.axis_name,
-        group.size,
-        return_gathered=True,
-        fallback=group.fallback,
-        bias=bias,
-        gelu=gelu,
-        keep_pre_gelu=True,
+    out, gathered, pre = group.all_gather_matmul(
+        x, w, return_gathered=True, bias=bias, gelu=gelu, keep_pre_gelu=True
     )
     bias_like = None if bias is None else bias[:0]
     out, gathered = saved_output(out), saved_gathered(gathered)  # kept under remat (remat.py)
@@ -240,11 +223,7 @@ def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     dy, dgathered = cts if return_gathered else (cts, None)
     dp, dbias = epilogue_grads(dy, res.pre_gelu, res.bias_like, gelu)
     # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    w_t, in_place = weight_transposed(res.w)
-    dx = bind_matmul_reduce_scatter(
-        dp, w_t, group.axis_name, group.size, transpose_w=in_place, fallback=group.fallback
-    )
-    dx = match_varying(dx, res.x_like)
+    dx = match_varying(group.scatter_times_w_t(dp, res.w), res.x_like)
     if dgathered is not None:
         scattered = reduce_scatter_rows(dgathered, group.axis_name)
         dx = dx + match_varying(scattered, res.x_like)

@@ -1,9 +1,13 @@
 """The group an op's collective runs over, and on which path: the static arguments that
-the ops' custom VJPs hand from their front end to their forward and backward."""
+the ops' custom VJPs hand from their front end to their forward and backward, and the
+userbuffer ops bound over that group."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.settings.options import weight_transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,3 +27,39 @@ class Group:
     size: int
     fallback: bool
     ub: bool = True
+
+    def all_gather_matmul(self, x, w, **kwargs):
+        """The userbuffer all-gather GEMM over this group: ``bind_all_gather_matmul`` with
+        its other keywords (``return_gathered`` among them) as given."""
+        return bind_all_gather_matmul(
+            x, w, self.axis_name, self.size, fallback=self.fallback, **kwargs
+        )
+
+    def matmul_reduce_scatter(self, x, w, **kwargs):
+        """The userbuffer GEMM reduce-scatter over this group: ``bind_matmul_reduce_scatter``
+        with its other keywords as given."""
+        return bind_matmul_reduce_scatter(
+            x, w, self.axis_name, self.size, fallback=self.fallback, **kwargs
+        )
+
+    def gather_times_w_t(self, dy, w, gelu_input=None):
+        """``(all_gather(dy) @ w.T, all_gather(dy))``: the input gradient of a
+        reduce-scattered product, whose gathered ``dy`` the weight gradient takes too (so
+        ``dy`` is gathered once). ``w.T`` is read in place where the tuning says
+        (``weight_transposed``); with ``gelu_input``, the product times gelu'(gelu_input)
+        in the GEMMs' epilogue."""
+        w_t, in_place = weight_transposed(w)
+        dx, dy_gathered, _ = self.all_gather_matmul(
+            dy,
+            w_t,
+            return_gathered=True,
+            transpose_w=in_place,
+            gelu_input=gelu_input,
+        )
+        return dx, dy_gathered
+
+    def scatter_times_w_t(self, dp, w):
+        """``reduce_scatter(dp @ w.T)``: the input gradient of an all-gathered product, by
+        the overlapped GEMM+RS reading ``w.T`` in place where the tuning says."""
+        w_t, in_place = weight_transposed(w)
+        return self.matmul_reduce_scatter(dp, w_t, transpose_w=in_place)

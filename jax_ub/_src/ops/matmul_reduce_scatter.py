@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import impl_choice
@@ -20,7 +19,6 @@ from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_output
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands
-from jax_ub._src.settings.options import weight_transposed
 
 _OP = "matmul_reduce_scatter"
 
@@ -128,11 +126,11 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_reduce_scatter(x, w, group: Group):
-    return bind_matmul_reduce_scatter(x, w, group.axis_name, group.size, fallback=group.fallback)
+    return group.matmul_reduce_scatter(x, w)
 
 
 def _fwd(x, w, group: Group):
-    out = bind_matmul_reduce_scatter(x, w, group.axis_name, group.size, fallback=group.fallback)
+    out = group.matmul_reduce_scatter(x, w)
     return saved_output(out), (x, w)  # kept under remat (remat.py)
 
 
@@ -140,16 +138,7 @@ def _bwd(group: Group, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
-    w_t, in_place = weight_transposed(w)
-    dx, dy_gathered, _ = bind_all_gather_matmul(
-        dy,
-        w_t,
-        group.axis_name,
-        group.size,
-        return_gathered=True,
-        transpose_w=in_place,
-        fallback=group.fallback,
-    )
+    dx, dy_gathered = group.gather_times_w_t(dy, w)
     return match_varying(dx, x), match_varying(contract_rows(x, dy_gathered), w)
 
 
