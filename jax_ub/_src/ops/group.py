@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.ops import impl_choice
+from jax_ub._src.settings.fp8 import compute_operands
 from jax_ub._src.settings.options import weight_transposed
 
 
@@ -27,6 +29,16 @@ class Group:
     size: int
     fallback: bool
     ub: bool = True
+
+    @classmethod
+    def of_call(cls, op: str, impl: str, x, w, fp8, axis_name: str, size: int) -> Group:
+        """The group of one call of ``op`` on local shards ``x @ w`` (in fp8 where ``fp8``,
+        its scales, is not None) over ``axis_name`` of ``size``: the path
+        :func:`impl_choice.use_ub` picks for the operands the call computes in. impl="auto"
+        falls back to XLA's collectives if the group's GPUs cannot share memory."""
+        operands = (x, w) if fp8 is None else compute_operands(x, w)
+        ub = impl_choice.use_ub(op, impl, *operands, fp8=fp8 is not None, axis_size=size)
+        return cls(axis_name, size, fallback=impl == "auto", ub=ub)
 
     def all_gather_matmul(self, x, w, **kwargs):
         """The userbuffer all-gather GEMM over this group: ``bind_all_gather_matmul`` with
