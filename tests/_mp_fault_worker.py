@@ -26,26 +26,12 @@ import signal
 import sys
 import time
 
+from _mp_join import ON_GPU, join
+
 scenario, pid, nproc, port = sys.argv[1], *map(int, sys.argv[2:5])
-ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
-if ON_GPU:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(pid)
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-else:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("JAX_UB_TIMEOUT_S", "5")
+join(pid, nproc, port, gpus=str(pid), cpu_devices=1, timeout_s="5")
 
 import jax  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=nproc,
-    process_id=pid,
-    initialization_timeout=60,
-)
-
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

@@ -10,35 +10,24 @@ import os
 import sys
 import time
 
+from _mp_join import join
+
 scenario, pid, nproc, port, ndev = sys.argv[1], *map(int, sys.argv[2:6])
-ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
-if ON_GPU:
-    # This process drives GPUs [pid * ndev, (pid + 1) * ndev) of the machine, or with
-    # JAX_UB_TEST_SHARE_GPU=1 every process drives GPU 0 (one device each): CUDA IPC works
-    # between processes of one GPU, so a machine of one GPU runs groups of several ranks.
-    if os.environ.get("JAX_UB_TEST_SHARE_GPU") == "1":
-        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(pid * ndev + i) for i in range(ndev))
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-else:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("JAX_UB_TIMEOUT_S", "8")
 if scenario == "different_hosts":
     os.environ["JAX_UB_HOST_ID"] = f"host{pid}"  # each process claims a machine of its own
+# This process drives GPUs [pid * ndev, (pid + 1) * ndev) of the machine, or with
+# JAX_UB_TEST_SHARE_GPU=1 every process drives GPU 0 (one device each): CUDA IPC works
+# between processes of one GPU, so a machine of one GPU runs groups of several ranks.
+if os.environ.get("JAX_UB_TEST_SHARE_GPU") == "1":
+    GPUS = "0"
+else:
+    GPUS = ",".join(str(pid * ndev + i) for i in range(ndev))
+join(pid, nproc, port, gpus=GPUS, cpu_devices=ndev, timeout_s="8")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
 # The reference in full f32: XLA's GPU dots default to TF32, jax_ub's f32 GEMM does not.
 jax.config.update("jax_default_matmul_precision", "highest")
-jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=nproc,
-    process_id=pid,
-    initialization_timeout=60,
-)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import nnx_in_shard_map, rel_err
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import jax_ub
 import jax_ub.flax as ubf
@@ -124,13 +123,7 @@ def test_nnx_fp8_inside_shard_map(mesh):
     @jax.jit
     def both(x):
         model = ubf.ParallelMLP(D, HIDDEN, fp8=True, impl="ub", rngs=nnx.Rngs(0))
-        graphdef, state = nnx.split(model)
-        local = jax.shard_map(
-            lambda state, x: nnx.merge(graphdef, state)(x),
-            mesh=mesh,
-            in_specs=(nnx.get_partition_spec(state), P("tp")),
-            out_specs=P("tp"),
-        )
+        local, state = nnx_in_shard_map(model, mesh)
         return local(state, x), model(x)
 
     with jax.set_mesh(mesh):

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from conftest import rel_err
+from conftest import nnx_in_shard_map, rel_err
 from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training.train_state import TrainState
@@ -245,13 +245,7 @@ def test_nnx_histories_are_replicated_owg_variables(mesh):
     for layer in (model.up_proj, model.down_proj):  # scales of non-trivial histories
         for i, name in enumerate(NAMES):
             getattr(layer, name)[...] = jnp.zeros(16).at[3].set(0.5 + i)
-    graphdef, state = nnx.split(model)
-    local = jax.shard_map(
-        lambda state, x: nnx.merge(graphdef, state)(x),
-        mesh=mesh,
-        in_specs=(nnx.get_partition_spec(state), P("tp")),
-        out_specs=P("tp"),
-    )
+    local, state = nnx_in_shard_map(model, mesh)
     y = jax.jit(local)(state, x)
     np.testing.assert_allclose(y, nnx.jit(lambda m, x: m(x))(model, x), rtol=1e-6, atol=1e-6)
 

@@ -1,12 +1,5 @@
 """jax_ub.flax.linen layers and blocks against plain linen models with explicit lax collectives."""
 
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-
 import math
 
 import flax.linen as nn
@@ -14,8 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+    assert_matches_reference,
+    column_parallel_reference,
+    row_parallel_reference,
+)
 from flax import nnx
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,62 +29,30 @@ CAUSAL = np.tril(np.ones((SEQ, SEQ), bool))
 # --- plain linen reference: same parameter names, explicit lax collectives ----------------
 
 
-def _feature_spec(ndim):
-    return P(*[None] * (ndim - 1), "tp")
+class _RefParallel(nn.Module):
+    """A plain parallel linear layer's parameters, global; its call is the subclass's."""
 
-
-class RefColumn(nn.Module):
     features: int
     mesh: Mesh
     use_bias: bool = True
 
+    def _params(self, in_features):
+        """(kernel, bias or None), declared from the subclass's compact call."""
+        init = nn.initializers.normal()
+        k = self.param("kernel", init, (in_features, self.features))
+        return k, self.param("bias", init, (self.features,)) if self.use_bias else None
+
+
+class RefColumn(_RefParallel):
     @nn.compact
     def __call__(self, x):
-        k = self.param("kernel", nn.initializers.normal(), (x.shape[-1], self.features))
-        b = (
-            self.param("bias", nn.initializers.normal(), (self.features,))
-            if self.use_bias
-            else None
-        )
-
-        def f(x, k, b):
-            y = lax.all_gather(x, "tp", axis=0, tiled=True) @ k
-            return y if b is None else y + b
-
-        b_spec = None if b is None else P("tp")
-        return jax.shard_map(
-            f,
-            mesh=self.mesh,
-            in_specs=(P("tp"), P(None, "tp"), b_spec),
-            out_specs=_feature_spec(x.ndim),
-        )(x, k, b)
+        return column_parallel_reference(x, *self._params(x.shape[-1]), self.mesh)
 
 
-class RefRow(nn.Module):
-    features: int
-    mesh: Mesh
-    use_bias: bool = True
-
+class RefRow(_RefParallel):
     @nn.compact
     def __call__(self, h):
-        k = self.param("kernel", nn.initializers.normal(), (h.shape[-1], self.features))
-        b = (
-            self.param("bias", nn.initializers.normal(), (self.features,))
-            if self.use_bias
-            else None
-        )
-
-        def f(h, k, b):
-            y = lax.psum_scatter(h @ k, "tp", scatter_dimension=0, tiled=True)
-            return y if b is None else y + b
-
-        b_spec = None if b is None else P()
-        return jax.shard_map(
-            f,
-            mesh=self.mesh,
-            in_specs=(_feature_spec(h.ndim), P("tp", None), b_spec),
-            out_specs=P("tp"),
-        )(h, k, b)
+        return row_parallel_reference(h, *self._params(h.shape[-1]), self.mesh)
 
 
 class RefMLP(nn.Module):
@@ -155,11 +120,6 @@ def forward_and_grads(module, params, x, ct, extra):
     return run(params, x)
 
 
-def assert_trees_close(a, b, **tol):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), **tol), a, b)
-
-
 _REF_CACHE = {}
 
 
@@ -173,13 +133,9 @@ def test_matches_reference_forward_and_grads(mesh, kind, impl):
     y_shape = jax.eval_shape(lambda: module.apply(variables, x, *extra)).shape
     ct = jax.random.normal(jax.random.key(3), y_shape)
 
-    y, g_params, g_x = forward_and_grads(module, params, x, ct, extra)
-    if kind not in _REF_CACHE:  # the reference does not depend on impl
-        _REF_CACHE[kind] = forward_and_grads(ref, params, x, ct, extra)
-    y_ref, g_ref, g_x_ref = _REF_CACHE[kind]
-    np.testing.assert_allclose(y, y_ref, **TOL)
-    np.testing.assert_allclose(g_x, g_x_ref, **TOL)
-    assert_trees_close(g_params, g_ref, **TOL)
+    got = forward_and_grads(module, params, x, ct, extra)
+    reference = lambda: forward_and_grads(ref, params, x, ct, extra)  # noqa: E731
+    assert_matches_reference(got, _REF_CACHE, kind, reference, **TOL)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -1,20 +1,18 @@
 """jax_ub.flax NNX layers and blocks against plain Flax NNX models with explicit lax collectives."""
 
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+    assert_matches_reference,
+    assert_trees_close,
+    column_parallel_reference,
+    row_parallel_reference,
+)
 from flax import nnx
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -32,48 +30,26 @@ def _normal(key, shape, dtype=jnp.float32):
     return jax.random.normal(key, shape, dtype)
 
 
-class RefColumn(nnx.Module):
+class _RefParallel(nnx.Module):
+    """A plain parallel linear layer's parameters, global; its call is the subclass's."""
+
     def __init__(self, d_in, d_out, mesh, use_bias=True, *, rngs):
         self.kernel = nnx.Param(_normal(rngs.params(), (d_in, d_out)))
         self.bias = nnx.Param(_normal(rngs.params(), (d_out,))) if use_bias else nnx.data(None)
         self.mesh = mesh
 
+    def _params(self):
+        return self.kernel[...], None if self.bias is None else self.bias[...]
+
+
+class RefColumn(_RefParallel):
     def __call__(self, x):
-        def f(x, k, b):
-            y = lax.all_gather(x, "tp", axis=0, tiled=True) @ k
-            return y if b is None else y + b
-
-        nd = x.ndim
-        return jax.shard_map(
-            f,
-            mesh=self.mesh,
-            in_specs=(P("tp"), P(None, "tp"), None if self.bias is None else P("tp")),
-            out_specs=P(*[None] * (nd - 1), "tp"),
-        )(x, self.kernel[...], None if self.bias is None else self.bias[...])
+        return column_parallel_reference(x, *self._params(), self.mesh)
 
 
-class RefRow(nnx.Module):
-    def __init__(self, d_in, d_out, mesh, use_bias=True, *, rngs):
-        self.kernel = nnx.Param(_normal(rngs.params(), (d_in, d_out)))
-        self.bias = nnx.Param(_normal(rngs.params(), (d_out,))) if use_bias else nnx.data(None)
-        self.mesh = mesh
-
+class RefRow(_RefParallel):
     def __call__(self, h):
-        def f(h, k, b):
-            y = lax.psum_scatter(h @ k, "tp", scatter_dimension=0, tiled=True)
-            return y if b is None else y + b
-
-        nd = h.ndim
-        return jax.shard_map(
-            f,
-            mesh=self.mesh,
-            in_specs=(
-                P(*[None] * (nd - 1), "tp"),
-                P("tp", None),
-                None if self.bias is None else P(),
-            ),
-            out_specs=P("tp"),
-        )(h, self.kernel[...], None if self.bias is None else self.bias[...])
+        return row_parallel_reference(h, *self._params(), self.mesh)
 
 
 class RefMLP(nnx.Module):
@@ -116,14 +92,10 @@ def make_pair(kind, mesh, impl, use_bias=True):
     rngs = nnx.Rngs(0)
     kw = dict(mesh=mesh, impl=impl, use_bias=use_bias, rngs=nnx.Rngs(1))
     kw["bias_init"] = nnx.initializers.normal(1.0)  # nonzero, so a misplaced bias shows
-    if kind == "column":
+    if kind in ("column", "column2d"):  # column2d: an input with no batch dim
         model = ubf.ColumnParallelLinear(D, HIDDEN, **kw)
         ref = RefColumn(D, HIDDEN, mesh, use_bias, rngs=rngs)
-        shape, extra = (SEQ, BATCH, D), {}
-    elif kind == "column2d":
-        model = ubf.ColumnParallelLinear(D, HIDDEN, **kw)
-        ref = RefColumn(D, HIDDEN, mesh, use_bias, rngs=rngs)
-        shape, extra = (SEQ, D), {}
+        shape, extra = ((SEQ, BATCH, D) if kind == "column" else (SEQ, D)), {}
     elif kind == "row":
         model = ubf.RowParallelLinear(HIDDEN, D, **kw)
         ref = RefRow(HIDDEN, D, mesh, use_bias, rngs=rngs)
@@ -171,10 +143,6 @@ def model_out_features(model):
     return model.out_features
 
 
-def assert_trees_close(a, b, **tol):
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), **tol), a, b)
-
-
 TOL = dict(rtol=2e-5, atol=2e-5)
 _REF_CACHE = {}
 KINDS = ["column", "column2d", "row", "mlp", "attention", "attention_causal", "attention_is_causal"]
@@ -186,14 +154,10 @@ def test_matches_reference_forward_and_grads(mesh, kind, impl):
     model, ref, shape, extra = make_pair(kind, mesh, impl)
     x = jax.random.normal(jax.random.key(2), shape)
     ct = jax.random.normal(jax.random.key(3), shape[:-1] + (model_out_features(model),))
-    y, g_model, g_x = forward_and_grads(model, x, ct, extra)
-    if kind not in _REF_CACHE:  # the reference does not depend on impl
-        _REF_CACHE[kind] = forward_and_grads(ref, x, ct, extra)
-    y_ref, g_ref, g_x_ref = _REF_CACHE[kind]
-    assert y.shape == y_ref.shape == ct.shape
-    np.testing.assert_allclose(y, y_ref, **TOL)
-    np.testing.assert_allclose(g_x, g_x_ref, **TOL)
-    assert_trees_close(g_model, g_ref, **TOL)
+    got = forward_and_grads(model, x, ct, extra)
+    reference = lambda: forward_and_grads(ref, x, ct, extra)  # noqa: E731
+    assert_matches_reference(got, _REF_CACHE, kind, reference, **TOL)
+    assert got[0].shape == _REF_CACHE[kind][0].shape == ct.shape
 
 
 @pytest.mark.parametrize("impl", IMPLS)

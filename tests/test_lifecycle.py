@@ -29,12 +29,18 @@ def _ag(mesh, axis="tp"):
 pytestmark = pytest.mark.usefixtures("fresh_communicators")
 
 
-def test_op_after_finalize_creates_communicator(mesh1d, rand):
-    mesh = mesh1d(2)
-    f = _ag(mesh)
+def _ag_run_once(mesh1d, rand):
+    """``(f, x, w, f(x, w), its communicator)``: a 2-rank all_gather_matmul run once, the
+    one live communicator it created."""
+    f = _ag(mesh1d(2))
     x, w = rand(2 * 4, 8), rand(8, 2 * 4)
-    first = jax.block_until_ready(f(x, w))
-    (c1,) = jax_ub.live_communicators()
+    out = jax.block_until_ready(f(x, w))
+    (communicator,) = jax_ub.live_communicators()
+    return f, x, w, out, communicator
+
+
+def test_op_after_finalize_creates_communicator(mesh1d, rand):
+    f, x, w, first, c1 = _ag_run_once(mesh1d, rand)
     jax_ub.finalize()
     jax_ub.finalize()  # idempotent
     second = f(x, w)  # traced again, no initialize() needed
@@ -243,11 +249,7 @@ def test_growth_within_one_program(mesh1d, rand):
 
 def test_user_clear_caches_reuses_communicator(mesh1d, rand):
     """jax.clear_caches() alone re-traces but keeps (and reuses) the live communicator."""
-    mesh = mesh1d(2)
-    f = _ag(mesh)
-    x, w = rand(2 * 4, 8), rand(8, 2 * 4)
-    a = jax.block_until_ready(f(x, w))
-    (c1,) = jax_ub.live_communicators()
+    f, x, w, a, c1 = _ag_run_once(mesh1d, rand)
     jax.clear_caches()
     b = f(x, w)
     assert jax_ub.live_communicators() == [c1]

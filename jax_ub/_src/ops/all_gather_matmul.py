@@ -12,18 +12,15 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import impl_choice
 from jax_ub._src.ops.epilogue import check_epilogue, epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_gathered, saved_output
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.config import config
-from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands
-from jax_ub._src.settings.options import weight_transposed
+from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
 _OP = "all_gather_matmul"
 
@@ -100,13 +97,8 @@ def all_gather_matmul(
             mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
         y = f(x, w)  # == x @ w, with the all-gather of x hidden behind the matmul
     """
-    checks.check_impl(_OP, impl)
-    checks.check_matmul_shapes(_OP, x, w)
-    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
-    check_epilogue(_OP, x, w, bias, activation)
-    checks.check_fp8_operands(_OP, x, w, fp8)
+    seq_axis = check_arguments(_OP, x, w, impl, seq_axis, bias, activation, fp8)
     if fp8 is not None:
-        checks.check_fp8_scales(_OP, fp8)
         if return_gathered:
             raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
     size = checks.bound_axis_size(_OP, axis_name)
@@ -126,20 +118,30 @@ def all_gather_matmul(
             fp8=fp8,
         )
         return layout.seq_back(result, seq_axis)
-    operands = (x, w) if fp8 is None else compute_operands(x, w)
-    ub = impl_choice.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
-    # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
-    group = Group(axis_name, size, fallback=impl == "auto", ub=ub)
+    group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
     if bias is not None:  # the output's dtype, as the epilogue adds it
-        bias = jnp.asarray(bias, operands[0].dtype)
+        bias = jnp.asarray(bias, x.dtype if fp8 is None else result_dtype(x, w))
     gelu = activation == "gelu"
     if fp8 is not None:
         return fp8_all_gather_matmul(x, w, fp8, bias, group, gelu)
-    if not ub:
+    if not group.ub:
         return all_gather_matmul_reference(
             x, w, axis_name, return_gathered=return_gathered, bias=bias, activation=activation
         )
     return _all_gather_matmul(x, w, bias, group, gelu, return_gathered)
+
+
+def check_arguments(op: str, x, w, impl: str, seq_axis: int, bias, activation, fp8) -> int:
+    """The checks of a call's arguments that all_gather_matmul and matmul_reduce_scatter
+    share (each raising with ``op``'s name); returns ``seq_axis`` normalised."""
+    checks.check_impl(op, impl)
+    checks.check_matmul_shapes(op, x, w)
+    seq_axis = layout.check_seq_axis(op, x, seq_axis)
+    check_epilogue(op, x, w, bias, activation)
+    checks.check_fp8_operands(op, x, w, fp8)
+    if fp8 is not None:
+        checks.check_fp8_scales(op, fp8)
+    return seq_axis
 
 
 def _on_global_arrays(
@@ -205,30 +207,15 @@ class _Residuals(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _all_gather_matmul(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
-    out, gathered, _ = bind_all_gather_matmul(
-        x,
-        w,
-        group.axis_name,
-        group.size,
-        return_gathered=return_gathered,
-        fallback=group.fallback,
-        bias=bias,
-        gelu=gelu,
+    out, gathered, _ = group.all_gather_matmul(
+        x, w, return_gathered=return_gathered, bias=bias, gelu=gelu
     )
     return (out, gathered) if return_gathered else out
 
 
 def _fwd(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
-    out, gathered, pre = bind_all_gather_matmul(
-        x,
-        w,
-        group.axis_name,
-        group.size,
-        return_gathered=True,
-        fallback=group.fallback,
-        bias=bias,
-        gelu=gelu,
-        keep_pre_gelu=True,
+    out, gathered, pre = group.all_gather_matmul(
+        x, w, return_gathered=True, bias=bias, gelu=gelu, keep_pre_gelu=True
     )
     bias_like = None if bias is None else bias[:0]
     out, gathered = saved_output(out), saved_gathered(gathered)  # kept under remat (remat.py)
@@ -240,11 +227,7 @@ def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     dy, dgathered = cts if return_gathered else (cts, None)
     dp, dbias = epilogue_grads(dy, res.pre_gelu, res.bias_like, gelu)
     # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    w_t, in_place = weight_transposed(res.w)
-    dx = bind_matmul_reduce_scatter(
-        dp, w_t, group.axis_name, group.size, transpose_w=in_place, fallback=group.fallback
-    )
-    dx = match_varying(dx, res.x_like)
+    dx = match_varying(group.scatter_times_w_t(dp, res.w), res.x_like)
     if dgathered is not None:
         scattered = reduce_scatter_rows(dgathered, group.axis_name)
         dx = dx + match_varying(scattered, res.x_like)

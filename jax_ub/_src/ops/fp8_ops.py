@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.lowering.reference import (
     all_gather_matmul_reference,
     dgelu_reference,
@@ -97,14 +96,11 @@ def _ag(
     k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
     scales = pack_scales(sx, sw)
     if group.ub:
-        return bind_all_gather_matmul(
+        return group.all_gather_matmul(
             x_q,
             w_t,
-            group.axis_name,
-            group.size,
             return_gathered=True,
             transpose_w=True,
-            fallback=group.fallback,
             scales=scales,
             out_dtype=out_dtype,
             bias=bias,
@@ -130,15 +126,8 @@ def _rs(x_q, w_t, sx, sw, *, out_dtype, group: Group):
     """psum_scatter(x_q @ w_t.T scaled by sx * sw); ``w_t`` as for :func:`_ag`."""
     scales = pack_scales(sx, sw)
     if group.ub:
-        return bind_matmul_reduce_scatter(
-            x_q,
-            w_t,
-            group.axis_name,
-            group.size,
-            transpose_w=True,
-            fallback=group.fallback,
-            scales=scales,
-            out_dtype=out_dtype,
+        return group.matmul_reduce_scatter(
+            x_q, w_t, transpose_w=True, scales=scales, out_dtype=out_dtype
         )
     return matmul_reduce_scatter_reference(
         x_q, w_t.T, group.axis_name, scales=scales, out_dtype=out_dtype
@@ -185,6 +174,50 @@ def _cotangent(d, primal_like):
     return match_varying(d.astype(primal_like.dtype), primal_like)
 
 
+def _quantize_operands(x, w, fp8: Fp8Scales, group: Group, x_gathered: bool):
+    """``(x_q, w_q, the residual fields both ops keep)``: an fp8 op's forward operands in
+    e4m3 with the scales ``fp8`` gives or current ones. The fields are those
+    :class:`AgResiduals` and :class:`RsResiduals` share (``w_q`` among them).
+
+    An ``x`` that is gathered (``x_gathered``) takes the group's amax for its current
+    scale, one scale for every chunk; partials dequantized by each rank's GEMM before they
+    are summed (the reduce-scatter's) fit local scales."""
+    axis_name = group.axis_name
+    lx = _local_amax(x, axis_name if x_gathered and fp8.x is None else None)
+    lw = _local_amax(w)
+    sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
+    w_q = _quantized(w, sw)
+    shared = dict(
+        x_like=x[:0],
+        w_like=w[:0],
+        w_q=w_q,
+        x_scale=sx,
+        w_scale=sw,
+        grad_scale=fp8.grad,
+        seen_x=_seen(fp8.x, lx, axis_name),
+        seen_w=_seen(fp8.w, lw, axis_name),
+    )
+    return _quantized(x, sx), w_q, shared
+
+
+def _quantize_grad(d, grad_scale, gathered_over: str | None = None):
+    """``(d_q, its scale, d's amax)``: an output gradient in e5m2 with ``grad_scale`` or a
+    current one. A ``d`` gathered over ``gathered_over`` takes the group's amax for its
+    current scale, one scale for every chunk; a ``d`` whose partials each rank's GEMM
+    dequantizes fits a local one (``gathered_over`` None)."""
+    local_amax = amax(d, gathered_over if grad_scale is None else None)
+    scale = _scale_of(grad_scale, local_amax, E5M2)
+    return quantize(d, scale, E5M2), scale, local_amax
+
+
+def _op_grads(res: AgResiduals | RsResiduals, dx, dw, grad_amax, axis_name: str):
+    """``(dx, dw, the amaxes seen)`` as the fp8 ops' backward returns them: the gradients
+    typed like their primals, the output gradient's amax reported where its scale was
+    given."""
+    seen = Fp8Scales(x=res.seen_x, w=res.seen_w, grad=_seen(res.grad_scale, grad_amax, axis_name))
+    return _cotangent(dx, res.x_like), _cotangent(dw, res.w_like), seen
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def fp8_all_gather_matmul(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
     """gelu?(all_gather(x) @ w + bias?) in fp8 (module docstring); ``group.ub`` picks the
@@ -194,13 +227,8 @@ def fp8_all_gather_matmul(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
 
 def ag_forward(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
     """fp8_all_gather_matmul's forward: (its result, its :class:`AgResiduals`)."""
-    axis_name = group.axis_name
-    # x is gathered: its current scale is the group's, one scale for every chunk.
-    lx = _local_amax(x, axis_name if fp8.x is None else None)
-    lw = _local_amax(w)
-    sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
-    w_q = _quantized(w, sw)
-    x_q = _quantized(x, sx)
+    x_q, w_q, shared = _quantize_operands(x, w, fp8, group, x_gathered=True)
+    sx, sw = shared["x_scale"], shared["w_scale"]
     out_dtype = result_dtype(x, w)
     if out_dtype == jnp.float32:
         # cuBLASLt has no fp8 GEMM with a float32 output, float32 bias and GELU (it answered
@@ -211,18 +239,10 @@ def ag_forward(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
         out, g_q, pre = _ag(
             x_q, w_q.T, sx, sw, out_dtype=out_dtype, group=group, bias=bias, gelu=gelu
         )
-    seen_x, seen_w = _seen(fp8.x, lx, axis_name), _seen(fp8.w, lw, axis_name)
     out, g_q = saved_output(out), saved_gathered(g_q)  # kept under remat (remat.py)
     res = AgResiduals(
-        x_like=x[:0],
-        w_like=w[:0],
-        w_q=w_q,
+        **shared,
         gathered_q=g_q,
-        x_scale=sx,
-        w_scale=sw,
-        grad_scale=fp8.grad,
-        seen_x=seen_x,
-        seen_w=seen_w,
         pre_gelu=pre if gelu else None,
         bias_like=None if bias is None else bias[:0],
     )
@@ -232,14 +252,11 @@ def ag_forward(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
 def ag_product_grads(res: AgResiduals, dp, group: Group):
     """(dx, dw, the amaxes seen) of fp8_all_gather_matmul from ``dp``, the gradient of its
     product (after the epilogue's backward); ``res`` from :func:`ag_forward`."""
-    lg = amax(dp)  # dp's partials are dequantized by each rank's GEMM: a local scale fits
-    sg = _scale_of(res.grad_scale, lg, E5M2)
-    dp_q = quantize(dp, sg, E5M2)
+    dp_q, sg, lg = _quantize_grad(dp, res.grad_scale)  # dp's partials: a local scale
     # dx = reduce_scatter(dp @ w.T): w_q [k, n] is w.T stored k-major.
     dx = _rs(dp_q, res.w_q, sg, res.w_scale, out_dtype=dp.dtype, group=group)
     dw = _weight_grad(res.gathered_q, dp_q, res.x_scale * sg, dp.dtype)
-    seen = Fp8Scales(x=res.seen_x, w=res.seen_w, grad=_seen(res.grad_scale, lg, group.axis_name))
-    return _cotangent(dx, res.x_like), _cotangent(dw, res.w_like), seen
+    return _op_grads(res, dx, dw, lg, group.axis_name)
 
 
 def _ag_bwd(group: Group, gelu: bool, res: AgResiduals, dy):
@@ -259,36 +276,21 @@ def fp8_matmul_reduce_scatter(x, w, fp8: Fp8Scales, group: Group):
 def rs_forward(x, w, fp8: Fp8Scales, group: Group):
     """fp8_matmul_reduce_scatter's forward: (its result, its :class:`RsResiduals`)."""
     # Partials are dequantized by each rank's GEMM before they are summed: local scales fit.
-    lx, lw = _local_amax(x), _local_amax(w)
-    sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
-    x_q, w_q = _quantized(x, sx), _quantized(w, sw)
+    x_q, w_q, shared = _quantize_operands(x, w, fp8, group, x_gathered=False)
+    sx, sw = shared["x_scale"], shared["w_scale"]
     out = _rs(x_q, w_q.T, sx, sw, out_dtype=result_dtype(x, w), group=group)
-    res = RsResiduals(
-        x_like=x[:0],
-        w_like=w[:0],
-        x_q=x_q,
-        w_q=w_q,
-        x_scale=sx,
-        w_scale=sw,
-        grad_scale=fp8.grad,
-        seen_x=_seen(fp8.x, lx, group.axis_name),
-        seen_w=_seen(fp8.w, lw, group.axis_name),
-    )
-    return saved_output(out), res
+    return saved_output(out), RsResiduals(**shared, x_q=x_q)
 
 
 def rs_grads(res: RsResiduals, dy, group: Group, dgelu_at=None):
     """(dx, dw, the amaxes seen) of fp8_matmul_reduce_scatter (``res`` from
     :func:`rs_forward`); with ``dgelu_at``, dx times gelu'(dgelu_at) (GELU's backward, in
     the dgrad GEMM's epilogue where it can run there)."""
-    axis_name = group.axis_name
     # dy is gathered: its current scale is the group's, one scale for every chunk.
-    lg = amax(dy, axis_name) if res.grad_scale is None else amax(dy)
-    sg = _scale_of(res.grad_scale, lg, E5M2)
+    dy_q, sg, lg = _quantize_grad(dy, res.grad_scale, gathered_over=group.axis_name)
     # As for the float32 GELU above; and the benchmarks' A/B switch.
     fused = dgelu_at is not None and dy.dtype != jnp.float32 and options.tuning().dgelu_epilogue
     # dx = all_gather(dy) @ w.T, which hands back the gathered fp8 dy for dw.
-    dy_q = quantize(dy, sg, E5M2)
     dx, dyg_q, _ = _ag(
         dy_q,
         res.w_q,
@@ -301,8 +303,7 @@ def rs_grads(res: RsResiduals, dy, group: Group, dgelu_at=None):
     if dgelu_at is not None and not fused:
         dx = dgelu_reference(dx, dgelu_at)
     dw = _weight_grad(res.x_q, dyg_q, res.x_scale * sg, dy.dtype)
-    seen = Fp8Scales(x=res.seen_x, w=res.seen_w, grad=_seen(res.grad_scale, lg, axis_name))
-    return _cotangent(dx, res.x_like), _cotangent(dw, res.w_like), seen
+    return _op_grads(res, dx, dw, lg, group.axis_name)
 
 
 def _rs_bwd(group: Group, res: RsResiduals, dy):

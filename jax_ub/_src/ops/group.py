@@ -1,9 +1,15 @@
 """The group an op's collective runs over, and on which path: the static arguments that
-the ops' custom VJPs hand from their front end to their forward and backward."""
+the ops' custom VJPs hand from their front end to their forward and backward, and the
+userbuffer ops bound over that group."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.ops import impl_choice
+from jax_ub._src.settings.fp8 import compute_operands
+from jax_ub._src.settings.options import weight_transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,3 +29,49 @@ class Group:
     size: int
     fallback: bool
     ub: bool = True
+
+    @classmethod
+    def of_call(cls, op: str, impl: str, x, w, fp8, axis_name: str, size: int) -> Group:
+        """The group of one call of ``op`` on local shards ``x @ w`` (in fp8 where ``fp8``,
+        its scales, is not None) over ``axis_name`` of ``size``: the path
+        :func:`impl_choice.use_ub` picks for the operands the call computes in. impl="auto"
+        falls back to XLA's collectives if the group's GPUs cannot share memory."""
+        operands = (x, w) if fp8 is None else compute_operands(x, w)
+        ub = impl_choice.use_ub(op, impl, *operands, fp8=fp8 is not None, axis_size=size)
+        return cls(axis_name, size, fallback=impl == "auto", ub=ub)
+
+    def all_gather_matmul(self, x, w, **kwargs):
+        """The userbuffer all-gather GEMM over this group: ``bind_all_gather_matmul`` with
+        its other keywords (``return_gathered`` among them) as given."""
+        return bind_all_gather_matmul(
+            x, w, self.axis_name, self.size, fallback=self.fallback, **kwargs
+        )
+
+    def matmul_reduce_scatter(self, x, w, **kwargs):
+        """The userbuffer GEMM reduce-scatter over this group: ``bind_matmul_reduce_scatter``
+        with its other keywords as given."""
+        return bind_matmul_reduce_scatter(
+            x, w, self.axis_name, self.size, fallback=self.fallback, **kwargs
+        )
+
+    def gather_times_w_t(self, dy, w, gelu_input=None):
+        """``(all_gather(dy) @ w.T, all_gather(dy))``: the input gradient of a
+        reduce-scattered product, whose gathered ``dy`` the weight gradient takes too (so
+        ``dy`` is gathered once). ``w.T`` is read in place where the tuning says
+        (``weight_transposed``); with ``gelu_input``, the product times gelu'(gelu_input)
+        in the GEMMs' epilogue."""
+        w_t, in_place = weight_transposed(w)
+        dx, dy_gathered, _ = self.all_gather_matmul(
+            dy,
+            w_t,
+            return_gathered=True,
+            transpose_w=in_place,
+            gelu_input=gelu_input,
+        )
+        return dx, dy_gathered
+
+    def scatter_times_w_t(self, dp, w):
+        """``reduce_scatter(dp @ w.T)``: the input gradient of an all-gathered product, by
+        the overlapped GEMM+RS reading ``w.T`` in place where the tuning says."""
+        w_t, in_place = weight_transposed(w)
+        return self.matmul_reduce_scatter(dp, w_t, transpose_w=in_place)

@@ -9,18 +9,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import impl_choice
-from jax_ub._src.ops.all_gather_matmul import contract_rows
-from jax_ub._src.ops.epilogue import check_epilogue
+from jax_ub._src.ops.all_gather_matmul import check_arguments, contract_rows
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_output
 from jax_ub._src.settings import checks
-from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands
-from jax_ub._src.settings.options import weight_transposed
+from jax_ub._src.settings.fp8 import Fp8Scales
 
 _OP = "matmul_reduce_scatter"
 
@@ -74,13 +70,7 @@ def matmul_reduce_scatter(
             mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
         y = f(h, w)  # == h @ w, row-sharded over tp
     """
-    checks.check_impl(_OP, impl)
-    checks.check_matmul_shapes(_OP, x, w)
-    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
-    check_epilogue(_OP, x, w, bias, None)
-    checks.check_fp8_operands(_OP, x, w, fp8)
-    if fp8 is not None:
-        checks.check_fp8_scales(_OP, fp8)
+    seq_axis = check_arguments(_OP, x, w, impl, seq_axis, bias, None, fp8)
     y = _reduced(x, w, axis_name, impl, fp8, seq_axis)
     return y if bias is None else y + jnp.asarray(bias, y.dtype)
 
@@ -96,13 +86,10 @@ def _reduced(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
     if seq_axis != 0:
         y = _reduced(layout.seq_first(x, seq_axis), w, axis_name, impl, fp8, 0)
         return layout.seq_back(y, seq_axis)
-    operands = (x, w) if fp8 is None else compute_operands(x, w)
-    ub = impl_choice.use_ub(_OP, impl, *operands, fp8=fp8 is not None, axis_size=size)
-    # impl="auto" falls back to XLA's collectives if the group's GPUs cannot share memory.
-    group = Group(axis_name, size, fallback=impl == "auto", ub=ub)
+    group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
     if fp8 is not None:
         return fp8_matmul_reduce_scatter(x, w, fp8, group)
-    if not ub:
+    if not group.ub:
         return matmul_reduce_scatter_reference(x, w, axis_name)
     return _matmul_reduce_scatter(x, w, group)
 
@@ -128,11 +115,11 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_reduce_scatter(x, w, group: Group):
-    return bind_matmul_reduce_scatter(x, w, group.axis_name, group.size, fallback=group.fallback)
+    return group.matmul_reduce_scatter(x, w)
 
 
 def _fwd(x, w, group: Group):
-    out = bind_matmul_reduce_scatter(x, w, group.axis_name, group.size, fallback=group.fallback)
+    out = group.matmul_reduce_scatter(x, w)
     return saved_output(out), (x, w)  # kept under remat (remat.py)
 
 
@@ -140,16 +127,7 @@ def _bwd(group: Group, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
-    w_t, in_place = weight_transposed(w)
-    dx, dy_gathered, _ = bind_all_gather_matmul(
-        dy,
-        w_t,
-        group.axis_name,
-        group.size,
-        return_gathered=True,
-        transpose_w=in_place,
-        fallback=group.fallback,
-    )
+    dx, dy_gathered = group.gather_times_w_t(dy, w)
     return match_varying(dx, x), match_varying(contract_rows(x, dy_gathered), w)
 
 

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
 from jax_ub._src.lowering.reference import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import impl_choice
@@ -151,18 +150,10 @@ def _gelu_mlp(x, w_up, up_bias, w_down, group: Group):
 
 
 def _fwd(x, w_up, up_bias, w_down, group: Group):
-    h, gathered, pre = bind_all_gather_matmul(
-        x,
-        w_up,
-        group.axis_name,
-        group.size,
-        return_gathered=True,
-        fallback=group.fallback,
-        bias=up_bias,
-        gelu=True,
-        keep_pre_gelu=True,
+    h, gathered, pre = group.all_gather_matmul(
+        x, w_up, return_gathered=True, bias=up_bias, gelu=True, keep_pre_gelu=True
     )
-    y = bind_matmul_reduce_scatter(h, w_down, group.axis_name, group.size, fallback=group.fallback)
+    y = group.matmul_reduce_scatter(h, w_down)
     bias_like = None if up_bias is None else up_bias[:0]
     return y, _Residuals(x[:0], gathered, w_up, pre, h, w_down, bias_like)
 
@@ -171,23 +162,12 @@ def _bwd(group: Group, res: _Residuals, dy):
     # dp = (all_gather(dy) @ w_down.T) * gelu'(pre): the down-projection's input gradient
     # with GELU's backward in its epilogue; the gathered dy is the down weight's gradient's.
     fused_dgelu = options.tuning().dgelu_epilogue
-    w_t, in_place = options.weight_transposed(res.w_down)
-    dp, dy_gathered, _ = bind_all_gather_matmul(
-        dy,
-        w_t,
-        group.axis_name,
-        group.size,
-        return_gathered=True,
-        transpose_w=in_place,
-        fallback=group.fallback,
-        gelu_input=res.pre_gelu if fused_dgelu else None,
+    dp, dy_gathered = group.gather_times_w_t(
+        dy, res.w_down, gelu_input=res.pre_gelu if fused_dgelu else None
     )
     if not fused_dgelu:
         dp = dgelu_reference(dp, res.pre_gelu)
-    w_t, in_place = options.weight_transposed(res.w_up)
-    dx = bind_matmul_reduce_scatter(
-        dp, w_t, group.axis_name, group.size, transpose_w=in_place, fallback=group.fallback
-    )
+    dx = group.scatter_times_w_t(dp, res.w_up)
     return (
         match_varying(dx, res.x_like),
         match_varying(contract_rows(res.gathered, dp), res.w_up),

@@ -27,6 +27,7 @@ from jax_ub.flax.nnx.layers import (
     RowParallelLinear,
     block_config,
     check_split,
+    prepare_call,
     sharded_param,
     take_settings,
 )
@@ -121,14 +122,7 @@ class ParallelMLP(Dropping, nnx.Module):
         ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
         (with ``dropout_rate`` > 0 only)."""
         up, down = self.up_proj, self.down_proj
-        ops, sp = _checks.prepare(
-            type(self).__name__,
-            up.config,
-            up.axis_name,
-            inputs,
-            up.in_features,
-            divisible={"hidden_features": up.out_features},
-        )
+        ops, sp = prepare_call(self, inputs, up, divisible={"hidden_features": up.out_features})
         key = self._dropout_key(deterministic, rngs)
         rate = self.dropout_rate if key is not None else 0.0
         f = _core.mlp_call(ops, self.activation, inputs.ndim, up.use_bias, sp, rate)
@@ -291,14 +285,7 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
         what = "num_heads" if self.q_per_kv == 1 else "num_kv_heads"
-        ops, sp = _checks.prepare(
-            owner,
-            qkv.config,
-            qkv.axis_name,
-            inputs,
-            qkv.in_features,
-            divisible={what: self.num_heads // self.q_per_kv},
-        )
+        ops, sp = prepare_call(self, inputs, qkv, divisible={what: self.num_heads // self.q_per_kv})
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, qkv.seq_axis)
         key = self._dropout_key(deterministic, rngs)

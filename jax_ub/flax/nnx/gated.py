@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import jax
 from flax import nnx
 
-from jax_ub.flax import _checks, _gated
+from jax_ub.flax import _gated
 from jax_ub.flax.nnx.layers import (
     Configured,
     Dropping,
@@ -19,6 +19,7 @@ from jax_ub.flax.nnx.layers import (
     add_histories,
     block_config,
     check_split,
+    prepare_call,
     sharded_param,
     take_settings,
 )
@@ -126,14 +127,7 @@ class ParallelGatedMLP(Configured, Dropping, nnx.Module):
 
         ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
         (with ``dropout_rate`` > 0 only)."""
-        ops, sp = _checks.prepare(
-            type(self).__name__,
-            self.config,
-            self.axis_name,
-            inputs,
-            self.in_features,
-            divisible={"hidden_features": self.hidden_features},
-        )
+        ops, sp = prepare_call(self, inputs, divisible={"hidden_features": self.hidden_features})
         key = self._dropout_key(deterministic, rngs)
         rate = 0.0 if key is None else self.dropout_rate
         f = _gated.gated_mlp_call(ops, self.activation, inputs.ndim, sp, rate)

@@ -123,6 +123,17 @@ def add_histories(module: nnx.Module, names: Iterable[str], config: ParallelConf
         setattr(module, name, sharded_param(history, (None,), config.mesh, OverwriteWithGradient))
 
 
+def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> tuple:
+    """``(the ops' settings, sequence-parallel)`` for a call of ``owner`` on ``inputs``
+    (:func:`_checks.prepare`, its errors naming ``owner``'s class): the settings, axis and
+    ``in_features`` are those of ``first``, the layer the inputs go into (default: ``owner``
+    itself); ``checks`` are ``prepare``'s ``split_in`` and ``divisible``."""
+    first = owner if first is None else first
+    return _checks.prepare(
+        type(owner).__name__, first.config, first.axis_name, inputs, first.in_features, **checks
+    )
+
+
 class Configured:
     """A layer's :class:`~jax_ub.flax.ParallelConfig` as ``config``, and its fields as
     attributes: ``layer.impl = "xla"`` replaces the record by a checked copy."""
@@ -252,14 +263,8 @@ class _ParallelLinear(Configured, nnx.Module):
 
     def _config(self, inputs: jax.Array) -> tuple:
         split = {"in_features": self.in_features, "out_features": self.out_features}[self._split]
-        ops, sp = _checks.prepare(
-            type(self).__name__,
-            self.config,
-            self.axis_name,
-            inputs,
-            self.in_features,
-            split_in=self._split == "in_features",
-            divisible={self._split: split},
+        ops, sp = prepare_call(
+            self, inputs, split_in=self._split == "in_features", divisible={self._split: split}
         )
         return ops, inputs.ndim, self.use_bias, sp
 

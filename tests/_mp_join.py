@@ -1,0 +1,31 @@
+"""How each process of a multi-process test (tests/_mp_worker.py, tests/_mp_fault_worker.py)
+starts: its devices in the environment, then the jax.distributed group. Imported before
+jax, which reads that environment when it is first imported."""
+
+import os
+
+ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
+
+
+def join(pid: int, nproc: int, port: int, *, gpus: str, cpu_devices: int, timeout_s: str):
+    """Set this process's devices (with JAX_UB_TEST_GPU=1 the GPUs ``gpus``, as
+    CUDA_VISIBLE_DEVICES lists them; else ``cpu_devices`` host devices) and jax_ub's default
+    timeout ``timeout_s`` (unless the environment gives one), then join the group of
+    ``nproc`` processes coordinated on ``port`` as process ``pid``."""
+    if ON_GPU:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    else:
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("JAX_UB_TIMEOUT_S", timeout_s)
+
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=nproc,
+        process_id=pid,
+        initialization_timeout=60,
+    )
