@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -26,8 +27,10 @@ from jax.sharding import Mesh
 from jax_ub.bench.impls import build_ag, build_rs
 
 
+@functools.cache  # each report reads the same trace several ways: parse it once
 def device_events(trace_dir: str) -> list[dict]:
-    """Every device event (kernel, copy) in the trace, in order; `pid` names the GPU."""
+    """Every device event (kernel, copy) in the trace, in order; `pid` names the GPU.
+    Cached per folder: callers must not change the list."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     with gzip.open(path) as fh:
         events = json.load(fh)["traceEvents"]

@@ -66,13 +66,19 @@ def bound_all_gather_matmul(
     return jax.nn.gelu(y) if activation == "gelu" else y
 
 
+def sum_row_blocks(y: jax.Array, axis_name: str, seq_axis: int = 0) -> jax.Array:
+    """A reduce-scatter's shapes without its communication: the sum of ``y``'s ``tp``
+    blocks of rows (on ``seq_axis``), ``tp`` the size of ``axis_name``."""
+    tp = lax.axis_size(axis_name)
+    return y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :]).sum(axis=seq_axis)
+
+
 def bound_matmul_reduce_scatter(
     x: jax.Array, w: jax.Array, axis_name: str, *, bias=None, seq_axis=0, **_
 ) -> jax.Array:
     """matmul_reduce_scatter's shapes without its communication: ``x [M, ..., k] @ w``,
     then the sum of its ``tp`` blocks of ``M / tp`` rows (on ``seq_axis``), plus the bias."""
-    tp, y = lax.axis_size(axis_name), x @ w
-    y = y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :]).sum(axis=seq_axis)
+    y = sum_row_blocks(x @ w, axis_name, seq_axis)
     return y if bias is None else y + bias
 
 

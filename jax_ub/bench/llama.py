@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jax_ub
 import jax_ub.flax as ubf
@@ -168,11 +169,10 @@ class VocabParallelEmbed(nnx.Module):
                 return jax.lax.psum(x, axis)
             return jnp.moveaxis(scatter_sequence(jnp.moveaxis(x, 1, 0), axis), 0, 1)
 
-        out = jax.sharding.PartitionSpec(None, axis, None) if sequence_parallel else None
         return jax.shard_map(
             lookup,
-            in_specs=(jax.sharding.PartitionSpec(axis, None), jax.sharding.PartitionSpec()),
-            out_specs=out or jax.sharding.PartitionSpec(),
+            in_specs=(P(axis, None), P()),
+            out_specs=P(None, axis, None) if sequence_parallel else P(),
             axis_names={axis},
             check_vma=False,
         )(self.embedding[...], tokens)

@@ -123,6 +123,7 @@ def bound_ops():
     from jax_ub.bench import llama
     from jax_ub.bench.layer import bound_all_gather_matmul as ag
     from jax_ub.bench.layer import bound_matmul_reduce_scatter as rs
+    from jax_ub.bench.layer import sum_row_blocks
     from jax_ub.flax import _attention, _core, _gated
 
     saved = [
@@ -146,7 +147,7 @@ def bound_ops():
     bounds = {
         "all_gather_matmul": ag,
         "matmul_reduce_scatter": rs,
-        "scatter_sequence": bound_scatter_sequence,
+        "scatter_sequence": sum_row_blocks,
     }
     for module, name, _ in saved:
         setattr(module, name, bounds[name])
@@ -157,14 +158,6 @@ def bound_ops():
         for module, name, value in saved:
             setattr(module, name, value)
         forget_traces()
-
-
-def bound_scatter_sequence(y, axis_name: str):
-    """The embedding's reduce-scatter without its communication: the sum of ``y``'s
-    ``tp`` blocks of rows."""
-    import jax
-
-    return y.reshape(jax.lax.axis_size(axis_name), -1, *y.shape[1:]).sum(axis=0)
 
 
 def _config(args):
