@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import os
 import pathlib
 import re
 import sys
@@ -35,6 +36,7 @@ from profile_kernels import busy_and_span, device_events, idle_gaps, kernels
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_tp_transformer.py"
 TRACED_STEPS = 3
 TOP_KERNELS = 14
+HLO_ROWS = 30
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("attention (cuDNN)", r"cudnn|fmha|flash|sdpa"),
     ("NCCL collective", r"nccl"),
@@ -116,15 +118,16 @@ def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
     for e in device_events(trace_dir):
         op = e.get("args", {}).get("hlo_op")
         if op:
-            per_op[op].append(float(e["dur"]))
+            # Custom calls of one target and shape summed (one row per op and shape, the
+            # layers' instances together); other instructions by name.
+            per_op[described.get(op, op)].append(float(e["dur"]))
     if not per_op:
         print("  (the trace names no HLO instructions)")
         return
     scale = 1e-3 / TRACED_STEPS / ndev
     print("  HLO instructions by GPU time (ms/step/GPU, kernels/step/GPU, instruction):")
-    for op, v in sorted(per_op.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]:
-        what = described.get(op, "")
-        print(f"    {sum(v) * scale:7.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {op} {what}")
+    for op, v in sorted(per_op.items(), key=lambda kv: -sum(kv[1]))[:HLO_ROWS]:
+        print(f"    {sum(v) * scale:7.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {op}")
 
 
 def side_by_side(summaries: dict[str, dict[str, float]]) -> None:
@@ -176,8 +179,11 @@ def profile_llama(argv: list[str], out: str) -> None:
         t0 = time.perf_counter()
         for _ in range(margs.steps):
             state, loss = step(state, tokens)
+        dispatch_ms = (time.perf_counter() - t0) / margs.steps * 1e3
         jax.block_until_ready(loss)
         step_ms = (time.perf_counter() - t0) / margs.steps * 1e3
+        # Host-bound if the host needs about as long to enqueue a step as the GPUs to run it.
+        print(f"{variant}: the host enqueued a step in {dispatch_ms:.2f} ms (of {step_ms:.2f})")
         trace_dir = tempfile.mkdtemp(dir=out or None, prefix=f"trace_llama_{variant}_")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(TRACED_STEPS):
@@ -205,11 +211,21 @@ def main() -> None:
     ap.add_argument("--impls", default="auto,xla")
     ap.add_argument("--log-every", type=int, help="the example's: wait for the loss every N steps")
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--no-command-buffers",
+        action="store_true",
+        help="run every HLO instruction as its own launch (no CUDA graphs), so the per-"
+        "instruction table names each fusion and GEMM instead of command_buffer_N",
+    )
     argv = sys.argv[1:]
     # After "--model llama" every argument is the model benchmark's (--seq, --layers and
     # --batch mean the same there, for another model).
     cut = next((i for i in range(len(argv) - 1) if argv[i : i + 2] == ["--model", "llama"]), None)
     args = ap.parse_args(argv if cut is None else argv[: cut + 2])
+    if args.no_command_buffers:  # read when JAX starts its GPU backend, so set it first
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+        )
     if args.model == "llama":
         profile_llama(argv[cut + 2 :], args.out)
         return
