@@ -103,31 +103,55 @@ def report(label: str, step_ms: float, trace_dir: str, ndev: int) -> dict[str, f
     }
 
 
+def describe_custom_calls(hlo_text: str) -> dict[str, str]:
+    """Custom-call instruction name -> its target, result shape and whether it is in the
+    backward pass (``transpose(`` in its op name): one row per op and shape."""
+    described = {}
+    for line in hlo_text.splitlines():
+        m = re.search(r"%?([\w.\-]+) = ((?:\([^)]*\))|\S+) custom-call\(", line)
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if not (m and target):
+            continue
+        shape = re.sub(r"\{[\d,]*\}", "", m.group(2))  # layouts say nothing here
+        bwd = " (bwd)" if "transpose(" in line else ""
+        tw = " w.T" if "transpose_w = true" in line else ""
+        described[m.group(1)] = f"{target.group(1).removeprefix('jax_ub_')}{tw} -> {shape}{bwd}"
+    return described
+
+
 def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
     """Print the HLO instructions whose kernels took the most GPU time (the trace's
-    ``hlo_op`` annotation), jax_ub's custom calls named by their op and result shape from
-    the compiled step's HLO: which op's GEMMs run long, where kernel names do not say."""
-    described = {
-        name: f"{target.removeprefix('jax_ub_')} -> {shape}"
-        for name, shape, target in re.findall(
-            r"%?(custom-call[.\w]*) = (\S+) custom-call\(.*?custom_call_target=\"([^\"]+)\"",
-            hlo_text,
-        )
-    }
-    per_op: dict[str, list[float]] = collections.defaultdict(list)
+    ``hlo_op`` annotation), custom calls of one target and shape summed over their
+    instances (the layers'): which op's GEMMs run long, where kernel names do not say.
+    Per row: the instances' wall time (first kernel's start to last kernel's end, on each
+    GPU) and their kernels' time without copies."""
+    described = describe_custom_calls(hlo_text)
+    spans: dict[tuple[int, str], list[float]] = {}  # (gpu, instruction) -> start, end, busy
     for e in device_events(trace_dir):
         op = e.get("args", {}).get("hlo_op")
-        if op:
-            # Custom calls of one target and shape summed (one row per op and shape, the
-            # layers' instances together); other instructions by name.
-            per_op[described.get(op, op)].append(float(e["dur"]))
-    if not per_op:
+        if not op:
+            continue
+        start, dur = float(e["ts"]), float(e["dur"])
+        span = spans.setdefault((e["pid"], op), [start, start + dur, 0.0])
+        span[0], span[1] = min(span[0], start), max(span[1], start + dur)
+        if not re.search(r"memcpy|memset", e["name"].lower()):
+            span[2] += dur
+    if not spans:
         print("  (the trace names no HLO instructions)")
         return
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for (_, op), (start, end, busy) in spans.items():
+        row = rows[described.get(op, op)]
+        row[0] += end - start
+        row[1] += busy
+        row[2] += 1
     scale = 1e-3 / TRACED_STEPS / ndev
-    print("  HLO instructions by GPU time (ms/step/GPU, kernels/step/GPU, instruction):")
-    for op, v in sorted(per_op.items(), key=lambda kv: -sum(kv[1]))[:HLO_ROWS]:
-        print(f"    {sum(v) * scale:7.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {op}")
+    print(
+        "  HLO instructions by wall time (ms/step/GPU: wall, kernels without copies; "
+        "instances; instruction):"
+    )
+    for op, (wall, busy, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:HLO_ROWS]:
+        print(f"    {wall * scale:7.2f} {busy * scale:7.2f}  {n / ndev:4.0f}  {op}")
 
 
 def side_by_side(summaries: dict[str, dict[str, float]]) -> None:
