@@ -4,6 +4,8 @@ Public API:
   all_gather_matmul(x, w, axis_name, *, bias=None, activation=None, impl="auto",
                     return_gathered=False, fp8=None, seq_axis=0)
   matmul_reduce_scatter(x, w, axis_name, *, bias=None, impl="auto", fp8=None, seq_axis=0)
+  matmul_all_reduce(x, w, axis_name, *, bias=None, impl="auto"): the row-parallel GEMM
+    with activations replicated over the axis (decode), its reduce-scatter half overlapped
   gelu_mlp(x, w_up, w_down, axis_name, *, up_bias=None, down_bias=None, impl="auto",
            fp8=None, seq_axis=0): the two ops around GELU, GELU's backward in a GEMM epilogue
   gated_mlp(x, w_gate_up, w_down, axis_name, *, activation="silu", impl="auto", fp8=None,
@@ -59,11 +61,13 @@ The rules behind the options (each function's docstring has its shapes and shard
 
 from jax_ub._src.lowering.reference import (
     all_gather_matmul_reference,
+    matmul_all_reduce_reference,
     matmul_reduce_scatter_reference,
 )
 from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
 from jax_ub._src.ops.gated_mlp import gated_mlp, gated_mlp_reference
 from jax_ub._src.ops.impl_choice import explain_impl
+from jax_ub._src.ops.matmul_all_reduce import matmul_all_reduce
 from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.ops.mlp import gelu_mlp
 from jax_ub._src.ops.remat import dots_and_ops_saveable
@@ -93,6 +97,8 @@ __all__ = [
     "gelu_mlp",
     "initialize",
     "live_communicators",
+    "matmul_all_reduce",
+    "matmul_all_reduce_reference",
     "matmul_reduce_scatter",
     "matmul_reduce_scatter_reference",
 ]

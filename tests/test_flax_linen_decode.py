@@ -90,7 +90,11 @@ def test_prompt_then_tokens_equal_full_causal_attention(rand, seq_axis, create):
     got = jnp.concatenate(pieces, axis=seq_axis)
     assert int(cache["cache"]["cache_index"]) == 10
     key = cache["cache"]["cached_key"].value
-    assert key.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), 4)
+    # heads split over tp; the batch whole or split over dp, as XLA propagates it
+    assert any(
+        key.sharding.is_equivalent_to(NamedSharding(mesh, P(b, None, "tp")), 4)
+        for b in (None, "dp")
+    ), key.sharding
     assert bool(jnp.any(key[:, 9])) and not jnp.any(key[:, 10:])  # written up to 10
     assert rel_err(got, full) < 1e-5
 

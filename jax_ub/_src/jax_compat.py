@@ -113,3 +113,18 @@ _IR_TYPE_TAKES_CONTEXT = len(inspect.signature(_mlir.aval_to_ir_type).parameters
 # keeps the operand's sharding). Seen in JAX 0.11.2 and 0.12.0.1, not in 0.10.2; lax.psum
 # and lax.all_to_all lower there. Public replacement: lax.psum_scatter, once fixed.
 PSUM_SCATTER_BREAKS_UNDER_EXPLICIT_AXES = JAX_VERSION >= (0, 11)
+
+
+def all_gather_invariant(x, axis_name: str):
+    """``all_gather(x, axis_name, axis=0, tiled=True)`` typed as the same on every rank of
+    the axis (not varying over it), as ``psum``'s result is; its transpose takes each
+    rank's own block of the cotangent, with no communication.
+
+    Public from JAX 0.12: ``lax.all_gather(..., to="invarying")``. Before it, the private
+    ``jax._src.lax.parallel.all_gather_invariant``. Without vma tracking the two are
+    ``lax.all_gather``."""
+    if "to" in inspect.signature(jax.lax.all_gather).parameters:
+        return jax.lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
+    from jax._src.lax import parallel as _parallel
+
+    return _parallel.all_gather_invariant(x, axis_name, axis=0, tiled=True)

@@ -21,6 +21,7 @@ from jax_ub.bench.impls import (
     EPILOGUE_CHECKS,
     _windowed_einsum_child,
     build_ag,
+    build_ar,
     build_rs,
     parse_variants,
     variant_name,
@@ -38,6 +39,9 @@ DESCRIPTION = (
     "the benchmark and the host protocol, not speed."
 )
 DTYPES = ("bfloat16", "float16", "float32")
+
+
+BUILDERS = {"ag": build_ag, "rs": build_rs, "ar": build_ar}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
         "--ops",
         default="ag,rs",
         help="comma-separated ops to time: ag (all_gather_matmul, AG+GEMM), rs "
-        "(matmul_reduce_scatter, GEMM+RS) (default: %(default)s)",
+        "(matmul_reduce_scatter, GEMM+RS), ar (matmul_all_reduce, GEMM+AR: x [M, K] split "
+        "over K, every device ending with all M rows) (default: %(default)s)",
     )
     ap.add_argument(
         "--rounds",
@@ -164,9 +169,12 @@ def _shapes(ap, args, tp: int, on_cpu: bool) -> list[tuple[int, int, int]]:
     for shape in shapes:
         if len(shape) != 3 or min(shape) <= 0:
             ap.error(f"--shapes: {shape} is not three positive sizes MxKxN")
-        M, _, N = shape
-        if M % tp or N % tp:
+        M, K, N = shape
+        split_ops = set(args.ops.split(",")) - {"ar"}  # ar splits K alone
+        if split_ops and (M % tp or N % tp):
             ap.error(f"--shapes: M={M} and N={N} must be multiples of the {tp} devices used")
+        if "ar" in args.ops.split(",") and K % tp:
+            ap.error(f"--shapes: K={K} must be a multiple of the {tp} devices used (ar)")
     return shapes
 
 
@@ -181,9 +189,11 @@ def main(argv=None) -> None:
     dtype = jnp.dtype(args.dtype)
     if args.rounds < 1 or args.iters < 1:
         ap.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
-    unknown_ops = set(args.ops.split(",")) - {"ag", "rs"}
+    unknown_ops = set(args.ops.split(",")) - set(BUILDERS)
     if unknown_ops:
-        ap.error(f"--ops takes ag and rs, got {sorted(unknown_ops)}")
+        ap.error(f"--ops takes {', '.join(BUILDERS)}, got {sorted(unknown_ops)}")
+    if "ar" in args.ops.split(",") and (args.fp8 or args.epilogue):
+        ap.error("--ops ar has no --fp8 or --epilogue rows")
     if args.windowed_einsum_child:
         shapes = _shapes(ap, args, 1, False)
         _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
@@ -223,7 +233,7 @@ def main(argv=None) -> None:
     for M, K, N in shapes:
         for op in args.ops.split(","):
             say(f"{op.upper()} M={M} K={K} N={N}: compiling and checking ...")
-            build = build_ag if op == "ag" else build_rs
+            build = BUILDERS[op]
             impls, ref = build(mesh, M, K, N, dtype, M + K + N, variants, args.fp8, args.epilogue)
             # The epilogue rows compute gelu(x @ w + b): checked against each other below.
             unchecked = UNCHECKED + tuple(EPILOGUE_CHECKS) + tuple(EPILOGUE_CHECKS.values())

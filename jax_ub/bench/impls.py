@@ -31,7 +31,11 @@ AXIS = "tp"
 SOLO = "solo"  # a size-1 axis: jax_ub's op as a GEMM alone
 
 
-OPS = {"ag": jax_ub.all_gather_matmul, "rs": jax_ub.matmul_reduce_scatter}
+OPS = {
+    "ag": jax_ub.all_gather_matmul,
+    "rs": jax_ub.matmul_reduce_scatter,
+    "ar": jax_ub.matmul_all_reduce,
+}
 
 
 def _smap(mesh, f, in_specs, out_specs):
@@ -254,6 +258,32 @@ def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
         solo = _solo_mesh(mesh)
         solo_args = (_put(x, solo, P(None, AXIS)), _put(w, solo, P(AXIS, None)))
         _add_solo_rows(impls, mesh, "rs", x, w, (ins, out), solo_args, fp8)
+    return impls, impls["xla_seq"]
+
+
+def build_ar(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False):
+    """GEMM + all-reduce: x [M, K] split over K (features), w [K, N] over its rows; every
+    device ends with all of psum(x @ w) [M, N]. The ``gemm`` row is each device's local
+    product, the no-communication bound; ``comm`` XLA's all-reduce of [M, N] alone."""
+    if fp8 or epilogue:
+        raise ValueError("ar (matmul_all_reduce) has no fp8 or epilogue rows")
+    x = _random(seed, (M, K), dtype)
+    w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
+    xs, ws = _put(x, mesh, P(None, AXIS)), _put(w, mesh, P(AXIS, None))
+    ins = (P(None, AXIS), P(AXIS, None))
+    y_local = _put(np.ones((M * mesh.shape[AXIS], N), dtype), mesh, P(AXIS, None))
+
+    def op(impl):
+        return _smap(mesh, lambda a, b: jax_ub.matmul_all_reduce(a, b, AXIS, impl=impl), ins, P())
+
+    impls = {
+        "gemm": (_smap(mesh, lambda a, b: a @ b, ins, P(AXIS, None)), (xs, ws)),
+        "comm": (_smap(mesh, lambda a: lax.psum(a, AXIS), (P(AXIS, None),), P()), (y_local,)),
+        "xla_seq": (op("xla"), (xs, ws)),
+        "jax_ub": (op("ub"), (xs, ws)),
+        "jax_ub_auto": (op("auto"), (xs, ws)),
+    }
+    _add_variants(impls, lambda: op("ub"), (xs, ws), variants)
     return impls, impls["xla_seq"]
 
 

@@ -143,22 +143,29 @@ def linear_replicated(
     dtype: Any,
     fp8: str | None,
     activation: Callable[[jax.Array], jax.Array] | None = None,
-    **_: Any,
+    impl: str = "xla",
+    seq_axis: int = 0,
 ) -> jax.Array:
     """A ``kind`` layer with the activations replicated over ``axis_name`` (tensor
     parallelism without sequence parallelism: decoding, or a sequence ``tp`` does not
     divide). ``"column"``: ``x [..., k]`` times this rank's kernel columns, plus its bias
     shard, ``[..., n/tp]``, no communication. ``"row"``: ``x [..., k/tp]`` times this rank's
-    kernel rows, summed over the axis (XLA's all-reduce), plus the bias: ``[..., n]``.
+    kernel rows, summed over the axis, plus the bias: ``[..., n]``, by
+    :func:`jax_ub.matmul_all_reduce` (``impl`` and ``seq_axis`` are its).
     With fp8 the GEMM runs in XLA on the operands (and its output gradient) quantized as the
-    ops quantize them, delayed scales included (:func:`dense`). With ``axis_name=None``, on
-    global arrays: the plain layer, which XLA partitions itself."""
+    ops quantize them, delayed scales included (:func:`dense`), and XLA's all-reduce sums
+    it. With ``axis_name=None``, on global arrays: the plain layer, which XLA partitions
+    itself."""
     x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
-    y = dense(x, kernel, _scales(fp8, params), axis_name)
-    # A group of one sums nothing; JAX leaves a size-1 axis automatic, and XLA refuses an
-    # all-reduce outside manual partitioning.
-    if kind == "row" and axis_name is not None and jax.lax.axis_size(axis_name) > 1:
-        y = jax.lax.psum(y, axis_name)
+    summed = kind == "row" and axis_name is not None
+    if summed and fp8 is None:
+        y = jax_ub.matmul_all_reduce(x, kernel, axis_name, impl=impl, seq_axis=seq_axis)
+    else:
+        y = dense(x, kernel, _scales(fp8, params), axis_name)
+        # A group of one sums nothing; JAX leaves a size-1 axis automatic, and XLA refuses
+        # an all-reduce outside manual partitioning.
+        if summed and jax.lax.axis_size(axis_name) > 1:
+            y = jax.lax.psum(y, axis_name)
     if bias is not None:
         y = y + bias
     return y if activation is None else activation(y)

@@ -78,6 +78,16 @@ def matmul_reduce_scatter_reference(
     return reduce_scatter_rows(scaled_matmul(x, w, scales, out_dtype), axis_name)
 
 
+def matmul_all_reduce_reference(x: jax.Array, w: jax.Array, axis_name: str | None) -> jax.Array:
+    """``psum(x @ w, axis_name)`` (``x @ w`` with ``axis_name=None``: a group of one)."""
+    y = x @ w
+    if axis_name is None:
+        return y
+    if _cpu_16bit(y):  # as reduce_scatter_rows says
+        return lax.psum(y.astype(jnp.float32), axis_name).astype(y.dtype)
+    return lax.psum(y, axis_name)
+
+
 def all_gather_rows(x: jax.Array, axis_name: str) -> jax.Array:
     """``all_gather(x, axis_name, axis=0, tiled=True)``, whose transpose is
     :func:`reduce_scatter_rows` (where that differs from psum_scatter, see there)."""

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from jax_ub._src.settings.config import config
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 log = logging.getLogger("jax_ub")
 
@@ -87,8 +87,10 @@ def comm_bytes(
     if op == "all_gather_matmul":
         itemsize = 1 if fp8 else jnp.dtype(dtype).itemsize  # fp8 gathers float8_e4m3fn
         return (axis_size - 1) * rows * x_shape[-1] * itemsize
-    # Each rank receives a block of M / tp rows from each of its tp - 1 peers.
-    return (axis_size - 1) * rows // axis_size * w_shape[-1] * jnp.dtype(dtype).itemsize
+    # Each rank receives a block of M / tp rows from each of its tp - 1 peers; the
+    # all-reduce receives as many again in its all-gather of the summed blocks.
+    scattered = (axis_size - 1) * rows // axis_size * w_shape[-1] * jnp.dtype(dtype).itemsize
+    return 2 * scattered if op == "matmul_all_reduce" else scattered
 
 
 def check_op(op: str) -> None:

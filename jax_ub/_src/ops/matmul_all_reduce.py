@@ -1,0 +1,141 @@
+"""matmul_all_reduce: psum(x @ w) + bias, the reduction's first half overlapped with the
+matmul: a row-parallel layer whose activations are replicated over tp (decode, prefill)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_ub._src import jax_compat
+from jax_ub._src.lowering import layout
+from jax_ub._src.lowering.reference import matmul_all_reduce_reference
+from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops.all_gather_matmul import check_arguments, contract_rows
+from jax_ub._src.ops.group import Group
+from jax_ub._src.settings import checks
+
+_OP = "matmul_all_reduce"
+
+
+def matmul_all_reduce(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    *,
+    bias: jax.Array | None = None,
+    impl: str = "auto",
+    seq_axis: int = 0,
+) -> jax.Array:
+    """Multiply ``x @ w`` and sum the products over ``axis_name``; then add ``bias``.
+
+    The row-parallel GEMM of tensor parallelism without sequence parallelism: every rank
+    holds all rows (tokens) of the activations and a slice of their features, as when
+    decoding or where ``tp`` does not divide the sequence.
+
+    Called inside ``jax.shard_map`` on local shards, or on global arrays under
+    ``jax.set_mesh(mesh)``: there ``x [..., K]`` is sharded ``P(None, ..., axis_name)``
+    (features), ``w [K, n]`` ``P(axis_name, None)``, and the result comes back replicated.
+
+    How ``impl="ub"`` runs it: the rows of ``x`` along ``seq_axis`` (zero rows appended up
+    to a multiple of ``tp``) go through :func:`matmul_reduce_scatter`, which sums each
+    rank's block of rows while the GEMM runs; an all-gather of the summed blocks (XLA's)
+    then hands every rank all rows. So half of the all-reduce's traffic is hidden behind
+    the GEMM and half is not.
+
+    Args:
+      x: local input ``[rows, ..., k]`` (the features sharded over the axis).
+      w: local weight ``[k, n]`` (the row shard of a larger weight).
+      axis_name: the mesh axis to sum over, of size ``tp``.
+      bias: ``[n]``, the same on every rank, added once to the sum.
+      impl: ``"ub"``, ``"xla"`` (XLA's dot then its all-reduce) or ``"auto"``: ub where its
+        rows split evenly over the axis and the rule of ``jax_ub.explain_impl`` says it
+        pays (on GPUs: an all-reduce of at least ``config.auto_min_bytes`` per rank), else
+        XLA's.
+      seq_axis: the dim of ``x`` whose rows ub splits over the axis for its reduce-scatter:
+        0 for ``[seq, batch, ..., k]``, 1 for batch-major ``[batch, seq, ..., k]`` (the
+        other dims before the features stay whole, split over other mesh axes by XLA).
+
+    Returns:
+      ``psum(x @ w, axis_name) + bias``, of shape ``[..., n]``, the same on every rank (a
+      value that does not vary over the axis, as ``psum``'s).
+
+    The gradient needs no communication: ``dy`` is the same on every rank, so
+    ``dx = dy @ w.T`` and ``dw = x.T @ dy`` are local.
+
+    Example::
+
+        f = jax.jit(jax.shard_map(
+            lambda h, w: jax_ub.matmul_all_reduce(h, w, "tp"),
+            mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
+        y = f(h, w)  # == h @ w, replicated
+    """
+    seq_axis = check_arguments(_OP, x, w, impl, seq_axis, bias, None, None)
+    size = checks.bound_axis_size(_OP, axis_name)
+    if size is None:
+        return _on_global_arrays(x, w, bias, axis_name, impl, seq_axis)
+    y = _summed(x, w, axis_name, impl, size, seq_axis)
+    return y if bias is None else y + jnp.asarray(bias, y.dtype)
+
+
+def _summed(x, w, axis_name: str, impl: str, size: int, seq_axis: int):
+    """psum(x @ w) over the axis, on local shards, by the path ``impl`` picks."""
+    if size == 1:  # nothing to sum; XLA refuses a psum over a size-1 automatic axis
+        return matmul_all_reduce_reference(x, w, None)
+    rows = x.shape[seq_axis]
+    if impl == "auto" and rows % size:  # rows padded only where ub is asked for
+        impl = "xla"
+    group = Group.of_call(_OP, impl, x, w, None, axis_name, size)
+    if not group.ub:
+        return matmul_all_reduce_reference(x, w, axis_name)
+    xs = layout.seq_first(x, seq_axis)
+    pad = -rows % size
+    if pad:
+        xs = jnp.pad(xs, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+    y = _matmul_all_reduce(xs, w, group)
+    return layout.seq_back(y[:rows], seq_axis)
+
+
+def _on_global_arrays(x, w, bias, axis_name: str, impl: str, seq_axis: int):
+    """The op on global arrays: a shard_map over ``axis_name`` alone."""
+
+    def local(x, w, bias=None):
+        return matmul_all_reduce(x, w, axis_name, bias=bias, impl=impl, seq_axis=seq_axis)
+
+    return layout.on_global_arrays(
+        _OP,
+        local,
+        x,
+        w,
+        axis_name,
+        (P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
+        P(),
+        {"features of x (last dim)": x.shape[-1]},
+        bias,
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_all_reduce(x, w, group: Group):
+    # Each rank's block of rows summed during the GEMM, then every block to every rank.
+    # The gathered rows are the same on every rank: the all-gather that says so (invariant
+    # over the axis), as psum's result is.
+    blocks = group.matmul_reduce_scatter(x, w)
+    return jax_compat.all_gather_invariant(blocks, group.axis_name)
+
+
+def _fwd(x, w, group: Group):
+    return _matmul_all_reduce(x, w, group), (x, w)
+
+
+def _bwd(group: Group, res, dy):
+    x, w = res
+    # dy is the same on every rank (the output does not vary over the axis): both
+    # products are local.
+    dx = jnp.einsum("...n,kn->...k", dy, w)
+    return match_varying(dx, x), match_varying(contract_rows(x, dy), w)
+
+
+_matmul_all_reduce.defvjp(_fwd, _bwd)
