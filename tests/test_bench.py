@@ -29,6 +29,21 @@ def test_bench_writes_every_implementation_and_checks_results(tmp_path):
         assert min(r["calls"].values()) >= 2
 
 
+def test_bench_all_reduce_rows(tmp_path):
+    """--ops ar: GEMM + all-reduce at a decode size (one row, padded by ub) and a prefill
+    size, jax_ub's and impl="auto"'s results checked against XLA's dot + psum."""
+    out = tmp_path / "bench.json"
+    bench.main(
+        "--ops ar --shapes 64x32x48 --sweep-m 1 --tp 2 --rounds 1 --iters 2 "
+        f"--no-windowed-einsum --json {out}".split()
+    )
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["op"], r["M"]) for r in rows] == [("ar", 64), ("ar", 1)]
+    for r in rows:
+        assert {"gemm", "comm", "xla_seq", "jax_ub", "jax_ub_auto"} <= set(r["times_ms"])
+        assert r["rel_err"]["jax_ub"] < 2e-2 and r["rel_err"]["jax_ub_auto"] < 2e-2
+
+
 def test_bench_fp8_rows(tmp_path):
     """--fp8 adds jax_ub's and XLA's ops in fp8 (on quantized operands; jax_ub's also
     quantizing in the call) and the fp8 GEMM alone, each op checked against XLA's bf16 op
@@ -104,7 +119,7 @@ def test_bench_refuses_bad_variants(bad):
         ("--shapes 30x8x8 --tp 4", "M=30 and N=8 must be multiples of the 4 devices"),
         ("--shapes 8x8", "is not three positive sizes"),
         ("--shapes axbxc", "is not MxKxN"),
-        ("--ops ag,xy", "--ops takes ag and rs, got ['xy']"),
+        ("--ops ag,xy", "--ops takes ag, rs, ar, got ['xy']"),
     ],
 )
 def test_bench_bad_arguments_are_clear_errors(capsys, argv, message):

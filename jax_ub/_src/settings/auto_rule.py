@@ -11,15 +11,18 @@ run (dtype, platform, extension, fp8 support: :mod:`jax_ub._src.ops.impl_choice`
   per rank: XLA.** The op costs a fixed ~15-20 us of extra kernels per call (the split of
   the GEMM, the descriptor check, RS's sum pass); a collective shorter than that has too
   little to hide.
-* **GPUs, otherwise: ub.**
+* **GPUs, otherwise: ub.** matmul_all_reduce needs ``ALL_REDUCE_FACTOR`` (6) times as many
+  bytes (48 MiB by default), and rows that the group divides (else XLA's).
 
 Bytes per rank (:func:`comm_bytes`) are what one rank receives from its peers, in the dtype
 the collective moves: all_gather_matmul of a local ``x [m, ..., k]`` over ``tp`` ranks
 moves ``(tp - 1) * m * ... * k`` elements of ``x`` (fp8 moves 1-byte elements);
 matmul_reduce_scatter of ``x [M, ..., k] @ w [k, n]`` moves ``(tp - 1) / tp * M * ... * n``
-partial sums in ``x.dtype`` (fp8 too). The backward of each op moves the same bytes as its
-forward (dx of an all-gather matmul is a reduce-scatter of ``dy [tp * m, ..., n] @ w.T``),
-so one decision covers both.
+partial sums in ``x.dtype`` (fp8 too); matmul_all_reduce twice that (the scatter, then
+the all-gather of the summed rows). The backward of each of the first two moves the same
+bytes as its forward (dx of an all-gather matmul is a reduce-scatter of
+``dy [tp * m, ..., n] @ w.T``), so one decision covers both; the all-reduce's backward
+moves nothing.
 
 The default, ``config.DEFAULT_AUTO_MIN_BYTES`` = 8 MiB, is the smallest size per rank at
 which neither op lost to XLA's on 2x H200 (bf16, tp=2; benchmarks/RESULTS.md, "Small calls",
@@ -48,6 +51,13 @@ import jax.numpy as jnp
 from jax_ub._src.settings.config import config
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+# matmul_all_reduce hides only its reduce-scatter half behind the GEMM; its all-gather half
+# runs after it. So it pays from larger sizes: ALL_REDUCE_FACTOR times auto_min_bytes (of
+# both halves' bytes). On 2x H200 (bf16, tp=2, n=4096; benchmarks/RESULTS.md, "GEMM +
+# all-reduce") ub ran 3-8% faster than XLA's dot + all-reduce at 64 MiB per rank, even at
+# 32 MiB and 11-30% slower at 16 MiB.
+ALL_REDUCE_FACTOR = 6
 
 log = logging.getLogger("jax_ub")
 
@@ -129,15 +139,19 @@ def auto_choice(
             "xla", "a group of one device has nothing to communicate: a plain dot is faster", 0
         )
     limit = config.auto_min_bytes if min_bytes is None else min_bytes
+    name = "auto_min_bytes"
+    if op == "matmul_all_reduce":
+        limit *= ALL_REDUCE_FACTOR
+        name = f"{ALL_REDUCE_FACTOR} x auto_min_bytes"
     if moved < limit:
         return ImplChoice(
             "xla",
-            f"its collective moves {_size(moved)} per rank, below auto_min_bytes="
+            f"its collective moves {_size(moved)} per rank, below {name}="
             f"{_size(limit)}: too little to hide the op's fixed cost per call",
             moved,
         )
     return ImplChoice(
-        "ub", f"its collective moves {_size(moved)} per rank, >= auto_min_bytes={_size(limit)}",
+        "ub", f"its collective moves {_size(moved)} per rank, >= {name}={_size(limit)}",
         moved,
     )  # fmt: skip
 
