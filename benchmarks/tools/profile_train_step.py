@@ -115,7 +115,13 @@ def describe_custom_calls(hlo_text: str) -> dict[str, str]:
         shape = re.sub(r"\{[\d,]*\}", "", m.group(2))  # layouts say nothing here
         bwd = " (bwd)" if "transpose(" in line else ""
         tw = " w.T" if "transpose_w = true" in line else ""
-        described[m.group(1)] = f"{target.group(1).removeprefix('jax_ub_')}{tw} -> {shape}{bwd}"
+        # Where JAX traced it (autodiff, remat, scan), without the jit and the op itself.
+        op_name = re.search(r'op_name="([^"]+)"', line)
+        where = op_name.group(1).split("/")[1:-1] if op_name else []
+        where = "/".join(w for w in where if w != "shard_map")
+        described[m.group(1)] = (
+            f"{target.group(1).removeprefix('jax_ub_')}{tw} -> {shape}{bwd} [{where}]"
+        )
     return described
 
 
@@ -123,35 +129,57 @@ def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
     """Print the HLO instructions whose kernels took the most GPU time (the trace's
     ``hlo_op`` annotation), custom calls of one target and shape summed over their
     instances (the layers'): which op's GEMMs run long, where kernel names do not say.
-    Per row: the instances' wall time (first kernel's start to last kernel's end, on each
-    GPU) and their kernels' time without copies."""
+    Per row: the instances' wall time (first kernel's start to last kernel's end, per run
+    and GPU), their kernels' time without copies, and how many instructions it sums; then
+    the kernels of the largest jax_ub rows."""
     described = describe_custom_calls(hlo_text)
-    spans: dict[tuple[int, str], list[float]] = {}  # (gpu, instruction) -> start, end, busy
+    events: dict[tuple[int, str], list[tuple[float, float, str]]] = collections.defaultdict(list)
     for e in device_events(trace_dir):
         op = e.get("args", {}).get("hlo_op")
-        if not op:
-            continue
-        start, dur = float(e["ts"]), float(e["dur"])
-        span = spans.setdefault((e["pid"], op), [start, start + dur, 0.0])
-        span[0], span[1] = min(span[0], start), max(span[1], start + dur)
-        if not re.search(r"memcpy|memset", e["name"].lower()):
-            span[2] += dur
-    if not spans:
+        if op:
+            start = float(e["ts"])
+            events[(e["pid"], op)].append((start, start + float(e["dur"]), e["name"]))
+    if not events:
         print("  (the trace names no HLO instructions)")
         return
-    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    for (_, op), (start, end, busy) in spans.items():
+    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
+    rows: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, set()])
+    kernels_of: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    calls_of: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for (_, op), evs in events.items():
+        evs.sort()
         row = rows[described.get(op, op)]
-        row[0] += end - start
-        row[1] += busy
-        row[2] += 1
+        row[0] += sum(b - a for a, b in _runs(evs))
+        for a, b, name in evs:
+            if not copy.search(name):
+                row[1] += b - a
+            kernels_of[described.get(op, op)][name[:60]] += b - a
+            calls_of[described.get(op, op)][name[:60]] += 1
+        row[2].add(op)
     scale = 1e-3 / TRACED_STEPS / ndev
     print(
         "  HLO instructions by wall time (ms/step/GPU: wall, kernels without copies; "
-        "instances; instruction):"
+        "instructions; what):"
     )
-    for op, (wall, busy, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:HLO_ROWS]:
-        print(f"    {wall * scale:7.2f} {busy * scale:7.2f}  {n / ndev:4.0f}  {op}")
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])
+    for what, (wall, busy, ops) in ranked[:HLO_ROWS]:
+        print(f"    {wall * scale:7.2f} {busy * scale:7.2f}  {len(ops):4d}  {what}")
+    for what, _ in [kv for kv in ranked if kv[0] in described.values()][:6]:
+        print(f"  kernels of {what} (ms/step/GPU, launches/step/GPU):")
+        for name, us in kernels_of[what].most_common(6):
+            n = calls_of[what][name] / TRACED_STEPS / ndev
+            print(f"      {us * scale:7.2f}  {n:5.1f}  {name}")
+
+
+def _runs(evs: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
+    """One instruction's events (sorted) split into its TRACED_STEPS runs, at the largest
+    gaps between them: (first start, last end) of each run."""
+    gaps = sorted(range(1, len(evs)), key=lambda i: evs[i][0] - evs[i - 1][1])
+    cuts = sorted(gaps[-(TRACED_STEPS - 1) :]) if len(evs) >= TRACED_STEPS else []
+    bounds = [0, *cuts, len(evs)]
+    return [
+        (evs[i][0], max(b for _, b, _ in evs[i:j])) for i, j in zip(bounds, bounds[1:]) if j > i
+    ]
 
 
 def side_by_side(summaries: dict[str, dict[str, float]]) -> None:
@@ -217,6 +245,9 @@ def profile_llama(argv: list[str], out: str) -> None:
         label = f"{variant} (loss {float(loss):.5f}, mean of {margs.steps} steps)"
         summaries[variant] = report(label, step_ms, trace_dir, ndev)
         by_hlo_op(trace_dir, ndev, step.as_text())
+        hlo_dir = out or os.environ.get("OUT")  # device_run.sh's output folder
+        if hlo_dir:  # the compiled step, for reading what ran
+            pathlib.Path(hlo_dir, f"hlo_{variant}.txt").write_text(step.as_text())
     side_by_side(summaries)
 
 
