@@ -11,8 +11,10 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import re  # noqa: E402
 import zlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -437,3 +439,40 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
     if done.returncode != 0 or not re.search(r"^1 passed", done.stdout, re.MULTILINE):
         pytest.fail(f"the test failed in its own process (rc={done.returncode}):\n{tail}")
     return False
+
+
+def llama_step_texts(mesh, *, layers: int = 2, scan_unroll=True) -> tuple[str, str]:
+    """(lowered StableHLO, compiled HLO) of the tiny Llama's training step with jax_ub's
+    ops (impl="ub") on ``mesh`` ("dp", "tp"), its blocks scanned over stacked params."""
+    from flax import nnx
+
+    from jax_ub.bench import llama
+
+    cfg = dataclasses.replace(llama.PRESETS["tiny"], layers=layers)
+    tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab)
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, jax.NamedSharding(mesh, P("dp", None)))
+        model = llama.Llama(cfg, impl="ub", scan_unroll=scan_unroll, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split((model, llama.make_optimizer(model)))
+
+        def step(state, tokens):
+            model, optimizer = nnx.merge(graphdef, state)
+            return llama.loss_and_update(model, optimizer, tokens)
+
+        lowered = jax.jit(step).lower(state, tokens)
+        return lowered.as_text(), lowered.compile().as_text()
+
+
+def assert_each_call_compiled_once(compiled: str, layers: int) -> None:
+    """The compiled step of :func:`llama_step_texts` (blocks unrolled, as XLA's GPU
+    compiler inlines them) runs each of jax_ub's calls once: per block the forward's two
+    all-gathers (q/k/v, gate/up) and two reduce-scatters (output, down projection) and the
+    backward's swapped pair of each, plus the LM head's all-gather and its backward's
+    reduce-scatter. A repeated call would run its GEMMs and transfers twice (XLA's GPU
+    dynamic-slice fusion once kept a fused copy beside the original call)."""
+    got = collections.Counter(re.findall(r'custom_call_target="(jax_ub_\w+)"', compiled))
+    want = {
+        "jax_ub_all_gather_matmul": 4 * layers + 1,
+        "jax_ub_matmul_reduce_scatter": 4 * layers + 1,
+    }
+    assert got == want, (got, want)

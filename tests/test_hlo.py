@@ -9,7 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import smap
+from conftest import llama_step_texts, smap
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -183,3 +183,22 @@ def test_backward_reads_the_weight_in_place(mesh1d, rand, op, in_specs):
     assert set(weights) == {AG_TARGET, RS_TARGET}, text
     assert weights[AG_TARGET] == weights[RS_TARGET], weights
     assert not re.search(r"\btranspose\(%", text), text  # an op, not op_name metadata
+
+
+@pytest.mark.parametrize("scan_unroll", [True, 1])
+def test_custom_calls_take_their_operands_through_a_barrier(mesh2d, scan_unroll):
+    """A Llama whose blocks are scanned (unrolled, or a loop) over stacked params: every
+    jax_ub custom call takes its operands through an optimization barrier, which keeps
+    XLA's GPU dynamic-slice fusion from repeating the call (test_gpu_models.py counts the
+    calls that the GPU compiler keeps)."""
+    lowered, _ = llama_step_texts(mesh2d(2, 2), scan_unroll=scan_unroll)
+    calls = re.findall(r"custom_call @jax_ub_\w+\(([^)]*)\)", lowered)
+    barriers = re.findall(r"(%[\w#:]+) = stablehlo\.optimization_barrier", lowered)
+    produced = {b.split(":")[0] for b in barriers}
+    # x reaches the call flattened to 2-D: a reshape of the barrier's result
+    reshaped = re.findall(r"(%\w+) = stablehlo\.reshape (%\w+)#", lowered)
+    produced |= {r for r, src in reshaped if src in produced}
+    assert calls
+    for operands in calls:
+        for operand in re.findall(r"%[\w]+", operands):
+            assert operand in produced, (operand, operands)
