@@ -166,8 +166,9 @@ def test_defaults_docstring_runs():
 
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_sequence_parallel_false_replicates_the_activations(rand, api):
-    """sequence_parallel=False: no jax_ub collective (replicated activations, an
-    all-reduce after the row projection), the same numbers as sequence-parallel."""
+    """sequence_parallel=False: replicated activations, the column projection local and
+    the row projection summed by matmul_all_reduce (under impl="ub" its reduce-scatter
+    custom call, then XLA's all-gather), the same numbers as sequence-parallel."""
     mesh = make_mesh((2, "tp"))
     x = rand(SEQ, BATCH, D)
     out, texts = {}, {}
@@ -184,8 +185,8 @@ def test_sequence_parallel_false_replicates_the_activations(rand, api):
             out[sp], texts[sp] = f(*args), hlo(f, *args)
     assert "jax_ub_all_gather_matmul" in texts[None]
     assert "jax_ub_all_gather_matmul" not in texts[False]
-    assert "jax_ub_matmul_reduce_scatter" not in texts[False]
-    assert "all_reduce" in texts[False]
+    assert "jax_ub_matmul_reduce_scatter" in texts[False]
+    assert "stablehlo.all_gather" in texts[False] and "all_reduce" not in texts[False]
     assert rel_err(out[False], out[None]) < 1e-5
 
 

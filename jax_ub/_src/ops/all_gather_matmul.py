@@ -8,18 +8,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.epilogue import check_epilogue, epilogue_grads
+from jax_ub._src.ops.common import check_arguments, contract_rows
+from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_gathered, saved_output
 from jax_ub._src.settings import checks
-from jax_ub._src.settings.config import config
 from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
 _OP = "all_gather_matmul"
@@ -131,19 +130,6 @@ def all_gather_matmul(
     return _all_gather_matmul(x, w, bias, group, gelu, return_gathered)
 
 
-def check_arguments(op: str, x, w, impl: str, seq_axis: int, bias, activation, fp8) -> int:
-    """The checks of a call's arguments that all_gather_matmul and matmul_reduce_scatter
-    share (each raising with ``op``'s name); returns ``seq_axis`` normalised."""
-    checks.check_impl(op, impl)
-    checks.check_matmul_shapes(op, x, w)
-    seq_axis = layout.check_seq_axis(op, x, seq_axis)
-    check_epilogue(op, x, w, bias, activation)
-    checks.check_fp8_operands(op, x, w, fp8)
-    if fp8 is not None:
-        checks.check_fp8_scales(op, fp8)
-    return seq_axis
-
-
 def _on_global_arrays(
     x, w, bias, activation, axis_name: str, impl: str, return_gathered, fp8, seq_axis: int
 ):
@@ -180,19 +166,6 @@ def _on_global_arrays(
         None if bias is None and fp8 is None else (bias, fp8),
         (P(axis_name), P()),  # the bias's columns are w's; fp8 scales replicated
     )
-
-
-def contract_rows(a, b):
-    """``a [rows, *batch, p]``, ``b [rows, *batch, q]`` -> ``a^T b`` of shape ``[p, q]``.
-
-    The weight gradient is XLA's dot, not a custom call, so it follows ``allow_tf32`` here:
-    XLA's default float32 dot on GPUs may run in TF32, which the ops' own GEMMs do only
-    with ``allow_tf32``. 16-bit operands keep XLA's default: they have no TF32 to avoid,
-    and HIGHEST would make XLA's GPU GEMM slower for nothing."""
-    lead = tuple(range(a.ndim - 1))
-    wide = all(jnp.dtype(t.dtype).itemsize >= 4 for t in (a, b))
-    precision = lax.Precision.HIGHEST if wide and not config.allow_tf32 else None
-    return jnp.tensordot(a, b, axes=(lead, lead), precision=precision)
 
 
 class _Residuals(NamedTuple):

@@ -78,6 +78,20 @@ class RsResiduals(NamedTuple):
     seen_w: jax.Array | None  # the same of w
 
 
+class QuantizedForward(NamedTuple):
+    """The residual fields :class:`AgResiduals` and :class:`RsResiduals` share, as the
+    forward's operand quantization makes them (see those classes)."""
+
+    x_like: jax.Array
+    w_like: jax.Array
+    w_q: jax.Array
+    x_scale: jax.Array
+    w_scale: jax.Array
+    grad_scale: jax.Array | None
+    seen_x: jax.Array | None
+    seen_w: jax.Array | None
+
+
 def _ag(
     x_q,
     w_t,
@@ -175,9 +189,8 @@ def _cotangent(d, primal_like):
 
 
 def _quantize_operands(x, w, fp8: Fp8Scales, group: Group, x_gathered: bool):
-    """``(x_q, w_q, the residual fields both ops keep)``: an fp8 op's forward operands in
-    e4m3 with the scales ``fp8`` gives or current ones. The fields are those
-    :class:`AgResiduals` and :class:`RsResiduals` share (``w_q`` among them).
+    """``(x_q, w_q, QuantizedForward)``: an fp8 op's forward operands in e4m3 with the
+    scales ``fp8`` gives or current ones, and the residual fields both ops keep.
 
     An ``x`` that is gathered (``x_gathered``) takes the group's amax for its current
     scale, one scale for every chunk; partials dequantized by each rank's GEMM before they
@@ -187,7 +200,7 @@ def _quantize_operands(x, w, fp8: Fp8Scales, group: Group, x_gathered: bool):
     lw = _local_amax(w)
     sx, sw = _scale_of(fp8.x, lx, E4M3), _scale_of(fp8.w, lw, E4M3)
     w_q = _quantized(w, sw)
-    shared = dict(
+    shared = QuantizedForward(
         x_like=x[:0],
         w_like=w[:0],
         w_q=w_q,
@@ -228,7 +241,7 @@ def fp8_all_gather_matmul(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
 def ag_forward(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
     """fp8_all_gather_matmul's forward: (its result, its :class:`AgResiduals`)."""
     x_q, w_q, shared = _quantize_operands(x, w, fp8, group, x_gathered=True)
-    sx, sw = shared["x_scale"], shared["w_scale"]
+    sx, sw = shared.x_scale, shared.w_scale
     out_dtype = result_dtype(x, w)
     if out_dtype == jnp.float32:
         # cuBLASLt has no fp8 GEMM with a float32 output, float32 bias and GELU (it answered
@@ -241,7 +254,7 @@ def ag_forward(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
         )
     out, g_q = saved_output(out), saved_gathered(g_q)  # kept under remat (remat.py)
     res = AgResiduals(
-        **shared,
+        **shared._asdict(),
         gathered_q=g_q,
         pre_gelu=pre if gelu else None,
         bias_like=None if bias is None else bias[:0],
@@ -277,9 +290,9 @@ def rs_forward(x, w, fp8: Fp8Scales, group: Group):
     """fp8_matmul_reduce_scatter's forward: (its result, its :class:`RsResiduals`)."""
     # Partials are dequantized by each rank's GEMM before they are summed: local scales fit.
     x_q, w_q, shared = _quantize_operands(x, w, fp8, group, x_gathered=False)
-    sx, sw = shared["x_scale"], shared["w_scale"]
+    sx, sw = shared.x_scale, shared.w_scale
     out = _rs(x_q, w_q.T, sx, sw, out_dtype=result_dtype(x, w), group=group)
-    return saved_output(out), RsResiduals(**shared, x_q=x_q)
+    return saved_output(out), RsResiduals(**shared._asdict(), x_q=x_q)
 
 
 def rs_grads(res: RsResiduals, dy, group: Group, dgelu_at=None):

@@ -13,7 +13,7 @@ from jax_ub._src import jax_compat
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import matmul_all_reduce_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.all_gather_matmul import check_arguments, contract_rows
+from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.group import Group
 from jax_ub._src.settings import checks
 

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.all_gather_matmul import check_arguments, contract_rows
+from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_output

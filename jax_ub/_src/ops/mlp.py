@@ -19,7 +19,8 @@ from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import impl_choice
-from jax_ub._src.ops.all_gather_matmul import all_gather_matmul, contract_rows
+from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
+from jax_ub._src.ops.common import contract_rows
 from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
 from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.ops.group import Group

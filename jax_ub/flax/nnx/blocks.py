@@ -188,10 +188,10 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         ``deterministic`` and the rngs as ``nnx.Dropout``'s (see :class:`ParallelMLP`).
       broadcast_dropout: one ``[seq, seq]`` mask for every batch entry and head (default,
         flax's), else one per batch entry and head.
-      deterministic: see ``dropout_rate`` (default None: given per call).
-      config, mesh, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
-        seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for
-        :class:`ColumnParallelLinear`, shared by both projections.
+      deterministic, config, mesh, axis_name, param_axes, impl, sequence_parallel,
+        amax_history_length, seq_axis, use_bias, dtype, param_dtype, kernel_init,
+        bias_init, rngs: as for :class:`ParallelMLP` (the settings shared by the qkv and
+        output projections).
     """
 
     def __init__(
