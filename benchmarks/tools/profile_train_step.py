@@ -15,9 +15,14 @@ jax_ub.bench.model`` (the arguments after ``--model llama`` are that benchmark's
 layers, seq, batch, tp, remat, fp8, scan unroll, variants, dtypes), each variant in turn
 (jax_ub, xla, bound: every GEMM kept, the collectives removed), and ends with a table of the
 variants side by side: step time, busy and idle time per GPU, and time per kernel kind.
+Per HLO instruction it gives wall and kernel time, jax_ub's custom calls summed by op,
+shape and where JAX traced them (forward, backward, remat), and the kernels of the largest;
+``--no-command-buffers`` (before ``--model``) makes XLA name every instruction instead of
+its CUDA graphs. Under ``device_run.sh`` the compiled step's HLO is written to ``$OUT``.
 
-    python benchmarks/tools/profile_train_step.py --model llama --preset llama3-8b \\
-        --layers 4 --seq 8192 --batch 1 --param-dtype bfloat16 --scan-unroll 0
+    python benchmarks/tools/profile_train_step.py --no-command-buffers --model llama \\
+        --preset llama3-8b --layers 4 --seq 8192 --batch 1 --param-dtype bfloat16 \\
+        --scan-unroll 0
 """
 
 from __future__ import annotations
