@@ -120,11 +120,12 @@ def all_gather_invariant(x, axis_name: str):
     the axis (not varying over it), as ``psum``'s result is; its transpose takes each
     rank's own block of the cotangent, with no communication.
 
-    Public from JAX 0.12: ``lax.all_gather(..., to="invarying")``. Before it, the private
-    ``jax._src.lax.parallel.all_gather_invariant``. Without vma tracking the two are
-    ``lax.all_gather``."""
-    if "to" in inspect.signature(jax.lax.all_gather).parameters:
-        return jax.lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
+    Public from JAX 0.12: ``lax.all_gather(..., to="invarying")`` (0.9-0.11 take ``to``
+    but not that value). Before it, the private
+    ``jax._src.lax.parallel.all_gather_invariant``."""
     from jax._src.lax import parallel as _parallel
 
-    return _parallel.all_gather_invariant(x, axis_name, axis=0, tiled=True)
+    private = getattr(_parallel, "all_gather_invariant", None)
+    if private is not None:
+        return private(x, axis_name, axis=0, tiled=True)
+    return jax.lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
