@@ -264,9 +264,8 @@ def build_rs(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
 def build_ar(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False):
     """GEMM + all-reduce: x [M, K] split over K (features), w [K, N] over its rows; every
     device ends with all of psum(x @ w) [M, N]. The ``gemm`` row is each device's local
-    product, the no-communication bound; ``comm`` XLA's all-reduce of [M, N] alone."""
-    if fp8 or epilogue:
-        raise ValueError("ar (matmul_all_reduce) has no fp8 or epilogue rows")
+    product, the no-communication bound; ``comm`` XLA's all-reduce of [M, N] alone. No fp8
+    or epilogue rows (the command line refuses them)."""
     x = _random(seed, (M, K), dtype)
     w = _random(seed + 1, (K, N), dtype, 1 / np.sqrt(K))
     xs, ws = _put(x, mesh, P(None, AXIS)), _put(w, mesh, P(AXIS, None))
