@@ -85,12 +85,10 @@ def _summed(x, w, axis_name: str, impl: str, size: int, seq_axis: int):
     if size == 1:  # nothing to sum; XLA refuses a psum over a size-1 automatic axis
         return matmul_all_reduce_reference(x, w, None)
     rows = x.shape[seq_axis]
-    if impl == "auto" and rows % size:  # rows padded only where ub is asked for
-        impl = "xla"
-    group = Group.of_call(_OP, impl, x, w, None, axis_name, size)
+    xs = layout.seq_first(x, seq_axis)  # the rule reads the rows first
+    group = Group.of_call(_OP, impl, xs, w, None, axis_name, size)
     if not group.ub:
         return matmul_all_reduce_reference(x, w, axis_name)
-    xs = layout.seq_first(x, seq_axis)
     pad = -rows % size
     if pad:
         xs = jnp.pad(xs, ((0, pad),) + ((0, 0),) * (x.ndim - 1))

@@ -123,6 +123,11 @@ def auto_choice(
     ``platform`` ("cpu" or "gpu"/"cuda"); ``min_bytes`` defaults to
     ``jax_ub.config.auto_min_bytes``. Pure: reads nothing but the config."""
     known = axis_size is not None
+    if op == "matmul_all_reduce" and known and x_shape[0] % axis_size:
+        # ub would pad the rows (x_shape[0]: the sequence, first) up to a multiple of tp
+        return ImplChoice(
+            "xla", f"its {x_shape[0]} rows do not split over {axis_size} ranks: ub would pad them"
+        )
     moved = comm_bytes(op, x_shape, w_shape, dtype, axis_size, fp8=fp8) if known else None
     if platform == "cpu":
         return ImplChoice(
