@@ -457,7 +457,9 @@ def llama_step_texts(mesh, *, layers: int = 2, scan_unroll=True) -> tuple[str, s
 
         def step(state, tokens):
             model, optimizer = nnx.merge(graphdef, state)
-            return llama.loss_and_update(model, optimizer, tokens)
+            loss = llama.loss_and_update(model, optimizer, tokens)
+            # The updated state is returned: without it XLA would drop the backward pass.
+            return loss, nnx.state((model, optimizer))
 
         lowered = jax.jit(step).lower(state, tokens)
         return lowered.as_text(), lowered.compile().as_text()

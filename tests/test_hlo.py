@@ -9,7 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import llama_step_texts, smap
+from conftest import assert_each_call_compiled_once, llama_step_texts, smap
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -190,8 +190,10 @@ def test_custom_calls_take_their_operands_through_a_barrier(mesh2d, scan_unroll)
     """A Llama whose blocks are scanned (unrolled, or a loop) over stacked params: every
     jax_ub custom call takes its operands through an optimization barrier, which keeps
     XLA's GPU dynamic-slice fusion from repeating the call (test_gpu_models.py counts the
-    calls that the GPU compiler keeps)."""
-    lowered, _ = llama_step_texts(mesh2d(2, 2), scan_unroll=scan_unroll)
+    calls that the GPU compiler keeps; on CPU the unrolled step has each call once too)."""
+    lowered, compiled = llama_step_texts(mesh2d(2, 2), scan_unroll=scan_unroll)
+    if scan_unroll is True:
+        assert_each_call_compiled_once(compiled, layers=2)
     calls = re.findall(r"custom_call @jax_ub_\w+\(([^)]*)\)", lowered)
     barriers = re.findall(r"(%[\w#:]+) = stablehlo\.optimization_barrier", lowered)
     produced = {b.split(":")[0] for b in barriers}
