@@ -27,7 +27,7 @@ BAD_SETTINGS = [
         dict(timeout=5.0),
         ValueError,
         r"unknown jax_ub setting 'timeout'; known: \['buffer_bytes', 'timeout_s', "
-        r"'allow_grow', 'allow_tf32', 'auto_min_bytes', 'gemm_cache'\]",
+        r"'allow_grow', 'allow_tf32', 'auto_min_bytes', 'gemm_cache', 'keep_gathered'\]",
     ),
     (dict(buffers=1, grow=True), ValueError, r"unknown jax_ub setting 'buffers', 'grow'"),
     (dict(timeout_s=0), ValueError, r"timeout_s must be positive"),
@@ -43,6 +43,7 @@ BAD_SETTINGS = [
         ValueError,
         r"allow_grow must be True or False, got 1 \(jax_ub.configure",
     ),
+    (dict(keep_gathered="no"), ValueError, r"keep_gathered must be True or False, got 'no'"),
     (dict(gemm_cache=3), ValueError, r"gemm_cache must be a file path \(str\), got 3"),
     (dict(gemm_cache="/"), ValueError, r"gemm_cache must be a file, '/' is a directory"),
     (
@@ -152,6 +153,12 @@ BAD_ENV = {
         r"auto_min_bytes must be an integer number of bytes >= 0, got -5 \(environment "
         r"variable JAX_UB_AUTO_MIN_BYTES='-5'\)",
     ),
+    "keep_gathered": (
+        "JAX_UB_KEEP_GATHERED",
+        "sometimes",
+        r"JAX_UB_KEEP_GATHERED='sometimes' is not a valid value \(expected one of "
+        r"1/true/yes/on or 0/false/no/off\)",
+    ),
     "gemm_cache": (
         "JAX_UB_GEMM_CACHE",
         "/no/such/folder/x",
@@ -165,6 +172,7 @@ VALID = {
     "allow_grow": True,
     "auto_min_bytes": 8 << 20,
     "gemm_cache": "",
+    "keep_gathered": True,
 }
 
 

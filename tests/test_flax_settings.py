@@ -231,3 +231,29 @@ def test_a_mask_of_no_number_dtype_is_named(rand):
         attn(x, mask)
     with pytest.raises(ValueError, match=r"mask of shape \(3, 8\) does not broadcast"):
         attn(x, jnp.ones((3, SEQ)))
+
+
+def test_configure_reaches_layers_traced_before(rand):
+    """A layer keeps one jitted shard_map per mesh; a trace-time setting changed after its
+    first trace (keep_gathered here) still reaches the next program traced: the backward
+    gathers x again (an XLA all-gather in the gradient's program)."""
+    mesh = make_mesh((2, "tp"))
+    x = rand(SEQ, BATCH, D)
+    with ubf.defaults(impl="ub", mesh=mesh):
+        m = ubf.ParallelMLP(D, F, rngs=nnx.Rngs(0))
+    graphdef = nnx.graphdef(m)
+
+    def grad_text():
+        loss = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x) ** 2)  # noqa: E731
+        return hlo(jax.jit(jax.grad(loss)), nnx.state(m), x)
+
+    saved = jax_ub.config.keep_gathered
+    try:
+        texts = []
+        for keep in (True, False):
+            jax_ub.configure(keep_gathered=keep)
+            texts.append(grad_text())
+    finally:
+        jax_ub.configure(keep_gathered=saved)
+    assert "stablehlo.all_gather" not in texts[0]
+    assert "stablehlo.all_gather" in texts[1]

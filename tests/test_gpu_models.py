@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_flax_decode import check_greedy_decoding
 
+import jax_ub
 from jax_ub.bench import llama
 
 pytestmark = pytest.mark.gpu
@@ -67,20 +68,27 @@ def test_greedy_decoding_with_a_cache(dp, tp):
         check_greedy_decoding(_mesh(dp, tp))
 
 
-def test_bfloat16_llama_step_on_gpus_is_close_to_xla():
-    """bf16 compute and params, tp=2: the first losses agree to bf16 precision."""
+@pytest.mark.parametrize("keep_gathered", [True, False])
+def test_bfloat16_llama_step_on_gpus_is_close_to_xla(keep_gathered):
+    """bf16 compute and params, tp=2: the first losses agree to bf16 precision, whether the
+    ops keep the gathered x for the backward or gather it again there."""
     mesh = _mesh(1, 2)
     tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, CFG.vocab)
     losses = {}
-    with jax.set_mesh(mesh):
-        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
-        for impl in ("ub", "xla"):
-            model = llama.Llama(
-                CFG, impl=impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
-            )
-            optimizer = llama.make_optimizer(model, 3e-3)
-            steps = [llama.train_step(model, optimizer, tokens) for _ in range(3)]
-            losses[impl] = np.array([float(loss) for loss in steps])
+    saved = jax_ub.config.keep_gathered
+    jax_ub.configure(keep_gathered=keep_gathered)
+    try:
+        with jax.set_mesh(mesh):
+            tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+            for impl in ("ub", "xla"):
+                model = llama.Llama(
+                    CFG, impl=impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+                )
+                optimizer = llama.make_optimizer(model, 3e-3)
+                step = nnx.jit(llama.loss_and_update)  # traced here, with this setting
+                losses[impl] = np.array([float(step(model, optimizer, tokens)) for _ in range(3)])
+    finally:
+        jax_ub.configure(keep_gathered=saved)
     assert np.all(np.isfinite(losses["ub"]))
     np.testing.assert_allclose(losses["ub"], losses["xla"], rtol=2e-2)
 

@@ -127,3 +127,72 @@ def test_grad_keeps_gathered_x_not_x(mesh1d, rand):
     )
     # w (16 x 32), the gathered x of each of the 4 devices (4 x 32 x 16), an empty slice.
     assert sizes == [0, 16 * 32, 4 * 32 * 16], sizes
+
+
+@pytest.fixture
+def gather_again():
+    """``jax_ub.configure(keep_gathered=False)`` for the test only."""
+    saved = jax_ub.config.keep_gathered
+    jax_ub.configure(keep_gathered=False)
+    try:
+        yield
+    finally:
+        jax_ub.configure(keep_gathered=saved)
+
+
+def _ag_then_mlp(impl):
+    """A column-parallel GELU projection, then gelu_mlp: both ops that keep x."""
+
+    def body(x, w, b, w_up, w_down):
+        h = AG(x, w, "tp", bias=b, activation="gelu", impl=impl)
+        h = jax_ub.matmul_reduce_scatter(h, w_up.T, "tp", impl=impl)
+        return jax_ub.gelu_mlp(h, w_up, w_down, "tp", impl=impl)
+
+    return body
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grads_whether_or_not_the_gathered_x_is_kept(mesh1d, rand, keep, dtype):
+    """With keep_gathered off the backward gathers x again: the same gradients, and one
+    XLA all-gather per all-gathered op in the program (none where it is kept)."""
+    mesh, k = mesh1d(4), 16
+    args = (rand(32, 2, k), rand(k, 32), rand(32), rand(k, 32), rand(32, k))
+    args = tuple(a.astype(dtype) for a in args)
+    specs = (P("tp"), P(None, "tp"), P("tp"), P(None, "tp"), P("tp", None))
+
+    def grads(impl):
+        f = smap(_ag_then_mlp(impl), mesh, in_specs=specs, out_specs=P("tp"))
+        return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), (0, 1, 3)))
+
+    saved = jax_ub.config.keep_gathered
+    jax_ub.configure(keep_gathered=keep)
+    try:
+        with jax.default_matmul_precision("highest"):
+            got, want = grads("ub")(*args), grads("xla")(*args)
+            text = grads("ub").lower(*args).as_text()
+    finally:
+        jax_ub.configure(keep_gathered=saved)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < tol(dtype), rel_err(g, r)
+    assert text.count("stablehlo.all_gather") == (0 if keep else 2), keep
+
+
+def test_checkpointed_op_keeps_no_gathered_x(mesh1d, rand, gather_again):
+    """With keep_gathered off, under jax.checkpoint with dots_and_ops_saveable, nothing of
+    the gathered size is saved: x's shard is recomputed from the input (here a norm's
+    output), as XLA's unfused ops under the dots policy do."""
+    saved_residuals = pytest.importorskip("jax._src.ad_checkpoint").saved_residuals
+    mesh = mesh1d(4)
+    x, w = rand(4 * 8, 16), rand(16, 4 * 8)
+
+    def body(x, w):
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        return AG(x, w, "tp", impl="ub")
+
+    f = jax.checkpoint(
+        smap(body, mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")),
+        policy=jax_ub.dots_and_ops_saveable,
+    )
+    shapes = [aval.shape for aval, _ in saved_residuals(lambda x, w: f(x, w).sum(), x, w)]
+    assert all(s[:1] != (4 * 4 * 8,) for s in shapes), shapes  # no [devices x 32, 16]

@@ -1,5 +1,6 @@
 """End-to-end training step of the Llama-style model (jax_ub.bench.llama) per way of
-communicating: jax_ub's overlapped ops, XLA's collectives with default flags, XLA with the
+communicating: jax_ub's overlapped ops (``jax_ub_regather``: with ``keep_gathered`` off, the
+memory of XLA's ops), XLA's collectives with default flags, XLA with the
 flags a MaxText user sets for overlap (in a process of its own: XLA flags are per process),
 and the no-communication bound (every GEMM kept, every collective removed).
 
@@ -32,7 +33,7 @@ DESCRIPTION = (
     "and to the best XLA variant. Variants in this process run in interleaved rounds from "
     "the same init on the same tokens, and jax_ub's first loss is checked against XLA's."
 )
-VARIANTS = ("jax_ub", "xla", "xla_overlap", "bound")
+VARIANTS = ("jax_ub", "jax_ub_regather", "xla", "xla_overlap", "bound")
 # What a MaxText user sets on GPUs for collective/compute overlap: the latency-hiding
 # scheduler and the windowed-einsum collective matmul at every size.
 OVERLAP_FLAGS = (
@@ -69,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         "--variants",
         default="jax_ub,xla,bound",
         help=f"comma-separated, of {', '.join(VARIANTS)} (default: "
-        "jax_ub,xla,bound; xla_overlap needs GPUs)",
+        "jax_ub,xla,bound; jax_ub_regather: jax_ub with keep_gathered off, its backward "
+        "gathering x again; xla_overlap needs GPUs)",
     )
     ap.add_argument(
         "--scan-unroll",
@@ -193,9 +195,10 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
     import jax.numpy as jnp
     from flax import nnx
 
+    import jax_ub
     from jax_ub.bench import llama
 
-    impl = {"jax_ub": "ub", "bound": "ub"}.get(variant, "xla")
+    impl = "xla" if variant.startswith("xla") else "ub"
     with jax.set_mesh(mesh):
         model = llama.Llama(
             cfg,
@@ -216,8 +219,15 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
         return nnx.state((model, optimizer)), loss
 
     step = jax.jit(step, donate_argnums=0)
-    with jax.set_mesh(mesh), bound_ops() if variant == "bound" else contextlib.nullcontext():
-        compiled = step.lower(state, tokens).compile()
+    # jax_ub_regather: the ops keep x's shard, not all_gather(x), for the weight gradients
+    # (read when the step is traced).
+    keep_gathered = jax_ub.config.keep_gathered
+    jax_ub.configure(keep_gathered=variant != "jax_ub_regather" and keep_gathered)
+    try:
+        with jax.set_mesh(mesh), bound_ops() if variant == "bound" else contextlib.nullcontext():
+            compiled = step.lower(state, tokens).compile()
+    finally:
+        jax_ub.configure(keep_gathered=keep_gathered)
     memory = compiled.memory_analysis()
     used = None
     if memory is not None:
@@ -289,7 +299,7 @@ def _run(variants: list[str], args, say) -> dict:
             "spread": (max(times[v]) - min(times[v])) / statistics.median(times[v]),
             "first_loss": first_loss[v],
             "memory_bytes": memory[v],
-            "userbuffer_bytes": userbuffers if v == "jax_ub" else 0,
+            "userbuffer_bytes": userbuffers if v.startswith("jax_ub") else 0,
         }
         for v in variants
     } | {

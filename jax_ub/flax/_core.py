@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src.lowering import layout
+from jax_ub._src.settings.config import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
 from jax_ub.flax._checks import Ops
@@ -206,7 +207,8 @@ def _over_tp(
     after one warning that nothing is overlapped: XLA partitions its matmuls from the
     operands' shardings."""
     axis_name = ops.axis_name
-    # One jit(shard_map) per mesh it runs under: shard_map binds its mesh when built.
+    # One jit(shard_map) per mesh it runs under (shard_map binds its mesh when built) and
+    # per value of the settings read at trace time.
     mapped: dict[Any, Callable] = {}
 
     def call(*args):
@@ -227,9 +229,10 @@ def _over_tp(
             )
             warn_once(message, message)
             return plain(*args)
-        key = ops.mesh if context.empty else context  # the layer's mesh only when none is set
+        mesh = ops.mesh if context.empty else context  # the layer's mesh only when none is set
+        key = mesh, traced_settings()  # a jit's trace keeps the settings it was traced with
         if key not in mapped:
-            run = layout.global_call(f, key, axis_name, in_specs, out_specs, check_vma)
+            run = layout.global_call(f, mesh, axis_name, in_specs, out_specs, check_vma)
             mapped[key] = jax.jit(run)
         return mapped[key](*args)
 

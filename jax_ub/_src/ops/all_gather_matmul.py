@@ -17,7 +17,7 @@ from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
-from jax_ub._src.ops.remat import saved_gathered, saved_output
+from jax_ub._src.ops.remat import KeptInput, saved_output
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
@@ -172,7 +172,7 @@ class _Residuals(NamedTuple):
     # The backward needs only x's and the bias's types (the mesh axes they vary over), not
     # their values: empty slices carry them without keeping the activation alive.
     x_like: jax.Array
-    gathered: jax.Array  # all_gather(x), for the weight gradient
+    x_kept: KeptInput  # all_gather(x) or x's shard, for the weight gradient
     w: jax.Array
     pre_gelu: jax.Array | None  # GELU's input, with activation="gelu"
     bias_like: jax.Array | None
@@ -188,11 +188,16 @@ def _all_gather_matmul(x, w, bias, group: Group, gelu: bool, return_gathered: bo
 
 def _fwd(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
     out, gathered, pre = group.all_gather_matmul(
-        x, w, return_gathered=True, bias=bias, gelu=gelu, keep_pre_gelu=True
+        x,
+        w,
+        return_gathered=return_gathered or KeptInput.keeps_gathered(),
+        bias=bias,
+        gelu=gelu,
+        keep_pre_gelu=True,
     )
     bias_like = None if bias is None else bias[:0]
-    out, gathered = saved_output(out), saved_gathered(gathered)  # kept under remat (remat.py)
-    res = _Residuals(x[:0], gathered, w, pre if gelu else None, bias_like)
+    out = saved_output(out)  # kept under remat (remat.py), as is a kept gathered x
+    res = _Residuals(x[:0], KeptInput.of(x, gathered), w, pre if gelu else None, bias_like)
     return ((out, gathered) if return_gathered else out), res
 
 
@@ -204,7 +209,8 @@ def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     if dgathered is not None:
         scattered = reduce_scatter_rows(dgathered, group.axis_name)
         dx = dx + match_varying(scattered, res.x_like)
-    return dx, match_varying(contract_rows(res.gathered, dp), res.w), dbias
+    gathered = res.x_kept.gathered_rows(group.axis_name)
+    return dx, match_varying(contract_rows(gathered, dp), res.w), dbias
 
 
 _all_gather_matmul.defvjp(_fwd, _bwd)

@@ -25,6 +25,7 @@ from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
 from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.ops.remat import KeptInput
 from jax_ub._src.settings import checks, options
 from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands, result_dtype
 
@@ -137,7 +138,7 @@ def gelu_mlp(
 
 class _Residuals(NamedTuple):
     x_like: jax.Array  # an empty slice of x: its dtype and the mesh axes it varies over
-    gathered: jax.Array  # all_gather(x), for w_up's gradient
+    x_kept: KeptInput  # all_gather(x) or x's shard, for w_up's gradient
     w_up: jax.Array
     pre_gelu: jax.Array  # GELU's input
     h: jax.Array  # GELU's output, for w_down's gradient
@@ -152,11 +153,16 @@ def _gelu_mlp(x, w_up, up_bias, w_down, group: Group):
 
 def _fwd(x, w_up, up_bias, w_down, group: Group):
     h, gathered, pre = group.all_gather_matmul(
-        x, w_up, return_gathered=True, bias=up_bias, gelu=True, keep_pre_gelu=True
+        x,
+        w_up,
+        return_gathered=KeptInput.keeps_gathered(),
+        bias=up_bias,
+        gelu=True,
+        keep_pre_gelu=True,
     )
     y = group.matmul_reduce_scatter(h, w_down)
     bias_like = None if up_bias is None else up_bias[:0]
-    return y, _Residuals(x[:0], gathered, w_up, pre, h, w_down, bias_like)
+    return y, _Residuals(x[:0], KeptInput.of(x, gathered), w_up, pre, h, w_down, bias_like)
 
 
 def _bwd(group: Group, res: _Residuals, dy):
@@ -171,7 +177,7 @@ def _bwd(group: Group, res: _Residuals, dy):
     dx = group.scatter_times_w_t(dp, res.w_up)
     return (
         match_varying(dx, res.x_like),
-        match_varying(contract_rows(res.gathered, dp), res.w_up),
+        match_varying(contract_rows(res.x_kept.gathered_rows(group.axis_name), dp), res.w_up),
         bias_grad(dp, res.bias_like),
         match_varying(contract_rows(res.h, dy_gathered), res.w_down),
     )

@@ -105,6 +105,13 @@ _SETTINGS = {
         DEFAULT_AUTO_MIN_BYTES,
     ),
     "gemm_cache": ("JAX_UB_GEMM_CACHE", str, "a file path", _check_gemm_cache, ""),
+    "keep_gathered": (
+        "JAX_UB_KEEP_GATHERED",
+        _parse_bool,
+        f"one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}",
+        _check_bool("keep_gathered"),
+        True,
+    ),
 }
 
 # The environment variable behind each setting that has one.
@@ -154,8 +161,8 @@ def _from_env(name: str) -> object:
 
 @dataclasses.dataclass
 class Config:
-    """Settings read when a communicator is created (``auto_min_bytes``: when a call is
-    traced).
+    """Settings read when a communicator is created (``auto_min_bytes`` and
+    ``keep_gathered``: when a call is traced).
 
     A setting whose environment variable holds invalid text raises its ValueError (naming
     the variable and the text) when read, and :meth:`check`, which every op, layer and
@@ -186,6 +193,13 @@ class Config:
         run to run. Lines are keyed by GPU model, cuBLASLt version and shape, and new
         choices are appended; processes may share it on a local file system. Delete it
         to choose again (after a driver, library or clock change). CPU devices ignore it.
+      keep_gathered: an all-gathered op (``all_gather_matmul`` and the MLPs and layers
+        built on it) keeps ``all_gather(x)`` from its forward for its weight gradient
+        (default): ``tp`` times ``x``'s shard of memory per call until the backward, and
+        no second gather. Off, it keeps ``x``'s shard and the backward gathers it again
+        on XLA's all-gather, beside the input gradient's GEMM+RS: the memory of XLA's
+        unfused ops, where a ``jax.checkpoint`` policy recomputes ``x`` (env
+        ``JAX_UB_KEEP_GATHERED``). fp8 calls keep their gathered fp8 ``x`` either way.
     """
 
     # An environment variable's invalid text is kept as an InvalidSetting and raised here,
@@ -222,9 +236,20 @@ class Config:
     allow_tf32: bool = dataclasses.field(default_factory=lambda: _from_env("allow_tf32"))
     auto_min_bytes: int = dataclasses.field(default_factory=lambda: _from_env("auto_min_bytes"))
     gemm_cache: str = dataclasses.field(default_factory=lambda: _from_env("gemm_cache"))
+    keep_gathered: bool = dataclasses.field(default_factory=lambda: _from_env("keep_gathered"))
 
 
 config = Config()
+
+# The settings read when a call is traced, not when a communicator is created.
+_TRACE_TIME = ("auto_min_bytes", "keep_gathered")
+
+
+def traced_settings() -> tuple[object, ...]:
+    """The values of the settings read when a call is traced: part of the key of any cache
+    of traced functions (a layer's jitted shard_map), so that ``configure`` reaches calls
+    traced after it."""
+    return tuple(getattr(config, name) for name in _TRACE_TIME)
 
 
 def configure(**changes: object) -> Config:
@@ -234,8 +259,8 @@ def configure(**changes: object) -> Config:
     where a setting it is created with changed, ``timeout_s``, ``allow_tf32`` or
     ``gemm_cache``);
     programs compiled before keep theirs until :func:`jax_ub.finalize`. ``auto_min_bytes``
-    applies to calls traced from now on: a function ``jit`` has already traced keeps its
-    choice.
+    and ``keep_gathered`` apply to calls traced from now on: a function ``jit`` has already
+    traced keeps its choice.
 
     Example::
 
