@@ -44,3 +44,9 @@ def test_variants_run_and_agree(tmp_path, capsys, order="jax_ub,jax_ub_regather,
 def test_unknown_variant_is_named():
     with pytest.raises(SystemExit, match="unknown variants \\['nccl'\\]"):
         model.main(["--variants", "jax_ub,nccl"])
+
+
+def test_bound_is_refused_with_fp8():
+    """The bound's GEMMs are bf16: no bound of an fp8 step, so the bench refuses it."""
+    with pytest.raises(SystemExit, match="bound variant has no fp8 GEMMs"):
+        model.main(["--variants", "jax_ub,bound", "--fp8", "current"])

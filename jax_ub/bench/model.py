@@ -381,6 +381,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if "bound" in variants and args.fp8 != "none":
+        # bound_ops' GEMMs are bf16 ones, forward and backward: not an fp8 step's bound.
+        raise SystemExit(
+            f"the bound variant has no fp8 GEMMs, so it bounds no --fp8 {args.fp8} step; "
+            "leave it out of --variants (or time the bf16 bound without --fp8)"
+        )
     if args.child:
         print("MODEL_RESULT " + json.dumps(_run([args.child], args, say)), flush=True)
         return
