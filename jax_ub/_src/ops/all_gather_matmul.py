@@ -84,7 +84,8 @@ def all_gather_matmul(
       gathered ``x`` of shape ``[tp * m, ..., k]``.
 
     The gradient is overlapped too: ``dx = matmul_reduce_scatter(dp, w.T)`` and
-    ``dw = all_gather(x).T @ dp`` from the gathered ``x`` kept by the forward pass, where
+    ``dw = all_gather(x).T @ dp`` from the gathered ``x`` kept by the forward pass (or, with
+    ``jax_ub.configure(keep_gathered=False)``, from ``x`` gathered again), where
     ``dp`` is the gradient of the product (``dy`` through GELU's backward, at GELU's input
     kept by the forward) and ``dbias`` its sum over rows.
 
