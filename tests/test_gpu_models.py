@@ -75,20 +75,16 @@ def test_bfloat16_llama_step_on_gpus_is_close_to_xla(keep_gathered):
     mesh = _mesh(1, 2)
     tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, CFG.vocab)
     losses = {}
-    saved = jax_ub.config.keep_gathered
-    jax_ub.configure(keep_gathered=keep_gathered)
-    try:
-        with jax.set_mesh(mesh):
-            tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
-            for impl in ("ub", "xla"):
-                model = llama.Llama(
-                    CFG, impl=impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
-                )
-                optimizer = llama.make_optimizer(model, 3e-3)
-                step = nnx.jit(llama.loss_and_update)  # traced here, with this setting
-                losses[impl] = np.array([float(step(model, optimizer, tokens)) for _ in range(3)])
-    finally:
-        jax_ub.configure(keep_gathered=saved)
+    jax_ub.configure(keep_gathered=keep_gathered)  # conftest's _restore_config undoes it
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        for impl in ("ub", "xla"):
+            model = llama.Llama(
+                CFG, impl=impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+            )
+            optimizer = llama.make_optimizer(model, 3e-3)
+            step = nnx.jit(llama.loss_and_update)  # traced here, with this setting
+            losses[impl] = np.array([float(step(model, optimizer, tokens)) for _ in range(3)])
     assert np.all(np.isfinite(losses["ub"]))
     np.testing.assert_allclose(losses["ub"], losses["xla"], rtol=2e-2)
 

@@ -129,17 +129,6 @@ def test_grad_keeps_gathered_x_not_x(mesh1d, rand):
     assert sizes == [0, 16 * 32, 4 * 32 * 16], sizes
 
 
-@pytest.fixture
-def gather_again():
-    """``jax_ub.configure(keep_gathered=False)`` for the test only."""
-    saved = jax_ub.config.keep_gathered
-    jax_ub.configure(keep_gathered=False)
-    try:
-        yield
-    finally:
-        jax_ub.configure(keep_gathered=saved)
-
-
 def _ag_then_mlp(impl):
     """A column-parallel GELU projection, then gelu_mlp: both ops that keep x."""
 
@@ -165,24 +154,21 @@ def test_grads_whether_or_not_the_gathered_x_is_kept(mesh1d, rand, keep, dtype):
         f = smap(_ag_then_mlp(impl), mesh, in_specs=specs, out_specs=P("tp"))
         return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), (0, 1, 3)))
 
-    saved = jax_ub.config.keep_gathered
-    jax_ub.configure(keep_gathered=keep)
-    try:
-        with jax.default_matmul_precision("highest"):
-            got, want = grads("ub")(*args), grads("xla")(*args)
-            text = grads("ub").lower(*args).as_text()
-    finally:
-        jax_ub.configure(keep_gathered=saved)
+    jax_ub.configure(keep_gathered=keep)  # conftest's _restore_config undoes it
+    with jax.default_matmul_precision("highest"):
+        got, want = grads("ub")(*args), grads("xla")(*args)
+        text = grads("ub").lower(*args).as_text()
     for g, r in zip(got, want):
         assert rel_err(g, r) < tol(dtype), rel_err(g, r)
     assert text.count("stablehlo.all_gather") == (0 if keep else 2), keep
 
 
-def test_checkpointed_op_keeps_no_gathered_x(mesh1d, rand, gather_again):
+def test_checkpointed_op_keeps_no_gathered_x(mesh1d, rand):
     """With keep_gathered off, under jax.checkpoint with dots_and_ops_saveable, nothing of
     the gathered size is saved: x's shard is recomputed from the input (here a norm's
     output), as XLA's unfused ops under the dots policy do."""
     saved_residuals = pytest.importorskip("jax._src.ad_checkpoint").saved_residuals
+    jax_ub.configure(keep_gathered=False)  # conftest's _restore_config undoes it
     mesh = mesh1d(4)
     x, w = rand(4 * 8, 16), rand(16, 4 * 8)
 
