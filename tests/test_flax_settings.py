@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import make_mesh, rel_err, use_tuning
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh
@@ -247,13 +247,28 @@ def test_configure_reaches_layers_traced_before(rand):
         loss = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x) ** 2)  # noqa: E731
         return hlo(jax.jit(jax.grad(loss)), nnx.state(m), x)
 
-    saved = jax_ub.config.keep_gathered
-    try:
-        texts = []
-        for keep in (True, False):
-            jax_ub.configure(keep_gathered=keep)
-            texts.append(grad_text())
-    finally:
-        jax_ub.configure(keep_gathered=saved)
+    texts = []
+    for keep in (True, False):  # conftest's _restore_config undoes the change
+        jax_ub.configure(keep_gathered=keep)
+        texts.append(grad_text())
     assert "stablehlo.all_gather" not in texts[0]
     assert "stablehlo.all_gather" in texts[1]
+
+
+def test_tuning_reaches_layers_traced_before(rand):
+    """The trace-time tuning choices key a layer's jitted shard_map too: with
+    transpose_w_in_place off after a first trace, the next gradient program materialises
+    the weights' transposes."""
+    mesh = make_mesh((2, "tp"))
+    x = rand(SEQ, BATCH, D)
+    with ubf.defaults(impl="ub", mesh=mesh):
+        m = ubf.ParallelMLP(D, F, rngs=nnx.Rngs(0))
+    graphdef = nnx.graphdef(m)
+
+    def transposes():
+        loss = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x) ** 2)  # noqa: E731
+        return hlo(jax.jit(jax.grad(loss)), nnx.state(m), x).count("stablehlo.transpose")
+
+    in_place = transposes()
+    use_tuning(transpose_w_in_place=False)
+    assert transposes() > in_place

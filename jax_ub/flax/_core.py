@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src.lowering import layout
-from jax_ub._src.settings.config import traced_settings
+from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
 from jax_ub.flax._checks import Ops

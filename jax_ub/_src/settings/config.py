@@ -241,15 +241,9 @@ class Config:
 
 config = Config()
 
-# The settings read when a call is traced, not when a communicator is created.
-_TRACE_TIME = ("auto_min_bytes", "keep_gathered")
-
-
-def traced_settings() -> tuple[object, ...]:
-    """The values of the settings read when a call is traced: part of the key of any cache
-    of traced functions (a layer's jitted shard_map), so that ``configure`` reaches calls
-    traced after it."""
-    return tuple(getattr(config, name) for name in _TRACE_TIME)
+# The settings read when a call is traced, not when a communicator is created
+# (options.traced_settings).
+TRACE_TIME = ("auto_min_bytes", "keep_gathered")
 
 
 def configure(**changes: object) -> Config:

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from jax_ub._src.settings.config import config
+from jax_ub._src.settings.config import TRACE_TIME, config
 
 _GEMM_ORDERS = ("auto", "column", "row")
 
@@ -142,6 +142,14 @@ class Options:
 
 # Tuning choices that shape the traced program, not the communicator.
 _TRACE_TIME = ("transpose_w_in_place", "dgelu_epilogue")
+
+
+def traced_settings() -> tuple[object, ...]:
+    """The values of everything read when a call is traced (the config's ``TRACE_TIME``
+    settings, the tuning's ``_TRACE_TIME`` choices): part of the key of any cache of traced
+    functions (a layer's jitted shard_map), so that a change reaches calls traced after it."""
+    settings = tuple(getattr(config, name) for name in TRACE_TIME)
+    return settings + tuple(getattr(_tuning, name) for name in _TRACE_TIME)
 
 
 def current_options() -> Options:
