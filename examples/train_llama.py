@@ -9,11 +9,19 @@ preset, float32):
     python3 examples/train_llama.py
     python3 examples/train_llama.py --preset llama3-8b --layers 2 --seq 8192 --dtype bfloat16
 
+The data (``--data``) is a synthetic language, fresh batches every step: a fixed random Markov
+chain over the vocabulary in which each token has four likely successors, so the loss falls
+from chance (log vocab) towards the chain's entropy (1.28 nats) as the model learns it;
+``--data repeat`` trains on one random batch again and again instead (memorizing it). Every
+run sees the same batches.
+
 With ``--fp8 current`` (or ``delayed``) it trains jax_ub's model in fp8 and, from
 ``--seeds`` other inits, the same model without fp8, and says whether the fp8 loss curve
-stays within the bf16 runs' seed-to-seed spread. With ``--generate N`` it then continues
-the first training sequence's opening greedily for N tokens with both trained models
-(decoding from their key/value caches) and prints the continuations:
+stays within the runs' seed-to-seed spread: at each step, whether fp8's loss is no further
+from the seeds' mean than the seeds are from each other (their max - min). With
+``--generate N`` it then continues the first training sequence's opening greedily for N
+tokens with both trained models (decoding from their key/value caches) and prints the
+continuations:
 
     python3 examples/train_llama.py --steps 40 --generate 16
 """
@@ -21,6 +29,7 @@ the first training sequence's opening greedily for N tokens with both trained mo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -35,6 +44,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -68,6 +78,23 @@ def main() -> None:
         help="after training, greedily decode N tokens from the opening of the training "
         "data with each trained model and print them (default 0: none)",
     )
+    parser.add_argument(
+        "--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="steps of linear learning-rate warm-up from 0 (default 0: none)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every run's losses to PATH")
+    parser.add_argument(
+        "--data",
+        default="markov",
+        choices=["markov", "repeat"],
+        help="markov: fresh batches of a synthetic language every step (default); repeat: "
+        "one random batch every step",
+    )
     args = parser.parse_args()
     if args.generate and args.fp8:
         parser.error("--generate goes with the ub/xla comparison, not --fp8")
@@ -78,11 +105,19 @@ def main() -> None:
     devices = jax.devices()
     dp = len(devices) // args.tp
     mesh = Mesh(np.array(devices[: dp * args.tp]).reshape(dp, args.tp), ("dp", "tp"))
-    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab)
+    if args.data == "markov":
+        batches = markov_batches(cfg.vocab, args.steps, args.batch, args.seq)
+    else:
+        batches = np.asarray(
+            jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab)
+        )[None].repeat(args.steps, axis=0)
     print(
         f"{cfg}\nmesh dp={dp} x tp={args.tp} on {devices[0].platform}, "
-        f"tokens {tokens.shape}, remat={args.remat}, dtype={args.dtype}"
+        f"batches {batches.shape[1:]} ({args.data}), remat={args.remat}, dtype={args.dtype}"
     )
+
+    schedule = optax.linear_schedule(0.0, args.lr, args.warmup) if args.warmup else args.lr
+    curves = {}
 
     def train(name, impl, seed=0, fp8=False):
         model = llama.Llama(
@@ -93,33 +128,26 @@ def main() -> None:
             dtype=jnp.dtype(args.dtype),
             rngs=nnx.Rngs(seed),
         )
-        optimizer = llama.make_optimizer(model, 3e-3)
-        losses = [float(llama.train_step(model, optimizer, tokens))]
+        optimizer = llama.make_optimizer(model, schedule)
+        losses = [float(llama.train_step(model, optimizer, tokens[0]))]
         t0 = time.perf_counter()
-        for _ in range(args.steps - 1):
-            losses.append(float(llama.train_step(model, optimizer, tokens)))
+        for step in range(1, args.steps):
+            losses.append(float(llama.train_step(model, optimizer, tokens[step])))
         step_ms = (time.perf_counter() - t0) / max(args.steps - 1, 1) * 1e3
         print(
             f"{name:12s} loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"{step_ms:.1f} ms/step (host-synchronous loop, not a benchmark)"
         )
+        curves[name] = losses
         return np.array(losses), model
 
     with jax.set_mesh(mesh):
-        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        tokens = jax.device_put(batches, NamedSharding(mesh, P(None, "dp", None)))
         if args.fp8:
             fp8, _ = train(f"ub fp8 {args.fp8}", "ub", 0, args.fp8)
             runs = np.stack([train(f"ub seed {s}", "ub", s)[0] for s in range(args.seeds)])
-            low, high = runs.min(axis=0), runs.max(axis=0)
-            outside = np.maximum(low - fp8, fp8 - high).clip(min=0)
-            print(
-                f"fp8 ({args.fp8}) against {args.seeds} runs without fp8 (seeds "
-                f"0..{args.seeds - 1}): largest step-to-step seed spread "
-                f"{np.max(high - low):.4f}, fp8 outside that spread at "
-                f"{int(np.sum(outside > 0))} of {args.steps} steps (by at most "
-                f"{np.max(outside):.4f}); final loss fp8 {fp8[-1]:.4f}, without "
-                f"{low[-1]:.4f}..{high[-1]:.4f}"
-            )
+            print(spread_summary(fp8, runs, f"fp8 ({args.fp8})"))
+            save(args.json, curves)
             return
         runs = {impl: train(impl, impl) for impl in ("ub", "xla")}
         ub, xla = runs["ub"][0], runs["xla"][0]
@@ -127,8 +155,50 @@ def main() -> None:
             f"largest relative loss difference, jax_ub vs XLA: "
             f"{np.max(np.abs(ub - xla) / np.abs(xla)):.2e}"
         )
+        save(args.json, curves)
         if args.generate:
-            generate(runs, tokens, args.generate)
+            generate(runs, tokens[0], args.generate)
+
+
+def save(path: str | None, curves: dict) -> None:
+    """Each run's losses, by its name, as JSON (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(curves, f)
+
+
+def markov_batches(vocab: int, steps: int, batch: int, seq: int, seed: int = 1) -> np.ndarray:
+    """``[steps, batch, seq]`` tokens of a fixed random Markov chain: each token is followed
+    by one of its four successors (drawn once per token) with probabilities 0.4, 0.3, 0.2,
+    0.1, an entropy of 1.28 nats per token; the first token of a sequence is uniform."""
+    rng = np.random.default_rng(seed)
+    successors = rng.integers(0, vocab, size=(vocab, 4))
+    choice = rng.choice(4, size=(steps * batch, seq), p=[0.4, 0.3, 0.2, 0.1])
+    out = np.empty((steps * batch, seq), np.int32)
+    out[:, 0] = rng.integers(0, vocab, size=steps * batch)
+    for t in range(1, seq):
+        out[:, t] = successors[out[:, t - 1], choice[:, t]]
+    return out.reshape(steps, batch, seq)
+
+
+def spread_summary(curve: np.ndarray, seeds: np.ndarray, name: str) -> str:
+    """Whether ``curve`` (``[steps]``) stays within the seed-to-seed spread of ``seeds``
+    (``[runs, steps]``): at each step, no further from the seeds' mean than the seeds are
+    from each other (max - min); and the same over the last quarter's mean losses."""
+    mean, spread = seeds.mean(axis=0), seeds.max(axis=0) - seeds.min(axis=0)
+    inside = np.abs(curve - mean) <= spread
+    tail = slice(-max(len(curve) // 4, 1), None)
+    tails = seeds[:, tail].mean(axis=1)
+    tail_gap = curve[tail].mean() - tails.mean()
+    return (
+        f"{name} against {len(seeds)} runs without it (seeds 0..{len(seeds) - 1}): within "
+        f"the seeds' spread (|loss - their mean| <= their max - min) at {int(inside.sum())} "
+        f"of {len(curve)} steps; largest spread {spread.max():.4f}, largest distance "
+        f"{np.abs(curve - mean).max():.4f}. Last quarter's mean loss: {name} "
+        f"{curve[tail].mean():.4f}, seeds {tails.min():.4f}..{tails.max():.4f} "
+        f"({tail_gap:+.4f} from their mean, seeds' spread {tails.max() - tails.min():.4f}); "
+        f"final loss {curve[-1]:.4f}, seeds {seeds[:, -1].min():.4f}..{seeds[:, -1].max():.4f}"
+    )
 
 
 def generate(runs: dict, tokens: jax.Array, steps: int) -> None:

@@ -204,3 +204,53 @@ def test_custom_calls_take_their_operands_through_a_barrier(mesh2d, scan_unroll)
     for operands in calls:
         for operand in re.findall(r"%[\w]+", operands):
             assert operand in produced, (operand, operands)
+
+
+def _weight_grad_barriers(text: str) -> list[list[str]]:
+    """The types of each optimization barrier in lowered StableHLO that takes a
+    dot_general's result (an op's weight gradient) with another value (its dx)."""
+    defined = dict(re.findall(r"(%\w+)(?::\d+)? = stablehlo\.(\w+)", text))
+    out = []
+    for operands, types in re.findall(r"= stablehlo\.optimization_barrier ([^:]*) : (.*)", text):
+        names = [o.strip().split("#")[0] for o in operands.split(",")]
+        if len(names) == 2 and "dot_general" in (defined.get(n) for n in names):
+            out.append(re.findall(r"tensor<([^>]*)>", types))
+    return out
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "gelu_mlp"])
+def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
+    """Each op's backward ties its weight gradient's product to its dx, so that XLA cannot
+    move the product to the optimizer at the step's end and keep the gathered operands it
+    reads alive until then (ops/common.py::weight_grad_with)."""
+    mesh = mesh1d(4)
+    if op == "gelu_mlp":
+        x, w_up, w_down = rand(4 * 8, 16), rand(16, 4 * 8), rand(4 * 8, 16)
+
+        def loss(x, w_up, w_down):
+            y = jax_ub.gelu_mlp(x, w_up, w_down, "tp", impl="ub")
+            return jnp.sum(jnp.sin(y))
+
+        body = jax.grad(loss, argnums=(0, 1, 2))
+        specs = (P("tp"), P(None, "tp"), P("tp", None))
+        f, args = smap(body, mesh, specs, specs), (x, w_up, w_down)
+        # the down projection's dw [8, 16] with dp [32, 8]; the up projection's [16, 8] with dx
+        want = [["32x8", "8x16"], ["8x16", "16x8"]]
+    elif op == "ag":
+        f = smap(
+            _local_grad(jax_ub.all_gather_matmul, "ub"),
+            mesh,
+            in_specs=(P("tp"), P(None, "tp")),
+            out_specs=(P("tp"), P(None, "tp")),
+        )
+        args, want = (rand(4 * 8, 16), rand(16, 4 * 8)), [["8x16", "16x8"]]
+    else:
+        f = smap(
+            _local_grad(jax_ub.matmul_reduce_scatter, "ub"),
+            mesh,
+            in_specs=(P(None, "tp"), P("tp")),
+            out_specs=(P(None, "tp"), P("tp")),
+        )
+        args, want = (rand(4 * 8, 4 * 8), rand(4 * 8, 16)), [["32x8", "8x16"]]
+    got = _weight_grad_barriers(f.lower(*args).as_text())
+    assert [[t.removesuffix("xf32") for t in types] for types in got] == want, got

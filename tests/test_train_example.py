@@ -99,3 +99,38 @@ def test_llama_example_runs_and_matches_xla():
     assert done.returncode == 0, done.stderr[-2000:]
     difference = float(done.stdout.strip().splitlines()[-1].split()[-1])
     assert difference < 1e-5, done.stdout
+
+
+def _llama_example():
+    spec = importlib.util.spec_from_file_location("train_llama", EXAMPLE.parent / "train_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_example_data_follows_its_chain():
+    """The synthetic language: every token is one of its predecessor's four successors, the
+    successors' frequencies near 0.4, 0.3, 0.2, 0.1, the same batches for the same seed."""
+    example = _llama_example()
+    batches = example.markov_batches(vocab=50, steps=3, batch=4, seq=400)
+    assert batches.shape == (3, 4, 400)
+    np.testing.assert_array_equal(batches, example.markov_batches(50, 3, 4, 400))
+    pairs = batches.reshape(-1, 400)
+    follows: dict = {}
+    for row in pairs:
+        for a, b in zip(row[:-1], row[1:]):
+            follows.setdefault(int(a), []).append(int(b))
+    assert all(len(set(v)) <= 4 for v in follows.values())
+    counts = sorted((np.bincount(v).max() / len(v) for v in follows.values() if len(v) > 60))
+    assert counts and 0.25 < np.median(counts) < 0.55  # the likeliest successor's share: 0.4
+
+
+def test_llama_example_spread_summary():
+    """fp8's curve is within the seeds' spread where it is no further from their mean than
+    their max - min; a curve far off is counted outside."""
+    example = _llama_example()
+    seeds = np.array([[5.0, 4.0, 3.0, 2.0], [5.2, 4.1, 3.2, 2.1], [4.9, 3.9, 3.1, 1.9]])
+    near = example.spread_summary(np.array([5.1, 4.05, 3.1, 2.0]), seeds, "fp8")
+    far = example.spread_summary(np.array([5.1, 4.05, 4.0, 3.0]), seeds, "fp8")
+    assert "at 4 of 4 steps" in near
+    assert "at 2 of 4 steps" in far

@@ -16,6 +16,11 @@ def _varying(aval: AbstractValue) -> frozenset:
     return frozenset(getattr(aval, "vma", frozenset()))
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes ``x`` varies over under shard_map (empty outside one, or unchecked)."""
+    return _varying(jax.typeof(x)) if _check_vma() else frozenset()
+
+
 def match_varying(ct, like):
     """Cotangent `ct` cast to vary over exactly the mesh axes `like` varies over.
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.common import check_arguments, contract_rows
+from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
@@ -206,12 +206,14 @@ def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     dy, dgathered = cts if return_gathered else (cts, None)
     dp, dbias = epilogue_grads(dy, res.pre_gelu, res.bias_like, gelu)
     # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    dx = match_varying(group.scatter_times_w_t(dp, res.w), res.x_like)
+    dx = group.scatter_times_w_t(dp, res.w)
+    dw = contract_rows(res.x_kept.gathered_rows(group.axis_name), dp)
+    dx, dw = weight_grad_with(dx, dw)
+    dx = match_varying(dx, res.x_like)
     if dgathered is not None:
         scattered = reduce_scatter_rows(dgathered, group.axis_name)
         dx = dx + match_varying(scattered, res.x_like)
-    gathered = res.x_kept.gathered_rows(group.axis_name)
-    return dx, match_varying(contract_rows(gathered, dp), res.w), dbias
+    return dx, match_varying(dw, res.w), dbias
 
 
 _all_gather_matmul.defvjp(_fwd, _bwd)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.common import check_arguments, contract_rows
+from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_output
@@ -128,7 +128,8 @@ def _bwd(group: Group, res, dy):
     # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
     # gathered dy that dw needs, so dy is gathered exactly once.
     dx, dy_gathered = group.gather_times_w_t(dy, w)
-    return match_varying(dx, x), match_varying(contract_rows(x, dy_gathered), w)
+    dx, dw = weight_grad_with(dx, contract_rows(x, dy_gathered))
+    return match_varying(dx, x), match_varying(dw, w)
 
 
 _matmul_reduce_scatter.defvjp(_fwd, _bwd)

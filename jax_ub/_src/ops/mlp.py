@@ -20,7 +20,7 @@ from jax_ub._src.lowering.reference import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import impl_choice
 from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
-from jax_ub._src.ops.common import contract_rows
+from jax_ub._src.ops.common import contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
 from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.ops.group import Group
@@ -174,12 +174,15 @@ def _bwd(group: Group, res: _Residuals, dy):
     )
     if not fused_dgelu:
         dp = dgelu_reference(dp, res.pre_gelu)
+    dw_down = contract_rows(res.h, dy_gathered)
+    dp, dw_down = weight_grad_with(dp, dw_down)
     dx = group.scatter_times_w_t(dp, res.w_up)
+    dx, dw_up = weight_grad_with(dx, contract_rows(res.x_kept.gathered_rows(group.axis_name), dp))
     return (
         match_varying(dx, res.x_like),
-        match_varying(contract_rows(res.x_kept.gathered_rows(group.axis_name), dp), res.w_up),
+        match_varying(dw_up, res.w_up),
         bias_grad(dp, res.bias_like),
-        match_varying(contract_rows(res.h, dy_gathered), res.w_down),
+        match_varying(dw_down, res.w_down),
     )
 
 
