@@ -121,7 +121,7 @@ def test_llama_example_data_follows_its_chain():
         for a, b in zip(row[:-1], row[1:]):
             follows.setdefault(int(a), []).append(int(b))
     assert all(len(set(v)) <= 4 for v in follows.values())
-    counts = sorted((np.bincount(v).max() / len(v) for v in follows.values() if len(v) > 60))
+    counts = sorted(np.bincount(v).max() / len(v) for v in follows.values() if len(v) > 60)
     assert counts and 0.25 < np.median(counts) < 0.55  # the likeliest successor's share: 0.4
 
 
