@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root):
 #   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
 #   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer,
-#   layerprofile, fp8train
+#   layerprofile, fp8train, stepmemory
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench", "layer" for layer).
 # layer: one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the
 # no-communication bound (python -m jax_ub.bench.layer; args: its own, e.g. --sizes).
@@ -15,7 +15,9 @@
 # benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
 # overlapcost: benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the
 # whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2); layerprofile:
-# profile_layer.py (its args); fp8train: the TP example with --fp8 --compare-bf16 (its args).
+# profile_layer.py (its args); fp8train: the TP example with --fp8 --compare-bf16 (its args);
+# stepmemory: benchmarks/tools/step_memory.py (bench.model's args; live ranges and buffer
+# assignment in $OUT/step_memory.tgz).
 # Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,7 +40,7 @@ export PYTHONPATH=$(pwd)
 # Log lines of JAX/XLA/gRPC that say nothing about the run; filtered from what is printed.
 NOISE='^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:'
 cleanup() {
-  pkill -9 -f "pytest|jax_ub.bench|train_llama|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step|profile_layer" 2>/dev/null
+  pkill -9 -f "pytest|jax_ub.bench|train_llama|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step|profile_layer|step_memory" 2>/dev/null
   sleep 1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -145,6 +147,15 @@ if [ "$what" = stepprofile ]; then
     > "$OUT/step_profile.log" 2>&1
   echo "step profile: rc=$?"
   grep -vE "$NOISE" "$OUT/step_profile.log" | tail -70
+  cleanup
+fi
+if [ "$what" = stepmemory ]; then
+  # What fills the Llama step's peak memory per variant (step_memory.py; args: bench.model's).
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.9} timeout -k 10 ${PROFILE_S:-250} \
+    python3 benchmarks/tools/step_memory.py --out /tmp/step_memory "$@" > "$OUT/step_memory.log" 2>&1
+  echo "step memory: rc=$?"
+  grep -vE "$NOISE" "$OUT/step_memory.log" | tail -${PROFILE_LINES:-120}
+  tar czf "$OUT/step_memory.tgz" -C /tmp step_memory 2>/dev/null
   cleanup
 fi
 if [ "$what" = power ]; then

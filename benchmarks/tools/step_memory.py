@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 
@@ -122,4 +123,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    finally:
+        shutil.rmtree(_DUMP, ignore_errors=True)  # the whole dump: every module, every pass
