@@ -4,6 +4,7 @@ Both the lowered StableHLO and the compiled (SPMD-partitioned, optimized) HLO ar
 the first shows what jax_ub emits, the second that XLA added no collective of its own.
 """
 
+import functools
 import re
 
 import jax
@@ -208,17 +209,35 @@ def test_custom_calls_take_their_operands_through_a_barrier(mesh2d, scan_unroll)
 
 def _weight_grad_barriers(text: str) -> list[list[str]]:
     """The types of each optimization barrier in lowered StableHLO that takes a
-    dot_general's result (an op's weight gradient) with another value (its dx)."""
-    defined = dict(re.findall(r"(%\w+)(?::\d+)? = stablehlo\.(\w+)", text))
+    dot_general's result (an op's weight gradient; fp8's scaled and cast after it) with
+    another value (its dx)."""
+    defined = {
+        name: (op, first)
+        for name, op, first in re.findall(r"(%\w+)(?::\d+)? = stablehlo\.(\w+) (%\w+)?", text)
+    }
+
+    def origin(name):
+        while defined.get(name, ("", ""))[0] in ("convert", "multiply", "reshape"):
+            name = defined[name][1]
+        return defined.get(name, ("", ""))[0]
+
     out = []
     for operands, types in re.findall(r"= stablehlo\.optimization_barrier ([^:]*) : (.*)", text):
         names = [o.strip().split("#")[0] for o in operands.split(",")]
-        if len(names) == 2 and "dot_general" in (defined.get(n) for n in names):
-            out.append(re.findall(r"tensor<([^>]*)>", types))
+        if len(names) == 2 and "dot_general" in map(origin, names):
+            out.append(
+                [
+                    t.removesuffix("xf32").removesuffix("xbf16")
+                    for t in re.findall(r"tensor<([^>]*)>", types)
+                ]
+            )
     return out
 
 
-@pytest.mark.parametrize("op", ["ag", "rs", "gelu_mlp"])
+OPS = {"fp8_ag": "all_gather_matmul", "fp8_rs": "matmul_reduce_scatter"}
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "gelu_mlp", "fp8_ag", "fp8_rs"])
 def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
     """Each op's backward ties its weight gradient's product to its dx, so that XLA cannot
     move the product to the optimizer at the step's end and keep the gathered operands it
@@ -236,6 +255,16 @@ def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
         f, args = smap(body, mesh, specs, specs), (x, w_up, w_down)
         # the down projection's dw [8, 16] with dp [32, 8]; the up projection's [16, 8] with dx
         want = [["32x8", "8x16"], ["8x16", "16x8"]]
+    elif op.startswith("fp8"):
+        # bf16 operands quantized in the op (current scaling); k and n multiples of 16
+        fp8 = functools.partial(getattr(jax_ub, OPS[op]), fp8=jax_ub.Fp8Scales())
+        shapes, specs = {
+            "fp8_ag": (((64, 32), (32, 64)), (P("tp"), P(None, "tp"))),
+            "fp8_rs": (((64, 64), (64, 32)), (P(None, "tp"), P("tp"))),
+        }[op]
+        f = smap(_local_grad(fp8, "ub"), mesh, in_specs=specs, out_specs=specs)
+        args = tuple(rand(*shape, dtype=jnp.bfloat16) for shape in shapes)
+        want = {"fp8_ag": [["16x32", "32x16"]], "fp8_rs": [["64x16", "16x32"]]}[op]
     elif op == "ag":
         f = smap(
             _local_grad(jax_ub.all_gather_matmul, "ub"),
@@ -253,4 +282,4 @@ def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
         )
         args, want = (rand(4 * 8, 4 * 8), rand(4 * 8, 16)), [["32x8", "8x16"]]
     got = _weight_grad_barriers(f.lower(*args).as_text())
-    assert [[t.removesuffix("xf32") for t in types] for types in got] == want, got
+    assert got == want, got

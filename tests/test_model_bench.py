@@ -1,8 +1,9 @@
 """python -m jax_ub.bench.model on CPU devices: every in-process variant runs and reports,
 jax_ub's first loss equals XLA's, and the bound (no communication) is traced apart from
-jax_ub's ops traced before it."""
+jax_ub's ops traced before it, in bf16 and in fp8."""
 
 import json
+import re
 
 import pytest
 
@@ -46,7 +47,30 @@ def test_unknown_variant_is_named():
         model.main(["--variants", "jax_ub,nccl"])
 
 
-def test_bound_is_refused_with_fp8():
-    """The bound's GEMMs are bf16: no bound of an fp8 step, so the bench refuses it."""
-    with pytest.raises(SystemExit, match="bound variant has no fp8 GEMMs"):
-        model.main(["--variants", "jax_ub,bound", "--fp8", "current"])
+@pytest.mark.parametrize("fp8", ["current", "delayed"])
+def test_fp8_bound_runs_xlas_fp8_gemms_without_communication(tmp_path, fp8):
+    """With --fp8 the bound is the xla variant's fp8 step with its gathers and
+    reduce-scatters replaced by local copies and sums: fp8 GEMMs, no row collectives."""
+    path = tmp_path / "model.json"
+    argv = ["--variants", "xla,bound", "--fp8", fp8, "--rounds", "1", "--steps", "1"]
+    model.main([*argv, "--seq", "32", "--json", str(path)])
+    results = json.loads(path.read_text())["results"]
+    assert results["bound"]["step_ms"] > 0
+    assert results["bound"]["first_loss"] != results["xla"]["first_loss"]  # copies, not the rows
+
+    args = model._parser().parse_args([*argv, "--seq", "32"])
+    cfg, mesh, tokens = model.setup(args)
+    texts = {}
+    for variant in ("xla", "bound"):
+        compiled, _, _ = model.compiled_step(variant, cfg, mesh, tokens, args)
+        texts[variant] = compiled.as_text()
+    for variant, text in texts.items():
+        assert "f8e4m3fn" in text, variant  # fp8 GEMM operands in both
+    # The ops' gathers and reduce-scatters (JAX's op names); what stays in the bound: the
+    # scales' all-reduces, the loss's, and dp's (the embedding's gradient).
+    ops = {
+        v: re.findall(r'op_name="[^"]*shard_map/(all_gather|reduce_scatter)"', t)
+        for v, t in texts.items()
+    }
+    assert "all_gather" in ops["xla"] and "reduce_scatter" in ops["xla"]
+    assert ops["bound"] == []

@@ -61,9 +61,15 @@ def bound_all_gather_matmul(
     """all_gather_matmul's shapes without its communication: ``tp`` copies of the local
     rows ``x [m, ..., k]`` stacked to ``[tp * m, ..., k]`` (on ``seq_axis``), times
     ``w [k, n]``, then the op's bias and activation. Takes the op's keyword arguments."""
-    y = jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis) @ w
+    y = copies_of_rows(x, axis_name, seq_axis) @ w
     y = y if bias is None else y + bias
     return jax.nn.gelu(y) if activation == "gelu" else y
+
+
+def copies_of_rows(x: jax.Array, axis_name: str, seq_axis: int = 0) -> jax.Array:
+    """An all-gather's shapes without its communication: ``tp`` copies of ``x``'s rows (on
+    ``seq_axis``) stacked, ``tp`` the size of ``axis_name``."""
+    return jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis)
 
 
 def sum_row_blocks(y: jax.Array, axis_name: str, seq_axis: int = 0) -> jax.Array:

@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=["none", "current", "delayed"],
         help="the blocks' projections in fp8 with current or delayed scaling (jax_ub: its "
         "fp8 ops; xla and xla_overlap: XLA's collectives and fp8 GEMMs of the same "
-        "quantized operands; default none)",
+        "quantized operands; bound: xla's fp8 GEMMs without the communication; default "
+        "none)",
     )
     ap.add_argument(
         "--variants",
@@ -114,18 +115,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def bound_ops():
+def bound_ops(fp8: bool = False):
     """jax_ub's two ops replaced, while models are traced, by the same GEMMs with no
     communication: the gather becomes ``tp`` copies of the local rows, the reduce-scatter
     a sum of the product's ``tp`` row blocks (the layer benchmark's bound); the embedding's
     reduce-scatter the same sum. What stays: the loss's all-reduces of per-token values
-    over the vocabulary's split (``[batch, seq]`` floats)."""
+    over the vocabulary's split (``[batch, seq]`` floats).
+
+    With ``fp8``: the ops' XLA path (XLA's fp8 GEMMs of the same quantized operands, as the
+    ``xla`` variant runs them) with its gathers and reduce-scatters swapped for the same
+    copies and sums; the scales' all-reduces (one float per call) stay. So it bounds the
+    ``xla`` variant's fp8 step; jax_ub's fp8 GEMMs are its own (cuBLASLt's)."""
     import jax_ub
+    from jax_ub._src.lowering import reference
     from jax_ub._src.ops import gated_mlp
     from jax_ub.bench import llama
     from jax_ub.bench.layer import bound_all_gather_matmul as ag
     from jax_ub.bench.layer import bound_matmul_reduce_scatter as rs
-    from jax_ub.bench.layer import sum_row_blocks
+    from jax_ub.bench.layer import copies_of_rows, sum_row_blocks
     from jax_ub.flax import _attention, _core, _gated
 
     saved = [
@@ -151,6 +158,14 @@ def bound_ops():
         "matmul_reduce_scatter": rs,
         "scatter_sequence": sum_row_blocks,
     }
+    if fp8:
+        saved += [(reference, n, getattr(reference, n)) for n in _REFERENCE_COLLECTIVES]
+        bounds |= {
+            "all_gather_matmul": _on_xla(jax_ub.all_gather_matmul),
+            "matmul_reduce_scatter": _on_xla(jax_ub.matmul_reduce_scatter),
+            "all_gather_rows": copies_of_rows,
+            "reduce_scatter_rows": sum_row_blocks,
+        }
     for module, name, _ in saved:
         setattr(module, name, bounds[name])
     forget_traces()
@@ -160,6 +175,20 @@ def bound_ops():
         for module, name, value in saved:
             setattr(module, name, value)
         forget_traces()
+
+
+# The ops' XLA path's collectives (jax_ub._src.lowering.reference), looked up there when
+# called: the fp8 bound swaps them for local copies and sums.
+_REFERENCE_COLLECTIVES = ("all_gather_rows", "reduce_scatter_rows")
+
+
+def _on_xla(op):
+    """``op`` with ``impl="xla"`` whatever its caller asks."""
+
+    def call(*args, **kwargs):
+        return op(*args, **(kwargs | {"impl": "xla"}))
+
+    return call
 
 
 def _config(args):
@@ -224,7 +253,8 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
     keep_gathered = jax_ub.config.keep_gathered
     jax_ub.configure(keep_gathered=variant != "jax_ub_regather" and keep_gathered)
     try:
-        with jax.set_mesh(mesh), bound_ops() if variant == "bound" else contextlib.nullcontext():
+        bound = bound_ops(args.fp8 != "none") if variant == "bound" else contextlib.nullcontext()
+        with jax.set_mesh(mesh), bound:
             compiled = step.lower(state, tokens).compile()
     finally:
         jax_ub.configure(keep_gathered=keep_gathered)
@@ -381,12 +411,6 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
-    if "bound" in variants and args.fp8 != "none":
-        # bound_ops' GEMMs are bf16 ones, forward and backward: not an fp8 step's bound.
-        raise SystemExit(
-            f"the bound variant has no fp8 GEMMs, so it bounds no --fp8 {args.fp8} step; "
-            "leave it out of --variants (or time the bf16 bound without --fp8)"
-        )
     if args.child:
         print("MODEL_RESULT " + json.dumps(_run([args.child], args, say)), flush=True)
         return

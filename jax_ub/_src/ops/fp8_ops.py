@@ -32,6 +32,7 @@ from jax_ub._src.lowering.reference import (
 )
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.lowering.wire_format import pack_scales
+from jax_ub._src.ops.common import weight_grad_with
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_gathered, saved_output
@@ -228,6 +229,7 @@ def _op_grads(res: AgResiduals | RsResiduals, dx, dw, grad_amax, axis_name: str)
     typed like their primals, the output gradient's amax reported where its scale was
     given."""
     seen = Fp8Scales(x=res.seen_x, w=res.seen_w, grad=_seen(res.grad_scale, grad_amax, axis_name))
+    dx, dw = weight_grad_with(dx, dw)
     return _cotangent(dx, res.x_like), _cotangent(dw, res.w_like), seen
 
 
