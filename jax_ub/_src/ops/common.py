@@ -46,7 +46,7 @@ def weight_grad_with(dx, dw):
     AG+GEMM handed back, the gathered or kept ``x``), and its result is needed only by the
     optimizer at the end of the step. XLA's scheduler, with device memory to spare, may put
     every layer's weight-gradient GEMM there, keeping every layer's gathered operands
-    alive until then: 1.5 GB more at the peak of an 8-layer Llama 3 8B step at seq 8192 on
+    alive until then: 1.5 GiB more at the peak of an 8-layer Llama 3 8B step at seq 8192 on
     2 GPUs (``benchmarks/tools/step_memory.py``). Tied to dx, each runs within its own
     layer's backward, as XLA's own collectives' weight gradients do, at no measurable cost
     in step time.
