@@ -64,8 +64,9 @@ def peak_by_source(live_range: str) -> list[tuple[float, str]]:
     return sorted(out, reverse=True)
 
 
-# "allocation 12: size 1048576, parameter 4, shape |f32[..]| ...", "..., preallocated-temp:"
-_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), ([a-z\-]+)", re.M)
+# "allocation 12: size 1048576, parameter 4, shape |f32[..]| ...", "..., preallocated-temp:";
+# GPU dumps put "page 0, " before the kind.
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (?:page \d+, )?([a-z\-]+)", re.M)
 
 
 def allocations_by_kind(assignment: str) -> dict[str, float]:
