@@ -466,8 +466,8 @@ def llama_step_texts(mesh, *, layers: int = 2, scan_unroll=True) -> tuple[str, s
 
 
 def assert_each_call_compiled_once(compiled: str, layers: int) -> None:
-    """The compiled step of :func:`llama_step_texts` (blocks unrolled, as XLA's GPU
-    compiler inlines them) runs each of jax_ub's calls once: per block the forward's two
+    """The compiled step of :func:`llama_step_texts` runs each of jax_ub's calls once: per
+    block (``layers``: the blocks unrolled; 1 for a loop's body) the forward's two
     all-gathers (q/k/v, gate/up) and two reduce-scatters (output, down projection) and the
     backward's swapped pair of each, plus the LM head's all-gather and its backward's
     reduce-scatter. A repeated call would run its GEMMs and transfers twice (XLA's GPU

@@ -55,11 +55,13 @@ def test_llama_trains_as_with_xla(dp, tp, fp8):
     np.testing.assert_allclose(ub, xla, rtol=1e-4 if not fp8 else 1e-2)
 
 
-def test_scanned_blocks_run_each_call_once():
+@pytest.mark.parametrize("scan_unroll", [True, 1])
+def test_scanned_blocks_run_each_call_once(scan_unroll):
     """XLA's GPU compiler keeps each of jax_ub's calls once in a step whose blocks are
-    scanned over stacked params (it once ran every forward all-gather twice)."""
-    _, compiled = llama_step_texts(_mesh(1, 2), layers=2, scan_unroll=True)
-    assert_each_call_compiled_once(compiled, layers=2)
+    scanned over stacked params, unrolled or a loop (it once ran every forward all-gather
+    of the unrolled scan twice, and three of the loop's four forward calls)."""
+    _, compiled = llama_step_texts(_mesh(1, 2), layers=2, scan_unroll=scan_unroll)
+    assert_each_call_compiled_once(compiled, layers=2 if scan_unroll is True else 1)
 
 
 @pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])

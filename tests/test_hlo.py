@@ -189,9 +189,10 @@ def test_backward_reads_the_weight_in_place(mesh1d, rand, op, in_specs):
 @pytest.mark.parametrize("scan_unroll", [True, 1])
 def test_custom_calls_take_their_operands_through_a_barrier(mesh2d, scan_unroll):
     """A Llama whose blocks are scanned (unrolled, or a loop) over stacked params: every
-    jax_ub custom call takes its operands through an optimization barrier, which keeps
-    XLA's GPU dynamic-slice fusion from repeating the call (test_gpu_models.py counts the
-    calls that the GPU compiler keeps; on CPU the unrolled step has each call once too)."""
+    jax_ub custom call takes its operands through an optimization barrier and gives its
+    results to one, which keeps XLA's GPU dynamic-slice fusion from repeating the call
+    (test_gpu_models.py counts the calls that the GPU compiler keeps; on CPU the unrolled
+    step has each call once too)."""
     lowered, compiled = llama_step_texts(mesh2d(2, 2), scan_unroll=scan_unroll)
     if scan_unroll is True:
         assert_each_call_compiled_once(compiled, layers=2)
@@ -205,6 +206,14 @@ def test_custom_calls_take_their_operands_through_a_barrier(mesh2d, scan_unroll)
     for operands in calls:
         for operand in re.findall(r"%[\w]+", operands):
             assert operand in produced, (operand, operands)
+    # Each call's results go to a barrier, all of them, on the next line.
+    lines = lowered.splitlines()
+    for i, line in enumerate(lines):
+        call = re.search(r"(%\w+)(?::(\d+))? = stablehlo\.custom_call @jax_ub_", line)
+        if call:
+            n = int(call[2] or 1)
+            results = ", ".join(f"{call[1]}#{k}" for k in range(n)) if n > 1 else call[1]
+            assert f"stablehlo.optimization_barrier {results} :" in lines[i + 1], line
 
 
 def _weight_grad_barriers(text: str) -> list[list[str]]:
