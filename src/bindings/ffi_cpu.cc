@@ -7,26 +7,44 @@
 namespace jax_ub {
 namespace {
 
-ffi::Error AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                               ffi::AnyBuffer scales, ffi::AnyBuffer bias,
-                               ffi::AnyBuffer gelu_input, ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> gathered,
-                               ffi::Result<ffi::AnyBuffer> aux, int64_t comm_id, bool transpose_w,
-                               bool gelu, bool dgelu) {
+// The call runs on its slot's thread (HostCommunicator::CallAsync); XLA's CPU runtime goes
+// on with the device's independent work and takes the result when the future is ready.
+ffi::Future RunAsync(int32_t device, OpKind op, const Status& prepared,
+                     MatmulCall<HostCommunicator>& c) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (!prepared.ok()) {
+    promise.SetError(ToFfiError(prepared));
+    return future;
+  }
+  c.comm->CallAsync(device, op, c.shape, c.ops, [promise](const Status& st) mutable {
+    if (st.ok()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(ToFfiError(st));
+    }
+  });
+  return future;
+}
+
+ffi::Future AllGatherMatmulHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                ffi::AnyBuffer scales, ffi::AnyBuffer bias,
+                                ffi::AnyBuffer gelu_input, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::AnyBuffer> gathered,
+                                ffi::Result<ffi::AnyBuffer> aux, int64_t comm_id, bool transpose_w,
+                                bool gelu, bool dgelu) {
   MatmulCall<HostCommunicator> c;
   Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, *out, *gathered, *aux,
                                comm_id, gelu, dgelu, &c);
-  if (st.ok()) st = c.comm->Call(device, OpKind::kAllGatherMatmul, c.shape, c.ops);
-  return ToFfiError(st);
+  return RunAsync(device, OpKind::kAllGatherMatmul, st, c);
 }
 
-ffi::Error MatmulReduceScatterHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                   ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out,
-                                   int64_t comm_id, bool transpose_w) {
+ffi::Future MatmulReduceScatterHost(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                    ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out,
+                                    int64_t comm_id, bool transpose_w) {
   MatmulCall<HostCommunicator> c;
   Status st = PrepareReduceScatter(x, w, transpose_w, scales, *out, comm_id, &c);
-  if (st.ok()) st = c.comm->Call(device, OpKind::kMatmulReduceScatter, c.shape, c.ops);
-  return ToFfiError(st);
+  return RunAsync(device, OpKind::kMatmulReduceScatter, st, c);
 }
 
 }  // namespace

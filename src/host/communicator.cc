@@ -67,6 +67,10 @@ Status HostCommunicator::Create(Topology topology, size_t capacity_bytes,
   c->names_.assign(slots, "");
   c->epoch_.assign(slots, 0);
   c->slot_mu_.reset(new std::timed_mutex[slots]);
+  c->runners_.resize(slots);
+  c->completers_.resize(slots);
+  c->in_flight_.reset(new std::atomic<int>[slots]);
+  for (int s = 0; s < slots; ++s) c->in_flight_[s] = 0;
   c->region_bytes_ = sizeof(SlotHeader) + c->capacity_;
   for (int s = 0; s < slots; ++s) {
     if (!c->topology_.is_local(s)) {
@@ -146,7 +150,7 @@ bool HostCommunicator::Quiesce() {
     for (int s = 0; s < topology_.num_slots() && idle; ++s) {
       if (!topology_.is_local(s)) continue;
       std::unique_lock<std::timed_mutex> lock(slot_mu_[s], std::try_to_lock);
-      if (!lock.owns_lock()) {
+      if (!lock.owns_lock() || in_flight_[s].load() > 0) {
         idle = false;  // a call is running on this slot
       } else if (!have_first) {
         first = epoch_[s];
@@ -169,6 +173,9 @@ void HostCommunicator::Unlink() {
 }
 
 HostCommunicator::~HostCommunicator() {
+  // Queued calls run (or fail at their deadline) before the regions go.
+  runners_.clear();
+  completers_.clear();
   Unlink();
   for (int s = 0; s < static_cast<int>(regions_.size()); ++s) {
     if (regions_[s] == nullptr) continue;
@@ -264,6 +271,30 @@ Status HostCommunicator::Call(int device, OpKind op, const CallShape& shape, con
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, op, shape, &ctx));
   return Execute(ctx, CallSteps(op, Schedule{ctx.rank, ctx.size, fold_rows_}, shape), shape, ops);
+}
+
+void HostCommunicator::CallAsync(int device, OpKind op, const CallShape& shape, const Operands& ops,
+                                 std::function<void(const Status&)> done) {
+  int slot = 0;
+  Status st = topology_.SlotOfDevice(device, &slot);
+  if (!st.ok()) return done(st);
+  SerialQueue* runner = nullptr;
+  SerialQueue* completer = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(queues_mu_);
+    if (!runners_[slot]) {
+      runners_[slot] = std::make_unique<SerialQueue>();
+      completers_[slot] = std::make_unique<SerialQueue>();
+    }
+    runner = runners_[slot].get();
+    completer = completers_[slot].get();
+  }
+  ++in_flight_[slot];
+  runner->Post([this, device, op, shape, ops, slot, completer, done = std::move(done)]() mutable {
+    Status result = Call(device, op, shape, ops);
+    --in_flight_[slot];
+    completer->Post([result, done = std::move(done)] { done(result); });
+  });
 }
 
 uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {

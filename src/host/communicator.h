@@ -6,19 +6,24 @@
 // chunk as it lands. This is the same protocol the CUDA communicator runs, with memcpy
 // in place of copy engines and atomics in place of stream memory operations.
 //
-// Threading: XLA's CPU runtime runs the devices of one process concurrently, one thread
-// each, so every device's handler is a real concurrent peer. Waits poll with backoff
-// (CI has 2 cores and up to 8 devices) and give up at a deadline with an error.
+// Threading: XLA's CPU runtime runs the devices of one process concurrently, so every
+// device's call is a real concurrent peer. Waits poll with backoff (CI has 2 cores and up
+// to 8 devices) and give up at a deadline with an error. The FFI handlers call CallAsync:
+// a call runs on its slot's own thread while XLA's goes on with the device's independent
+// work, so a device that starts an XLA collective before a jax_ub call its peer started
+// first does not hold that peer's call (nor its own collective) hostage.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "host/serial_queue.h"
 #include "protocol/broken_state.h"
 #include "protocol/call_descriptor.h"
 #include "protocol/comm_options.h"
@@ -63,6 +68,12 @@ class HostCommunicator {
 
   // One call of `op` (see CallShape) for the group of the slot owned by `device`.
   Status Call(int device, OpKind op, const CallShape& shape, const Operands& ops);
+  // Call, run on the slot's call thread in the order of CallAsync's calls; its status goes
+  // to `done` on another thread (XLA's CPU runtime may go on with the device's program
+  // inside `done`, even into an XLA collective that waits for a peer: the slot's next
+  // call must not wait behind it). `ops` must stay valid until `done`.
+  void CallAsync(int device, OpKind op, const CallShape& shape, const Operands& ops,
+                 std::function<void(const Status&)> done);
 
   // Wait up to the timeout until no call is running and every local slot has made the
   // same number of calls: then no rank is left waiting for a peer whose call was
@@ -106,6 +117,11 @@ class HostCommunicator {
   // interleaving their chunks (the descriptor check then reports any order mismatch).
   std::unique_ptr<std::timed_mutex[]> slot_mu_;
   BrokenState broken_;
+  // Per slot, made on its first CallAsync: the thread running its calls, the one handing
+  // their statuses to XLA, and how many calls are queued or running (Quiesce waits for 0).
+  std::mutex queues_mu_;
+  std::vector<std::unique_ptr<SerialQueue>> runners_, completers_;
+  std::unique_ptr<std::atomic<int>[]> in_flight_;
 };
 
 }  // namespace jax_ub

@@ -3,7 +3,6 @@ and its place in the backward."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -54,18 +53,7 @@ def weight_grad_with(dx, dw):
 
     Call it before casting either to its input's varying axes: the barrier's result varies
     over the union of both (the same axes here, both being products of ``dy`` with the
-    op's operands); where dw would widen dx's, the two are returned untied.
-
-    Not on CPU devices: XLA's CPU runtime runs a device's independent work in no fixed
-    order, and the barrier changed the order in which devices started a jax_ub call and an
-    XLA all-reduce that did not depend on each other: each device then waited inside a
-    different one for the other (seen in ``test_fp8.py``'s delayed-scaling loop). GPUs run
-    each device's program in one order, the same on every device."""
-    if not ties_weight_grads() or not varying_axes(dw) <= varying_axes(dx):
+    op's operands); where dw would widen dx's, the two are returned untied."""
+    if not varying_axes(dw) <= varying_axes(dx):
         return dx, dw
     return lax.optimization_barrier((dx, dw))
-
-
-def ties_weight_grads() -> bool:
-    """Whether :func:`weight_grad_with` ties: off on CPU devices (see there)."""
-    return jax.default_backend() != "cpu"

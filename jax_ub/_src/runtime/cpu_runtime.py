@@ -6,17 +6,18 @@ them. Each call of such a program first runs one *launch* task per device on tha
 the launch takes a slot of the device's in-flight semaphore (32 slots: calls dispatched
 and not yet finished) and, when the device has 32 calls queued, waits for one to finish --
 blocking its pool thread. The calls themselves are gang-scheduled, one at a time, and a
-call with a collective in it (XLA's all-gather, psum, ..., or a jax_ub op) needs one pool
-thread per device at once: each device's part waits inside the collective until every
-other device's part has arrived. With as many threads as devices, one launch waiting on
+call with an XLA collective in it (all-gather, psum, ...) needs one pool thread per device
+at once: each device's part waits inside the collective until every other device's part
+has arrived. (A jax_ub op's part returns at once; the op runs on a thread of its
+communicator's, ``src/host/communicator.h``.) With as many threads as devices, one launch waiting on
 the semaphore leaves one device's part of the running call without a thread, and the
 others wait for it forever. That is the deadlock behind "rank 0 timed out ... waiting for
 rank 1 to deliver its chunk" after a few dozen unsynchronized calls on CPU devices, and
 behind XLA's own ``rendezvous.cc: Termination timeout for 'all gather'`` abort, which a
 loop of ``lax.all_gather`` alone reaches the same way (no jax_ub involved).
 
-Nothing in the custom call can avoid it: every device's part of a call must start for the
-call to finish, and each part holds its thread until it does. What bounds the threads a
+Nothing in jax_ub can avoid it: every device's part of a call must start for the call to
+finish, and each part of an XLA collective holds its thread until it does. What bounds the threads a
 call ever needs is the dispatch: one Python thread has one call launching at a time, so
 at most one launch task per device waits on a semaphore while the parts of one call run.
 A pool of ``2 * devices`` threads therefore always has a thread for every part, and any
