@@ -66,10 +66,9 @@ class HostCommunicator {
   // stay, and nothing is left behind in /dev/shm if a process dies later.
   void Unlink();
 
-  // One call of `op` (see CallShape) for the group of the slot owned by `device`.
-  Status Call(int device, OpKind op, const CallShape& shape, const Operands& ops);
-  // Call, run on the slot's call thread in the order of CallAsync's calls; its status goes
-  // to `done` on another thread (XLA's CPU runtime may go on with the device's program
+  // One call of `op` (see CallShape) for the group of the slot owned by `device`, run on
+  // the slot's call thread in the order of CallAsync's calls; its status goes to `done`
+  // on another thread (XLA's CPU runtime may go on with the device's program
   // inside `done`, even into an XLA collective that waits for a peer: the slot's next
   // call must not wait behind it). `ops` must stay valid until `done`.
   void CallAsync(int device, OpKind op, const CallShape& shape, const Operands& ops,
@@ -88,6 +87,9 @@ class HostCommunicator {
 
  private:
   HostCommunicator() = default;
+
+  // The call itself, on the slot's call thread.
+  Status Call(int device, OpKind op, const CallShape& shape, const Operands& ops);
 
   struct CallContext;
   Status Begin(int device, OpKind op, const CallShape& shape, CallContext* ctx);
@@ -112,9 +114,8 @@ class HostCommunicator {
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
   int64_t fold_rows_ = -1;          // see Create
   std::vector<uint64_t> epoch_;     // per slot; guarded by slot_mu_
-  // One call at a time per slot: should XLA's CPU runtime ever run two independent
-  // side-effecting custom calls of one device concurrently, they queue here instead of
-  // interleaving their chunks (the descriptor check then reports any order mismatch).
+  // Held by the call running on a slot (its call thread runs one at a time); Quiesce
+  // reads epoch_ under it.
   std::unique_ptr<std::timed_mutex[]> slot_mu_;
   BrokenState broken_;
   // Per slot, made on its first CallAsync: the thread running its calls, the one handing

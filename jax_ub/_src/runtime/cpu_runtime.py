@@ -1,32 +1,32 @@
 """XLA's CPU runtime with many calls in flight: enough worker threads for collectives.
 
 Why: XLA's CPU client (jaxlib 0.10) runs every program over several devices on one pool of
-worker threads, ``max(NPROC or the CPUs this process may use, number of devices)`` of
-them. Each call of such a program first runs one *launch* task per device on that pool;
-the launch takes a slot of the device's in-flight semaphore (32 slots: calls dispatched
-and not yet finished) and, when the device has 32 calls queued, waits for one to finish --
-blocking its pool thread. The calls themselves are gang-scheduled, one at a time, and a
-call with an XLA collective in it (all-gather, psum, ...) needs one pool thread per device
-at once: each device's part waits inside the collective until every other device's part
-has arrived. (A jax_ub op's part returns at once; the op runs on a thread of its
-communicator's, ``src/host/communicator.h``.) With as many threads as devices, one launch waiting on
-the semaphore leaves one device's part of the running call without a thread, and the
-others wait for it forever. That is the deadlock behind "rank 0 timed out ... waiting for
-rank 1 to deliver its chunk" after a few dozen unsynchronized calls on CPU devices, and
-behind XLA's own ``rendezvous.cc: Termination timeout for 'all gather'`` abort, which a
-loop of ``lax.all_gather`` alone reaches the same way (no jax_ub involved).
+worker threads, ``max(NPROC or the CPUs this process may use, number of devices)`` of them.
+Each call of such a program first runs one *launch* task per device on that pool; the
+launch takes a slot of the device's in-flight semaphore (32 slots: calls dispatched and not
+yet finished) and, when the device has 32 calls queued, waits for one to finish -- blocking
+its pool thread. The calls themselves are gang-scheduled, one at a time, and a call with an
+XLA collective in it (all-gather, psum, ...) needs one pool thread per device at once: each
+device's part waits inside the collective until every other device's part has arrived. (A
+jax_ub op's part returns at once; the op runs on a thread of its communicator's,
+``src/host/communicator.h``.) With as many threads as devices, one launch waiting on the
+semaphore leaves one device's part of the running call without a thread, and the others
+wait for it forever. That is the deadlock behind "rank 0 timed out ... waiting for rank 1
+to deliver its chunk" after a few dozen unsynchronized calls on CPU devices, and behind
+XLA's own ``rendezvous.cc: Termination timeout for 'all gather'`` abort, which a loop of
+``lax.all_gather`` alone reaches the same way (no jax_ub involved).
 
 Nothing in jax_ub can avoid it: every device's part of a call must start for the call to
-finish, and each part of an XLA collective holds its thread until it does. What bounds the threads a
-call ever needs is the dispatch: one Python thread has one call launching at a time, so
-at most one launch task per device waits on a semaphore while the parts of one call run.
-A pool of ``2 * devices`` threads therefore always has a thread for every part, and any
-number of calls can be in flight. XLA reads the pool size only from the ``NPROC``
+finish, and each part of an XLA collective holds its thread until it does. What bounds the
+threads a call ever needs is the dispatch: one Python thread has one call launching at a
+time, so at most one launch task per device waits on a semaphore while the parts of one
+call run. A pool of ``2 * devices`` threads therefore always has a thread for every part,
+and any number of calls can be in flight. XLA reads the pool size only from the ``NPROC``
 environment variable, when JAX creates the CPU client; :func:`install` wraps JAX's CPU
 backend factory so that, for the duration of that call only, ``NPROC`` asks for at least
 ``2 * devices`` threads. Where a machine has that many CPUs already, nothing changes. The
-extra threads are idle unless launches back up; XLA's intra-op pool grows alike, which
-only changes how finely it splits work across the same cores.
+extra threads are idle unless launches back up; XLA's intra-op pool grows alike, which only
+changes how finely it splits work across the same cores.
 
 The CPU client is created once per process, the first time JAX needs a device, so this
 only works if jax_ub is imported before that; :func:`check_worker_threads` warns, once,
