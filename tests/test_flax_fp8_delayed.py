@@ -93,10 +93,7 @@ def _grads(model, x, target):
     """``(y, dy, grads)``: the output, its gradient ``y - target`` and the gradients of the
     params and the histories, of ``sum((y - target)**2) / 2``, ``y = model(x)``.
 
-    The output gradient depends on the forward, as in training. With ``sum(y * ct)`` and
-    delayed scales the output projection's backward depends on nothing of the forward,
-    and on CPU some ranks ran it first ("ranks disagree on the call"): an ordering gap of
-    the ops' host protocol, not of the histories, left to the ops' own tests."""
+    The output gradient depends on the forward, as in training."""
 
     def loss(model):
         y = model(x).astype(jnp.float32)

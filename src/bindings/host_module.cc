@@ -52,6 +52,10 @@ NB_MODULE(_host, m) {
     jax_ub::Status st = c->Connect(names);
     jax_ub::RaiseIfError(st);
   });
+  m.def("hold_next_call", [](int64_t id, int device, double seconds) {
+    auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
+    jax_ub::RaiseIfError(c->HoldNextCall(device, seconds));
+  });
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -173,7 +173,8 @@ void HostCommunicator::Unlink() {
 }
 
 HostCommunicator::~HostCommunicator() {
-  // Queued calls run (or fail at their deadline) before the regions go.
+  // Queued calls run (or fail at their deadline) before the regions go, a held one too.
+  if (hold_timer_.joinable()) hold_timer_.join();
   runners_.clear();
   completers_.clear();
   Unlink();
@@ -290,11 +291,33 @@ void HostCommunicator::CallAsync(int device, OpKind op, const CallShape& shape, 
     completer = completers_[slot].get();
   }
   ++in_flight_[slot];
-  runner->Post([this, device, op, shape, ops, slot, completer, done = std::move(done)]() mutable {
+  auto task = [this, device, op, shape, ops, slot, completer, done = std::move(done)]() mutable {
     Status result = Call(device, op, shape, ops);
     --in_flight_[slot];
     completer->Post([result, done = std::move(done)] { done(result); });
-  });
+  };
+  {
+    std::lock_guard<std::mutex> lock(queues_mu_);
+    if (slot == hold_slot_) {
+      hold_slot_ = -1;
+      hold_timer_ = std::thread([runner, task = std::move(task), s = hold_s_]() mutable {
+        std::this_thread::sleep_for(std::chrono::duration<double>(s));
+        runner->Post(std::move(task));
+      });
+      return;
+    }
+  }
+  runner->Post(std::move(task));
+}
+
+Status HostCommunicator::HoldNextCall(int device, double seconds) {
+  int slot = 0;
+  JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
+  std::lock_guard<std::mutex> lock(queues_mu_);
+  if (hold_timer_.joinable()) hold_timer_.join();  // the last hold's call is handed over
+  hold_slot_ = slot;
+  hold_s_ = seconds;
+  return Status::Ok();
 }
 
 uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "host/serial_queue.h"
@@ -74,6 +75,12 @@ class HostCommunicator {
   void CallAsync(int device, OpKind op, const CallShape& shape, const Operands& ops,
                  std::function<void(const Status&)> done);
 
+  // For tests: the next call `device` makes reaches its slot's thread only after `seconds`,
+  // behind any call the device makes meanwhile, as if XLA had started them in the other
+  // order. XLA's CPU runtime starts a device's next jax_ub call only once the previous one
+  // has finished, so none comes (tests/test_call_order.py).
+  Status HoldNextCall(int device, double seconds);
+
   // Wait up to the timeout until no call is running and every local slot has made the
   // same number of calls: then no rank is left waiting for a peer whose call was
   // dispatched but has not started yet. Returns whether that state was reached.
@@ -123,6 +130,11 @@ class HostCommunicator {
   std::mutex queues_mu_;
   std::vector<std::unique_ptr<SerialQueue>> runners_, completers_;
   std::unique_ptr<std::atomic<int>[]> in_flight_;
+  // HoldNextCall, under queues_mu_: the slot whose next call is held (-1: none), for how
+  // long, and the thread that hands it over.
+  int hold_slot_ = -1;
+  double hold_s_ = 0;
+  std::thread hold_timer_;
 };
 
 }  // namespace jax_ub
