@@ -42,7 +42,6 @@ std::string Fmt(const char* fmt, ...) {
 }  // namespace
 
 struct HostCommunicator::CallContext {
-  std::unique_lock<std::timed_mutex> lock;
   OpKind op;
   int slot;
   int group;
@@ -65,8 +64,8 @@ Status HostCommunicator::Create(Topology topology, size_t capacity_bytes,
   const int slots = c->topology_.num_slots();
   c->regions_.assign(slots, nullptr);
   c->names_.assign(slots, "");
-  c->epoch_.assign(slots, 0);
-  c->slot_mu_.reset(new std::timed_mutex[slots]);
+  c->epoch_.reset(new std::atomic<uint64_t>[slots]);
+  for (int s = 0; s < slots; ++s) c->epoch_[s] = 0;
   c->runners_.resize(slots);
   c->completers_.resize(slots);
   c->in_flight_.reset(new std::atomic<int>[slots]);
@@ -149,9 +148,8 @@ bool HostCommunicator::Quiesce() {
     bool have_first = false;
     for (int s = 0; s < topology_.num_slots() && idle; ++s) {
       if (!topology_.is_local(s)) continue;
-      std::unique_lock<std::timed_mutex> lock(slot_mu_[s], std::try_to_lock);
-      if (!lock.owns_lock() || in_flight_[s].load() > 0) {
-        idle = false;  // a call is running on this slot
+      if (in_flight_[s].load() > 0) {
+        idle = false;  // a call is queued or running on this slot
       } else if (!have_first) {
         first = epoch_[s];
         have_first = true;
@@ -204,10 +202,6 @@ Status HostCommunicator::Begin(int device, OpKind op, const CallShape& shape, Ca
             "the communicator has %zu; raise jax_ub.configure(buffer_bytes=...)",
             OpName(op), static_cast<long long>(need), size, static_cast<long long>(chunk_bytes),
             capacity_));
-  ctx->lock = std::unique_lock<std::timed_mutex>(slot_mu_[slot], std::defer_lock);
-  if (!ctx->lock.try_lock_for(std::chrono::duration<double>(timeout_s_)))
-    return DeadlineExceeded(Fmt("%s: device %d waited %.1f s for its previous jax_ub call to end",
-                                OpName(op), device, timeout_s_));
   ctx->op = op;
   ctx->slot = slot;
   ctx->group = topology_.group_of(slot);

@@ -120,10 +120,9 @@ class HostCommunicator {
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
   int64_t fold_rows_ = -1;          // see Create
-  std::vector<uint64_t> epoch_;     // per slot; guarded by slot_mu_
-  // Held by the call running on a slot (its call thread runs one at a time); Quiesce
-  // reads epoch_ under it.
-  std::unique_ptr<std::timed_mutex[]> slot_mu_;
+  // Per slot: calls begun. Written by the slot's call thread (one call at a time), read
+  // by Quiesce.
+  std::unique_ptr<std::atomic<uint64_t>[]> epoch_;
   BrokenState broken_;
   // Per slot, made on its first CallAsync: the thread running its calls, the one handing
   // their statuses to XLA, and how many calls are queued or running (Quiesce waits for 0).

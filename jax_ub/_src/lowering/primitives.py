@@ -19,10 +19,10 @@ Why every device of a group runs the same calls: the custom call is marked as ha
 side effect, so XLA neither CSEs two identical calls nor drops one whose result is
 unused; and every device runs the same SPMD program. The nested shard_map changes
 neither. Their order is the data's where one consumes another's result; calls with no
-data path between them run in the compiled program's order, the same on every device of a
-process: one stream per GPU, and XLA's CPU runtime starts a device's next side-effecting
-call only once the previous one has finished (tests/test_call_order.py). Processes compile
-their own programs and may order such calls differently (tests/RELIABILITY.md, known gaps).
+data path between them run in the program's order on every device of a single-process run:
+one stream per GPU, and XLA's CPU runtime starts a device's next side-effecting call only
+once the previous one has finished (tests/test_call_order.py). Several CPU processes may
+start such calls in different orders (tests/RELIABILITY.md, known gaps).
 """
 
 from __future__ import annotations
