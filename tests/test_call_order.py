@@ -1,18 +1,17 @@
-"""The order in which a CPU device's jax_ub calls reach its communicator.
+"""The order in which a CPU device's jax_ub calls run on its communicator.
 
-A slot runs its calls in the order they arrive, and peers pair calls by their count, so
-calls must arrive in the same order on every device of a group. XLA's CPU runtime gives
-them so: it starts a device's next side-effecting custom call (every jax_ub call) only
-once the previous one has finished, in the program's order, even where no data path joins
-them, and a program's calls only after the previous program's. These tests hold one
-device's call back (``_host.hold_next_call``: any call the device makes meanwhile would
-overtake it) and check that nothing overtakes: were a second call started meanwhile, the
-held rank would pair the other call's shards with its own (two all-gathers of equal
-shapes: equal descriptors, wrong numbers)."""
+Peers pair calls by their count, so every rank of a group must run them in one order. A
+small program runs in sequence (XLA's CPU runtime waits for each call before the next); a
+large one runs as a dataflow graph, whose independent calls start in whatever order their
+inputs become ready. The ranks run their calls in the order the group's rank 0 runs them,
+matched by site (src/host/ordered_runner.h). These tests hold one device's next call back
+(``_host.hold_next_call``) and check the numbers: were two calls of equal shapes paired the
+wrong way round, each rank would combine one call's shards with the other's."""
 
 import time
 
 import jax
+import jax.numpy as jnp
 import pytest
 from conftest import rel_err, smap
 from jax.sharding import PartitionSpec as P
@@ -26,16 +25,21 @@ RS = jax_ub.matmul_reduce_scatter
 HOLD_S = 0.5
 
 
-def _hold_next_call(mesh, rank: int) -> None:
-    """Hold the next call of the device of ``rank`` of ``mesh``'s tp group."""
+def _comm_id(mesh) -> int:
+    """The id of the CPU communicator of ``mesh``'s tp group."""
     devices = set(mesh.devices.flat)
     (comm,) = [
         c
         for c in communicator.live_communicators()
         if c.platform == "cpu" and c.axis_name == "tp" and set(c.devices) == devices
     ]
+    return comm.id
+
+
+def _hold_next_call(mesh, rank: int) -> None:
+    """Hold the next call of the device of ``rank`` of ``mesh``'s tp group."""
     device = mesh.devices.flat[rank]
-    _host.hold_next_call(comm.id, communicator._device_ordinal(device), HOLD_S)
+    _host.hold_next_call(_comm_id(mesh), communicator._device_ordinal(device), HOLD_S)
 
 
 def _operands(rand, tp):
@@ -52,7 +56,7 @@ def _check(got, ref, what: str) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("held_rank", [0, 1])
-def test_independent_calls_of_one_program_arrive_in_program_order(mesh1d, rand, tp, held_rank):
+def test_independent_calls_of_a_small_program(mesh1d, rand, tp, held_rank):
     """Two all-gathers of equal shapes and an RS, none needing another's result."""
     mesh = mesh1d(tp)
     args = _operands(rand, tp)
@@ -75,7 +79,7 @@ def test_independent_calls_of_one_program_arrive_in_program_order(mesh1d, rand, 
         _check(got, ref, f"attempt {attempt}")
 
 
-def test_calls_of_programs_dispatched_without_a_sync_arrive_in_dispatch_order(mesh1d, rand):
+def test_calls_of_programs_dispatched_without_a_sync(mesh1d, rand):
     """The same with each call in a program of its own, dispatched back to back."""
     mesh = mesh1d(2)
     x1, x2, w1, w2, h, w3 = _operands(rand, 2)
@@ -89,3 +93,41 @@ def test_calls_of_programs_dispatched_without_a_sync_arrive_in_dispatch_order(me
         _hold_next_call(mesh, held_rank)
         got = jax.block_until_ready((ag(x1, w1), ag(x2, w2), rs(h, w3)))
         _check(got, ref, f"rank {held_rank} held")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("held_rank", [0, 1])
+def test_calls_the_runtime_starts_out_of_order_pair_by_site(mesh1d, rand, tp, held_rank):
+    """Two RSs of equal shapes with nothing between them, in a program large enough for
+    XLA's CPU runtime to run it as a dataflow graph: it starts both as soon as their
+    inputs are ready. Holding rank 0's first one makes rank 0 run them in the other
+    order; the peers follow rank 0's order (by site), so the numbers stay right."""
+    mesh = mesh1d(tp)
+    m, k, n = 8, 32, 16
+    h1, h2, e = rand(tp * m, tp * k), rand(tp * m, tp * k), rand(9, 64, 64)
+    w1, w2 = rand(tp * k, n), rand(tp * k, n)
+
+    def run(impl):
+        def body(h1, h2, w1, w2, e):
+            # Independent work beside the calls: more thunks than XLA runs in sequence
+            # (8), on buffers larger than it runs in sequence (512 bytes).
+            rest = [jnp.sin(e[i]) for i in range(len(e))]
+            return RS(h1, w1, "tp", impl=impl), RS(h2, w2, "tp", impl=impl), *rest
+
+        specs = (P(None, "tp"), P(None, "tp"), P("tp"), P("tp"), P())
+        return smap(body, mesh, specs, (P("tp"), P("tp"), *[P()] * len(e)))(h1, h2, w1, w2, e)
+
+    ref = run("xla")
+    jax.block_until_ready(run("ub"))
+    comm = _comm_id(mesh)
+    leader = communicator._device_ordinal(mesh.devices.flat[0])
+    for attempt in range(2):
+        _hold_next_call(mesh, held_rank)
+        got = jax.block_until_ready(run("ub"))
+        for name, g, r in zip(("first RS", "second RS"), got, ref):
+            assert rel_err(g, r) < 1e-5, f"{name}, rank {held_rank} held, attempt {attempt}"
+        order = _host.leader_order(comm, leader)[-2:]
+        assert len(set(order)) == 2, order
+        if held_rank == 0:
+            # Rank 0's runtime started the held call first; it ran second there.
+            assert order[-1] == _host.held_site(comm), (order, _host.held_site(comm))

@@ -185,7 +185,10 @@ def test_late_peer_does_not_hang(mesh1d, rand):
 @pytest.mark.parametrize("mismatch", ["op", "dtype", "k", "n"])
 def test_ranks_disagree_name_both_calls(mesh1d, rand, mismatch):
     """Ranks that run different calls (another op, dtype, k or n) get an error naming both
-    sides' calls (op, dtype, shape, call number), never a hang or a wrong result."""
+    sides' calls (op, dtype, shape, call number), never a hang or a wrong result. The
+    branches' calls have different sites, so rank 1 runs its own once rank 0's has not come
+    for half the timeout."""
+    jax_ub.configure(timeout_s=2.0)
     mesh = mesh1d(2)
     x, w = rand(2 * 4, 16), rand(16, 6 if mismatch == "n" else 8)
     ag = lambda x, w: AG(x, w, "tp", impl="ub")  # noqa: E731  [8, n] per rank
@@ -282,6 +285,7 @@ def _ffi_all_gather_matmul(cid, out_rows, n, dtype=jnp.float32):
             transpose_w=False,
             gelu=False,
             dgelu=False,
+            site=np.int64(1),  # the call's id from the lowering (CPU)
         )
 
     return jax.jit(call)

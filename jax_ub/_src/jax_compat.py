@@ -129,3 +129,13 @@ def all_gather_invariant(x, axis_name: str):
     if private is not None:
         return private(x, axis_name, axis=0, tiled=True)
     return jax.lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
+
+
+def register_uncached_lowering(prim, rule) -> None:
+    """``mlir.register_lowering`` for a primitive whose every equation must run `rule`:
+    JAX otherwise lowers equal equations once and copies the result (``cacheable``, newer
+    JAX), which would give two jax_ub calls one site (primitives._call_site)."""
+    if "cacheable" in inspect.signature(_mlir.register_lowering).parameters:
+        _mlir.register_lowering(prim, rule, cacheable=False)
+    else:
+        _mlir.register_lowering(prim, rule)

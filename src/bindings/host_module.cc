@@ -56,6 +56,15 @@ NB_MODULE(_host, m) {
     auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
     jax_ub::RaiseIfError(c->HoldNextCall(device, seconds));
   });
+  m.def("held_site", [](int64_t id) {
+    return jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id)->held_site();
+  });
+  m.def("leader_order", [](int64_t id, int device) {
+    auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
+    std::vector<uint64_t> sites;
+    jax_ub::RaiseIfError(c->LeaderOrder(device, &sites));
+    return sites;
+  });
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "host/gemm.h"
 #include "protocol/schedule.h"
@@ -186,11 +188,15 @@ HostCommunicator::~HostCommunicator() {
   }
 }
 
+Status HostCommunicator::Healthy() const {
+  if (!broken_.broken()) return Status::Ok();
+  return FailedPrecondition(std::string("jax_ub communicator is broken by an earlier error (") +
+                            broken_.reason() +
+                            "); call jax_ub.finalize() and run again to start afresh");
+}
+
 Status HostCommunicator::Begin(int device, OpKind op, const CallShape& shape, CallContext* ctx) {
-  if (broken_.broken())
-    return FailedPrecondition(std::string("jax_ub communicator is broken by an earlier error (") +
-                              broken_.reason() +
-                              "); call jax_ub.finalize() and run again to start afresh");
+  JAX_UB_RETURN_IF_ERROR(Healthy());
   int slot = 0;
   JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
   const int size = topology_.group_size();
@@ -212,17 +218,83 @@ Status HostCommunicator::Begin(int device, OpKind op, const CallShape& shape, Ca
   return Status::Ok();
 }
 
-void HostCommunicator::Fail(const CallContext& ctx, const Status& st) {
+void HostCommunicator::Fail(int slot, const Status& st) {
   broken_.Mark(st.message());
   // Tell the rest of the group, so their waits end now instead of at their deadline.
-  for (int r = 0; r < ctx.size; ++r) {
-    SlotHeader* h = header(ctx.peer_slot(r));
+  const int size = topology_.group_size();
+  const int group = topology_.group_of(slot);
+  for (int r = 0; r < size; ++r) {
+    SlotHeader* h = header(group * size + r);
     if (Load(&h->aborted) == 0) {
-      std::snprintf(h->abort_reason, sizeof(h->abort_reason), "rank %d failed: %s", ctx.rank,
-                    st.message().c_str());
+      std::snprintf(h->abort_reason, sizeof(h->abort_reason), "rank %d failed: %s",
+                    topology_.rank_of(slot), st.message().c_str());
       Store(&h->aborted, 1);
     }
   }
+}
+
+// Polls with backoff: yields quickly at first (peers are usually close), then sleeps so
+// that up to 8 device threads waiting on 2 cores leave the cores to the ones doing work.
+static void Backoff(int spins) {
+  if (spins < 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 20 : 200));
+  }
+}
+
+void HostCommunicator::PublishSite(int slot, uint64_t n, uint64_t site) {
+  SlotHeader* h = header(slot);
+  Store(&h->order_site[n % kOrderLog], site);
+  Store(&h->order_n[n % kOrderLog], n);
+}
+
+Status HostCommunicator::AwaitSite(int slot, uint64_t n, uint64_t* site) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
+  const int size = topology_.group_size();
+  const int group = topology_.group_of(slot);
+  const int rank = topology_.rank_of(slot);
+  const SlotHeader* leader = header(group * size);
+  const SlotHeader* own = header(slot);
+  for (int spins = 0;; ++spins) {
+    JAX_UB_RETURN_IF_ERROR(Healthy());
+    const uint64_t logged = Load(&leader->order_n[n % kOrderLog]);
+    if (logged == n) {
+      *site = Load(&leader->order_site[n % kOrderLog]);
+      return Status::Ok();
+    }
+    if (logged > n)
+      return Internal(
+          Fmt("rank %d (group %d) fell more than %d calls behind rank 0 (at its "
+              "call #%llu, rank 0 at #%llu)",
+              rank, group, kOrderLog, static_cast<unsigned long long>(n),
+              static_cast<unsigned long long>(logged)));
+    if (Load(&own->aborted) != 0)
+      return FailedPrecondition(
+          Fmt("rank %d (group %d) stopped waiting for rank 0: %s", rank, group, own->abort_reason));
+    if (Clock::now() > deadline)
+      return DeadlineExceeded(
+          Fmt("rank %d (group %d) timed out after %.1f s waiting for rank 0 to start call #%llu; "
+              "the peer never arrived, is stuck, or runs a different program",
+              rank, group, timeout_s_, static_cast<unsigned long long>(n)));
+    Backoff(spins);
+  }
+}
+
+Status HostCommunicator::LeaderOrder(int device, std::vector<uint64_t>* sites) const {
+  int slot = 0;
+  JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
+  const SlotHeader* leader = header(topology_.group_of(slot) * topology_.group_size());
+  std::vector<std::pair<uint64_t, uint64_t>> log;
+  for (int i = 0; i < kOrderLog; ++i) {
+    const uint64_t n = Load(&leader->order_n[i]);
+    if (n != 0) log.push_back({n, Load(&leader->order_site[i])});
+  }
+  std::sort(log.begin(), log.end());
+  sites->clear();
+  for (const auto& entry : log) sites->push_back(entry.second);
+  return Status::Ok();
 }
 
 Status HostCommunicator::WaitFlag(const CallContext& ctx, const uint64_t* flag, uint64_t target,
@@ -244,13 +316,7 @@ Status HostCommunicator::WaitFlag(const CallContext& ctx, const uint64_t* flag, 
               "program",
               OpName(ctx.op), ctx.rank, ctx.group, timeout_s_, peer, what,
               static_cast<unsigned long long>(target), static_cast<unsigned long long>(v)));
-    // Yield quickly at first (peers are usually close), then sleep so that up to 8 device
-    // threads waiting on 2 cores leave the cores to the ones doing work.
-    if (spins < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 20 : 200));
-    }
+    Backoff(spins);
   }
 }
 
@@ -268,25 +334,38 @@ Status HostCommunicator::Call(int device, OpKind op, const CallShape& shape, con
   return Execute(ctx, CallSteps(op, Schedule{ctx.rank, ctx.size, fold_rows_}, shape), shape, ops);
 }
 
-void HostCommunicator::CallAsync(int device, OpKind op, const CallShape& shape, const Operands& ops,
-                                 std::function<void(const Status&)> done) {
+void HostCommunicator::CallAsync(int device, uint64_t site, OpKind op, const CallShape& shape,
+                                 const Operands& ops, std::function<void(const Status&)> done) {
   int slot = 0;
   Status st = topology_.SlotOfDevice(device, &slot);
   if (!st.ok()) return done(st);
-  SerialQueue* runner = nullptr;
+  OrderedRunner* runner = nullptr;
   SerialQueue* completer = nullptr;
   {
     std::lock_guard<std::mutex> lock(queues_mu_);
     if (!runners_[slot]) {
-      runners_[slot] = std::make_unique<SerialQueue>();
+      OrderedRunner::Order order;
+      if (topology_.rank_of(slot) == 0) {
+        order.publish = [this, slot](uint64_t n, uint64_t s) { PublishSite(slot, n, s); };
+      } else {
+        order.await_site = [this, slot](uint64_t n, uint64_t* s) { return AwaitSite(slot, n, s); };
+      }
+      order.healthy = [this] { return Healthy(); };
+      runners_[slot] = std::make_unique<OrderedRunner>(std::move(order), timeout_s_);
       completers_[slot] = std::make_unique<SerialQueue>();
     }
     runner = runners_[slot].get();
     completer = completers_[slot].get();
   }
   ++in_flight_[slot];
-  auto task = [this, device, op, shape, ops, slot, completer, done = std::move(done)]() mutable {
-    Status result = Call(device, op, shape, ops);
+  auto task = [this, device, op, shape, ops, slot, completer,
+               done = std::move(done)](const Status& order_st) mutable {
+    Status result = order_st;
+    if (result.ok()) {
+      result = Call(device, op, shape, ops);
+    } else if (!broken_.broken()) {
+      Fail(slot, result);
+    }
     --in_flight_[slot];
     completer->Post([result, done = std::move(done)] { done(result); });
   };
@@ -294,14 +373,15 @@ void HostCommunicator::CallAsync(int device, OpKind op, const CallShape& shape, 
     std::lock_guard<std::mutex> lock(queues_mu_);
     if (slot == hold_slot_) {
       hold_slot_ = -1;
-      hold_timer_ = std::thread([runner, task = std::move(task), s = hold_s_]() mutable {
+      held_site_ = site;
+      hold_timer_ = std::thread([runner, site, task = std::move(task), s = hold_s_]() mutable {
         std::this_thread::sleep_for(std::chrono::duration<double>(s));
-        runner->Post(std::move(task));
+        runner->Post(site, std::move(task));
       });
       return;
     }
   }
-  runner->Post(std::move(task));
+  runner->Post(site, std::move(task));
 }
 
 Status HostCommunicator::HoldNextCall(int device, double seconds) {
@@ -376,7 +456,7 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         break;
     }
     if (!st.ok()) {
-      Fail(ctx, st);
+      Fail(ctx.slot, st);
       return st;
     }
   }

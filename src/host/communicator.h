@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "host/ordered_runner.h"
 #include "host/serial_queue.h"
 #include "protocol/broken_state.h"
 #include "protocol/call_descriptor.h"
@@ -35,6 +36,10 @@
 
 namespace jax_ub {
 
+// How many of its latest calls a group leader's order log keeps (OrderedRunner): a leader
+// starts call n + 1 only after every peer has started call n, so two would do.
+constexpr int kOrderLog = 8;
+
 // Layout of the front of every symmetric region. Written by peers; all flag words are
 // accessed atomically.
 struct alignas(64) SlotHeader {
@@ -45,6 +50,10 @@ struct alignas(64) SlotHeader {
   uint64_t first_piece_epoch[kMaxRanks];  // [j]: its first piece, if sent in two (Schedule)
   uint64_t credit_epoch[kMaxRanks];       // [j]: rank j consumed my chunks through this epoch
   CallDescriptor desc_from[kMaxRanks];
+  // A group leader's order log: its call #n had site order_site[n % kOrderLog] once
+  // order_n[n % kOrderLog] holds n.
+  uint64_t order_n[kOrderLog];
+  uint64_t order_site[kOrderLog];
 };
 
 class HostCommunicator {
@@ -68,18 +77,27 @@ class HostCommunicator {
   void Unlink();
 
   // One call of `op` (see CallShape) for the group of the slot owned by `device`, run on
-  // the slot's call thread in the order of CallAsync's calls; its status goes to `done`
+  // the slot's call thread in the order its group leader runs its calls, matched by
+  // `site` (OrderedRunner; a leader runs them in the order of CallAsync's calls); its
+  // status goes to `done`
   // on another thread (XLA's CPU runtime may go on with the device's program
   // inside `done`, even into an XLA collective that waits for a peer: the slot's next
   // call must not wait behind it). `ops` must stay valid until `done`.
-  void CallAsync(int device, OpKind op, const CallShape& shape, const Operands& ops,
+  void CallAsync(int device, uint64_t site, OpKind op, const CallShape& shape, const Operands& ops,
                  std::function<void(const Status&)> done);
 
   // For tests: the next call `device` makes reaches its slot's thread only after `seconds`,
   // behind any call the device makes meanwhile, as if XLA had started them in the other
-  // order. XLA's CPU runtime starts a device's next jax_ub call only once the previous one
-  // has finished, so none comes (tests/test_call_order.py).
+  // order (tests/test_call_order.py).
   Status HoldNextCall(int device, double seconds);
+  // For tests: the site of the last call HoldNextCall held.
+  uint64_t held_site() {
+    std::lock_guard<std::mutex> lock(queues_mu_);
+    return held_site_;
+  }
+  // For tests: the sites of the latest calls (up to kOrderLog) the leader of `device`'s
+  // group ran, oldest first.
+  Status LeaderOrder(int device, std::vector<uint64_t>* sites) const;
 
   // Wait up to the timeout until no call is running and every local slot has made the
   // same number of calls: then no rank is left waiting for a peer whose call was
@@ -99,11 +117,18 @@ class HostCommunicator {
   Status Call(int device, OpKind op, const CallShape& shape, const Operands& ops);
 
   struct CallContext;
+  // Ok, or why no call can run: the communicator is broken.
+  Status Healthy() const;
   Status Begin(int device, OpKind op, const CallShape& shape, CallContext* ctx);
   Status WaitFlag(const CallContext& ctx, const uint64_t* flag, uint64_t target, int peer,
                   const char* what);
   Status CheckDescriptor(const CallContext& ctx, int peer);
-  void Fail(const CallContext& ctx, const Status& st);
+  // Marks the communicator broken and tells the rest of `slot`'s group.
+  void Fail(int slot, const Status& st);
+  // The order log of `slot`'s group leader: publish the site of its call #n (leader), or
+  // wait until the leader has (every other rank).
+  void PublishSite(int slot, uint64_t n, uint64_t site);
+  Status AwaitSite(int slot, uint64_t n, uint64_t* site);
   // Runs one call's steps (protocol/schedule.h); on an error, fails the group and returns it.
   Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,
                  const Operands& ops);
@@ -127,12 +152,14 @@ class HostCommunicator {
   // Per slot, made on its first CallAsync: the thread running its calls, the one handing
   // their statuses to XLA, and how many calls are queued or running (Quiesce waits for 0).
   std::mutex queues_mu_;
-  std::vector<std::unique_ptr<SerialQueue>> runners_, completers_;
+  std::vector<std::unique_ptr<OrderedRunner>> runners_;
+  std::vector<std::unique_ptr<SerialQueue>> completers_;
   std::unique_ptr<std::atomic<int>[]> in_flight_;
   // HoldNextCall, under queues_mu_: the slot whose next call is held (-1: none), for how
   // long, and the thread that hands it over.
   int hold_slot_ = -1;
   double hold_s_ = 0;
+  uint64_t held_site_ = 0;
   std::thread hold_timer_;
 };
 

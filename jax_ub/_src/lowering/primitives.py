@@ -18,16 +18,17 @@ batch shard and nothing is gathered over data-parallel axes.
 Why every device of a group runs the same calls: the custom call is marked as having a
 side effect, so XLA neither CSEs two identical calls nor drops one whose result is
 unused; and every device runs the same SPMD program. The nested shard_map changes
-neither. Their order is the data's where one consumes another's result; calls with no
-data path between them run in the program's order on every device of a single-process run:
-one stream per GPU, and XLA's CPU runtime starts a device's next side-effecting call only
-once the previous one has finished (tests/test_call_order.py). Several CPU processes may
-start such calls in different orders (tests/RELIABILITY.md, known gaps).
+neither. Their order is the data's where one consumes another's result. Calls with no data
+path between them run in program order on a GPU (one stream); on CPU devices XLA's runtime
+starts them as their inputs become ready, in an order that may differ between devices, so
+each CPU call carries a site (``_call_site``) and the ranks of a group run their calls in
+the order the group's rank 0 runs them, matched by site (src/host/ordered_runner.h).
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Callable
 
 import jax
@@ -229,6 +230,29 @@ def _ffi_call_flat(ctx, target: str, x, *operands, comm_id: int, **attrs):
     return [jax_compat.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
+class _SiteCounter:
+    """How many CPU calls a module has lowered: kept in the module's keepalives, so it
+    lives as long as the module being lowered."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _call_site(ctx: mlir.LoweringRuleContext, op: str) -> int:
+    """A CPU call's site: its number among the module's jax_ub calls in lowering order,
+    with a checksum of its op, name stack and operand types. The same in every process
+    that lowers the same program, which is what lets a group's ranks agree on the order
+    of calls with no data path between them (src/host/ordered_runner.h)."""
+    keepalives = ctx.module_context.keepalives
+    counter = next((k for k in keepalives if isinstance(k, _SiteCounter)), None)
+    if counter is None:
+        counter = _SiteCounter()
+        keepalives.append(counter)
+    counter.count += 1
+    tag = zlib.crc32(f"{op}|{ctx.name_stack}|{ctx.avals_in}".encode())
+    return (counter.count << 32) | tag
+
+
 def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable, attrs: tuple = ()):
     """The lowering rule of `prim`: nested in a shard_map where mesh axes are still
     automatic (see the module docstring); else the custom call on the communicator for
@@ -252,6 +276,8 @@ def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable,
             )
             return lower(ctx, *operands)
         extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
+        if platform == "cpu":
+            extra["site"] = np.int64(_call_site(ctx, op))
         return _ffi_call_flat(ctx, f"jax_ub_{op}", *operands, comm_id=comm.id, **extra)
 
     return rule
@@ -299,7 +325,7 @@ def _matmul_reduce_scatter_unfused(x, w, scales, *, axis_name, transpose_w, out_
     )
 
 
-mlir.register_lowering(
+jax_compat.register_uncached_lowering(
     all_gather_matmul_p,
     _lowering(
         all_gather_matmul_p,
@@ -309,7 +335,7 @@ mlir.register_lowering(
         attrs=("gelu", "dgelu"),
     ),
 )
-mlir.register_lowering(
+jax_compat.register_uncached_lowering(
     matmul_reduce_scatter_p,
     _lowering(
         matmul_reduce_scatter_p,

@@ -1,0 +1,131 @@
+// A slot's call thread: runs the calls XLA hands it one at a time, in the order the
+// slot's group leader (rank 0) runs them.
+//
+// Why not simply in arrival order: XLA's CPU runtime runs a large program's thunks as a
+// dataflow graph, so calls with no data path between them (the AGs of q and k, an AG and
+// an unrelated RS) are started as their inputs become ready, in an order that differs
+// between devices and runs. Peers pair calls by their count, so every rank of a group must
+// run them in one order. The leader runs its calls as they arrive and publishes each
+// call's site (an id the lowering gives every custom call, the same in every process);
+// the other ranks run, as their n-th call, the queued call with the site of the leader's
+// n-th. That cannot deadlock: the leader's n-th call needed only calls among its first
+// n - 1, so the same call on another rank becomes ready once those have run there, and
+// the runtime goes on starting ready calls while earlier ones are queued here. Ranks that
+// run different branches (a rank-dependent lax.cond) have calls of different sites: they
+// pair by count, as every call did before sites, and the descriptor check still applies.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "protocol/status.h"
+
+namespace jax_ub {
+
+class OrderedRunner {
+ public:
+  // How the slot learns the order. The leader has `publish` (called with n and the site
+  // before its n-th call runs); every other rank has `await_site`, which waits up to the
+  // deadline for the leader's n-th site. `healthy` says why waiting is pointless (the
+  // communicator is broken), checked while a rank waits for the leader's call to arrive.
+  struct Order {
+    std::function<void(uint64_t n, uint64_t site)> publish;
+    std::function<Status(uint64_t n, uint64_t* site)> await_site;
+    std::function<Status()> healthy;
+  };
+  // Runs the call, or reports `st` in its place when no order could be agreed.
+  using Task = std::function<void(const Status& st)>;
+
+  OrderedRunner(Order order, double timeout_s)
+      : order_(std::move(order)), timeout_s_(timeout_s), thread_([this] { Run(); }) {}
+  // Runs (or fails) what is queued, then joins.
+  ~OrderedRunner() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  OrderedRunner(const OrderedRunner&) = delete;
+  OrderedRunner& operator=(const OrderedRunner&) = delete;
+
+  void Post(uint64_t site, Task task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queued_.push_back({site, std::move(task)});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Queued {
+    uint64_t site;
+    Task task;
+  };
+
+  void Run() {
+    for (uint64_t n = 1;; ++n) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queued_.empty(); });
+        if (queued_.empty()) return;  // stopped, nothing left
+      }
+      Status st = Status::Ok();
+      Queued next = Take(n, &st);
+      next.task(st);
+    }
+  }
+
+  // The call to run as the n-th: the leader's oldest; elsewhere the one with the site of
+  // the leader's n-th call, or, once none has come for half the timeout, the oldest (the
+  // ranks then run different branches or programs: the call's descriptor check reports
+  // it, as it does any call count or shape mismatch). On an error, the oldest, to report it.
+  Queued Take(uint64_t n, Status* st) {
+    uint64_t site = 0;
+    if (order_.publish) {
+      std::lock_guard<std::mutex> lock(mu_);
+      Queued q = PopFront();
+      order_.publish(n, q.site);
+      return q;
+    }
+    *st = order_.await_site(n, &site);
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto give_up =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ / 2);
+    while (st->ok()) {
+      for (auto it = queued_.begin(); it != queued_.end(); ++it) {
+        if (it->site != site) continue;
+        Queued q = std::move(*it);
+        queued_.erase(it);
+        return q;
+      }
+      if (std::chrono::steady_clock::now() > give_up) break;
+      cv_.wait_for(lock, std::chrono::milliseconds(10));
+      *st = order_.healthy();
+    }
+    return PopFront();
+  }
+
+  Queued PopFront() {
+    Queued q = std::move(queued_.front());
+    queued_.pop_front();
+    return q;
+  }
+
+  const Order order_;
+  const double timeout_s_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Queued> queued_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+}  // namespace jax_ub
