@@ -4,10 +4,11 @@ Peers pair calls by their count, so every rank of a group must run them in one o
 small program runs in sequence (XLA's CPU runtime waits for each call before the next); a
 large one runs as a dataflow graph, whose independent calls start in whatever order their
 inputs become ready. The ranks run their calls in the order the group's rank 0 runs them,
-matched by site (src/host/ordered_runner.h). These tests hold one device's next call back
+matched by key (src/host/ordered_runner.h). These tests hold one device's next call back
 (``_host.hold_next_call``) and check the numbers: were two calls of equal shapes paired the
 wrong way round, each rank would combine one call's shards with the other's."""
 
+import re
 import time
 
 import jax
@@ -95,39 +96,50 @@ def test_calls_of_programs_dispatched_without_a_sync(mesh1d, rand):
         _check(got, ref, f"rank {held_rank} held")
 
 
+@pytest.mark.parametrize("copies", [False, True])
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("held_rank", [0, 1])
-def test_calls_the_runtime_starts_out_of_order_pair_by_site(mesh1d, rand, tp, held_rank):
+def test_calls_the_runtime_starts_out_of_order_pair_by_key(mesh1d, rand, tp, held_rank, copies):
     """Two RSs of equal shapes with nothing between them, in a program large enough for
     XLA's CPU runtime to run it as a dataflow graph: it starts both as soon as their
     inputs are ready. Holding rank 0's first one makes rank 0 run them in the other
-    order; the peers follow rank 0's order (by site), so the numbers stay right."""
+    order; the peers follow rank 0's order (by key), so the numbers stay right. With
+    `copies`, both are one call site: a jitted function called twice, which JAX lowers
+    once and XLA copies into each caller."""
     mesh = mesh1d(tp)
     m, k, n = 8, 32, 16
     h1, h2, e = rand(tp * m, tp * k), rand(tp * m, tp * k), rand(9, 64, 64)
     w1, w2 = rand(tp * k, n), rand(tp * k, n)
 
     def run(impl):
+        def rs(h, w):
+            return RS(h, w, "tp", impl=impl)
+
+        rs = jax.jit(rs) if copies else rs
+
         def body(h1, h2, w1, w2, e):
             # Independent work beside the calls: more thunks than XLA runs in sequence
             # (8), on buffers larger than it runs in sequence (512 bytes).
             rest = [jnp.sin(e[i]) for i in range(len(e))]
-            return RS(h1, w1, "tp", impl=impl), RS(h2, w2, "tp", impl=impl), *rest
+            return rs(h1, w1), rs(h2, w2), *rest
 
         specs = (P(None, "tp"), P(None, "tp"), P("tp"), P("tp"), P())
-        return smap(body, mesh, specs, (P("tp"), P("tp"), *[P()] * len(e)))(h1, h2, w1, w2, e)
+        return smap(body, mesh, specs, (P("tp"), P("tp"), *[P()] * len(e)))
 
-    ref = run("xla")
-    jax.block_until_ready(run("ub"))
+    args = (h1, h2, w1, w2, e)
+    ref, ub = run("xla")(*args), run("ub")
+    jax.block_until_ready(ub(*args))
+    sites = re.findall(r"site = (\d+)", ub.lower(*args).compile().as_text())
+    assert len(sites) == 2 and (sites[0] == sites[1]) == copies, sites
     comm = _comm_id(mesh)
     leader = communicator._device_ordinal(mesh.devices.flat[0])
     for attempt in range(2):
         _hold_next_call(mesh, held_rank)
-        got = jax.block_until_ready(run("ub"))
+        got = jax.block_until_ready(ub(*args))
         for name, g, r in zip(("first RS", "second RS"), got, ref):
             assert rel_err(g, r) < 1e-5, f"{name}, rank {held_rank} held, attempt {attempt}"
         order = _host.leader_order(comm, leader)[-2:]
         assert len(set(order)) == 2, order
         if held_rank == 0:
             # Rank 0's runtime started the held call first; it ran second there.
-            assert order[-1] == _host.held_site(comm), (order, _host.held_site(comm))
+            assert order[-1] == _host.held_key(comm), (order, _host.held_key(comm))

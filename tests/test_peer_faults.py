@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src import _host
+from jax_ub._src.runtime import extension
 
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
@@ -264,6 +265,7 @@ def test_finalized_communicator_in_compiled_program(mesh1d, rand):
 
 def _ffi_all_gather_matmul(cid, out_rows, n, dtype=jnp.float32):
     """The raw custom call on whatever device jit puts it, bypassing the Python checks."""
+    extension.register_cpu_handlers()  # as lowering a jax_ub op does
 
     def call(x, w):
         no_bias, no_gelu_input = jnp.zeros((0,), dtype), jnp.zeros((0, n), dtype)

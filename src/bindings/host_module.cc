@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 
+#include "bindings/ffi_cpu.h"
 #include "bindings/nb_helpers.h"
 #include "bindings/registry.h"
 #include "host/communicator.h"
@@ -15,18 +16,33 @@
 namespace nb = nanobind;
 
 namespace jax_ub {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InstantiateCallCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmulCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatterCpu);
 }  // namespace jax_ub
 
 NB_MODULE(_host, m) {
   m.def("registrations", []() {
+    auto stages = [](auto* execute) {
+      nb::dict d;
+      d["instantiate"] = jax_ub::EncapsulateFfiHandler(jax_ub::InstantiateCallCpu);
+      d["execute"] = jax_ub::EncapsulateFfiHandler(execute);
+      return d;
+    };
     nb::dict d;
-    d["jax_ub_all_gather_matmul"] = jax_ub::EncapsulateFfiHandler(jax_ub::AllGatherMatmulCpu);
-    d["jax_ub_matmul_reduce_scatter"] =
-        jax_ub::EncapsulateFfiHandler(jax_ub::MatmulReduceScatterCpu);
+    d["jax_ub_all_gather_matmul"] = stages(jax_ub::AllGatherMatmulCpu);
+    d["jax_ub_matmul_reduce_scatter"] = stages(jax_ub::MatmulReduceScatterCpu);
     return d;
   });
+  // The TypeRegistration of the handlers' state, for jax.ffi.register_ffi_type.
+  m.def("call_copy_type", []() {
+    nb::dict d;
+    d["type_id"] = nb::capsule(reinterpret_cast<void*>(&jax_ub::CallCopy::id));
+    d["type_info"] = nb::capsule(
+        reinterpret_cast<void*>(const_cast<xla::ffi::TypeInfo*>(&jax_ub::CallCopy::info)));
+    return d;
+  });
+  m.def("reset_call_copies", &jax_ub::ResetCallCopies);
   m.def(
       "create_communicator",
       [](int group_size, std::vector<int> slot_devices, size_t capacity_bytes, nb::dict options,
@@ -56,14 +72,14 @@ NB_MODULE(_host, m) {
     auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
     jax_ub::RaiseIfError(c->HoldNextCall(device, seconds));
   });
-  m.def("held_site", [](int64_t id) {
-    return jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id)->held_site();
+  m.def("held_key", [](int64_t id) {
+    return jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id)->held_key();
   });
   m.def("leader_order", [](int64_t id, int device) {
     auto c = jax_ub::FindCommunicator<jax_ub::HostCommunicator>(id);
-    std::vector<uint64_t> sites;
-    jax_ub::RaiseIfError(c->LeaderOrder(device, &sites));
-    return sites;
+    std::vector<uint64_t> keys;
+    jax_ub::RaiseIfError(c->LeaderOrder(device, &keys));
+    return keys;
   });
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);

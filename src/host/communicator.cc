@@ -243,13 +243,13 @@ static void Backoff(int spins) {
   }
 }
 
-void HostCommunicator::PublishSite(int slot, uint64_t n, uint64_t site) {
+void HostCommunicator::PublishKey(int slot, uint64_t n, uint64_t key) {
   SlotHeader* h = header(slot);
-  Store(&h->order_site[n % kOrderLog], site);
+  Store(&h->order_key[n % kOrderLog], key);
   Store(&h->order_n[n % kOrderLog], n);
 }
 
-Status HostCommunicator::AwaitSite(int slot, uint64_t n, uint64_t* site) {
+Status HostCommunicator::AwaitKey(int slot, uint64_t n, uint64_t* key) {
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
   const int size = topology_.group_size();
@@ -261,7 +261,7 @@ Status HostCommunicator::AwaitSite(int slot, uint64_t n, uint64_t* site) {
     JAX_UB_RETURN_IF_ERROR(Healthy());
     const uint64_t logged = Load(&leader->order_n[n % kOrderLog]);
     if (logged == n) {
-      *site = Load(&leader->order_site[n % kOrderLog]);
+      *key = Load(&leader->order_key[n % kOrderLog]);
       return Status::Ok();
     }
     if (logged > n)
@@ -282,18 +282,18 @@ Status HostCommunicator::AwaitSite(int slot, uint64_t n, uint64_t* site) {
   }
 }
 
-Status HostCommunicator::LeaderOrder(int device, std::vector<uint64_t>* sites) const {
+Status HostCommunicator::LeaderOrder(int device, std::vector<uint64_t>* keys) const {
   int slot = 0;
   JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
   const SlotHeader* leader = header(topology_.group_of(slot) * topology_.group_size());
   std::vector<std::pair<uint64_t, uint64_t>> log;
   for (int i = 0; i < kOrderLog; ++i) {
     const uint64_t n = Load(&leader->order_n[i]);
-    if (n != 0) log.push_back({n, Load(&leader->order_site[i])});
+    if (n != 0) log.push_back({n, Load(&leader->order_key[i])});
   }
   std::sort(log.begin(), log.end());
-  sites->clear();
-  for (const auto& entry : log) sites->push_back(entry.second);
+  keys->clear();
+  for (const auto& entry : log) keys->push_back(entry.second);
   return Status::Ok();
 }
 
@@ -334,7 +334,7 @@ Status HostCommunicator::Call(int device, OpKind op, const CallShape& shape, con
   return Execute(ctx, CallSteps(op, Schedule{ctx.rank, ctx.size, fold_rows_}, shape), shape, ops);
 }
 
-void HostCommunicator::CallAsync(int device, uint64_t site, OpKind op, const CallShape& shape,
+void HostCommunicator::CallAsync(int device, uint64_t key, OpKind op, const CallShape& shape,
                                  const Operands& ops, std::function<void(const Status&)> done) {
   int slot = 0;
   Status st = topology_.SlotOfDevice(device, &slot);
@@ -346,9 +346,9 @@ void HostCommunicator::CallAsync(int device, uint64_t site, OpKind op, const Cal
     if (!runners_[slot]) {
       OrderedRunner::Order order;
       if (topology_.rank_of(slot) == 0) {
-        order.publish = [this, slot](uint64_t n, uint64_t s) { PublishSite(slot, n, s); };
+        order.publish = [this, slot](uint64_t n, uint64_t s) { PublishKey(slot, n, s); };
       } else {
-        order.await_site = [this, slot](uint64_t n, uint64_t* s) { return AwaitSite(slot, n, s); };
+        order.await_key = [this, slot](uint64_t n, uint64_t* s) { return AwaitKey(slot, n, s); };
       }
       order.healthy = [this] { return Healthy(); };
       runners_[slot] = std::make_unique<OrderedRunner>(std::move(order), timeout_s_);
@@ -373,15 +373,15 @@ void HostCommunicator::CallAsync(int device, uint64_t site, OpKind op, const Cal
     std::lock_guard<std::mutex> lock(queues_mu_);
     if (slot == hold_slot_) {
       hold_slot_ = -1;
-      held_site_ = site;
-      hold_timer_ = std::thread([runner, site, task = std::move(task), s = hold_s_]() mutable {
+      held_key_ = key;
+      hold_timer_ = std::thread([runner, key, task = std::move(task), s = hold_s_]() mutable {
         std::this_thread::sleep_for(std::chrono::duration<double>(s));
-        runner->Post(site, std::move(task));
+        runner->Post(key, std::move(task));
       });
       return;
     }
   }
-  runner->Post(site, std::move(task));
+  runner->Post(key, std::move(task));
 }
 
 Status HostCommunicator::HoldNextCall(int device, double seconds) {

@@ -50,10 +50,10 @@ struct alignas(64) SlotHeader {
   uint64_t first_piece_epoch[kMaxRanks];  // [j]: its first piece, if sent in two (Schedule)
   uint64_t credit_epoch[kMaxRanks];       // [j]: rank j consumed my chunks through this epoch
   CallDescriptor desc_from[kMaxRanks];
-  // A group leader's order log: its call #n had site order_site[n % kOrderLog] once
+  // A group leader's order log: its call #n had key order_key[n % kOrderLog] once
   // order_n[n % kOrderLog] holds n.
   uint64_t order_n[kOrderLog];
-  uint64_t order_site[kOrderLog];
+  uint64_t order_key[kOrderLog];
 };
 
 class HostCommunicator {
@@ -78,26 +78,26 @@ class HostCommunicator {
 
   // One call of `op` (see CallShape) for the group of the slot owned by `device`, run on
   // the slot's call thread in the order its group leader runs its calls, matched by
-  // `site` (OrderedRunner; a leader runs them in the order of CallAsync's calls); its
+  // `key` (OrderedRunner; a leader runs them in the order of CallAsync's calls); its
   // status goes to `done`
   // on another thread (XLA's CPU runtime may go on with the device's program
   // inside `done`, even into an XLA collective that waits for a peer: the slot's next
   // call must not wait behind it). `ops` must stay valid until `done`.
-  void CallAsync(int device, uint64_t site, OpKind op, const CallShape& shape, const Operands& ops,
+  void CallAsync(int device, uint64_t key, OpKind op, const CallShape& shape, const Operands& ops,
                  std::function<void(const Status&)> done);
 
   // For tests: the next call `device` makes reaches its slot's thread only after `seconds`,
   // behind any call the device makes meanwhile, as if XLA had started them in the other
   // order (tests/test_call_order.py).
   Status HoldNextCall(int device, double seconds);
-  // For tests: the site of the last call HoldNextCall held.
-  uint64_t held_site() {
+  // For tests: the key of the last call HoldNextCall held.
+  uint64_t held_key() {
     std::lock_guard<std::mutex> lock(queues_mu_);
-    return held_site_;
+    return held_key_;
   }
-  // For tests: the sites of the latest calls (up to kOrderLog) the leader of `device`'s
+  // For tests: the keys of the latest calls (up to kOrderLog) the leader of `device`'s
   // group ran, oldest first.
-  Status LeaderOrder(int device, std::vector<uint64_t>* sites) const;
+  Status LeaderOrder(int device, std::vector<uint64_t>* keys) const;
 
   // Wait up to the timeout until no call is running and every local slot has made the
   // same number of calls: then no rank is left waiting for a peer whose call was
@@ -125,10 +125,10 @@ class HostCommunicator {
   Status CheckDescriptor(const CallContext& ctx, int peer);
   // Marks the communicator broken and tells the rest of `slot`'s group.
   void Fail(int slot, const Status& st);
-  // The order log of `slot`'s group leader: publish the site of its call #n (leader), or
+  // The order log of `slot`'s group leader: publish the key of its call #n (leader), or
   // wait until the leader has (every other rank).
-  void PublishSite(int slot, uint64_t n, uint64_t site);
-  Status AwaitSite(int slot, uint64_t n, uint64_t* site);
+  void PublishKey(int slot, uint64_t n, uint64_t key);
+  Status AwaitKey(int slot, uint64_t n, uint64_t* key);
   // Runs one call's steps (protocol/schedule.h); on an error, fails the group and returns it.
   Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,
                  const Operands& ops);
@@ -159,7 +159,7 @@ class HostCommunicator {
   // long, and the thread that hands it over.
   int hold_slot_ = -1;
   double hold_s_ = 0;
-  uint64_t held_site_ = 0;
+  uint64_t held_key_ = 0;
   std::thread hold_timer_;
 };
 

@@ -6,13 +6,14 @@
 // an unrelated RS) are started as their inputs become ready, in an order that differs
 // between devices and runs. Peers pair calls by their count, so every rank of a group must
 // run them in one order. The leader runs its calls as they arrive and publishes each
-// call's site (an id the lowering gives every custom call, the same in every process);
-// the other ranks run, as their n-th call, the queued call with the site of the leader's
+// call's key (src/bindings/ffi_cpu.h: its site in the lowering and its copy, the same in
+// every process);
+// the other ranks run, as their n-th call, the queued call with the key of the leader's
 // n-th. That cannot deadlock: the leader's n-th call needed only calls among its first
 // n - 1, so the same call on another rank becomes ready once those have run there, and
 // the runtime goes on starting ready calls while earlier ones are queued here. Ranks that
-// run different branches (a rank-dependent lax.cond) have calls of different sites: they
-// pair by count, as every call did before sites, and the descriptor check still applies.
+// run different branches (a rank-dependent lax.cond) have calls of different keys: they
+// pair by count, as every call did before keys, and the descriptor check still applies.
 #pragma once
 
 #include <chrono>
@@ -30,13 +31,13 @@ namespace jax_ub {
 
 class OrderedRunner {
  public:
-  // How the slot learns the order. The leader has `publish` (called with n and the site
-  // before its n-th call runs); every other rank has `await_site`, which waits up to the
-  // deadline for the leader's n-th site. `healthy` says why waiting is pointless (the
+  // How the slot learns the order. The leader has `publish` (called with n and the key
+  // before its n-th call runs); every other rank has `await_key`, which waits up to the
+  // deadline for the leader's n-th key. `healthy` says why waiting is pointless (the
   // communicator is broken), checked while a rank waits for the leader's call to arrive.
   struct Order {
-    std::function<void(uint64_t n, uint64_t site)> publish;
-    std::function<Status(uint64_t n, uint64_t* site)> await_site;
+    std::function<void(uint64_t n, uint64_t key)> publish;
+    std::function<Status(uint64_t n, uint64_t* key)> await_key;
     std::function<Status()> healthy;
   };
   // Runs the call, or reports `st` in its place when no order could be agreed.
@@ -56,17 +57,17 @@ class OrderedRunner {
   OrderedRunner(const OrderedRunner&) = delete;
   OrderedRunner& operator=(const OrderedRunner&) = delete;
 
-  void Post(uint64_t site, Task task) {
+  void Post(uint64_t key, Task task) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queued_.push_back({site, std::move(task)});
+      queued_.push_back({key, std::move(task)});
     }
     cv_.notify_one();
   }
 
  private:
   struct Queued {
-    uint64_t site;
+    uint64_t key;
     Task task;
   };
 
@@ -83,25 +84,25 @@ class OrderedRunner {
     }
   }
 
-  // The call to run as the n-th: the leader's oldest; elsewhere the one with the site of
+  // The call to run as the n-th: the leader's oldest; elsewhere the one with the key of
   // the leader's n-th call, or, once none has come for half the timeout, the oldest (the
   // ranks then run different branches or programs: the call's descriptor check reports
   // it, as it does any call count or shape mismatch). On an error, the oldest, to report it.
   Queued Take(uint64_t n, Status* st) {
-    uint64_t site = 0;
+    uint64_t key = 0;
     if (order_.publish) {
       std::lock_guard<std::mutex> lock(mu_);
       Queued q = PopFront();
-      order_.publish(n, q.site);
+      order_.publish(n, q.key);
       return q;
     }
-    *st = order_.await_site(n, &site);
+    *st = order_.await_key(n, &key);
     std::unique_lock<std::mutex> lock(mu_);
     const auto give_up =
         std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ / 2);
     while (st->ok()) {
       for (auto it = queued_.begin(); it != queued_.end(); ++it) {
-        if (it->site != site) continue;
+        if (it->key != key) continue;
         Queued q = std::move(*it);
         queued_.erase(it);
         return q;

@@ -21,8 +21,9 @@ unused; and every device runs the same SPMD program. The nested shard_map change
 neither. Their order is the data's where one consumes another's result. Calls with no data
 path between them run in program order on a GPU (one stream); on CPU devices XLA's runtime
 starts them as their inputs become ready, in an order that may differ between devices, so
-each CPU call carries a site (``_call_site``) and the ranks of a group run their calls in
-the order the group's rank 0 runs them, matched by site (src/host/ordered_runner.h).
+each CPU call carries a key, its site (``_call_site``) and the number of its copy where XLA
+copied it (src/bindings/ffi_cpu.h), and the ranks of a group run their calls in the order
+the group's rank 0 runs them, matched by key (src/host/ordered_runner.h).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from jax_ub._src.lowering.reference import (
 )
 from jax_ub._src.lowering.varying import result_aval
 from jax_ub._src.lowering.wire_format import unit_scales
-from jax_ub._src.runtime import communicator
+from jax_ub._src.runtime import communicator, extension
 
 all_gather_matmul_p = Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
@@ -277,6 +278,7 @@ def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable,
             return lower(ctx, *operands)
         extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
         if platform == "cpu":
+            extension.register_cpu_handlers()
             extra["site"] = np.int64(_call_site(ctx, op))
         return _ffi_call_flat(ctx, f"jax_ub_{op}", *operands, comm_id=comm.id, **extra)
 

@@ -61,7 +61,19 @@ def check_ffi_api(module: ModuleType, runtime: tuple[int, int] | None) -> None:
 
 
 check_ffi_api(_host, runtime_ffi_api())
-_register(_host, _XLA_PLATFORM["cpu"])
+
+
+@functools.cache
+def register_cpu_handlers() -> None:
+    """Register the CPU handlers with XLA, once, when the first CPU call is lowered.
+
+    They keep a state per compiled call (src/bindings/ffi_cpu.h), whose type XLA must know
+    before the handlers. Registered before the CPU backend starts, both would wait for it,
+    and it takes waiting handlers before waiting types (and then fails to start); by the
+    time a call is lowered, the backend is up and takes each at once, in this order.
+    Importing jax_ub must not start the backend: jax.distributed.initialize() may follow."""
+    jax.ffi.register_ffi_type("jax_ub_call_copy", _host.call_copy_type(), platform="cpu")
+    _register(_host, _XLA_PLATFORM["cpu"])
 
 
 def _preload_cublaslt() -> None:

@@ -24,6 +24,9 @@ def finalize() -> None:
     finally:
         if comms:
             jax.clear_caches()
+        # Programs compiled from here on number the copies of their CPU calls afresh
+        # (src/bindings/ffi_cpu.h), in every process alike.
+        extension.module_for("cpu").reset_call_copies()
 
 
 def _destroy(comms: list[Communicator]) -> None:
