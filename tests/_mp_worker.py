@@ -49,8 +49,8 @@ def relerr(a, b):
 
 
 def run_ops(mesh, axis, other, m=8, k=16, n=24, impl="ub"):
-    """Both ops and their grads, `impl` vs xla, inside one shard_map; returns replicated
-    errors."""
+    """Both ops, two copies of an RS, and the grads, `impl` vs xla, inside one shard_map;
+    returns replicated errors."""
     tp = mesh.shape[axis]
     rows = P((*other, axis), None) if other else P(axis, None)
 
@@ -62,6 +62,13 @@ def run_ops(mesh, axis, other, m=8, k=16, n=24, impl="ub"):
         ):
             u, r = op(a, b, axis, impl=impl), op(a, b, axis, impl="xla")
             errs.append(lax.pmax(relerr(u, r), mesh.axis_names))
+        # Two calls of one inner jitted function on independent inputs: XLA copies its body
+        # into each caller, and the ranks must pair copy with copy whatever order each
+        # runtime starts them in.
+        rs = jax.jit(lambda a, b: jax_ub.matmul_reduce_scatter(a, b, axis, impl=impl))
+        for a in (jnp.tile(x, (tp, 1)), jnp.tile(jnp.cos(x), (tp, 1))):
+            r = jax_ub.matmul_reduce_scatter(a, w1, axis, impl="xla")
+            errs.append(lax.pmax(relerr(rs(a, w1), r), mesh.axis_names))
 
         def loss(impl, x, w1, w2):
             h = jax_ub.all_gather_matmul(x, w1, axis, impl=impl)
@@ -85,7 +92,7 @@ def run_ops(mesh, axis, other, m=8, k=16, n=24, impl="ub"):
     x = global_array(mesh, rows, (mesh.size * m, k), 1)
     w1 = global_array(mesh, P(None, axis), (k, n * tp), 2)
     w2 = global_array(mesh, P(axis, None), (n * tp, k), 3)
-    return [float(e) for e in f(x, w1, w2) / np.array([1, 1, 1, 1, 1])]
+    return [float(e) for e in np.asarray(f(x, w1, w2))]
 
 
 def shard_errors(got, want) -> list[float]:
