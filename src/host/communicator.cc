@@ -243,13 +243,14 @@ static void Backoff(int spins) {
   }
 }
 
-void HostCommunicator::PublishKey(int slot, uint64_t n, uint64_t key) {
+void HostCommunicator::PublishKey(int slot, uint64_t n, const CallKey& key) {
   SlotHeader* h = header(slot);
-  Store(&h->order_key[n % kOrderLog], key);
+  h->order_desc[n % kOrderLog] = key.desc;
+  Store(&h->order_key[n % kOrderLog], key.key);
   Store(&h->order_n[n % kOrderLog], n);
 }
 
-Status HostCommunicator::AwaitKey(int slot, uint64_t n, uint64_t* key) {
+Status HostCommunicator::AwaitKey(int slot, uint64_t n, CallKey* key) {
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
   const int size = topology_.group_size();
@@ -261,7 +262,8 @@ Status HostCommunicator::AwaitKey(int slot, uint64_t n, uint64_t* key) {
     JAX_UB_RETURN_IF_ERROR(Healthy());
     const uint64_t logged = Load(&leader->order_n[n % kOrderLog]);
     if (logged == n) {
-      *key = Load(&leader->order_key[n % kOrderLog]);
+      key->key = Load(&leader->order_key[n % kOrderLog]);
+      key->desc = leader->order_desc[n % kOrderLog];
       return Status::Ok();
     }
     if (logged > n)
@@ -346,9 +348,9 @@ void HostCommunicator::CallAsync(int device, uint64_t key, OpKind op, const Call
     if (!runners_[slot]) {
       OrderedRunner::Order order;
       if (topology_.rank_of(slot) == 0) {
-        order.publish = [this, slot](uint64_t n, uint64_t s) { PublishKey(slot, n, s); };
+        order.publish = [this, slot](uint64_t n, const CallKey& k) { PublishKey(slot, n, k); };
       } else {
-        order.await_key = [this, slot](uint64_t n, uint64_t* s) { return AwaitKey(slot, n, s); };
+        order.await_key = [this, slot](uint64_t n, CallKey* k) { return AwaitKey(slot, n, k); };
       }
       order.healthy = [this] { return Healthy(); };
       runners_[slot] = std::make_unique<OrderedRunner>(std::move(order), timeout_s_);
@@ -357,6 +359,7 @@ void HostCommunicator::CallAsync(int device, uint64_t key, OpKind op, const Call
     runner = runners_[slot].get();
     completer = completers_[slot].get();
   }
+  const CallKey id{key, DescribeCall(op, shape, 0)};
   ++in_flight_[slot];
   auto task = [this, device, op, shape, ops, slot, completer,
                done = std::move(done)](const Status& order_st) mutable {
@@ -374,14 +377,14 @@ void HostCommunicator::CallAsync(int device, uint64_t key, OpKind op, const Call
     if (slot == hold_slot_) {
       hold_slot_ = -1;
       held_key_ = key;
-      hold_timer_ = std::thread([runner, key, task = std::move(task), s = hold_s_]() mutable {
+      hold_timer_ = std::thread([runner, id, task = std::move(task), s = hold_s_]() mutable {
         std::this_thread::sleep_for(std::chrono::duration<double>(s));
-        runner->Post(key, std::move(task));
+        runner->Post(id, std::move(task));
       });
       return;
     }
   }
-  runner->Post(key, std::move(task));
+  runner->Post(id, std::move(task));
 }
 
 Status HostCommunicator::HoldNextCall(int device, double seconds) {

@@ -54,6 +54,7 @@ struct alignas(64) SlotHeader {
   // order_n[n % kOrderLog] holds n.
   uint64_t order_n[kOrderLog];
   uint64_t order_key[kOrderLog];
+  CallDescriptor order_desc[kOrderLog];
 };
 
 class HostCommunicator {
@@ -127,8 +128,8 @@ class HostCommunicator {
   void Fail(int slot, const Status& st);
   // The order log of `slot`'s group leader: publish the key of its call #n (leader), or
   // wait until the leader has (every other rank).
-  void PublishKey(int slot, uint64_t n, uint64_t key);
-  Status AwaitKey(int slot, uint64_t n, uint64_t* key);
+  void PublishKey(int slot, uint64_t n, const CallKey& key);
+  Status AwaitKey(int slot, uint64_t n, CallKey* key);
   // Runs one call's steps (protocol/schedule.h); on an error, fails the group and returns it.
   Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,
                  const Operands& ops);

@@ -12,8 +12,7 @@
 // n-th. That cannot deadlock: the leader's n-th call needed only calls among its first
 // n - 1, so the same call on another rank becomes ready once those have run there, and
 // the runtime goes on starting ready calls while earlier ones are queued here. Ranks that
-// run different branches (a rank-dependent lax.cond) have calls of different keys: they
-// pair by count, as every call did before keys, and the descriptor check still applies.
+// run different branches (a rank-dependent lax.cond) have calls of different keys (Take).
 #pragma once
 
 #include <chrono>
@@ -25,9 +24,17 @@
 #include <thread>
 #include <utility>
 
+#include "protocol/call_descriptor.h"
 #include "protocol/status.h"
 
 namespace jax_ub {
+
+// What identifies a queued call: its key (src/bindings/ffi_cpu.h) and what it does (the
+// descriptor, call number 0).
+struct CallKey {
+  uint64_t key = 0;
+  CallDescriptor desc;
+};
 
 class OrderedRunner {
  public:
@@ -36,8 +43,8 @@ class OrderedRunner {
   // deadline for the leader's n-th key. `healthy` says why waiting is pointless (the
   // communicator is broken), checked while a rank waits for the leader's call to arrive.
   struct Order {
-    std::function<void(uint64_t n, uint64_t key)> publish;
-    std::function<Status(uint64_t n, uint64_t* key)> await_key;
+    std::function<void(uint64_t n, const CallKey& key)> publish;
+    std::function<Status(uint64_t n, CallKey* key)> await_key;
     std::function<Status()> healthy;
   };
   // Runs the call, or reports `st` in its place when no order could be agreed.
@@ -57,7 +64,7 @@ class OrderedRunner {
   OrderedRunner(const OrderedRunner&) = delete;
   OrderedRunner& operator=(const OrderedRunner&) = delete;
 
-  void Post(uint64_t key, Task task) {
+  void Post(const CallKey& key, Task task) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       queued_.push_back({key, std::move(task)});
@@ -67,7 +74,7 @@ class OrderedRunner {
 
  private:
   struct Queued {
-    uint64_t key;
+    CallKey key;
     Task task;
   };
 
@@ -85,29 +92,43 @@ class OrderedRunner {
   }
 
   // The call to run as the n-th: the leader's oldest; elsewhere the one with the key of
-  // the leader's n-th call, or, once none has come for half the timeout, the oldest (the
-  // ranks then run different branches or programs: the call's descriptor check reports
-  // it, as it does any call count or shape mismatch). On an error, the oldest, to report it.
+  // the leader's n-th. Where none has come for half the timeout and the oldest queued call
+  // does something else, that one (the ranks run different branches or programs: its
+  // descriptor check names both calls). Never another call that does the same, which
+  // could pair the wrong data: that waits for the whole timeout, then fails. On an error,
+  // the oldest, to report it.
   Queued Take(uint64_t n, Status* st) {
-    uint64_t key = 0;
     if (order_.publish) {
       std::lock_guard<std::mutex> lock(mu_);
       Queued q = PopFront();
       order_.publish(n, q.key);
       return q;
     }
-    *st = order_.await_key(n, &key);
+    CallKey lead;
+    *st = order_.await_key(n, &lead);
     std::unique_lock<std::mutex> lock(mu_);
-    const auto give_up =
-        std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_ / 2);
+    const auto now = std::chrono::steady_clock::now();
+    const auto give_up = now + std::chrono::duration<double>(timeout_s_ / 2);
+    const auto deadline = now + std::chrono::duration<double>(timeout_s_);
     while (st->ok()) {
       for (auto it = queued_.begin(); it != queued_.end(); ++it) {
-        if (it->key != key) continue;
+        if (it->key.key != lead.key) continue;
         Queued q = std::move(*it);
         queued_.erase(it);
         return q;
       }
-      if (std::chrono::steady_clock::now() > give_up) break;
+      const auto t = std::chrono::steady_clock::now();
+      if (t > give_up && !queued_.front().key.desc.SameCall(lead.desc)) break;
+      if (t > deadline) {
+        lead.desc.epoch = n;
+        *st = DeadlineExceeded(
+            "rank 0 of the group ran " + lead.desc.ToString() +
+            ", and this device's program did not make that call within " +
+            std::to_string(timeout_s_) + " s; the same op of the same shape that it made " +
+            "comes from another place in the program: the ranks run different branches or " +
+            "programs");
+        break;
+      }
       cv_.wait_for(lock, std::chrono::milliseconds(10));
       *st = order_.healthy();
     }
