@@ -7,12 +7,12 @@
 // between devices and runs. Peers pair calls by their count, so every rank of a group must
 // run them in one order. The leader runs its calls as they arrive and publishes each
 // call's key (src/bindings/ffi_cpu.h: its site in the lowering and its copy, the same in
-// every process);
-// the other ranks run, as their n-th call, the queued call with the key of the leader's
-// n-th. That cannot deadlock: the leader's n-th call needed only calls among its first
-// n - 1, so the same call on another rank becomes ready once those have run there, and
-// the runtime goes on starting ready calls while earlier ones are queued here. Ranks that
-// run different branches (a rank-dependent lax.cond) have calls of different keys (Take).
+// every process); the other ranks run, as their n-th call, the queued call with the key of
+// the leader's n-th. That cannot deadlock: the leader's n-th call needed only calls among
+// its first n - 1, so the same call on another rank becomes ready once those have run
+// there, and the runtime goes on starting ready calls while earlier ones are queued here.
+// Ranks that run different branches (a rank-dependent lax.cond) have calls of different
+// keys (Take).
 #pragma once
 
 #include <chrono>
