@@ -134,7 +134,7 @@ def all_gather_invariant(x, axis_name: str):
 def register_uncached_lowering(prim, rule) -> None:
     """``mlir.register_lowering`` for a primitive whose every equation must run `rule`:
     JAX otherwise lowers equal equations once and copies the result (``cacheable``, newer
-    JAX), which would give two jax_ub calls one site (primitives._call_site)."""
+    JAX), which would give two jax_ub calls one site (lowering/call_site.py)."""
     if "cacheable" in inspect.signature(_mlir.register_lowering).parameters:
         _mlir.register_lowering(prim, rule, cacheable=False)
     else:

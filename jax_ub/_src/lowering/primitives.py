@@ -21,7 +21,7 @@ unused; and every device runs the same SPMD program. The nested shard_map change
 neither. Their order is the data's where one consumes another's result. Calls with no data
 path between them run in program order on a GPU (one stream); on CPU devices XLA's runtime
 starts them as their inputs become ready, in an order that may differ between devices, so
-each CPU call carries a key, its site (``_call_site``) and the number of its copy where XLA
+each CPU call carries a key, its site (``call_site.call_site``) and the number of its copy where XLA
 copied it (src/bindings/ffi_cpu.h), and the ranks of a group run their calls in the order
 the group's rank 0 runs them, matched by key (src/host/ordered_runner.h).
 """
@@ -29,7 +29,6 @@ the group's rank 0 runs them, matched by key (src/host/ordered_runner.h).
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Callable
 
 import jax
@@ -45,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering import layout
+from jax_ub._src.lowering.call_site import call_site
 from jax_ub._src.lowering.reference import (
     all_gather_matmul_reference,
     dgelu_reference,
@@ -231,29 +231,6 @@ def _ffi_call_flat(ctx, target: str, x, *operands, comm_id: int, **attrs):
     return [jax_compat.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
-class _SiteCounter:
-    """How many CPU calls a module has lowered: kept in the module's keepalives, so it
-    lives as long as the module being lowered."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
-def _call_site(ctx: mlir.LoweringRuleContext, op: str) -> int:
-    """A CPU call's site: its number among the module's jax_ub calls in lowering order,
-    with a checksum of its op, name stack and operand types. The same in every process
-    that lowers the same program, which is what lets a group's ranks agree on the order
-    of calls with no data path between them (src/host/ordered_runner.h)."""
-    keepalives = ctx.module_context.keepalives
-    counter = next((k for k in keepalives if isinstance(k, _SiteCounter)), None)
-    if counter is None:
-        counter = _SiteCounter()
-        keepalives.append(counter)
-    counter.count += 1
-    tag = zlib.crc32(f"{op}|{ctx.name_stack}|{ctx.avals_in}".encode())
-    return (counter.count << 32) | tag
-
-
 def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable, attrs: tuple = ()):
     """The lowering rule of `prim`: nested in a shard_map where mesh axes are still
     automatic (see the module docstring); else the custom call on the communicator for
@@ -279,7 +256,7 @@ def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable,
         extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
         if platform == "cpu":
             extension.register_cpu_handlers()
-            extra["site"] = np.int64(_call_site(ctx, op))
+            extra["site"] = np.int64(call_site(ctx, op))
         return _ffi_call_flat(ctx, f"jax_ub_{op}", *operands, comm_id=comm.id, **extra)
 
     return rule
