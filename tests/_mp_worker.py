@@ -294,7 +294,8 @@ try:
     elif scenario in ("protocol", "fp8"):
         # Every branch of the ops' step lists across processes: both ops and their grads,
         # reduce-scatters folded (in uneven pieces) and not, f32 and bf16 (in fp8: as
-        # outputs), the epochs of many calls. No XLA collective, so processes may share a
+        # outputs), the epochs of many calls; bf16's backward gathers x again inside its
+        # reduce-scatter (keep_gathered off). No XLA collective, so processes may share a
         # GPU.
         check = {"protocol": run_ops_without_collectives, "fp8": run_fp8_without_collectives}
         mesh = Mesh(devices, ("tp",))
@@ -302,10 +303,12 @@ try:
         for fold in (-1, 0):
             options.set_experimental_tuning(reduce_scatter_fold_rows=fold)
             for dtype in (jnp.float32, jnp.bfloat16):
+                jax_ub.configure(keep_gathered=dtype == jnp.float32)
                 key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
                 result[key] = check[scenario](mesh, "tp", 41, 64, 48, dtype)
         if scenario == "protocol":  # the AG's epilogue (bias, GELU) across the spans
             for dtype in (jnp.float32, jnp.bfloat16):
+                jax_ub.configure(keep_gathered=dtype == jnp.float32)
                 key = f"epilogue,{jnp.dtype(dtype).name}"
                 result[key] = run_ops_without_collectives(
                     mesh, "tp", 41, 64, 48, dtype, epilogue=True

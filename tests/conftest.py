@@ -336,6 +336,15 @@ def op_fn(op, mesh, impl="ub", *, nbatch=0, dp=False, jit=True, **kw):
 # ------------------------------------------------------------------ bits, placement, leaks
 
 
+def regathering_calls(hlo_text: str) -> tuple[int, int]:
+    """(reduce-scatter custom calls, those of them that all-gather a second input beside
+    them: a backward's x gathered again) in a program's StableHLO text."""
+    rows = re.findall(
+        r"custom_call @jax_ub_matmul_reduce_scatter\(.*-> \(tensor<[^>]*>, tensor<(\d+)x", hlo_text
+    )
+    return len(rows), sum(int(r) > 0 for r in rows)
+
+
 def bits(a) -> np.ndarray:
     """The raw bits of a float array (uint16 for 2-byte dtypes, uint32 for 4-byte ones)."""
     a = np.asarray(a)

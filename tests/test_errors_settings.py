@@ -172,7 +172,7 @@ VALID = {
     "allow_grow": True,
     "auto_min_bytes": 8 << 20,
     "gemm_cache": "",
-    "keep_gathered": True,
+    "keep_gathered": False,
 }
 
 

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
+from jax_ub._src.lowering.primitives import bind_matmul_reduce_scatter
 
 pytestmark = pytest.mark.gpu
 
@@ -89,15 +90,18 @@ def test_forward_matches_xla(tp, shape, dtype):
     assert _rel(_rs(mesh, "ub")(h, v), rs_ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("rows", [1, 129])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold):
+def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold, gather):
     """At tp=2 each block is sent in two row pieces and our own block's product adds the
     peer's partial in its epilogue (Schedule::ReduceScatterFolds, forced here for any
     size), or with the fold off in one piece and a sum pass; blocks of 129 rows and 1 row
-    make uneven and empty pieces. On a group of one the GEMM writes the output itself."""
+    make uneven and empty pieces. On a group of one the GEMM writes the output itself.
+    With ``gather`` the call also all-gathers a second input beside it (a backward's x,
+    gathered again), whose every copy must match bit for bit."""
     if tp == 1 and not fold:
         pytest.skip("a group of one has nothing to fold")
     jax_ub.finalize()  # communicators take the setting when they are created
@@ -107,13 +111,33 @@ def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold):
         h, v = _data(jax.random.key(rows + 10 * tp), [(tp * rows, 256), (256, 384)], dtype)
         with jax.default_matmul_precision("highest"):
             ref = _rs(mesh, "xla")(h, v)
-        assert _rel(_rs(mesh, "ub")(h, v), ref) < TOL[dtype]
+        if not gather:
+            assert _rel(_rs(mesh, "ub")(h, v), ref) < TOL[dtype]
+            return
+        (g,) = _data(jax.random.key(rows + 10 * tp + 1), [(tp * rows, 384)], dtype)
+
+        def body(h, v, g):
+            out, gathered = bind_matmul_reduce_scatter(h, v, "tp", tp, gather=g)
+            return out, gathered[None]
+
+        specs = (P(None, "tp"), P("tp", None), P("tp", None))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P("tp"))))
+        for call in range(3):  # the buffer's gathered chunks reused, epochs advancing
+            out, gathered = f(h, v, g + call)
+            assert _rel(out, ref) < TOL[dtype]
+            want = np.asarray(g + call).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
+            for copy in np.asarray(gathered):
+                assert (copy.view(want.dtype) == want).all(), call
     finally:
         jax_ub.finalize()
 
 
+@pytest.mark.parametrize("keep_gathered", [True, False])
 @pytest.mark.parametrize("tp", TPS)
-def test_grads_match_xla(tp):
+def test_grads_match_xla(tp, keep_gathered):
+    """Through both ops; with keep_gathered off, x's gathered again inside the backward's
+    reduce-scatter for the weight gradient."""
+    jax_ub.configure(keep_gathered=keep_gathered)  # conftest's _restore_config undoes it
     mesh = _mesh(tp)
     x, w1, w2 = _data(jax.random.key(7), [(512, 256), (256, 384), (384, 256)], jnp.float32)
     # Weights scaled by 1/sqrt(fan-in) keep y = O(1), so sin(y) is well conditioned in bf16.

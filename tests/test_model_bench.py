@@ -10,7 +10,7 @@ import pytest
 from jax_ub.bench import model
 
 
-def test_variants_run_and_agree(tmp_path, capsys, order="jax_ub,jax_ub_regather,xla,bound"):
+def test_variants_run_and_agree(tmp_path, capsys, order="jax_ub,jax_ub_keep,xla,bound"):
     path = tmp_path / "model.json"
     model.main(
         [
@@ -31,12 +31,12 @@ def test_variants_run_and_agree(tmp_path, capsys, order="jax_ub,jax_ub_regather,
     out = capsys.readouterr().out
     assert "first-step loss, jax_ub vs XLA" in out and "/bound" in out
     results = json.loads(path.read_text())["results"]
-    losses = {v: results[v]["first_loss"] for v in ("jax_ub", "jax_ub_regather", "xla", "bound")}
-    for v in ("jax_ub", "jax_ub_regather"):
+    losses = {v: results[v]["first_loss"] for v in ("jax_ub", "jax_ub_keep", "xla", "bound")}
+    for v in ("jax_ub", "jax_ub_keep"):
         assert abs(losses[v] - losses["xla"]) <= 1e-5 * abs(losses["xla"]), losses
     # Gathering x again in the backward keeps less than keeping the gathered x.
-    memory = {v: results[v]["memory_bytes"] for v in ("jax_ub", "jax_ub_regather")}
-    assert memory["jax_ub_regather"] < memory["jax_ub"], memory
+    memory = {v: results[v]["memory_bytes"] for v in ("jax_ub", "jax_ub_keep")}
+    assert memory["jax_ub"] < memory["jax_ub_keep"], memory
     # The bound multiplies copies of the local rows, not the gathered sequence.
     assert abs(losses["bound"] - losses["xla"]) > 1e-4
     assert all(results[v]["step_ms"] > 0 for v in losses)

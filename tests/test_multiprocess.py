@@ -21,7 +21,8 @@ def test_tp_group_across_processes(nproc, ndev):
 def check_protocol(res: dict) -> None:
     """The "protocol" scenario's errors: per fold setting and dtype, and with the AG's
     epilogue per dtype, the gathered x (exact), both ops and the grads (three, or four with
-    the bias) against XLA's path."""
+    the bias; bf16's from x gathered again in the backward's reduce-scatter) against XLA's
+    path."""
     dtypes = ("float32", "bfloat16")
     want = [f"fold_rows={f},{d}" for f in (-1, 0) for d in dtypes]
     assert sorted(res) == sorted(want + [f"epilogue,{d}" for d in dtypes]), res
@@ -34,7 +35,8 @@ def check_protocol(res: dict) -> None:
 
 def test_protocol_across_processes():
     """Every branch of the step lists across processes, tp=2: folded (uneven pieces) and
-    unfolded reduce-scatters, the gathered copy, the AG's epilogue, f32 and bf16."""
+    unfolded reduce-scatters, with and without an all-gather beside them, the gathered
+    copy, the AG's epilogue, f32 and bf16."""
     for r in results(run("protocol", 2, 1)):
         check_protocol(r["errs"])
 

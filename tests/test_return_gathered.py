@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, rel_err, smap, tol
+from conftest import bits, regathering_calls, rel_err, smap, tol
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -110,10 +110,13 @@ def test_grad_return_gathered(mesh1d, rand):
     assert rel_err(g_ub[1], g_ref[1]) < 1e-5
 
 
-def test_grad_keeps_gathered_x_not_x(mesh1d, rand):
-    """The forward saves for the backward only w and the gathered x (which dw needs); the
-    local x is kept as an empty slice for its type, not as an activation."""
+@pytest.mark.parametrize("keep", [True, False])
+def test_grad_keeps_gathered_x_or_x(mesh1d, rand, keep):
+    """The forward saves for the backward only w and what dw needs: the gathered x with
+    keep_gathered, else x's shard (the default); besides, x is kept as an empty slice for
+    its type."""
     saved_residuals = pytest.importorskip("jax._src.ad_checkpoint").saved_residuals
+    jax_ub.configure(keep_gathered=keep)  # conftest's _restore_config undoes it
     mesh = mesh1d(4)
     x, w = rand(4 * 8, 16), rand(16, 4 * 8)
     f = smap(
@@ -125,8 +128,9 @@ def test_grad_keeps_gathered_x_not_x(mesh1d, rand):
     sizes = sorted(
         int(np.prod(aval.shape)) for aval, _ in saved_residuals(lambda x, w: f(x, w).sum(), x, w)
     )
-    # w (16 x 32), the gathered x of each of the 4 devices (4 x 32 x 16), an empty slice.
-    assert sizes == [0, 16 * 32, 4 * 32 * 16], sizes
+    # w (16 x 32), the gathered x of each of the 4 devices (4 x 32 x 16) or x (32 x 16),
+    # an empty slice.
+    assert sizes == sorted([0, 16 * 32, 4 * 32 * 16 if keep else 32 * 16]), sizes
 
 
 def _ag_then_mlp(impl):
@@ -144,7 +148,8 @@ def _ag_then_mlp(impl):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_grads_whether_or_not_the_gathered_x_is_kept(mesh1d, rand, keep, dtype):
     """With keep_gathered off the backward gathers x again: the same gradients, and one
-    XLA all-gather per all-gathered op in the program (none where it is kept)."""
+    reduce-scatter call per all-gathered op in the program that gathers x beside its own
+    work (none where x is kept); never an XLA all-gather."""
     mesh, k = mesh1d(4), 16
     args = (rand(32, 2, k), rand(k, 32), rand(32), rand(k, 32), rand(32, k))
     args = tuple(a.astype(dtype) for a in args)
@@ -160,7 +165,8 @@ def test_grads_whether_or_not_the_gathered_x_is_kept(mesh1d, rand, keep, dtype):
         text = grads("ub").lower(*args).as_text()
     for g, r in zip(got, want):
         assert rel_err(g, r) < tol(dtype), rel_err(g, r)
-    assert text.count("stablehlo.all_gather") == (0 if keep else 2), keep
+    assert "stablehlo.all_gather" not in text
+    assert regathering_calls(text) == (4, 0 if keep else 2), keep
 
 
 def test_checkpointed_op_keeps_no_gathered_x(mesh1d, rand):

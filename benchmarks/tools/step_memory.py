@@ -1,8 +1,8 @@
 """What fills the Llama step's peak device memory, per variant of ``python -m
-jax_ub.bench.model`` (jax_ub, jax_ub_regather, xla, bound).
+jax_ub.bench.model`` (jax_ub, jax_ub_keep, xla, bound).
 
 python benchmarks/tools/step_memory.py --preset llama3-8b --layers 8 --seq 8192 --batch 1 \\
-    --param-dtype bfloat16 --scan-unroll 0 --variants jax_ub_regather,xla [--out DIR]
+    --param-dtype bfloat16 --scan-unroll 0 --variants jax_ub,xla [--out DIR]
 
 Compiles each variant's step (nothing runs) with XLA's dump of the optimized module's live
 ranges, and prints XLA's memory estimate (arguments, outputs, temporaries), the buffers live

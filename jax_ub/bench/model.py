@@ -1,6 +1,7 @@
 """End-to-end training step of the Llama-style model (jax_ub.bench.llama) per way of
-communicating: jax_ub's overlapped ops (``jax_ub_regather``: with ``keep_gathered`` off, the
-memory of XLA's ops), XLA's collectives with default flags, XLA with the
+communicating: jax_ub's overlapped ops (``jax_ub_keep``: with ``keep_gathered`` on, which
+keeps the gathered inputs instead of gathering them again), XLA's collectives with default
+flags, XLA with the
 flags a MaxText user sets for overlap (in a process of its own: XLA flags are per process),
 and the no-communication bound (every GEMM kept, every collective removed).
 
@@ -33,7 +34,7 @@ DESCRIPTION = (
     "and to the best XLA variant. Variants in this process run in interleaved rounds from "
     "the same init on the same tokens, and jax_ub's first loss is checked against XLA's."
 )
-VARIANTS = ("jax_ub", "jax_ub_regather", "xla", "xla_overlap", "bound")
+VARIANTS = ("jax_ub", "jax_ub_keep", "xla", "xla_overlap", "bound")
 # What a MaxText user sets on GPUs for collective/compute overlap: the latency-hiding
 # scheduler and the windowed-einsum collective matmul at every size.
 OVERLAP_FLAGS = (
@@ -71,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         "--variants",
         default="jax_ub,xla,bound",
         help=f"comma-separated, of {', '.join(VARIANTS)} (default: "
-        "jax_ub,xla,bound; jax_ub_regather: jax_ub with keep_gathered off, its backward "
-        "gathering x again; xla_overlap needs GPUs)",
+        "jax_ub,xla,bound; jax_ub_keep: jax_ub with keep_gathered on, keeping the "
+        "gathered x for the backward; xla_overlap needs GPUs)",
     )
     ap.add_argument(
         "--scan-unroll",
@@ -248,10 +249,10 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
         return nnx.state((model, optimizer)), loss
 
     step = jax.jit(step, donate_argnums=0)
-    # jax_ub_regather: the ops keep x's shard, not all_gather(x), for the weight gradients
+    # jax_ub_keep: the ops keep all_gather(x), not x's shard, for the weight gradients
     # (read when the step is traced).
     keep_gathered = jax_ub.config.keep_gathered
-    jax_ub.configure(keep_gathered=variant != "jax_ub_regather" and keep_gathered)
+    jax_ub.configure(keep_gathered=variant == "jax_ub_keep" or keep_gathered)
     try:
         bound = bound_ops(args.fp8 != "none") if variant == "bound" else contextlib.nullcontext()
         with jax.set_mesh(mesh), bound:

@@ -161,16 +161,30 @@ Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
 }
 
 // Decode and check a matmul_reduce_scatter call: x [size*m, k], w [k, n] (or [n, k]
-// transposed), out [m, n].
+// transposed), out [m, n]; and, unless empty, gather_src [m, n] of out's type, whose
+// all-gather the call writes to gathered [size*m, n].
 template <typename Comm>
 Status PrepareReduceScatter(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
-                            ffi::AnyBuffer scales, ffi::AnyBuffer out, int64_t comm_id,
-                            MatmulCall<Comm>* call) {
+                            ffi::AnyBuffer scales, ffi::AnyBuffer gather_src, ffi::AnyBuffer out,
+                            ffi::AnyBuffer gathered, int64_t comm_id, MatmulCall<Comm>* call) {
   JAX_UB_RETURN_IF_ERROR(
       DecodeCall("matmul_reduce_scatter", x, w, w_transposed, scales, out, comm_id, call));
+  const int64_t size = call->comm->topology().group_size();
   call->shape.m = out.dimensions()[0];
-  if (x.dimensions()[0] != call->shape.m * call->comm->topology().group_size())
+  if (x.dimensions()[0] != call->shape.m * size)
     return InvalidArgument("matmul_reduce_scatter: input rows do not match the group");
+  if (gather_src.element_count() > 0) {
+    if (gather_src.element_count() != out.element_count() ||
+        gather_src.element_type() != out.element_type() ||
+        gathered.element_count() != size * out.element_count() ||
+        gathered.element_type() != out.element_type())
+      return InvalidArgument(
+          "matmul_reduce_scatter: the input to all-gather beside it must be laid out as the "
+          "output, and its result as the group's outputs stacked");
+    call->shape.gathered = true;
+    call->ops.gather_src = gather_src.untyped_data();
+    call->ops.gathered = gathered.untyped_data();
+  }
   return Status::Ok();
 }
 
@@ -201,7 +215,9 @@ auto BindMatmulReduceScatter(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // x
       .template Arg<ffi::AnyBuffer>()  // w
       .template Arg<ffi::AnyBuffer>()  // scales
+      .template Arg<ffi::AnyBuffer>()  // gather_src
       .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // gathered
       .template Attr<int64_t>("comm_id")
       .template Attr<bool>("transpose_w");
 }

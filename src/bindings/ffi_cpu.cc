@@ -67,10 +67,12 @@ ffi::Future AllGatherMatmulHost(int32_t device, CallCopy* copy, ffi::AnyBuffer x
 
 ffi::Future MatmulReduceScatterHost(int32_t device, CallCopy* copy, ffi::AnyBuffer x,
                                     ffi::AnyBuffer w, ffi::AnyBuffer scales,
-                                    ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                                    ffi::AnyBuffer gather_src, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
                                     bool transpose_w, int64_t /*site*/) {
   MatmulCall<HostCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, transpose_w, scales, *out, comm_id, &c);
+  Status st =
+      PrepareReduceScatter(x, w, transpose_w, scales, gather_src, *out, *gathered, comm_id, &c);
   return RunAsync(device, copy, OpKind::kMatmulReduceScatter, st, c);
 }
 

@@ -24,10 +24,12 @@ ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 
 ffi::Error MatmulReduceScatterGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::AnyBuffer scales,
-                                  ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                                  ffi::AnyBuffer gather_src, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
                                   bool transpose_w) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, transpose_w, scales, *out, comm_id, &c);
+  Status st =
+      PrepareReduceScatter(x, w, transpose_w, scales, gather_src, *out, *gathered, comm_id, &c);
   if (st.ok()) st = c.comm->Call(device, stream, OpKind::kMatmulReduceScatter, c.shape, c.ops);
   return ToFfiError(st);
 }

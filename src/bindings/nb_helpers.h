@@ -128,11 +128,15 @@ void DefCommonBindings(nanobind::module_& m) {
     return Registry<Communicator>::Remove(id);
   });
   m.def("num_communicators", []() { return Registry<Communicator>::Size(); });
-  m.def("required_bytes", [](const std::string& op, int64_t chunk_bytes, int group_size) {
-    OpKind kind;
-    if (!OpKindFromName(op, &kind)) throw nanobind::value_error(("unknown op " + op).c_str());
-    return RequiredBytes(kind, chunk_bytes, group_size);
-  });
+  m.def(
+      "required_bytes",
+      [](const std::string& op, int64_t chunk_bytes, int group_size, bool also_gathers) {
+        OpKind kind;
+        if (!OpKindFromName(op, &kind)) throw nanobind::value_error(("unknown op " + op).c_str());
+        return RequiredBytes(kind, chunk_bytes, group_size, also_gathers);
+      },
+      nanobind::arg("op"), nanobind::arg("chunk_bytes"), nanobind::arg("group_size"),
+      nanobind::arg("also_gathers") = false);
 }
 
 }  // namespace jax_ub

@@ -35,8 +35,12 @@ inline bool OpKindFromName(const std::string& name, OpKind* op) {
   return false;
 }
 
+// Set in CallDescriptor::op beside a reduce-scatter's OpKind where the call also
+// all-gathers a second input (CallShape::gathered): peers must agree on that too.
+constexpr uint32_t kAlsoGathers = 1u << 8;
+
 struct CallDescriptor {
-  uint32_t op = 0;
+  uint32_t op = 0;     // an OpKind, with kAlsoGathers
   uint32_t dtype = 0;  // PackTypes(x's, w's and the output's type)
   int64_t rows = 0;    // rows of the local operand (x for AG, the output for RS)
   int64_t k = 0;
@@ -52,8 +56,9 @@ struct CallDescriptor {
   std::string ToString() const {
     if (op == 0 && epoch == 0) return "nothing (no call arrived)";
     char buf[160];
-    std::snprintf(buf, sizeof(buf), "%s(%s, rows=%lld, k=%lld, n=%lld, call #%llu)",
-                  OpName(static_cast<OpKind>(op)), TypesName(dtype).c_str(),
+    std::snprintf(buf, sizeof(buf), "%s%s(%s, rows=%lld, k=%lld, n=%lld, call #%llu)",
+                  OpName(static_cast<OpKind>(op & ~kAlsoGathers)),
+                  (op & kAlsoGathers) != 0 ? "+all_gather" : "", TypesName(dtype).c_str(),
                   static_cast<long long>(rows), static_cast<long long>(k),
                   static_cast<long long>(n), static_cast<unsigned long long>(epoch));
     return buf;

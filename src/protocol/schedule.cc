@@ -119,9 +119,12 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   const int64_t es = DTypeSize(c.out), in_es = DTypeSize(c.in);
   const int64_t chunk = ChunkBytes(OpKind::kMatmulReduceScatter, c);  // one partial
   // Our buffer: [size] partials addressed to us, by sender, then [size] partials we
-  // computed for each peer, staged for sending.
+  // computed for each peer, staged for sending, then (where the call also gathers) [size]
+  // gathered chunks, by sender.
   auto received = [&](int j) { return j * chunk; };
   auto staged = [&](int d) { return (size + d) * chunk; };
+  auto gathered_in = [&](int j) { return (2 * size + j) * chunk; };
+  const bool gathers = c.gathered;
   // Each block goes in row pieces (Schedule::ReduceScatterPieces); where it folds, our own
   // block's GEMM adds the peer's partial piece as it lands and writes `out`: no sum pass.
   const std::vector<Schedule::Rows> pieces = sched.ReduceScatterPieces(c.m);
@@ -133,6 +136,20 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   };
   auto piece_flag = [&](int p) { return p + 1 == num_pieces ? Flag::kData : Flag::kFirstPiece; };
   std::vector<Step> steps;
+  // The all-gather riding along goes first on each peer's lane, while the first GEMM
+  // runs: the lane is otherwise idle until that GEMM's partial is ready. It needs no flag
+  // of its own: the partial's first piece follows it on the same lane, so a peer that sees
+  // that piece's flag has the chunk too.
+  if (gathers) {
+    for (int d : sched.PushOrder()) {
+      steps.push_back(WaitCredit(d, d));
+      steps.push_back(Publish(d, d));
+      steps.push_back(
+          Copy(d, At(Region::kGatherSrc, 0), At(Region::kPeerBuffer, gathered_in(rank), d), chunk));
+    }
+    steps.push_back(
+        Copy(rank, At(Region::kGatherSrc, 0), At(Region::kGathered, rank * chunk), chunk));
+  }
   // Each peer's partial first, each piece sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     for (int p = 0; p < num_pieces; ++p) {
@@ -151,7 +168,7 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
       const Ref stage = At(Region::kBuffer, staged(d) + offset(p));
       steps.push_back(Gemm(input(d, p), stage, pieces[p].count));
       steps.push_back(Join(d, kComputeLane));
-      if (p == 0) {
+      if (p == 0 && !gathers) {
         steps.push_back(WaitCredit(d, d));
         steps.push_back(Publish(d, d));
       }
@@ -170,7 +187,18 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
     sum.rows = c.m;
     steps.push_back(sum);
   }
-  steps.push_back(Verify(chunk, 0));
+  if (gathers) {
+    // Our own copy lane moves each landed chunk out of the buffer beside the GEMMs; the
+    // list puts it after them, which the host (running the list in order) needs.
+    for (int j : sched.ReductionOrder()) {
+      if (j == rank) continue;
+      steps.push_back(WaitData(rank, j, "deliver its chunk to gather", piece_flag(0)));
+      steps.push_back(
+          Copy(rank, At(Region::kBuffer, gathered_in(j)), At(Region::kGathered, j * chunk), chunk));
+    }
+    steps.push_back(Join(kComputeLane, rank));
+  }
+  steps.push_back(Verify(chunk, gathers ? size * chunk : 0));
   // Credits promise peers the whole buffer, staging area included: wait until our own
   // partials have left it, or a peer's next push could overwrite one still in flight.
   const std::vector<int> peers = sched.PushOrder();

@@ -96,6 +96,7 @@ enum class Region : uint8_t {
   kOut,         // the op's output
   kGathered,    // all_gather(x), where the caller asked for it
   kAux,         // GELU's input, which the epilogue keeps (or, DGELU, reads); laid out as kOut
+  kGatherSrc,   // a reduce-scatter's second input, all-gathered into kGathered beside it
   kBuffer,      // this rank's userbuffer
   kPeerBuffer,  // rank `peer`'s userbuffer (symmetric: the same offsets)
 };
@@ -151,14 +152,18 @@ struct Step {
 };
 
 // One rank's view of one call: out = all_gather(x[m, k]) @ w[k, n] for kAllGatherMatmul,
-// out[m, n] = reduce_scatter(x[size*m, k] @ w) for kMatmulReduceScatter. x and w are of
+// out[m, n] = reduce_scatter(x[size*m, k] @ w) for kMatmulReduceScatter (and, where
+// `gathered`, gathered[size*m, n] = all_gather(gather_src[m, n]) beside it). x and w are of
 // type `in` and `w_type` (the same, or both fp8), the output (and a reduce-scatter's
 // partials) of type `out`. An AG's GEMMs end with `epilogue` (an RS has none: its bias is
 // added after the reduction, by the caller).
 struct CallShape {
   int64_t m = 0, k = 0, n = 0;
   DType in = DType::kF32, w_type = DType::kF32, out = DType::kF32;
-  bool gathered = false;  // AG: the caller wants all_gather(x) too
+  // AG: the caller wants all_gather(x) too. RS: the call all-gathers Operands::gather_src,
+  // of the output's shape and type, on the copy lanes its GEMMs leave idle (a backward's
+  // all_gather(x) for the weight gradient, beside its input gradient's GEMM+RS).
+  bool gathered = false;
   Epilogue epilogue;
 };
 
@@ -169,11 +174,12 @@ struct Operands {
   bool w_transposed = false;  // w stored as its transpose [n, k]
   // x_scale at [0], w_scale at [kScaleStride]: multiplying the product (fp8). Device memory
   // on GPUs, each scale 16-byte aligned there, as cuBLASLt reads them.
-  const float* scales;
-  void* out;
-  void* gathered;              // null unless CallShape::gathered
-  const void* bias = nullptr;  // [n] of the output's type, where the epilogue adds one
-  void* aux = nullptr;         // like out: GELU's input, kept (or read, DGELU) by the epilogue
+  const float* scales = nullptr;
+  void* out = nullptr;
+  void* gathered = nullptr;          // null unless CallShape::gathered
+  const void* gather_src = nullptr;  // RS with CallShape::gathered: [m, n] of the output's type
+  const void* bias = nullptr;        // [n] of the output's type, where the epilogue adds one
+  void* aux = nullptr;  // like out: GELU's input, kept (or read, DGELU) by the epilogue
 };
 
 // The address `r` names: in the call's operands, this rank's userbuffer (`buffer`), or
@@ -189,6 +195,8 @@ char* Resolve(const Ref& r, const Operands& ops, char* buffer, PeerBuffer peer_b
       return static_cast<char*>(ops.gathered) + r.offset;
     case Region::kAux:
       return static_cast<char*>(ops.aux) + r.offset;
+    case Region::kGatherSrc:
+      return const_cast<char*>(static_cast<const char*>(ops.gather_src)) + r.offset;
     case Region::kBuffer:
       return buffer + r.offset;
     case Region::kPeerBuffer:
@@ -205,18 +213,28 @@ inline int64_t ChunkBytes(OpKind op, const CallShape& c) {
                                         : c.m * c.n * DTypeSize(c.out);
 }
 
+// Whether a call of `op` moves a second input's all-gather beside its own data.
+inline bool AlsoGathers(OpKind op, const CallShape& c) {
+  return op == OpKind::kMatmulReduceScatter && c.gathered;
+}
+
 // What this rank tells its peers about the call (see CallDescriptor).
 inline CallDescriptor DescribeCall(OpKind op, const CallShape& c, uint64_t epoch) {
-  return CallDescriptor{
-      static_cast<uint32_t>(op), PackTypes(c.in, c.w_type, c.out), c.m, c.k, c.n, epoch};
+  const uint32_t kind = static_cast<uint32_t>(op) | (AlsoGathers(op, c) ? kAlsoGathers : 0);
+  return CallDescriptor{kind, PackTypes(c.in, c.w_type, c.out), c.m, c.k, c.n, epoch};
 }
 
 // Userbuffer bytes per rank that a call needs, `chunk_bytes` being ChunkBytes. AG: a chunk
 // per rank. RS: a received partial per rank, plus as many staged for sending (a peer may
-// still be reading our last push).
-inline int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size) {
-  const int64_t per_rank = op == OpKind::kMatmulReduceScatter ? 2 * chunk_bytes : chunk_bytes;
+// still be reading our last push), plus, where it `also_gathers`, a gathered chunk per rank.
+inline int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size,
+                             bool also_gathers = false) {
+  int64_t per_rank = chunk_bytes;
+  if (op == OpKind::kMatmulReduceScatter) per_rank = (also_gathers ? 3 : 2) * chunk_bytes;
   return per_rank * group_size;
+}
+inline int64_t RequiredBytes(OpKind op, const CallShape& c, int group_size) {
+  return RequiredBytes(op, ChunkBytes(op, c), group_size, AlsoGathers(op, c));
 }
 
 // The step list of one call of `op`, for `sched`'s rank.

@@ -1,9 +1,10 @@
 """JAX primitives that lower to the userbuffer FFI custom calls.
 
 Operands are ``x [rows, *batch, k]``, ``w [k, n]``, ``scales`` (``wire_format.pack_scales``: the
-scales multiplying the product when x and w are fp8; ones otherwise) and, for the all-gather,
+scales multiplying the product when x and w are fp8; ones otherwise); for the all-gather,
 the epilogue's ``bias`` (``[n]``, or ``[0]`` for none) and ``gelu_input`` (DGELU's, laid out as
-the output, or ``[0, ..., n]`` for none); the custom call itself sees ``x`` and
+the output, or ``[0, ..., n]`` for none); for the reduce-scatter, ``gather_src`` (laid out as
+its output, or ``[0, ..., n]`` for none), all-gathered beside it. The custom call sees ``x`` and
 the outputs flattened to 2-D (a free reshape of the local buffer). Lowering is where
 the concrete mesh is known, so that is where the communicator is looked up or created and its id
 baked into the custom call.
@@ -47,6 +48,7 @@ from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.call_site import call_site
 from jax_ub._src.lowering.reference import (
     all_gather_matmul_reference,
+    all_gather_rows,
     dgelu_reference,
     matmul_reduce_scatter_reference,
 )
@@ -57,10 +59,12 @@ from jax_ub._src.runtime import communicator, extension
 all_gather_matmul_p = Primitive("jax_ub_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
 matmul_reduce_scatter_p = Primitive("jax_ub_matmul_reduce_scatter")
+matmul_reduce_scatter_p.multiple_results = True
 # The operands laid out like x's batch dims (which a nested shard_map keeps split over the
-# mesh's automatic axes): x, and the all-gather's gelu_input (laid out as its output). The
-# weight, scales and bias are replicated over those axes.
-_BATCHED = {all_gather_matmul_p: (0, 4), matmul_reduce_scatter_p: (0,)}
+# mesh's automatic axes): x, the all-gather's gelu_input and the reduce-scatter's
+# gather_src (laid out as their outputs). The weight, scales and bias are replicated over
+# those axes.
+_BATCHED = {all_gather_matmul_p: (0, 4), matmul_reduce_scatter_p: (0, 3)}
 
 
 def _columns(w, transpose_w: bool) -> int:
@@ -94,11 +98,12 @@ def _all_gather_matmul_abstract(
 
 
 def _matmul_reduce_scatter_abstract(
-    x, w, scales, *, axis_name, axis_size, transpose_w, out_dtype, fallback
+    x, w, scales, gather_src, *, axis_name, axis_size, transpose_w, out_dtype, fallback
 ):
     shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
     out = result_aval(x, shape, x, w, extra=frozenset([axis_name]))
-    return out.update(dtype=jnp.dtype(out_dtype))
+    gathered = result_aval(gather_src, (axis_size * gather_src.shape[0], *shape[1:]), gather_src)
+    return out.update(dtype=jnp.dtype(out_dtype)), gathered.update(dtype=jnp.dtype(out_dtype))
 
 
 all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
@@ -231,11 +236,19 @@ def _ffi_call_flat(ctx, target: str, x, *operands, comm_id: int, **attrs):
     return [jax_compat.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
-def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable, attrs: tuple = ()):
+def _lowering(
+    prim: Primitive,
+    op: str,
+    chunk_aval: Callable,
+    unfused: Callable,
+    attrs: tuple = (),
+    also_gathers: Callable = lambda ctx: False,
+):
     """The lowering rule of `prim`: nested in a shard_map where mesh axes are still
     automatic (see the module docstring); else the custom call on the communicator for
     the mesh, or `unfused` (XLA's collectives) where impl="auto" finds the group's devices
-    cannot share memory. `chunk_aval(ctx)` is one rank's chunk, which sizes the buffer;
+    cannot share memory. `chunk_aval(ctx)` is one rank's chunk and `also_gathers(ctx)`
+    whether the call all-gathers a second input beside it, which together size the buffer;
     `attrs` names the params the custom call gets besides comm_id and transpose_w."""
 
     def rule(ctx, *operands, **params):
@@ -246,7 +259,9 @@ def _lowering(prim: Primitive, op: str, chunk_aval: Callable, unfused: Callable,
         platform = _platform(ctx)
         aval = chunk_aval(ctx)
         chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-        needed = communicator.required_bytes(platform, op, chunk, params["axis_size"])
+        needed = communicator.required_bytes(
+            platform, op, chunk, params["axis_size"], also_gathers(ctx)
+        )
         comm = communicator.for_lowering(op, mesh, axis_name, platform, needed, params["fallback"])
         if comm is None:
             lower = mlir.lower_fun(
@@ -298,10 +313,15 @@ def _all_gather_matmul_unfused(
     )
 
 
-def _matmul_reduce_scatter_unfused(x, w, scales, *, axis_name, transpose_w, out_dtype, **_):
-    return matmul_reduce_scatter_reference(
+def _matmul_reduce_scatter_unfused(
+    x, w, scales, gather_src, *, axis_name, axis_size, transpose_w, out_dtype, **_
+):
+    out = matmul_reduce_scatter_reference(
         x, _weight(w, transpose_w), axis_name, scales=scales, out_dtype=out_dtype
     )
+    if _is_empty(gather_src):
+        return out, jnp.zeros(gather_src.shape, out.dtype)
+    return out, all_gather_rows(gather_src, axis_name).astype(out.dtype)
 
 
 jax_compat.register_uncached_lowering(
@@ -321,6 +341,7 @@ jax_compat.register_uncached_lowering(
         "matmul_reduce_scatter",
         lambda ctx: ctx.avals_out[0],  # the output block
         _matmul_reduce_scatter_unfused,
+        also_gathers=lambda ctx: not _is_empty(ctx.avals_in[3]),  # gather_src
     ),
 )
 
@@ -421,20 +442,35 @@ def bind_matmul_reduce_scatter(
     fallback: bool = False,
     scales=None,
     out_dtype=None,
+    gather=None,
 ):
-    """x [M, *b, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, *b, n].
+    """x [M, *b, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, *b, n]; with
+    ``gather`` (laid out and typed as that result), ``(psum_scatter(x @ w),
+    all_gather(gather))``, the gather moving on the copy engines beside the GEMMs.
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place; with
     ``fallback``, ``scales`` and ``out_dtype`` as for :func:`bind_all_gather_matmul`.
     """
     scales, out_dtype = _scales_and_type(x, scales, out_dtype)
-    return matmul_reduce_scatter_p.bind(
+    shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
+    if gather is None:
+        gather_src = jnp.zeros((0, *shape[1:]), out_dtype)
+    elif gather.shape != shape or gather.dtype != out_dtype:
+        raise ValueError(
+            f"matmul_reduce_scatter: the array to all-gather beside it must be laid out as its "
+            f"result, {shape} of {out_dtype}; got {gather.shape=} of {gather.dtype}"
+        )
+    else:
+        gather_src = gather
+    out, gathered = matmul_reduce_scatter_p.bind(
         x,
         w,
         scales,
+        gather_src,
         axis_name=axis_name,
         axis_size=axis_size,
         transpose_w=transpose_w,
         out_dtype=out_dtype,
         fallback=fallback,
     )
+    return out if gather is None else (out, gathered)

@@ -84,10 +84,10 @@ def all_gather_matmul(
       gathered ``x`` of shape ``[tp * m, ..., k]``.
 
     The gradient is overlapped too: ``dx = matmul_reduce_scatter(dp, w.T)`` and
-    ``dw = all_gather(x).T @ dp`` from the gathered ``x`` kept by the forward pass (or, with
-    ``jax_ub.configure(keep_gathered=False)``, from ``x`` gathered again), where
-    ``dp`` is the gradient of the product (``dy`` through GELU's backward, at GELU's input
-    kept by the forward) and ``dbias`` its sum over rows.
+    ``dw = all_gather(x).T @ dp``, ``x`` gathered again inside the ``dx`` call from the
+    shard the forward kept (or, with ``jax_ub.configure(keep_gathered=True)``, the gathered
+    ``x`` kept by the forward), where ``dp`` is the gradient of the product (``dy`` through
+    GELU's backward, at GELU's input kept by the forward) and ``dbias`` its sum over rows.
 
     Example::
 
@@ -205,10 +205,10 @@ def _fwd(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
 def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     dy, dgathered = cts if return_gathered else (cts, None)
     dp, dbias = epilogue_grads(dy, res.pre_gelu, res.bias_like, gelu)
-    # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place.
-    dx = group.scatter_times_w_t(dp, res.w)
-    dw = contract_rows(res.x_kept.gathered_rows(group.axis_name), dp)
-    dx, dw = weight_grad_with(dx, dw)
+    # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place;
+    # it gathers x again beside its GEMMs where the forward kept x's shard.
+    dx, x_gathered = res.x_kept.input_grad_and_gathered(group, dp, res.w)
+    dx, dw = weight_grad_with(dx, contract_rows(x_gathered, dp))
     dx = match_varying(dx, res.x_like)
     if dgathered is not None:
         scattered = reduce_scatter_rows(dgathered, group.axis_name)

@@ -5,7 +5,9 @@ all-gathered once into one GEMM over this rank's gate and up columns side by sid
 :func:`all_gather_matmul`), the gated product stays feature-sharded on its rank, and the
 down-projection's result is reduce-scattered back (one :func:`matmul_reduce_scatter`). The
 backward is the ops' own: each swaps its collective for the other's, overlapped too, and
-the gate and up weights' gradient is one GEMM against the gathered ``x`` the forward kept.
+the gate and up weights' gradient is one GEMM against the gathered ``x`` (gathered again
+inside the input gradient's reduce-scatter call, or kept by the forward with
+``keep_gathered``).
 """
 
 from __future__ import annotations

@@ -70,8 +70,11 @@ class Group:
         )
         return dx, dy_gathered
 
-    def scatter_times_w_t(self, dp, w):
+    def scatter_times_w_t(self, dp, w, gather=None):
         """``reduce_scatter(dp @ w.T)``: the input gradient of an all-gathered product, by
-        the overlapped GEMM+RS reading ``w.T`` in place where the tuning says."""
+        the overlapped GEMM+RS reading ``w.T`` in place where the tuning says. With
+        ``gather`` (laid out and typed as that result: the product's input shard),
+        ``(reduce_scatter(dp @ w.T), all_gather(gather))``, the gather moving beside the
+        GEMMs in the same call."""
         w_t, in_place = weight_transposed(w)
-        return self.matmul_reduce_scatter(dp, w_t, transpose_w=in_place)
+        return self.matmul_reduce_scatter(dp, w_t, transpose_w=in_place, gather=gather)

@@ -176,8 +176,8 @@ def _bwd(group: Group, res: _Residuals, dy):
         dp = dgelu_reference(dp, res.pre_gelu)
     dw_down = contract_rows(res.h, dy_gathered)
     dp, dw_down = weight_grad_with(dp, dw_down)
-    dx = group.scatter_times_w_t(dp, res.w_up)
-    dx, dw_up = weight_grad_with(dx, contract_rows(res.x_kept.gathered_rows(group.axis_name), dp))
+    dx, x_gathered = res.x_kept.input_grad_and_gathered(group, dp, res.w_up)
+    dx, dw_up = weight_grad_with(dx, contract_rows(x_gathered, dp))
     return (
         match_varying(dx, res.x_like),
         match_varying(dw_up, res.w_up),

@@ -10,8 +10,8 @@ gradient needs (``GATHERED``) with ``jax.ad_checkpoint.checkpoint_name``;
 
 An all-gathered op's weight gradient needs ``all_gather(x)``. :class:`KeptInput` keeps it
 from the forward, or, with ``jax_ub.configure(keep_gathered=False)``, keeps ``x``'s shard
-and gathers it again in the backward on XLA's all-gather (which XLA may run beside the
-input gradient's GEMM+RS): the memory XLA's own unfused ops take, where a policy
+and gathers it again in the backward, inside the input gradient's GEMM+RS call (on its
+copy engines, beside its GEMMs): the memory XLA's own unfused ops take, where a policy
 recomputes ``x`` (e.g. a norm's output) instead of keeping it.
 """
 
@@ -65,8 +65,15 @@ class KeptInput(NamedTuple):
             return cls(saved_gathered(gathered), None)
         return cls(None, x)
 
-    def gathered_rows(self, axis_name: str) -> jax.Array:
-        """``all_gather(x)``: the kept one, or gathered now."""
+    def input_grad_and_gathered(self, group, dp: jax.Array, w: jax.Array):
+        """``(reduce_scatter(dp @ w.T), all_gather(x))``: the op's input gradient, by
+        ``group``'s (a :class:`jax_ub._src.ops.group.Group`) overlapped GEMM+RS, and the
+        gathered ``x`` its weight gradient needs: the kept one, or gathered in that same
+        call (on XLA's all-gather where ``x`` is not laid out and typed as the input
+        gradient, which its GEMM+RS cannot carry)."""
         if self.gathered is not None:
-            return self.gathered
-        return all_gather_rows(self.shard, axis_name)
+            return group.scatter_times_w_t(dp, w), self.gathered
+        dx_shape = (dp.shape[0] // group.size, *dp.shape[1:-1], w.shape[0])
+        if self.shard.shape == dx_shape and self.shard.dtype == dp.dtype:
+            return group.scatter_times_w_t(dp, w, gather=self.shard)
+        return group.scatter_times_w_t(dp, w), all_gather_rows(self.shard, group.axis_name)

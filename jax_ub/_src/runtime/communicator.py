@@ -265,9 +265,13 @@ def take_all() -> list[Communicator]:
     return comms
 
 
-def required_bytes(platform: str, op: str, chunk_bytes: int, group_size: int) -> int:
-    """Symmetric buffer bytes one call of ``op`` needs per device, as the C++ side sizes it."""
-    return int(extension.module_for(platform).required_bytes(op, chunk_bytes, group_size))
+def required_bytes(
+    platform: str, op: str, chunk_bytes: int, group_size: int, also_gathers: bool = False
+) -> int:
+    """Symmetric buffer bytes one call of ``op`` needs per device (``also_gathers``: a
+    reduce-scatter that all-gathers a second input beside it), as the C++ side sizes it."""
+    module = extension.module_for(platform)
+    return int(module.required_bytes(op, chunk_bytes, group_size, also_gathers))
 
 
 def for_lowering(

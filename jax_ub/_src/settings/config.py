@@ -110,7 +110,7 @@ _SETTINGS = {
         _parse_bool,
         f"one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}",
         _check_bool("keep_gathered"),
-        True,
+        False,
     ),
 }
 
@@ -193,13 +193,15 @@ class Config:
         run to run. Lines are keyed by GPU model, cuBLASLt version and shape, and new
         choices are appended; processes may share it on a local file system. Delete it
         to choose again (after a driver, library or clock change). CPU devices ignore it.
-      keep_gathered: an all-gathered op (``all_gather_matmul`` and the MLPs and layers
-        built on it) keeps ``all_gather(x)`` from its forward for its weight gradient
-        (default): ``tp`` times ``x``'s shard of memory per call until the backward, and
-        no second gather. Off, it keeps ``x``'s shard and the backward gathers it again
-        on XLA's all-gather, beside the input gradient's GEMM+RS: the memory of XLA's
-        unfused ops, where a ``jax.checkpoint`` policy recomputes ``x`` (env
-        ``JAX_UB_KEEP_GATHERED``). fp8 calls keep their gathered fp8 ``x`` either way.
+      keep_gathered: whether an all-gathered op (``all_gather_matmul`` and the MLPs and
+        layers built on it) keeps ``all_gather(x)`` from its forward for its weight
+        gradient: ``tp`` times ``x``'s shard of memory per call until the backward. Off
+        (default), it keeps ``x``'s shard and the backward gathers it again inside the
+        input gradient's GEMM+RS call, on the copy engines beside its GEMMs: the memory of
+        XLA's unfused ops, where a ``jax.checkpoint`` policy recomputes ``x``, and no
+        slower (``benchmarks/RESULTS.md``). On may help where a step's backward cannot
+        hide the second gather (env ``JAX_UB_KEEP_GATHERED``). fp8 calls keep their
+        gathered fp8 ``x`` either way.
     """
 
     # An environment variable's invalid text is kept as an InvalidSetting and raised here,
