@@ -190,7 +190,7 @@ Status PrepareReduceScatter(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transpose
 
 // Each op's operands, results and attributes after the platform's context (CPU: the
 // device ordinal; CUDA: the stream, then the ordinal), one list for both platforms. The
-// lowering (jax_ub/_src/primitives.py) passes them in this order. Binding's methods take
+// lowering (jax_ub/_src/lowering/custom_call.py) passes them in this order. Binding's methods take
 // an rvalue, hence the move.
 template <typename Binding>
 auto BindAllGatherMatmul(Binding binding) {
