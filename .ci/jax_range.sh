@@ -74,7 +74,8 @@ fi
 # One or a few tests of every module: the ops forward and backward (f32, bf16, the
 # epilogues, seq_axis), fp8, the Flax nnx and linen layers, the global-array layouts and
 # partial-auto meshes, the lowered HLO, GEMM + all-reduce (its all-gather's spelling moved
-# between JAX releases), argument and settings errors, several processes.
+# between JAX releases), the reduce-scatter that gathers beside it, argument and settings
+# errors, several processes.
 cd "$SRC"
 timeout 600 "$vpy" -m pytest -q -p no:cacheprovider \
   "tests/test_ops_forward.py::test_f32" \
@@ -85,6 +86,7 @@ timeout 600 "$vpy" -m pytest -q -p no:cacheprovider \
   "tests/test_model_layouts.py" \
   "tests/test_hlo.py" \
   "tests/test_matmul_all_reduce.py" \
+  "tests/test_regather.py" \
   "tests/test_errors_arguments.py" \
   "tests/test_errors_settings.py" \
   "tests/test_multiprocess.py::test_protocol_across_processes" \
