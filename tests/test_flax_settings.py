@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, regathering_calls, rel_err, use_tuning
+from _programs import regathering_calls
+from conftest import make_mesh, rel_err, use_tuning
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_flax_public_lm as public_lm
-from conftest import assert_each_call_compiled_once, gpus, llama_step_texts
+from _programs import assert_each_call_compiled_once, llama_step_texts
+from conftest import gpus
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P

@@ -10,7 +10,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_each_call_compiled_once, llama_step_texts, smap
+from _programs import assert_each_call_compiled_once, llama_step_texts
+from conftest import smap
 from jax.sharding import PartitionSpec as P
 
 import jax_ub

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, regathering_calls, rel_err, smap, tol
+from _programs import regathering_calls
+from conftest import bits, rel_err, smap, tol
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
