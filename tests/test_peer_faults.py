@@ -41,6 +41,15 @@ def _expect_failure(fn, *args):
     pytest.fail(f"{fn} was expected to fail but returned a result")
 
 
+def _expect_failure_naming(fn, args, pattern: str, within_s: float) -> str:
+    """Runs fn(*args), which must fail within ``within_s`` seconds with a message matching
+    ``pattern``; returns the message."""
+    msg, seconds = _expect_failure(fn, *args)
+    assert re.search(pattern, msg), msg
+    assert seconds < within_s, seconds
+    return msg
+
+
 def _two_branch(mesh, rank0, others):
     """Rank 0 runs `rank0(x, w)`, the other ranks `others(x, w)` (same output shape)."""
     body = lambda x, w: lax.cond(lax.axis_index("tp") == 0, rank0, others, x, w)  # noqa: E731
@@ -167,13 +176,13 @@ def test_late_peer_does_not_hang(mesh1d, rand):
         return lax.cond(lax.axis_index("tp") == 1, late, lambda: AG(x, w, "tp", impl="ub"))
 
     f = smap(body, mesh, (P("tp"), P()), P("tp")).lower(x, w).compile()
-    msg, seconds = _expect_failure(f, x, w)
-    assert re.search(
+    _expect_failure_naming(
+        f,
+        (x, w),
         r"all_gather_matmul: rank 0 \(group 0\) timed out after 0\.5 s waiting for rank 1 to "
         r"deliver its chunk for call #1 \(flag holds #0\)",
-        msg,
-    ), msg
-    assert seconds < 1.5 + 3.0, seconds
+        within_s=1.5 + 3.0,
+    )
     # JAX keeps the failed program's runtime token (it has a host callback) and would raise
     # it again from jax.effects_barrier() and at exit; a good callback program replaces it.
     echo = lambda a: jax.pure_callback(lambda b: b, jax.ShapeDtypeStruct(a.shape, a.dtype), a)  # noqa: E731
@@ -242,14 +251,14 @@ def test_call_count_mismatch_names_expected_and_observed(mesh1d, rand):
         step = lambda i, y: y + AG(x + 0 * y[:4, :1], w, "tp", impl="ub")  # noqa: E731
         return lax.fori_loop(0, trips, step, jnp.zeros((8, 8), x.dtype) + 0 * x[:1, :1])
 
-    msg, seconds = _expect_failure(smap(body, mesh, (P("tp"), P()), P("tp")), x, w)
-    assert re.search(
+    _expect_failure_naming(
+        smap(body, mesh, (P("tp"), P()), P("tp")),
+        (x, w),
         r"DEADLINE_EXCEEDED: (Buffer Definition Event: )?jax_ub: all_gather_matmul: rank 0 "
         r"\(group 0\) timed out after 0\.5 s"
         r" waiting for rank 1 to deliver its chunk for call #2 \(flag holds #1\)",
-        msg,
-    ), msg
-    assert seconds < 0.5 + 3.0, seconds
+        within_s=0.5 + 3.0,
+    )
 
 
 def test_equal_calls_from_different_places_never_pair(mesh1d, rand):
@@ -266,14 +275,14 @@ def test_equal_calls_from_different_places_never_pair(mesh1d, rand):
         return AG(x + 0 * y[:4, :1], w, "tp", impl="ub")
 
     once = lambda x, w: AG(x, w, "tp", impl="ub")  # noqa: E731
-    msg, seconds = _expect_failure(_two_branch(mesh, twice, once), x, w)
-    assert re.search(
+    _expect_failure_naming(
+        _two_branch(mesh, twice, once),
+        (x, w),
         r"rank 0 \(group 0\) timed out after 0\.5 s waiting for rank 1 to deliver its chunk for "
         r"call #1 \(flag holds #0\)|rank 0 of the group ran all_gather_matmul\(float32, rows=4, "
         r"k=16, n=8, call #1\), and this device's program did not make that call",
-        msg,
-    ), msg
-    assert seconds < 0.5 + 3.0, seconds
+        within_s=0.5 + 3.0,
+    )
 
 
 def test_finalized_communicator_in_compiled_program(mesh1d, rand):

@@ -115,7 +115,7 @@ def _all_gather_matmul_unfused(
 
 
 def _matmul_reduce_scatter_unfused(
-    x, w, scales, gather_src, *, axis_name, axis_size, transpose_w, out_dtype, **_
+    x, w, scales, gather_src, *, axis_name, transpose_w, out_dtype, **_
 ):
     out = matmul_reduce_scatter_reference(
         x, _weight(w, transpose_w), axis_name, scales=scales, out_dtype=out_dtype

@@ -22,7 +22,6 @@ from typing import NamedTuple
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_ub._src.lowering.reference import all_gather_rows
 from jax_ub._src.settings.config import config
 
 OUTPUT = "jax_ub_output"
@@ -69,11 +68,7 @@ class KeptInput(NamedTuple):
         """``(reduce_scatter(dp @ w.T), all_gather(x))``: the op's input gradient, by
         ``group``'s (a :class:`jax_ub._src.ops.group.Group`) overlapped GEMM+RS, and the
         gathered ``x`` its weight gradient needs: the kept one, or gathered in that same
-        call (on XLA's all-gather where ``x`` is not laid out and typed as the input
-        gradient, which its GEMM+RS cannot carry)."""
+        call (x's shard is laid out and typed as the input gradient, as the call needs)."""
         if self.gathered is not None:
             return group.scatter_times_w_t(dp, w), self.gathered
-        dx_shape = (dp.shape[0] // group.size, *dp.shape[1:-1], w.shape[0])
-        if self.shard.shape == dx_shape and self.shard.dtype == dp.dtype:
-            return group.scatter_times_w_t(dp, w, gather=self.shard)
-        return group.scatter_times_w_t(dp, w), all_gather_rows(self.shard, group.axis_name)
+        return group.scatter_times_w_t(dp, w, gather=self.shard)
