@@ -359,3 +359,44 @@ def test_host_times_count_each_call():
         calls, total_s, await_s = (a - b for a, b in zip(after[d], before.get(d, (0, 0.0, 0.0))))
         assert calls == 10, (d, calls)
         assert 0 < total_s < 10 and 0 <= await_s <= total_s, (d, total_s, await_s)
+
+
+def _kernel_choices() -> dict[tuple[int, int, int], list[tuple[int, bool, int, bool]]]:
+    """Per GEMM shape (m, k, n): every local GPU's (device, row, kernel index, deciding)."""
+    from jax_ub._src.runtime import extension
+    from jax_ub._src.runtime.communicator import live_communicators
+
+    module = extension.module_for("cuda")
+    out: dict[tuple[int, int, int], list] = {}
+    for comm in live_communicators():
+        if comm.platform == "cuda":
+            for device, m, k, n, row, index, deciding in module.kernel_choices(comm.id):
+                out.setdefault((m, k, n), []).append((device, row, index, deciding))
+    return out
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_group_gpus_agree_on_each_kernel(tp):
+    """Every GPU of a group runs group rank 0's kernel for each GEMM shape, tuned and then
+    compared in the op's first calls: kernels chosen on each GPU alone differ by timing
+    noise, and one GPU's slower kernel makes its peers wait at every flag."""
+    jax_ub.finalize()  # new communicators: their shapes are tuned and compared anew
+    use_tuning(autotune_gemm=True, gemm_trials=3)
+    mesh = _mesh(tp)
+    x, w = _data(jax.random.key(12), [(2048, 1024), (1024, 1536)], jnp.bfloat16)
+    ag, rs = _ag(mesh, "ub"), _rs(mesh, "ub")
+    y = x @ w
+    out = jax.block_until_ready((ag(x, w), rs(y, w.T)))
+    early = _kernel_choices()
+    assert any(d for per_gpu in early.values() for *_, d in per_gpu), early  # trials are comparing
+    for _ in range(40):  # past every shape's trial rounds
+        out = (ag(x, w), rs(y, w.T))
+    jax.block_until_ready(out)
+    choices = _kernel_choices()
+    assert choices, "no GEMM plan was made"
+    for shape, per_gpu in choices.items():
+        assert len(per_gpu) == tp, (shape, per_gpu)
+        assert not any(deciding for *_, deciding in per_gpu), (shape, per_gpu)
+        assert len({(row, index) for _, row, index, _ in per_gpu}) == 1, (shape, per_gpu)
+    assert _rel(out[0], _ag(mesh, "xla")(x, w)) < 2e-2
+    assert _rel(out[1], _rs(mesh, "xla")(y, w.T)) < 2e-2

@@ -28,12 +28,18 @@ from jax_ub.bench.impls import build_ag, build_rs
 
 
 @functools.cache  # each report reads the same trace several ways: parse it once
+def trace_events(trace_dir: str) -> list[dict]:
+    """Every event of the trace (host and device). Cached per folder: do not change it."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(path) as fh:
+        return json.load(fh)["traceEvents"]
+
+
+@functools.cache
 def device_events(trace_dir: str) -> list[dict]:
     """Every device event (kernel, copy) in the trace, in order; `pid` names the GPU.
     Cached per folder: callers must not change the list."""
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    with gzip.open(path) as fh:
-        events = json.load(fh)["traceEvents"]
+    events = trace_events(trace_dir)
     # Device streams are the processes whose name starts with /device:GPU.
     gpu_pids = {
         e["pid"]

@@ -36,7 +36,7 @@ import re
 import sys
 import tempfile
 
-from profile_kernels import busy_and_span, device_events, idle_gaps, kernels
+from profile_kernels import busy_and_span, device_events, idle_gaps, kernels, trace_events
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_tp_transformer.py"
 TRACED_STEPS = 3
@@ -101,11 +101,33 @@ def report(label: str, step_ms: float, trace_dir: str, ndev: int) -> dict[str, f
     top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
     for name, v in top:
         print(f"    {sum(v) * scale:7.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {name[:90]}")
+    uneven_gpus(trace_dir)
     busy = sum(b for b, _ in spans.values()) * scale
     span = sum(t for _, t in spans.values()) * scale
     return {"step": step_ms, "span": span, "busy": busy, "idle": span - busy} | {
         kind: per_kind[kind] * scale for kind, _ in KINDS
     }
+
+
+def uneven_gpus(trace_dir: str) -> None:
+    """Print the kernels whose time differs most between the GPUs (ms/step, per GPU): the
+    same program on every GPU, so a GPU doing more is slowed (clocks, memory traffic), and
+    at each collective the others wait for it."""
+    per: dict[str, dict[int, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float)
+    )
+    pids = set()
+    for e in device_events(trace_dir):
+        per[e["name"][:70]][e["pid"]] += float(e["dur"])
+        pids.add(e["pid"])
+    if len(pids) < 2:
+        return
+    pids = sorted(pids)
+    spread = {n: max(v[p] for p in pids) - min(v[p] for p in pids) for n, v in per.items()}
+    print("  kernels differing most between GPUs (ms/step per GPU):")
+    for name in sorted(spread, key=lambda n: -spread[n])[:8]:
+        cells = " ".join(f"{per[name][p] * 1e-3 / TRACED_STEPS:7.2f}" for p in pids)
+        print(f"    {cells}  {name}")
 
 
 def describe_custom_calls(hlo_text: str) -> dict[str, str]:
@@ -176,6 +198,74 @@ def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
             print(f"      {us * scale:7.2f}  {n:5.1f}  {name}")
 
 
+def gaps_by_hlo_op(trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0) -> None:
+    """Print the GPUs' idle stretches (no kernel running, copies aside) summed by the HLO
+    instructions around them: a gap inside one jax_ub call (the same instruction on both
+    sides) is that call waiting on a peer; one between instructions is XLA's or the host's."""
+    described = describe_custom_calls(hlo_text)
+    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
+    per_gpu: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        if copy.search(e["name"]):
+            continue
+        op = e.get("args", {}).get("hlo_op", "?")
+        start = float(e["ts"])
+        per_gpu[e["pid"]].append((start, start + float(e["dur"]), described.get(op, op)))
+    around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for iv in per_gpu.values():
+        iv.sort()
+        end, last = iv[0][1], iv[0][2]
+        for a, b, op in iv[1:]:
+            if a - end >= min_us:
+                around[(last, op)].append(a - end)
+            if b > end:
+                end, last = b, op
+    # A gap the host caused: the kernel after it was launched (its API call on the host
+    # began) only after the GPU had run out of work.
+    launched = {}
+    for e in trace_events(trace_dir):
+        cid = e.get("args", {}).get("correlation_id")
+        if cid is not None and e.get("ph") == "X" and e.get("pid") not in per_gpu:
+            launched[int(cid)] = float(e["ts"])
+    starved = [0.0, 0]
+    for e_list in _gaps_after(trace_dir, min_us):
+        for gap_start, gap_us, cid in e_list:
+            if cid is not None and launched.get(cid, -1.0) > gap_start:
+                starved[0] += gap_us
+                starved[1] += 1
+    scale = 1e-3 / TRACED_STEPS / ndev
+    print(
+        f"  idle waiting for the host's launch: {starved[0] * scale:.2f} ms/step/GPU in "
+        f"{starved[1] / TRACED_STEPS / ndev:.1f} gaps/step/GPU (of the gaps >= {min_us} us)"
+    )
+    print("  idle gaps by HLO instruction (ms/step/GPU, gaps/step/GPU; before -> after):")
+    for (before, after), v in sorted(around.items(), key=lambda kv: -sum(kv[1]))[:HLO_ROWS]:
+        where = f"within {before}" if before == after else f"{before}  ->  {after}"
+        print(f"    {sum(v) * scale:6.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {where[:230]}")
+
+
+def _gaps_after(trace_dir: str, min_us: float) -> list[list[tuple[float, float, int | None]]]:
+    """Per GPU: (start, microseconds, correlation id of the kernel that ended it) of each
+    idle stretch of at least `min_us` (copies aside)."""
+    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
+    per_gpu: dict[int, list[tuple[float, float, int | None]]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        if not copy.search(e["name"]):
+            cid = e.get("args", {}).get("correlation_id")
+            start = float(e["ts"])
+            per_gpu[e["pid"]].append((start, start + float(e["dur"]), cid and int(cid)))
+    out = []
+    for iv in per_gpu.values():
+        iv.sort()
+        gaps, end = [], iv[0][1]
+        for a, b, cid in iv[1:]:
+            if a - end >= min_us:
+                gaps.append((end, a - end, cid))
+            end = max(end, b)
+        out.append(gaps)
+    return out
+
+
 def _runs(evs: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
     """One instruction's events (sorted) split into its TRACED_STEPS runs, at the largest
     gaps between them: (first start, last end) of each run."""
@@ -221,7 +311,7 @@ def profile_llama(argv: list[str], out: str) -> None:
 
     import jax
 
-    from jax_ub.bench import model
+    from jax_ub.bench import model, timing
 
     margs = model._parser().parse_args(argv)
     cfg, mesh, tokens = model.setup(margs)
@@ -233,6 +323,7 @@ def profile_llama(argv: list[str], out: str) -> None:
         for _ in range(1 + margs.warmup):  # past autotuning and jax_ub's GEMM trials
             state, loss = step(state, tokens)
         jax.block_until_ready(loss)
+        before = timing.host_times()
         t0 = time.perf_counter()
         for _ in range(margs.steps):
             state, loss = step(state, tokens)
@@ -241,6 +332,15 @@ def profile_llama(argv: list[str], out: str) -> None:
         step_ms = (time.perf_counter() - t0) / margs.steps * 1e3
         # Host-bound if the host needs about as long to enqueue a step as the GPUs to run it.
         print(f"{variant}: the host enqueued a step in {dispatch_ms:.2f} ms (of {step_ms:.2f})")
+        for gpu, (calls, total_s, await_s) in sorted(timing.host_times().items()):
+            c0, t0_s, a0_s = before.get(gpu, (0, 0.0, 0.0))
+            if calls > c0:
+                n = calls - c0
+                print(
+                    f"  GPU {gpu}: {n / margs.steps:.0f} jax_ub calls/step, host "
+                    f"{(total_s - t0_s) / n * 1e6:.0f} us/call, of which "
+                    f"{(await_s - a0_s) / n * 1e6:.0f} us waiting for the other GPUs' threads"
+                )
         trace_dir = tempfile.mkdtemp(dir=out or None, prefix=f"trace_llama_{variant}_")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(TRACED_STEPS):
@@ -250,6 +350,7 @@ def profile_llama(argv: list[str], out: str) -> None:
         label = f"{variant} (loss {float(loss):.5f}, mean of {margs.steps} steps)"
         summaries[variant] = report(label, step_ms, trace_dir, ndev)
         by_hlo_op(trace_dir, ndev, step.as_text())
+        gaps_by_hlo_op(trace_dir, ndev, step.as_text())
         hlo_dir = out or os.environ.get("OUT")  # device_run.sh's output folder
         if hlo_dir:  # the compiled step, for reading what ran
             pathlib.Path(hlo_dir, f"hlo_{variant}.txt").write_text(step.as_text())

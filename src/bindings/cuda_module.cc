@@ -94,6 +94,15 @@ NB_MODULE(_cuda, m) {
       out.emplace_back(t.device, t.calls, t.total_ns, t.await_ns);
     return out;
   });
+  // [(device, m, k, n, row description, place in cuBLASLt's heuristic list, trials still
+  // comparing)]: each local GPU's kernel per GEMM shape.
+  m.def("kernel_choices", [](int64_t id) {
+    auto c = jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id);
+    std::vector<std::tuple<int, int64_t, int64_t, int64_t, bool, int, bool>> out;
+    for (const auto& [device, ch] : c->KernelChoices())
+      out.emplace_back(device, ch.m, ch.k, ch.n, ch.row, ch.index, ch.deciding);
+    return out;
+  });
   jax_ub::DefCommonBindings<jax_ub::CudaCommunicator>(m);
   // (free, total) bytes of a GPU's memory, for leak checks; the current device is kept.
   m.def("memory_info", [](int device) {

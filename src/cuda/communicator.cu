@@ -133,6 +133,10 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
       JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(untuned, &g));
       s->reduce_scatter_gemm.reset(g);
     }
+    if (size > 1) {
+      s->agreement = MakeAgreement(s.get());
+      s->gemm->SetAgreement(s->agreement.get());
+    }
     JAX_UB_RETURN_IF_ERROR(PreloadKernels());
     slots_[sl] = std::move(s);
   }

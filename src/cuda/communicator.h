@@ -70,6 +70,13 @@ class CudaCommunicator {
   };
   std::vector<HostTime> HostTimes() const;
 
+  // Every local GPU's GEMM kernel per shape (CublasLtGemm::Choices), for tests and tools.
+  struct KernelChoice {
+    int device;
+    CublasLtGemm::Choice choice;
+  };
+  std::vector<KernelChoice> KernelChoices() const;
+
   const Topology& topology() const { return topology_; }
   // Why the communicator is broken, or "" while it is healthy.
   std::string BrokenReason() const { return broken_.reason(); }
@@ -94,7 +101,12 @@ class CudaCommunicator {
   static constexpr int kCreditFlag = 2 * kMaxRanks;
   static constexpr int kHealthFlag = 3 * kMaxRanks;
   static constexpr int kDescFlag = 3 * kMaxRanks + 8;
-  static constexpr int kNumFlags = kDescFlag + kMaxRanks * CallDescriptor::kWords;
+  // Then a ring of words into which group rank 0 writes its GEMM kernel choices, and the
+  // last of them each rank has read, written into rank 0's (SlotAgreement).
+  static constexpr int kChoiceFlag = kDescFlag + kMaxRanks * CallDescriptor::kWords;
+  static constexpr int kChoiceRing = 16;
+  static constexpr int kChoiceReadFlag = kChoiceFlag + kChoiceRing;
+  static constexpr int kNumFlags = kChoiceReadFlag + kMaxRanks;
 
   struct Wait {
     int peer;
@@ -139,6 +151,8 @@ class CudaCommunicator {
     // The reduce-scatter's GEMMs where they take cuBLASLt's heuristic pick while the
     // all-gather's are autotuned (CommOptions::autotune_reduce_scatter); else null.
     std::unique_ptr<CublasLtGemm> reduce_scatter_gemm;
+    // How `gemm` agrees on kernels with the group's other GPUs (groups of two or more).
+    std::unique_ptr<KernelAgreement> agreement;
     std::atomic<uint64_t> epoch{0};     // advanced by this device's handler thread
     std::atomic<uint64_t> enqueued{0};  // the last call whose work is fully enqueued
     // HostTimes(); written by this device's handler thread only.
@@ -153,10 +167,13 @@ class CudaCommunicator {
     bool reported = false;                  // watchdog only
   };
 
+  class SlotAgreement;
   CudaCommunicator() = default;
   Status Allocate(size_t capacity_bytes, double timeout_s, GemmOptions gemm,
                   bool tune_reduce_scatter, bool multiprocess);
   Status Wire();
+  // The agreement of slot `s`'s GEMM with its group (agreement.cc).
+  std::unique_ptr<KernelAgreement> MakeAgreement(Slot* s);
   Status Begin(int device, const char* op, int64_t need_bytes, Slot** slot, uint64_t* epoch);
   // Enqueues the call's steps (protocol/schedule.h) on the slot's streams, joined back into
   // `stream`; `began` is set once Begin has succeeded.

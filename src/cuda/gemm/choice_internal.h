@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 namespace jax_ub {
@@ -20,6 +21,32 @@ constexpr double kTuneBudgetS = 2.0;
 // many op calls, and the smallest median wins. Even: rounds alternate direction.
 constexpr int kTrialRounds = 4;
 static_assert(kTrialRounds % 2 == 0, "trial rounds alternate direction in pairs");
+
+// An agreement message (KernelAgreement): up to kMaxAgreed kernels, each its description
+// (bit 7) and its place in that description's heuristic list (bits 0-6), 8 bits apiece
+// from bit 0, and their count in bits 40-43. A plan's message lists its kernel, or its
+// trial's candidates in the trial's order; a trial's decision, the kept candidate's place
+// in that list (as a column kernel).
+constexpr int kMaxAgreed = 5;
+struct AgreedKernel {
+  bool row;
+  int index;
+};
+inline uint64_t PackKernels(const std::vector<AgreedKernel>& ks) {
+  uint64_t word = static_cast<uint64_t>(ks.size()) << 40;
+  for (size_t i = 0; i < ks.size() && i < kMaxAgreed; ++i)
+    word |= static_cast<uint64_t>((ks[i].row ? 0x80 : 0) | (ks[i].index & 0x7f)) << (8 * i);
+  return word;
+}
+inline std::vector<AgreedKernel> UnpackKernels(uint64_t word) {
+  const int count = std::min(static_cast<int>((word >> 40) & 0xf), kMaxAgreed);
+  std::vector<AgreedKernel> ks;
+  for (int i = 0; i < count; ++i) {
+    const int byte = static_cast<int>((word >> (8 * i)) & 0xff);
+    ks.push_back(AgreedKernel{(byte & 0x80) != 0, byte & 0x7f});
+  }
+  return ks;
+}
 
 inline float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());

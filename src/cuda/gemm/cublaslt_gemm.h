@@ -67,6 +67,25 @@ struct GemmArgs {
   void* aux = nullptr;
 };
 
+// How the GPUs of a tensor-parallel group run the same kernel for each GEMM shape. Tuning
+// and the in-op trials time kernels on each GPU, and noise alone made GPUs of one group keep
+// different, equally fast kernels; but one GPU's GEMM then runs longer than its peer's
+// within the same call, and at every flag the faster GPU waits (seen in a Llama step on
+// 2x H200: the GPUs' kernel time differed by 1-4% of the step, the bound's by 0.02%). So
+// group rank 0 (the leader) chooses and sends each choice; the others (followers) receive
+// it and run it. Messages go in the same order on every rank, as the ranks make the same
+// calls: numbered by a per-GEMM count, they need no other matching.
+class KernelAgreement {
+ public:
+  virtual ~KernelAgreement() = default;
+  virtual bool leader() const = 0;
+  // The leader: sends message `serial` (60 bits of `word`) to every follower.
+  virtual Status Send(uint64_t serial, uint64_t word) = 0;
+  // A follower: waits for the leader's message `serial` (bounded by the op's timeout;
+  // `what` says what it waits for, for the error).
+  virtual Status Receive(uint64_t serial, const std::string& what, uint64_t* word) = 0;
+};
+
 class CublasLtGemm {
  public:
   // Creates the handle and a workspace on the current device.
@@ -141,6 +160,20 @@ class CublasLtGemm {
     return Prepare(t, t, t, a, b, b_transposed, c, m, k, n, Epilogue{}, args, tune_stream, plan);
   }
 
+  // From now on this GEMM's kernel choices are agreed through `agreement` (not owned; it
+  // must outlive the GEMM's calls). Without one, each GPU chooses alone.
+  void SetAgreement(KernelAgreement* agreement) { agreement_ = agreement; }
+
+  // Each plan's current kernel, for tests and tools: shape, description, its place in
+  // cuBLASLt's heuristic list, and whether the op's trials are still comparing.
+  struct Choice {
+    int64_t m, k, n;
+    bool row;
+    int index;
+    bool deciding;
+  };
+  std::vector<Choice> Choices() const;
+
   // Marks the start of an op call: a shape's GEMMs within one call run the same trial
   // candidate, so every candidate is timed in every position of the op's schedule.
   void BeginCall() { ++call_; }
@@ -203,10 +236,14 @@ class CublasLtGemm {
   // cuBLASLt's best `want` candidates for `p` (at least one, else an error).
   Status Heuristic(const Plan& p, int want,
                    std::vector<cublasLtMatmulHeuristicResult_t>* out) const;
-  // A new plan for `key` (cuBLASLt's heuristic pick, or with options_.autotune the fastest
-  // candidate, timed on `stream`), stored in plans_.
+  // A new plan for `key`, stored in plans_: a follower's from its leader's message
+  // (PlanFromLeader), else ChoosePlan's, sent to the followers where they follow.
   Status MakePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b, void* c,
                   const GemmArgs& args, cudaStream_t stream, Plan** plan);
+  // A new plan for `key` chosen here (cuBLASLt's heuristic pick, or with options_.autotune
+  // the fastest candidate, timed on `stream`), stored in plans_.
+  Status ChoosePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b, void* c,
+                    const GemmArgs& args, cudaStream_t stream, Plan** plan);
   // Times `candidates` on `stream` (see kernel_choice.cc) and sets `best` to the fastest
   // one's index, or -1 if none can run here.
   Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
@@ -228,9 +265,29 @@ class CublasLtGemm {
   // Matmul while `p` has a trial.
   Status TrialMatmul(Plan& p, const void* a, const void* b, void* c, cudaStream_t stream,
                      const GemmArgs& args);
-  // Reads the trial's finished timings, without waiting; keeps the fastest candidate and
-  // ends the trial once every timing is in.
-  Status Harvest(Plan& p);
+  // Reads the trial's finished timings, without waiting (or, with `wait`, once all are
+  // in); keeps the fastest candidate and ends the trial once every timing is in.
+  Status Harvest(Plan& p, bool wait = false);
+  // Ends `p`'s trial keeping its candidate `best`.
+  void Decide(Plan& p, int best);
+  // With an agreement, at the op call after the trial's last timed round (the same call
+  // on every rank): the leader decides from its timings and sends its pick; a follower
+  // runs the pick it receives.
+  Status AgreeOnTrial(Plan& p);
+
+  // Agreeing on a new shape's kernels (kernel_choice.cc).
+
+  // Whether this GEMM follows a leader's choices (tuning on, a follower of a group).
+  bool Follows() const {
+    return agreement_ != nullptr && options_.autotune && !agreement_->leader();
+  }
+  // The leader: sends `p`'s kernel and trial candidates as its plan's message.
+  Status SendPlan(const Plan& p);
+  // A follower: the plan for `key` made of the leader's message, its kernels run once.
+  Status PlanFromLeader(const PlanKey& key, const Epilogue& ep, const void* a, const void* b,
+                        void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan);
+  // "GEMM m=.. k=.. n=..", for errors.
+  static std::string ShapeText(int64_t m, int64_t k, int64_t n);
   static void DestroyTrial(Trial& t);
 
   cublasLtHandle_t handle_ = nullptr;
@@ -247,6 +304,8 @@ class CublasLtGemm {
   GemmOptions options_;
   std::map<PlanKey, Plan> plans_;  // one per shape; only the owning device's thread uses it
   uint64_t call_ = 0;              // BeginCall's count
+  KernelAgreement* agreement_ = nullptr;
+  uint64_t messages_ = 0;  // agreement messages sent or received so far
 };
 
 }  // namespace jax_ub

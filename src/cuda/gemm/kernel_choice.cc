@@ -38,6 +38,92 @@ Status CublasLtGemm::Heuristic(const Plan& p, int want,
 
 Status CublasLtGemm::MakePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b,
                               void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan) {
+  if (Follows()) return PlanFromLeader(key, ep, a, b, c, args, stream, plan);
+  JAX_UB_RETURN_IF_ERROR(ChoosePlan(key, ep, a, b, c, args, stream, plan));
+  if (agreement_ != nullptr && options_.autotune) return SendPlan(**plan);
+  return Status::Ok();
+}
+
+std::string CublasLtGemm::ShapeText(int64_t m, int64_t k, int64_t n) {
+  return "GEMM m=" + std::to_string(m) + " k=" + std::to_string(k) + " n=" + std::to_string(n);
+}
+
+Status CublasLtGemm::SendPlan(const Plan& p) {
+  std::vector<AgreedKernel> ks;
+  if (p.trial != nullptr) {
+    for (int index : p.trial->indices) ks.push_back(AgreedKernel{p.row, index});
+  } else {
+    ks.push_back(AgreedKernel{p.row, p.choice_index});
+  }
+  return agreement_->Send(++messages_, PackKernels(ks));
+}
+
+Status CublasLtGemm::PlanFromLeader(const PlanKey& key, const Epilogue& ep, const void* a,
+                                    const void* b, void* c, const GemmArgs& args,
+                                    cudaStream_t stream, Plan** plan) {
+  uint64_t word = 0;
+  JAX_UB_RETURN_IF_ERROR(agreement_->Receive(
+      ++messages_, "the kernels it chose for " + ShapeText(key.m, key.k, key.n), &word));
+  const std::vector<AgreedKernel> ks = UnpackKernels(word);
+  if (ks.empty())
+    return Internal(ShapeText(key.m, key.k, key.n) + ": no kernel in rank 0's message");
+  Plan p;
+  p.epilogue = ep;
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  Status st = Describe(key, ks[0].row, &p);
+  if (st.ok()) st = Heuristic(p, kCandidates, &results);
+  GemmArgs no_addend = args;
+  no_addend.addend = nullptr;
+  std::vector<cublasLtMatmulAlgo_t> algos;
+  for (const AgreedKernel& kernel : ks) {
+    if (!st.ok()) break;
+    if (kernel.row != ks[0].row || kernel.index >= static_cast<int>(results.size()) ||
+        results[kernel.index].state != CUBLAS_STATUS_SUCCESS) {
+      st = FailedPrecondition(
+          ShapeText(key.m, key.k, key.n) + ": GPU " + std::to_string(device_) + " has no kernel #" +
+          std::to_string(kernel.index) +
+          " among cuBLASLt's candidates, which group rank 0 chose; the GPUs of a "
+          "tensor-parallel group must be of one model, with one cuBLASLt");
+      break;
+    }
+    algos.push_back(results[kernel.index].algo);
+    // Run once, as tuning would have: its kernel is loaded before any peer wait (Prepare).
+    st = Run(p, algos.back(), a, b, c, stream, no_addend);
+  }
+  if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  if (!st.ok()) {
+    Destroy(p);
+    return st;
+  }
+  p.algo = algos[0];
+  p.m = key.m;
+  p.k = key.k;
+  p.n = key.n;
+  p.choice_index = ks[0].index;  // the leader records the choice file's line
+  if (algos.size() >= 2) {
+    p.trial = std::make_unique<Trial>();
+    p.trial->algos = algos;
+    for (const AgreedKernel& kernel : ks) p.trial->indices.push_back(kernel.index);
+    p.trial->ms.resize(algos.size());
+  }
+  JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: %zu kernel(s) from group rank 0, tile %d",
+               device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
+               static_cast<long long>(p.n), algos.size(),
+               AlgoConfig(p.algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
+  *plan = &plans_.emplace(key, std::move(p)).first->second;
+  return Status::Ok();
+}
+
+std::vector<CublasLtGemm::Choice> CublasLtGemm::Choices() const {
+  std::vector<Choice> out;
+  for (const auto& [key, p] : plans_)
+    out.push_back(Choice{key.m, key.k, key.n, p.row, p.choice_index, p.trial != nullptr});
+  return out;
+}
+
+Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const void* a,
+                                const void* b, void* c, const GemmArgs& args, cudaStream_t stream,
+                                Plan** plan) {
   const bool tune = options_.autotune;
   // cuBLASLt's fp8 kernels take both operands k-major: the column description of a with
   // b stored transposed (op T on its first operand, N on its second), and nothing else.
@@ -119,7 +205,10 @@ Status CublasLtGemm::MakePlan(const PlanKey& key, const Epilogue& ep, const void
       break;
     }
   if (options_.trials >= 2 && timed.size() >= 2) {
-    const size_t count = std::min(timed.size(), static_cast<size_t>(options_.trials));
+    // An agreement's message holds kMaxAgreed candidates at most.
+    const int most =
+        agreement_ != nullptr ? std::min(options_.trials, kMaxAgreed) : options_.trials;
+    const size_t count = std::min(timed.size(), static_cast<size_t>(most));
     std::vector<const Candidate*> compared(timed.begin(), timed.begin() + count);
     if (heuristic != nullptr && !heuristic->ms.empty() &&
         std::find(compared.begin(), compared.end(), heuristic) == compared.end())

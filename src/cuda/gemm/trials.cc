@@ -27,7 +27,8 @@ void CublasLtGemm::DestroyTrial(Trial& t) {
 
 Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
                                  cudaStream_t stream, const GemmArgs& args) {
-  JAX_UB_RETURN_IF_ERROR(Harvest(p));
+  // With an agreement the decision waits for its call (AgreeOnTrial), the same on every rank.
+  if (agreement_ == nullptr) JAX_UB_RETURN_IF_ERROR(Harvest(p));
   if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, args);  // just decided
   Trial& tr = *p.trial;
   const int count = static_cast<int>(tr.algos.size());
@@ -43,9 +44,13 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
   // order would always time the last candidate at the lowest clock.
   const int slot = (tr.calls - 1) % count;
   const int candidate = round % 2 == 0 ? slot : count - 1 - slot;
-  if (round > kTrialRounds) return Run(p, p.algo, a, b, c, stream, args);
+  if (round > kTrialRounds) {
+    if (agreement_ != nullptr) JAX_UB_RETURN_IF_ERROR(AgreeOnTrial(p));
+    return Run(p, p.algo, a, b, c, stream, args);
+  }
   const cublasLtMatmulAlgo_t& algo = tr.algos[candidate];
-  if (round == 0) return Run(p, algo, a, b, c, stream, args);
+  // A follower runs the leader's rotation untimed: the leader's times decide.
+  if (round == 0 || Follows()) return Run(p, algo, a, b, c, stream, args);
   while (tr.spare.size() < 2) {  // events are owned by the trial from creation on
     cudaEvent_t e = nullptr;
     JAX_UB_CUDA(cudaEventCreate(&e));
@@ -61,10 +66,11 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
   return Status::Ok();
 }
 
-Status CublasLtGemm::Harvest(Plan& p) {
+Status CublasLtGemm::Harvest(Plan& p, bool wait) {
   Trial& tr = *p.trial;
   while (!tr.pending.empty()) {
     const Trial::Timing x = tr.pending.front();
+    if (wait) JAX_UB_CUDA(cudaEventSynchronize(x.end));
     const cudaError_t q = cudaEventQuery(x.end);
     if (q == cudaErrorNotReady) break;
     JAX_UB_CUDA(q);
@@ -93,11 +99,40 @@ Status CublasLtGemm::Harvest(Plan& p) {
       device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
       static_cast<long long>(p.n), times.c_str(), best,
       AlgoConfig(tr.algos[best], CUBLASLT_ALGO_CONFIG_TILE_ID));
+  Decide(p, best);
+  if (agreement_ != nullptr && agreement_->leader())
+    return agreement_->Send(++messages_, PackKernels({AgreedKernel{false, best}}));
+  return Status::Ok();
+}
+
+void CublasLtGemm::Decide(Plan& p, int best) {
+  Trial& tr = *p.trial;
   p.algo = tr.algos[best];
   p.choice_index = tr.indices[best];
   DestroyTrial(tr);
   p.trial.reset();
   RecordChoice(p);
+}
+
+Status CublasLtGemm::AgreeOnTrial(Plan& p) {
+  // The leader's timings are all recorded by now, in earlier calls: waiting for them
+  // waits on no peer's later work.
+  if (agreement_->leader()) {
+    JAX_UB_RETURN_IF_ERROR(Harvest(p, /*wait=*/true));
+    if (p.trial != nullptr)  // the followers would wait for a pick never sent
+      return Internal(ShapeText(p.m, p.k, p.n) + ": the trial ended undecided");
+    return Status::Ok();
+  }
+  uint64_t word = 0;
+  JAX_UB_RETURN_IF_ERROR(agreement_->Receive(
+      ++messages_, "the kernel its trials kept for " + ShapeText(p.m, p.k, p.n), &word));
+  const std::vector<AgreedKernel> ks = UnpackKernels(word);
+  if (ks.size() != 1 || ks[0].index >= static_cast<int>(p.trial->algos.size()))
+    return Internal(ShapeText(p.m, p.k, p.n) + ": group rank 0 kept no candidate of the trial");
+  JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld in the op: keeping group rank 0's candidate %d",
+               device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
+               static_cast<long long>(p.n), ks[0].index);
+  Decide(p, ks[0].index);
   return Status::Ok();
 }
 
