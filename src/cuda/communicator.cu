@@ -133,7 +133,10 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
       JAX_UB_RETURN_IF_ERROR(CublasLtGemm::Create(untuned, &g));
       s->reduce_scatter_gemm.reset(g);
     }
-    if (size > 1) {
+    // Agreement messages are matched by their order, so every rank must make the same GEMM
+    // shapes in the same order. In groups of more than two, the all-gather's spans
+    // (Schedule::AllGatherSpans) differ by rank: there each GPU still chooses alone.
+    if (size == 2) {
       s->agreement = MakeAgreement(s.get());
       s->gemm->SetAgreement(s->agreement.get());
     }

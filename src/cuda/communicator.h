@@ -151,7 +151,7 @@ class CudaCommunicator {
     // The reduce-scatter's GEMMs where they take cuBLASLt's heuristic pick while the
     // all-gather's are autotuned (CommOptions::autotune_reduce_scatter); else null.
     std::unique_ptr<CublasLtGemm> reduce_scatter_gemm;
-    // How `gemm` agrees on kernels with the group's other GPUs (groups of two or more).
+    // How `gemm` agrees on kernels with the group's other GPU (groups of two; see Allocate).
     std::unique_ptr<KernelAgreement> agreement;
     std::atomic<uint64_t> epoch{0};     // advanced by this device's handler thread
     std::atomic<uint64_t> enqueued{0};  // the last call whose work is fully enqueued

@@ -74,7 +74,8 @@ struct GemmArgs {
 // 2x H200: the GPUs' kernel time differed by 1-4% of the step, the bound's by 0.02%). So
 // group rank 0 (the leader) chooses and sends each choice; the others (followers) receive
 // it and run it. Messages go in the same order on every rank, as the ranks make the same
-// calls: numbered by a per-GEMM count, they need no other matching.
+// calls and, in groups of two, the same GEMM shapes in the same order: numbered by a
+// per-GEMM count, they need no other matching.
 class KernelAgreement {
  public:
   virtual ~KernelAgreement() = default;
