@@ -134,10 +134,14 @@ class Options:
         """The form the extensions' create_communicator takes."""
         return dataclasses.asdict(self)
 
-    # The settings every process of a group must share: the protocol's schedule follows
-    # them (bootstrap compares them and names any difference).
+    # The settings every process of a group must share (bootstrap compares them and names
+    # any difference): the protocol's schedule follows the first; with the second, a group
+    # of two GPUs sends rank 0's GEMM kernel choices to the other, which must expect them.
     def agreed(self) -> dict[str, object]:
-        return {"reduce_scatter_fold_rows": self.reduce_scatter_fold_rows}
+        return {
+            "reduce_scatter_fold_rows": self.reduce_scatter_fold_rows,
+            "autotune_gemm": self.autotune_gemm,
+        }
 
 
 # Tuning choices that shape the traced program, not the communicator.
