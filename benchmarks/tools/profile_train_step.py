@@ -156,9 +156,8 @@ def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
     """Print the HLO instructions whose kernels took the most GPU time (the trace's
     ``hlo_op`` annotation), custom calls of one target and shape summed over their
     instances (the layers'): which op's GEMMs run long, where kernel names do not say.
-    Per row: the instances' wall time (first kernel's start to last kernel's end, per run
-    and GPU), their kernels' time without copies, and how many instructions it sums; then
-    the kernels of the largest jax_ub rows."""
+    Per row: the instances' wall time (_walls), their kernels' time without copies, and
+    how many instructions it sums; then the kernels of the largest jax_ub rows."""
     described = describe_custom_calls(hlo_text)
     events: dict[tuple[int, str], list[tuple[float, float, str]]] = collections.defaultdict(list)
     for e in device_events(trace_dir):
@@ -173,10 +172,10 @@ def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
     rows: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, set()])
     kernels_of: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     calls_of: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for (_, op), evs in events.items():
-        evs.sort()
+    walls = _walls(trace_dir)
+    for (pid, op), evs in events.items():
         row = rows[described.get(op, op)]
-        row[0] += sum(b - a for a, b in _runs(evs))
+        row[0] += walls[(pid, op)]
         for a, b, name in evs:
             if not copy.search(name):
                 row[1] += b - a
@@ -266,15 +265,32 @@ def _gaps_after(trace_dir: str, min_us: float) -> list[list[tuple[float, float, 
     return out
 
 
-def _runs(evs: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
-    """One instruction's events (sorted) split into its TRACED_STEPS runs, at the largest
-    gaps between them: (first start, last end) of each run."""
-    gaps = sorted(range(1, len(evs)), key=lambda i: evs[i][0] - evs[i - 1][1])
-    cuts = sorted(gaps[-(TRACED_STEPS - 1) :]) if len(evs) >= TRACED_STEPS else []
-    bounds = [0, *cuts, len(evs)]
-    return [
-        (evs[i][0], max(b for _, b, _ in evs[i:j])) for i, j in zip(bounds, bounds[1:]) if j > i
-    ]
+def _walls(trace_dir: str) -> dict[tuple[int, str], float]:
+    """Per (GPU, HLO instruction): the summed wall time of its runs, a run lasting from its
+    first kernel's start to its last event's end, and ending where another instruction's
+    kernel starts (copies, on streams of their own, end none): a loop's instruction runs
+    once per iteration."""
+    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
+    per_gpu: dict[int, list[tuple[float, float, str, bool]]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        op = e.get("args", {}).get("hlo_op")
+        if op:
+            start = float(e["ts"])
+            per_gpu[e["pid"]].append(
+                (start, start + float(e["dur"]), op, bool(copy.search(e["name"])))
+            )
+    walls: dict[tuple[int, str], float] = collections.defaultdict(float)
+    for pid, evs in per_gpu.items():
+        evs.sort()
+        op, first, last = None, 0.0, 0.0
+        for a, b, this, is_copy in evs + [(0.0, 0.0, None, False)]:
+            if this == op:
+                last = max(last, b)
+            elif not is_copy:
+                if op is not None:
+                    walls[(pid, op)] += last - first
+                op, first, last = this, a, b
+    return walls
 
 
 def side_by_side(summaries: dict[str, dict[str, float]]) -> None:
