@@ -38,6 +38,10 @@ Status CublasLtGemm::Heuristic(const Plan& p, int want,
 
 Status CublasLtGemm::MakePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b,
                               void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan) {
+  // cuBLASLt's fp8 kernels take both operands k-major: the column description of a with
+  // b stored transposed (op T on its first operand, N on its second), and nothing else.
+  if (IsFp8(key.a_type) && !key.b_transposed)
+    return InvalidArgument("fp8 GEMMs need b stored transposed ([n, k]), for cuBLASLt");
   if (Follows()) return PlanFromLeader(key, ep, a, b, c, args, stream, plan);
   JAX_UB_RETURN_IF_ERROR(ChoosePlan(key, ep, a, b, c, args, stream, plan));
   if (agreement_ != nullptr && options_.autotune) return SendPlan(**plan);
@@ -125,11 +129,7 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
                                 const void* b, void* c, const GemmArgs& args, cudaStream_t stream,
                                 Plan** plan) {
   const bool tune = options_.autotune;
-  // cuBLASLt's fp8 kernels take both operands k-major: the column description of a with
-  // b stored transposed (op T on its first operand, N on its second), and nothing else.
-  const bool fp8 = IsFp8(key.a_type);
-  if (fp8 && !key.b_transposed)
-    return InvalidArgument("fp8 GEMMs need b stored transposed ([n, k]), for cuBLASLt");
+  const bool fp8 = IsFp8(key.a_type);  // the column description only (see MakePlan)
   // Epilogues take the column description too: in the row one cuBLASLt's bias would run
   // along our rows.
   const bool column_only = fp8 || ep.Any();
