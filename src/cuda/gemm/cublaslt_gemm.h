@@ -71,7 +71,7 @@ struct GemmArgs {
 // and the in-op trials time kernels on each GPU, and noise alone made GPUs of one group keep
 // different, equally fast kernels; but one GPU's GEMM then runs longer than its peer's
 // within the same call, and at every flag the faster GPU waits (seen in a Llama step on
-// 2x H200: the GPUs' kernel time differed by 1-4% of the step, the bound's by 0.02%). So
+// 2x H200: the GPUs' kernel time differed by up to 4% of the step, the bound's by 0.02%). So
 // group rank 0 (the leader) chooses and sends each choice; the others (followers) receive
 // it and run it. Messages go in the same order on every rank, as the ranks make the same
 // calls and, in groups of two, the same GEMM shapes in the same order: numbered by a
