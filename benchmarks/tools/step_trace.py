@@ -6,12 +6,73 @@ the GPUs."""
 from __future__ import annotations
 
 import collections
+import functools
 import re
+from typing import NamedTuple
 
 from profile_kernels import device_events, trace_events
 
 TRACED_STEPS = 3  # the steps each trace holds
 HLO_ROWS = 30
+COPY = re.compile(r"memcpy|memset", re.IGNORECASE)  # copy-engine work, on streams of its own
+
+
+class Event(NamedTuple):
+    start: float
+    end: float
+    op: str  # the HLO instruction ("" where the trace names none)
+    name: str
+    cid: int | None  # the correlation id of its launch on the host
+    copy: bool
+
+
+@functools.cache
+def events_by_gpu(trace_dir: str) -> dict[int, list[Event]]:
+    """Every device event of the trace per GPU, in order of start. Cached: do not change it."""
+    per_gpu: dict[int, list[Event]] = collections.defaultdict(list)
+    for e in device_events(trace_dir):
+        args = e.get("args", {})
+        cid = args.get("correlation_id")
+        start = float(e["ts"])
+        per_gpu[e["pid"]].append(
+            Event(start, start + float(e["dur"]), args.get("hlo_op", ""), e["name"],
+                  None if cid is None else int(cid), bool(COPY.search(e["name"])))
+        )  # fmt: skip
+    for evs in per_gpu.values():
+        evs.sort()
+    return dict(per_gpu)
+
+
+def _idle_gaps(trace_dir: str, min_us: float) -> list[tuple[float, float, Event, Event]]:
+    """Every stretch of at least `min_us` in which a GPU ran no kernel (copies aside), as
+    (start, microseconds, the kernel that ended last before it, the kernel that ended it)."""
+    gaps = []
+    for evs in events_by_gpu(trace_dir).values():
+        kernels = [e for e in evs if not e.copy]
+        last = kernels[0]
+        for e in kernels[1:]:
+            if e.start - last.end >= min_us:
+                gaps.append((last.end, e.start - last.end, last, e))
+            if e.end > last.end:
+                last = e
+    return gaps
+
+
+def _runs(trace_dir: str) -> dict[tuple[int, str], list[tuple[Event, float]]]:
+    """Per (GPU, HLO instruction): its runs, as (first kernel, last event's end). A run ends
+    where another instruction's kernel starts (copies, on streams of their own, end none):
+    a loop's instruction runs once per iteration."""
+    runs: dict[tuple[int, str], list[tuple[Event, float]]] = collections.defaultdict(list)
+    for pid, evs in events_by_gpu(trace_dir).items():
+        first, last = None, 0.0
+        for e in [e for e in evs if e.op] + [None]:
+            if e is not None and first is not None and e.op == first.op:
+                last = max(last, e.end)
+            elif e is None or not e.copy:
+                if first is not None:
+                    runs[(pid, first.op)].append((first, last))
+                first, last = e, e.end if e is not None else 0.0
+    return runs
 
 
 def uneven_gpus(trace_dir: str) -> None:
@@ -61,32 +122,26 @@ def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
     """Print the HLO instructions whose kernels took the most GPU time (the trace's
     ``hlo_op`` annotation), custom calls of one target and shape summed over their
     instances (the layers'): which op's GEMMs run long, where kernel names do not say.
-    Per row: the instances' wall time (_walls), their kernels' time without copies, and
+    Per row: the instances' wall time (_runs), their kernels' time without copies, and
     how many instructions it sums; then the kernels of the largest jax_ub rows."""
     described = describe_custom_calls(hlo_text)
-    events: dict[tuple[int, str], list[tuple[float, float, str]]] = collections.defaultdict(list)
-    for e in device_events(trace_dir):
-        op = e.get("args", {}).get("hlo_op")
-        if op:
-            start = float(e["ts"])
-            events[(e["pid"], op)].append((start, start + float(e["dur"]), e["name"]))
-    if not events:
+    events = events_by_gpu(trace_dir)
+    if not any(e.op for evs in events.values() for e in evs):
         print("  (the trace names no HLO instructions)")
         return
-    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
     rows: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, set()])
     kernels_of: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     calls_of: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    walls = _walls(trace_dir)
-    for (pid, op), evs in events.items():
-        row = rows[described.get(op, op)]
-        row[0] += walls[(pid, op)]
-        for a, b, name in evs:
-            if not copy.search(name):
-                row[1] += b - a
-            kernels_of[described.get(op, op)][name[:60]] += b - a
-            calls_of[described.get(op, op)][name[:60]] += 1
-        row[2].add(op)
+    for (_, op), runs in _runs(trace_dir).items():
+        rows[described.get(op, op)][0] += sum(end - first.start for first, end in runs)
+    for evs in events.values():
+        for e in (e for e in evs if e.op):
+            what = described.get(e.op, e.op)
+            if not e.copy:
+                rows[what][1] += e.end - e.start
+            kernels_of[what][e.name[:60]] += e.end - e.start
+            calls_of[what][e.name[:60]] += 1
+            rows[what][2].add(e.op)
     scale = 1e-3 / TRACED_STEPS / ndev
     print(
         "  HLO instructions by wall time (ms/step/GPU: wall, kernels without copies; "
@@ -107,36 +162,22 @@ def gaps_by_hlo_op(trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0
     instructions around them: a gap inside one jax_ub call (the same instruction on both
     sides) is that call waiting on a peer; one between instructions is XLA's or the host's."""
     described = describe_custom_calls(hlo_text)
-    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
-    per_gpu: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
-    for e in device_events(trace_dir):
-        if copy.search(e["name"]):
-            continue
-        op = e.get("args", {}).get("hlo_op", "?")
-        start = float(e["ts"])
-        per_gpu[e["pid"]].append((start, start + float(e["dur"]), described.get(op, op)))
-    around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    for iv in per_gpu.values():
-        iv.sort()
-        end, last = iv[0][1], iv[0][2]
-        for a, b, op in iv[1:]:
-            if a - end >= min_us:
-                around[(last, op)].append(a - end)
-            if b > end:
-                end, last = b, op
+    gpus = events_by_gpu(trace_dir)
     # A gap the host caused: the kernel after it was launched (its API call on the host
     # began) only after the GPU had run out of work.
     launched = {}
     for e in trace_events(trace_dir):
         cid = e.get("args", {}).get("correlation_id")
-        if cid is not None and e.get("ph") == "X" and e.get("pid") not in per_gpu:
+        if cid is not None and e.get("ph") == "X" and e.get("pid") not in gpus:
             launched[int(cid)] = float(e["ts"])
+    around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     starved = [0.0, 0]
-    for e_list in _gaps_after(trace_dir, min_us):
-        for gap_start, gap_us, cid in e_list:
-            if cid is not None and launched.get(cid, -1.0) > gap_start:
-                starved[0] += gap_us
-                starved[1] += 1
+    for start, us, before, after in _idle_gaps(trace_dir, min_us):
+        ops = [described.get(x.op, x.op or "?") for x in (before, after)]
+        around[(ops[0], ops[1])].append(us)
+        if after.cid is not None and launched.get(after.cid, -1.0) > start:
+            starved[0] += us
+            starved[1] += 1
     scale = 1e-3 / TRACED_STEPS / ndev
     print(
         f"  idle waiting for the host's launch: {starved[0] * scale:.2f} ms/step/GPU in "
@@ -148,57 +189,22 @@ def gaps_by_hlo_op(trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0
         print(f"    {sum(v) * scale:6.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {where[:230]}")
 
 
-def _gaps_after(trace_dir: str, min_us: float) -> list[list[tuple[float, float, int | None]]]:
-    """Per GPU: (start, microseconds, correlation id of the kernel that ended it) of each
-    idle stretch of at least `min_us` (copies aside)."""
-    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
-    per_gpu: dict[int, list[tuple[float, float, int | None]]] = collections.defaultdict(list)
-    for e in device_events(trace_dir):
-        if not copy.search(e["name"]):
-            cid = e.get("args", {}).get("correlation_id")
-            start = float(e["ts"])
-            per_gpu[e["pid"]].append((start, start + float(e["dur"]), cid and int(cid)))
-    out = []
-    for iv in per_gpu.values():
-        iv.sort()
-        gaps, end = [], iv[0][1]
-        for a, b, cid in iv[1:]:
-            if a - end >= min_us:
-                gaps.append((end, a - end, cid))
-            end = max(end, b)
-        out.append(gaps)
-    return out
-
-
 def peer_copies(trace_dir: str, hlo_text: str) -> None:
     """Print, per jax_ub call of one op and shape, when its peer copies (MemcpyP2P) start
     after the call's first kernel (its local chunk's GEMM), how long they take, and how long
     that first kernel takes: a copy that starts only as the first GEMM ends waits on
     something else (a false dependency, a credit) rather than on the link."""
     described = describe_custom_calls(hlo_text)
-    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
-    per_gpu: dict[int, list[tuple[float, float, str, str]]] = collections.defaultdict(list)
-    for e in device_events(trace_dir):
-        op = e.get("args", {}).get("hlo_op")
-        if op:
-            start = float(e["ts"])
-            per_gpu[e["pid"]].append((start, start + float(e["dur"]), op, e["name"]))
+    runs = _runs(trace_dir)
     rows: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
-    for evs in per_gpu.values():
-        evs.sort()
-        firsts: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-        last_op = None  # a run's first kernel follows another instruction's kernel
-        for a, b, op, name in evs:
-            if copy.search(name):
+    for pid, evs in events_by_gpu(trace_dir).items():
+        for e in evs:
+            if "P2P" not in e.name or e.op not in described or not runs[(pid, e.op)]:
                 continue
-            if op != last_op:
-                firsts[op].append((a, b))
-            last_op = op
-        for a, b, op, name in evs:
-            if "P2P" not in name or op not in described or not firsts[op]:
-                continue
-            first = min(firsts[op], key=lambda f: abs(f[0] - a))
-            rows[described[op]].append((a - first[0], b - a, first[1] - first[0]))
+            first, _ = min(runs[(pid, e.op)], key=lambda r: abs(r[0].start - e.start))
+            rows[described[e.op]].append(
+                (e.start - first.start, e.end - e.start, first.end - first.start)
+            )
     if rows:
         print(
             "  peer copies by call (mean us: start after the first kernel's, copy, first kernel):"
@@ -206,31 +212,3 @@ def peer_copies(trace_dir: str, hlo_text: str) -> None:
     for what, v in sorted(rows.items(), key=lambda kv: -len(kv[1]))[:8]:
         mean = [sum(x[i] for x in v) / len(v) for i in range(3)]
         print(f"    {mean[0]:7.1f} {mean[1]:7.1f} {mean[2]:7.1f}  {what[:150]}")
-
-
-def _walls(trace_dir: str) -> dict[tuple[int, str], float]:
-    """Per (GPU, HLO instruction): the summed wall time of its runs, a run lasting from its
-    first kernel's start to its last event's end, and ending where another instruction's
-    kernel starts (copies, on streams of their own, end none): a loop's instruction runs
-    once per iteration."""
-    copy = re.compile(r"memcpy|memset", re.IGNORECASE)
-    per_gpu: dict[int, list[tuple[float, float, str, bool]]] = collections.defaultdict(list)
-    for e in device_events(trace_dir):
-        op = e.get("args", {}).get("hlo_op")
-        if op:
-            start = float(e["ts"])
-            per_gpu[e["pid"]].append(
-                (start, start + float(e["dur"]), op, bool(copy.search(e["name"])))
-            )
-    walls: dict[tuple[int, str], float] = collections.defaultdict(float)
-    for pid, evs in per_gpu.items():
-        evs.sort()
-        op, first, last = None, 0.0, 0.0
-        for a, b, this, is_copy in evs + [(0.0, 0.0, None, False)]:
-            if this == op:
-                last = max(last, b)
-            elif not is_copy:
-                if op is not None:
-                    walls[(pid, op)] += last - first
-                op, first, last = this, a, b
-    return walls
