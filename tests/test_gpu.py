@@ -361,25 +361,13 @@ def test_host_times_count_each_call():
         assert 0 < total_s < 10 and 0 <= await_s <= total_s, (d, total_s, await_s)
 
 
-def _kernel_choices() -> dict[tuple[int, int, int], list[tuple[int, bool, int, bool]]]:
-    """Per GEMM shape (m, k, n): every local GPU's (device, row, kernel index, deciding)."""
-    from jax_ub._src.runtime import extension
-    from jax_ub._src.runtime.communicator import live_communicators
-
-    module = extension.module_for("cuda")
-    out: dict[tuple[int, int, int], list] = {}
-    for comm in live_communicators():
-        if comm.platform == "cuda":
-            for device, m, k, n, row, index, deciding in module.kernel_choices(comm.id):
-                out.setdefault((m, k, n), []).append((device, row, index, deciding))
-    return out
-
-
 def test_group_gpus_agree_on_each_kernel():
     """Both GPUs of a group of two run group rank 0's kernel for each GEMM shape, tuned and
     then compared in the op's first calls: kernels chosen on each GPU alone differ by timing
     noise, and one GPU's slower kernel makes its peer wait at every flag. (Larger groups
     choose per GPU: their all-gathers' GEMM shapes differ by rank.)"""
+    from jax_ub.bench.timing import kernel_choices
+
     tp = 2
     jax_ub.finalize()  # new communicators: their shapes are tuned and compared anew
     use_tuning(autotune_gemm=True, gemm_trials=3)
@@ -388,12 +376,12 @@ def test_group_gpus_agree_on_each_kernel():
     ag, rs = _ag(mesh, "ub"), _rs(mesh, "ub")
     y = x @ w
     out = jax.block_until_ready((ag(x, w), rs(y, w.T)))
-    early = _kernel_choices()
+    early = kernel_choices()
     assert any(d for per_gpu in early.values() for *_, d in per_gpu), early  # trials are comparing
     for _ in range(40):  # past every shape's trial rounds
         out = (ag(x, w), rs(y, w.T))
     jax.block_until_ready(out)
-    choices = _kernel_choices()
+    choices = kernel_choices()
     assert choices, "no GEMM plan was made"
     for shape, per_gpu in choices.items():
         assert len(per_gpu) == tp, (shape, per_gpu)

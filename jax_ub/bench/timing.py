@@ -162,19 +162,32 @@ def host_times() -> dict[int, tuple[int, float, float]]:
     When the host seconds per call approach the device time per call, a loop of small ops
     is bound by the host, not by the GPUs.
     """
-    module = extension.module_for("cuda")
     totals: dict[int, list] = {}
-    if module is None:
-        return {}
-    for comm in live_communicators():
-        if comm.platform != "cuda":
-            continue
-        for device, calls, total_ns, await_ns in module.host_times(comm.id):
+    for module, comm_id in _live_cuda_communicators():
+        for device, calls, total_ns, await_ns in module.host_times(comm_id):
             t = totals.setdefault(device, [0, 0.0, 0.0])
             t[0] += calls
             t[1] += total_ns * 1e-9
             t[2] += await_ns * 1e-9
     return {d: (c, tot, aw) for d, (c, tot, aw) in totals.items()}
+
+
+def kernel_choices() -> dict[tuple[int, int, int], list[tuple[int, bool, int, bool]]]:
+    """Per GEMM shape (m, k, n) of live CUDA communicators: every local GPU's (device, row
+    description, place in cuBLASLt's heuristic list, whether its trials still compare)."""
+    out: dict[tuple[int, int, int], list] = {}
+    for module, comm_id in _live_cuda_communicators():
+        for device, m, k, n, row, index, deciding in module.kernel_choices(comm_id):
+            out.setdefault((m, k, n), []).append((device, row, index, deciding))
+    return out
+
+
+def _live_cuda_communicators() -> list[tuple[object, int]]:
+    """(the CUDA extension, id) of every live CUDA communicator; none without the extension."""
+    module = extension.module_for("cuda")
+    if module is None:
+        return []
+    return [(module, c.id) for c in live_communicators() if c.platform == "cuda"]
 
 
 def bar_chart(path: str, panels: list[tuple[str, list[str], dict]], ylabel: str, say) -> None:

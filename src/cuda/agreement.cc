@@ -60,14 +60,14 @@ class CudaCommunicator::SlotAgreement : public KernelAgreement {
   template <typename Done>
   Status Await(const uint64_t* flag, Done done, const std::string& what) {
     const auto deadline = Clock::now() + std::chrono::duration<double>(comm_->timeout_s_);
+    const std::string who = "GPU " + std::to_string(s_->device) + " (rank " +
+                            std::to_string(s_->rank) + " of group " + std::to_string(s_->group) +
+                            ")";
     for (int spin = 0;; ++spin) {
       uint64_t seen = 0;
       JAX_UB_CUDA(cudaMemcpyAsync(&seen, flag, sizeof(seen), cudaMemcpyDeviceToHost, s_->tune));
       JAX_UB_CUDA(cudaStreamSynchronize(s_->tune));
       if (done(seen)) return Status::Ok();
-      const std::string who = "GPU " + std::to_string(s_->device) + " (rank " +
-                              std::to_string(s_->rank) + " of group " + std::to_string(s_->group) +
-                              ")";
       if (comm_->broken_.broken())
         return FailedPrecondition(who + ": jax_ub communicator is broken (" +
                                   comm_->broken_.reason() + ")");

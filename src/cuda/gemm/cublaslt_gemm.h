@@ -278,12 +278,18 @@ class CublasLtGemm {
 
   // Agreeing on a new shape's kernels (kernel_choice.cc).
 
-  // Whether this GEMM follows a leader's choices (tuning on, a follower of a group).
-  bool Follows() const {
-    return agreement_ != nullptr && options_.autotune && !agreement_->leader();
-  }
+  // Whether this GEMM agrees its tuned choices with a group, and follows its leader's.
+  bool Agrees() const { return agreement_ != nullptr && options_.autotune; }
+  bool Follows() const { return Agrees() && !agreement_->leader(); }
   // The leader: sends `p`'s kernel and trial candidates as its plan's message.
   Status SendPlan(const Plan& p);
+  // `p` described as `row` (or not) running cuBLASLt's candidates at `indices` of its
+  // heuristic list, a choice made elsewhere (the choice file, group rank 0), each run once
+  // here; the first is its kernel, and two or more its trial's. `usable` is false, and `p`
+  // destroyed, where cuBLASLt lacks any of them here or one fails to run.
+  Status KnownKernels(const PlanKey& key, const Epilogue& ep, bool row,
+                      const std::vector<int>& indices, const void* a, const void* b, void* c,
+                      const GemmArgs& args, cudaStream_t stream, Plan* p, bool* usable);
   // A follower: the plan for `key` made of the leader's message, its kernels run once.
   Status PlanFromLeader(const PlanKey& key, const Epilogue& ep, const void* a, const void* b,
                         void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan);

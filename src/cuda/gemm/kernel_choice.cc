@@ -44,7 +44,7 @@ Status CublasLtGemm::MakePlan(const PlanKey& key, const Epilogue& ep, const void
     return InvalidArgument("fp8 GEMMs need b stored transposed ([n, k]), for cuBLASLt");
   if (Follows()) return PlanFromLeader(key, ep, a, b, c, args, stream, plan);
   JAX_UB_RETURN_IF_ERROR(ChoosePlan(key, ep, a, b, c, args, stream, plan));
-  if (agreement_ != nullptr && options_.autotune) return SendPlan(**plan);
+  if (Agrees()) return SendPlan(**plan);
   return Status::Ok();
 }
 
@@ -69,52 +69,67 @@ Status CublasLtGemm::PlanFromLeader(const PlanKey& key, const Epilogue& ep, cons
   JAX_UB_RETURN_IF_ERROR(agreement_->Receive(
       ++messages_, "the kernels it chose for " + ShapeText(key.m, key.k, key.n), &word));
   const std::vector<AgreedKernel> ks = UnpackKernels(word);
-  if (ks.empty())
-    return Internal(ShapeText(key.m, key.k, key.n) + ": no kernel in rank 0's message");
+  std::vector<int> indices;
+  for (const AgreedKernel& kernel : ks)
+    if (kernel.row == ks[0].row) indices.push_back(kernel.index);
+  if (ks.empty() || indices.size() != ks.size())
+    return Internal(ShapeText(key.m, key.k, key.n) + ": rank 0's message is no kernel list");
   Plan p;
-  p.epilogue = ep;
-  std::vector<cublasLtMatmulHeuristicResult_t> results;
-  Status st = Describe(key, ks[0].row, &p);
-  if (st.ok()) st = Heuristic(p, kCandidates, &results);
-  GemmArgs no_addend = args;
-  no_addend.addend = nullptr;
-  std::vector<cublasLtMatmulAlgo_t> algos;
-  for (const AgreedKernel& kernel : ks) {
-    if (!st.ok()) break;
-    if (kernel.row != ks[0].row || kernel.index >= static_cast<int>(results.size()) ||
-        results[kernel.index].state != CUBLAS_STATUS_SUCCESS) {
-      st = FailedPrecondition(
-          ShapeText(key.m, key.k, key.n) + ": GPU " + std::to_string(device_) + " has no kernel #" +
-          std::to_string(kernel.index) +
-          " among cuBLASLt's candidates, which group rank 0 chose; the GPUs of a "
-          "tensor-parallel group must be of one model, with one cuBLASLt");
-      break;
-    }
-    algos.push_back(results[kernel.index].algo);
-    // Run once, as tuning would have: its kernel is loaded before any peer wait (Prepare).
-    st = Run(p, algos.back(), a, b, c, stream, no_addend);
-  }
-  if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  if (!st.ok()) {
-    Destroy(p);
-    return st;
-  }
-  p.algo = algos[0];
-  p.m = key.m;
-  p.k = key.k;
-  p.n = key.n;
-  p.choice_index = ks[0].index;  // the leader records the choice file's line
-  if (algos.size() >= 2) {
-    p.trial = std::make_unique<Trial>();
-    p.trial->algos = algos;
-    for (const AgreedKernel& kernel : ks) p.trial->indices.push_back(kernel.index);
-    p.trial->ms.resize(algos.size());
-  }
+  bool usable = false;
+  Status st = KnownKernels(key, ep, ks[0].row, indices, a, b, c, args, stream, &p, &usable);
+  if (st.ok() && !usable)
+    st = FailedPrecondition(ShapeText(key.m, key.k, key.n) + ": GPU " + std::to_string(device_) +
+                            " cannot run the kernels group rank 0 chose; the GPUs of a "
+                            "tensor-parallel group must be of one model, with one cuBLASLt");
+  if (!st.ok()) return st;
+  p.choice_index = indices[0];  // the leader records the choice file's line
   JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: %zu kernel(s) from group rank 0, tile %d",
                device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
-               static_cast<long long>(p.n), algos.size(),
+               static_cast<long long>(p.n), indices.size(),
                AlgoConfig(p.algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
   *plan = &plans_.emplace(key, std::move(p)).first->second;
+  return Status::Ok();
+}
+
+Status CublasLtGemm::KnownKernels(const PlanKey& key, const Epilogue& ep, bool row,
+                                  const std::vector<int>& indices, const void* a, const void* b,
+                                  void* c, const GemmArgs& args, cudaStream_t stream, Plan* p,
+                                  bool* usable) {
+  *usable = false;
+  p->epilogue = ep;
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  Status st = Describe(key, row, p);
+  // Tuning's candidates are the first kCandidates: a larger index is no choice of ours.
+  if (st.ok()) st = Heuristic(*p, kCandidates, &results);
+  std::vector<cublasLtMatmulAlgo_t> algos;
+  for (int index : indices) {
+    if (!st.ok() || index < 0 || index >= static_cast<int>(results.size()) ||
+        results[index].state != CUBLAS_STATUS_SUCCESS)
+      break;
+    algos.push_back(results[index].algo);
+  }
+  GemmArgs no_addend = args;
+  no_addend.addend = nullptr;
+  // Run each once, as tuning would have: its kernel is loaded before any peer wait (Prepare).
+  const bool all = algos.size() == indices.size();
+  for (size_t i = 0; st.ok() && all && i < algos.size(); ++i)
+    st = Run(*p, algos[i], a, b, c, stream, no_addend);
+  if (st.ok() && all) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  if (!st.ok() || !all) {
+    Destroy(*p);
+    return st;
+  }
+  *usable = true;
+  p->algo = algos[0];
+  p->m = key.m;
+  p->k = key.k;
+  p->n = key.n;
+  if (algos.size() >= 2) {
+    p->trial = std::make_unique<Trial>();
+    p->trial->algos = algos;
+    p->trial->indices = indices;
+    p->trial->ms.resize(algos.size());
+  }
   return Status::Ok();
 }
 
@@ -206,8 +221,7 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
     }
   if (options_.trials >= 2 && timed.size() >= 2) {
     // An agreement's message holds kMaxAgreed candidates at most.
-    const int most =
-        agreement_ != nullptr ? std::min(options_.trials, kMaxAgreed) : options_.trials;
+    const int most = Agrees() ? std::min(options_.trials, kMaxAgreed) : options_.trials;
     const size_t count = std::min(timed.size(), static_cast<size_t>(most));
     std::vector<const Candidate*> compared(timed.begin(), timed.begin() + count);
     if (heuristic != nullptr && !heuristic->ms.empty() &&
@@ -349,37 +363,21 @@ Status CublasLtGemm::PlanFromChoices(const PlanKey& key, const std::string& choi
   if (!choices_.Find(choice_key, &row, &index)) return Status::Ok();
   if (std::find(rows.begin(), rows.end(), row) == rows.end()) return Status::Ok();
   Plan p;
-  p.epilogue = ep;
-  std::vector<cublasLtMatmulHeuristicResult_t> results;
-  Status st = Describe(key, row, &p);
-  // Tuning's candidates are the first kCandidates: a larger index is no choice of ours.
-  if (st.ok() && index < kCandidates) st = Heuristic(p, kCandidates, &results);
-  cublasLtMatmulAlgo_t algo{};
-  const bool usable = st.ok() && index < static_cast<int>(results.size()) &&
-                      results[index].state == CUBLAS_STATUS_SUCCESS;
-  if (usable) algo = results[index].algo;
-  GemmArgs no_addend = args;
-  no_addend.addend = nullptr;
-  // Run once, as tuning would have: its kernel is loaded before any peer wait (Prepare).
-  if (usable) st = Run(p, algo, a, b, c, stream, no_addend);
-  if (!usable || !st.ok()) {
+  bool usable = false;
+  const Status st = KnownKernels(key, ep, row, {index}, a, b, c, args, stream, &p, &usable);
+  if (!usable) {
     JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: the choice file's kernel is refused here (%s)",
                  device_, static_cast<long long>(key.m), static_cast<long long>(key.k),
                  static_cast<long long>(key.n),
                  st.ok() ? "no such candidate" : st.message().c_str());
-    Destroy(p);
     return Status::Ok();  // tuned instead
   }
-  p.algo = algo;
-  p.m = key.m;
-  p.k = key.k;
-  p.n = key.n;
   p.choice_key = choice_key;
   p.choice_index = index;
   JAX_UB_TRACE("GPU %d GEMM m=%lld k=%lld n=%lld: %s description, tile %d, from the choice file",
                device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
                static_cast<long long>(p.n), row ? "row" : "column",
-               AlgoConfig(algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
+               AlgoConfig(p.algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
   *plan = &plans_.emplace(key, std::move(p)).first->second;
   return Status::Ok();
 }

@@ -28,7 +28,7 @@ void CublasLtGemm::DestroyTrial(Trial& t) {
 Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
                                  cudaStream_t stream, const GemmArgs& args) {
   // With an agreement the decision waits for its call (AgreeOnTrial), the same on every rank.
-  if (agreement_ == nullptr) JAX_UB_RETURN_IF_ERROR(Harvest(p));
+  if (!Agrees()) JAX_UB_RETURN_IF_ERROR(Harvest(p));
   if (p.trial == nullptr) return Run(p, p.algo, a, b, c, stream, args);  // just decided
   Trial& tr = *p.trial;
   const int count = static_cast<int>(tr.algos.size());
@@ -45,7 +45,7 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
   const int slot = (tr.calls - 1) % count;
   const int candidate = round % 2 == 0 ? slot : count - 1 - slot;
   if (round > kTrialRounds) {
-    if (agreement_ != nullptr) JAX_UB_RETURN_IF_ERROR(AgreeOnTrial(p));
+    if (Agrees()) JAX_UB_RETURN_IF_ERROR(AgreeOnTrial(p));
     return Run(p, p.algo, a, b, c, stream, args);
   }
   const cublasLtMatmulAlgo_t& algo = tr.algos[candidate];
@@ -100,7 +100,7 @@ Status CublasLtGemm::Harvest(Plan& p, bool wait) {
       static_cast<long long>(p.n), times.c_str(), best,
       AlgoConfig(tr.algos[best], CUBLASLT_ALGO_CONFIG_TILE_ID));
   Decide(p, best);
-  if (agreement_ != nullptr && agreement_->leader())
+  if (Agrees() && agreement_->leader())
     return agreement_->Send(++messages_, PackKernels({AgreedKernel{false, best}}));
   return Status::Ok();
 }
