@@ -74,3 +74,19 @@ def test_fp8_bound_runs_xlas_fp8_gemms_without_communication(tmp_path, fp8):
     }
     assert "all_gather" in ops["xla"] and "reduce_scatter" in ops["xla"]
     assert ops["bound"] == []
+
+
+def test_ub_variants_run_under_their_own_communicators(tmp_path):
+    """--ub-variants adds jax_ub under other tuning choices: the same loss, and each jax_ub
+    variant reports the userbuffers of its own communicator, not every live one's."""
+    from jax_ub._src.runtime import communicator
+
+    path = tmp_path / "model.json"
+    tuned = "jax_ub[reduce_scatter_fold_rows=-1]"
+    argv = ["--variants", "jax_ub", "--ub-variants", "reduce_scatter_fold_rows=-1"]
+    model.main([*argv, "--rounds", "1", "--steps", "1", "--seq", "32", "--json", str(path)])
+    results = json.loads(path.read_text())["results"]
+    assert results[tuned]["first_loss"] == pytest.approx(results["jax_ub"]["first_loss"], rel=1e-5)
+    ub = [results[v]["userbuffer_bytes"] for v in ("jax_ub", tuned)]
+    live = sum(c.capacity_bytes for c in communicator.live_communicators())
+    assert min(ub) > 0 and sum(ub) <= live, (ub, live)

@@ -40,6 +40,7 @@ from profile_kernels import busy_and_span, idle_gaps, kernels
 from step_trace import (
     TRACED_STEPS,
     by_hlo_op,
+    call_timelines,
     gaps_by_hlo_op,
     peer_copies,
     uneven_gpus,
@@ -155,7 +156,10 @@ def profile_llama(argv: list[str], out: str) -> None:
     ndev = mesh.devices.size
     print(f"{ndev} x {mesh.devices.flat[0].device_kind}, mesh {dict(mesh.shape)}, {cfg}")
     summaries = {}
-    for variant in margs.variants.split(","):
+    # --ub-variants: jax_ub under other tuning choices, after the named variants.
+    variants = [v for v in margs.variants.split(",") if v] + list(model._tuned(margs))
+    for variant in variants:
+        tag = re.sub(r"[^\w.-]", "_", variant)  # for file names
         step, state, _ = model.compiled_step(variant, cfg, mesh, tokens, margs)
         for _ in range(1 + margs.warmup):  # past autotuning and jax_ub's GEMM trials
             state, loss = step(state, tokens)
@@ -178,7 +182,7 @@ def profile_llama(argv: list[str], out: str) -> None:
                     f"{(total_s - t0_s) / n * 1e6:.0f} us/call, of which "
                     f"{(await_s - a0_s) / n * 1e6:.0f} us waiting for the other GPUs' threads"
                 )
-        trace_dir = tempfile.mkdtemp(dir=out or None, prefix=f"trace_llama_{variant}_")
+        trace_dir = tempfile.mkdtemp(dir=out or None, prefix=f"trace_llama_{tag}_")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(TRACED_STEPS):
                 state, loss = step(state, tokens)
@@ -189,9 +193,10 @@ def profile_llama(argv: list[str], out: str) -> None:
         by_hlo_op(trace_dir, ndev, step.as_text())
         gaps_by_hlo_op(trace_dir, ndev, step.as_text())
         peer_copies(trace_dir, step.as_text())
+        call_timelines(trace_dir, step.as_text())
         hlo_dir = out or os.environ.get("OUT")  # device_run.sh's output folder
         if hlo_dir:  # the compiled step, for reading what ran
-            pathlib.Path(hlo_dir, f"hlo_{variant}.txt").write_text(step.as_text())
+            pathlib.Path(hlo_dir, f"hlo_{tag}.txt").write_text(step.as_text())
     side_by_side(summaries)
 
 

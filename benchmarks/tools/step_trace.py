@@ -24,6 +24,7 @@ class Event(NamedTuple):
     name: str
     cid: int | None  # the correlation id of its launch on the host
     copy: bool
+    stream: int  # the trace's thread id of its stream
 
 
 @functools.cache
@@ -36,7 +37,8 @@ def events_by_gpu(trace_dir: str) -> dict[int, list[Event]]:
         start = float(e["ts"])
         per_gpu[e["pid"]].append(
             Event(start, start + float(e["dur"]), args.get("hlo_op", ""), e["name"],
-                  None if cid is None else int(cid), bool(COPY.search(e["name"])))
+                  None if cid is None else int(cid), bool(COPY.search(e["name"])),
+                  int(e.get("tid", 0)))
         )  # fmt: skip
     for evs in per_gpu.values():
         evs.sort()
@@ -162,26 +164,23 @@ def gaps_by_hlo_op(trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0
     instructions around them: a gap inside one jax_ub call (the same instruction on both
     sides) is that call waiting on a peer; one between instructions is XLA's or the host's."""
     described = describe_custom_calls(hlo_text)
-    gpus = events_by_gpu(trace_dir)
     # A gap the host caused: the kernel after it was launched (its API call on the host
     # began) only after the GPU had run out of work.
-    launched = {}
-    for e in trace_events(trace_dir):
-        cid = e.get("args", {}).get("correlation_id")
-        if cid is not None and e.get("ph") == "X" and e.get("pid") not in gpus:
-            launched[int(cid)] = float(e["ts"])
+    launched = _launch_times(trace_dir)
     around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    starved = [0.0, 0]
-    for start, us, before, after in _idle_gaps(trace_dir, min_us):
+    starved, known, gaps = [0.0, 0], 0, _idle_gaps(trace_dir, min_us)
+    for start, us, before, after in gaps:
         ops = [described.get(x.op, x.op or "?") for x in (before, after)]
         around[(ops[0], ops[1])].append(us)
+        known += after.cid in launched
         if after.cid is not None and launched.get(after.cid, -1.0) > start:
             starved[0] += us
             starved[1] += 1
     scale = 1e-3 / TRACED_STEPS / ndev
     print(
         f"  idle waiting for the host's launch: {starved[0] * scale:.2f} ms/step/GPU in "
-        f"{starved[1] / TRACED_STEPS / ndev:.1f} gaps/step/GPU (of the gaps >= {min_us} us)"
+        f"{starved[1] / TRACED_STEPS / ndev:.1f} gaps/step/GPU (of the gaps >= {min_us} us; "
+        f"the launch of the kernel after the gap found for {known} of {len(gaps)})"
     )
     print("  idle gaps by HLO instruction (ms/step/GPU, gaps/step/GPU; before -> after):")
     for (before, after), v in sorted(around.items(), key=lambda kv: -sum(kv[1]))[:HLO_ROWS]:
@@ -212,3 +211,58 @@ def peer_copies(trace_dir: str, hlo_text: str) -> None:
     for what, v in sorted(rows.items(), key=lambda kv: -len(kv[1]))[:8]:
         mean = [sum(x[i] for x in v) / len(v) for i in range(3)]
         print(f"    {mean[0]:7.1f} {mean[1]:7.1f} {mean[2]:7.1f}  {what[:150]}")
+
+
+def _launch_times(trace_dir: str) -> dict[int, float]:
+    """Correlation id -> when its launch API call began on the host (trace microseconds)."""
+    gpus = events_by_gpu(trace_dir)
+    launched = {}
+    for e in trace_events(trace_dir):
+        cid = e.get("args", {}).get("correlation_id")
+        if cid is not None and e.get("ph") == "X" and e.get("pid") not in gpus:
+            launched[int(cid)] = float(e["ts"])
+    return launched
+
+
+def call_timelines(trace_dir: str, hlo_text: str, calls: int = 3, before_us: float = 150) -> None:
+    """Print, for the jax_ub calls (one op and shape) that idle the GPU most inside or just
+    before themselves, one instance's events in order from `before_us` before its first
+    kernel: start after that kernel, duration, stream, when the host launched it (the same
+    clock; "-" where the trace does not say) and the kernel. The instance is the median by
+    idle time, on the first GPU: which step of the protocol (a flag wait, a copy, a GEMM,
+    the host) the idle time sits behind."""
+    described = describe_custom_calls(hlo_text)
+    gpus = events_by_gpu(trace_dir)
+    launched = _launch_times(trace_dir)
+    pid = min(gpus)
+    evs_all = gpus[pid]
+    idle_of: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+    for (p, op), runs in _runs(trace_dir).items():
+        if p != pid or op not in described:
+            continue
+        for first, end in runs:
+            # The idle time from the end of the last kernel before the call to its end.
+            prior = max((e.end for e in evs_all if not e.copy and e.end <= first.start),
+                        default=first.start)  # fmt: skip
+            busy, reach = 0.0, prior
+            for e in evs_all:
+                if e.copy or e.op != op or e.start > end or e.end < first.start:
+                    continue
+                busy += max(0.0, e.end - max(e.start, reach))
+                reach = max(reach, e.end)
+            idle_of[described[op]].append((end - prior - busy, first.start, end))
+    ranked = sorted(idle_of.items(), key=lambda kv: -sum(i for i, _, _ in kv[1]))
+    for what, instances in ranked[:calls]:
+        idle, t0, end = sorted(instances)[len(instances) // 2]
+        mean = sum(i for i, _, _ in instances) / len(instances)
+        print(
+            f"  timeline of {what[:140]} (idle before and inside: median {idle:.0f} us, mean "
+            f"{mean:.0f}; us from its first kernel: start, duration, stream, host launch):"
+        )
+        for e in evs_all:
+            if t0 - before_us <= e.end and e.start <= end:
+                at = launched.get(e.cid) if e.cid is not None else None
+                host = "-" if at is None else f"{at - t0:.0f}"
+                label = e.name if e.op in described else f"{e.name} ({e.op})"
+                print(f"    {e.start - t0:8.1f} {e.end - e.start:7.1f} {e.stream:5d} {host:>9s}  "
+                      f"{label[:70]}")  # fmt: skip

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from jax_ub.bench.model_bound import bound_ops
+
 DESCRIPTION = (
     "Benchmark one training step of a Llama-style model (GQA with rotary embeddings, SwiGLU, "
     "layers under nnx.scan with remat, AdamW) with jax_ub's overlapped ops, with XLA's "
@@ -110,86 +112,31 @@ def _parser() -> argparse.ArgumentParser:
         "others run, so that one variant's state at a time fills the devices (moved "
         "outside the timed loops)",
     )
+    ap.add_argument(
+        "--ub-variants",
+        default="",
+        help="EXPERIMENTAL: more jax_ub variants, each under other internal tuning choices "
+        '(as python -m jax_ub.bench\'s: "name=value,...;name=value"), timed in the same rounds',
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one variant, in its own process
     return ap
 
 
-@contextlib.contextmanager
-def bound_ops(fp8: bool = False):
-    """jax_ub's two ops replaced, while models are traced, by the same GEMMs with no
-    communication: the gather becomes ``tp`` copies of the local rows, the reduce-scatter
-    a sum of the product's ``tp`` row blocks (the layer benchmark's bound); the embedding's
-    reduce-scatter the same sum. What stays: the loss's all-reduces of per-token values
-    over the vocabulary's split (``[batch, seq]`` floats).
+def _tuned(args) -> dict[str, dict]:
+    """The ``--ub-variants``: variant name -> its tuning choices."""
+    from jax_ub.bench.impls import parse_variants, variant_name
 
-    With ``fp8``: the ops' XLA path (XLA's fp8 GEMMs of the same quantized operands, as the
-    ``xla`` variant runs them) with its gathers and reduce-scatters swapped for the same
-    copies and sums; the scales' all-reduces (one float per call) stay. So it bounds the
-    ``xla`` variant's fp8 step; jax_ub's fp8 GEMMs are its own (cuBLASLt's)."""
-    import jax_ub
-    from jax_ub._src.lowering import reference
-    from jax_ub._src.ops import gated_mlp
-    from jax_ub.bench import llama
-    from jax_ub.bench.layer import bound_all_gather_matmul as ag
-    from jax_ub.bench.layer import bound_matmul_reduce_scatter as rs
-    from jax_ub.bench.layer import copies_of_rows, sum_row_blocks
-    from jax_ub.flax import _attention, _core, _gated
-
-    saved = [
-        (m, n, getattr(m, n))
-        for m in (jax_ub, gated_mlp)
-        for n in ("all_gather_matmul", "matmul_reduce_scatter")
-    ]
-
-    def forget_traces():
-        # The layers keep one jitted shard_map per configuration: without this, the bound
-        # would reuse the traces of jax_ub's ops, and jax_ub those of the bound.
-        for cached in (
-            _core.linear_call,
-            _core.mlp_call,
-            _gated.gated_mlp_call,
-            _attention.attention_call,
-        ):
-            cached.cache_clear()
-
-    saved.append((llama, "scatter_sequence", llama.scatter_sequence))
-    bounds = {
-        "all_gather_matmul": ag,
-        "matmul_reduce_scatter": rs,
-        "scatter_sequence": sum_row_blocks,
-    }
-    if fp8:
-        saved += [(reference, n, getattr(reference, n)) for n in _REFERENCE_COLLECTIVES]
-        bounds |= {
-            "all_gather_matmul": _on_xla(jax_ub.all_gather_matmul),
-            "matmul_reduce_scatter": _on_xla(jax_ub.matmul_reduce_scatter),
-            "all_gather_rows": copies_of_rows,
-            "reduce_scatter_rows": sum_row_blocks,
-        }
-    for module, name, _ in saved:
-        setattr(module, name, bounds[name])
-    forget_traces()
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-        forget_traces()
+    return {variant_name(t): t for t in parse_variants(args.ub_variants)}
 
 
-# The ops' XLA path's collectives (jax_ub._src.lowering.reference), looked up there when
-# called: the fp8 bound swaps them for local copies and sums.
-_REFERENCE_COLLECTIVES = ("all_gather_rows", "reduce_scatter_rows")
+def _tuning_of(variant: str, args):
+    """A context with `variant`'s tuning choices (a jax_ub[...] variant's), which its
+    communicator is created with; the defaults for the others."""
+    from jax_ub._src.settings import options
 
-
-def _on_xla(op):
-    """``op`` with ``impl="xla"`` whatever its caller asks."""
-
-    def call(*args, **kwargs):
-        return op(*args, **(kwargs | {"impl": "xla"}))
-
-    return call
+    tuning = _tuned(args).get(variant)
+    return options.experimental_tuning(**tuning) if tuning else contextlib.nullcontext()
 
 
 def _config(args):
@@ -255,7 +202,7 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
     jax_ub.configure(keep_gathered=variant == "jax_ub_keep" or keep_gathered)
     try:
         bound = bound_ops(args.fp8 != "none") if variant == "bound" else contextlib.nullcontext()
-        with jax.set_mesh(mesh), bound:
+        with jax.set_mesh(mesh), bound, _tuning_of(variant, args):
             compiled = step.lower(state, tokens).compile()
     finally:
         jax_ub.configure(keep_gathered=keep_gathered)
@@ -320,9 +267,15 @@ def _run(variants: list[str], args, say) -> dict:
             + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in variants)
         )
     from jax_ub._src.runtime import communicator
+    from jax_ub._src.settings import options
 
-    # jax_ub's symmetric buffers live outside XLA's allocator: reported beside its estimate.
-    userbuffers = sum(c.capacity_bytes for c in communicator.live_communicators())
+    # jax_ub's symmetric buffers live outside XLA's allocator: reported beside its estimate,
+    # per variant those of the communicators made with its options (--ub-variants: its own).
+    def userbuffers(v):
+        with _tuning_of(v, args):
+            made_with = options.current_options()
+        return sum(c.capacity_bytes for c in communicator.live_communicators(made_with))
+
     stats = mesh.devices.flat[0].memory_stats() or {}
     return {
         v: {
@@ -330,7 +283,7 @@ def _run(variants: list[str], args, say) -> dict:
             "spread": (max(times[v]) - min(times[v])) / statistics.median(times[v]),
             "first_loss": first_loss[v],
             "memory_bytes": memory[v],
-            "userbuffer_bytes": userbuffers if v.startswith("jax_ub") else 0,
+            "userbuffer_bytes": userbuffers(v) if v.startswith("jax_ub") else 0,
         }
         for v in variants
     } | {
@@ -412,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
+    variants += [v for v in _tuned(args) if v not in variants]
     if args.child:
         print("MODEL_RESULT " + json.dumps(_run([args.child], args, say)), flush=True)
         return

@@ -78,17 +78,19 @@ Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const Call
   return Status::Ok();
 }
 
-Status CudaCommunicator::Verify(Slot& s, const CallDescriptor& desc, void* out0, size_t bytes0,
-                                void* out1, size_t bytes1) {
+Status CudaCommunicator::Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc,
+                                void* out0, size_t bytes0, void* out1, size_t bytes1) {
   if (topology_.group_size() == 1) return Status::Ok();  // no peer to disagree with
-  return LaunchVerifyCall(s.compute, s.flags + kDescFlag, desc, topology_.group_size(), s.rank,
+  return LaunchVerifyCall(stream, s.flags + kDescFlag, desc, topology_.group_size(), s.rank,
                           s.flags + kHealthFlag, s.report_device, out0, bytes0, out1, bytes1);
 }
 
 Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
                                 std::vector<Wait> waits) {
-  JAX_UB_CUDA(cudaEventRecord(s.compute_done, s.compute));
-  JAX_UB_CUDA(cudaStreamWaitEvent(xla_stream, s.compute_done));
+  if (!compute_on_caller_stream_) {
+    JAX_UB_CUDA(cudaEventRecord(s.compute_done, s.compute));
+    JAX_UB_CUDA(cudaStreamWaitEvent(xla_stream, s.compute_done));
+  }
   for (int r = 0; r < topology_.group_size(); ++r) {
     if (r == s.rank) continue;
     JAX_UB_CUDA(cudaStreamWaitEvent(xla_stream, s.comm_done[r]));

@@ -195,8 +195,8 @@ class CudaCommunicator {
   // On the compute stream, after every peer's chunk has landed: compare the peers'
   // descriptors with `desc`; on a mismatch, or once the slot is unhealthy, fill the
   // outputs with NaN and report. Outputs of a failed call are never plausible numbers.
-  Status Verify(Slot& s, const CallDescriptor& desc, void* out0, size_t bytes0, void* out1,
-                size_t bytes1);
+  Status Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc, void* out0, size_t bytes0,
+                void* out1, size_t bytes1);
   Status Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
                 std::vector<Wait> waits);
   // Host side, end of every call: wait until every slot of this process in `s`'s group
@@ -209,6 +209,7 @@ class CudaCommunicator {
   size_t capacity_ = 0;
   double timeout_s_ = 0;
   int64_t fold_rows_ = -1;                    // see Create
+  bool compute_on_caller_stream_ = false;     // CommOptions::compute_on_caller_stream
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;

@@ -84,8 +84,10 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   // Lanes: the compute stream and one copy-engine stream per rank, each starting after
   // the caller's work (on its first step).
   std::vector<bool> started(size, false);
-  auto lane = [&](int l) -> cudaStream_t { return l == kComputeLane ? s->compute : s->comm[l]; };
-  JAX_UB_CUDA(cudaStreamWaitEvent(s->compute, s->start));
+  // The compute lane: XLA's stream itself, or ours after XLA's work.
+  cudaStream_t compute = compute_on_caller_stream_ ? xs : s->compute;
+  auto lane = [&](int l) -> cudaStream_t { return l == kComputeLane ? compute : s->comm[l]; };
+  if (compute != xs) JAX_UB_CUDA(cudaStreamWaitEvent(compute, s->start));
   std::vector<Wait> waits;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
@@ -128,7 +130,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
       }
       case Step::Kind::kVerify:
         JAX_UB_RETURN_IF_ERROR(
-            Verify(*s, desc, at(step.dst), step.bytes, at(step.src), step.src_bytes));
+            Verify(*s, compute, desc, at(step.dst), step.bytes, at(step.src), step.src_bytes));
         break;
     }
   }

@@ -241,9 +241,10 @@ def initialize(
     return get_communicator(mesh, axis_name, platform, requested_bytes=buffer_bytes)
 
 
-def live_communicators() -> list[Communicator]:
+def live_communicators(options: Options | None = None) -> list[Communicator]:
+    """The live communicators; those created with `options` where given."""
     with _lock:
-        return list(_live.values())
+        return [c for k, c in _live.items() if options is None or k.options == options]
 
 
 def all_communicators() -> list[Communicator]:

@@ -48,6 +48,11 @@ class Tuning:
         a backward pass is traced.
       dgelu_epilogue: ``gelu_mlp``'s backward runs GELU's gradient in a GEMM epilogue;
         else in XLA after the op. Read when a backward pass is traced.
+      compute_on_caller_stream: on GPUs, a call's GEMMs, flag waits and check run on the
+        stream XLA called it on; else on a stream of the communicator's, which waits for
+        XLA's work first and which XLA's stream then waits for. The hop between streams
+        cost the Llama step (2 H200s, Llama 3 8B shapes, 8 blocks, seq 8192) 1.2%: 1.024x
+        the no-communication bound off, 1.012x on (benchmarks/RESULTS.md).
       fp8_fast_accumulation: on GPUs, fp8 GEMMs of two ``float8_e4m3fn`` operands (the
         forward's) accumulate in the tensor cores' fast mode (cuBLASLt's FAST_ACCUM),
         without promoting partial sums to float32 along k, as XLA's fp8 dots at default
@@ -62,11 +67,12 @@ class Tuning:
     reduce_scatter_fold_rows: int = 2048
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
+    compute_on_caller_stream: bool = True
     fp8_fast_accumulation: bool = True
 
     def __post_init__(self) -> None:
         for name in ("autotune_gemm", "autotune_reduce_scatter", "transpose_w_in_place",
-                     "dgelu_epilogue", "fp8_fast_accumulation"):  # fmt: skip
+                     "dgelu_epilogue", "compute_on_caller_stream", "fp8_fast_accumulation"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gemm_order not in _GEMM_ORDERS:
@@ -127,6 +133,7 @@ class Options:
     gemm_order: str
     gemm_trials: int
     reduce_scatter_fold_rows: int
+    compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
     gemm_cache: str
 
