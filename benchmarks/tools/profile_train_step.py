@@ -39,6 +39,7 @@ import tempfile
 from profile_kernels import busy_and_span, idle_gaps, kernels
 from step_trace import (
     TRACED_STEPS,
+    arrival_skew,
     by_hlo_op,
     call_timelines,
     gaps_by_hlo_op,
@@ -194,6 +195,7 @@ def profile_llama(argv: list[str], out: str) -> None:
         gaps_by_hlo_op(trace_dir, ndev, step.as_text())
         peer_copies(trace_dir, step.as_text())
         call_timelines(trace_dir, step.as_text())
+        arrival_skew(trace_dir, step.as_text())
         hlo_dir = out or os.environ.get("OUT")  # device_run.sh's output folder
         if hlo_dir:  # the compiled step, for reading what ran
             pathlib.Path(hlo_dir, f"hlo_{tag}.txt").write_text(step.as_text())

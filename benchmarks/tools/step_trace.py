@@ -266,3 +266,28 @@ def call_timelines(trace_dir: str, hlo_text: str, calls: int = 3, before_us: flo
                 label = e.name if e.op in described else f"{e.name} ({e.op})"
                 print(f"    {e.start - t0:8.1f} {e.end - e.start:7.1f} {e.stream:5d} {host:>9s}  "
                       f"{label[:70]}")  # fmt: skip
+
+
+def arrival_skew(trace_dir: str, hlo_text: str) -> None:
+    """Print, per jax_ub op and shape, how far apart the GPUs reach its calls: the start of
+    each call's first kernel (its local GEMM, which waits on no peer) on the other GPUs
+    less the first GPU's, the n-th run of an instruction against its n-th run elsewhere.
+    A peer that arrives late makes the early GPU wait at the call's first flag; a mean far
+    from zero says the same GPU is late every time (slower work before the call)."""
+    described = describe_custom_calls(hlo_text)
+    runs = _runs(trace_dir)
+    pids = sorted({p for p, _ in runs})
+    if len(pids) < 2:
+        return
+    diffs: dict[str, list[float]] = collections.defaultdict(list)
+    for op in {o for _, o in runs if o in described}:
+        first_gpu = runs.get((pids[0], op), [])
+        for p in pids[1:]:
+            for (a, _), (b, _) in zip(first_gpu, runs.get((p, op), [])):
+                diffs[described[op]].append(b.start - a.start)
+    print("  arrival skew by call (us, later GPUs minus the first: mean, mean |d|, share > 0):")
+    for what, v in sorted(diffs.items(), key=lambda kv: -sum(map(abs, kv[1])))[:8]:
+        mean = sum(v) / len(v)
+        spread = sum(map(abs, v)) / len(v)
+        later = sum(d > 0 for d in v) / len(v)
+        print(f"    {mean:8.1f} {spread:8.1f} {later:5.2f}  {what[:150]}")
