@@ -136,20 +136,21 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   };
   auto piece_flag = [&](int p) { return p + 1 == num_pieces ? Flag::kData : Flag::kFirstPiece; };
   std::vector<Step> steps;
-  // The all-gather riding along goes first on each peer's lane, while the first GEMM
-  // runs: the lane is otherwise idle until that GEMM's partial is ready. It needs no flag
-  // of its own: the partial's first piece follows it on the same lane, so a peer that sees
-  // that piece's flag has the chunk too.
-  if (gathers) {
-    for (int d : sched.PushOrder()) {
-      steps.push_back(WaitCredit(d, d));
-      steps.push_back(Publish(d, d));
+  // Each peer's lane first waits for the peer's credit and publishes our descriptor, while
+  // the first GEMM runs: off the path of the first partial, which the peer's own first
+  // GEMM waits for. The all-gather riding along follows on the same lane, otherwise idle
+  // until that partial is ready. It needs no flag of its own: the partial's first piece
+  // follows it on the lane, so a peer that sees that piece's flag has the chunk too.
+  for (int d : sched.PushOrder()) {
+    steps.push_back(WaitCredit(d, d));
+    steps.push_back(Publish(d, d));
+    if (gathers)
       steps.push_back(
           Copy(d, At(Region::kGatherSrc, 0), At(Region::kPeerBuffer, gathered_in(rank), d), chunk));
-    }
+  }
+  if (gathers)
     steps.push_back(
         Copy(rank, At(Region::kGatherSrc, 0), At(Region::kGathered, rank * chunk), chunk));
-  }
   // Each peer's partial first, each piece sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
     for (int p = 0; p < num_pieces; ++p) {
@@ -168,10 +169,6 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
       const Ref stage = At(Region::kBuffer, staged(d) + offset(p));
       steps.push_back(Gemm(input(d, p), stage, pieces[p].count));
       steps.push_back(Join(d, kComputeLane));
-      if (p == 0 && !gathers) {
-        steps.push_back(WaitCredit(d, d));
-        steps.push_back(Publish(d, d));
-      }
       steps.push_back(Copy(d, stage, At(Region::kPeerBuffer, received(rank) + offset(p), d),
                            pieces[p].count * c.n * es));
       steps.push_back(Signal(d, d, piece_flag(p)));
