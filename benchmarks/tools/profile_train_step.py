@@ -119,9 +119,10 @@ def report(label: str, step_ms: float, trace_dir: str, ndev: int) -> dict[str, f
 def side_by_side(summaries: dict[str, dict[str, float]]) -> None:
     """The variants' summaries as one table, ms per step and GPU."""
     names = list(summaries)
-    print("\nms per step and GPU" + "".join(f"{n:>12s}" for n in names))
+    width = {n: max(12, len(n) + 2) for n in names}  # --ub-variants' names are long
+    print("\nms per step and GPU" + "".join(f"{n:>{width[n]}s}" for n in names))
     for row in next(iter(summaries.values())):
-        print(f"  {row:20s}" + "".join(f"{summaries[n][row]:12.2f}" for n in names))
+        print(f"  {row:20s}" + "".join(f"{summaries[n][row]:{width[n]}.2f}" for n in names))
 
 
 def profile_example(args) -> None:
