@@ -71,10 +71,9 @@ class Tuning:
     fp8_fast_accumulation: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("autotune_gemm", "autotune_reduce_scatter", "transpose_w_in_place",
-                     "dgelu_epilogue", "compute_on_caller_stream", "fp8_fast_accumulation"):  # fmt: skip
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for field in dataclasses.fields(self):
+            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
+                raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
         if self.gemm_order not in _GEMM_ORDERS:
             raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {self.gemm_order!r}")
         trials = self.gemm_trials
