@@ -159,7 +159,7 @@ def profile_llama(argv: list[str], out: str) -> None:
     print(f"{ndev} x {mesh.devices.flat[0].device_kind}, mesh {dict(mesh.shape)}, {cfg}")
     summaries = {}
     # --ub-variants: jax_ub under other tuning choices, after the named variants.
-    variants = [v for v in margs.variants.split(",") if v] + list(model._tuned(margs))
+    variants = [v for v in margs.variants.split(",") if v] + list(margs.ub_variants)
     for variant in variants:
         tag = re.sub(r"[^\w.-]", "_", variant)  # for file names
         step, state, _ = model.compiled_step(variant, cfg, mesh, tokens, margs)

@@ -114,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--ub-variants",
+        type=_tuned,
         default="",
         help="EXPERIMENTAL: more jax_ub variants, each under other internal tuning choices "
         '(as python -m jax_ub.bench\'s: "name=value,...;name=value"), timed in the same rounds',
@@ -123,11 +124,15 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _tuned(args) -> dict[str, dict]:
-    """The ``--ub-variants``: variant name -> its tuning choices."""
+def _tuned(text: str) -> dict[str, dict]:
+    """``--ub-variants`` parsed (argparse names a bad one): variant name -> its tuning
+    choices."""
     from jax_ub.bench.impls import parse_variants, variant_name
 
-    return {variant_name(t): t for t in parse_variants(args.ub_variants)}
+    try:
+        return {variant_name(t): t for t in parse_variants(text)}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _tuning_of(variant: str, args):
@@ -135,7 +140,7 @@ def _tuning_of(variant: str, args):
     communicator is created with; the defaults for the others."""
     from jax_ub._src.settings import options
 
-    tuning = _tuned(args).get(variant)
+    tuning = args.ub_variants.get(variant)
     return options.experimental_tuning(**tuning) if tuning else contextlib.nullcontext()
 
 
@@ -365,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
-    variants += [v for v in _tuned(args) if v not in variants]
+    variants += [v for v in args.ub_variants if v not in variants]
     if args.child:
         print("MODEL_RESULT " + json.dumps(_run([args.child], args, say)), flush=True)
         return
