@@ -5,8 +5,10 @@ the GPUs."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
+import itertools
 import re
 from typing import NamedTuple
 
@@ -236,20 +238,23 @@ def call_timelines(trace_dir: str, hlo_text: str, calls: int = 3, before_us: flo
     launched = _launch_times(trace_dir)
     pid = min(gpus)
     evs_all = gpus[pid]
+    starts = [e.start for e in evs_all]  # sorted: a run's events by bisection
+    # The latest end of any kernel (copies aside) among the events up to each one.
+    reach_upto = list(itertools.accumulate((0.0 if e.copy else e.end for e in evs_all), max))
     idle_of: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
     for (p, op), runs in _runs(trace_dir).items():
         if p != pid or op not in described:
             continue
         for first, end in runs:
-            # The idle time from the end of the last kernel before the call to its end.
-            prior = max((e.end for e in evs_all if not e.copy and e.end <= first.start),
-                        default=first.start)  # fmt: skip
+            # Idle from the end of the kernels before the call (none where one still runs
+            # as it starts) to its end, less its own kernels' time.
+            lo, hi = bisect.bisect_left(starts, first.start), bisect.bisect_right(starts, end)
+            prior = min(reach_upto[lo - 1], first.start) if lo > 0 else first.start
             busy, reach = 0.0, prior
-            for e in evs_all:
-                if e.copy or e.op != op or e.start > end or e.end < first.start:
-                    continue
-                busy += max(0.0, e.end - max(e.start, reach))
-                reach = max(reach, e.end)
+            for e in evs_all[lo:hi]:
+                if e.op == op and not e.copy:
+                    busy += max(0.0, e.end - max(e.start, reach))
+                    reach = max(reach, e.end)
             idle_of[described[op]].append((end - prior - busy, first.start, end))
     ranked = sorted(idle_of.items(), key=lambda kv: -sum(i for i, _, _ in kv[1]))
     for what, instances in ranked[:calls]:
