@@ -2,9 +2,7 @@
 // group rank 0's host writes each message into a ring of flag words of every other rank,
 // whose host polls its own ring. A message is rare (a new GEMM shape, a trial's end) and
 // waits only on the leader's host, which sends before it waits on anything of ours.
-#include <chrono>
 #include <string>
-#include <thread>
 
 #include "cuda/check.h"
 #include "cuda/communicator.h"
@@ -59,31 +57,22 @@ class CudaCommunicator::SlotAgreement : public KernelAgreement {
   // Polls a word of this slot's flags until `done` holds, within the op's timeout.
   template <typename Done>
   Status Await(const uint64_t* flag, Done done, const std::string& what) {
-    const auto deadline = Clock::now() + std::chrono::duration<double>(comm_->timeout_s_);
     const std::string who = "GPU " + std::to_string(s_->device) + " (rank " +
                             std::to_string(s_->rank) + " of group " + std::to_string(s_->group) +
                             ")";
-    for (int spin = 0;; ++spin) {
+    auto read = [&](bool* ok) {
       uint64_t seen = 0;
       JAX_UB_CUDA(cudaMemcpyAsync(&seen, flag, sizeof(seen), cudaMemcpyDeviceToHost, s_->tune));
       JAX_UB_CUDA(cudaStreamSynchronize(s_->tune));
-      if (done(seen)) return Status::Ok();
-      if (comm_->broken_.broken())
-        return FailedPrecondition(who + ": jax_ub communicator is broken (" +
-                                  comm_->broken_.reason() + ")");
-      if (Clock::now() > deadline) {
-        const std::string reason = who + " timed out after " + std::to_string(comm_->timeout_s_) +
-                                   " s waiting for " + what +
-                                   ", which never arrived, failed, or runs a different program";
-        comm_->broken_.Mark(reason);
-        return DeadlineExceeded(reason);
-      }
-      if (spin < 100) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-    }
+      *ok = done(seen);
+      return Status::Ok();
+    };
+    return comm_->PollHost(
+        read, DeadlineIn(comm_->timeout_s_), [&] { return who; },
+        [&] {
+          return who + " timed out after " + std::to_string(comm_->timeout_s_) + " s waiting for " +
+                 what + ", which never arrived, failed, or runs a different program";
+        });
   }
 
   // A message word: a 16-bit tag from the serial number (never 0, which an unwritten word

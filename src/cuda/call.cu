@@ -118,31 +118,23 @@ Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op
 Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch) {
   s.enqueued.store(epoch, std::memory_order_release);
   const auto start = Clock::now();
-  const auto deadline = start + std::chrono::duration<double>(timeout_s_);
+  const Clock::time_point deadline = DeadlineIn(timeout_s_);  // one for every peer
+  auto who = [&] { return Describe(op, s.rank, s.group); };
   for (int r = 0; r < topology_.group_size(); ++r) {
     const Slot& q = *slots_[topology_.slot(s.group, r)];
     if (!q.local || &q == &s) continue;
-    for (int spin = 0; q.enqueued.load(std::memory_order_acquire) < epoch; ++spin) {
-      if (broken_.broken())
-        return FailedPrecondition(Describe(op, s.rank, s.group) +
-                                  ": jax_ub communicator is broken (" + broken_.reason() + ")");
-      if (Clock::now() > deadline) {
-        const std::string reason =
-            Describe(op, s.rank, s.group) + " (GPU " + std::to_string(s.device) +
-            ") timed out after " + std::to_string(timeout_s_) + " s waiting for rank " +
-            std::to_string(q.rank) + " (GPU " + std::to_string(q.device) +
-            ", same process) to enqueue call #" + std::to_string(epoch) + " (it has reached #" +
-            std::to_string(q.enqueued.load()) +
-            "); the GPUs of one process must make the same jax_ub calls in the same order";
-        broken_.Mark(reason);
-        return DeadlineExceeded(reason);
-      }
-      if (spin < 1000) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
-      }
-    }
+    auto enqueued = [&](bool* done) {
+      *done = q.enqueued.load(std::memory_order_acquire) >= epoch;
+      return Status::Ok();
+    };
+    auto timed_out = [&] {
+      return who() + " (GPU " + std::to_string(s.device) + ") timed out after " +
+             std::to_string(timeout_s_) + " s waiting for rank " + std::to_string(q.rank) +
+             " (GPU " + std::to_string(q.device) + ", same process) to enqueue call #" +
+             std::to_string(epoch) + " (it has reached #" + std::to_string(q.enqueued.load()) +
+             "); the GPUs of one process must make the same jax_ub calls in the same order";
+    };
+    JAX_UB_RETURN_IF_ERROR(PollHost(enqueued, deadline, who, timed_out));
   }
   const int64_t waited_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();

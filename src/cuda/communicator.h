@@ -203,6 +203,13 @@ class CudaCommunicator {
   // has enqueued call `epoch` too, so no GPU of the process waits on work not yet
   // enqueued once any handler returns to XLA. Bounded by the timeout.
   Status AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch);
+  // The host polls `ready` (a Status(bool* done)) until it holds. Once the communicator is
+  // broken: an error, `who()` first. Past `deadline` (a steady_clock time): the communicator
+  // broken by `timeout_reason()`, and that error. Both texts are made only when needed
+  // (communicator_internal.h).
+  template <typename Ready, typename Who, typename Reason>
+  Status PollHost(Ready ready, std::chrono::steady_clock::time_point deadline, Who who,
+                  Reason timeout_reason);
   void WatchdogLoop();
 
   Topology topology_;
