@@ -74,6 +74,10 @@ def test_fp8_bound_runs_xlas_fp8_gemms_without_communication(tmp_path, fp8):
     }
     assert "all_gather" in ops["xla"] and "reduce_scatter" in ops["xla"]
     assert ops["bound"] == []
+    # The bound's copies and sums, forward and backward, carry the scope its profile sums.
+    scoped = re.findall(r'op_name="([^"]*)/bound_stand_in/', texts["bound"])
+    assert any("transpose(" in s for s in scoped) and any("transpose(" not in s for s in scoped)
+    assert "bound_stand_in" not in texts["xla"]
 
 
 def test_ub_variants_run_under_their_own_communicators(tmp_path):

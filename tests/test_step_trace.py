@@ -1,6 +1,7 @@
 """The step profiler's tables (benchmarks/tools/step_trace.py) on a made-up trace of two GPUs:
 a jax_ub call per step after an XLA fusion, its local GEMM, a peer copy beside it, and its
-second GEMM; the second GPU reaches every call 30 us after the first."""
+second GEMM, then two fusions, the second in a CUDA graph; the second GPU reaches every call
+30 us after the first."""
 
 import gzip
 import json
@@ -45,6 +46,7 @@ def trace_dir(tmp_path_factory):
             kernel(pid, t + 85, 60, "MemcpyP2P", "cc.1", tid=9)
             kernel(pid, t + 200, 100, "nvjet_gemm", "cc.1")
             kernel(pid, t + 320, 30, "fusion_2", "fusion.2")
+            kernel(pid, t + 350, 20, "loop_add_fusion_3", "command_buffer_5")  # in a CUDA graph
     folder = tmp_path_factory.mktemp("trace")
     with gzip.open(folder / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -77,3 +79,17 @@ def test_gaps_find_every_launch_and_copies_their_start(trace_dir, capsys):
     gaps = len(step_trace._idle_gaps(trace_dir, 5.0))
     assert f"found for {gaps} of {gaps}" in out
     assert "5.0    60.0   100.0  all_gather_matmul" in out
+
+
+def test_time_in_scope_sums_the_scopes_kernels_in_and_out_of_graphs(trace_dir):
+    hlo = "\n".join([
+        HLO,
+        '%fusion.1 = bf16[8]{0} fusion(%a), kind=kLoop, metadata={op_name="jit(step)/mul"}',
+        '%fusion.2 = bf16[8]{0} fusion(%b), kind=kLoop, '
+        'metadata={op_name="jit(step)/jvp()/bound_stand_in/concatenate"}',
+        '%loop_add_fusion.3 = bf16[8]{0} fusion(%c), kind=kLoop, '
+        'metadata={op_name="jit(step)/transpose(jvp())/bound_stand_in/add_any"}',
+    ])  # fmt: skip
+    ms, launches = step_trace.time_in_scope(trace_dir, 2, hlo, "bound_stand_in")
+    assert (round(ms * 1e3, 6), launches) == (50.0, 2.0)  # 30 + 20 us per step and GPU
+    assert step_trace.time_in_scope(trace_dir, 2, hlo, "other_scope") == (0.0, 0.0)

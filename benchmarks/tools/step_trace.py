@@ -122,6 +122,34 @@ def describe_custom_calls(hlo_text: str) -> dict[str, str]:
     return described
 
 
+def instruction_op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the op name JAX gave it (its metadata), the name written as
+    XLA names the instruction's kernels: dots as underscores."""
+    names = {}
+    for line in hlo_text.splitlines():
+        m = re.search(r"%?([\w.\-]+) = .*op_name=\"([^\"]+)\"", line)
+        if m:
+            names[m.group(1).replace(".", "_")] = m.group(2)
+    return names
+
+
+def time_in_scope(trace_dir: str, ndev: int, hlo_text: str, scope: str) -> tuple[float, float]:
+    """(ms/step/GPU, launches/step/GPU) of the kernels and copies of the HLO instructions
+    whose op name holds the named scope `scope`. A kernel is its instruction's where the
+    trace names one, else (inside a CUDA graph, which the trace names instead) the
+    instruction named as the kernel is."""
+    op_names = instruction_op_names(hlo_text)
+    us = launches = 0.0
+    for evs in events_by_gpu(trace_dir).values():
+        for e in evs:
+            inside_graph = not e.op or e.op.startswith("command_buffer")
+            instruction = (e.name if inside_graph else e.op).replace(".", "_")
+            if f"{scope}/" in op_names.get(instruction, ""):
+                us += e.end - e.start
+                launches += 1
+    return us * 1e-3 / TRACED_STEPS / ndev, launches / TRACED_STEPS / ndev
+
+
 def by_hlo_op(trace_dir: str, ndev: int, hlo_text: str) -> None:
     """Print the HLO instructions whose kernels took the most GPU time (the trace's
     ``hlo_op`` annotation), custom calls of one target and shape summed over their

@@ -50,6 +50,10 @@ CPU_SIZES = "64x128x32"  # the host protocol's GEMM is a plain loop: tiny on CPU
 VARIANTS = ("bound", "xla", "jax_ub")
 BATCH_MAJOR = "jax_ub_batch_major"
 PASSES = ("fwd", "fwd+bwd")
+# The named scope of the bound's stand-ins for the collectives (its copies of rows and its
+# row-block sums, and their gradients): work the bound does and an overlapped op does not,
+# which a profile of the bound sums by this name (benchmarks/tools/step_trace.py).
+STAND_IN_SCOPE = "bound_stand_in"
 
 
 # ------------------------------------------------------------------ the layer
@@ -69,14 +73,17 @@ def bound_all_gather_matmul(
 def copies_of_rows(x: jax.Array, axis_name: str, seq_axis: int = 0) -> jax.Array:
     """An all-gather's shapes without its communication: ``tp`` copies of ``x``'s rows (on
     ``seq_axis``) stacked, ``tp`` the size of ``axis_name``."""
-    return jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis)
+    with jax.named_scope(STAND_IN_SCOPE):
+        return jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis)
 
 
 def sum_row_blocks(y: jax.Array, axis_name: str, seq_axis: int = 0) -> jax.Array:
     """A reduce-scatter's shapes without its communication: the sum of ``y``'s ``tp``
     blocks of rows (on ``seq_axis``), ``tp`` the size of ``axis_name``."""
     tp = lax.axis_size(axis_name)
-    return y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :]).sum(axis=seq_axis)
+    with jax.named_scope(STAND_IN_SCOPE):
+        blocks = y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :])
+        return blocks.sum(axis=seq_axis)
 
 
 def bound_matmul_reduce_scatter(
