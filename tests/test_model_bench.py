@@ -4,6 +4,7 @@ jax_ub's ops traced before it, in bf16 and in fp8."""
 
 import json
 import re
+import statistics
 
 import pytest
 
@@ -94,3 +95,21 @@ def test_ub_variants_run_under_their_own_communicators(tmp_path):
     ub = [results[v]["userbuffer_bytes"] for v in ("jax_ub", tuned)]
     live = sum(c.capacity_bytes for c in communicator.live_communicators())
     assert min(ub) > 0 and sum(ub) <= live, (ub, live)
+
+
+def test_processes_time_the_variants_in_fresh_processes(tmp_path, capsys):
+    """--processes N: the in-process variants timed in N processes of their own, one after
+    another; each process's times and ratios printed, per variant the median over them."""
+    path = tmp_path / "model.json"
+    argv = ["--variants", "jax_ub,bound", "--processes", "2", "--rounds", "1", "--steps", "1"]
+    model.main([*argv, "--warmup", "0", "--seq", "32", "--json", str(path)])
+    out = capsys.readouterr().out
+    results = json.loads(path.read_text())["results"]
+    assert results["_processes"] == 2
+    for v in ("jax_ub", "bound"):
+        ms = results[v]["per_process_ms"]
+        assert len(ms) == 2 and min(ms) > 0, ms
+        assert results[v]["step_ms"] == statistics.median(ms)
+    for i in (1, 2):
+        assert re.search(rf"process {i}: jax_ub [\d.]+ ms \([\d.]+x the bound\), bound", out)
+    assert "the median over 2 processes" in out

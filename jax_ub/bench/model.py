@@ -10,7 +10,8 @@ run in interleaved rounds on the same data from the same init; each prints step 
 (median of the rounds, and their spread), tokens/s, MFU (model FLOPs over the devices'
 stated peak), the compiled step's memory (XLA's estimate: arguments, outputs and
 temporaries), the ratio to the bound and to the best XLA variant, and the first step's
-loss, which for jax_ub and XLA must agree.
+loss, which for jax_ub and XLA must agree. ``--processes N`` repeats those rounds in N fresh
+processes: a process's kernel choices and the GPUs' state move jax_ub's step by a few percent.
 """
 
 from __future__ import annotations
@@ -119,8 +120,18 @@ def _parser() -> argparse.ArgumentParser:
         help="EXPERIMENTAL: more jax_ub variants, each under other internal tuning choices "
         '(as python -m jax_ub.bench\'s: "name=value,...;name=value"), timed in the same rounds',
     )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="time the variants of this process (all but xla_overlap) in this many fresh "
+        "processes, one after another, each its own interleaved rounds; report each "
+        "process's times and ratios, and per variant the median over the processes "
+        "(jax_ub's GEMM kernel choices and the GPUs' state differ between processes; "
+        "default 1: in this process)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    ap.add_argument("--child", help=argparse.SUPPRESS)  # one variant, in its own process
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # variants, in a process of their own
     return ap
 
 
@@ -298,18 +309,45 @@ def _run(variants: list[str], args, say) -> dict:
     }
 
 
-def _run_child(variant: str, args, argv: list[str], say) -> dict | None:
-    """A variant in its own process (its XLA flags), the same arguments otherwise."""
+def _run_child(variants: list[str], args, argv: list[str], say, xla_flags: str = "") -> dict:
+    """`variants` timed in a process of their own (with `xla_flags` added to XLA_FLAGS),
+    the same arguments otherwise: their results, {} if it failed. Its progress lines pass
+    through as it runs."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.overlap_flags).strip()
-    cmd = [sys.executable, "-m", "jax_ub.bench.model", *argv, "--child", variant]
-    say(f"  {variant}: in its own process, XLA_FLAGS+={args.overlap_flags!r}")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if xla_flags:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+    cmd = [sys.executable, "-m", "jax_ub.bench.model", *argv, "--child", ",".join(variants)]
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("MODEL_RESULT "):
-            return json.loads(line[len("MODEL_RESULT ") :])[variant]
-    say(f"  {variant} failed (rc={done.returncode}): {done.stderr.strip()[-400:]}")
-    return None
+            return json.loads(line[len("MODEL_RESULT ") :])
+    say(f"  {','.join(variants)}: the process failed (rc={done.returncode}; its errors above)")
+    return {}
+
+
+def _over_processes(per_process: list[dict], say) -> dict:
+    """The results of several processes as one: per variant the median over the processes
+    of their step times, `spread` across those medians, `per_process_ms` each one's, the
+    rest the first process's. Prints each process's times and ratios to the bound."""
+    ran = [r for r in per_process if r]
+    for i, r in enumerate(per_process):
+        bound = r.get("bound", {}).get("step_ms")
+        cells = [
+            f"{v} {x['step_ms']:.2f} ms"
+            + (f" ({x['step_ms'] / bound:.3f}x the bound)" if bound and v != "bound" else "")
+            for v, x in r.items()
+            if not v.startswith("_")
+        ]
+        say(f"  process {i + 1}: " + (", ".join(cells) if cells else "failed"))
+    if not ran:
+        return {}
+    combined = {}
+    for v in (v for v in ran[0] if not v.startswith("_")):
+        ms = [r[v]["step_ms"] for r in ran]
+        median = statistics.median(ms)
+        spread = (max(ms) - min(ms)) / median
+        combined[v] = ran[0][v] | {"step_ms": median, "spread": spread, "per_process_ms": ms}
+    return combined | {"_processes": len(ran)}
 
 
 def _report(results: dict, args, say) -> None:
@@ -348,6 +386,12 @@ def _report(results: dict, args, say) -> None:
             f"{'' if not bound else f'{ms / bound:7.3f}':>7s} "
             f"{'' if not xla else f'{ms / min(xla):9.3f}':>9s} {r['first_loss']:11.5f}"
         )
+    processes = results.get("_processes")
+    if processes:
+        say(
+            f"step ms: the median over {processes} processes of each one's median round; "
+            "spread: across those medians"
+        )
     say(
         "XLA GiB: the compiled step's arguments, outputs and temporaries per device "
         "(XLA's memory analysis); ub GiB: jax_ub's userbuffers per device, allocated "
@@ -372,15 +416,26 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
     variants += [v for v in args.ub_variants if v not in variants]
     if args.child:
-        print("MODEL_RESULT " + json.dumps(_run([args.child], args, say)), flush=True)
+        print("MODEL_RESULT " + json.dumps(_run(args.child.split(","), args, say)), flush=True)
         return
+    if args.processes < 1:
+        raise SystemExit(f"--processes must be at least 1, got {args.processes}")
     say(f"variants {variants}: compiling ...")
     results = {}
+    # Other processes first, before this one takes the devices' memory.
     if "xla_overlap" in variants:
-        # First, before this process takes the devices' memory.
-        results["xla_overlap"] = _run_child("xla_overlap", args, argv, say)
+        say(f"  xla_overlap: in its own process, XLA_FLAGS+={args.overlap_flags!r}")
+        child = _run_child(["xla_overlap"], args, argv, say, args.overlap_flags)
+        results["xla_overlap"] = child.get("xla_overlap")
     here = [v for v in variants if v != "xla_overlap"]
-    results = (_run(here, args, say) if here else {}) | results
+    if here and args.processes > 1:
+        per_process = []
+        for i in range(args.processes):
+            say(f"process {i + 1}/{args.processes}: {','.join(here)}")
+            per_process.append(_run_child(here, args, argv, say))
+        results = _over_processes(per_process, say) | results
+    elif here:
+        results = _run(here, args, say) | results
     _report(results, args, say)
     if args.json:
         with open(args.json, "w") as f:
