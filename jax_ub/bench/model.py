@@ -11,7 +11,8 @@ run in interleaved rounds on the same data from the same init; each prints step 
 stated peak), the compiled step's memory (XLA's estimate: arguments, outputs and
 temporaries), the ratio to the bound and to the best XLA variant, and the first step's
 loss, which for jax_ub and XLA must agree. ``--processes N`` repeats those rounds in N fresh
-processes: a process's kernel choices and the GPUs' state move jax_ub's step by a few percent.
+processes, one after another: on the same GPUs jax_ub's step has differed by a few percent
+between processes.
 """
 
 from __future__ import annotations
