@@ -1,7 +1,7 @@
 """The step profiler's tables (benchmarks/tools/step_trace.py) on a made-up trace of two GPUs:
 a jax_ub call per step after an XLA fusion, its local GEMM, a peer copy beside it, and its
-second GEMM, then two fusions, the second in a CUDA graph; the second GPU reaches every call
-30 us after the first."""
+second GEMM (starting as a copy of XLA's on another stream ends), then two fusions, the second
+in a CUDA graph; the second GPU reaches every call 30 us after the first."""
 
 import gzip
 import json
@@ -44,6 +44,7 @@ def trace_dir(tmp_path_factory):
             kernel(pid, t, 50, "fusion_1", "fusion.1")
             kernel(pid, t + 80, 100, "nvjet_gemm", "cc.1")
             kernel(pid, t + 85, 60, "MemcpyP2P", "cc.1", tid=9)
+            kernel(pid, t + 150, 49, "MemcpyD2D", "dus.1", tid=11)  # XLA's, ends as the GEMM starts
             kernel(pid, t + 200, 100, "nvjet_gemm", "cc.1")
             kernel(pid, t + 320, 30, "fusion_2", "fusion.2")
             kernel(pid, t + 350, 20, "loop_add_fusion_3", "command_buffer_5")  # in a CUDA graph
@@ -93,3 +94,11 @@ def test_time_in_scope_sums_the_scopes_kernels_in_and_out_of_graphs(trace_dir):
     ms, launches = step_trace.time_in_scope(trace_dir, 2, hlo, "bound_stand_in")
     assert (round(ms * 1e3, 6), launches) == (50.0, 2.0)  # 30 + 20 us per step and GPU
     assert step_trace.time_in_scope(trace_dir, 2, hlo, "other_scope") == (0.0, 0.0)
+
+
+def test_gaps_at_copy_ends_find_the_gemm_held_until_a_copy_ended(trace_dir, capsys):
+    step_trace.gaps_at_copy_ends(trace_dir, 2)
+    out = capsys.readouterr().out
+    # Per step and GPU 30 + 20 + 20 us inside a step and 630 between steps (2 of 3 steps);
+    # only the 20 us before the second GEMM end as the copy does.
+    assert "0.02 ms/step/GPU in 1.0 gaps/step/GPU (of 0.49 in 3.7); by copy: dus.1 0.02" in out

@@ -17,6 +17,7 @@ layers, seq, batch, tp, remat, fp8, scan unroll, variants, dtypes), each variant
 variants side by side: step time, busy and idle time per GPU, and time per kernel kind.
 Per HLO instruction it gives wall and kernel time, jax_ub's custom calls summed by op,
 shape and where JAX traced them (forward, backward, remat), and the kernels of the largest;
+the idle time that ends as a copy on another stream ends; for the bound, its stand-ins' time;
 ``--no-command-buffers`` (before ``--model``) makes XLA name every instruction instead of
 its CUDA graphs. Under ``device_run.sh`` the compiled step's HLO is written to ``$OUT``.
 
@@ -42,6 +43,7 @@ from step_trace import (
     arrival_skew,
     by_hlo_op,
     call_timelines,
+    gaps_at_copy_ends,
     gaps_by_hlo_op,
     peer_copies,
     time_in_scope,
@@ -206,6 +208,7 @@ def profile_llama(argv: list[str], out: str) -> None:
             )
         by_hlo_op(trace_dir, ndev, step.as_text())
         gaps_by_hlo_op(trace_dir, ndev, step.as_text())
+        gaps_at_copy_ends(trace_dir, ndev)
         peer_copies(trace_dir, step.as_text())
         call_timelines(trace_dir, step.as_text())
         arrival_skew(trace_dir, step.as_text())

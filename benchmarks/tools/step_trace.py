@@ -47,19 +47,55 @@ def events_by_gpu(trace_dir: str) -> dict[int, list[Event]]:
     return dict(per_gpu)
 
 
-def _idle_gaps(trace_dir: str, min_us: float) -> list[tuple[float, float, Event, Event]]:
-    """Every stretch of at least `min_us` in which a GPU ran no kernel (copies aside), as
+def _gaps_in(evs: list[Event], min_us: float) -> list[tuple[float, float, Event, Event]]:
+    """One GPU's stretches of at least `min_us` with no kernel running (copies aside), as
     (start, microseconds, the kernel that ended last before it, the kernel that ended it)."""
     gaps = []
-    for evs in events_by_gpu(trace_dir).values():
-        kernels = [e for e in evs if not e.copy]
-        last = kernels[0]
-        for e in kernels[1:]:
-            if e.start - last.end >= min_us:
-                gaps.append((last.end, e.start - last.end, last, e))
-            if e.end > last.end:
-                last = e
+    kernels = [e for e in evs if not e.copy]
+    last = kernels[0]
+    for e in kernels[1:]:
+        if e.start - last.end >= min_us:
+            gaps.append((last.end, e.start - last.end, last, e))
+        if e.end > last.end:
+            last = e
     return gaps
+
+
+def _idle_gaps(trace_dir: str, min_us: float) -> list[tuple[float, float, Event, Event]]:
+    """Every GPU's idle stretches (_gaps_in)."""
+    return [g for evs in events_by_gpu(trace_dir).values() for g in _gaps_in(evs, min_us)]
+
+
+def gaps_at_copy_ends(trace_dir: str, ndev: int, min_us: float = 5.0, near_us: float = 3.0) -> None:
+    """Print how much idle time ends within `near_us` of a copy ending on another stream:
+    a kernel that started only as a copy-engine transfer finished, with no kernel of its
+    own stream in the way (seen before jax_ub's GEMMs as XLA's copies of saved activations
+    ended); by the copy's HLO instruction."""
+    total, at = [0.0, 0], [0.0, 0]
+    by_copy: dict[str, float] = collections.defaultdict(float)
+    for evs in events_by_gpu(trace_dir).values():
+        copies = sorted((e.end, e) for e in evs if e.copy)
+        ends = [end for end, _ in copies]
+        for _, us, _, after in _gaps_in(evs, min_us):
+            total[0] += us
+            total[1] += 1
+            lo = bisect.bisect_left(ends, after.start - near_us)
+            hi = bisect.bisect_right(ends, after.start + near_us)
+            near = [c for _, c in copies[lo:hi] if c.stream != after.stream]
+            if near:
+                at[0] += us
+                at[1] += 1
+                by_copy[near[0].op or near[0].name] += us
+    scale = 1e-3 / TRACED_STEPS / ndev
+    per_gpu = 1 / TRACED_STEPS / ndev
+    top = ", ".join(
+        f"{op} {us * scale:.2f}" for op, us in sorted(by_copy.items(), key=lambda kv: -kv[1])[:4]
+    )
+    print(
+        f"  idle gaps ending within {near_us:g} us of a copy's end on another stream: "
+        f"{at[0] * scale:.2f} ms/step/GPU in {at[1] * per_gpu:.1f} gaps/step/GPU (of "
+        f"{total[0] * scale:.2f} in {total[1] * per_gpu:.1f}){'; by copy: ' + top if top else ''}"
+    )
 
 
 def _runs(trace_dir: str) -> dict[tuple[int, str], list[tuple[Event, float]]]:
