@@ -97,8 +97,9 @@ def test_time_in_scope_sums_the_scopes_kernels_in_and_out_of_graphs(trace_dir):
 
 
 def test_gaps_at_copy_ends_find_the_gemm_held_until_a_copy_ended(trace_dir, capsys):
-    step_trace.gaps_at_copy_ends(trace_dir, 2)
+    step_trace.gaps_at_copy_ends(trace_dir, 2, HLO)
     out = capsys.readouterr().out
     # Per step and GPU 30 + 20 + 20 us inside a step and 630 between steps (2 of 3 steps);
-    # only the 20 us before the second GEMM end as the copy does.
-    assert "0.02 ms/step/GPU in 1.0 gaps/step/GPU (of 0.49 in 3.7); by copy: dus.1 0.02" in out
+    # only the 20 us before the second GEMM (the jax_ub call's) end as the copy does.
+    assert "0.02 ms/step/GPU in 1.0 gaps/step/GPU (of 0.49 in 3.7)" in out
+    assert "the kernel held a jax_ub call's: 0.02; by copy: dus.1 0.02" in out

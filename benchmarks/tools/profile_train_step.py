@@ -208,7 +208,7 @@ def profile_llama(argv: list[str], out: str) -> None:
             )
         by_hlo_op(trace_dir, ndev, step.as_text())
         gaps_by_hlo_op(trace_dir, ndev, step.as_text())
-        gaps_at_copy_ends(trace_dir, ndev)
+        gaps_at_copy_ends(trace_dir, ndev, step.as_text())
         peer_copies(trace_dir, step.as_text())
         call_timelines(trace_dir, step.as_text())
         arrival_skew(trace_dir, step.as_text())

@@ -66,13 +66,18 @@ def _idle_gaps(trace_dir: str, min_us: float) -> list[tuple[float, float, Event,
     return [g for evs in events_by_gpu(trace_dir).values() for g in _gaps_in(evs, min_us)]
 
 
-def gaps_at_copy_ends(trace_dir: str, ndev: int, min_us: float = 5.0, near_us: float = 3.0) -> None:
+def gaps_at_copy_ends(
+    trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0, near_us: float = 3.0
+) -> None:
     """Print how much idle time ends within `near_us` of a copy ending on another stream:
-    a kernel that started only as a copy-engine transfer finished, with no kernel of its
+    a kernel that started only as a transfer within the GPU finished, with no kernel of its
     own stream in the way (seen before jax_ub's GEMMs as XLA's copies of saved activations
-    ended); by the copy's HLO instruction."""
+    and the calls' own gathered-x copies ended); by the copy's HLO instruction, and whether
+    the kernel held back was a jax_ub call's."""
+    calls = describe_custom_calls(hlo_text)
     total, at = [0.0, 0], [0.0, 0]
     by_copy: dict[str, float] = collections.defaultdict(float)
+    held_in_call = 0.0
     for evs in events_by_gpu(trace_dir).values():
         copies = sorted((e.end, e) for e in evs if e.copy)
         ends = [end for end, _ in copies]
@@ -86,6 +91,7 @@ def gaps_at_copy_ends(trace_dir: str, ndev: int, min_us: float = 5.0, near_us: f
                 at[0] += us
                 at[1] += 1
                 by_copy[near[0].op or near[0].name] += us
+                held_in_call += us if after.op in calls else 0.0
     scale = 1e-3 / TRACED_STEPS / ndev
     per_gpu = 1 / TRACED_STEPS / ndev
     top = ", ".join(
@@ -94,7 +100,8 @@ def gaps_at_copy_ends(trace_dir: str, ndev: int, min_us: float = 5.0, near_us: f
     print(
         f"  idle gaps ending within {near_us:g} us of a copy's end on another stream: "
         f"{at[0] * scale:.2f} ms/step/GPU in {at[1] * per_gpu:.1f} gaps/step/GPU (of "
-        f"{total[0] * scale:.2f} in {total[1] * per_gpu:.1f}){'; by copy: ' + top if top else ''}"
+        f"{total[0] * scale:.2f} in {total[1] * per_gpu:.1f}); the kernel held a jax_ub "
+        f"call's: {held_in_call * scale:.2f}{'; by copy: ' + top if top else ''}"
     )
 
 
