@@ -99,14 +99,16 @@ def test_ub_variants_run_under_their_own_communicators(tmp_path):
 
 def test_processes_time_the_variants_in_fresh_processes(tmp_path, capsys):
     """--processes N: the in-process variants timed in N processes of their own, one after
-    another; each process's times and ratios printed, per variant the median over them."""
+    another; each process's times and ratios printed, per variant the median over them. A
+    --ub-variants variant (its name holds a comma) runs in each process too."""
     path = tmp_path / "model.json"
     argv = ["--variants", "jax_ub,bound", "--processes", "2", "--rounds", "1", "--steps", "1"]
-    model.main([*argv, "--warmup", "0", "--seq", "32", "--json", str(path)])
+    tuned = "reduce_scatter_fold_rows=-1,gemm_trials=0"
+    model.main([*argv, "--ub-variants", tuned, "--warmup", "0", "--seq", "32", "--json", str(path)])
     out = capsys.readouterr().out
     results = json.loads(path.read_text())["results"]
     assert results["_processes"] == 2
-    for v in ("jax_ub", "bound"):
+    for v in ("jax_ub", "bound", f"jax_ub[{tuned}]"):
         ms = results[v]["per_process_ms"]
         assert len(ms) == 2 and min(ms) > 0, ms
         assert results[v]["step_ms"] == statistics.median(ms)

@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         "default 1: in this process)",
     )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    ap.add_argument("--child", help=argparse.SUPPRESS)  # variants, in a process of their own
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # variants (JSON), in a process of their own
     return ap
 
 
@@ -317,7 +317,8 @@ def _run_child(variants: list[str], args, argv: list[str], say, xla_flags: str =
     env = dict(os.environ)
     if xla_flags:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    cmd = [sys.executable, "-m", "jax_ub.bench.model", *argv, "--child", ",".join(variants)]
+    # As JSON: a --ub-variants variant's name holds commas.
+    cmd = [sys.executable, "-m", "jax_ub.bench.model", *argv, "--child", json.dumps(variants)]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("MODEL_RESULT "):
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
     variants += [v for v in args.ub_variants if v not in variants]
     if args.child:
-        print("MODEL_RESULT " + json.dumps(_run(args.child.split(","), args, say)), flush=True)
+        print("MODEL_RESULT " + json.dumps(_run(json.loads(args.child), args, say)), flush=True)
         return
     if args.processes < 1:
         raise SystemExit(f"--processes must be at least 1, got {args.processes}")
