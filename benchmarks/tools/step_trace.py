@@ -143,9 +143,11 @@ def uneven_gpus(trace_dir: str) -> None:
         print(f"    {cells}  {name}")
 
 
+@functools.cache
 def describe_custom_calls(hlo_text: str) -> dict[str, str]:
     """Custom-call instruction name -> its target, result shape and whether it is in the
-    backward pass (``transpose(`` in its op name): one row per op and shape."""
+    backward pass (``transpose(`` in its op name): one row per op and shape. Cached (every
+    table reads it, the text is megabytes): do not change it."""
     described = {}
     for line in hlo_text.splitlines():
         m = re.search(r"%?([\w.\-]+) = ((?:\([^)]*\))|\S+) custom-call\(", line)
@@ -165,9 +167,10 @@ def describe_custom_calls(hlo_text: str) -> dict[str, str]:
     return described
 
 
+@functools.cache
 def instruction_op_names(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> the op name JAX gave it (its metadata), the name written as
-    XLA names the instruction's kernels: dots as underscores."""
+    XLA names the instruction's kernels: dots as underscores. Cached: do not change it."""
     names = {}
     for line in hlo_text.splitlines():
         m = re.search(r"%?([\w.\-]+) = .*op_name=\"([^\"]+)\"", line)
