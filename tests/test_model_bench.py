@@ -48,6 +48,12 @@ def test_unknown_variant_is_named():
         model.main(["--variants", "jax_ub,nccl"])
 
 
+def test_processes_below_one_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        model.main(["--processes", "0"])
+    assert "--processes: must be an integer >= 1, got '0'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fp8", ["current", "delayed"])
 def test_fp8_bound_runs_xlas_fp8_gemms_without_communication(tmp_path, fp8):
     """With --fp8 the bound is the xla variant's fp8 step with its gathers and

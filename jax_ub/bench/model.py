@@ -123,17 +123,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--processes",
-        type=int,
+        type=_at_least_one,
         default=1,
-        help="time the variants of this process (all but xla_overlap) in this many fresh "
-        "processes, one after another, each its own interleaved rounds; report each "
-        "process's times and ratios, and per variant the median over the processes "
-        "(jax_ub's GEMM kernel choices and the GPUs' state differ between processes; "
-        "default 1: in this process)",
+        help="time the variants but xla_overlap in this many fresh processes in turn, each "
+        "its own rounds; report each one's times and ratios, and per variant the median "
+        "over them (jax_ub's step differs between processes; default 1: this process)",
     )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # variants (JSON), in a process of their own
     return ap
+
+
+def _at_least_one(text: str) -> int:
+    """An integer >= 1 (argparse names a bad one)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def _tuned(text: str) -> dict[str, dict]:
@@ -420,8 +425,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print("MODEL_RESULT " + json.dumps(_run(json.loads(args.child), args, say)), flush=True)
         return
-    if args.processes < 1:
-        raise SystemExit(f"--processes must be at least 1, got {args.processes}")
     say(f"variants {variants}: compiling ...")
     results = {}
     # Other processes first, before this one takes the devices' memory.
