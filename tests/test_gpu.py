@@ -344,36 +344,6 @@ def test_return_gathered(tp):
     assert _rel(out, _ag(mesh, "xla")(x, w)) < 2e-2
 
 
-@pytest.mark.parametrize("tp", TPS)
-def test_local_copies_beside_compute_gather_bit_for_bit(tp):
-    """With the copies within a GPU asking to overlap compute (an internal tuning choice):
-    both ops' gathered x, bit for bit, over calls that reuse the buffer, and their products."""
-    jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(local_copies_beside_compute=True)
-    try:
-        mesh = _mesh(tp)
-        x, w = _data(jax.random.key(17), [(1024, 512), (512, 384)], jnp.bfloat16)
-        ag = _ag_gathered(mesh)
-
-        def rs_body(h, v, g):
-            out, gathered = bind_matmul_reduce_scatter(h, v, "tp", tp, gather=g)
-            return out, gathered[None]
-
-        specs = (P(None, "tp"), P("tp", None), P("tp", None))
-        rs = jax.jit(jax.shard_map(rs_body, mesh=mesh, in_specs=specs, out_specs=P("tp")))
-        for call in range(3):
-            xc = x + call
-            out, gathered = ag(xc, w)
-            assert (np.asarray(gathered).view(np.uint16) == np.asarray(xc).view(np.uint16)).all()
-            assert _rel(out, _ag(mesh, "xla")(xc, w)) < 2e-2, call
-            out, gathered = rs(out, w.T, xc)
-            assert _rel(out, _rs(mesh, "xla")(_ag(mesh, "xla")(xc, w), w.T)) < 2e-2, call
-            for copy in np.asarray(gathered):
-                assert (copy.view(np.uint16) == np.asarray(xc).view(np.uint16)).all(), call
-    finally:
-        jax_ub.finalize()
-
-
 def test_host_times_count_each_call():
     """The benchmark's host-time counters: each GPU counts every call of both ops, with a
     positive host time, of which the wait for the process's other GPUs is a part."""

@@ -58,7 +58,6 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
                                                 "gemm_trials",
                                                 "reduce_scatter_fold_rows",
                                                 "compute_on_caller_stream",
-                                                "local_copies_beside_compute",
                                                 "fp8_fast_accumulation",
                                                 "gemm_cache"};
   for (auto item : d) {
@@ -82,7 +81,6 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   o.autotune_reduce_scatter = nb::cast<bool>(get("autotune_reduce_scatter"));
   o.fp8_fast_accumulation = nb::cast<bool>(get("fp8_fast_accumulation"));
   o.compute_on_caller_stream = nb::cast<bool>(get("compute_on_caller_stream"));
-  o.local_copies_beside_compute = nb::cast<bool>(get("local_copies_beside_compute"));
   const std::string order = nb::cast<std::string>(get("gemm_order"));
   if (order == "auto") {
     o.gemm_order = GemmOrder::kAuto;

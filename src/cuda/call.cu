@@ -62,33 +62,6 @@ Status CudaCommunicator::Signal(cudaStream_t stream, uint64_t* remote_flag, uint
   return Status::Ok();
 }
 
-Status CudaCommunicator::Copy(cudaStream_t stream, void* dst, const void* src, size_t bytes,
-                              bool within_gpu) {
-#if CUDART_VERSION >= 12080
-  if (within_gpu && local_copies_beside_compute_) {
-    // A plain copy within a GPU held back kernels launched after it, the op's next GEMM
-    // among them, until it ended (step profiles); the hint asks to overlap it with them.
-    cudaMemcpyAttributes attr = {};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    void* dsts[1] = {dst};
-    const void* srcs[1] = {src};
-    size_t sizes[1] = {bytes};
-    size_t first_of_attr = 0;
-#if CUDART_VERSION >= 13000
-    JAX_UB_CUDA(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &first_of_attr, 1, stream));
-#else
-    size_t failed = 0;  // CUDA 12.8-12.9: the index of a copy that failed
-    JAX_UB_CUDA(cudaMemcpyBatchAsync(dsts, const_cast<void**>(srcs), sizes, 1, &attr,
-                                     &first_of_attr, 1, &failed, stream));
-#endif
-    return Status::Ok();
-  }
-#endif
-  JAX_UB_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-  return Status::Ok();
-}
-
 Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc) {
   const DriverOps* ops;
   JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));

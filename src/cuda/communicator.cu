@@ -21,7 +21,6 @@ Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes,
   c->topology_ = std::move(topology);
   c->fold_rows_ = options.reduce_scatter_fold_rows;
   c->compute_on_caller_stream_ = options.compute_on_caller_stream;
-  c->local_copies_beside_compute_ = options.local_copies_beside_compute;
   JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, options.timeout_s, GemmOptions::From(options),
                                      options.autotune_reduce_scatter, multiprocess));
   // Across processes the peers' buffers arrive later, through Connect().

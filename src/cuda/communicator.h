@@ -189,9 +189,6 @@ class CudaCommunicator {
   Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
                   const char* what, std::vector<Wait>* waits, int progress_index = -1);
   Status Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value);
-  // Enqueues a copy of `bytes` on `stream`; `within_gpu`: both ends on this slot's GPU,
-  // which with local_copies_beside_compute_ asks to run beside the SMs' work.
-  Status Copy(cudaStream_t stream, void* dst, const void* src, size_t bytes, bool within_gpu);
   // Write `desc` into peer `p`'s descriptor words for this slot's rank (stream memory
   // operations: no SMs, ordered before the data flag that follows on `stream`).
   Status Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc);
@@ -220,7 +217,6 @@ class CudaCommunicator {
   double timeout_s_ = 0;
   int64_t fold_rows_ = -1;                    // see Create
   bool compute_on_caller_stream_ = false;     // CommOptions::compute_on_caller_stream
-  bool local_copies_beside_compute_ = false;  // CommOptions::local_copies_beside_compute
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;

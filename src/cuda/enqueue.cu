@@ -106,8 +106,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         JAX_UB_RETURN_IF_ERROR(Publish(*s, stream, step.peer, desc));
         break;
       case Step::Kind::kCopy:
-        JAX_UB_RETURN_IF_ERROR(Copy(stream, at(step.dst), at(step.src), step.bytes,
-                                    step.dst.region != Region::kPeerBuffer));
+        JAX_UB_CUDA(cudaMemcpyAsync(at(step.dst), at(step.src), step.bytes,
+                                    cudaMemcpyDeviceToDevice, stream));
         break;
       case Step::Kind::kSignal:
         JAX_UB_RETURN_IF_ERROR(

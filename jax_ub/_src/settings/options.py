@@ -53,11 +53,6 @@ class Tuning:
         XLA's work first and which XLA's stream then waits for. The hop between streams
         cost the Llama step (2 H200s, Llama 3 8B shapes, 8 blocks, seq 8192) 1.2%: 1.024x
         the no-communication bound off, 1.012x on (benchmarks/RESULTS.md).
-      local_copies_beside_compute: on GPUs, a call's copies within one GPU (the gathered
-        x's chunks into the op's second output) ask the driver to run beside the SMs' work
-        (``cudaMemcpyBatchAsync``'s ``PreferOverlapWithCompute`` hint; a build with CUDA older
-        than 12.8 copies as before). A plain device-to-device copy within a GPU held back
-        the kernels launched after it until it ended, the op's next GEMM among them.
       fp8_fast_accumulation: on GPUs, fp8 GEMMs of two ``float8_e4m3fn`` operands (the
         forward's) accumulate in the tensor cores' fast mode (cuBLASLt's FAST_ACCUM),
         without promoting partial sums to float32 along k, as XLA's fp8 dots at default
@@ -73,7 +68,6 @@ class Tuning:
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
     compute_on_caller_stream: bool = True
-    local_copies_beside_compute: bool = False
     fp8_fast_accumulation: bool = True
 
     def __post_init__(self) -> None:
@@ -139,7 +133,6 @@ class Options:
     gemm_trials: int
     reduce_scatter_fold_rows: int
     compute_on_caller_stream: bool
-    local_copies_beside_compute: bool
     fp8_fast_accumulation: bool
     gemm_cache: str
 
