@@ -103,3 +103,11 @@ def test_gaps_at_copy_ends_find_the_gemm_held_until_a_copy_ended(trace_dir, caps
     # only the 20 us before the second GEMM (the jax_ub call's) end as the copy does.
     assert "0.02 ms/step/GPU in 1.0 gaps/step/GPU (of 0.49 in 3.7)" in out
     assert "the kernel held a jax_ub call's: 0.02; by copy: dus.1 0.02" in out
+
+
+def test_host_time_sums_each_threads_api_calls_per_step(trace_dir, capsys):
+    step_trace.host_time(trace_dir)
+    out = capsys.readouterr().out
+    # 7 launches of 3 us per GPU and step, all on host thread 9/1.
+    assert "    0.04      14  9/1" in out
+    assert "    0.04      14     3.0      3.0  ?" in out

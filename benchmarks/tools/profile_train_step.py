@@ -45,6 +45,7 @@ from step_trace import (
     call_timelines,
     gaps_at_copy_ends,
     gaps_by_hlo_op,
+    host_time,
     peer_copies,
     time_in_scope,
     uneven_gpus,
@@ -213,6 +214,7 @@ def profile_llama(argv: list[str], out: str) -> None:
         peer_copies(trace_dir, hlo)
         call_timelines(trace_dir, hlo)
         arrival_skew(trace_dir, hlo)
+        host_time(trace_dir)
         hlo_dir = out or os.environ.get("OUT")  # device_run.sh's output folder
         if hlo_dir:  # the compiled step, for reading what ran
             pathlib.Path(hlo_dir, f"hlo_{tag}.txt").write_text(hlo)

@@ -10,6 +10,7 @@ import collections
 import functools
 import itertools
 import re
+import statistics
 from typing import NamedTuple
 
 from profile_kernels import device_events, trace_events
@@ -370,3 +371,40 @@ def arrival_skew(trace_dir: str, hlo_text: str) -> None:
         spread = sum(map(abs, v)) / len(v)
         later = sum(d > 0 for d in v) / len(v)
         print(f"    {mean:8.1f} {spread:8.1f} {later:5.2f}  {what[:150]}")
+
+
+def host_time(trace_dir: str, rows: int = 24) -> None:
+    """Print what the host's threads spent their traced time on, per step: each event name's
+    ms and count summed over the threads (XLA's host events nest, so an outer one holds
+    the inner ones' time), and per thread the CUDA API calls (events with a correlation
+    id) it made: what enqueuing a step costs, and on which threads."""
+    gpus = events_by_gpu(trace_dir)
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    api_by_thread: dict[tuple[int, int], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    api_by_name: dict[str, list[float]] = collections.defaultdict(list)  # durations, us
+    for e in trace_events(trace_dir):
+        if e.get("ph") != "X" or e.get("pid") in gpus or "dur" not in e:
+            continue
+        entry = by_name[e.get("name", "?")[:90]]
+        entry[0] += float(e["dur"])
+        entry[1] += 1
+        if e.get("args", {}).get("correlation_id") is not None:
+            t = api_by_thread[(e["pid"], e.get("tid", 0))]
+            t[0] += float(e["dur"])
+            t[1] += 1
+            api_by_name[e.get("name", "?")[:90]].append(float(e["dur"]))
+    scale = 1e-3 / TRACED_STEPS
+    print("  host time by event name (ms/step summed over threads, events/step, name):")
+    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"    {us * scale:8.2f} {n / TRACED_STEPS:7.0f}  {name}")
+    # A call that usually returns in microseconds but sometimes takes far longer waited:
+    # for room in a full launch queue (the host far ahead), or for a lock.
+    print("  CUDA API calls by name (ms/step, calls/step, median and max us, name):")
+    for name, v in sorted(api_by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(
+            f"    {sum(v) * scale:8.2f} {len(v) / TRACED_STEPS:7.0f} "
+            f"{statistics.median(v):7.1f} {max(v):8.1f}  {name}"
+        )
+    print("  CUDA API calls by host thread (ms/step, calls/step, pid/tid):")
+    for (pid, tid), (us, n) in sorted(api_by_thread.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"    {us * scale:8.2f} {n / TRACED_STEPS:7.0f}  {pid}/{tid}")

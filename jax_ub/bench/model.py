@@ -1,18 +1,17 @@
 """End-to-end training step of the Llama-style model (jax_ub.bench.llama) per way of
 communicating: jax_ub's overlapped ops (``jax_ub_keep``: with ``keep_gathered`` on, which
 keeps the gathered inputs instead of gathering them again), XLA's collectives with default
-flags, XLA with the
-flags a MaxText user sets for overlap (in a process of its own: XLA flags are per process),
-and the no-communication bound (every GEMM kept, every collective removed).
+flags, XLA with the flags a MaxText user sets for overlap (in a process of its own: XLA flags
+are per process), and the no-communication bound (every GEMM kept, every collective removed).
 
 Run as ``python -m jax_ub.bench.model`` (``--help`` for the options). In-process variants
 run in interleaved rounds on the same data from the same init; each prints step time
 (median of the rounds, and their spread), tokens/s, MFU (model FLOPs over the devices'
 stated peak), the compiled step's memory (XLA's estimate: arguments, outputs and
 temporaries), the ratio to the bound and to the best XLA variant, and the first step's
-loss, which for jax_ub and XLA must agree. ``--processes N`` repeats those rounds in N fresh
-processes, one after another: on the same GPUs jax_ub's step has differed by a few percent
-between processes.
+loss, which for jax_ub and XLA must agree; each round also prints the host's ms to enqueue a
+step. ``--processes N`` repeats the rounds in N fresh processes, one after another: on the
+same GPUs jax_ub's step has differed by a few percent between processes.
 """
 
 from __future__ import annotations
@@ -273,6 +272,7 @@ def _run(variants: list[str], args, say) -> dict:
             f"loss {first_loss[v]:.5f}"
         )
     times: dict[str, list[float]] = {v: [] for v in variants}
+    issued: dict[str, list[float]] = {v: [] for v in variants}  # host ms/step to enqueue
     for r in range(args.rounds):
         for v in variants:
             if park:
@@ -280,14 +280,14 @@ def _run(variants: list[str], args, say) -> dict:
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 states[v], loss = steps[v](states[v], tokens)
+            issued[v].append((time.perf_counter() - t0) / args.steps * 1e3)
             jax.block_until_ready(loss)
             times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
             if park:
                 to_host(v)
-        say(
-            f"  round {r + 1}/{args.rounds}: "
-            + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in variants)
-        )
+        # Host-bound where the host needs about as long to enqueue a step as to run it.
+        cells = (f"{v} {times[v][-1]:.2f} ms (issued {issued[v][-1]:.0f})" for v in variants)
+        say(f"  round {r + 1}/{args.rounds}: " + ", ".join(cells))
     from jax_ub._src.runtime import communicator
     from jax_ub._src.settings import options
 
@@ -303,6 +303,7 @@ def _run(variants: list[str], args, say) -> dict:
         v: {
             "step_ms": statistics.median(times[v]),
             "spread": (max(times[v]) - min(times[v])) / statistics.median(times[v]),
+            "issued_ms": statistics.median(issued[v]),
             "first_loss": first_loss[v],
             "memory_bytes": memory[v],
             "userbuffer_bytes": userbuffers(v) if v.startswith("jax_ub") else 0,
