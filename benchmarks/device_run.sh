@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root):
 #   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
 #   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer,
-#   layerprofile, fp8train, stepmemory
+#   layerprofile, fp8train, stepmemory, copyhold
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench", "layer" for layer).
 # layer: one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the
 # no-communication bound (python -m jax_ub.bench.layer; args: its own, e.g. --sizes).
@@ -17,7 +17,7 @@
 # whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2); layerprofile:
 # profile_layer.py (its args); fp8train: the TP example with --fp8 --compare-bf16 (its args);
 # stepmemory: benchmarks/tools/step_memory.py (bench.model's args; live ranges and buffer
-# assignment in $OUT/step_memory.tgz).
+# assignment in $OUT/step_memory.tgz); copyhold: benchmarks/tools/copy_hold.cu.
 # Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -178,6 +178,16 @@ if [ "$what" = overlapcost ]; then
     IFS=, read -r m k n <<< "$shape"; whole="$whole $((2 * m)),$k,$n"
   done
   timeout -k 5 120 python3 benchmarks/tools/xla_dot_times.py --loop-seconds "$secs" $whole 2>&1 | grep "xla dot"
+fi
+if [ "$what" = copyhold ]; then
+  # Whether a copy within a GPU holds back another stream's kernel, with the driver's
+  # default hardware queues, 32 and 1 (CUDA_DEVICE_MAX_CONNECTIONS).
+  timeout 120 ninja -C build/dev copy_hold >> "$OUT/build.log" 2>&1 || { echo TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
+  timeout -k 5 60 env -u CUDA_DEVICE_MAX_CONNECTIONS build/dev/copy_hold 2>&1 | tee -a "$OUT/copy_hold.log"
+  for conn in 32 1; do
+    CUDA_DEVICE_MAX_CONNECTIONS=$conn timeout -k 5 60 build/dev/copy_hold 2>&1 | grep -A3 "^2\." \
+      | tee -a "$OUT/copy_hold.log"
+  done
 fi
 if [ "$what" = gemm ]; then
   # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same

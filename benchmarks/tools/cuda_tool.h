@@ -26,7 +26,7 @@ inline void Check(cublasStatus_t s, const char* what) {
   }
 }
 
-__global__ inline void FillRandomKernel(__nv_bfloat16* p, int64_t count, uint32_t seed,
+static __global__ void FillRandomKernel(__nv_bfloat16* p, int64_t count, uint32_t seed,
                                         float scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {

@@ -1,0 +1,154 @@
+// Does a copy within one GPU hold back a kernel of another stream? Step profiles of the
+// Llama model showed jax_ub's GEMMs starting only as XLA's saved-activation copies (on
+// streams of their own) ended. Two experiments, each the median of 7 repeats:
+//  1. A 256 MiB copy on stream C, then a kernel on stream S launched after it (one CTA, or
+//     one per SM with 200 KB of shared memory, as a GEMM): when S's kernel starts, for a
+//     cudaMemcpyAsync, a cudaMemcpyBatchAsync asking to overlap compute, and an SM copy.
+//  2. K1 (100 us, one CTA per SM) on S, then the copy on C, then K2 on S, for S sharing
+//     C's hardware queue or not (streams are dealt round-robin onto
+//     CUDA_DEVICE_MAX_CONNECTIONS queues; run it with that unset, 32 and 1): does K2 start
+//     as K1 ends, or as the copy does?
+// Usage: copy_hold (GPU 0). Times are from the globaltimer, in us from the first stamp.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda_tool.h"
+
+using jax_ub_tool::Check;
+
+namespace {
+
+constexpr size_t kBytes = 256ull << 20;
+constexpr int kSmem = 200 * 1024;
+constexpr int kRepeats = 8;  // the first is a warm-up
+
+__device__ uint64_t Now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void Stamp(unsigned long long* at) { *at = Now(); }
+
+// Spins `ns` from its start; records the earliest start and the latest end of its CTAs.
+__global__ void Spin(unsigned long long* first, unsigned long long* last, uint64_t ns,
+                     bool touch_smem) {
+  extern __shared__ char smem[];
+  const uint64_t t0 = Now();
+  if (threadIdx.x == 0) atomicMin(first, static_cast<unsigned long long>(t0));
+  if (touch_smem) smem[threadIdx.x] = 1;
+  while (Now() - t0 < ns) {
+  }
+  if (threadIdx.x == 0) atomicMax(last, static_cast<unsigned long long>(Now()));
+}
+
+__global__ void CopyKernel(const int4* src, int4* dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+enum class CopyKind { kMemcpy, kOverlapHint, kKernel };
+
+void EnqueueCopy(CopyKind kind, void* dst, const void* src, int sms, cudaStream_t s) {
+  if (kind == CopyKind::kMemcpy) {
+    Check(cudaMemcpyAsync(dst, src, kBytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+  } else if (kind == CopyKind::kOverlapHint) {
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    void* dsts[1] = {dst};
+    const void* srcs[1] = {src};
+    size_t sizes[1] = {kBytes};
+    size_t first_of_attr = 0;
+    Check(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &first_of_attr, 1, s),
+          "cudaMemcpyBatchAsync");
+  } else {
+    CopyKernel<<<sms * 4, 512, 0, s>>>(static_cast<const int4*>(src), static_cast<int4*>(dst),
+                                       kBytes / sizeof(int4));
+    Check(cudaGetLastError(), "CopyKernel");
+  }
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  Check(cudaSetDevice(0), "cudaSetDevice");
+  int sms = 0;
+  Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
+  void *src = nullptr, *dst = nullptr;
+  Check(cudaMalloc(&src, kBytes), "cudaMalloc");
+  Check(cudaMalloc(&dst, kBytes), "cudaMalloc");
+  Check(cudaMemset(src, 1, kBytes), "cudaMemset");
+  unsigned long long* t = nullptr;  // 0: reference, 1: copy end, 2/3: K1, 4/5: K2 (first, last)
+  Check(cudaMallocManaged(&t, 8 * sizeof(*t)), "cudaMallocManaged");
+  std::vector<cudaStream_t> streams(17);
+  for (cudaStream_t& s : streams)
+    Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  Check(cudaFuncSetAttribute(Spin, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), "smem");
+  auto reset = [&] {
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    for (int i = 0; i < 8; ++i) t[i] = (i == 2 || i == 4) ? ~0ull : 0;
+  };
+  auto spin = [&](int grid, unsigned long long* first, uint64_t ns, cudaStream_t s) {
+    const bool big = grid > 1;
+    Spin<<<grid, 128, big ? kSmem : 0, s>>>(first, first + 1, ns, big);
+    Check(cudaGetLastError(), "Spin");
+  };
+  const char* copies[] = {"cudaMemcpyAsync", "cudaMemcpyBatchAsync, overlap hint",
+                          "SM copy kernel"};
+  std::printf("1. copy on stream 0, then a kernel on stream 1 (us from the copy's start)\n");
+  for (int c = 0; c < 3; ++c) {
+    for (int grid : {1, sms}) {
+      std::vector<double> copy_end, start;
+      for (int rep = 0; rep < kRepeats; ++rep) {
+        reset();
+        Stamp<<<1, 1, 0, streams[0]>>>(&t[0]);
+        EnqueueCopy(static_cast<CopyKind>(c), dst, src, sms, streams[0]);
+        Stamp<<<1, 1, 0, streams[0]>>>(&t[1]);
+        spin(grid, &t[4], 20000, streams[1]);
+        Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        if (rep == 0) continue;
+        copy_end.push_back((t[1] - t[0]) * 1e-3);
+        start.push_back((double(t[4]) - double(t[0])) * 1e-3);
+      }
+      std::printf("  %-36s kernel of %3d CTA(s): copy ends %7.1f, kernel starts %7.1f\n", copies[c],
+                  grid, Median(copy_end), Median(start));
+    }
+  }
+  const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  std::printf(
+      "2. K1 on stream S, copy on stream 0, K2 on S (us from K1's start; "
+      "CUDA_DEVICE_MAX_CONNECTIONS=%s)\n",
+      env != nullptr ? env : "unset");
+  for (int s : {1, 8, 16}) {
+    std::vector<double> k1_end, copy_end, k2_start;
+    for (int rep = 0; rep < kRepeats; ++rep) {
+      reset();
+      spin(sms, &t[2], 100000, streams[s]);
+      EnqueueCopy(CopyKind::kMemcpy, dst, src, sms, streams[0]);
+      Stamp<<<1, 1, 0, streams[0]>>>(&t[1]);
+      spin(sms, &t[4], 20000, streams[s]);
+      Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (rep == 0) continue;
+      k1_end.push_back((t[3] - t[2]) * 1e-3);
+      copy_end.push_back((double(t[1]) - double(t[2])) * 1e-3);
+      k2_start.push_back((double(t[4]) - double(t[2])) * 1e-3);
+    }
+    std::printf("  S = stream %2d: K1 ends %7.1f, copy ends %7.1f, K2 starts %7.1f\n", s,
+                Median(k1_end), Median(copy_end), Median(k2_start));
+  }
+  for (cudaStream_t s : streams) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
+  Check(cudaFree(t), "cudaFree");
+  Check(cudaFree(src), "cudaFree");
+  Check(cudaFree(dst), "cudaFree");
+  return 0;
+}
