@@ -18,6 +18,10 @@ from profile_kernels import device_events, trace_events
 TRACED_STEPS = 3  # the steps each trace holds
 HLO_ROWS = 30
 COPY = re.compile(r"memcpy|memset", re.IGNORECASE)  # copy-engine work, on streams of its own
+# An HLO instruction's line: its name, its result shape (one array, or a tuple holding arrays
+# and tuples of them, as async starts have), its opcode.
+INSTRUCTION = re.compile(r"%?([\w.\-]+) = (\((?:[^()]|\([^()]*\))*\)|\S+) ([\w\-]+)\(")
+OP_NAME = re.compile(r'op_name="([^"]+)"')
 
 
 class Event(NamedTuple):
@@ -151,15 +155,15 @@ def describe_custom_calls(hlo_text: str) -> dict[str, str]:
     table reads it, the text is megabytes): do not change it."""
     described = {}
     for line in hlo_text.splitlines():
-        m = re.search(r"%?([\w.\-]+) = ((?:\([^)]*\))|\S+) custom-call\(", line)
+        m = INSTRUCTION.search(line)
         target = re.search(r'custom_call_target="([^"]+)"', line)
-        if not (m and target):
+        if not (m and target and m.group(3) == "custom-call"):
             continue
         shape = re.sub(r"\{[\d,]*\}", "", m.group(2))  # layouts say nothing here
         bwd = " (bwd)" if "transpose(" in line else ""
         tw = " w.T" if "transpose_w = true" in line else ""
         # Where JAX traced it (autodiff, remat, scan), without the jit and the op itself.
-        op_name = re.search(r'op_name="([^"]+)"', line)
+        op_name = OP_NAME.search(line)
         where = op_name.group(1).split("/")[1:-1] if op_name else []
         where = "/".join(w for w in where if w != "shard_map")
         described[m.group(1)] = (
@@ -174,9 +178,9 @@ def instruction_op_names(hlo_text: str) -> dict[str, str]:
     XLA names the instruction's kernels: dots as underscores. Cached: do not change it."""
     names = {}
     for line in hlo_text.splitlines():
-        m = re.search(r"%?([\w.\-]+) = .*op_name=\"([^\"]+)\"", line)
-        if m:
-            names[m.group(1).replace(".", "_")] = m.group(2)
+        m, op_name = INSTRUCTION.search(line), OP_NAME.search(line)
+        if m and op_name:
+            names[m.group(1).replace(".", "_")] = op_name.group(1)
     return names
 
 
