@@ -2,10 +2,11 @@
 // Llama model showed jax_ub's GEMMs starting only as XLA's saved-activation copies (on
 // streams of their own) ended. Two experiments, each the median of 7 repeats:
 //  1. A 256 MiB copy on stream C, then a kernel on stream S launched after it (one CTA, or
-//     one per SM with 200 KB of shared memory, as a GEMM): when S's kernel starts, for a
-//     cudaMemcpyAsync, a cudaMemcpyBatchAsync asking to overlap compute, and an SM copy.
-//  2. K1 (100 us, one CTA per SM) on S, then the copy on C, then K2 on S, for S sharing
-//     C's hardware queue or not (streams are dealt round-robin onto
+//     one per SM with 200 KB of shared memory as a GEMM, alone or in clusters of 2): when
+//     S's kernel starts, for a cudaMemcpyAsync, a cudaMemcpyBatchAsync asking to overlap
+//     compute, and an SM copy.
+//  2. K1 (100 us, one CTA per SM, clusters of 2) on S, then the copy on C, then K2 on S,
+//     for S sharing C's hardware queue or not (streams are dealt round-robin onto
 //     CUDA_DEVICE_MAX_CONNECTIONS queues; run it with that unset, 32 and 1): does K2 start
 //     as K1 ends, or as the copy does?
 // Usage: copy_hold (GPU 0). Times are from the globaltimer, in us from the first stamp.
@@ -98,30 +99,45 @@ int main() {
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     for (int i = 0; i < 8; ++i) t[i] = (i == 2 || i == 4) ? ~0ull : 0;
   };
-  auto spin = [&](int grid, unsigned long long* first, uint64_t ns, cudaStream_t s) {
+  // One CTA, or one per SM with a GEMM's shared memory, in clusters of `cluster` CTAs as
+  // cuBLASLt's Hopper kernels launch (1x2).
+  auto spin = [&](int grid, int cluster, unsigned long long* first, uint64_t ns, cudaStream_t s) {
     const bool big = grid > 1;
-    Spin<<<grid, 128, big ? kSmem : 0, s>>>(first, first + 1, ns, big);
-    Check(cudaGetLastError(), "Spin");
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(128);
+    config.dynamicSmemBytes = big ? kSmem : 0;
+    config.stream = s;
+    config.attrs = &attr;
+    config.numAttrs = cluster > 1 ? 1 : 0;
+    Check(cudaLaunchKernelEx(&config, Spin, first, first + 1, ns, big), "Spin");
   };
+  const int full = sms - sms % 2;  // one CTA per SM, whole clusters of 2
   const char* copies[] = {"cudaMemcpyAsync", "cudaMemcpyBatchAsync, overlap hint",
                           "SM copy kernel"};
   std::printf("1. copy on stream 0, then a kernel on stream 1 (us from the copy's start)\n");
   for (int c = 0; c < 3; ++c) {
-    for (int grid : {1, sms}) {
+    for (int cluster : {0, 1, 2}) {  // 0: one CTA; else one per SM, in clusters of `cluster`
+      const int grid = cluster == 0 ? 1 : full;
       std::vector<double> copy_end, start;
       for (int rep = 0; rep < kRepeats; ++rep) {
         reset();
         Stamp<<<1, 1, 0, streams[0]>>>(&t[0]);
         EnqueueCopy(static_cast<CopyKind>(c), dst, src, sms, streams[0]);
         Stamp<<<1, 1, 0, streams[0]>>>(&t[1]);
-        spin(grid, &t[4], 20000, streams[1]);
+        spin(grid, std::max(cluster, 1), &t[4], 20000, streams[1]);
         Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
         if (rep == 0) continue;
         copy_end.push_back((t[1] - t[0]) * 1e-3);
         start.push_back((double(t[4]) - double(t[0])) * 1e-3);
       }
-      std::printf("  %-36s kernel of %3d CTA(s): copy ends %7.1f, kernel starts %7.1f\n", copies[c],
-                  grid, Median(copy_end), Median(start));
+      std::printf("  %-36s kernel of %3d CTA(s), clusters of %d: copy ends %7.1f, starts %7.1f\n",
+                  copies[c], grid, std::max(cluster, 1), Median(copy_end), Median(start));
     }
   }
   const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
@@ -133,10 +149,10 @@ int main() {
     std::vector<double> k1_end, copy_end, k2_start;
     for (int rep = 0; rep < kRepeats; ++rep) {
       reset();
-      spin(sms, &t[2], 100000, streams[s]);
+      spin(full, 2, &t[2], 100000, streams[s]);
       EnqueueCopy(CopyKind::kMemcpy, dst, src, sms, streams[0]);
       Stamp<<<1, 1, 0, streams[0]>>>(&t[1]);
-      spin(sms, &t[4], 20000, streams[s]);
+      spin(full, 2, &t[4], 20000, streams[s]);
       Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       if (rep == 0) continue;
       k1_end.push_back((t[3] - t[2]) * 1e-3);
