@@ -1,7 +1,7 @@
 """What a traced training step's kernels say by HLO instruction (profile_train_step.py's
 tables): custom calls named by op, shape and pass; wall time per run; idle gaps by the
 instructions around them; peer copies' start inside each call; kernels that differ between
-the GPUs."""
+the GPUs; what the host's threads spent their time on."""
 
 from __future__ import annotations
 
