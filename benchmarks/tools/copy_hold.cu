@@ -58,6 +58,10 @@ void EnqueueCopy(CopyKind kind, void* dst, const void* src, int sms, cudaStream_
   if (kind == CopyKind::kMemcpy) {
     Check(cudaMemcpyAsync(dst, src, kBytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
   } else if (kind == CopyKind::kOverlapHint) {
+#if CUDART_VERSION < 13000
+    std::fprintf(stderr, "the overlap hint's row needs a CUDA 13 build\n");
+    std::exit(1);
+#else
     cudaMemcpyAttributes attr = {};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
@@ -67,6 +71,7 @@ void EnqueueCopy(CopyKind kind, void* dst, const void* src, int sms, cudaStream_
     size_t first_of_attr = 0;
     Check(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &first_of_attr, 1, s),
           "cudaMemcpyBatchAsync");
+#endif
   } else {
     CopyKernel<<<sms * 4, 512, 0, s>>>(static_cast<const int4*>(src), static_cast<int4*>(dst),
                                        kBytes / sizeof(int4));
