@@ -64,19 +64,6 @@ def _rs(mesh, impl):
     )
 
 
-def _ag_gathered(mesh):
-    """all_gather_matmul returning the gathered x too."""
-    return jax.jit(
-        jax.shard_map(
-            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub", return_gathered=True),
-            mesh=mesh,
-            in_specs=(P("tp", None), P(None, "tp")),
-            out_specs=(P(None, "tp"), P()),
-            check_vma=False,
-        )
-    )
-
-
 SHAPES = [  # (M, K, N) global
     (1024, 1024, 1024),
     (256, 512, 768),
@@ -339,7 +326,16 @@ def test_hlo_has_only_custom_calls():
 def test_return_gathered(tp):
     mesh = _mesh(tp)
     x, w = _data(jax.random.key(13), [(1024, 512), (512, 256)], jnp.bfloat16)
-    out, gathered = _ag_gathered(mesh)(x, w)
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub", return_gathered=True),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=(P(None, "tp"), P()),
+            check_vma=False,
+        )
+    )
+    out, gathered = f(x, w)
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(x))
     assert _rel(out, _ag(mesh, "xla")(x, w)) < 2e-2
 
