@@ -294,15 +294,30 @@ def peer_copies(trace_dir: str, hlo_text: str) -> None:
         print(f"    {mean[0]:7.1f} {mean[1]:7.1f} {mean[2]:7.1f}  {what[:150]}")
 
 
+@functools.cache
+def _host_events(trace_dir: str) -> list[dict]:
+    """The host's timed events (on no GPU's track), in trace order. Cached: do not change it."""
+    gpus = events_by_gpu(trace_dir)
+    return [
+        e
+        for e in trace_events(trace_dir)
+        if e.get("ph") == "X" and e.get("pid") not in gpus and "dur" in e
+    ]
+
+
+def _correlation_id(e: dict) -> int | None:
+    """A host event's correlation id: set on CUDA API calls, shared with their device work."""
+    cid = e.get("args", {}).get("correlation_id")
+    return None if cid is None else int(cid)
+
+
 def _launch_times(trace_dir: str) -> dict[int, float]:
     """Correlation id -> when its launch API call began on the host (trace microseconds)."""
-    gpus = events_by_gpu(trace_dir)
-    launched = {}
-    for e in trace_events(trace_dir):
-        cid = e.get("args", {}).get("correlation_id")
-        if cid is not None and e.get("ph") == "X" and e.get("pid") not in gpus:
-            launched[int(cid)] = float(e["ts"])
-    return launched
+    return {
+        cid: float(e["ts"])
+        for e in _host_events(trace_dir)
+        if (cid := _correlation_id(e)) is not None
+    }
 
 
 def call_timelines(trace_dir: str, hlo_text: str, calls: int = 3, before_us: float = 150) -> None:
@@ -382,25 +397,19 @@ def host_time(trace_dir: str, rows: int = 24) -> None:
     ms and count summed over the threads (XLA's host events nest, so an outer one holds
     the inner ones' time), and per thread the CUDA API calls (events with a correlation
     id) it made: what enqueuing a step costs, and on which threads."""
-    gpus = events_by_gpu(trace_dir)
-    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    api_by_thread: dict[tuple[int, int], list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    api_by_name: dict[str, list[float]] = collections.defaultdict(list)  # durations, us
-    for e in trace_events(trace_dir):
-        if e.get("ph") != "X" or e.get("pid") in gpus or "dur" not in e:
-            continue
-        entry = by_name[e.get("name", "?")[:90]]
-        entry[0] += float(e["dur"])
-        entry[1] += 1
-        if e.get("args", {}).get("correlation_id") is not None:
-            t = api_by_thread[(e["pid"], e.get("tid", 0))]
-            t[0] += float(e["dur"])
-            t[1] += 1
-            api_by_name[e.get("name", "?")[:90]].append(float(e["dur"]))
+    by_name: dict[str, list[float]] = collections.defaultdict(list)  # durations, us
+    api_by_name: dict[str, list[float]] = collections.defaultdict(list)
+    api_by_thread: dict[tuple[int, int], list[float]] = collections.defaultdict(list)
+    for e in _host_events(trace_dir):
+        name, us = e.get("name", "?")[:90], float(e["dur"])
+        by_name[name].append(us)
+        if _correlation_id(e) is not None:
+            api_by_name[name].append(us)
+            api_by_thread[(e["pid"], e.get("tid", 0))].append(us)
     scale = 1e-3 / TRACED_STEPS
     print("  host time by event name (ms/step summed over threads, events/step, name):")
-    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:rows]:
-        print(f"    {us * scale:8.2f} {n / TRACED_STEPS:7.0f}  {name}")
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(f"    {sum(v) * scale:8.2f} {len(v) / TRACED_STEPS:7.0f}  {name}")
     # A call that usually returns in microseconds but sometimes takes far longer waited:
     # for room in a full launch queue (the host far ahead), or for a lock.
     print("  CUDA API calls by name (ms/step, calls/step, median and max us, name):")
@@ -410,5 +419,5 @@ def host_time(trace_dir: str, rows: int = 24) -> None:
             f"{statistics.median(v):7.1f} {max(v):8.1f}  {name}"
         )
     print("  CUDA API calls by host thread (ms/step, calls/step, pid/tid):")
-    for (pid, tid), (us, n) in sorted(api_by_thread.items(), key=lambda kv: -kv[1][0])[:8]:
-        print(f"    {us * scale:8.2f} {n / TRACED_STEPS:7.0f}  {pid}/{tid}")
+    for (pid, tid), v in sorted(api_by_thread.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"    {sum(v) * scale:8.2f} {len(v) / TRACED_STEPS:7.0f}  {pid}/{tid}")
