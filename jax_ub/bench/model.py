@@ -20,13 +20,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 from jax_ub.bench.model_bound import bound_ops
+from jax_ub.bench.model_processes import over_processes, run_child
 
 DESCRIPTION = (
     "Benchmark one training step of a Llama-style model (GQA with rotary embeddings, SwiGLU, "
@@ -316,48 +315,6 @@ def _run(variants: list[str], args, say) -> dict:
     }
 
 
-def _run_child(variants: list[str], args, argv: list[str], say, xla_flags: str = "") -> dict:
-    """`variants` timed in a process of their own (with `xla_flags` added to XLA_FLAGS),
-    the same arguments otherwise: their results, {} if it failed. Its progress lines pass
-    through as it runs."""
-    env = dict(os.environ)
-    if xla_flags:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    # As JSON: a --ub-variants variant's name holds commas.
-    cmd = [sys.executable, "-m", "jax_ub.bench.model", *argv, "--child", json.dumps(variants)]
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    for line in done.stdout.splitlines():
-        if line.startswith("MODEL_RESULT "):
-            return json.loads(line[len("MODEL_RESULT ") :])
-    say(f"  {','.join(variants)}: the process failed (rc={done.returncode}; its errors above)")
-    return {}
-
-
-def _over_processes(per_process: list[dict], say) -> dict:
-    """The results of several processes as one: per variant the median over the processes
-    of their step times, `spread` across those medians, `per_process_ms` each one's, the
-    rest the first process's. Prints each process's times and ratios to the bound."""
-    ran = [r for r in per_process if r]
-    for i, r in enumerate(per_process):
-        bound = r.get("bound", {}).get("step_ms")
-        cells = [
-            f"{v} {x['step_ms']:.2f} ms"
-            + (f" ({x['step_ms'] / bound:.3f}x the bound)" if bound and v != "bound" else "")
-            for v, x in r.items()
-            if not v.startswith("_")
-        ]
-        say(f"  process {i + 1}: " + (", ".join(cells) if cells else "failed"))
-    if not ran:
-        return {}
-    combined = {}
-    for v in (v for v in ran[0] if not v.startswith("_")):
-        ms = [r[v]["step_ms"] for r in ran]
-        median = statistics.median(ms)
-        spread = (max(ms) - min(ms)) / median
-        combined[v] = ran[0][v] | {"step_ms": median, "spread": spread, "per_process_ms": ms}
-    return combined | {"_processes": len(ran)}
-
-
 def _report(results: dict, args, say) -> None:
     import jax
 
@@ -431,15 +388,15 @@ def main(argv: list[str] | None = None) -> None:
     # Other processes first, before this one takes the devices' memory.
     if "xla_overlap" in variants:
         say(f"  xla_overlap: in its own process, XLA_FLAGS+={args.overlap_flags!r}")
-        child = _run_child(["xla_overlap"], args, argv, say, args.overlap_flags)
+        child = run_child(["xla_overlap"], argv, say, args.overlap_flags)
         results["xla_overlap"] = child.get("xla_overlap")
     here = [v for v in variants if v != "xla_overlap"]
     if here and args.processes > 1:
         per_process = []
         for i in range(args.processes):
             say(f"process {i + 1}/{args.processes}: {','.join(here)}")
-            per_process.append(_run_child(here, args, argv, say))
-        results = _over_processes(per_process, say) | results
+            per_process.append(run_child(here, argv, say))
+        results = over_processes(per_process, say) | results
     elif here:
         results = _run(here, args, say) | results
     _report(results, args, say)
