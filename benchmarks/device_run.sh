@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root):
 #   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
 #   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer,
-#   layerprofile, fp8train, stepmemory, copyhold, modelab
+#   layerprofile, fp8train, stepmemory, copyhold
 # TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench", "layer" for layer).
 # layer: one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the
 # no-communication bound (python -m jax_ub.bench.layer; args: its own, e.g. --sizes).
@@ -17,8 +17,7 @@
 # whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2); layerprofile:
 # profile_layer.py (its args); fp8train: the TP example with --fp8 --compare-bf16 (its args);
 # stepmemory: benchmarks/tools/step_memory.py (bench.model's args; live ranges and buffer
-# assignment in $OUT/step_memory.tgz); copyhold: benchmarks/tools/copy_hold.cu; modelab: the
-# model benchmark in processes alternating without and with AB_FLAGS in XLA_FLAGS.
+# assignment in $OUT/step_memory.tgz); copyhold: benchmarks/tools/copy_hold.cu.
 # Anything else only builds.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -82,22 +81,6 @@ if [ "$what" = model ]; then
     python3 -m jax_ub.bench.model --json "$OUT/$tag.json" "$@" 2>&1 \
     | tee "$OUT/$tag.log" | grep -vE "$NOISE" | tail -${MODEL_LINES:-30}
   cleanup
-fi
-if [ "$what" = modelab ]; then
-  # The model benchmark in alternating fresh processes, without and with AB_FLAGS added to
-  # XLA_FLAGS, AB_PROCESSES (default 2) of each (args: the benchmark's): drift between
-  # processes falls on both settings alike. Prints each process's table rows.
-  for i in $(seq 1 "${AB_PROCESSES:-2}"); do
-    for side in a b; do
-      flags=""; [ "$side" = b ] && flags="${AB_FLAGS:?set AB_FLAGS}"
-      XLA_FLAGS="${XLA_FLAGS:-} $flags" XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.9} \
-        timeout -k 10 "${MODEL_S:-450}" python3 -m jax_ub.bench.model --json "$OUT/ab_$side$i.json" \
-        "$@" > "$OUT/ab_$side$i.log" 2>&1
-      echo "== $side$i (XLA_FLAGS += '$flags'): rc=$?"
-      grep -E "^(jax_ub|bound|xla)" "$OUT/ab_$side$i.log"
-      cleanup
-    done
-  done
 fi
 if [ "$what" = llama ]; then
   # examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3).
