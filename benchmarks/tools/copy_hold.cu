@@ -1,6 +1,6 @@
 // Does a copy within one GPU hold back a kernel of another stream? Step profiles of the
 // Llama model showed jax_ub's GEMMs starting only as XLA's saved-activation copies (on
-// streams of their own) ended. Two experiments, each the median of 7 repeats:
+// streams of their own) ended. Four experiments, each the median of 7 repeats:
 //  1. A 256 MiB copy on stream C, then a kernel on stream S launched after it (one CTA, or
 //     one per SM with 200 KB of shared memory as a GEMM, alone or in clusters of 2): when
 //     S's kernel starts, for a cudaMemcpyAsync, a cudaMemcpyBatchAsync asking to overlap
@@ -9,6 +9,10 @@
 //     for S sharing C's hardware queue or not (streams are dealt round-robin onto
 //     CUDA_DEVICE_MAX_CONNECTIONS queues; run it with that unset, 32 and 1): does K2 start
 //     as K1 ends, or as the copy does?
+//  3. Part 2 with K1 of one CTA, and with K1 and K2 (or K2 alone, after K1 through an event,
+//     or the copy) on streams of the greatest (least) priority.
+//  4. Part 2 with the copy in pieces, asking to overlap compute, as an SM kernel, or to GPU 1,
+//     and with K2 without shared memory.
 // Usage: copy_hold (GPU 0). Times are from the globaltimer, in us from the first stamp.
 #include <algorithm>
 #include <cstdint>
@@ -94,7 +98,8 @@ int main() {
   Check(cudaMalloc(&src, kBytes), "cudaMalloc");
   Check(cudaMalloc(&dst, kBytes), "cudaMalloc");
   Check(cudaMemset(src, 1, kBytes), "cudaMemset");
-  unsigned long long* t = nullptr;  // 0: reference, 1: copy end, 2/3: K1, 4/5: K2 (first, last)
+  // 0/1: the copy's start and end, 2/3: K1, 4/5: K2 (first start, last end)
+  unsigned long long* t = nullptr;
   Check(cudaMallocManaged(&t, 8 * sizeof(*t)), "cudaMallocManaged");
   std::vector<cudaStream_t> streams(17);
   for (cudaStream_t& s : streams)
@@ -106,8 +111,9 @@ int main() {
   };
   // One CTA, or one per SM with a GEMM's shared memory, in clusters of `cluster` CTAs as
   // cuBLASLt's Hopper kernels launch (1x2).
-  auto spin = [&](int grid, int cluster, unsigned long long* first, uint64_t ns, cudaStream_t s) {
-    const bool big = grid > 1;
+  auto spin = [&](int grid, int cluster, unsigned long long* first, uint64_t ns, cudaStream_t s,
+                  bool smem = true) {
+    const bool big = grid > 1 && smem;
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = cluster;
@@ -145,28 +151,90 @@ int main() {
                   copies[c], grid, std::max(cluster, 1), Median(copy_end), Median(start));
     }
   }
+  // K1 on k1 (one CTA per SM, or one CTA), the copy on `copy` between stamps, K2 on k2
+  // (after K1 through an event where k2 is not k1's stream).
+  cudaEvent_t k1_done = nullptr;
+  Check(cudaEventCreateWithFlags(&k1_done, cudaEventDisableTiming), "cudaEventCreate");
+  auto hold = [&](const char* label, cudaStream_t k1, int k1_grid, cudaStream_t copy,
+                  cudaStream_t k2, int pieces = 1, void* to = nullptr, bool k2_smem = true,
+                  CopyKind kind = CopyKind::kMemcpy) {
+    std::vector<double> k1_end, copy_start, copy_end, k2_start;
+    for (int rep = 0; rep < kRepeats; ++rep) {
+      reset();
+      spin(k1_grid, k1_grid > 1 ? 2 : 1, &t[2], 100000, k1);
+      Stamp<<<1, 1, 0, copy>>>(&t[0]);
+      if (kind != CopyKind::kMemcpy) EnqueueCopy(kind, dst, src, sms, copy);
+      for (int i = 0; kind == CopyKind::kMemcpy && i < pieces; ++i) {
+        const size_t piece = kBytes / pieces;
+        char* into = static_cast<char*>(to != nullptr ? to : dst) + i * piece;
+        Check(cudaMemcpyAsync(into, static_cast<const char*>(src) + i * piece, piece,
+                              cudaMemcpyDefault, copy),
+              "cudaMemcpyAsync");
+      }
+      Stamp<<<1, 1, 0, copy>>>(&t[1]);
+      if (k2 != k1) {
+        Check(cudaEventRecord(k1_done, k1), "cudaEventRecord");
+        Check(cudaStreamWaitEvent(k2, k1_done), "cudaStreamWaitEvent");
+      }
+      spin(full, 2, &t[4], 20000, k2, k2_smem);
+      Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (rep == 0) continue;
+      const double t0 = double(t[2]);
+      k1_end.push_back((t[3] - t0) * 1e-3);
+      copy_start.push_back((double(t[0]) - t0) * 1e-3);
+      copy_end.push_back((double(t[1]) - t0) * 1e-3);
+      k2_start.push_back((double(t[4]) - t0) * 1e-3);
+    }
+    std::printf("  %-44s K1 ends %6.1f, copy %6.1f to %6.1f, K2 starts %6.1f\n", label,
+                Median(k1_end), Median(copy_start), Median(copy_end), Median(k2_start));
+  };
   const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   std::printf(
       "2. K1 on stream S, copy on stream 0, K2 on S (us from K1's start; "
       "CUDA_DEVICE_MAX_CONNECTIONS=%s)\n",
       env != nullptr ? env : "unset");
+  char label[64];
   for (int s : {1, 8, 16}) {
-    std::vector<double> k1_end, copy_end, k2_start;
-    for (int rep = 0; rep < kRepeats; ++rep) {
-      reset();
-      spin(full, 2, &t[2], 100000, streams[s]);
-      EnqueueCopy(CopyKind::kMemcpy, dst, src, sms, streams[0]);
-      Stamp<<<1, 1, 0, streams[0]>>>(&t[1]);
-      spin(full, 2, &t[4], 20000, streams[s]);
-      Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      if (rep == 0) continue;
-      k1_end.push_back((t[3] - t[2]) * 1e-3);
-      copy_end.push_back((double(t[1]) - double(t[2])) * 1e-3);
-      k2_start.push_back((double(t[4]) - double(t[2])) * 1e-3);
-    }
-    std::printf("  S = stream %2d: K1 ends %7.1f, copy ends %7.1f, K2 starts %7.1f\n", s,
-                Median(k1_end), Median(copy_end), Median(k2_start));
+    std::snprintf(label, sizeof(label), "S = stream %d", s);
+    hold(label, streams[s], full, streams[0], streams[s]);
   }
+  // Whether stream priorities let K2 past the copy: XLA's copies run on streams of default
+  // priority, and a custom call may fork its kernels onto a stream of its own.
+  int least = 0, greatest = 0;
+  Check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+  cudaStream_t high = nullptr, low = nullptr;
+  Check(cudaStreamCreateWithPriority(&high, cudaStreamNonBlocking, greatest), "high stream");
+  Check(cudaStreamCreateWithPriority(&low, cudaStreamNonBlocking, least), "low stream");
+  std::printf("3. the same with stream priorities (greatest %d, least %d)\n", greatest, least);
+  hold("K1 of 1 CTA on S, K2 on S", streams[1], 1, streams[0], streams[1]);
+  hold("K1, K2 on a stream of the greatest priority", high, full, streams[0], high);
+  hold("K1 on S, K2 on one of the greatest priority", streams[1], full, streams[0], high);
+  hold("K1, K2 on S, the copy on one of the least", streams[1], full, low, streams[1]);
+  std::printf("4. part 2 (S = stream 1) with other copies, or K2 without shared memory\n");
+  for (int pieces : {16, 128}) {
+    std::snprintf(label, sizeof(label), "the copy in %d pieces", pieces);
+    hold(label, streams[1], full, streams[0], streams[1], pieces);
+  }
+  hold("K2 without shared memory", streams[1], full, streams[0], streams[1], 1, nullptr, false);
+  hold("the copy asking to overlap compute", streams[1], full, streams[0], streams[1], 1, nullptr,
+       true, CopyKind::kOverlapHint);
+  hold("an SM copy kernel", streams[1], full, streams[0], streams[1], 1, nullptr, true,
+       CopyKind::kKernel);
+  int gpus = 0, peer_ok = 0;
+  Check(cudaGetDeviceCount(&gpus), "cudaGetDeviceCount");
+  if (gpus > 1) Check(cudaDeviceCanAccessPeer(&peer_ok, 0, 1), "cudaDeviceCanAccessPeer");
+  if (peer_ok != 0) {
+    void* remote = nullptr;
+    Check(cudaSetDevice(1), "cudaSetDevice");
+    Check(cudaMalloc(&remote, kBytes), "cudaMalloc");
+    Check(cudaSetDevice(0), "cudaSetDevice");
+    Check(cudaDeviceEnablePeerAccess(1, 0), "cudaDeviceEnablePeerAccess");
+    hold("the copy to GPU 1 (peer access)", streams[1], full, streams[0], streams[1], 1, remote);
+    Check(cudaFree(remote), "cudaFree");
+  }
+  Check(cudaStreamDestroy(high), "cudaStreamDestroy");
+  Check(cudaStreamDestroy(low), "cudaStreamDestroy");
+  Check(cudaEventDestroy(k1_done), "cudaEventDestroy");
   for (cudaStream_t s : streams) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
   Check(cudaFree(t), "cudaFree");
   Check(cudaFree(src), "cudaFree");

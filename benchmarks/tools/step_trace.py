@@ -68,7 +68,14 @@ def _gaps_in(evs: list[Event], min_us: float) -> list[tuple[float, float, Event,
 
 def _idle_gaps(trace_dir: str, min_us: float) -> list[tuple[float, float, Event, Event]]:
     """Every GPU's idle stretches (_gaps_in)."""
-    return [g for evs in events_by_gpu(trace_dir).values() for g in _gaps_in(evs, min_us)]
+    return [g for gaps in _idle_gaps_by_gpu(trace_dir, min_us) for g in gaps]
+
+
+def _idle_gaps_by_gpu(
+    trace_dir: str, min_us: float
+) -> list[list[tuple[float, float, Event, Event]]]:
+    """Each GPU's idle stretches (_gaps_in), GPUs in the trace's order."""
+    return [_gaps_in(evs, min_us) for _, evs in sorted(events_by_gpu(trace_dir).items())]
 
 
 def gaps_at_copy_ends(
@@ -248,25 +255,40 @@ def gaps_by_hlo_op(trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0
     # A gap the host caused: the kernel after it was launched (its API call on the host
     # began) only after the GPU had run out of work.
     launched = _launch_times(trace_dir)
-    around: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    starved, known, gaps = [0.0, 0], 0, _idle_gaps(trace_dir, min_us)
-    for start, us, before, after in gaps:
-        ops = [described.get(x.op, x.op or "?") for x in (before, after)]
-        around[(ops[0], ops[1])].append(us)
-        known += after.cid in launched
-        if after.cid is not None and launched.get(after.cid, -1.0) > start:
-            starved[0] += us
-            starved[1] += 1
+    # Per GPU as well as summed: a GPU that runs slower than its peers never waits for them,
+    # so the step's time is that GPU's, and its own idle time is the part that counts.
+    by_gpu = _idle_gaps_by_gpu(trace_dir, min_us)
+    around: dict[tuple[str, str], list[list[float]]] = collections.defaultdict(
+        lambda: [[] for _ in by_gpu]
+    )
+    starved, known, gaps = [0.0, 0], 0, [g for gpu_gaps in by_gpu for g in gpu_gaps]
+    for gpu, gpu_gaps in enumerate(by_gpu):
+        for start, us, before, after in gpu_gaps:
+            ops = [described.get(x.op, x.op or "?") for x in (before, after)]
+            around[(ops[0], ops[1])][gpu].append(us)
+            known += after.cid in launched
+            if after.cid is not None and launched.get(after.cid, -1.0) > start:
+                starved[0] += us
+                starved[1] += 1
     scale = 1e-3 / TRACED_STEPS / ndev
     print(
         f"  idle waiting for the host's launch: {starved[0] * scale:.2f} ms/step/GPU in "
         f"{starved[1] / TRACED_STEPS / ndev:.1f} gaps/step/GPU (of the gaps >= {min_us} us; "
         f"the launch of the kernel after the gap found for {known} of {len(gaps)})"
     )
-    print("  idle gaps by HLO instruction (ms/step/GPU, gaps/step/GPU; before -> after):")
-    for (before, after), v in sorted(around.items(), key=lambda kv: -sum(kv[1]))[:HLO_ROWS]:
+    print(
+        "  idle gaps by HLO instruction (ms/step/GPU, gaps/step/GPU, then ms/step on each GPU;"
+        " before -> after):"
+    )
+    print("    " + " ".join(f"{sum(g[1] for g in gg) * scale * ndev:6.2f}" for gg in by_gpu)
+          + "  all gaps on each GPU")  # fmt: skip
+    rows = sorted(around.items(), key=lambda kv: -sum(map(sum, kv[1])))[:HLO_ROWS]
+    for (before, after), per_gpu in rows:
         where = f"within {before}" if before == after else f"{before}  ->  {after}"
-        print(f"    {sum(v) * scale:6.2f}  {len(v) / TRACED_STEPS / ndev:5.1f}  {where[:230]}")
+        each = " ".join(f"{sum(v) * scale * ndev:6.2f}" for v in per_gpu)
+        total, count = sum(map(sum, per_gpu)), sum(map(len, per_gpu))
+        per_step = count / TRACED_STEPS / ndev
+        print(f"    {total * scale:6.2f}  {per_step:5.1f}  {each}  {where[:200]}")
 
 
 def peer_copies(trace_dir: str, hlo_text: str) -> None:
