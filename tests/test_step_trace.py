@@ -78,7 +78,7 @@ def test_gaps_find_every_launch_and_copies_their_start(trace_dir, capsys):
     out = capsys.readouterr().out
     # 20 us a step inside the call on each GPU, beside the sum over GPUs' mean.
     assert "0.02    1.0    0.02   0.02  within all_gather_matmul" in out
-    gaps = len(step_trace._idle_gaps(trace_dir, 5.0))
+    gaps = sum(map(len, step_trace._idle_gaps_by_gpu(trace_dir, 5.0)))
     assert f"found for {gaps} of {gaps}" in out
     assert "5.0    60.0   100.0  all_gather_matmul" in out
 

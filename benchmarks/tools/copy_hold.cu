@@ -9,10 +9,10 @@
 //     for S sharing C's hardware queue or not (streams are dealt round-robin onto
 //     CUDA_DEVICE_MAX_CONNECTIONS queues; run it with that unset, 32 and 1): does K2 start
 //     as K1 ends, or as the copy does?
-//  3. Part 2 with K1 of one CTA, and with K1 and K2 (or K2 alone, after K1 through an event,
-//     or the copy) on streams of the greatest (least) priority.
-//  4. Part 2 with the copy in pieces, asking to overlap compute, as an SM kernel, or to GPU 1,
-//     and with K2 without shared memory.
+//  3. Part 2 with K1 and K2 (or K2 alone, after K1 through an event, or the copy) on streams
+//     of the greatest (least) priority.
+//  4. Part 2 with K1 of one CTA, K2 without shared memory, and the copy in pieces, asking to
+//     overlap compute, as an SM kernel, or to GPU 1.
 // Usage: copy_hold (GPU 0). Times are from the globaltimer, in us from the first stamp.
 #include <algorithm>
 #include <cstdint>
@@ -58,9 +58,16 @@ __global__ void CopyKernel(const int4* src, int4* dst, size_t n) {
 
 enum class CopyKind { kMemcpy, kOverlapHint, kKernel };
 
-void EnqueueCopy(CopyKind kind, void* dst, const void* src, int sms, cudaStream_t s) {
+// kBytes from src to dst (on this GPU or, for a plain copy, another); a plain copy in
+// `pieces` copies of equal size.
+void EnqueueCopy(CopyKind kind, void* dst, const void* src, int sms, cudaStream_t s,
+                 int pieces = 1) {
   if (kind == CopyKind::kMemcpy) {
-    Check(cudaMemcpyAsync(dst, src, kBytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+    const size_t piece = kBytes / pieces;
+    for (int i = 0; i < pieces; ++i)
+      Check(cudaMemcpyAsync(static_cast<char*>(dst) + i * piece,
+                            static_cast<const char*>(src) + i * piece, piece, cudaMemcpyDefault, s),
+            "cudaMemcpyAsync");
   } else if (kind == CopyKind::kOverlapHint) {
 #if CUDART_VERSION < 13000
     std::fprintf(stderr, "the overlap hint's row needs a CUDA 13 build\n");
@@ -163,14 +170,7 @@ int main() {
       reset();
       spin(k1_grid, k1_grid > 1 ? 2 : 1, &t[2], 100000, k1);
       Stamp<<<1, 1, 0, copy>>>(&t[0]);
-      if (kind != CopyKind::kMemcpy) EnqueueCopy(kind, dst, src, sms, copy);
-      for (int i = 0; kind == CopyKind::kMemcpy && i < pieces; ++i) {
-        const size_t piece = kBytes / pieces;
-        char* into = static_cast<char*>(to != nullptr ? to : dst) + i * piece;
-        Check(cudaMemcpyAsync(into, static_cast<const char*>(src) + i * piece, piece,
-                              cudaMemcpyDefault, copy),
-              "cudaMemcpyAsync");
-      }
+      EnqueueCopy(kind, to != nullptr ? to : dst, src, sms, copy, pieces);
       Stamp<<<1, 1, 0, copy>>>(&t[1]);
       if (k2 != k1) {
         Check(cudaEventRecord(k1_done, k1), "cudaEventRecord");
@@ -206,11 +206,11 @@ int main() {
   Check(cudaStreamCreateWithPriority(&high, cudaStreamNonBlocking, greatest), "high stream");
   Check(cudaStreamCreateWithPriority(&low, cudaStreamNonBlocking, least), "low stream");
   std::printf("3. the same with stream priorities (greatest %d, least %d)\n", greatest, least);
-  hold("K1 of 1 CTA on S, K2 on S", streams[1], 1, streams[0], streams[1]);
   hold("K1, K2 on a stream of the greatest priority", high, full, streams[0], high);
   hold("K1 on S, K2 on one of the greatest priority", streams[1], full, streams[0], high);
   hold("K1, K2 on S, the copy on one of the least", streams[1], full, low, streams[1]);
-  std::printf("4. part 2 (S = stream 1) with other copies, or K2 without shared memory\n");
+  std::printf("4. part 2 (S = stream 1) with other kernels or copies\n");
+  hold("K1 of 1 CTA", streams[1], 1, streams[0], streams[1]);
   for (int pieces : {16, 128}) {
     std::snprintf(label, sizeof(label), "the copy in %d pieces", pieces);
     hold(label, streams[1], full, streams[0], streams[1], pieces);

@@ -66,11 +66,6 @@ def _gaps_in(evs: list[Event], min_us: float) -> list[tuple[float, float, Event,
     return gaps
 
 
-def _idle_gaps(trace_dir: str, min_us: float) -> list[tuple[float, float, Event, Event]]:
-    """Every GPU's idle stretches (_gaps_in)."""
-    return [g for gaps in _idle_gaps_by_gpu(trace_dir, min_us) for g in gaps]
-
-
 def _idle_gaps_by_gpu(
     trace_dir: str, min_us: float
 ) -> list[list[tuple[float, float, Event, Event]]]:
@@ -261,7 +256,7 @@ def gaps_by_hlo_op(trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0
     around: dict[tuple[str, str], list[list[float]]] = collections.defaultdict(
         lambda: [[] for _ in by_gpu]
     )
-    starved, known, gaps = [0.0, 0], 0, [g for gpu_gaps in by_gpu for g in gpu_gaps]
+    starved, known = [0.0, 0], 0
     for gpu, gpu_gaps in enumerate(by_gpu):
         for start, us, before, after in gpu_gaps:
             ops = [described.get(x.op, x.op or "?") for x in (before, after)]
@@ -274,7 +269,7 @@ def gaps_by_hlo_op(trace_dir: str, ndev: int, hlo_text: str, min_us: float = 5.0
     print(
         f"  idle waiting for the host's launch: {starved[0] * scale:.2f} ms/step/GPU in "
         f"{starved[1] / TRACED_STEPS / ndev:.1f} gaps/step/GPU (of the gaps >= {min_us} us; "
-        f"the launch of the kernel after the gap found for {known} of {len(gaps)})"
+        f"the launch of the kernel after the gap found for {known} of {sum(map(len, by_gpu))})"
     )
     print(
         "  idle gaps by HLO instruction (ms/step/GPU, gaps/step/GPU, then ms/step on each GPU;"
