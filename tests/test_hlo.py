@@ -15,7 +15,6 @@ from conftest import smap
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src.settings import options
 
 AG_TARGET = "jax_ub_all_gather_matmul"
 RS_TARGET = "jax_ub_matmul_reduce_scatter"
@@ -248,10 +247,12 @@ def _weight_grad_barriers(text: str) -> list[list[str]]:
 OPS = {"fp8_ag": "all_gather_matmul", "fp8_rs": "matmul_reduce_scatter"}
 
 
-def _grad_program(op, mesh, rand):
-    """(jitted-to-be grad of a per-rank loss through `op` inside shard_map, its operands,
-    the [dx-like, dw] types of each op's weight-gradient barrier where XLA's dot computes
-    dw)."""
+@pytest.mark.parametrize("op", ["ag", "rs", "gelu_mlp", "fp8_ag", "fp8_rs"])
+def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
+    """Each op's backward ties its weight gradient's product to its dx, so that XLA cannot
+    move the product to the optimizer at the step's end and keep the gathered operands it
+    reads alive until then (ops/common.py::weight_grad_with)."""
+    mesh = mesh1d(4)
     if op == "gelu_mlp":
         x, w_up, w_down = rand(4 * 8, 16), rand(16, 4 * 8), rand(4 * 8, 16)
 
@@ -261,13 +262,10 @@ def _grad_program(op, mesh, rand):
 
         body = jax.grad(loss, argnums=(0, 1, 2))
         specs = (P("tp"), P(None, "tp"), P("tp", None))
+        f, args = smap(body, mesh, specs, specs), (x, w_up, w_down)
         # the down projection's dw [8, 16] with dp [32, 8]; the up projection's [16, 8] with dx
-        return (
-            smap(body, mesh, specs, specs),
-            (x, w_up, w_down),
-            [["32x8", "8x16"], ["8x16", "16x8"]],
-        )
-    if op.startswith("fp8"):
+        want = [["32x8", "8x16"], ["8x16", "16x8"]]
+    elif op.startswith("fp8"):
         # bf16 operands quantized in the op (current scaling); k and n multiples of 16
         fp8 = functools.partial(getattr(jax_ub, OPS[op]), fp8=jax_ub.Fp8Scales())
         shapes, specs = {
@@ -276,47 +274,22 @@ def _grad_program(op, mesh, rand):
         }[op]
         f = smap(_local_grad(fp8, "ub"), mesh, in_specs=specs, out_specs=specs)
         args = tuple(rand(*shape, dtype=jnp.bfloat16) for shape in shapes)
-        return f, args, {"fp8_ag": [["16x32", "32x16"]], "fp8_rs": [["64x16", "16x32"]]}[op]
-    if op == "ag":
+        want = {"fp8_ag": [["16x32", "32x16"]], "fp8_rs": [["64x16", "16x32"]]}[op]
+    elif op == "ag":
         f = smap(
             _local_grad(jax_ub.all_gather_matmul, "ub"),
             mesh,
             in_specs=(P("tp"), P(None, "tp")),
             out_specs=(P("tp"), P(None, "tp")),
         )
-        return f, (rand(4 * 8, 16), rand(16, 4 * 8)), [["8x16", "16x8"]]
-    f = smap(
-        _local_grad(jax_ub.matmul_reduce_scatter, "ub"),
-        mesh,
-        in_specs=(P(None, "tp"), P("tp")),
-        out_specs=(P(None, "tp"), P("tp")),
-    )
-    return f, (rand(4 * 8, 4 * 8), rand(4 * 8, 16)), [["32x8", "8x16"]]
-
-
-@pytest.mark.parametrize("op", ["ag", "rs", "gelu_mlp", "fp8_ag", "fp8_rs"])
-def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
-    """Where XLA's dot computes an op's weight gradient (fp8's always; the others' with
-    ``weight_grad_in_call`` off), the backward ties that product to its dx, so that XLA
-    cannot move the product to the optimizer at the step's end and keep the gathered
-    operands it reads alive until then (ops/common.py::weight_grad_with)."""
-    with options.experimental_tuning(weight_grad_in_call=False):
-        f, args, want = _grad_program(op, mesh1d(4), rand)
-        got = _weight_grad_barriers(f.lower(*args).as_text())
+        args, want = (rand(4 * 8, 16), rand(16, 4 * 8)), [["8x16", "16x8"]]
+    else:
+        f = smap(
+            _local_grad(jax_ub.matmul_reduce_scatter, "ub"),
+            mesh,
+            in_specs=(P(None, "tp"), P("tp")),
+            out_specs=(P(None, "tp"), P("tp")),
+        )
+        args, want = (rand(4 * 8, 4 * 8), rand(4 * 8, 16)), [["32x8", "8x16"]]
+    got = _weight_grad_barriers(f.lower(*args).as_text())
     assert got == want, got
-
-
-@pytest.mark.parametrize("op", ["ag", "rs", "gelu_mlp"])
-def test_weight_grads_come_from_the_calls(mesh1d, rand, op):
-    """By default the backward's calls compute the weight gradients themselves from the
-    gathered chunks: the program has no dot, and no call returns a gathered operand (a
-    result with the rows of all 4 ranks, 32, and a weight's width, 16)."""
-    f, args, _ = _grad_program(op, mesh1d(4), rand)
-    text = f.lower(*args).as_text()
-    assert "dot_general" not in text, text
-    calls = re.findall(
-        r"stablehlo\.custom_call @jax_ub_\w+\(.*\) (?:\{.*\} )?: \(.*\) -> (.*)", text
-    )
-    assert calls, text
-    for results in calls:
-        assert "tensor<32x16x" not in results, results

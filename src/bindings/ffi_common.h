@@ -141,36 +141,15 @@ inline Status DecodeEpilogue(ffi::AnyBuffer bias, ffi::AnyBuffer gelu_input, ffi
   return Status::Ok();
 }
 
-// The weight gradient a call computes (CallShape::weight_grad), unless `dw` is empty: dw
-// [p, k] of the output's type, where x and w are of that type too (not fp8); `lhs_rows` rows
-// of its left factor.
-inline Status DecodeWeightGrad(const char* op, ffi::AnyBuffer dw, int64_t lhs_rows,
-                               int64_t lhs_count, ffi::AnyBuffer out, CallShape* shape,
-                               Operands* ops) {
-  if (dw.element_count() == 0) return Status::Ok();
-  const int64_t p = dw.dimensions().size() == 2 ? dw.dimensions()[0] : -1;
-  if (IsFp8(shape->in) || shape->in != shape->out || dw.element_type() != out.element_type() ||
-      p < 0 || dw.dimensions()[1] != shape->k || lhs_count != lhs_rows * p)
-    return InvalidArgument(std::string(op) +
-                           ": the weight gradient must be [p, k] of the operands' one dtype "
-                           "(not fp8), its left factor [rows, p]");
-  shape->weight_grad = true;
-  shape->wgrad_cols = p;
-  ops->dw = dw.untyped_data();
-  return Status::Ok();
-}
-
 // Decode and check an all_gather_matmul call: x [m, k], w [k, n] (or [n, k] transposed),
-// out [size*m, n], its epilogue (DecodeEpilogue), and, unless dw is empty, the weight
-// gradient dw [p, k] = wgrad_lhs[size*m, p]^T @ all_gather(x), in place of gathered.
+// out [size*m, n], and its epilogue (DecodeEpilogue).
 template <typename Comm>
 Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
                         ffi::AnyBuffer scales, ffi::AnyBuffer bias, ffi::AnyBuffer gelu_input,
-                        ffi::AnyBuffer wgrad_lhs, ffi::AnyBuffer out, ffi::AnyBuffer gathered,
-                        ffi::AnyBuffer aux, ffi::AnyBuffer dw, int64_t comm_id, bool gelu,
-                        bool dgelu, MatmulCall<Comm>* call) {
-  constexpr const char* kOp = "all_gather_matmul";
-  JAX_UB_RETURN_IF_ERROR(DecodeCall(kOp, x, w, w_transposed, scales, out, comm_id, call));
+                        ffi::AnyBuffer out, ffi::AnyBuffer gathered, ffi::AnyBuffer aux,
+                        int64_t comm_id, bool gelu, bool dgelu, MatmulCall<Comm>* call) {
+  JAX_UB_RETURN_IF_ERROR(
+      DecodeCall("all_gather_matmul", x, w, w_transposed, scales, out, comm_id, call));
   call->shape.m = x.dimensions()[0];
   if (out.dimensions()[0] != call->shape.m * call->comm->topology().group_size())
     return InvalidArgument("all_gather_matmul: output rows do not match the group");
@@ -178,53 +157,35 @@ Status PrepareAllGather(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
     call->shape.gathered = true;
     call->ops.gathered = gathered.untyped_data();
   }
-  if (dw.element_count() > 0) {
-    if (call->shape.gathered || wgrad_lhs.element_type() != x.element_type())
-      return InvalidArgument(
-          "all_gather_matmul: a weight gradient's left factor must be of x's dtype, and the "
-          "gathered x is not returned with it");
-    JAX_UB_RETURN_IF_ERROR(DecodeWeightGrad(kOp, dw, out.dimensions()[0], wgrad_lhs.element_count(),
-                                            out, &call->shape, &call->ops));
-    call->ops.wgrad_lhs = wgrad_lhs.untyped_data();
-  }
   return DecodeEpilogue(bias, gelu_input, out, aux, gelu, dgelu, &call->shape, &call->ops);
 }
 
 // Decode and check a matmul_reduce_scatter call: x [size*m, k], w [k, n] (or [n, k]
 // transposed), out [m, n]; and, unless empty, gather_src [m, n] of out's type, whose
-// all-gather the call writes to gathered [size*m, n], or, where dw is not empty, multiplies
-// into the weight gradient dw [n, k] = all_gather(gather_src)^T @ x instead.
+// all-gather the call writes to gathered [size*m, n].
 template <typename Comm>
 Status PrepareReduceScatter(ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_transposed,
                             ffi::AnyBuffer scales, ffi::AnyBuffer gather_src, ffi::AnyBuffer out,
-                            ffi::AnyBuffer gathered, ffi::AnyBuffer dw, int64_t comm_id,
-                            MatmulCall<Comm>* call) {
+                            ffi::AnyBuffer gathered, int64_t comm_id, MatmulCall<Comm>* call) {
   JAX_UB_RETURN_IF_ERROR(
       DecodeCall("matmul_reduce_scatter", x, w, w_transposed, scales, out, comm_id, call));
   const int64_t size = call->comm->topology().group_size();
   call->shape.m = out.dimensions()[0];
   if (x.dimensions()[0] != call->shape.m * size)
     return InvalidArgument("matmul_reduce_scatter: input rows do not match the group");
-  const bool weight_grad = dw.element_count() > 0;
   if (gather_src.element_count() > 0) {
-    const bool returned = gathered.element_count() == size * out.element_count() &&
-                          gathered.element_type() == out.element_type();
     if (gather_src.element_count() != out.element_count() ||
         gather_src.element_type() != out.element_type() ||
-        (weight_grad ? gathered.element_count() != 0 : !returned))
+        gathered.element_count() != size * out.element_count() ||
+        gathered.element_type() != out.element_type())
       return InvalidArgument(
           "matmul_reduce_scatter: the input to all-gather beside it must be laid out as the "
-          "output, and its result as the group's outputs stacked (none with a weight "
-          "gradient)");
+          "output, and its result as the group's outputs stacked");
     call->shape.gathered = true;
     call->ops.gather_src = gather_src.untyped_data();
-    if (!weight_grad) call->ops.gathered = gathered.untyped_data();
-  } else if (weight_grad) {
-    return InvalidArgument(
-        "matmul_reduce_scatter: a weight gradient needs the input to all-gather beside it");
+    call->ops.gathered = gathered.untyped_data();
   }
-  return DecodeWeightGrad("matmul_reduce_scatter", dw, out.dimensions()[0],
-                          gather_src.element_count(), out, &call->shape, &call->ops);
+  return Status::Ok();
 }
 
 // Each op's operands, results and attributes after the platform's context (CPU: the
@@ -239,11 +200,9 @@ auto BindAllGatherMatmul(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // scales
       .template Arg<ffi::AnyBuffer>()  // bias
       .template Arg<ffi::AnyBuffer>()  // gelu_input
-      .template Arg<ffi::AnyBuffer>()  // wgrad_lhs
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::AnyBuffer>()  // gathered
       .template Ret<ffi::AnyBuffer>()  // aux (the pre-GELU product)
-      .template Ret<ffi::AnyBuffer>()  // dw
       .template Attr<int64_t>("comm_id")
       .template Attr<bool>("transpose_w")
       .template Attr<bool>("gelu")
@@ -259,7 +218,6 @@ auto BindMatmulReduceScatter(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // gather_src
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::AnyBuffer>()  // gathered
-      .template Ret<ffi::AnyBuffer>()  // dw
       .template Attr<int64_t>("comm_id")
       .template Attr<bool>("transpose_w");
 }

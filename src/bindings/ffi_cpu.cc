@@ -55,27 +55,24 @@ ffi::Future RunAsync(int32_t device, const CallCopy* copy, OpKind op, const Stat
 
 ffi::Future AllGatherMatmulHost(int32_t device, CallCopy* copy, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                 ffi::AnyBuffer scales, ffi::AnyBuffer bias,
-                                ffi::AnyBuffer gelu_input, ffi::AnyBuffer wgrad_lhs,
-                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::AnyBuffer gelu_input, ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::AnyBuffer> gathered,
-                                ffi::Result<ffi::AnyBuffer> aux, ffi::Result<ffi::AnyBuffer> dw,
-                                int64_t comm_id, bool transpose_w, bool gelu, bool dgelu,
-                                int64_t /*site*/) {
+                                ffi::Result<ffi::AnyBuffer> aux, int64_t comm_id, bool transpose_w,
+                                bool gelu, bool dgelu, int64_t /*site*/) {
   MatmulCall<HostCommunicator> c;
-  Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, wgrad_lhs, *out,
-                               *gathered, *aux, *dw, comm_id, gelu, dgelu, &c);
+  Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, *out, *gathered, *aux,
+                               comm_id, gelu, dgelu, &c);
   return RunAsync(device, copy, OpKind::kAllGatherMatmul, st, c);
 }
 
 ffi::Future MatmulReduceScatterHost(int32_t device, CallCopy* copy, ffi::AnyBuffer x,
                                     ffi::AnyBuffer w, ffi::AnyBuffer scales,
                                     ffi::AnyBuffer gather_src, ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::Result<ffi::AnyBuffer> gathered,
-                                    ffi::Result<ffi::AnyBuffer> dw, int64_t comm_id,
+                                    ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
                                     bool transpose_w, int64_t /*site*/) {
   MatmulCall<HostCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, transpose_w, scales, gather_src, *out, *gathered, *dw,
-                                   comm_id, &c);
+  Status st =
+      PrepareReduceScatter(x, w, transpose_w, scales, gather_src, *out, *gathered, comm_id, &c);
   return RunAsync(device, copy, OpKind::kMatmulReduceScatter, st, c);
 }
 

@@ -12,13 +12,12 @@ namespace {
 
 ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                               ffi::AnyBuffer w, ffi::AnyBuffer scales, ffi::AnyBuffer bias,
-                              ffi::AnyBuffer gelu_input, ffi::AnyBuffer wgrad_lhs,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
-                              ffi::Result<ffi::AnyBuffer> aux, ffi::Result<ffi::AnyBuffer> dw,
+                              ffi::AnyBuffer gelu_input, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::AnyBuffer> aux,
                               int64_t comm_id, bool transpose_w, bool gelu, bool dgelu) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, wgrad_lhs, *out,
-                               *gathered, *aux, *dw, comm_id, gelu, dgelu, &c);
+  Status st = PrepareAllGather(x, w, transpose_w, scales, bias, gelu_input, *out, *gathered, *aux,
+                               comm_id, gelu, dgelu, &c);
   if (st.ok()) st = c.comm->Call(device, stream, OpKind::kAllGatherMatmul, c.shape, c.ops);
   return ToFfiError(st);
 }
@@ -26,12 +25,11 @@ ffi::Error AllGatherMatmulGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 ffi::Error MatmulReduceScatterGpu(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::AnyBuffer scales,
                                   ffi::AnyBuffer gather_src, ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::Result<ffi::AnyBuffer> gathered,
-                                  ffi::Result<ffi::AnyBuffer> dw, int64_t comm_id,
+                                  ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
                                   bool transpose_w) {
   MatmulCall<CudaCommunicator> c;
-  Status st = PrepareReduceScatter(x, w, transpose_w, scales, gather_src, *out, *gathered, *dw,
-                                   comm_id, &c);
+  Status st =
+      PrepareReduceScatter(x, w, transpose_w, scales, gather_src, *out, *gathered, comm_id, &c);
   if (st.ok()) st = c.comm->Call(device, stream, OpKind::kMatmulReduceScatter, c.shape, c.ops);
   return ToFfiError(st);
 }

@@ -70,20 +70,9 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   const bool heuristic = op == OpKind::kMatmulReduceScatter && !IsFp8(shape.in);
   CublasLtGemm* gemm =
       heuristic && s->reduce_scatter_gemm != nullptr ? s->reduce_scatter_gemm.get() : s->gemm.get();
-  // A weight gradient's GEMMs are tuned as an all-gather's are, whatever the op.
-  CublasLtGemm* weight_gemm = s->gemm.get();
-  auto weight_args = [&](const Step& g) {
-    GemmArgs args;
-    if (g.accumulate) args.addend = at(g.dst);
-    return args;
-  };
   std::vector<CublasLtGemm::Plan*> plans(steps.size(), nullptr);
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& g = steps[i];
-    if (g.kind == Step::Kind::kWeightGemm)
-      JAX_UB_RETURN_IF_ERROR(
-          weight_gemm->PrepareTransposedA(shape.out, at(g.src), at(g.rhs), at(g.dst), g.lhs_cols,
-                                          g.rows, g.rhs_cols, weight_args(g), s->tune, &plans[i]));
     if (g.kind != Step::Kind::kGemm) continue;
     JAX_UB_RETURN_IF_ERROR(gemm->Prepare(shape.in, shape.w_type, shape.out, at(g.src), ops.w,
                                          ops.w_transposed, at(g.dst), g.rows, shape.k, shape.n,
@@ -91,7 +80,6 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
                                          s->tune, &plans[i]));
   }
   gemm->BeginCall();
-  if (weight_gemm != gemm) weight_gemm->BeginCall();
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   // Lanes: the compute stream and one copy-engine stream per rank, each starting after
   // the caller's work (on its first step).
@@ -128,10 +116,6 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
       case Step::Kind::kGemm:
         JAX_UB_RETURN_IF_ERROR(
             gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream, gemm_args(step)));
-        break;
-      case Step::Kind::kWeightGemm:
-        JAX_UB_RETURN_IF_ERROR(weight_gemm->Matmul(plans[i], at(step.src), at(step.rhs),
-                                                   at(step.dst), stream, weight_args(step)));
         break;
       case Step::Kind::kSum:
         JAX_UB_RETURN_IF_ERROR(

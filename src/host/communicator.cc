@@ -302,10 +302,6 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         }
         break;
       }
-      case Step::Kind::kWeightGemm:
-        HostWeightGemm(shape.out, at(step.src), at(step.rhs), at(step.dst), step.rows,
-                       step.lhs_cols, step.rhs_cols, step.accumulate);
-        break;
       case Step::Kind::kSum: {
         const void* parts[kMaxRanks];
         for (int j = 0; j < ctx.size; ++j) parts[j] = at(step.src) + j * step.bytes;

@@ -132,26 +132,6 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
   }
 }
 
-void HostWeightGemm(DType t, const void* a, const void* b, void* c, int64_t rows, int64_t p,
-                    int64_t q, bool accumulate) {
-  thread_local std::vector<float> acc, fa, fb;
-  acc.assign(p * q, 0.0f);
-  if (accumulate) ToFloat(t, c, acc.data(), p * q);
-  fa.resize(p);
-  fb.resize(q);
-  const int64_t es = DTypeSize(t);
-  for (int64_t r = 0; r < rows; ++r) {
-    ToFloat(t, static_cast<const char*>(a) + r * p * es, fa.data(), p);
-    ToFloat(t, static_cast<const char*>(b) + r * q * es, fb.data(), q);
-    for (int64_t i = 0; i < p; ++i) {
-      const float av = fa[i];
-      float* out = acc.data() + i * q;
-      for (int64_t j = 0; j < q; ++j) out[j] += av * fb[j];
-    }
-  }
-  FromFloat(t, acc.data(), c, p * q);
-}
-
 void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count) {
   thread_local std::vector<float> acc, tmp;
   acc.assign(count, 0.0f);

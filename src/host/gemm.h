@@ -18,11 +18,6 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
               float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep = {},
               const void* bias = nullptr, void* aux = nullptr);
 
-// c[p, q] (type t) = a[rows, p]^T @ b[rows, q] (a and b of type t), plus c's own values
-// where `accumulate`: the sum in float, rounded once (a weight gradient's share of a span).
-void HostWeightGemm(DType t, const void* a, const void* b, void* c, int64_t rows, int64_t p,
-                    int64_t q, bool accumulate);
-
 // c[m, n] (type t) = sum over j of parts[j][m, n] (type t), accumulated in float in the
 // order given, rounded once.
 void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count);

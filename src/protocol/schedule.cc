@@ -57,38 +57,18 @@ Step Gemm(Ref src, Ref dst, int64_t rows, Ref addend = {}) {
   s.addend = addend;
   return s;
 }
-// dw (+)= lhs[rows, lhs_cols]^T @ rhs[rows, rhs_cols]: one span's share of a weight gradient.
-Step WeightGemm(Ref lhs, Ref rhs, int64_t rows, int64_t lhs_cols, int64_t rhs_cols,
-                bool accumulate) {
-  Step s = Make(Step::Kind::kWeightGemm);
-  s.src = lhs;
-  s.rhs = rhs;
-  s.dst = At(Region::kWeightGrad, 0);
-  s.rows = rows;
-  s.lhs_cols = lhs_cols;
-  s.rhs_cols = rhs_cols;
-  s.accumulate = accumulate;
-  return s;
-}
 Step Join(int lane, int on_lane) {
   Step s = Make(Step::Kind::kJoin);
   s.lane = lane;
   s.peer = on_lane;
   return s;
 }
-// Poisons, where a peer's call differs from ours, the output and the call's second result
-// (the gathered input or the weight gradient, where there is one).
-Step Verify(int64_t out_bytes, const CallShape& c, int64_t gathered_bytes) {
+Step Verify(int64_t out_bytes, int64_t gathered_bytes) {
   Step s = Make(Step::Kind::kVerify);
   s.dst = At(Region::kOut, 0);
   s.bytes = out_bytes;
-  if (c.weight_grad) {
-    s.src = At(Region::kWeightGrad, 0);
-    s.src_bytes = c.wgrad_cols * c.k * DTypeSize(c.out);
-  } else if (c.gathered) {
-    s.src = At(Region::kGathered, 0);
-    s.src_bytes = gathered_bytes;
-  }
+  if (gathered_bytes > 0) s.src = At(Region::kGathered, 0);
+  s.src_bytes = gathered_bytes;
   return s;
 }
 
@@ -96,7 +76,6 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   const int rank = sched.rank;
   const int64_t chunk = ChunkBytes(OpKind::kAllGatherMatmul, c);  // one rank's x
   const int64_t out_rows = c.m * c.n * DTypeSize(c.out);          // one rank's rows of out
-  const int64_t lhs_rows = c.m * c.wgrad_cols * DTypeSize(c.in);  // ... and of wgrad_lhs
   const std::vector<int> peers = sched.PushOrder();
   std::vector<Step> steps;
   // Push our shard to every peer at once, each on its own lane, once the peer has consumed
@@ -127,14 +106,9 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
     gemm.epilogue = c.epilogue.Any();
     if (c.epilogue.UsesAux()) gemm.aux = At(Region::kAux, span.first * out_rows);
     steps.push_back(gemm);
-    // The weight gradient's share of these chunks, read where they landed; the local
-    // chunk's span comes first and starts the sum.
-    if (c.weight_grad)
-      steps.push_back(WeightGemm(At(Region::kWgradLhs, span.first * lhs_rows), src,
-                                 span.count * c.m, c.wgrad_cols, c.k, span.first != rank));
   }
   if (c.gathered) steps.push_back(Join(kComputeLane, rank));
-  steps.push_back(Verify(sched.size * out_rows, c, sched.size * chunk));
+  steps.push_back(Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0));
   // Our buffer is free again: tell every sender.
   for (int p : peers) steps.push_back(Signal(kComputeLane, p, Flag::kCredit));
   return steps;
@@ -174,29 +148,11 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
       steps.push_back(
           Copy(d, At(Region::kGatherSrc, 0), At(Region::kPeerBuffer, gathered_in(rank), d), chunk));
   }
-  // The gathered result, where it is returned: our own chunk goes on our own lane.
-  const bool returns_gathered = gathers && !c.weight_grad;
-  if (returns_gathered)
+  if (gathers)
     steps.push_back(
         Copy(rank, At(Region::kGatherSrc, 0), At(Region::kGathered, rank * chunk), chunk));
   // Each peer's partial first, each piece sent while the next one is computed; ours last.
   for (int d : sched.ReduceScatterComputeOrder()) {
-    // The weight gradient goes between the peers' partials and ours: every chunk it reads
-    // rode ahead of a partial already sent, and it gives the partials we fold or sum the
-    // time to land. Our own chunk's span comes first and starts the sum.
-    if (d == rank && c.weight_grad) {
-      for (const Schedule::Span& span : sched.AllGatherSpans()) {
-        Ref lhs = At(Region::kGatherSrc, 0);
-        if (span.first != rank) {
-          for (int j = span.first; j < span.first + span.count; ++j)
-            steps.push_back(
-                WaitData(kComputeLane, j, "deliver its chunk to gather", piece_flag(0)));
-          lhs = At(Region::kBuffer, gathered_in(span.first));
-        }
-        steps.push_back(WeightGemm(lhs, At(Region::kX, span.first * c.m * c.k * in_es),
-                                   span.count * c.m, c.n, c.k, span.first != rank));
-      }
-    }
     for (int p = 0; p < num_pieces; ++p) {
       if (d == rank) {
         Ref dst = At(Region::kBuffer, received(rank) + offset(p));
@@ -228,7 +184,7 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
     sum.rows = c.m;
     steps.push_back(sum);
   }
-  if (returns_gathered) {
+  if (gathers) {
     // Our own copy lane moves each landed chunk out of the buffer beside the GEMMs; the
     // list puts it after them, which the host (running the list in order) needs.
     for (int j : sched.ReductionOrder()) {
@@ -239,7 +195,7 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
     }
     steps.push_back(Join(kComputeLane, rank));
   }
-  steps.push_back(Verify(chunk, c, size * chunk));
+  steps.push_back(Verify(chunk, gathers ? size * chunk : 0));
   // Credits promise peers the whole buffer, staging area included: wait until our own
   // partials have left it, or a peer's next push could overwrite one still in flight.
   const std::vector<int> peers = sched.PushOrder();

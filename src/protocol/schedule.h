@@ -99,8 +99,6 @@ enum class Region : uint8_t {
   kGatherSrc,   // a reduce-scatter's second input, all-gathered into kGathered beside it
   kBuffer,      // this rank's userbuffer
   kPeerBuffer,  // rank `peer`'s userbuffer (symmetric: the same offsets)
-  kWgradLhs,    // AG with CallShape::weight_grad: the weight gradient's left factor
-  kWeightGrad,  // the weight gradient computed in the call (CallShape::weight_grad)
 };
 struct Ref {
   Region region = Region::kNone;
@@ -129,17 +127,15 @@ constexpr int kComputeLane = -1;
 
 struct Step {
   enum class Kind : uint8_t {
-    kWait,        // the lane waits until this rank's flag[peer] holds epoch - Lag(flag)
-    kPublish,     // the lane writes this call's descriptor into `peer`'s slot (for our rank)
-    kCopy,        // bytes from src to dst
-    kSignal,      // the lane raises `peer`'s flag[our rank] to this call's epoch
-    kGemm,        // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
-                  // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
-    kWeightGemm,  // dst[lhs_cols, rhs_cols] = src[rows, lhs_cols]^T @ rhs[rows, rhs_cols],
-                  // plus dst where `accumulate` (a weight gradient, chunk by chunk)
-    kSum,         // out = the group's partials in our buffer (one per rank), in rank order
-    kJoin,        // the lane waits for all work enqueued so far on lane `peer`
-    kVerify,      // every peer's descriptor matches ours; else the outputs are poisoned
+    kWait,     // the lane waits until this rank's flag[peer] holds epoch - Lag(flag)
+    kPublish,  // the lane writes this call's descriptor into `peer`'s slot (for our rank)
+    kCopy,     // bytes from src to dst
+    kSignal,   // the lane raises `peer`'s flag[our rank] to this call's epoch
+    kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
+               // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
+    kSum,      // out = the group's partials in our buffer (one per rank), in rank order
+    kJoin,     // the lane waits for all work enqueued so far on lane `peer`
+    kVerify,   // every peer's descriptor matches ours; else the outputs are poisoned
   };
   Kind kind = Kind::kWait;
   int lane = kComputeLane;
@@ -147,15 +143,12 @@ struct Step {
   Flag flag = Flag::kData;
   const char* what = "";  // kWait: what the peer is awaited to do, for errors
   Ref src, dst, addend, aux;
-  Ref rhs;                  // kWeightGemm
-  bool epilogue = false;    // kGemm
-  bool accumulate = false;  // kWeightGemm
+  bool epilogue = false;  // kGemm
   // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
   // of dst (and src_bytes those of src) that a failed check poisons.
   int64_t bytes = 0;
   int64_t src_bytes = 0;
-  int64_t rows = 0;                    // kGemm, kSum, kWeightGemm
-  int64_t lhs_cols = 0, rhs_cols = 0;  // kWeightGemm
+  int64_t rows = 0;  // kGemm, kSum
 };
 
 // One rank's view of one call: out = all_gather(x[m, k]) @ w[k, n] for kAllGatherMatmul,
@@ -172,16 +165,6 @@ struct CallShape {
   // all_gather(x) for the weight gradient, beside its input gradient's GEMM+RS).
   bool gathered = false;
   Epilogue epilogue;
-  // The weight gradient of the layer whose input gradient this call is, computed here from
-  // the gathered chunks as they land in the userbuffer, so the gathered operand never
-  // leaves it (its copies out beside a busy GEMM stalled the GEMMs that followed them).
-  // AG: dw[wgrad_cols, k] = wgrad_lhs[size*m, wgrad_cols]^T @ all_gather(x) (Operands::
-  // wgrad_lhs, of type `in`; `gathered` false). RS (with `gathered`, whose result is then
-  // not returned): dw[n, k] = all_gather(gather_src)^T @ x, wgrad_cols = n. One type, not fp8; dw
-  // of type `out`: each span of chunks' product (Schedule::AllGatherSpans) in float32, added
-  // to the sum so far and rounded, as a GEMM with an addend does.
-  bool weight_grad = false;
-  int64_t wgrad_cols = 0;
 };
 
 // Where a call's operands are, which the steps' Refs point into.
@@ -193,12 +176,10 @@ struct Operands {
   // on GPUs, each scale 16-byte aligned there, as cuBLASLt reads them.
   const float* scales = nullptr;
   void* out = nullptr;
-  void* gathered = nullptr;          // null unless CallShape::gathered (and, RS, not weight_grad)
+  void* gathered = nullptr;          // null unless CallShape::gathered
   const void* gather_src = nullptr;  // RS with CallShape::gathered: [m, n] of the output's type
   const void* bias = nullptr;        // [n] of the output's type, where the epilogue adds one
-  void* aux = nullptr;              // like out: GELU's input, kept (or read, DGELU) by the epilogue
-  const void* wgrad_lhs = nullptr;  // AG with CallShape::weight_grad: [size*m, wgrad_cols]
-  void* dw = nullptr;               // with CallShape::weight_grad: the weight gradient
+  void* aux = nullptr;  // like out: GELU's input, kept (or read, DGELU) by the epilogue
 };
 
 // The address `r` names: in the call's operands, this rank's userbuffer (`buffer`), or
@@ -220,10 +201,6 @@ char* Resolve(const Ref& r, const Operands& ops, char* buffer, PeerBuffer peer_b
       return buffer + r.offset;
     case Region::kPeerBuffer:
       return peer_buffer(r.peer) + r.offset;
-    case Region::kWgradLhs:
-      return const_cast<char*>(static_cast<const char*>(ops.wgrad_lhs)) + r.offset;
-    case Region::kWeightGrad:
-      return static_cast<char*>(ops.dw) + r.offset;
     case Region::kNone:
       break;
   }

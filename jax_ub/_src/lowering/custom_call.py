@@ -74,14 +74,12 @@ def _platform(ctx: mlir.LoweringRuleContext) -> str:
     return platforms[0]
 
 
-def _lower_nested(prim, batched, summed, ctx, mesh: Mesh, manual: frozenset, *operands, **params):
+def _lower_nested(prim, batched, ctx, mesh: Mesh, manual: frozenset, *operands, **params):
     """Lower `prim` inside a shard_map over the mesh axes that are still automatic here.
 
     Each device then runs the custom call on its own shard of the batch dims, which keep
     their sharding over those axes (``layout.batch_spec``); the weight is replicated over
-    them (XLA gathers an fsdp-sharded weight, as it would for a plain dot), and the results
-    `summed` (weight gradients: sums over the batch) are summed over the axes the batch is
-    split over.
+    them (XLA gathers an fsdp-sharded weight, as it would for a plain dot).
 
     No empty array (an absent bias or GELU input, an unrequested result) crosses the
     shard_map: empty operands are made inside it and empty results outside. XLA's GPU
@@ -98,8 +96,6 @@ def _lower_nested(prim, batched, summed, ctx, mesh: Mesh, manual: frozenset, *op
     empty_in = [is_empty(a) for a in ctx.avals_in]
     avals_out = ctx.avals_out if prim.multiple_results else [ctx.avals_out[0]]
     kept_out = [i for i, a in enumerate(avals_out) if not is_empty(a)]
-    split = tuple(a for entry in spec for a in layout.spec_axes(entry))
-    out_specs = [P() if i in summed else spec for i in kept_out]
 
     def body(*passed):
         it = iter(passed)
@@ -109,16 +105,14 @@ def _lower_nested(prim, batched, summed, ctx, mesh: Mesh, manual: frozenset, *op
         ]
         outs = prim.bind(*args, **params)
         outs = outs if prim.multiple_results else [outs]
-        return [
-            jax.lax.psum(outs[i], split) if i in summed and split else outs[i] for i in kept_out
-        ]
+        return [outs[i] for i in kept_out]
 
     def nested(*operands):
         outs = jax.shard_map(
             body,
             mesh=abstract,
             in_specs=tuple(s for s, e in zip(in_specs, empty_in) if not e),
-            out_specs=out_specs,
+            out_specs=[spec] * len(kept_out),
             axis_names=frozenset(auto),
             check_vma=False,
         )(*(o for o, e in zip(operands, empty_in) if not e))
@@ -180,7 +174,6 @@ def lowering_rule(
     batched: tuple[int, ...],
     attrs: tuple = (),
     also_gathers: Callable = lambda ctx: False,
-    summed: tuple[int, ...] = (),
 ):
     """The lowering rule of `prim`: nested in a shard_map where mesh axes are still
     automatic (see the module docstring); else the custom call on the communicator for
@@ -188,14 +181,14 @@ def lowering_rule(
     cannot share memory. `chunk_aval(ctx)` is one rank's chunk and `also_gathers(ctx)`
     whether the call all-gathers a second input beside it, which together size the buffer;
     `batched` are the operands laid out like x's batch dims, which a nested shard_map keeps
-    split over the automatic axes, and `summed` the results that are sums over them;
-    `attrs` names the params the custom call gets besides comm_id and transpose_w."""
+    split over the automatic axes; `attrs` names the params the custom call gets besides
+    comm_id and transpose_w."""
 
     def rule(ctx, *operands, **params):
         axis_name = params["axis_name"]
         mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
         if set(mesh.axis_names) - manual:
-            return _lower_nested(prim, batched, summed, ctx, mesh, manual, *operands, **params)
+            return _lower_nested(prim, batched, ctx, mesh, manual, *operands, **params)
         platform = _platform(ctx)
         aval = chunk_aval(ctx)
         chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize

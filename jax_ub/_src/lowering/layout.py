@@ -49,7 +49,7 @@ def batch_spec(aval: Any, mesh: Any, auto: Sequence[str]) -> P:
     explicit = [a for a in auto if _axis_type(mesh, a) == AxisType.Explicit]
     if typed is not None and explicit:
         for d in range(1, ndim - 1):
-            names = spec_axes(typed[d] if d < len(typed) else None)
+            names = _names(typed[d] if d < len(typed) else None)
             kept = tuple(a for a in names if a in auto)
             entries[d] = kept[0] if len(kept) == 1 else (kept or None)
     free = [a for a in auto if a not in explicit and mesh.shape[a] > 1]
@@ -79,7 +79,7 @@ def _warn_replicated(shape: tuple, axes: tuple, size: int) -> None:
 def local_shape(shape: Sequence[int], spec: P, mesh: Any) -> tuple[int, ...]:
     """The shape of one device's shard of an array of ``shape`` laid out as ``spec``."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    sizes = [int(np.prod([mesh.shape[a] for a in spec_axes(e)])) for e in entries]
+    sizes = [int(np.prod([mesh.shape[a] for a in _names(e)])) for e in entries]
     return tuple(d // s for d, s in zip(shape, sizes))
 
 
@@ -87,8 +87,7 @@ def _axis_type(mesh: Any, axis: str) -> Any:
     return dict(zip(mesh.axis_names, mesh.axis_types))[axis]
 
 
-def spec_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes one entry of a PartitionSpec names (none, one, or a tuple)."""
+def _names(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -181,11 +180,10 @@ def check_global_layout(op: str, mesh: Any, named: dict[str, tuple[Any, P]]) -> 
             continue
         ndim = len(a.shape)
         got = tuple(
-            manual_axis in spec_axes(actual[d] if d < len(actual) else None) for d in range(ndim)
+            manual_axis in _names(actual[d] if d < len(actual) else None) for d in range(ndim)
         )
         want = tuple(
-            manual_axis in spec_axes(expected[d] if d < len(expected) else None)
-            for d in range(ndim)
+            manual_axis in _names(expected[d] if d < len(expected) else None) for d in range(ndim)
         )
         if got != want:
             raise ValueError(
@@ -198,15 +196,15 @@ def check_global_layout(op: str, mesh: Any, named: dict[str, tuple[Any, P]]) -> 
 def _the_axis(named: dict[str, tuple[Any, P]]) -> str:
     for _, spec in named.values():
         for entry in spec:
-            if spec_axes(entry):
-                return spec_axes(entry)[0]
+            if _names(entry):
+                return _names(entry)[0]
     raise AssertionError("no axis in the expected specs")
 
 
 def _spec_over(spec: P, axis: str, ndim: int) -> P:
     return P(
         *[
-            (axis if axis in spec_axes(spec[d] if d < len(spec) else None) else None)
+            (axis if axis in _names(spec[d] if d < len(spec) else None) else None)
             for d in range(ndim)
         ]
     )
@@ -239,8 +237,8 @@ def replace_axis(actual: P, wanted: P, axis: str, ndim: int) -> P:
     """``actual`` with ``axis`` moved to where ``wanted`` has it; other axes kept."""
     entries = []
     for d in range(ndim):
-        names = [a for a in spec_axes(actual[d] if d < len(actual) else None) if a != axis]
-        if axis in spec_axes(wanted[d] if d < len(wanted) else None):
+        names = [a for a in _names(actual[d] if d < len(actual) else None) if a != axis]
+        if axis in _names(wanted[d] if d < len(wanted) else None):
             names = [axis, *names]
         entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
     return P(*entries)

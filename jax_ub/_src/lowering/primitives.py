@@ -2,13 +2,10 @@
 
 Operands are ``x [rows, *batch, k]``, ``w [k, n]``, ``scales`` (``wire_format.pack_scales``: the
 scales multiplying the product when x and w are fp8; ones otherwise); for the all-gather,
-the epilogue's ``bias`` (``[n]``, or ``[0]`` for none), ``gelu_input`` (DGELU's, laid out as
-the output, or ``[0, ..., n]`` for none) and ``wgrad_lhs`` (a weight gradient's left factor
-``[tp * rows, *batch, p]``, or ``[0, ..., 0]`` for none); for the reduce-scatter,
-``gather_src`` (laid out as its output, or ``[0, ..., n]`` for none), all-gathered beside it.
-A weight gradient (the last result of each; ``[0, k]`` where none is asked for) is computed
-inside the call from the gathered chunks where they land. Each primitive's unfused math on
-XLA's collectives is its fallback where a group's devices cannot share memory.
+the epilogue's ``bias`` (``[n]``, or ``[0]`` for none) and ``gelu_input`` (DGELU's, laid out as
+the output, or ``[0, ..., n]`` for none); for the reduce-scatter, ``gather_src`` (laid out as
+its output, or ``[0, ..., n]`` for none), all-gathered beside it. Each primitive's unfused
+math on XLA's collectives is its fallback where a group's devices cannot share memory.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from jax_ub._src.lowering.custom_call import is_empty, lowering_rule
 from jax_ub._src.lowering.reference import (
     all_gather_matmul_reference,
     all_gather_rows,
-    contract_rows,
     dgelu_reference,
     matmul_reduce_scatter_reference,
 )
@@ -46,7 +42,6 @@ def _all_gather_matmul_abstract(
     scales,
     bias,
     gelu_input,
-    wgrad_lhs,
     *,
     axis_name,
     axis_size,
@@ -63,31 +58,16 @@ def _all_gather_matmul_abstract(
     out = result_aval(x, (axis_size * m, *batch, n), x, w, bias).update(dtype=jnp.dtype(out_dtype))
     gathered = result_aval(x, (axis_size * m if return_gathered else 0, *batch, k), x)
     pre_gelu = out.update(shape=(axis_size * m if keep_pre_gelu else 0, *batch, n))
-    dw = result_aval(x, (wgrad_lhs.shape[-1], k), x, wgrad_lhs).update(dtype=x.dtype)
-    return out, gathered, pre_gelu, dw
+    return out, gathered, pre_gelu
 
 
 def _matmul_reduce_scatter_abstract(
-    x,
-    w,
-    scales,
-    gather_src,
-    *,
-    axis_name,
-    axis_size,
-    transpose_w,
-    out_dtype,
-    fallback,
-    weight_grad,
+    x, w, scales, gather_src, *, axis_name, axis_size, transpose_w, out_dtype, fallback
 ):
     shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
     out = result_aval(x, shape, x, w, extra=frozenset([axis_name]))
-    rows = 0 if weight_grad else axis_size * gather_src.shape[0]
-    gathered = result_aval(gather_src, (rows, *shape[1:]), gather_src)
-    dw_shape = (shape[-1] if weight_grad else 0, x.shape[-1])
-    dw = result_aval(x, dw_shape, x, gather_src).update(dtype=x.dtype)
-    out_type = jnp.dtype(out_dtype)
-    return out.update(dtype=out_type), gathered.update(dtype=out_type), dw
+    gathered = result_aval(gather_src, (axis_size * gather_src.shape[0], *shape[1:]), gather_src)
+    return out.update(dtype=jnp.dtype(out_dtype)), gathered.update(dtype=jnp.dtype(out_dtype))
 
 
 all_gather_matmul_p.def_abstract_eval(_all_gather_matmul_abstract)
@@ -104,7 +84,6 @@ def _all_gather_matmul_unfused(
     scales,
     bias,
     gelu_input,
-    wgrad_lhs,
     *,
     axis_name,
     transpose_w,
@@ -128,30 +107,22 @@ def _all_gather_matmul_unfused(
     )
     if dgelu:
         out = dgelu_reference(out, gelu_input)
-    dw = jnp.zeros((0, x.shape[-1]), x.dtype)
-    if not is_empty(wgrad_lhs):
-        dw = contract_rows(wgrad_lhs, gathered)
     return (
         out,
         gathered if return_gathered else gathered[:0],
         pre_gelu if keep_pre_gelu else pre_gelu[:0],
-        dw,
     )
 
 
 def _matmul_reduce_scatter_unfused(
-    x, w, scales, gather_src, *, axis_name, transpose_w, out_dtype, weight_grad, **_
+    x, w, scales, gather_src, *, axis_name, transpose_w, out_dtype, **_
 ):
     out = matmul_reduce_scatter_reference(
         x, _weight(w, transpose_w), axis_name, scales=scales, out_dtype=out_dtype
     )
-    no_dw = jnp.zeros((0, x.shape[-1]), x.dtype)
     if is_empty(gather_src):
-        return out, jnp.zeros(gather_src.shape, out.dtype), no_dw
-    gathered = all_gather_rows(gather_src, axis_name).astype(out.dtype)
-    if weight_grad:
-        return out, gathered[:0], contract_rows(gathered, x)
-    return out, gathered, no_dw
+        return out, jnp.zeros(gather_src.shape, out.dtype)
+    return out, all_gather_rows(gather_src, axis_name).astype(out.dtype)
 
 
 jax_compat.register_uncached_lowering(
@@ -161,12 +132,10 @@ jax_compat.register_uncached_lowering(
         "all_gather_matmul",
         lambda ctx: ctx.avals_in[0],  # x
         _all_gather_matmul_unfused,
-        # Laid out like x's batch dims: x, gelu_input (as the output) and wgrad_lhs. The
-        # weight, scales and bias are replicated over the axes a nested shard_map leaves to
-        # XLA; the weight gradient (result 3) is summed over them.
-        batched=(0, 4, 5),
+        # Laid out like x's batch dims: x, and gelu_input (as the output). The weight,
+        # scales and bias are replicated over the axes a nested shard_map leaves to XLA.
+        batched=(0, 4),
         attrs=("gelu", "dgelu"),
-        summed=(3,),
     ),
 )
 jax_compat.register_uncached_lowering(
@@ -178,7 +147,6 @@ jax_compat.register_uncached_lowering(
         _matmul_reduce_scatter_unfused,
         batched=(0, 3),  # x, and gather_src (laid out as the output)
         also_gathers=lambda ctx: not is_empty(ctx.avals_in[3]),  # gather_src
-        summed=(2,),  # the weight gradient
     ),
 )
 
@@ -231,11 +199,9 @@ def bind_all_gather_matmul(
     gelu: bool = False,
     keep_pre_gelu: bool = False,
     gelu_input=None,
-    wgrad_lhs=None,
 ):
     """x [m, *b, k], w [k, n] -> (y, all_gather(x) or an empty [0, *b, k], the pre-GELU
-    product or an empty [0, *b, n], the weight gradient or an empty [0, k]),
-    y = gelu?(all_gather(x) @ w + bias?).
+    product or an empty [0, *b, n]), y = gelu?(all_gather(x) @ w + bias?).
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place (the
     backward passes multiply by ``w.T`` without materialising it). With ``fallback``
@@ -245,9 +211,7 @@ def bind_all_gather_matmul(
     ``[n]`` of the output's dtype, ``gelu``) runs in the GEMMs; ``keep_pre_gelu`` (with
     ``gelu``) also returns GELU's input, for the backward. With ``gelu_input`` (GELU's input,
     laid out as y; no other epilogue) instead, y = (all_gather(x) @ w) * gelu'(gelu_input):
-    GELU's backward in the epilogue (cuBLASLt's DGELU). With ``wgrad_lhs`` (``[tp * m, *b,
-    p]`` of x's dtype, not fp8; not with ``return_gathered``), the call also computes the weight
-    gradient ``wgrad_lhs^T @ all_gather(x)`` of shape ``[p, k]``, chunk by chunk as they land.
+    GELU's backward in the epilogue (cuBLASLt's DGELU).
     """
     scales, out_dtype = _scales_and_type(x, scales, out_dtype)
     if bias is None:
@@ -255,17 +219,12 @@ def bind_all_gather_matmul(
     dgelu = gelu_input is not None
     if not dgelu:
         gelu_input = jnp.zeros((0, *x.shape[1:-1], _columns(w, transpose_w)), out_dtype)
-    if wgrad_lhs is None:
-        wgrad_lhs = jnp.zeros((0, *x.shape[1:-1], 0), x.dtype)
-    elif return_gathered:
-        raise ValueError("all_gather_matmul: a weight gradient comes instead of the gathered x")
     return all_gather_matmul_p.bind(
         x,
         w,
         scales,
         bias,
         gelu_input,
-        wgrad_lhs,
         axis_name=axis_name,
         axis_size=axis_size,
         return_gathered=return_gathered,
@@ -289,13 +248,10 @@ def bind_matmul_reduce_scatter(
     scales=None,
     out_dtype=None,
     gather=None,
-    weight_grad: bool = False,
 ):
     """x [M, *b, k], w [k, n] -> psum_scatter(x @ w) of shape [M / axis_size, *b, n]; with
     ``gather`` (laid out and typed as that result), ``(psum_scatter(x @ w),
-    all_gather(gather))``, the gather moving on the copy engines beside the GEMMs; with
-    ``weight_grad`` too, ``(psum_scatter(x @ w), all_gather(gather)^T @ x)`` (``[n, k]``,
-    x's dtype, not fp8), computed inside the call from the gathered chunks where they land.
+    all_gather(gather))``, the gather moving on the copy engines beside the GEMMs.
 
     With ``transpose_w``, ``w`` is passed as its transpose [n, k] and read in place; with
     ``fallback``, ``scales`` and ``out_dtype`` as for :func:`bind_all_gather_matmul`.
@@ -311,9 +267,7 @@ def bind_matmul_reduce_scatter(
         )
     else:
         gather_src = gather
-    if weight_grad and gather is None:
-        raise ValueError("matmul_reduce_scatter: a weight gradient needs the array to gather")
-    out, gathered, dw = matmul_reduce_scatter_p.bind(
+    out, gathered = matmul_reduce_scatter_p.bind(
         x,
         w,
         scales,
@@ -323,8 +277,5 @@ def bind_matmul_reduce_scatter(
         transpose_w=transpose_w,
         out_dtype=out_dtype,
         fallback=fallback,
-        weight_grad=weight_grad,
     )
-    if gather is None:
-        return out
-    return (out, dw) if weight_grad else (out, gathered)
+    return out if gather is None else (out, gathered)

@@ -11,7 +11,6 @@ from jax.sharding import AxisType
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.wire_format import product_scale
-from jax_ub._src.settings.config import config
 
 
 def scaled_matmul(x: jax.Array, w: jax.Array, scales=None, out_dtype=None) -> jax.Array:
@@ -69,20 +68,6 @@ def all_gather_matmul_reference(
     out, pre = epilogue(scaled_matmul(gathered, w, scales, out_dtype), bias, activation)
     extra = (gathered,) * return_gathered + (pre,) * return_pre_activation
     return (out, *extra) if extra else out
-
-
-def contract_rows(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a [rows, *batch, p]``, ``b [rows, *batch, q]`` -> ``a^T b`` of shape ``[p, q]``: a
-    weight gradient, from the layer's input and its output's gradient.
-
-    XLA's dot follows ``allow_tf32`` here: its default float32 dot on GPUs may run in TF32,
-    which the ops' own GEMMs do only with ``allow_tf32``. 16-bit operands keep XLA's
-    default: they have no TF32 to avoid, and HIGHEST would make XLA's GPU GEMM slower for
-    nothing."""
-    lead = tuple(range(a.ndim - 1))
-    wide = all(jnp.dtype(t.dtype).itemsize >= 4 for t in (a, b))
-    precision = lax.Precision.HIGHEST if wide and not config.allow_tf32 else None
-    return jnp.tensordot(a, b, axes=(lead, lead), precision=precision)
 
 
 def matmul_reduce_scatter_reference(

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.common import check_arguments
+from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
@@ -206,8 +206,9 @@ def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     dy, dgathered = cts if return_gathered else (cts, None)
     dp, dbias = epilogue_grads(dy, res.pre_gelu, res.bias_like, gelu)
     # dx = reduce_scatter(dp @ w.T): the overlapped GEMM+RS, reading w transposed in place;
-    # where the forward kept x's shard, it gathers x again beside its GEMMs, for dw.
-    dx, dw = res.x_kept.input_and_weight_grads(group, dp, res.w)
+    # it gathers x again beside its GEMMs where the forward kept x's shard.
+    dx, x_gathered = res.x_kept.input_grad_and_gathered(group, dp, res.w)
+    dx, dw = weight_grad_with(dx, contract_rows(x_gathered, dp))
     dx = match_varying(dx, res.x_like)
     if dgathered is not None:
         scattered = reduce_scatter_rows(dgathered, group.axis_name)

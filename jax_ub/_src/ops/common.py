@@ -1,14 +1,16 @@
-"""What the ops share: the checks of a call's arguments, and the weight gradient's place in
-the backward."""
+"""What the ops share: the checks of a call's arguments, and the weight gradient's product
+and its place in the backward."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.varying import varying_axes
 from jax_ub._src.ops.epilogue import check_epilogue
 from jax_ub._src.settings import checks
+from jax_ub._src.settings.config import config
 
 
 def check_arguments(op: str, x, w, impl: str, seq_axis: int, bias, activation, fp8) -> int:
@@ -22,6 +24,19 @@ def check_arguments(op: str, x, w, impl: str, seq_axis: int, bias, activation, f
     if fp8 is not None:
         checks.check_fp8_scales(op, fp8)
     return seq_axis
+
+
+def contract_rows(a, b):
+    """``a [rows, *batch, p]``, ``b [rows, *batch, q]`` -> ``a^T b`` of shape ``[p, q]``.
+
+    The weight gradient is XLA's dot, not a custom call, so it follows ``allow_tf32`` here:
+    XLA's default float32 dot on GPUs may run in TF32, which the ops' own GEMMs do only
+    with ``allow_tf32``. 16-bit operands keep XLA's default: they have no TF32 to avoid,
+    and HIGHEST would make XLA's GPU GEMM slower for nothing."""
+    lead = tuple(range(a.ndim - 1))
+    wide = all(jnp.dtype(t.dtype).itemsize >= 4 for t in (a, b))
+    precision = lax.Precision.HIGHEST if wide and not config.allow_tf32 else None
+    return jnp.tensordot(a, b, axes=(lead, lead), precision=precision)
 
 
 def weight_grad_with(dx, dw):

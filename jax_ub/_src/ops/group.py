@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.lowering.reference import contract_rows
 from jax_ub._src.ops import impl_choice
-from jax_ub._src.ops.common import weight_grad_with
-from jax_ub._src.settings import options
 from jax_ub._src.settings.fp8 import compute_operands
 from jax_ub._src.settings.options import weight_transposed
 
@@ -47,11 +42,7 @@ class Group:
 
     def all_gather_matmul(self, x, w, **kwargs):
         """The userbuffer all-gather GEMM over this group: ``bind_all_gather_matmul`` with
-        its other keywords (``return_gathered`` among them) as given; returns its first
-        three results (the product, the gathered x, the pre-GELU product)."""
-        return self._bind_all_gather_matmul(x, w, **kwargs)[:3]
-
-    def _bind_all_gather_matmul(self, x, w, **kwargs):
+        its other keywords (``return_gathered`` among them) as given."""
         return bind_all_gather_matmul(
             x, w, self.axis_name, self.size, fallback=self.fallback, **kwargs
         )
@@ -63,57 +54,27 @@ class Group:
             x, w, self.axis_name, self.size, fallback=self.fallback, **kwargs
         )
 
-    def gather_times_w_t(self, dy, w, x, gelu_input=None):
-        """``(all_gather(dy) @ w.T, x^T @ all_gather(dy))``: the input and weight gradients
-        of a reduce-scattered product ``x @ w`` (``x [tp * m, ..., k]``), ``dy`` gathered
-        once for both. ``w.T`` is read in place where the tuning says
-        (``weight_transposed``); with ``gelu_input``, the input gradient is the product
-        times gelu'(gelu_input), in the GEMMs' epilogue. The weight gradient comes from
-        the call itself where :func:`_weight_grad_in_call`, else from XLA's dot of the
-        gathered ``dy`` the call hands back."""
+    def gather_times_w_t(self, dy, w, gelu_input=None):
+        """``(all_gather(dy) @ w.T, all_gather(dy))``: the input gradient of a
+        reduce-scattered product, whose gathered ``dy`` the weight gradient takes too (so
+        ``dy`` is gathered once). ``w.T`` is read in place where the tuning says
+        (``weight_transposed``); with ``gelu_input``, the product times gelu'(gelu_input)
+        in the GEMMs' epilogue."""
         w_t, in_place = weight_transposed(w)
-        in_call = _weight_grad_in_call(x, dy)
-        dx, dy_gathered, _, dw = self._bind_all_gather_matmul(
+        dx, dy_gathered, _ = self.all_gather_matmul(
             dy,
             w_t,
-            return_gathered=not in_call,
+            return_gathered=True,
             transpose_w=in_place,
             gelu_input=gelu_input,
-            wgrad_lhs=x if in_call else None,
         )
-        if in_call:
-            return dx, dw
-        return weight_grad_with(dx, contract_rows(x, dy_gathered))
+        return dx, dy_gathered
 
-    def scatter_times_w_t(self, dp, w):
+    def scatter_times_w_t(self, dp, w, gather=None):
         """``reduce_scatter(dp @ w.T)``: the input gradient of an all-gathered product, by
-        the overlapped GEMM+RS reading ``w.T`` in place where the tuning says."""
+        the overlapped GEMM+RS reading ``w.T`` in place where the tuning says. With
+        ``gather`` (laid out and typed as that result: the product's input shard),
+        ``(reduce_scatter(dp @ w.T), all_gather(gather))``, the gather moving beside the
+        GEMMs in the same call."""
         w_t, in_place = weight_transposed(w)
-        return self.matmul_reduce_scatter(dp, w_t, transpose_w=in_place)
-
-    def scatter_and_weight_grad(self, dp, w, x):
-        """``(reduce_scatter(dp @ w.T), all_gather(x)^T @ dp)``: the input and weight
-        gradients of an all-gathered product ``all_gather(x) @ w``, from its input's shard
-        ``x`` (laid out and typed as the input gradient), which the call all-gathers beside
-        its GEMMs. The weight gradient comes from the call itself where
-        :func:`_weight_grad_in_call`, else from XLA's dot of the gathered ``x`` the call
-        hands back."""
-        w_t, in_place = weight_transposed(w)
-        in_call = _weight_grad_in_call(x, dp)
-        dx, second = self.matmul_reduce_scatter(
-            dp, w_t, transpose_w=in_place, gather=x, weight_grad=in_call
-        )
-        if in_call:
-            return dx, second
-        return weight_grad_with(dx, contract_rows(second, dp))
-
-
-def _weight_grad_in_call(a, b) -> bool:
-    """Whether a weight gradient of ``a`` and ``b`` (the layer's input and its output's
-    gradient) is computed inside the call: where the tuning says (``weight_grad_in_call``)
-    and both are of one 16- or 32-bit float dtype (the call's GEMMs take no other)."""
-    return (
-        options.tuning().weight_grad_in_call
-        and a.dtype == b.dtype
-        and jnp.dtype(a.dtype).itemsize > 1
-    )
+        return self.matmul_reduce_scatter(dp, w_t, transpose_w=in_place, gather=gather)

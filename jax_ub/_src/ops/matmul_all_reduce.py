@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.reference import contract_rows, matmul_all_reduce_reference
+from jax_ub._src.lowering.reference import matmul_all_reduce_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.common import check_arguments
+from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.group import Group
 from jax_ub._src.settings import checks
 

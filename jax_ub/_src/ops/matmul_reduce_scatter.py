@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops.common import check_arguments
+from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_output
@@ -125,9 +125,10 @@ def _fwd(x, w, group: Group):
 
 def _bwd(group: Group, res, dy):
     x, w = res
-    # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, and dw = x.T @ all_gather(dy) from
-    # the same gathered dy, so dy is gathered exactly once.
-    dx, dw = group.gather_times_w_t(dy, w, x)
+    # dx = all_gather(dy) @ w.T: the overlapped AG+GEMM, which also hands back the
+    # gathered dy that dw needs, so dy is gathered exactly once.
+    dx, dy_gathered = group.gather_times_w_t(dy, w)
+    dx, dw = weight_grad_with(dx, contract_rows(x, dy_gathered))
     return match_varying(dx, x), match_varying(dw, w)
 
 

@@ -20,6 +20,7 @@ from jax_ub._src.lowering.reference import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import impl_choice
 from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
+from jax_ub._src.ops.common import contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
 from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.ops.group import Group
@@ -166,14 +167,17 @@ def _fwd(x, w_up, up_bias, w_down, group: Group):
 
 def _bwd(group: Group, res: _Residuals, dy):
     # dp = (all_gather(dy) @ w_down.T) * gelu'(pre): the down-projection's input gradient
-    # with GELU's backward in its epilogue; the same gathered dy gives the down weight's.
+    # with GELU's backward in its epilogue; the gathered dy is the down weight's gradient's.
     fused_dgelu = options.tuning().dgelu_epilogue
-    dp, dw_down = group.gather_times_w_t(
-        dy, res.w_down, res.h, gelu_input=res.pre_gelu if fused_dgelu else None
+    dp, dy_gathered = group.gather_times_w_t(
+        dy, res.w_down, gelu_input=res.pre_gelu if fused_dgelu else None
     )
     if not fused_dgelu:
         dp = dgelu_reference(dp, res.pre_gelu)
-    dx, dw_up = res.x_kept.input_and_weight_grads(group, dp, res.w_up)
+    dw_down = contract_rows(res.h, dy_gathered)
+    dp, dw_down = weight_grad_with(dp, dw_down)
+    dx, x_gathered = res.x_kept.input_grad_and_gathered(group, dp, res.w_up)
+    dx, dw_up = weight_grad_with(dx, contract_rows(x_gathered, dp))
     return (
         match_varying(dx, res.x_like),
         match_varying(dw_up, res.w_up),

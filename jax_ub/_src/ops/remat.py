@@ -22,8 +22,6 @@ from typing import NamedTuple
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_ub._src.lowering.reference import contract_rows
-from jax_ub._src.ops.common import weight_grad_with
 from jax_ub._src.settings.config import config
 
 OUTPUT = "jax_ub_output"
@@ -66,13 +64,11 @@ class KeptInput(NamedTuple):
             return cls(saved_gathered(gathered), None)
         return cls(None, x)
 
-    def input_and_weight_grads(self, group, dp: jax.Array, w: jax.Array):
-        """``(reduce_scatter(dp @ w.T), all_gather(x)^T @ dp)``: the op's input gradient, by
-        ``group``'s (a :class:`jax_ub._src.ops.group.Group`) overlapped GEMM+RS, and its
-        weight gradient: XLA's dot of the kept gathered ``x``, or computed in that same call,
-        which gathers x's shard beside its GEMMs (the shard is laid out and typed as the
-        input gradient, as the call needs)."""
+    def input_grad_and_gathered(self, group, dp: jax.Array, w: jax.Array):
+        """``(reduce_scatter(dp @ w.T), all_gather(x))``: the op's input gradient, by
+        ``group``'s (a :class:`jax_ub._src.ops.group.Group`) overlapped GEMM+RS, and the
+        gathered ``x`` its weight gradient needs: the kept one, or gathered in that same
+        call (x's shard is laid out and typed as the input gradient, as the call needs)."""
         if self.gathered is not None:
-            dx = group.scatter_times_w_t(dp, w)
-            return weight_grad_with(dx, contract_rows(self.gathered, dp))
-        return group.scatter_and_weight_grad(dp, w, self.shard)
+            return group.scatter_times_w_t(dp, w), self.gathered
+        return group.scatter_times_w_t(dp, w, gather=self.shard)

@@ -48,11 +48,6 @@ class Tuning:
         a backward pass is traced.
       dgelu_epilogue: ``gelu_mlp``'s backward runs GELU's gradient in a GEMM epilogue;
         else in XLA after the op. Read when a backward pass is traced.
-      weight_grad_in_call: the backward passes (but fp8's) compute a layer's weight
-        gradient inside its input gradient's call, from the gathered chunks where they
-        land in the userbuffer; else the call copies the gathered operand out and XLA's
-        dot computes it. Those copies within a GPU, beside a busy GEMM, delayed the GEMMs
-        that followed them. Read when a backward pass is traced.
       compute_on_caller_stream: on GPUs, a call's GEMMs, flag waits and check run on the
         stream XLA called it on; else on a stream of the communicator's, which waits for
         XLA's work first and which XLA's stream then waits for. The hop between streams
@@ -72,7 +67,6 @@ class Tuning:
     reduce_scatter_fold_rows: int = 2048
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
-    weight_grad_in_call: bool = True
     compute_on_caller_stream: bool = True
     fp8_fast_accumulation: bool = True
 
@@ -157,7 +151,7 @@ class Options:
 
 
 # Tuning choices that shape the traced program, not the communicator.
-_TRACE_TIME = ("transpose_w_in_place", "dgelu_epilogue", "weight_grad_in_call")
+_TRACE_TIME = ("transpose_w_in_place", "dgelu_epilogue")
 
 
 def traced_settings() -> tuple[object, ...]:

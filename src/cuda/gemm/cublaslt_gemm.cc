@@ -122,10 +122,9 @@ bool CublasLtGemm::FastAccumulation(const PlanKey& key) const {
 
 Status CublasLtGemm::Describe(const PlanKey& key, bool row, Plan* p) const {
   const int64_t m = key.m, k = key.k, n = key.n;
-  const bool a_transposed = key.a_transposed, b_transposed = key.b_transposed;
-  // Dense row-major operands: a[m, k] (stored [k, m] when transposed), b[k, n] (stored
-  // [n, k] when transposed), c[m, n].
-  const int64_t lda = a_transposed ? m : k, ldb = b_transposed ? k : n, ldc = n;
+  const bool b_transposed = key.b_transposed;
+  // Dense row-major operands: a[m, k], b[k, n] (stored [n, k] when transposed), c[m, n].
+  const int64_t lda = k, ldb = b_transposed ? k : n, ldc = n;
   const DType in = key.a_type;
   // a's, b's and c's types.
   const cudaDataType_t at = CudaType(in), bt = CudaType(key.b_type), ct = CudaType(key.out_type);
@@ -147,17 +146,9 @@ Status CublasLtGemm::Describe(const PlanKey& key, bool row, Plan* p) const {
     JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(
         p->desc, row ? CUBLASLT_MATMUL_DESC_TRANSB : CUBLASLT_MATMUL_DESC_TRANSA, &op_t,
         sizeof(op_t)));
-  if (a_transposed)
-    JAX_UB_CUBLAS(cublasLtMatmulDescSetAttribute(
-        p->desc, row ? CUBLASLT_MATMUL_DESC_TRANSA : CUBLASLT_MATMUL_DESC_TRANSB, &op_t,
-        sizeof(op_t)));
   if (row) {
-    // C[m, n] = A[m, k] @ B[k, n] as stored; A's stored transpose is [k, m], B's [n, k].
-    if (a_transposed) {
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, at, k, m, lda));
-    } else {
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, at, m, k, lda));
-    }
+    // C[m, n] = A[m, k] @ B[k, n] as stored; B's stored transpose is [n, k].
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, at, m, k, lda));
     if (b_transposed) {
       JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, bt, n, k, ldb));
     } else {
@@ -177,12 +168,8 @@ Status CublasLtGemm::Describe(const PlanKey& key, bool row, Plan* p) const {
     } else {
       JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->first, bt, n, k, ldb));  // B^T: n x k
     }
-    if (a_transposed) {  // A^T [k, m] row-major is A stored column-major as m x k
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, at, m, k, lda));  // (A^T)^T: m x k
-    } else {
-      JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, at, k, m, lda));  // A^T: k x m
-    }
-    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, ct, n, m, ldc));  // C^T: n x m
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->second, at, k, m, lda));  // A^T: k x m
+    JAX_UB_CUBLAS(cublasLtMatrixLayoutCreate(&p->out, ct, n, m, ldc));     // C^T: n x m
   }
   return Status::Ok();
 }
@@ -230,26 +217,11 @@ Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const
                              bool b_transposed, void* c, int64_t m, int64_t k, int64_t n,
                              const Epilogue& ep, const GemmArgs& args, cudaStream_t tune_stream,
                              Plan** plan) {
-  return PrepareKey(PlanKey{ta, tb, out, m, k, n, b_transposed, ep.Code()}, ep, a, b, c, args,
-                    tune_stream, plan);
-}
-
-Status CublasLtGemm::PrepareTransposedA(DType t, const void* a, const void* b, void* c, int64_t m,
-                                        int64_t k, int64_t n, const GemmArgs& args,
-                                        cudaStream_t tune_stream, Plan** plan) {
-  PlanKey key{t, t, t, m, k, n, false, Epilogue{}.Code()};
-  key.a_transposed = true;
-  return PrepareKey(key, Epilogue{}, a, b, c, args, tune_stream, plan);
-}
-
-Status CublasLtGemm::PrepareKey(const PlanKey& key, const Epilogue& ep, const void* a,
-                                const void* b, void* c, const GemmArgs& args,
-                                cudaStream_t tune_stream, Plan** plan) {
   *plan = nullptr;
-  const int64_t m = key.m, k = key.k, n = key.n;
   if (m == 0 || n == 0) return Status::Ok();
   const void* addend = args.addend;
   if (addend != nullptr && ep.Any()) return Internal("a GEMM with an addend takes no epilogue");
+  const PlanKey key{ta, tb, out, m, k, n, b_transposed, ep.Code()};
   auto it = plans_.find(key);
   if (it != plans_.end() && (addend == nullptr || it->second.ran_with_addend)) {
     *plan = &it->second;  // every call after a shape's first

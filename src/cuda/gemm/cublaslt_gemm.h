@@ -161,12 +161,6 @@ class CublasLtGemm {
     return Prepare(t, t, t, a, b, b_transposed, c, m, k, n, Epilogue{}, args, tune_stream, plan);
   }
 
-  // The plan for c[m, n] = a^T @ b with a stored [k, m] and b [k, n], every operand of type
-  // `t` and no epilogue (a weight gradient's share of a span of rows: k rows of the layer's
-  // input and of its output's gradient); otherwise as Prepare.
-  Status PrepareTransposedA(DType t, const void* a, const void* b, void* c, int64_t m, int64_t k,
-                            int64_t n, const GemmArgs& args, cudaStream_t tune_stream, Plan** plan);
-
   // From now on this GEMM's kernel choices are agreed through `agreement` (not owned; it
   // must outlive the GEMM's calls). Without one, each GPU chooses alone.
   void SetAgreement(KernelAgreement* agreement) { agreement_ = agreement; }
@@ -207,18 +201,13 @@ class CublasLtGemm {
     int64_t m, k, n;
     bool b_transposed;
     int epilogue;  // Epilogue::Code()
-    bool a_transposed = false;
 
     // Any strict order will do: it only keys plans_.
     friend bool operator<(const PlanKey& x, const PlanKey& y) {
-      return std::tie(x.a_type, x.b_type, x.out_type, x.m, x.k, x.n, x.b_transposed, x.epilogue,
-                      x.a_transposed) < std::tie(y.a_type, y.b_type, y.out_type, y.m, y.k, y.n,
-                                                 y.b_transposed, y.epilogue, y.a_transposed);
+      return std::tie(x.a_type, x.b_type, x.out_type, x.m, x.k, x.n, x.b_transposed, x.epilogue) <
+             std::tie(y.a_type, y.b_type, y.out_type, y.m, y.k, y.n, y.b_transposed, y.epilogue);
     }
   };
-  // Prepare for `key`'s shape (the public ones' body).
-  Status PrepareKey(const PlanKey& key, const Epilogue& ep, const void* a, const void* b, void* c,
-                    const GemmArgs& args, cudaStream_t tune_stream, Plan** plan);
   // One of cuBLASLt's candidates for a shape: its description (an index into the plans
   // MakePlan describes), algorithm, and time per run in each timed round.
   struct Candidate {

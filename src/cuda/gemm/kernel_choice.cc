@@ -350,9 +350,7 @@ std::string CublasLtGemm::ChoiceKey(const PlanKey& key) const {
                 types, static_cast<long long>(key.m), static_cast<long long>(key.k),
                 static_cast<long long>(key.n), key.b_transposed ? 1 : 0, key.epilogue,
                 options_.allow_tf32 ? 1 : 0, FastAccumulation(key) ? 1 : 0);
-  // A transposed a is marked only where it is, so the keys of other GEMMs stay as they were.
-  return "gpu=" + gpu + " cublasLt=" + std::to_string(cublasLtGetVersion()) + " " + text +
-         (key.a_transposed ? " at=1" : "");
+  return "gpu=" + gpu + " cublasLt=" + std::to_string(cublasLtGetVersion()) + " " + text;
 }
 
 Status CublasLtGemm::PlanFromChoices(const PlanKey& key, const std::string& choice_key,
