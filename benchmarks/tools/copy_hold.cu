@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda_tool.h"
@@ -158,25 +159,32 @@ int main() {
                   copies[c], grid, std::max(cluster, 1), Median(copy_end), Median(start));
     }
   }
-  // K1 on k1 (one CTA per SM, or one CTA), the copy on `copy` between stamps, K2 on k2
-  // (after K1 through an event where k2 is not k1's stream).
+  // One measurement: K1 on k1 (one CTA per SM, or one CTA), the copy on `copy` between
+  // stamps, K2 on k2 (after K1 through an event where k2 is not k1's stream).
+  struct Case {
+    std::string label;
+    cudaStream_t k1, copy, k2;
+    int k1_grid;
+    int pieces = 1;       // the copy in this many copies of equal size
+    void* to = nullptr;   // the copy's destination: dst, or another GPU's buffer
+    bool k2_smem = true;  // K2 takes a GEMM's shared memory
+    CopyKind kind = CopyKind::kMemcpy;
+  };
   cudaEvent_t k1_done = nullptr;
   Check(cudaEventCreateWithFlags(&k1_done, cudaEventDisableTiming), "cudaEventCreate");
-  auto hold = [&](const char* label, cudaStream_t k1, int k1_grid, cudaStream_t copy,
-                  cudaStream_t k2, int pieces = 1, void* to = nullptr, bool k2_smem = true,
-                  CopyKind kind = CopyKind::kMemcpy) {
+  auto hold = [&](const Case& c) {
     std::vector<double> k1_end, copy_start, copy_end, k2_start;
     for (int rep = 0; rep < kRepeats; ++rep) {
       reset();
-      spin(k1_grid, k1_grid > 1 ? 2 : 1, &t[2], 100000, k1);
-      Stamp<<<1, 1, 0, copy>>>(&t[0]);
-      EnqueueCopy(kind, to != nullptr ? to : dst, src, sms, copy, pieces);
-      Stamp<<<1, 1, 0, copy>>>(&t[1]);
-      if (k2 != k1) {
-        Check(cudaEventRecord(k1_done, k1), "cudaEventRecord");
-        Check(cudaStreamWaitEvent(k2, k1_done), "cudaStreamWaitEvent");
+      spin(c.k1_grid, c.k1_grid > 1 ? 2 : 1, &t[2], 100000, c.k1);
+      Stamp<<<1, 1, 0, c.copy>>>(&t[0]);
+      EnqueueCopy(c.kind, c.to != nullptr ? c.to : dst, src, sms, c.copy, c.pieces);
+      Stamp<<<1, 1, 0, c.copy>>>(&t[1]);
+      if (c.k2 != c.k1) {
+        Check(cudaEventRecord(k1_done, c.k1), "cudaEventRecord");
+        Check(cudaStreamWaitEvent(c.k2, k1_done), "cudaStreamWaitEvent");
       }
-      spin(full, 2, &t[4], 20000, k2, k2_smem);
+      spin(full, 2, &t[4], 20000, c.k2, c.k2_smem);
       Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       if (rep == 0) continue;
       const double t0 = double(t[2]);
@@ -185,19 +193,20 @@ int main() {
       copy_end.push_back((double(t[1]) - t0) * 1e-3);
       k2_start.push_back((double(t[4]) - t0) * 1e-3);
     }
-    std::printf("  %-44s K1 ends %6.1f, copy %6.1f to %6.1f, K2 starts %6.1f\n", label,
+    std::printf("  %-44s K1 ends %6.1f, copy %6.1f to %6.1f, K2 starts %6.1f\n", c.label.c_str(),
                 Median(k1_end), Median(copy_start), Median(copy_end), Median(k2_start));
+  };
+  // Part 2's case: K1 and K2 on `s` (stream 1 unless named), the copy on stream 0.
+  auto part2 = [&](const std::string& label, cudaStream_t s = nullptr) {
+    s = s != nullptr ? s : streams[1];
+    return Case{label, s, streams[0], s, full};
   };
   const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   std::printf(
       "2. K1 on stream S, copy on stream 0, K2 on S (us from K1's start; "
       "CUDA_DEVICE_MAX_CONNECTIONS=%s)\n",
       env != nullptr ? env : "unset");
-  char label[64];
-  for (int s : {1, 8, 16}) {
-    std::snprintf(label, sizeof(label), "S = stream %d", s);
-    hold(label, streams[s], full, streams[0], streams[s]);
-  }
+  for (int s : {1, 8, 16}) hold(part2("S = stream " + std::to_string(s), streams[s]));
   // Whether stream priorities let K2 past the copy: XLA's copies run on streams of default
   // priority, and a custom call may fork its kernels onto a stream of its own.
   int least = 0, greatest = 0;
@@ -206,20 +215,31 @@ int main() {
   Check(cudaStreamCreateWithPriority(&high, cudaStreamNonBlocking, greatest), "high stream");
   Check(cudaStreamCreateWithPriority(&low, cudaStreamNonBlocking, least), "low stream");
   std::printf("3. the same with stream priorities (greatest %d, least %d)\n", greatest, least);
-  hold("K1, K2 on a stream of the greatest priority", high, full, streams[0], high);
-  hold("K1 on S, K2 on one of the greatest priority", streams[1], full, streams[0], high);
-  hold("K1, K2 on S, the copy on one of the least", streams[1], full, low, streams[1]);
+  hold(part2("K1, K2 on a stream of the greatest priority", high));
+  Case c = part2("K1 on S, K2 on one of the greatest priority");
+  c.k2 = high;
+  hold(c);
+  c = part2("K1, K2 on S, the copy on one of the least");
+  c.copy = low;
+  hold(c);
   std::printf("4. part 2 (S = stream 1) with other kernels or copies\n");
-  hold("K1 of 1 CTA", streams[1], 1, streams[0], streams[1]);
+  c = part2("K1 of 1 CTA");
+  c.k1_grid = 1;
+  hold(c);
   for (int pieces : {16, 128}) {
-    std::snprintf(label, sizeof(label), "the copy in %d pieces", pieces);
-    hold(label, streams[1], full, streams[0], streams[1], pieces);
+    c = part2("the copy in " + std::to_string(pieces) + " pieces");
+    c.pieces = pieces;
+    hold(c);
   }
-  hold("K2 without shared memory", streams[1], full, streams[0], streams[1], 1, nullptr, false);
-  hold("the copy asking to overlap compute", streams[1], full, streams[0], streams[1], 1, nullptr,
-       true, CopyKind::kOverlapHint);
-  hold("an SM copy kernel", streams[1], full, streams[0], streams[1], 1, nullptr, true,
-       CopyKind::kKernel);
+  c = part2("K2 without shared memory");
+  c.k2_smem = false;
+  hold(c);
+  c = part2("the copy asking to overlap compute");
+  c.kind = CopyKind::kOverlapHint;
+  hold(c);
+  c = part2("an SM copy kernel");
+  c.kind = CopyKind::kKernel;
+  hold(c);
   int gpus = 0, peer_ok = 0;
   Check(cudaGetDeviceCount(&gpus), "cudaGetDeviceCount");
   if (gpus > 1) Check(cudaDeviceCanAccessPeer(&peer_ok, 0, 1), "cudaDeviceCanAccessPeer");
@@ -229,7 +249,9 @@ int main() {
     Check(cudaMalloc(&remote, kBytes), "cudaMalloc");
     Check(cudaSetDevice(0), "cudaSetDevice");
     Check(cudaDeviceEnablePeerAccess(1, 0), "cudaDeviceEnablePeerAccess");
-    hold("the copy to GPU 1 (peer access)", streams[1], full, streams[0], streams[1], 1, remote);
+    c = part2("the copy to GPU 1 (peer access)");
+    c.to = remote;
+    hold(c);
     Check(cudaFree(remote), "cudaFree");
   }
   Check(cudaStreamDestroy(high), "cudaStreamDestroy");
