@@ -106,7 +106,28 @@ def test_bench_measures_settings_variants_in_the_same_rounds(tmp_path):
     assert bench.options.tuning() == bench.options.Tuning()
 
 
-@pytest.mark.parametrize("bad", ["no_such_setting=1", "gemm_order=sideways", "timeout_s"])
+def test_bench_variants_may_set_the_gemm_choice_file(tmp_path):
+    """A variant's ``gemm_cache`` (a user setting, not a tuning choice) reaches its own
+    communicator, to compare kernel sets in one process, and is put back afterwards."""
+    import jax_ub
+    from jax_ub._src.runtime import communicator
+
+    choices = tmp_path / "choices.txt"
+    out = tmp_path / "bench.json"
+    bench.main(
+        "--shapes 32x16x32 --tp 2 --rounds 1 --iters 2 --no-windowed-einsum --ops ag "
+        f"--ub-variants gemm_cache={choices} --json {out}".split()
+    )
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["rel_err"][f"jax_ub[gemm_cache={choices}]"] < 2e-2, r["rel_err"]
+    caches = {key.options.gemm_cache for key in communicator._live}
+    assert str(choices) in caches and "" in caches, caches
+    assert jax_ub.config.gemm_cache == ""
+
+
+@pytest.mark.parametrize(
+    "bad", ["no_such_setting=1", "gemm_order=sideways", "timeout_s", "gemm_cache=/no/such/dir/f"]
+)
 def test_bench_refuses_bad_variants(bad):
     with pytest.raises(SystemExit):
         bench.main(["--ub-variants", bad])

@@ -10,6 +10,7 @@ so it runs in a child process.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import os
 import statistics
@@ -288,7 +289,7 @@ def build_ar(mesh, M, K, N, dtype, seed, variants=(), fp8=False, epilogue=False)
 
 def parse_variants(text: str) -> list[dict]:
     """ "name=value,name=value;name=value" -> one dict of tuning choices per variant
-    (jax_ub._src.settings.options.Tuning's names).
+    (jax_ub._src.settings.options.Tuning's names, and ``gemm_cache``).
     Values are read as Python literals where they parse (ints, floats, True), else kept as
     strings ("auto")."""
     variants = []
@@ -304,7 +305,7 @@ def parse_variants(text: str) -> list[dict]:
                 settings[name.strip()] = value.strip()
         variants.append(settings)
     for settings in variants:  # a bad name or value fails now, not after compiling
-        with _configured(settings):
+        with configured(settings):
             pass
     return variants
 
@@ -314,10 +315,24 @@ def variant_name(settings: dict, row: str = "jax_ub") -> str:
     return row + "[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
 
 
-def _configured(settings: dict):
-    """The tuning choices `settings` inside the block, through the experimental hook (a
-    bad name or value raises there, changing nothing)."""
-    return options.experimental_tuning(**settings)
+# jax_ub settings (jax_ub.configure's) a variant may set beside the tuning choices: the
+# GEMM kernels' choice file, to compare kernel sets in one process.
+_USER_SETTINGS = ("gemm_cache",)
+
+
+@contextlib.contextmanager
+def configured(settings: dict):
+    """The tuning choices `settings` inside the block, through the experimental hook, and
+    its user settings (``_USER_SETTINGS``) through jax_ub.configure (a bad name or value
+    raises there, changing nothing)."""
+    user = {k: v for k, v in settings.items() if k in _USER_SETTINGS}
+    saved = {k: getattr(jax_ub.config, k) for k in user}
+    with options.experimental_tuning(**{k: v for k, v in settings.items() if k not in user}):
+        jax_ub.configure(**user)
+        try:
+            yield
+        finally:
+            jax_ub.configure(**saved)
 
 
 def _add_variants(impls, make, args, variants, row: str = "jax_ub") -> None:
@@ -326,7 +341,7 @@ def _add_variants(impls, make, args, variants, row: str = "jax_ub") -> None:
     Communicators take their settings when they are created, at lowering: so each variant
     is compiled now, with its settings configured, and keeps a communicator of its own."""
     for settings in variants:
-        with _configured(settings):
+        with configured(settings):
             impls[variant_name(settings, row)] = (make().lower(*args).compile(), args)
 
 

@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub.bench.impls import AXIS, _configured, _put, _random, _smap, parse_variants, variant_name
+from jax_ub.bench.impls import AXIS, _put, _random, _smap, configured, parse_variants, variant_name
 from jax_ub.bench.timing import bar_chart, measure
 
 GPU_SIZES = "8192x28672x8192,4096x14336x8192,3072x12288x8192"
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 impls[BATCH_MAJOR] = (build(mesh, BATCH_MAJOR, head_dim)[i], args_of)
             for settings in tunings:
                 # Communicators take their tuning when created, at lowering: compile now.
-                with _configured(settings):
+                with configured(settings):
                     f = build(mesh, "jax_ub", head_dim)[i].lower(*args_of).compile()
                 impls[variant_name(settings)] = (f, args_of)
             m = measure(

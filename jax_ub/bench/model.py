@@ -153,10 +153,10 @@ def _tuned(text: str) -> dict[str, dict]:
 def _tuning_of(variant: str, args):
     """A context with `variant`'s tuning choices (a jax_ub[...] variant's), which its
     communicator is created with; the defaults for the others."""
-    from jax_ub._src.settings import options
+    from jax_ub.bench.impls import configured
 
     tuning = args.ub_variants.get(variant)
-    return options.experimental_tuning(**tuning) if tuning else contextlib.nullcontext()
+    return configured(tuning) if tuning else contextlib.nullcontext()
 
 
 def _config(args):
