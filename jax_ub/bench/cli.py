@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
         "--ub-variants",
         default="",
         help="EXPERIMENTAL: more jax_ub rows, each under other internal tuning choices "
-        "(jax_ub._src.settings.options.Tuning), measured in the same interleaved rounds: "
+        "(jax_ub._src.settings.options.Tuning) or GEMM choice file (gemm_cache=PATH), "
+        "measured in the same interleaved rounds: "
         '"name=value,...;name=value" (e.g. "reduce_scatter_fold_rows=-1;gemm_order=auto"); '
         "printed relative to jax_ub (with --fp8, jax_ub_fp8 too)",
     )

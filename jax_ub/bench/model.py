@@ -117,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_tuned,
         default="",
         help="EXPERIMENTAL: more jax_ub variants, each under other internal tuning choices "
+        "or GEMM choice file (gemm_cache=PATH) "
         '(as python -m jax_ub.bench\'s: "name=value,...;name=value"), timed in the same rounds',
     )
     ap.add_argument(
