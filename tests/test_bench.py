@@ -111,6 +111,7 @@ def test_bench_variants_may_set_the_gemm_choice_file(tmp_path):
     communicator, to compare kernel sets in one process, and is put back afterwards."""
     import jax_ub
     from jax_ub._src.runtime import communicator
+    from jax_ub.bench.impls import configured as configure_variant
 
     choices = tmp_path / "choices.txt"
     out = tmp_path / "bench.json"
@@ -120,8 +121,10 @@ def test_bench_variants_may_set_the_gemm_choice_file(tmp_path):
     )
     (r,) = json.loads(out.read_text())["results"]
     assert r["rel_err"][f"jax_ub[gemm_cache={choices}]"] < 2e-2, r["rel_err"]
-    caches = {key.options.gemm_cache for key in communicator._live}
-    assert str(choices) in caches and "" in caches, caches
+    with configure_variant({"gemm_cache": str(choices)}):
+        with_file = bench.options.current_options()
+    assert communicator.live_communicators(with_file), "the variant has no communicator"
+    assert communicator.live_communicators(bench.options.current_options())  # jax_ub's row
     assert jax_ub.config.gemm_cache == ""
 
 

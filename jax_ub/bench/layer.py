@@ -265,7 +265,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--ub-variants",
         default="",
-        help="EXPERIMENTAL: more jax_ub columns, each under other internal tuning choices, "
+        help="EXPERIMENTAL: more jax_ub columns, each under other internal tuning choices "
+        "or GEMM choice file (gemm_cache=PATH), "
         'in the same interleaved rounds (as python -m jax_ub.bench): "name=value,...;..."',
     )
     ap.add_argument(
