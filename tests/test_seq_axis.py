@@ -207,6 +207,43 @@ def test_reduce_scatter_names_the_sequence_dim_not_divisible(rand):
         f(x, w)
 
 
+def _transposes(f, *args) -> int:
+    """The transposes in the jaxpr of ``f``'s value and gradients, nested ones included."""
+    grad = jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=tuple(range(len(args))))
+    return str(jax.make_jaxpr(grad)(*args)).count("transpose[")
+
+
+@pytest.mark.parametrize("op, moves", [("ag", 2), ("rs", 2), ("gelu_mlp", 0), ("gated_mlp", 0)])
+def test_batch_major_moves_rows_at_most_once(rand, op, moves):
+    """A batch-major shard is one block to the custom calls, so the ops move its rows once
+    (into sequence order after a gather, into rank order before a reduce-scatter) and once
+    more in the gradient; the MLPs, whose gathered rows meet only row-wise math before the
+    scatter, not at all. Counted against the same op seq-major."""
+    mesh = make_mesh((TP, "tp"))
+    if op in ("ag", "rs"):
+        x, w = _global_operands(rand, op, (B, S))
+        ws = (w,)
+        fns = {s: _local_fn(op, mesh, 3, s) for s in (0, 1)}
+    else:
+        x = rand(B, S, K)
+        up = rand(K, 2, K, scale=0.3) if op == "gated_mlp" else rand(K, 2 * K, scale=0.3)
+        ws = (up, rand(2 * K if op == "gelu_mlp" else K, K, scale=0.3))
+        up_spec = P(None, None, "tp") if op == "gated_mlp" else P(None, "tp")
+        call = getattr(jax_ub, op)
+        fns = {
+            s: smap(
+                lambda x, up, down, s=s: call(x, up, down, "tp", impl="ub", seq_axis=s),
+                mesh,
+                (_spec(3, s), up_spec, P("tp", None)),
+                _spec(3, s),
+            )
+            for s in (0, 1)
+        }
+    batch_major = _transposes(fns[1], x, *ws)
+    seq_major = _transposes(fns[0], jnp.swapaxes(x, 0, 1), *ws)
+    assert batch_major - seq_major == moves, (batch_major, seq_major)
+
+
 # --- Flax layers -------------------------------------------------------------------------
 
 D, HEADS = 16, 4

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 import jax_ub.flax as ubf
+from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import reduce_scatter_rows
 from jax_ub.flax.nnx.layers import sharded_param
 
@@ -167,7 +168,10 @@ class VocabParallelEmbed(nnx.Module):
             x = jnp.where(mine[..., None], x, jnp.zeros((), dtype))
             if not sequence_parallel:
                 return jax.lax.psum(x, axis)
-            return jnp.moveaxis(scatter_sequence(jnp.moveaxis(x, 1, 0), axis), 0, 1)
+            # Into rank-major row blocks (the move fuses into the lookup); this rank's
+            # block comes back batch-major as it is.
+            blocks = layout.to_rank_blocks(x, 1, jax.lax.axis_size(axis))
+            return layout.from_rank_block(scatter_sequence(blocks, axis), 1)
 
         return jax.shard_map(
             lookup,

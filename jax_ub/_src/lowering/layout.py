@@ -136,6 +136,45 @@ def seq_back(tree: Any, seq_axis: int) -> Any:
     return jax.tree.map(lambda a: jax.numpy.moveaxis(a, 0, seq_axis), tree)
 
 
+def as_rank_block(x: Any, seq_axis: int) -> Any:
+    """A rank's shard ``x [*lead, m, ..., k]`` (split on ``seq_axis``) as the custom calls'
+    ``[rows, *batch, k]`` with one row: ``[1, *lead, m, ..., k]``, free (no data moves).
+
+    The calls move a rank's whole shard as one block, so a batch-major shard needs no
+    reordering: gathered, the blocks come out rank-major, ``[tp, *lead, m, ..., n]``
+    (:func:`from_rank_blocks` puts them in sequence order). Ops whose gathered rows only
+    meet row-wise math before they are scattered again (the MLPs) keep them rank-major
+    and move no rows at all, where moving the sequence dim to the front would copy every
+    operand and result of each call and of its gradient."""
+    return x if seq_axis == 0 else x.reshape(1, *x.shape)
+
+
+def from_rank_blocks(y: Any, seq_axis: int) -> Any:
+    """Gathered rank blocks ``[tp, *lead, m, ..., n]`` (see :func:`as_rank_block`) in
+    sequence order: ``[*lead, tp * m, ..., n]``. Moves the rows once."""
+    if seq_axis == 0:
+        return y
+    size, m = y.shape[0], y.shape[seq_axis + 1]
+    y = jax.numpy.moveaxis(y, 0, seq_axis)  # [*lead, size, m, ..., n]
+    return y.reshape(*y.shape[:seq_axis], size * m, *y.shape[seq_axis + 2 :])
+
+
+def to_rank_blocks(x: Any, seq_axis: int, size: int) -> Any:
+    """``x [*lead, size * m, ..., k]`` (the whole sequence on ``seq_axis``) as the rank
+    blocks a reduce-scatter hands out, rank-major: ``[size, *lead, m, ..., k]``. Moves the
+    rows once; the scattered result is then one block, ``[1, *lead, m, ..., n]``."""
+    if seq_axis == 0:
+        return x
+    shape = x.shape
+    x = x.reshape(*shape[:seq_axis], size, shape[seq_axis] // size, *shape[seq_axis + 1 :])
+    return jax.numpy.moveaxis(x, seq_axis, 0)
+
+
+def from_rank_block(y: Any, seq_axis: int) -> Any:
+    """:func:`as_rank_block`'s inverse: ``[1, *lead, m, ..., n]`` -> ``[*lead, m, ..., n]``."""
+    return y if seq_axis == 0 else y.reshape(y.shape[1:])
+
+
 def seq_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
     """An ``ndim``-dim activation split over ``axis_name`` on its sequence dim."""
     return P(*([None] * seq_axis), axis_name, *([None] * (ndim - seq_axis - 1)))

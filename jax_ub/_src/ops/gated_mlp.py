@@ -104,11 +104,14 @@ def gated_mlp(
     def local(x, w_gate_up, w_down_and_scales):
         w_down, (up, down) = w_down_and_scales
         k, _, f = w_gate_up.shape
-        kw = dict(impl=impl, seq_axis=seq_axis)
+        # The hidden rows stay in the gather's rank-major order, which the row-wise math
+        # and the reduce-scatter take as they are: a batch-major x moves no rows.
+        x = layout.as_rank_block(x, seq_axis)
         # [k, 2, f] -> [k, 2f] is free: this rank's gate columns, then its up columns.
-        gate_up = all_gather_matmul(x, w_gate_up.reshape(k, 2 * f), axis_name, fp8=up, **kw)
+        gate_up = all_gather_matmul(x, w_gate_up.reshape(k, 2 * f), axis_name, fp8=up, impl=impl)
         hidden = act(gate_up[..., :f]) * gate_up[..., f:]
-        return matmul_reduce_scatter(hidden, w_down, axis_name, fp8=down, **kw)
+        y = matmul_reduce_scatter(hidden, w_down, axis_name, fp8=down, impl=impl)
+        return layout.from_rank_block(y, seq_axis)
 
     if checks.bound_axis_size(_OP, axis_name) is not None:
         return local(x, w_gate_up, (w_down, scales))

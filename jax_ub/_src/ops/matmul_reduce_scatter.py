@@ -84,8 +84,8 @@ def _reduced(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
     what = "rows of x" if seq_axis == 0 else f"rows of x (dim {seq_axis})"
     checks.check_divisible(_OP, what, x.shape[seq_axis], size, axis_name, f"{x.shape=}")
     if seq_axis != 0:
-        y = _reduced(layout.seq_first(x, seq_axis), w, axis_name, impl, fp8, 0)
-        return layout.seq_back(y, seq_axis)
+        y = _reduced(layout.to_rank_blocks(x, seq_axis, size), w, axis_name, impl, fp8, 0)
+        return layout.from_rank_block(y, seq_axis)
     group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
     if fp8 is not None:
         return fp8_matmul_reduce_scatter(x, w, fp8, group)

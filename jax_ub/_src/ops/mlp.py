@@ -100,7 +100,7 @@ def gelu_mlp(
     size = checks.bound_axis_size(_OP, axis_name)
     if size is not None and seq_axis != 0:
         y = gelu_mlp(
-            layout.seq_first(x, seq_axis),
+            layout.as_rank_block(x, seq_axis),
             w_up,
             w_down,
             axis_name,
@@ -109,7 +109,7 @@ def gelu_mlp(
             impl=impl,
             fp8=fp8,
         )
-        return layout.seq_back(y, seq_axis)
+        return layout.from_rank_block(y, seq_axis)
     fused = size is not None
     if fused:
         hidden = jax.ShapeDtypeStruct((size * h_rows[0], *h_rows[1:]), dtype)
