@@ -119,12 +119,11 @@ def check_seq_axis(op: str, x: Any, seq_axis: Any) -> int:
 
 
 def seq_first(a: Any, seq_axis: int) -> Any:
-    """``a`` with its sequence dim moved to the front, where the custom calls take it.
-
-    A batch-major activation's rows are then seq-major: each rank's rows are one
-    contiguous block, which the all-gather and reduce-scatter move whole. The move keeps
-    the feature dim last (rows are reordered, not transposed), and XLA fuses it into
-    the op that produces ``a`` (a norm, a residual add) where there is one."""
+    """``a`` with its sequence dim moved to the front, for code that reads the sequence
+    first (attention, ``matmul_all_reduce``'s padding of the rows). The ops' calls take a
+    batch-major shard without it (:func:`as_rank_block`). The move keeps the feature dim
+    last (rows are reordered, not transposed), and XLA fuses it into the op that produces
+    ``a`` where it can."""
     return a if seq_axis == 0 else jax.numpy.moveaxis(a, seq_axis, 0)
 
 
@@ -149,14 +148,19 @@ def as_rank_block(x: Any, seq_axis: int) -> Any:
     return x if seq_axis == 0 else x.reshape(1, *x.shape)
 
 
-def from_rank_blocks(y: Any, seq_axis: int) -> Any:
-    """Gathered rank blocks ``[tp, *lead, m, ..., n]`` (see :func:`as_rank_block`) in
-    sequence order: ``[*lead, tp * m, ..., n]``. Moves the rows once."""
+def from_rank_blocks(tree: Any, seq_axis: int) -> Any:
+    """Every array of ``tree``, gathered rank blocks ``[tp, *lead, m, ..., n]`` (see
+    :func:`as_rank_block`), in sequence order: ``[*lead, tp * m, ..., n]``. Moves the rows
+    once."""
     if seq_axis == 0:
-        return y
-    size, m = y.shape[0], y.shape[seq_axis + 1]
-    y = jax.numpy.moveaxis(y, 0, seq_axis)  # [*lead, size, m, ..., n]
-    return y.reshape(*y.shape[:seq_axis], size * m, *y.shape[seq_axis + 2 :])
+        return tree
+
+    def in_order(y):
+        size, m = y.shape[0], y.shape[seq_axis + 1]
+        y = jax.numpy.moveaxis(y, 0, seq_axis)  # [*lead, size, m, ..., n]
+        return y.reshape(*y.shape[:seq_axis], size * m, *y.shape[seq_axis + 2 :])
+
+    return jax.tree.map(in_order, tree)
 
 
 def to_rank_blocks(x: Any, seq_axis: int, size: int) -> Any:

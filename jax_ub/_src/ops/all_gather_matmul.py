@@ -117,7 +117,7 @@ def all_gather_matmul(
             return_gathered=return_gathered,
             fp8=fp8,
         )
-        return jax.tree.map(lambda a: layout.from_rank_blocks(a, seq_axis), result)
+        return layout.from_rank_blocks(result, seq_axis)
     group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
     if bias is not None:  # the output's dtype, as the epilogue adds it
         bias = jnp.asarray(bias, x.dtype if fp8 is None else result_dtype(x, w))
