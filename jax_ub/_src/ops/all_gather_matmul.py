@@ -74,9 +74,10 @@ def all_gather_matmul(
         result the epilogue runs in XLA after the op (no cuBLASLt fp8 kernel).
       seq_axis: the dim of ``x`` split over ``axis_name`` (the sequence): 0 for
         ``[seq, batch, ..., k]``, 1 for batch-major ``[batch, seq, ..., k]``; not the last.
-        The result keeps it in the same place. Other than 0 the op runs on ``x`` with that
-        dim moved to the front and moves it back in its result, moves XLA fuses into the
-        neighbouring ops where it can (the feature dim stays last).
+        The result keeps it in the same place. Other than 0 the calls take the shard as
+        one block of rows (a free reshape) and the gathered blocks come back rank-major,
+        which the op puts in sequence order: the rows of the result (and of the gathered
+        ``x``) are moved once, the shard not at all.
 
     Returns:
       ``activation(all_gather(x, axis_name, axis=seq_axis, tiled=True) @ w + bias)``, of

@@ -66,8 +66,9 @@ def gelu_mlp(
         ``fp8=down`` run them (``down.x`` scales the hidden activation); GELU's gradient
         runs in the epilogue of the fp8 GEMM that computes it.
       seq_axis: the sequence dim of ``x`` (and of the result): 0 for ``[m, ..., k]``, 1 for
-        batch-major ``[batch, m, ..., k]``, as for :func:`all_gather_matmul`. The block's
-        hidden activation stays sequence-first between the two projections.
+        batch-major ``[batch, m, ..., k]``, as for :func:`all_gather_matmul`. Other than 0
+        no rows move: the hidden activation stays in the gather's rank-major order, which
+        GELU and the reduce-scatter take as it is.
 
     Returns:
       ``[m, ..., n]``, sequence-sharded like ``x``.
