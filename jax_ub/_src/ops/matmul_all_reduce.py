@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.reference import matmul_all_reduce_reference
+from jax_ub._src.lowering.reference import matmul_all_reduce_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.group import Group
@@ -62,8 +62,11 @@ def matmul_all_reduce(
       ``psum(x @ w, axis_name) + bias``, of shape ``[..., n]``, the same on every rank (a
       value that does not vary over the axis, as ``psum``'s).
 
-    The gradient needs no communication: ``dy`` is the same on every rank, so
-    ``dx = dy @ w.T`` and ``dw = x.T @ dy`` are local.
+    The gradient: ``dx = dy @ w.T`` and ``dw = x.T @ dy``, local where ``dy`` is typed the
+    same on every rank (``check_vma=True``, plain ``jit``). Inside
+    ``shard_map(check_vma=False)`` each rank holds a share of ``dy`` and the true one is
+    their sum (as ``psum``'s transpose gives): a reduce-scatter of ``dy``, then an
+    all-gather overlapped with ``dx``'s GEMM.
 
     Example::
 
@@ -130,9 +133,19 @@ def _fwd(x, w, group: Group):
 
 def _bwd(group: Group, res, dy):
     x, w = res
-    # dy is the same on every rank (the output does not vary over the axis): both
-    # products are local.
-    dx = jnp.einsum("...n,kn->...k", dy, w)
+    if jax_compat.check_vma():
+        # dy is typed the same on every rank (the output does not vary over the axis):
+        # both products are local. Where the output feeds rank-varying math, the cast to
+        # varying that JAX inserted there has already summed the ranks' cotangents.
+        dx = jnp.einsum("...n,kn->...k", dy, w)
+    else:
+        # Unchecked shard_map: nothing typed the output as replicated, so each rank holds
+        # its own share of the cotangent (shard_map's transpose hands an output of spec
+        # P() 1/tp of it on each rank, and rank-varying math downstream adds its own
+        # part); the true cotangent is their sum, as psum's transpose (a psum) gives the
+        # reference. The sum is a reduce-scatter and an all-gather, the gather overlapped
+        # with dx's GEMM and handed back for dw: the forward's traffic, mirrored.
+        dx, dy = group.gather_times_w_t(reduce_scatter_rows(dy, group.axis_name), w)
     return match_varying(dx, x), match_varying(contract_rows(x, dy), w)
 
 

@@ -1,0 +1,234 @@
+"""Every public op's value and gradients against ``jax.grad`` of the same math in plain,
+unsharded JAX, in every way to call it: shard_map over every mesh axis and partial-auto
+(tp manual, dp left to XLA), each with ``check_vma`` True and False, and plain ``jit`` on
+global arrays under ``jax.set_mesh``; with and without biases, ``seq_axis`` 0 and 1,
+impl ``"ub"``, ``"xla"`` and ``"auto"``. A (dp=2, tp=2) mesh of CPU devices, float32.
+
+The oracle shares no code with jax_ub: a wrong scale of any gradient (the 1/tp of a
+replicated output's cotangent under an unchecked shard_map, say) fails here whatever the
+impl. The Flax layers' matrix is ``test_grad_matrix_flax.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import make_mesh, rel_err
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
+
+S, B, K, F, N = 8, 4, 16, 24, 12  # seq, batch, features in, hidden, out
+MODES = ["smap_vma", "smap_novma", "partial_vma", "partial_novma", "jit"]
+IMPLS = ["ub", "xla", "auto"]
+TOL = 2e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One public op: how to call it, its dense math, and how its operands lie over tp.
+
+    ``x_tp`` is which of x's dims tp splits ("seq" or "features"), likewise ``out_tp``
+    ("seq", "features" or None: replicated); ``specs`` the weights' and biases' specs."""
+
+    call: Callable
+    dense: Callable
+    x_tp: str
+    out_tp: str | None
+    weights: tuple[tuple[int, ...], ...]
+    weight_specs: tuple[P, ...]
+    biases: tuple[tuple[int, ...], ...] = ()
+    bias_specs: tuple[P, ...] = ()
+
+
+def _gelu(y):
+    return jax.nn.gelu(y, approximate=True)
+
+
+def _dense_gated(x, wgu, wd):
+    return (jax.nn.silu(x @ wgu[:, 0]) * (x @ wgu[:, 1])) @ wd
+
+
+OPS = {
+    "all_gather_matmul": Op(
+        call=lambda x, w, b=None, **kw: jax_ub.all_gather_matmul(x, w, "tp", bias=b, **kw),
+        dense=lambda x, w, b=None: x @ w + (0 if b is None else b),
+        x_tp="seq",
+        out_tp="features",
+        weights=((K, N),),
+        weight_specs=(P(None, "tp"),),
+        biases=((N,),),
+        bias_specs=(P("tp"),),
+    ),
+    "matmul_reduce_scatter": Op(
+        call=lambda x, w, b=None, **kw: jax_ub.matmul_reduce_scatter(x, w, "tp", bias=b, **kw),
+        dense=lambda x, w, b=None: x @ w + (0 if b is None else b),
+        x_tp="features",
+        out_tp="seq",
+        weights=((K, N),),
+        weight_specs=(P("tp", None),),
+        biases=((N,),),
+        bias_specs=(P(),),
+    ),
+    "matmul_all_reduce": Op(
+        call=lambda x, w, b=None, **kw: jax_ub.matmul_all_reduce(x, w, "tp", bias=b, **kw),
+        dense=lambda x, w, b=None: x @ w + (0 if b is None else b),
+        x_tp="features",
+        out_tp=None,
+        weights=((K, N),),
+        weight_specs=(P("tp", None),),
+        biases=((N,),),
+        bias_specs=(P(),),
+    ),
+    "gelu_mlp": Op(
+        call=lambda x, wu, wd, bu=None, bd=None, **kw: jax_ub.gelu_mlp(
+            x, wu, wd, "tp", up_bias=bu, down_bias=bd, **kw
+        ),
+        dense=lambda x, wu, wd, bu=None, bd=None: (
+            _gelu(x @ wu + (0 if bu is None else bu)) @ wd + (0 if bd is None else bd)
+        ),
+        x_tp="seq",
+        out_tp="seq",
+        weights=((K, F), (F, N)),
+        weight_specs=(P(None, "tp"), P("tp", None)),
+        biases=((F,), (N,)),
+        bias_specs=(P("tp"), P()),
+    ),
+    "gated_mlp": Op(
+        call=lambda x, wgu, wd, **kw: jax_ub.gated_mlp(x, wgu, wd, "tp", **kw),
+        dense=_dense_gated,
+        x_tp="seq",
+        out_tp="seq",
+        weights=((K, 2, F), (F, N)),
+        weight_specs=(P(None, None, "tp"), P("tp", None)),
+    ),
+}
+
+
+def activation_spec(ndim: int, seq_axis: int, tp: str | None, dp: bool) -> P:
+    """The spec of ``[seq, batch, d]`` (or ``[batch, seq, d]``): ``tp`` splits "seq",
+    "features" or nothing; with ``dp`` the batch is split over dp too."""
+    spec: list = [None] * ndim
+    if dp:
+        spec[1 - seq_axis] = "dp"
+    if tp == "seq":
+        spec[seq_axis] = "tp"
+    elif tp == "features":
+        spec[-1] = "tp"
+    return P(*spec)
+
+
+def run(op: Op, mode: str, impl: str, seq_axis: int, operands, cot):
+    """``(value, grads of every operand)`` of ``sum(op(...) * cot)``, called as ``mode`` says."""
+    x, *params = operands
+    n_w = len(op.weights)
+    specs = op.weight_specs + op.bias_specs[: len(params) - n_w]
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    full_mesh = mode.startswith("smap")
+
+    def body(x, *params):
+        return op.call(x, *params, impl=impl, seq_axis=seq_axis)
+
+    x_spec = activation_spec(3, seq_axis, op.x_tp, dp=full_mesh)
+    out_spec = activation_spec(3, seq_axis, op.out_tp, dp=full_mesh)
+    if mode == "jit":
+        f = body
+    else:
+        f = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(x_spec, *specs),
+            out_specs=out_spec,
+            axis_names={"dp", "tp"} if full_mesh else {"tp"},
+            check_vma=mode.endswith("_vma"),
+        )
+
+    def loss(*args):
+        y = f(*args)
+        return jnp.sum(jnp.sin(y) * cot), y
+
+    placed = [
+        jax.device_put(a, NamedSharding(mesh, s))
+        for a, s in zip(operands, (activation_spec(3, seq_axis, op.x_tp, True), *specs))
+    ]
+    grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(operands))), has_aux=True))
+    with jax.set_mesh(mesh):
+        (_, y), grads = grad(*placed)
+    return y, grads
+
+
+def reference(op: Op, operands, cot):
+    def loss(*args):
+        y = op.dense(*args)
+        return jnp.sum(jnp.sin(y) * cot), y
+
+    argnums = tuple(range(len(operands)))
+    with jax.default_matmul_precision("highest"):
+        (_, y), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(*operands)
+    return y, grads
+
+
+def make_operands(rand, op: Op, seq_axis: int, bias: bool):
+    x = rand(S, B, K) if seq_axis == 0 else rand(B, S, K)
+    params = [rand(*shape, scale=0.3) for shape in op.weights]
+    if bias:
+        params += [rand(*shape) for shape in op.biases]
+    cot = rand(*x.shape[:-1], N)
+    return (x, *params), cot
+
+
+def check(got, want, what: str) -> None:
+    (y, grads), (y_ref, grads_ref) = got, want
+    errors = {"value": rel_err(y, y_ref)}
+    errors |= {f"d{i}": rel_err(g, g_ref) for i, (g, g_ref) in enumerate(zip(grads, grads_ref))}
+    bad = {k: f"{e:.2e}" for k, e in errors.items() if not e < TOL}
+    assert not bad, f"{what}: relative errors {bad} (d0 is x's gradient)"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_gradients(rand, name, mode, impl):
+    """The op with and without biases, sequence dim 0 and 1 (four calls of one case)."""
+    op = OPS[name]
+    for seq_axis in (0, 1):
+        for bias in (False, True) if op.biases else (False,):
+            operands, cot = make_operands(rand, op, seq_axis, bias)
+            got = run(op, mode, impl, seq_axis, operands, cot)
+            check(got, reference(op, operands, cot), f"{name} {seq_axis=} {bias=}")
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_reduced_output_feeding_rank_varying_math(rand, impl, check_vma):
+    """matmul_all_reduce's replicated output multiplied by a column shard on each rank
+    (Megatron's row- then column-parallel layers without sequence parallelism): each
+    rank's cotangent of the output differs, and the true one is their sum."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    x, w1, w2, cot = rand(S, B, K), rand(K, N, scale=0.3), rand(N, F, scale=0.3), rand(S, B, F)
+
+    def body(x, w1, w2):
+        return jnp.tanh(jax_ub.matmul_all_reduce(x, w1, "tp", impl=impl)) @ w2
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(None, "dp", "tp"), P("tp", None), P(None, "tp")),
+        out_specs=P(None, "dp", "tp"),
+        check_vma=check_vma,
+    )
+
+    def loss(f, *args):
+        return jnp.sum(jnp.sin(f(*args)) * cot)
+
+    got = jax.jit(jax.grad(lambda *a: loss(f, *a), argnums=(0, 1, 2)))(x, w1, w2)
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(lambda *a: loss(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2, *a), (0, 1, 2))(
+            x, w1, w2
+        )
+    for name, g, g_ref in zip(("dx", "dw1", "dw2"), got, want):
+        assert rel_err(g, g_ref) < TOL, name
