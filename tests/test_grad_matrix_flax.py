@@ -1,0 +1,160 @@
+"""Every Flax layer's output and gradients (params and input) against ``jax.grad`` of the
+same math written in plain, unsharded JAX from the layer's params: NNX and linen;
+``sequence_parallel`` True, False and unset; a sequence tp divides (8) and one it does
+not (5, where unset means replicated activations); impl ``"ub"``, ``"xla"`` and
+``"auto"``. Batch-major activations (``seq_axis=1``, as most Flax models) on a
+(dp=2, tp=2) mesh of CPU devices under ``jax.set_mesh``, float32.
+
+A layer whose replicated path lost a factor of tp in its gradients (the row-parallel
+all-reduce inside the attention's unchecked shard_map) fails here. The ops' own matrix is
+``test_grad_matrix.py``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import make_mesh, rel_err
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ub.flax as ubf
+
+B, D, F, HEADS, KV_HEADS = 4, 16, 32, 4, 2
+TOL = 2e-5
+# (sequence_parallel, sequence length): a length tp does not divide is replicated, so
+# sequence_parallel=True is not among its cases (a ValueError, tested elsewhere).
+CASES = [(True, 8), (None, 8), (None, 5), (False, 8), (False, 5)]
+IMPLS = ["ub", "xla", "auto"]
+
+
+def _linear(p, x):
+    return x @ p["kernel"] + p["bias"]
+
+
+def _attention(p, x):
+    """Causal grouped-query attention from the fused qkv columns (per key/value head: its
+    queries, its key, its value), written out: no jax_ub code."""
+    head_dim = D // HEADS
+    q_per_kv = HEADS // KV_HEADS
+    b, t, _ = x.shape
+    qkv = _linear(p["qkv"], x).reshape(b, t, KV_HEADS, q_per_kv + 2, head_dim)
+    q = qkv[..., :q_per_kv, :]  # [b, t, g, r, d]
+    k, v = qkv[..., q_per_kv, :], qkv[..., q_per_kv + 1, :]  # [b, t, g, d]
+    logits = jnp.einsum("btgrd,bsgd->bgrts", q, k) / jnp.sqrt(jnp.float32(head_dim))
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
+    out = jnp.einsum("bgrts,bsgd->btgrd", jax.nn.softmax(logits, axis=-1), v)
+    return _linear(p["out"], out.reshape(b, t, D))
+
+
+def _gated(p, x):
+    gate_up = jnp.einsum("btk,kgf->btgf", x, p["gate_up"])
+    return (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ p["down_proj"]
+
+
+# name -> (nnx constructor, linen constructor, call keywords, plain unsharded math).
+LAYERS = {
+    "column": (
+        lambda **kw: ubf.ColumnParallelLinear(D, F, **kw),
+        lambda **kw: ubf.linen.ColumnParallelLinear(F, **kw),
+        {},
+        _linear,
+    ),
+    "row": (
+        lambda **kw: ubf.RowParallelLinear(D, F, **kw),
+        lambda **kw: ubf.linen.RowParallelLinear(F, **kw),
+        {},
+        _linear,
+    ),
+    "mlp": (
+        lambda **kw: ubf.ParallelMLP(D, F, **kw),
+        lambda **kw: ubf.linen.ParallelMLP(F, **kw),
+        {},
+        lambda p, x: _linear(p["down_proj"], jax.nn.gelu(_linear(p["up_proj"], x))),
+    ),
+    "gated_mlp": (
+        lambda **kw: ubf.ParallelGatedMLP(D, F, **kw),
+        lambda **kw: ubf.linen.ParallelGatedMLP(F, **kw),
+        {},
+        _gated,
+    ),
+    "attention": (
+        lambda **kw: ubf.ParallelSelfAttention(D, HEADS, num_kv_heads=KV_HEADS, **kw),
+        lambda **kw: ubf.linen.ParallelSelfAttention(HEADS, num_kv_heads=KV_HEADS, **kw),
+        {"is_causal": True},
+        _attention,
+    ),
+}
+
+
+def _loss(y, cot):
+    return jnp.sum(jnp.sin(y) * cot)
+
+
+def run_nnx(name, settings, x, cot):
+    """``(y, param grads as a dict, x grad, params as a dict)`` of the NNX layer."""
+    make, _, call_kw, _ = LAYERS[name]
+    model = make(rngs=nnx.Rngs(0), **settings)
+
+    def loss(m, x):
+        y = m(x, **call_kw)
+        return _loss(y, cot), y
+
+    grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, y), (g_model, g_x) = grad(model, x)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return y, nnx.to_pure_dict(g_model), g_x, params
+
+
+def run_linen(name, settings, x, cot):
+    _, make, call_kw, _ = LAYERS[name]
+    layer = make(**settings)
+    params = nn.unbox(layer.init(jax.random.key(0), x, **call_kw))["params"]
+
+    def loss(params, x):
+        y = layer.apply({"params": params}, x, **call_kw)
+        return _loss(y, cot), y
+
+    (_, y), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, x
+    )
+    return y, g_params, g_x, params
+
+
+def reference(name, params, x, cot):
+    dense = LAYERS[name][3]
+
+    def loss(params, x):
+        y = dense(params, x)
+        return _loss(y, cot), y
+
+    with jax.default_matmul_precision("highest"):
+        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+    return y, *grads
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_gradients(rand, name, framework, impl):
+    """The layer in each (sequence_parallel, sequence length) case of ``CASES``."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    run = run_nnx if framework == "nnx" else run_linen
+    for sequence_parallel, seq in CASES:
+        x = jax.device_put(rand(B, seq, D), NamedSharding(mesh, P("dp")))
+        out = F if name in ("column", "row") else D
+        cot = rand(B, seq, out)
+        settings = dict(impl=impl, sequence_parallel=sequence_parallel, seq_axis=1)
+        with jax.set_mesh(mesh):
+            y, g_params, g_x, params = run(name, settings, x, cot)
+        y_ref, g_ref, g_x_ref = reference(name, params, x, cot)
+        what = f"{name} {framework} {impl} {sequence_parallel=} {seq=}"
+        errors = {"y": rel_err(y, y_ref), "dx": rel_err(g_x, g_x_ref)}
+        flat, _ = jax.tree_util.tree_flatten_with_path(g_ref)
+        got = dict(jax.tree_util.tree_flatten_with_path(g_params)[0])
+        for path, g in flat:
+            errors["d" + jax.tree_util.keystr(path)] = rel_err(got[path], g)
+        bad = {k: f"{e:.2e}" for k, e in errors.items() if not e < TOL}
+        assert not bad, f"{what}: relative errors {bad}"
