@@ -115,6 +115,30 @@ _IR_TYPE_TAKES_CONTEXT = len(inspect.signature(_mlir.aval_to_ir_type).parameters
 PSUM_SCATTER_BREAKS_UNDER_EXPLICIT_AXES = JAX_VERSION >= (0, 11)
 
 
+# XLA's CPU compiler aborts the whole process ("hlo_instruction.cc: Invalid binary
+# instruction opcode copy", in its AllReducePromotion pass) on a 16-bit float all-reduce
+# inside a shard_map that leaves other mesh axes automatic: a psum of a bfloat16 value, or
+# the psum JAX's transpose puts on the cotangent of a bfloat16 input replicated over the
+# manual axis. Seen in jaxlib 0.9.2 to 0.12.0.1; tests/test_cpu_bf16_all_reduce.py runs
+# the plain-JAX reproducer and fails once a JAX release no longer aborts, so that this
+# workaround can go. jax_ub sums such values in float32 on CPU devices (as XLA's pass
+# itself would), and its partly manual shard_maps take them across in float32.
+CPU_16BIT_ALL_REDUCE_ABORTS = True
+
+
+def cpu_16bit(a, platform: str | None = None) -> bool:
+    """Whether ``a`` is a 16-bit float on CPU devices (``platform``, else JAX's default
+    backend): a value whose all-reduce XLA's CPU compiler may abort on (see above)."""
+    platform = jax.default_backend() if platform is None else platform
+    dtype = getattr(a, "dtype", None)
+    return (
+        CPU_16BIT_ALL_REDUCE_ABORTS
+        and platform == "cpu"
+        and dtype is not None
+        and dtype in (jax.numpy.bfloat16, jax.numpy.float16)
+    )
+
+
 def all_gather_invariant(x, axis_name: str):
     """``all_gather(x, axis_name, axis=0, tiled=True)`` typed as the same on every rank of
     the axis (not varying over it), as ``psum``'s result is; its transpose takes each

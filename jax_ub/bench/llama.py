@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ub
 import jax_ub.flax as ubf
 from jax_ub._src.lowering import layout
-from jax_ub._src.lowering.reference import reduce_scatter_rows
+from jax_ub._src.lowering.reference import all_reduce, reduce_scatter_rows
 from jax_ub.flax.nnx.layers import sharded_param
 
 # The embedding's reduce-scatter of its partial sums over the sequence (looked up at trace
@@ -167,7 +167,7 @@ class VocabParallelEmbed(nnx.Module):
             x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0).astype(dtype)
             x = jnp.where(mine[..., None], x, jnp.zeros((), dtype))
             if not sequence_parallel:
-                return jax.lax.psum(x, axis)
+                return all_reduce(x, axis)  # in float32 on CPU devices: jax_compat says why
             # Into rank-major row blocks (the move fuses into the lookup); this rank's
             # block comes back batch-major as it is.
             blocks = layout.to_rank_blocks(x, 1, jax.lax.axis_size(axis))

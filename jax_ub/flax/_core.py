@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src.lowering import layout
+from jax_ub._src.lowering.reference import all_reduce
 from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
@@ -166,7 +167,7 @@ def linear_replicated(
         # A group of one sums nothing; JAX leaves a size-1 axis automatic, and XLA refuses
         # an all-reduce outside manual partitioning.
         if summed and jax.lax.axis_size(axis_name) > 1:
-            y = jax.lax.psum(y, axis_name)
+            y = all_reduce(y, axis_name)
     if bias is not None:
         y = y + bias
     return y if activation is None else activation(y)
@@ -232,7 +233,9 @@ def _over_tp(
         mesh = ops.mesh if context.empty else context  # the layer's mesh only when none is set
         key = mesh, traced_settings()  # a jit's trace keeps the settings it was traced with
         if key not in mapped:
-            run = layout.global_call(f, mesh, axis_name, in_specs, out_specs, check_vma)
+            run = layout.global_call(
+                f, mesh, axis_name, in_specs, out_specs, check_vma, compute_dtype=ops.dtype
+            )
             mapped[key] = jax.jit(run)
         return mapped[key](*args)
 

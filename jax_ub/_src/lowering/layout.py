@@ -15,10 +15,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_ub._src import jax_compat
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.warn_registry import warn_once
 
@@ -323,9 +325,11 @@ def global_call(
     in_specs: tuple,
     out_specs: Any,
     check_vma: bool = True,
+    compute_dtype: Any = None,
 ) -> Callable:
     """``f`` (a computation on local shards) as a function of global arrays laid out on
     ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3).
+    ``compute_dtype``: what ``f`` casts its operands to, if it does (as :func:`over_axis`).
 
     Runs in :func:`over_axis`. Under ``Explicit`` axes shard_map takes inputs only already
     split as its ``in_specs`` say: each array's split over ``axis_name`` is moved there,
@@ -335,7 +339,7 @@ def global_call(
     applies to larger groups only.
     """
     checked = check_vma and int(mesh.shape[axis_name]) > 1
-    mapped = over_axis(f, mesh, axis_name, in_specs, out_specs, checked)
+    mapped = over_axis(f, mesh, axis_name, in_specs, out_specs, checked, compute_dtype)
 
     def call(*args):
         return mapped(*_moved_to_specs(axis_name, in_specs, args))
@@ -366,18 +370,68 @@ def over_axis(
     in_specs: tuple,
     out_specs: Any,
     check_vma: bool = True,
+    compute_dtype: Any = None,
 ) -> Callable:
     """``f`` in a shard_map whose only manual axis is ``axis_name``; other axes stay XLA's.
     ``check_vma=False`` where ``f`` nests a shard_map over those other axes (JAX cannot
-    differentiate a nested unchecked shard_map inside a checked one)."""
+    differentiate a nested unchecked shard_map inside a checked one).
+
+    On CPU devices, where ``f`` computes in 16 bits (an operand is a 16-bit float, or
+    ``compute_dtype`` is one), XLA's CPU compiler would abort on the 16-bit all-reduce of
+    a replicated input's cotangent (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there
+    the inputs replicated over the axis cross in float32 and the shard_map is unchecked,
+    so that the sum is that of its transpose, of a float32 input, and not of a cast to
+    varying inside ``f``, after ``f``'s cast to 16 bits."""
     kwargs: dict[str, Any] = {}
     if isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
         kwargs["mesh"] = mesh  # eager call on concrete arrays, no mesh in context
-    return jax.shard_map(
-        f,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        axis_names={axis_name},
-        check_vma=check_vma,
-        **kwargs,
-    )
+    platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else None
+
+    def call(*args):
+        # The CPU workaround of the docstring.
+        body, checked = f, check_vma
+        leaves = [*jax.tree.leaves(args), jax.ShapeDtypeStruct((), compute_dtype or jnp.float32)]
+        if any(jax_compat.cpu_16bit(a, platform) for a in leaves):
+            narrow = jax.tree.map(
+                lambda spec, a: _replicated_16bit(spec, a, axis_name),
+                in_specs,
+                args,
+                is_leaf=_is_spec,
+            )
+            args, checked = jax.tree.map(_widen, narrow, args, is_leaf=_is_spec), False
+
+            def body(*wide):
+                return f(*jax.tree.map(_narrow, narrow, wide, is_leaf=_is_spec))
+
+        return jax.shard_map(
+            body,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names={axis_name},
+            check_vma=checked,
+            **kwargs,
+        )(*args)
+
+    return call
+
+
+def _is_spec(s: Any) -> bool:
+    return s is None or isinstance(s, (P, np.dtype))
+
+
+def _replicated_16bit(spec: P | None, a: Any, axis_name: str) -> Any:
+    """``a``'s dtype where it is a 16-bit float replicated over ``axis_name`` (``spec``
+    does not name it), else None."""
+    dtype = getattr(a, "dtype", None)
+    if spec is None or dtype not in (jnp.bfloat16, jnp.float16):
+        return None
+    named = {n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,))}
+    return None if axis_name in named else np.dtype(a.dtype)
+
+
+def _widen(dtype: Any, a: Any) -> Any:
+    return a if dtype is None else a.astype(np.float32)
+
+
+def _narrow(dtype: Any, a: Any) -> Any:
+    return a if dtype is None else a.astype(dtype)

@@ -81,9 +81,13 @@ def matmul_reduce_scatter_reference(
 def matmul_all_reduce_reference(x: jax.Array, w: jax.Array, axis_name: str | None) -> jax.Array:
     """``psum(x @ w, axis_name)`` (``x @ w`` with ``axis_name=None``: a group of one)."""
     y = x @ w
-    if axis_name is None:
-        return y
-    if _cpu_16bit(y):  # as reduce_scatter_rows says
+    return y if axis_name is None else all_reduce(y, axis_name)
+
+
+def all_reduce(y: jax.Array, axis_name: str) -> jax.Array:
+    """``psum(y, axis_name)``; a 16-bit float sum runs in float32 on CPU devices, where
+    XLA's CPU compiler would abort on it (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``)."""
+    if _cpu_16bit(y):
         return lax.psum(y.astype(jnp.float32), axis_name).astype(y.dtype)
     return lax.psum(y, axis_name)
 
@@ -112,8 +116,7 @@ def _all_gather_rows_bwd(axis_name, _, ct):
 _all_gather_rows_custom.defvjp(_all_gather_rows_fwd, _all_gather_rows_bwd)
 
 
-def _cpu_16bit(a: jax.Array) -> bool:
-    return jax.default_backend() == "cpu" and a.dtype in (jnp.bfloat16, jnp.float16)
+_cpu_16bit = jax_compat.cpu_16bit
 
 
 def _psum_scatter_lowers() -> bool:
@@ -129,8 +132,8 @@ def reduce_scatter_rows(y: jax.Array, axis_name: str) -> jax.Array:
 
     On the CPU backend a 16-bit float sum runs in float32, as XLA's CPU compiler would
     run it anyway: its pass that promotes such reductions crashes the process on the
-    reduction JAX builds inside a shard_map over some of the mesh's axes (jaxlib 0.10.2,
-    ``Invalid binary instruction opcode copy``)."""
+    reduction JAX builds inside a shard_map over some of the mesh's axes
+    (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``)."""
     if _cpu_16bit(y):
         return _reduce_scatter(y.astype(jnp.float32), axis_name).astype(y.dtype)
     return _reduce_scatter(y, axis_name)
