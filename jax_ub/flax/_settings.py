@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jax_ub._src.lowering import layout
-from jax_ub._src.settings import checks
+from jax_ub._src.settings import checks, trace_key
 from jax_ub.flax import _fp8
 
 
@@ -121,8 +121,9 @@ def defaults(**settings: Any) -> Iterator[ParallelConfig]:
     ones. A layer's own keyword arguments (linen attributes) and ``config=`` take
     precedence. It is read where flax reads ``logical_axis_rules``: NNX layers take it
     when they are built, linen ones when they are called, so wrap ``init`` and ``apply``
-    (and a ``jit`` of them, which reads it when it traces). Yields the resulting
-    :class:`ParallelConfig` defaults.
+    (and a ``jit`` of them, which reads it when it traces: the defaults are part of the
+    key of ``jit``'s cache, so a function traced under other defaults is traced again).
+    Yields the resulting :class:`ParallelConfig` defaults.
 
     Example: a model whose layers all run batch-major with userbuffers, none of them
     passing ``impl`` or ``seq_axis``::
@@ -159,7 +160,10 @@ def defaults(**settings: Any) -> Iterator[ParallelConfig]:
     config = ParallelConfig(**merged, owner="jax_ub.flax.defaults")
     token = _DEFAULTS.set(tuple(merged.items()))
     try:
-        yield config
+        # Linen layers read the defaults when traced: a function jit traced under other
+        # defaults is traced again, not silently run with the settings of its first trace.
+        with trace_key.scoped(("jax_ub.flax.defaults", config)):
+            yield config
     finally:
         _DEFAULTS.reset(token)
 

@@ -16,6 +16,8 @@ import dataclasses
 import math
 import os
 
+from jax_ub._src.settings import trace_key
+
 
 def _check_timeout(value: object, source: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -159,6 +161,11 @@ def _from_env(name: str) -> object:
     return value
 
 
+# The settings read when a call is traced, not when a communicator is created
+# (options.traced_settings); part of the key of JAX's trace caches (trace_key).
+TRACE_TIME = ("auto_min_bytes", "keep_gathered")
+
+
 @dataclasses.dataclass
 class Config:
     """Settings read when a communicator is created (``auto_min_bytes`` and
@@ -206,6 +213,11 @@ class Config:
 
     # An environment variable's invalid text is kept as an InvalidSetting and raised here,
     # when the setting is read, not when the Config is made (at import).
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in TRACE_TIME:  # a function traced before the change is traced again
+            trace_key.set_global("config", tuple(self.__dict__.get(n) for n in TRACE_TIME))
+
     def __getattribute__(self, name: str) -> object:
         value = object.__getattribute__(self, name)
         if type(value) is InvalidSetting:
@@ -243,10 +255,6 @@ class Config:
 
 config = Config()
 
-# The settings read when a call is traced, not when a communicator is created
-# (options.traced_settings).
-TRACE_TIME = ("auto_min_bytes", "keep_gathered")
-
 
 def configure(**changes: object) -> Config:
     """Change settings for communicators created from now on; returns the new config.
@@ -255,8 +263,8 @@ def configure(**changes: object) -> Config:
     where a setting it is created with changed, ``timeout_s``, ``allow_tf32`` or
     ``gemm_cache``);
     programs compiled before keep theirs until :func:`jax_ub.finalize`. ``auto_min_bytes``
-    and ``keep_gathered`` apply to calls traced from now on: a function ``jit`` has already
-    traced keeps its choice.
+    and ``keep_gathered`` are read when a call is traced: a function ``jit`` traced before
+    the change is traced again at its next call (they are part of the key of JAX's caches).
 
     Example::
 

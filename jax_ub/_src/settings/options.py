@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+from jax_ub._src.settings import trace_key
 from jax_ub._src.settings.config import TRACE_TIME, config
 
 _GEMM_ORDERS = ("auto", "column", "row")
@@ -103,12 +104,19 @@ def set_experimental_tuning(**changes: object) -> Tuning:
     if unknown:
         raise ValueError(f"unknown tuning choice {unknown}; known: {fields}")
     saved, _tuning = _tuning, dataclasses.replace(_tuning, **changes)
+    _traced_tuning_changed()
     return saved
 
 
 def restore_tuning(saved: Tuning) -> None:
     global _tuning
     _tuning = saved
+    _traced_tuning_changed()
+
+
+def _traced_tuning_changed() -> None:
+    """Functions traced with other trace-time tuning choices are traced again."""
+    trace_key.set_global("tuning", tuple(getattr(_tuning, name) for name in _TRACE_TIME))
 
 
 @contextlib.contextmanager
