@@ -32,7 +32,7 @@ attributes) or whole as ``config=``, and a model sets them for all its layers wi
 ``with jax_ub.flax.defaults(impl="ub", sequence_parallel=True): ...``.
 """
 
-from jax_ub.flax import linen, nnx
+from jax_ub.flax import checkpoints, linen, nnx
 from jax_ub.flax._settings import ParallelConfig, defaults
 from jax_ub.flax.nnx import (
     ColumnParallelLinear,
@@ -51,6 +51,7 @@ __all__ = [
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
+    "checkpoints",
     "defaults",
     "linen",
     "nnx",
