@@ -8,6 +8,9 @@ from typing import Any
 
 from flax.core import spmd as flax_spmd
 
+from jax_ub._src.settings.warn_registry import warn_once
+from jax_ub.flax._checks import DEFAULT_AXIS
+
 
 def tp_axis(owner: str, axis_name: str | None, split_name: str | None) -> str:
     """The tensor-parallel mesh axis of a layer: ``axis_name`` where given; else, for a
@@ -17,9 +20,12 @@ def tp_axis(owner: str, axis_name: str | None, split_name: str | None) -> str:
     if axis_name is not None:
         return axis_name
     if split_name is None:
-        return "tp"
+        return DEFAULT_AXIS
     rules = flax_spmd.get_logical_axis_rules()
     mapped = next((mesh_axes for name, mesh_axes in rules or () if name == split_name), None)
+    if not mapped:
+        _warn_unmapped(owner, split_name, rules)
+        return DEFAULT_AXIS
     if isinstance(mapped, (tuple, list)):
         if len(mapped) != 1:
             raise ValueError(
@@ -28,7 +34,25 @@ def tp_axis(owner: str, axis_name: str | None, split_name: str | None) -> str:
                 "axis_name=..."
             )
         mapped = mapped[0]
-    return mapped if isinstance(mapped, str) else "tp"
+    return mapped
+
+
+def _warn_unmapped(owner: str, split_name: str, rules: Any) -> None:
+    """Once per layer kind and name: the rules place none of the params' split dims, so
+    the params would be replicated where the layer splits them over the default axis."""
+    where = (
+        "no logical axis rules are active"
+        if not rules
+        else f"the logical axis rules map {split_name!r} to no mesh axis (rules: {tuple(rules)})"
+    )
+    message = (
+        f"{owner}: its params' split dim is named {split_name!r} (kernel_axes), but {where}: "
+        f"the params are not split by the rules, and the layer runs over the default mesh "
+        f"axis {DEFAULT_AXIS!r}. Map {split_name!r} to the tensor-parallel mesh axis in the "
+        "rules (active at init and apply), or pass axis_name=... (to the layer or to "
+        "jax_ub.flax.defaults)"
+    )
+    warn_once(f"unmapped logical axis: {owner} {split_name} {where}", message)
 
 
 def logical_param_names(kind: str, kernel_axes: Any, owner: str, param_axes: Any) -> dict:

@@ -11,6 +11,9 @@ from jax.sharding import Mesh
 
 from jax_ub._src.lowering import layout
 
+# The tensor-parallel mesh axis where nothing names one.
+DEFAULT_AXIS = "tp"
+
 
 def group_size(
     owner: str, mesh: Any, axis_name: Any, *, required: bool = True, impl: str | None = None
@@ -38,13 +41,26 @@ def group_size(
             f"pass mesh=... (to the layer or to jax_ub.flax.defaults), or call it inside a "
             f"shard_map over axis {axis_name!r} (impl="
             f"'auto' runs XLA's plain matmuls when no mesh is known; impl={impl!r} does not)"
+            f"{default_axis_hint(axis_name)}"
         )
     if axis_name not in known.axis_names:
         raise ValueError(
             f"{owner}: axis_name {axis_name!r} is not an axis of the mesh; "
-            f"mesh.axis_names={known.axis_names}"
+            f"mesh.axis_names={known.axis_names}{default_axis_hint(axis_name)}"
         )
     return int(known.shape[axis_name])
+
+
+def default_axis_hint(axis_name: str) -> str:
+    """What to add to a message about ``axis_name`` where it may be jax_ub's default."""
+    if axis_name != DEFAULT_AXIS:
+        return ""
+    return (
+        f". {DEFAULT_AXIS!r} is the default, taken where no axis_name is given and no "
+        "logical axis rule maps the layer's split dim (its kernel_axes) to a mesh axis: "
+        "pass axis_name=<the tensor-parallel mesh axis> to the layer or to "
+        "jax_ub.flax.defaults, or call it under logical axis rules that map that name"
+    )
 
 
 def global_features(features: int, tp: int, axis_name: str, split: bool) -> int:

@@ -24,7 +24,7 @@ from jax_ub._src.lowering.reference import all_reduce
 from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
-from jax_ub.flax._checks import Ops
+from jax_ub.flax._checks import Ops, default_axis_hint
 
 Params = Mapping[str, jax.Array]
 
@@ -217,16 +217,19 @@ def _over_tp(
             return f(*args)
         context = jax.sharding.get_abstract_mesh()
         if ops.mesh is None and context.empty:
+            hint = default_axis_hint(axis_name)
             if ops.impl == "ub":
                 raise ValueError(
                     f"no mesh to run over axis {axis_name!r}: call the layer under "
                     "`with jax.set_mesh(mesh):`, pass mesh=... (to the layer or to "
-                    "jax_ub.flax.defaults), or call it inside a shard_map"
+                    f"jax_ub.flax.defaults), or call it inside a shard_map{hint}"
                 )
             message = (
                 f"jax_ub.flax: no mesh is set (jax.set_mesh) or given (mesh= to the layer or "
                 f"to jax_ub.flax.defaults), so the layers run XLA's plain matmuls over axis "
-                f"{axis_name!r}: nothing is overlapped"
+                f"{axis_name!r}: nothing is overlapped. To overlap, trace the step under the "
+                f"mesh its arrays are sharded over: `with jax.set_mesh(mesh): "
+                f"state = train_step(state, batch)`{hint}"
             )
             warn_once(message, message)
             return plain(*args)

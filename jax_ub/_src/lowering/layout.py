@@ -69,12 +69,21 @@ def batch_spec(aval: Any, mesh: Any, auto: Sequence[str]) -> P:
 def _warn_replicated(shape: tuple, axes: tuple, size: int) -> None:
     """Once per shape: no batch dim of x can be split over the automatic axes, so every
     device of them computes the whole op (correct, but not data-parallel)."""
-    message = (
-        f"jax_ub: x of shape {shape} has no batch dim (between the rows and the features) "
-        f"divisible by {size}, the size of the automatic mesh axes {axes}: the op runs on "
-        "the whole batch on every device of those axes. Keep a batch dim, e.g. "
-        "[seq, batch, features] rather than [seq * batch, features]."
-    )
+    if len(shape) > 2:
+        message = (
+            f"jax_ub: x of shape {shape} ([rows, *batch, features] as the op sees it) has "
+            f"batch dims {shape[1:-1]}, none divisible by {size}, the size of the automatic "
+            f"mesh axes {axes}: the op runs on the whole batch on every device of those "
+            f"axes (correct, not data-parallel). A batch divisible by {size} is split."
+        )
+    else:
+        message = (
+            f"jax_ub: x of shape {shape} has no batch dim (between the rows and the "
+            f"features) to split over the automatic mesh axes {axes} (size {size}): the op "
+            "runs on the whole batch on every device of those axes (correct, not "
+            "data-parallel). Keep a batch dim, e.g. [seq, batch, features] rather than "
+            "[seq * batch, features]."
+        )
     warn_once(message, message)
 
 
