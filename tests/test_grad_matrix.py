@@ -122,12 +122,13 @@ def activation_spec(ndim: int, seq_axis: int, tp: str | None, dp: bool) -> P:
     return P(*spec)
 
 
-def run(op: Op, mode: str, impl: str, seq_axis: int, operands, cot):
-    """``(value, grads of every operand)`` of ``sum(op(...) * cot)``, called as ``mode`` says."""
+def run(op: Op, mode: str, impl: str, seq_axis: int, operands, cot, mesh=None):
+    """``(value, grads of every operand)`` of ``sum(op(...) * cot)``, called as ``mode`` says,
+    on ``mesh`` (axes ``("dp", "tp")``; default: 2 x 2 CPU devices)."""
     x, *params = operands
     n_w = len(op.weights)
     specs = op.weight_specs + op.bias_specs[: len(params) - n_w]
-    mesh = make_mesh((2, "dp"), (2, "tp"))
+    mesh = make_mesh((2, "dp"), (2, "tp")) if mesh is None else mesh
     full_mesh = mode.startswith("smap")
 
     def body(x, *params):
@@ -181,11 +182,11 @@ def make_operands(rand, op: Op, seq_axis: int, bias: bool):
     return (x, *params), cot
 
 
-def check(got, want, what: str) -> None:
+def check(got, want, what: str, tol: float = TOL) -> None:
     (y, grads), (y_ref, grads_ref) = got, want
     errors = {"value": rel_err(y, y_ref)}
     errors |= {f"d{i}": rel_err(g, g_ref) for i, (g, g_ref) in enumerate(zip(grads, grads_ref))}
-    bad = {k: f"{e:.2e}" for k, e in errors.items() if not e < TOL}
+    bad = {k: f"{e:.2e}" for k, e in errors.items() if not e < tol}
     assert not bad, f"{what}: relative errors {bad} (d0 is x's gradient)"
 
 
@@ -194,12 +195,18 @@ def check(got, want, what: str) -> None:
 @pytest.mark.parametrize("name", list(OPS))
 def test_op_gradients(rand, name, mode, impl):
     """The op with and without biases, sequence dim 0 and 1 (four calls of one case)."""
+    check_op(rand, name, mode, impl)
+
+
+def check_op(rand, name: str, mode: str, impl: str, mesh=None, tol: float = TOL) -> None:
+    """The op with and without biases, sequence dim 0 and 1, against the reference."""
     op = OPS[name]
     for seq_axis in (0, 1):
         for bias in (False, True) if op.biases else (False,):
             operands, cot = make_operands(rand, op, seq_axis, bias)
-            got = run(op, mode, impl, seq_axis, operands, cot)
-            check(got, reference(op, operands, cot), f"{name} {seq_axis=} {bias=}")
+            got = run(op, mode, impl, seq_axis, operands, cot, mesh)
+            want = reference(op, operands, cot)
+            check(got, want, f"{name} {mode} {impl} {seq_axis=} {bias=}", tol)
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
