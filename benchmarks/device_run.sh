@@ -1,208 +1,380 @@
 #!/usr/bin/env bash
-# On a GPU machine: build, then GPU tests or a benchmark. Logs go to $OUT.
-# Usage (on the GPU machine, repo root):
-#   [TAG=name] bash benchmarks/device_run.sh MODE [args...], MODE one of tests, bench, all,
-#   flax, sanitize, processes, profile, stepprofile, gemm, power, overlapcost, layer,
-#   layerprofile, fp8train, stepmemory, copyhold
-# TAG names the bench outputs ($OUT/TAG.json/.png/.log; default "bench", "layer" for layer).
-# layer: one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the
-# no-communication bound (python -m jax_ub.bench.layer; args: its own, e.g. --sizes).
-# flax: the TP transformer example, jax_ub vs XLA step time; sanitize: compute-sanitizer
-# memcheck and racecheck (SANITIZE_TOOLS) on a small 2-GPU run (SANITIZE_TP, SANITIZE_CASE:
-# sanitize_small.py; slow: minutes each); processes: the bench in
-# one process, 4 x 1 and 2 x 2 processes x GPUs (4 GPUs); profile: profile_kernels.py for
-# both ops (args: --tp, --shape); stepprofile: profile_train_step.py (its args); gemm:
-# benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape; power: power_clocks.py;
-# overlapcost: benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the
-# whole GEMM (2m rows) in loops as long (OVERLAP_SECONDS, default 2); layerprofile:
-# profile_layer.py (its args); fp8train: the TP example with --fp8 --compare-bf16 (its args);
-# stepmemory: benchmarks/tools/step_memory.py (bench.model's args; live ranges and buffer
-# assignment in $OUT/step_memory.tgz); copyhold: benchmarks/tools/copy_hold.cu.
-# Anything else only builds.
-set -u
+# On a GPU machine: build and install this checkout, then GPU tests or a benchmark. Logs go
+# to $OUT. Usage (on the GPU machine, repo root; `help` lists the modes, from MODES below):
+#   [TAG=name] bash benchmarks/device_run.sh [MODE [args...]]
+# Each step runs in a process group of its own under `timeout`; when it ends or times out,
+# whatever is left in that group is killed (a hung test's processes would hold the GPUs and
+# skew every later measurement), and nothing else on the machine. Each step's exit status
+# is printed; the script exits 1 when a step failed, 2 on an unknown mode (before building).
+set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-what=${1:-all}; shift || true
-nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
-nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
-cat "$OUT/gpus.txt" | head -12
-t0=$(date +%s)
-timeout 300 bash -c 'cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_UB_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90-real} \
-  -DPython_EXECUTABLE=$(command -v python3) > '"$OUT"'/build.log 2>&1 && ninja -C build/dev >> '"$OUT"'/build.log 2>&1' \
-  || { echo BUILD FAILED; tail -40 "$OUT/build.log"; exit 1; }
-ln -sf "$(pwd)"/build/dev/_host*.so "$(pwd)"/build/dev/_cuda*.so jax_ub/_src/
-echo "built in $(( $(date +%s) - t0 )) s"
-export PYTHONPATH=$(pwd)
-# Kill what a step left behind (a hung test's processes would hold the GPUs and skew
-# every later measurement). Matches command lines: keep these words out of the command
-# that starts this script.
+OUT=${OUT:-/tmp/out}
+
+# The modes: name, what it does (the usage text), the function that runs it. Every mode but
+# help first builds and installs this checkout (build_and_install).
+MODES=(
+  all          "tests, then bench (args: bench's)"                                    mode_all
+  build        "only build and install this checkout"                                 mode_build
+  tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
+  bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
+  model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
+  llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
+  layer        "one sequence-parallel transformer layer, fwd and fwd+bwd, jax_ub vs XLA vs the no-communication bound: python -m jax_ub.bench.layer (args: its own, e.g. --sizes; LAYER_S; TAG: layer)" mode_layer
+  processes    "the bench in one process, as 4 x 1 and as 2 x 2 processes x GPUs (4 GPUs; SHAPE, PROCESS_BENCH_S); prints jax_ub/GEMM" mode_processes
+  flax         "the TP transformer example, jax_ub vs XLA step time (args: its own)"  mode_flax
+  fp8train     "the TP transformer example with --fp8 --compare-bf16 (args: its own; TRAIN_S)" mode_fp8train
+  profile      "benchmarks/tools/profile_kernels.py for both ops (args: e.g. --tp, --shape; PROFILE_S)" mode_profile
+  layerprofile "benchmarks/tools/profile_layer.py (args: its own, e.g. --size, --pass; PROFILE_S, PROFILE_LINES)" mode_layerprofile
+  stepprofile  "benchmarks/tools/profile_train_step.py (args: its own; PROFILE_S)"     mode_stepprofile
+  stepmemory   "benchmarks/tools/step_memory.py (args: bench.model's; MEM_FRACTION, PROFILE_S, PROFILE_LINES); live ranges and buffer assignment in \$OUT/step_memory.tgz" mode_stepmemory
+  power        "benchmarks/tools/power_clocks.py for both ops (args: its own; POWER_S)" mode_power
+  gemm         "benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape (args: m,k,n ...; GEMM_S, GEMM_CANDIDATES, GEMM_LINES)" mode_gemm
+  overlapcost  "benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the whole GEMM (2m rows) in loops as long (args: m,k,n ...; OVERLAP_SECONDS, default 2)" mode_overlapcost
+  copyhold     "benchmarks/tools/copy_hold.cu, with the driver's default hardware queues, 32 and 1 (CUDA_DEVICE_MAX_CONNECTIONS)" mode_copyhold
+  sanitize     "compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS, SANITIZE_S) on a small 2-GPU run: benchmarks/tools/sanitize_small.py (SANITIZE_TP, SANITIZE_CASE); slow: minutes each" mode_sanitize
+  help         "this text (builds nothing)"                                           mode_help
+)
+
+usage() {
+  cat <<'EOF'
+Usage (on a GPU machine, in the repo root):
+  [TAG=name] bash benchmarks/device_run.sh [MODE [args...]]      (MODE: all when left out)
+Builds and installs this checkout into python3's environment (pip install --no-build-isolation
+--no-deps -e ., CMake build in build/dev for CUDA_ARCHS, default 90-real; needs
+scikit-build-core, nanobind, CMake and ninja there), then runs MODE. Logs go to $OUT (default
+/tmp/out); TAG names a benchmark's outputs. DRY_RUN=1 prints each step's command, runs none.
+Modes:
+EOF
+  local i line first
+  for ((i = 0; i < ${#MODES[@]}; i += 3)); do
+    first=1
+    while IFS= read -r line; do  # the description folded, under its first line
+      line=${line%" "}
+      if [ -n "$first" ]; then printf '  %-13s %s\n' "${MODES[i]}" "$line"; else printf '%16s%s\n' '' "$line"; fi
+      first=""
+    done < <(fold -s -w 80 <<< "${MODES[i + 1]}")
+  done
+}
+
 # Log lines of JAX/XLA/gRPC that say nothing about the run; filtered from what is printed.
 NOISE='^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:'
-cleanup() {
-  pkill -9 -f "pytest|jax_ub.bench|train_llama|power_clocks|_mp_worker|_mp_fault_worker|train_tp_transformer|sanitize_small|profile_kernels|profile_train_step|profile_layer|step_memory" 2>/dev/null
-  sleep 1
+
+dry_run() { [ -n "${DRY_RUN:-}" ]; }
+
+STEP_PGID=""  # the process group of the step running now (killed on exit, too)
+STEP_RC=0     # the exit status of the last step
+FAILED=()     # the steps that failed, with their status
+
+# End what is left of the running step's process group.
+end_step_group() {
+  if [ -n "$STEP_PGID" ] && kill -0 -- "-$STEP_PGID" 2> /dev/null; then
+    kill -9 -- "-$STEP_PGID" 2> /dev/null
+    sleep 1  # let the GPUs' memory go before the next step
+  fi
+  STEP_PGID=""
 }
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  # One file at a time, each with its own limit, so a hang costs one file, not the run.
-  # A file that times out runs again with JAX_UB_TRACE=1 for a minute: the last trace
-  # lines of each GPU say where it stopped.
+
+# step [--append] [--ok "CODES"|any] [-k SECONDS] NAME LIMIT LOG CMD [ARGS...]
+# Runs CMD (a program, not a shell function) under `timeout LIMIT` (-k: SIGKILL SECONDS after
+# the SIGTERM), in a process group of its own (set -m: its id is timeout's pid), stdin from
+# /dev/null, stdout and stderr to LOG (--append: added to it); then kills what is left in
+# that group. Prints "NAME: rc=N" and sets STEP_RC; a status not in CODES (default 0; any:
+# none fails) is recorded as a failure.
+step() {
+  local append="" ok="0" kill_after=""
+  while :; do
+    case $1 in
+      --append) append=1; shift ;;
+      --ok) ok=$2; shift 2 ;;
+      -k) kill_after=$2; shift 2 ;;
+      *) break ;;
+    esac
+  done
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local -a run=(timeout)
+  [ -n "$kill_after" ] && run+=(-k "$kill_after")
+  run+=("$limit" "$@")
+  if dry_run; then
+    printf '[dry run] %s: %s %s %s\n' "$name" "$(printf '%q ' "${run[@]}")" "${append:+>}>" "$log"
+    : >> "$log"  # empty, for what reads it after
+    STEP_RC=0
+    return 0
+  fi
+  [ -n "$append" ] || : > "$log"
+  set -m
+  "${run[@]}" < /dev/null >> "$log" 2>&1 &
+  STEP_PGID=$!
+  set +m
+  wait "$STEP_PGID"
+  STEP_RC=$?
+  end_step_group
+  local timed_out=""
+  if [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ]; then
+    timed_out=", TIMED OUT after $limit s"
+  fi
+  echo "$name: rc=$STEP_RC$timed_out"
+  if [ "$ok" != any ] && [[ " $ok " != *" $STEP_RC "* ]]; then
+    FAILED+=("$name (rc=$STEP_RC$timed_out)")
+  fi
+}
+
+# A diagnostic CUDA tool of the CMake build (EXCLUDE_FROM_ALL: built on request).
+build_tool() {
+  step --append "build $1" 120 "$OUT/build.log" ninja -C build/dev "$1"
+  [ "$STEP_RC" -eq 0 ] || { echo "TOOL BUILD FAILED: $1"; tail -n 20 "$OUT/build.log"; }
+}
+
+# This checkout, built with CMake in build/dev and installed in place (scikit-build-core's
+# editable install: the package's Python files from here, its extensions from the build).
+build_and_install() {
+  local t0=$SECONDS
+  # Links to built extensions that earlier versions of this script left in the package.
+  dry_run || find jax_ub/_src -maxdepth 1 -type l \( -name '_host*.so' -o -name '_cuda*.so' \) -delete
+  step build 300 "$OUT/build.log" env CMAKE_GENERATOR=Ninja PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    python3 -m pip install -v --no-build-isolation --no-deps --no-index -e . \
+    --config-settings=build-dir=build/dev \
+    "--config-settings=cmake.define.JAX_UB_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90-real}"
+  if [ "$STEP_RC" -ne 0 ]; then
+    echo "BUILD FAILED"
+    tail -n 40 "$OUT/build.log"
+    exit 1
+  fi
+  step --append "build: import" 120 "$OUT/build.log" python3 -c '
+from jax_ub._src.runtime import extension as e
+print("host extension:", e._host.__file__)
+print("CUDA extension:", e.cuda_import_error() or "loaded")'
+  if [ "$STEP_RC" -ne 0 ]; then
+    echo "BUILD FAILED: the installed jax_ub does not import"
+    tail -n 40 "$OUT/build.log"
+    exit 1
+  fi
+  dry_run || tail -n 2 "$OUT/build.log"
+  echo "built in $((SECONDS - t0)) s"
+}
+
+mode_help() { usage; }
+
+mode_build() { :; }
+
+mode_all() {
+  mode_tests
+  mode_bench "$@"
+}
+
+mode_tests() {
+  local -a specs k=()
+  read -ra specs <<< "${TEST_SPECS:-test_gpu.py:300 test_gpu_layouts.py:360 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200 test_gpu_fp8.py:150 test_gpu_epilogue.py:200 test_gpu_gemm_cache.py:150 test_gpu_models.py:300}"
+  [ -n "${TEST_K:-}" ] && k=(-k "$TEST_K")
+  local spec file limit
   : > "$OUT/gpu_tests.log"
-  # TEST_SPECS overrides the files and their limits ("file:seconds ..."); TEST_K selects
-  # tests by pytest's -k expression. The trace rerun does not capture output (-s).
-  for spec in ${TEST_SPECS:-test_gpu.py:300 test_gpu_layouts.py:360 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200 test_gpu_fp8.py:150 test_gpu_epilogue.py:200 test_gpu_gemm_cache.py:150 test_gpu_models.py:300}; do
-    file=${spec%%:*}; limit=${spec##*:}
-    timeout -k 10 "$limit" python3 -m pytest -v -rsxX -m gpu "tests/$file" -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} \
-      >> "$OUT/gpu_tests.log" 2>&1
-    rc=$?; cleanup
-    echo "tests/$file: rc=$rc"
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+  for spec in "${specs[@]}"; do
+    file=${spec%%:*}
+    limit=${spec##*:}
+    step --append --ok "0 5" -k 10 "tests/$file" "$limit" "$OUT/gpu_tests.log" \
+      python3 -m pytest -v -rsxX -m gpu "tests/$file" -p no:cacheprovider "${k[@]}"
+    # 5: none ran (too few GPUs for the file, or TEST_K selected none): not a failure.
+    [ "$STEP_RC" -eq 5 ] && echo "tests/$file: no tests ran"
+    if [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ]; then
       echo "tests/$file TIMED OUT after $limit s" >> "$OUT/gpu_tests.log"
-      JAX_UB_TRACE=1 timeout -k 5 60 python3 -m pytest -x -q -s -m gpu "tests/$file" ${TEST_K:+-k "$TEST_K"} \
-        -p no:cacheprovider > "$OUT/trace_$file.log" 2>&1
-      cleanup
-      grep "jax_ub trace" "$OUT/trace_$file.log" | tail -12
+      # The trace rerun does not capture output (-s): the last trace lines of each GPU.
+      step --ok any -k 5 "tests/$file, traced" 60 "$OUT/trace_$file.log" \
+        env JAX_UB_TRACE=1 python3 -m pytest -x -q -s -m gpu "tests/$file" "${k[@]}" -p no:cacheprovider
+      grep "jax_ub trace" "$OUT/trace_$file.log" | tail -n 12
     fi
   done
-  grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED|TIMED OUT" "$OUT/gpu_tests.log" | grep -v "^tests.*PASSED" | tail -30
-  echo "passed: $(grep -cE " PASSED" "$OUT/gpu_tests.log")"; grep -E "^=+ .* in [0-9.]+s" "$OUT/gpu_tests.log"
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  tag=${TAG:-bench}
-  timeout -k 10 400 python3 -m jax_ub.bench --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
-    | tee "$OUT/$tag.log" | grep -v "^  .*failed" | grep -vE "$NOISE" | tail -60
-  cleanup
-fi
-if [ "$what" = model ]; then
-  # One training step of the Llama-style model per variant (python -m jax_ub.bench.model;
-  # args: its own). MEM_FRACTION: the share of each GPU JAX may take.
-  tag=${TAG:-model}
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.9} timeout -k 10 ${MODEL_S:-450} \
-    python3 -m jax_ub.bench.model --json "$OUT/$tag.json" "$@" 2>&1 \
-    | tee "$OUT/$tag.log" | grep -vE "$NOISE" | tail -${MODEL_LINES:-30}
-  cleanup
-fi
-if [ "$what" = llama ]; then
-  # examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3).
-  timeout -k 10 ${TRAIN_S:-300} python3 examples/train_llama.py "$@" > "$OUT/${TAG:-llama}.log" 2>&1
-  echo "train_llama: rc=$?"
-  grep -vE "$NOISE" "$OUT/${TAG:-llama}.log" | tail -12
-  cleanup
-fi
-if [ "$what" = layer ]; then
-  tag=${TAG:-layer}
-  timeout -k 10 ${LAYER_S:-450} python3 -m jax_ub.bench.layer --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@" 2>&1 \
-    | tee "$OUT/$tag.log" | grep -vE "$NOISE" | tail -40
-  cleanup
-fi
-if [ "$what" = processes ]; then
-  # The same bench as one process, as 4 x 1 and as 2 x 2 processes x GPUs, one
-  # after the other in one call, so drift between them stays small. Prints jax_ub/GEMM.
+  grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED|TIMED OUT" "$OUT/gpu_tests.log" \
+    | grep -v "^tests.*PASSED" | tail -n 30
+  echo "passed: $(grep -cE " PASSED" "$OUT/gpu_tests.log")"
+  grep -E "^=+ .* in [0-9.]+s" "$OUT/gpu_tests.log"
+}
+
+mode_bench() {
+  local tag=${TAG:-bench}
+  step -k 10 bench 400 "$OUT/$tag.log" \
+    python3 -m jax_ub.bench --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@"
+  grep -v "^  .*failed" "$OUT/$tag.log" | grep -vE "$NOISE" | tail -n 60
+}
+
+mode_model() {
+  local tag=${TAG:-model}
+  step -k 10 model "${MODEL_S:-450}" "$OUT/$tag.log" \
+    env XLA_PYTHON_CLIENT_MEM_FRACTION="${MEM_FRACTION:-0.9}" \
+    python3 -m jax_ub.bench.model --json "$OUT/$tag.json" "$@"
+  grep -vE "$NOISE" "$OUT/$tag.log" | tail -n "${MODEL_LINES:-30}"
+}
+
+mode_llama() {
+  local log="$OUT/${TAG:-llama}.log"
+  step -k 10 train_llama "${TRAIN_S:-300}" "$log" python3 examples/train_llama.py "$@"
+  grep -vE "$NOISE" "$log" | tail -n 12
+}
+
+mode_layer() {
+  local tag=${TAG:-layer}
+  step -k 10 layer "${LAYER_S:-450}" "$OUT/$tag.log" \
+    python3 -m jax_ub.bench.layer --json "$OUT/$tag.json" --png "$OUT/$tag.png" "$@"
+  grep -vE "$NOISE" "$OUT/$tag.log" | tail -n 40
+}
+
+mode_processes() {
+  # One after the other in one call, so that drift between them stays small.
+  local layout procs per name
   for layout in "1 0" "4 1" "2 2"; do
-    set -- $layout; procs=$1; per=$2
-    extra=""; [ "$procs" != 1 ] && extra="--processes $procs --gpus-per-process $per"
-    timeout -k 10 ${PROCESS_BENCH_S:-150} python3 -m jax_ub.bench --json "$OUT/procs_${procs}x${per}.json" \
-      --shapes ${SHAPE:-8192x8192x32768} --rounds 3 --iters 20 --no-windowed-einsum $extra \
-      > "$OUT/procs_${procs}x${per}.log" 2>&1
-    echo "== processes ${procs} x ${per} GPUs (0: one process, all GPUs): rc=$?"
-    grep -E "^(AG|RS) |jax_ub / gemm" "$OUT/procs_${procs}x${per}.log"
-    cleanup
+    read -r procs per <<< "$layout"
+    local -a extra=()
+    if [ "$procs" != 1 ]; then extra=(--processes "$procs" --gpus-per-process "$per"); fi
+    name="procs_${procs}x${per}"
+    echo "== processes ${procs} x ${per} GPUs (0: one process, all GPUs)"
+    step -k 10 "processes ${procs} x ${per}" "${PROCESS_BENCH_S:-150}" "$OUT/$name.log" \
+      python3 -m jax_ub.bench --json "$OUT/$name.json" --shapes "${SHAPE:-8192x8192x32768}" \
+      --rounds 3 --iters 20 --no-windowed-einsum "${extra[@]}"
+    grep -E "^(AG|RS) |jax_ub / gemm" "$OUT/$name.log"
   done
-fi
-if [ "$what" = flax ]; then
-  timeout -k 10 500 python3 examples/train_tp_transformer.py --compare-xla --rounds 3 --steps 30 --log-every 10 "$@" 2>&1 \
-    | tee "$OUT/flax.log" | tail -30
-  cleanup
-fi
-if [ "$what" = profile ]; then
+}
+
+mode_flax() {
+  step -k 10 flax 500 "$OUT/flax.log" python3 examples/train_tp_transformer.py --compare-xla \
+    --rounds 3 --steps 30 --log-every 10 "$@"
+  tail -n 30 "$OUT/flax.log"
+}
+
+mode_fp8train() {
+  step -k 10 "fp8 training" "${TRAIN_S:-300}" "$OUT/fp8_train.log" \
+    python3 examples/train_tp_transformer.py --fp8 --compare-bf16 --no-progress "$@"
+  grep -vE "$NOISE" "$OUT/fp8_train.log" | tail -n 20
+}
+
+mode_profile() {
   # Kernels and the idle time between them, per call: GEMM alone, XLA, jax_ub (both ops).
+  local op
   for op in ag rs; do
-    timeout -k 10 ${PROFILE_S:-150} python3 benchmarks/tools/profile_kernels.py --op $op "$@" \
-      > "$OUT/profile_$op.log" 2>&1
-    echo "profile $op: rc=$?"
-    grep -vE "$NOISE" "$OUT/profile_$op.log" | tail -45
-    cleanup
+    step -k 10 "profile $op" "${PROFILE_S:-150}" "$OUT/profile_$op.log" \
+      python3 benchmarks/tools/profile_kernels.py --op "$op" "$@"
+    grep -vE "$NOISE" "$OUT/profile_$op.log" | tail -n 45
   done
-fi
-if [ "$what" = layerprofile ]; then
-  # The layer's ops in order per variant: wall time against their GEMMs, idle time
-  # (benchmarks/tools/profile_layer.py; args: its own, e.g. --size, --pass).
-  timeout -k 10 ${PROFILE_S:-250} python3 benchmarks/tools/profile_layer.py "$@" \
-    > "$OUT/layer_profile.log" 2>&1
-  echo "layer profile: rc=$?"
-  grep -vE "$NOISE" "$OUT/layer_profile.log" | tail -${PROFILE_LINES:-150}
-  cleanup
-fi
-if [ "$what" = fp8train ]; then
-  # The TP transformer example in fp8 against the same run without fp8 (args: its own).
-  timeout -k 10 ${TRAIN_S:-300} python3 examples/train_tp_transformer.py --fp8 --compare-bf16 \
-    --no-progress "$@" > "$OUT/fp8_train.log" 2>&1
-  echo "fp8 training: rc=$?"
-  grep -vE "$NOISE" "$OUT/fp8_train.log" | tail -20
-  cleanup
-fi
-if [ "$what" = stepprofile ]; then
-  # The Flax step's kernels by kind and its idle gaps, jax_ub vs XLA (profile_train_step.py).
-  timeout -k 10 ${PROFILE_S:-250} python3 benchmarks/tools/profile_train_step.py "$@" \
-    > "$OUT/step_profile.log" 2>&1
-  echo "step profile: rc=$?"
-  grep -vE "$NOISE" "$OUT/step_profile.log" | tail -70
-  cleanup
-fi
-if [ "$what" = stepmemory ]; then
-  # What fills the Llama step's peak memory per variant (step_memory.py; args: bench.model's).
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.9} timeout -k 10 ${PROFILE_S:-250} \
-    python3 benchmarks/tools/step_memory.py --out /tmp/step_memory "$@" > "$OUT/step_memory.log" 2>&1
-  echo "step memory: rc=$?"
-  grep -vE "$NOISE" "$OUT/step_memory.log" | tail -${PROFILE_LINES:-120}
-  tar czf "$OUT/step_memory.tgz" -C /tmp step_memory 2>/dev/null
-  cleanup
-fi
-if [ "$what" = power ]; then
-  # SM clock and power per implementation (benchmarks/tools/power_clocks.py; args: its own).
+}
+
+mode_layerprofile() {
+  # The layer's ops in order per variant: wall time against their GEMMs, idle time.
+  step -k 10 "layer profile" "${PROFILE_S:-250}" "$OUT/layer_profile.log" \
+    python3 benchmarks/tools/profile_layer.py "$@"
+  grep -vE "$NOISE" "$OUT/layer_profile.log" | tail -n "${PROFILE_LINES:-150}"
+}
+
+mode_stepprofile() {
+  # The Flax step's kernels by kind and its idle gaps, jax_ub vs XLA.
+  step -k 10 "step profile" "${PROFILE_S:-250}" "$OUT/step_profile.log" \
+    python3 benchmarks/tools/profile_train_step.py "$@"
+  grep -vE "$NOISE" "$OUT/step_profile.log" | tail -n 70
+}
+
+mode_stepmemory() {
+  # What fills the Llama step's peak memory per variant.
+  step -k 10 "step memory" "${PROFILE_S:-250}" "$OUT/step_memory.log" \
+    env XLA_PYTHON_CLIENT_MEM_FRACTION="${MEM_FRACTION:-0.9}" \
+    python3 benchmarks/tools/step_memory.py --out /tmp/step_memory "$@"
+  grep -vE "$NOISE" "$OUT/step_memory.log" | tail -n "${PROFILE_LINES:-120}"
+  dry_run || tar czf "$OUT/step_memory.tgz" -C /tmp step_memory 2> /dev/null
+}
+
+mode_power() {
+  # SM clock and power per implementation.
+  local op
   for op in ag rs; do
-    timeout -k 10 ${POWER_S:-200} python3 benchmarks/tools/power_clocks.py --op $op "$@" > "$OUT/power_$op.log" 2>&1
-    echo "power $op: rc=$?"
-    grep -vE "$NOISE" "$OUT/power_$op.log" | tail -12
-    cleanup
+    step -k 10 "power $op" "${POWER_S:-200}" "$OUT/power_$op.log" \
+      python3 benchmarks/tools/power_clocks.py --op "$op" "$@"
+    grep -vE "$NOISE" "$OUT/power_$op.log" | tail -n 12
   done
-fi
-if [ "$what" = overlapcost ]; then
-  # tp=2's overlapped schedules rebuilt from the library's GEMM and copies, phase by
-  # phase (args: m,k,n ...: one rank's chunk), then XLA's dot of the same whole GEMMs.
-  secs=${OVERLAP_SECONDS:-2}
-  timeout 120 ninja -C build/dev overlap_cost >> "$OUT/build.log" 2>&1 || { echo TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
-  whole=""
+}
+
+mode_gemm() {
+  # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same shapes.
+  build_tool gemm_candidates
+  step -k 5 gemm_candidates "${GEMM_S:-240}" "$OUT/gemm_candidates.log" \
+    build/dev/gemm_candidates --candidates "${GEMM_CANDIDATES:-24}" "$@"
+  grep -E "^==|best|#" "$OUT/gemm_candidates.log" | head -n "${GEMM_LINES:-150}"
+  step -k 5 "xla dot" 120 "$SCRATCH/xla_dot.log" python3 benchmarks/tools/xla_dot_times.py "$@"
+  grep "xla dot" "$SCRATCH/xla_dot.log"
+}
+
+mode_overlapcost() {
+  # tp=2's overlapped schedules rebuilt from the library's GEMM and copies, phase by phase
+  # (args: m,k,n ...: one rank's chunk), then XLA's dot of the same whole GEMMs.
+  local secs=${OVERLAP_SECONDS:-2} shape m k n
+  local -a whole=()
+  build_tool overlap_cost
   for shape in "$@"; do
-    timeout -k 5 120 build/dev/overlap_cost "$shape" "$secs" 2>&1 | tee -a "$OUT/overlap_cost.log"
-    IFS=, read -r m k n <<< "$shape"; whole="$whole $((2 * m)),$k,$n"
+    step -k 5 "overlap_cost $shape" 120 "$SCRATCH/overlap_cost.log" \
+      build/dev/overlap_cost "$shape" "$secs"
+    tee -a "$OUT/overlap_cost.log" < "$SCRATCH/overlap_cost.log"
+    IFS=, read -r m k n <<< "$shape"
+    whole+=("$((2 * m)),$k,$n")
   done
-  timeout -k 5 120 python3 benchmarks/tools/xla_dot_times.py --loop-seconds "$secs" $whole 2>&1 | grep "xla dot"
-fi
-if [ "$what" = copyhold ]; then
+  step -k 5 "xla dot" 120 "$SCRATCH/xla_dot.log" \
+    python3 benchmarks/tools/xla_dot_times.py --loop-seconds "$secs" "${whole[@]}"
+  grep "xla dot" "$SCRATCH/xla_dot.log"
+}
+
+mode_copyhold() {
   # Whether a copy within a GPU holds back another stream's kernel, with the driver's
   # default hardware queues, 32 and 1 (CUDA_DEVICE_MAX_CONNECTIONS).
-  timeout 120 ninja -C build/dev copy_hold >> "$OUT/build.log" 2>&1 || { echo TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
-  timeout -k 5 60 env -u CUDA_DEVICE_MAX_CONNECTIONS build/dev/copy_hold 2>&1 | tee -a "$OUT/copy_hold.log"
+  local conn
+  build_tool copy_hold
+  step -k 5 copy_hold 60 "$SCRATCH/copy_hold.log" env -u CUDA_DEVICE_MAX_CONNECTIONS build/dev/copy_hold
+  tee -a "$OUT/copy_hold.log" < "$SCRATCH/copy_hold.log"
   for conn in 32 1; do
-    CUDA_DEVICE_MAX_CONNECTIONS=$conn timeout -k 5 60 build/dev/copy_hold 2>&1 | grep -A3 "^2\." \
-      | tee -a "$OUT/copy_hold.log"
+    step -k 5 "copy_hold CUDA_DEVICE_MAX_CONNECTIONS=$conn" 60 "$SCRATCH/copy_hold.log" \
+      env CUDA_DEVICE_MAX_CONNECTIONS="$conn" build/dev/copy_hold
+    grep -A3 "^2\." "$SCRATCH/copy_hold.log" | tee -a "$OUT/copy_hold.log"
   done
-fi
-if [ "$what" = gemm ]; then
-  # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same
-  # shapes (args: m,k,n ...).
-  timeout 120 ninja -C build/dev gemm_candidates >> "$OUT/build.log" 2>&1 || { echo GEMM TOOL BUILD FAILED; tail -20 "$OUT/build.log"; }
-  timeout -k 5 ${GEMM_S:-240} build/dev/gemm_candidates --candidates ${GEMM_CANDIDATES:-24} "$@" > "$OUT/gemm_candidates.log" 2>&1
-  echo "gemm_candidates: rc=$?"; grep -E "^==|best|#" "$OUT/gemm_candidates.log" | head -${GEMM_LINES:-150}
-  timeout -k 5 120 python3 benchmarks/tools/xla_dot_times.py "$@" 2>&1 | grep "xla dot"
-fi
-if [ "$what" = sanitize ]; then
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    timeout ${SANITIZE_S:-270} compute-sanitizer --tool $tool --print-limit 50 \
-      python3 benchmarks/tools/sanitize_small.py > "$OUT/$tool.log" 2>&1
-    echo "$tool rc=$?"
+}
+
+mode_sanitize() {
+  local -a tools
+  local tool
+  read -ra tools <<< "${SANITIZE_TOOLS:-memcheck racecheck}"
+  for tool in "${tools[@]}"; do
+    step "$tool" "${SANITIZE_S:-270}" "$OUT/$tool.log" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      compute-sanitizer --tool "$tool" --print-limit 50 python3 benchmarks/tools/sanitize_small.py
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE_SMALL_OK|rel err|Invalid|Error" "$OUT/$tool.log" | head
   done
+}
+
+# Dispatch: the mode's function from MODES, or usage and exit 2 before anything runs.
+what=${1:-all}
+[ $# -gt 0 ] && shift
+case $what in -h | --help) what=help ;; esac
+mode_fn=""
+for ((i = 0; i < ${#MODES[@]}; i += 3)); do
+  if [ "${MODES[i]}" = "$what" ]; then mode_fn=${MODES[i + 2]}; fi
+done
+if [ -z "$mode_fn" ]; then
+  echo "device_run.sh: unknown mode '$what'" >&2
+  usage >&2
+  exit 2
 fi
+if [ "$what" = help ]; then
+  "$mode_fn"
+  exit 0
+fi
+
+mkdir -p "$OUT"
+SCRATCH=$(mktemp -d)
+trap 'end_step_group; rm -rf "$SCRATCH"' EXIT
+trap 'echo "device_run.sh: interrupted" >&2; exit 130' INT
+trap 'echo "device_run.sh: terminated" >&2; exit 143' TERM HUP
+
+step --ok any gpus 60 "$OUT/gpus.txt" nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+step --append --ok any "gpu topology" 60 "$OUT/gpus.txt" nvidia-smi topo -m
+dry_run || head -n 12 "$OUT/gpus.txt"
+build_and_install
+"$mode_fn" "$@"
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "device_run.sh $what: ${#FAILED[@]} step(s) failed:"
+  printf '  %s\n' "${FAILED[@]}"
+  exit 1
+fi
+echo "device_run.sh $what: every step passed"

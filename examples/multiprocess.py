@@ -85,23 +85,19 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def launcher_found() -> bool:
-    """Whether jax.distributed.initialize() can find its coordinator, process count and id
-    in the environment (JAX_COORDINATOR_ADDRESS, or a cluster JAX detects: SLURM, Open MPI,
-    Cloud TPU, Kubernetes)."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    try:
-        from jax._src.clusters import ClusterEnv  # noqa: PLC0415  (JAX's own detection)
-
-        kinds = ClusterEnv._cluster_types
-        return any(not k.opt_in_only_method and k.is_env_present() for k in kinds)
-    except Exception:  # noqa: BLE001  (JAX moved it: let initialize() decide)
-        return True
+def no_launcher(error: ValueError) -> bool:
+    """Whether jax.distributed.initialize() failed because nothing told it where the
+    coordinator is: no JAX_COORDINATOR_ADDRESS and no cluster it detects (SLURM, Open MPI,
+    Cloud TPU, Kubernetes, ...). Any other error is JAX's to report."""
+    return "coordinator_address" in str(error) and not os.environ.get("JAX_COORDINATOR_ADDRESS")
 
 
 if args.process_id is None:
-    if not launcher_found():
+    try:
+        jax.distributed.initialize()  # coordinator, count and id from the launcher's environment
+    except ValueError as e:
+        if not no_launcher(e):
+            raise
         print(
             "examples/multiprocess.py runs as one of several processes, and none of "
             "--process-id/--num-processes, a launcher's variables (SLURM, Open MPI, ...) or "
@@ -109,7 +105,6 @@ if args.process_id is None:
             file=sys.stderr,
         )
         sys.exit(2)
-    jax.distributed.initialize()  # coordinator, count and id from the launcher's environment
 else:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
