@@ -77,9 +77,13 @@ fi
 # between JAX releases), the reduce-scatter that gathers beside it, argument and settings
 # errors, several processes.
 cd "$SRC"
-timeout 600 "$vpy" -m pytest -q -p no:cacheprovider \
+timeout 900 "$vpy" -m pytest -q -p no:cacheprovider \
   "tests/test_ops_forward.py::test_f32" \
   "tests/test_ops_grad.py" \
+  "tests/test_grad_matrix.py" \
+  "tests/test_grad_matrix_flax.py" \
+  "tests/test_cpu_bf16_all_reduce.py" \
+  "tests/test_trace_key.py" \
   "tests/test_fp8.py" \
   "tests/test_flax_nnx.py" \
   "tests/test_flax_linen.py" \
