@@ -155,6 +155,16 @@ def all_gather_invariant(x, axis_name: str):
     return jax.lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
 
 
+def set_user_context_global(context, value) -> None:
+    """The global value of ``context`` (a ``jax.make_user_context``), which keys JAX's
+    trace caches. Public from JAX 0.10: ``context.set_global(value)``; 0.9 has no method
+    for it, only that of the private config object it wraps."""
+    if hasattr(context, "set_global"):
+        context.set_global(value)
+    else:
+        context._obj.set_global(value)
+
+
 def register_uncached_lowering(prim, rule) -> None:
     """``mlir.register_lowering`` for a primitive whose every equation must run `rule`:
     JAX otherwise lowers equal equations once and copies the result (``cacheable``, newer

@@ -237,7 +237,14 @@ def _over_tp(
         key = mesh, traced_settings()  # a jit's trace keeps the settings it was traced with
         if key not in mapped:
             run = layout.global_call(
-                f, mesh, axis_name, in_specs, out_specs, check_vma, compute_dtype=ops.dtype
+                f,
+                mesh,
+                axis_name,
+                in_specs,
+                out_specs,
+                check_vma,
+                compute_dtype=ops.dtype,
+                sums_replicated=ops.fp8 != "delayed",
             )
             mapped[key] = jax.jit(run)
         return mapped[key](*args)

@@ -335,10 +335,11 @@ def global_call(
     out_specs: Any,
     check_vma: bool = True,
     compute_dtype: Any = None,
+    sums_replicated: bool = True,
 ) -> Callable:
     """``f`` (a computation on local shards) as a function of global arrays laid out on
     ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3).
-    ``compute_dtype``: what ``f`` casts its operands to, if it does (as :func:`over_axis`).
+    ``compute_dtype``, ``sums_replicated``: as :func:`over_axis` takes them.
 
     Runs in :func:`over_axis`. Under ``Explicit`` axes shard_map takes inputs only already
     split as its ``in_specs`` say: each array's split over ``axis_name`` is moved there,
@@ -348,7 +349,9 @@ def global_call(
     applies to larger groups only.
     """
     checked = check_vma and int(mesh.shape[axis_name]) > 1
-    mapped = over_axis(f, mesh, axis_name, in_specs, out_specs, checked, compute_dtype)
+    mapped = over_axis(
+        f, mesh, axis_name, in_specs, out_specs, checked, compute_dtype, sums_replicated
+    )
 
     def call(*args):
         return mapped(*_moved_to_specs(axis_name, in_specs, args))
@@ -380,17 +383,20 @@ def over_axis(
     out_specs: Any,
     check_vma: bool = True,
     compute_dtype: Any = None,
+    sums_replicated: bool = True,
 ) -> Callable:
     """``f`` in a shard_map whose only manual axis is ``axis_name``; other axes stay XLA's.
     ``check_vma=False`` where ``f`` nests a shard_map over those other axes (JAX cannot
     differentiate a nested unchecked shard_map inside a checked one).
 
     On CPU devices, where ``f`` computes in 16 bits (an operand is a 16-bit float, or
-    ``compute_dtype`` is one), XLA's CPU compiler would abort on the 16-bit all-reduce of
-    a replicated input's cotangent (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there
+    ``compute_dtype`` is one) and the mesh has other axes, XLA's CPU compiler would abort
+    on the 16-bit all-reduce of a replicated input's cotangent (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there
     the inputs replicated over the axis cross in float32 and the shard_map is unchecked,
     so that the sum is that of its transpose, of a float32 input, and not of a cast to
-    varying inside ``f``, after ``f``'s cast to 16 bits."""
+    varying inside ``f``, after ``f``'s cast to 16 bits. Not with ``sums_replicated=False``:
+    an ``f`` whose replicated inputs' cotangents must not be summed (delayed fp8's amax
+    histories, each device's the whole history)."""
     kwargs: dict[str, Any] = {}
     if isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
         kwargs["mesh"] = mesh  # eager call on concrete arrays, no mesh in context
@@ -400,7 +406,12 @@ def over_axis(
         # The CPU workaround of the docstring.
         body, checked = f, check_vma
         leaves = [*jax.tree.leaves(args), jax.ShapeDtypeStruct((), compute_dtype or jnp.float32)]
-        if any(jax_compat.cpu_16bit(a, platform) for a in leaves):
+        partly_manual = len(getattr(mesh, "axis_names", ())) > 1
+        if (
+            sums_replicated
+            and partly_manual
+            and any(jax_compat.cpu_16bit(a, platform) for a in leaves)
+        ):
             narrow = jax.tree.map(
                 lambda spec, a: _replicated_16bit(spec, a, axis_name),
                 in_specs,

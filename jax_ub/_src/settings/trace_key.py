@@ -16,6 +16,8 @@ from contextlib import AbstractContextManager
 
 import jax
 
+from jax_ub._src import jax_compat
+
 _GLOBAL = jax.make_user_context(None)
 _SCOPED = jax.make_user_context(None)
 _global_parts: dict[str, Hashable] = {}
@@ -24,7 +26,7 @@ _global_parts: dict[str, Hashable] = {}
 def set_global(part: str, value: Hashable) -> None:
     """``part`` of the global settings (``"config"``, ``"tuning"``) is now ``value``."""
     _global_parts[part] = value
-    _GLOBAL.set_global(tuple(sorted(_global_parts.items())))
+    jax_compat.set_user_context_global(_GLOBAL, tuple(sorted(_global_parts.items())))
 
 
 def scoped(value: Hashable) -> AbstractContextManager:
