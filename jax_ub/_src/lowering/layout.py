@@ -391,10 +391,11 @@ def over_axis(
 
     On CPU devices, where ``f`` computes in 16 bits (an operand is a 16-bit float, or
     ``compute_dtype`` is one) and the mesh has other axes, XLA's CPU compiler would abort
-    on the 16-bit all-reduce of a replicated input's cotangent (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there
-    the inputs replicated over the axis cross in float32 and the shard_map is unchecked,
-    so that the sum is that of its transpose, of a float32 input, and not of a cast to
-    varying inside ``f``, after ``f``'s cast to 16 bits. Not with ``sums_replicated=False``:
+    on the 16-bit all-reduce of a replicated input's cotangent
+    (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there the inputs replicated over the
+    axis cross in float32 and the shard_map is unchecked, so that the sum is that of its
+    transpose, of a float32 input, and not of a cast to varying inside ``f``, after
+    ``f``'s cast to 16 bits. Not with ``sums_replicated=False``:
     an ``f`` whose replicated inputs' cotangents must not be summed (delayed fp8's amax
     histories, each device's the whole history)."""
     kwargs: dict[str, Any] = {}
