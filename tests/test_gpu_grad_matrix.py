@@ -2,7 +2,8 @@
 every public op and every Flax layer on the userbuffer path against ``jax.grad`` of plain
 unsharded JAX, float32 at full precision, on the GPU meshes there are: (dp, tp) = (1, 2),
 and with 4 GPUs (2, 2) and (1, 4). The ops in three ways to call them (an unchecked
-shard_map over every axis, a checked partial-auto one, plain jit); the layers with
+shard_map over every axis, a checked partial-auto one, plain jit with and without a mesh
+set); the layers with
 ``sequence_parallel`` True, False and unset on sequences tp does and does not divide.
 
 Skipped without at least 2 GPUs."""
@@ -39,7 +40,7 @@ def _full_precision():
         yield
 
 
-@pytest.mark.parametrize("mode", ["smap_novma", "partial_vma", "jit"])
+@pytest.mark.parametrize("mode", ["smap_novma", "partial_vma", "jit", "jit_nomesh"])
 @pytest.mark.parametrize("name", list(OPS))
 @pytest.mark.parametrize("dp_tp", MESHES, ids=lambda m: f"dp{m[0]}xtp{m[1]}")
 def test_op_gradients_on_gpus(rand, dp_tp, name, mode):

@@ -1,7 +1,8 @@
 """Every public op's value and gradients against ``jax.grad`` of the same math in plain,
 unsharded JAX, in every way to call it: shard_map over every mesh axis and partial-auto
 (tp manual, dp left to XLA), each with ``check_vma`` True and False, and plain ``jit`` on
-global arrays under ``jax.set_mesh``; with and without biases, ``seq_axis`` 0 and 1,
+global arrays under ``jax.set_mesh`` and with no mesh set (found from the arrays' shardings);
+with and without biases, ``seq_axis`` 0 and 1,
 impl ``"ub"``, ``"xla"`` and ``"auto"``. A (dp=2, tp=2) mesh of CPU devices, float32.
 
 The oracle shares no code with jax_ub: a wrong scale of any gradient (the 1/tp of a
@@ -23,7 +24,9 @@ from jax.sharding import PartitionSpec as P
 import jax_ub
 
 S, B, K, F, N = 8, 4, 16, 24, 12  # seq, batch, features in, hidden, out
-MODES = ["smap_vma", "smap_novma", "partial_vma", "partial_novma", "jit"]
+# "jit_nomesh": plain jit on arrays sharded over the mesh, with no mesh set (the mesh found
+# in the arrays' types, its devices where the program lowers).
+MODES = ["smap_vma", "smap_novma", "partial_vma", "partial_novma", "jit", "jit_nomesh"]
 IMPLS = ["ub", "xla", "auto"]
 TOL = 2e-5
 
@@ -136,7 +139,7 @@ def run(op: Op, mode: str, impl: str, seq_axis: int, operands, cot, mesh=None):
 
     x_spec = activation_spec(3, seq_axis, op.x_tp, dp=full_mesh)
     out_spec = activation_spec(3, seq_axis, op.out_tp, dp=full_mesh)
-    if mode == "jit":
+    if mode.startswith("jit"):
         f = body
     else:
         f = jax.shard_map(
@@ -157,8 +160,12 @@ def run(op: Op, mode: str, impl: str, seq_axis: int, operands, cot, mesh=None):
         for a, s in zip(operands, (activation_spec(3, seq_axis, op.x_tp, True), *specs))
     ]
     grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(operands))), has_aux=True))
-    with jax.set_mesh(mesh):
+    if mode == "jit_nomesh":
         (_, y), grads = grad(*placed)
+        assert "custom_call @jax_ub_" in grad.lower(*placed).as_text() or impl == "xla"
+    else:
+        with jax.set_mesh(mesh):
+            (_, y), grads = grad(*placed)
     return y, grads
 
 

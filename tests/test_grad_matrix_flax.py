@@ -11,6 +11,10 @@ all-reduce inside the attention's unchecked shard_map) fails here. The ops' own 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -21,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub.flax as ubf
+from jax_ub._src.settings.warn_registry import clear_warnings
 
 B, D, F, HEADS, KV_HEADS = 4, 16, 32, 8, 4  # kv heads split over tp = 2 and 4
 TOL = 2e-5
@@ -93,10 +98,16 @@ def _loss(y, cot):
     return jnp.sum(jnp.sin(y) * cot)
 
 
-def run_nnx(name, settings, x, cot):
-    """``(y, param grads as a dict, x grad, params as a dict)`` of the NNX layer."""
+def run_nnx(name, settings, x, cot, build_mesh=None):
+    """``(y, param grads as a dict, x grad, params as a dict)`` of the NNX layer; with
+    ``build_mesh``, the layer is built (its params placed) under that mesh and run with no
+    mesh set: the mesh is found in the arrays' shardings."""
     make, _, call_kw, _ = LAYERS[name]
-    model = make(rngs=nnx.Rngs(0), **settings)
+    if build_mesh is None:
+        model = make(rngs=nnx.Rngs(0), **settings)
+    else:
+        with jax.set_mesh(build_mesh):
+            model = make(rngs=nnx.Rngs(0), **settings)
 
     def loss(m, x):
         y = m(x, **call_kw)
@@ -143,15 +154,20 @@ def test_layer_gradients(rand, name, framework, impl):
     check_layer(rand, name, framework, impl, make_mesh((2, "dp"), (2, "tp")))
 
 
-def check_layer(rand, name: str, framework: str, impl: str, mesh, tol: float = TOL) -> None:
-    """The layer on ``mesh`` (axes ``("dp", "tp")``) in each case of ``CASES``."""
+def check_layer(
+    rand, name: str, framework: str, impl: str, mesh, tol: float = TOL, mesh_set: bool = True
+) -> None:
+    """The layer on ``mesh`` (axes ``("dp", "tp")``) in each case of ``CASES``; NNX with
+    ``mesh_set=False``: built under the mesh, run with none set."""
     run = run_nnx if framework == "nnx" else run_linen
+    if not mesh_set:
+        run = functools.partial(run_nnx, build_mesh=mesh)
     for sequence_parallel, seq in CASES:
         x = jax.device_put(rand(B, seq, D), NamedSharding(mesh, P("dp")))
         out = F if name in ("column", "row") else D
         cot = rand(B, seq, out)
         settings = dict(impl=impl, sequence_parallel=sequence_parallel, seq_axis=1)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh) if mesh_set else contextlib.nullcontext():
             y, g_params, g_x, params = run(name, settings, x, cot)
         y_ref, g_ref, g_x_ref = reference(name, params, x, cot)
         what = f"{name} {framework} {impl} {sequence_parallel=} {seq=}"
@@ -162,3 +178,14 @@ def check_layer(rand, name: str, framework: str, impl: str, mesh, tol: float = T
             errors["d" + jax.tree_util.keystr(path)] = rel_err(got[path], g)
         bad = {k: f"{e:.2e}" for k, e in errors.items() if not e < tol}
         assert not bad, f"{what}: relative errors {bad}"
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_gradients_with_no_mesh_set(rand, name):
+    """A training loop's jit on sharded params and inputs, no ``jax.set_mesh``: impl "auto"
+    finds the mesh in the arrays' shardings and runs overlapped (not XLA's plain matmuls,
+    which warn), with right gradients."""
+    clear_warnings()  # the warning is once per process
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not overlapped")
+        check_layer(rand, name, "nnx", "auto", make_mesh((2, "dp"), (2, "tp")), mesh_set=False)

@@ -9,6 +9,7 @@ math written with lax collectives or plain jnp, forward and gradients.
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -280,21 +281,40 @@ def test_nnx_layer_inside_user_shard_map(rand):
     assert rel_err(y, NnxReference(mlp)(x)) < 1e-5
 
 
-def test_no_mesh_anywhere_runs_plain_matmuls_or_names_the_remedy(rand):
-    """A model jitted on sharded arrays with no mesh set or given (as nn.Dense allows):
-    impl="auto" runs XLA's plain matmuls, with one warning; impl="ub" says how to give a
-    mesh."""
+def test_no_mesh_set_finds_it_from_sharded_arrays(rand):
+    """A model jitted on arrays sharded over a mesh, with no mesh set or given (a training
+    loop's jit with in_shardings, no jax.set_mesh): the layers find the mesh in the arrays'
+    types and its devices where the program lowers, and run jax_ub's calls, no warning."""
     mesh = mesh_of("dp2_tp2")
     x = jax.device_put(rand(SEQ, BATCH, D), NamedSharding(mesh, P("tp", "dp")))
     mlp = ubf.ParallelMLP(D, H, rngs=nnx.Rngs(0))  # built with no mesh: fine
-    with pytest.warns(UserWarning, match="no mesh is set .* nothing is overlapped"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = nnx.jit(lambda m, x: m(x))
+        y = step(mlp, x)
+    up, down = mlp.up_proj, mlp.down_proj
+    h = jax.nn.gelu(np.asarray(x) @ up.kernel[...] + up.bias[...])
+    assert rel_err(y, h @ down.kernel[...] + down.bias[...]) < 1e-5
+    text = jax.jit(lambda x: mlp(x)).lower(x).as_text()
+    assert "jax_ub_all_gather_matmul" in text and "jax_ub_matmul_reduce_scatter" in text
+    linen_mlp = ubf.linen.ParallelMLP(H, impl="ub")
+    with jax.set_mesh(mesh):
+        variables = jax.jit(linen_mlp.init)(jax.random.key(0), x)
+    apply = jax.jit(linen_mlp.apply)  # no mesh set: the params' and x's types carry it
+    assert "jax_ub_matmul_reduce_scatter" in apply.lower(variables, x).as_text()
+    assert rel_err(apply(variables, x), linen_mlp.apply(variables, x)) < 1e-5
+
+
+def test_no_mesh_anywhere_runs_plain_matmuls_or_names_the_remedy(rand):
+    """Arrays that carry no mesh (uncommitted) and none set or given: impl="auto" runs
+    XLA's plain matmuls, with one warning; impl="ub" says how to give a mesh."""
+    x = rand(SEQ, BATCH, D)
+    mlp = ubf.ParallelMLP(D, H, rngs=nnx.Rngs(0))
+    with pytest.warns(UserWarning, match="no mesh set .* not overlapped"):
         y = nnx.jit(lambda m, x: m(x))(mlp, x)
     up, down = mlp.up_proj, mlp.down_proj
     h = jax.nn.gelu(np.asarray(x) @ up.kernel[...] + up.bias[...])
     assert rel_err(y, h @ down.kernel[...] + down.bias[...]) < 1e-5
-    linen_mlp = ubf.linen.ParallelMLP(H)
-    variables = linen_mlp.init(jax.random.key(0), x)
-    assert jax.jit(linen_mlp.apply)(variables, x).shape == x.shape
     layer = ubf.ColumnParallelLinear(D, H, impl="ub", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no mesh to run over.*impl='ub' does not"):
         layer(x)

@@ -155,6 +155,17 @@ def all_gather_invariant(x, axis_name: str):
     return jax.lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
 
 
+def lowering_needs_devices(prim) -> None:
+    """Make JAX lower programs that contain ``prim`` with their device assignment
+    (``ShardingContext.device_assignment``), which it otherwise leaves out.
+
+    No public replacement: ``jax._src.dispatch.prim_requires_devices_during_lowering``
+    is the registry JAX's own callbacks and ``custom_partitioning`` use (0.9.2 to 0.12)."""
+    from jax._src import dispatch as _dispatch
+
+    _dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
 def set_user_context_global(context, value) -> None:
     """The global value of ``context`` (a ``jax.make_user_context``), which keys JAX's
     trace caches. Public from JAX 0.10: ``context.set_global(value)``; 0.9 has no method

@@ -303,8 +303,10 @@ def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
 
 def platform_of(mesh: Mesh | None) -> str:
     """The platform the layer runs on: its mesh's devices', else JAX's default backend."""
-    if mesh is not None:
+    if isinstance(mesh, Mesh):
         return mesh.devices.flat[0].platform
+    if mesh is not None:  # an AbstractMesh
+        return mesh.abstract_device.platform
     return jax.default_backend()
 
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from jax_ub._src.lowering import layout
 
@@ -139,20 +139,41 @@ def prepare(
     *,
     split_in: bool = False,
     divisible: Mapping[str, int] | None = None,
+    params: Any = None,
 ) -> tuple[Ops, bool]:
     """What every layer checks when called, and what its compiled function is keyed on:
-        the tensor-parallel group's size (from the mesh) divides each of ``divisible``'s
-        values, ``x`` is ``[seq, *batch, in_features]`` (the local shard of them inside a
-    shard_map over the axis where they are ``split_in``). Returns the ops' settings and whether
-        the call runs sequence-parallel (:func:`check_input`)."""
-    tp = group_size(owner, config.mesh, axis_name, impl=config.impl)
+    the tensor-parallel group's size (from the mesh) divides each of ``divisible``'s
+    values, ``x`` is ``[seq, *batch, in_features]`` (the local shard of them inside a
+    shard_map over the axis where they are ``split_in``). Returns the ops' settings and
+    whether the call runs sequence-parallel (:func:`check_input`). With no mesh given or
+    set, the mesh is the one ``x``'s or ``params``' types say they are sharded over
+    (:func:`mesh_of_arrays`): a step jitted on sharded arrays without ``jax.set_mesh``."""
+    mesh = config.mesh
+    if mesh is None and jax.sharding.get_abstract_mesh().empty:
+        if axis_name not in layout.manual_axes():
+            mesh = mesh_of_arrays(axis_name, x, params)
+    tp = group_size(owner, mesh, axis_name, impl=config.impl)
     for what, value in (divisible or {}).items():
         check_divisible(owner, what, value, tp, axis_name)
     features = in_features
     if features is not None:
         features = local_features(features, tp, axis_name, split_in)
     sp = check_input(owner, x, features, tp, axis_name, config.seq_axis, config.sequence_parallel)
-    return op_settings(config, axis_name), sp
+    return op_settings(config, axis_name, mesh), sp
+
+
+def mesh_of_arrays(axis_name: str, *trees: Any) -> Any:
+    """The mesh (an ``AbstractMesh``) over which the arrays of ``trees`` are sharded, as
+    their types carry it (committed arrays under ``jit``), where it has ``axis_name``;
+    else None."""
+    for leaf in jax.tree.leaves(trees):
+        try:
+            mesh = jax.typeof(leaf).sharding.mesh
+        except (AttributeError, TypeError):
+            continue
+        if not mesh.empty and axis_name in mesh.axis_names:
+            return mesh
+    return None
 
 
 class Ops(NamedTuple):
@@ -160,7 +181,7 @@ class Ops(NamedTuple):
     axis: the leading argument of every ``*_call`` below, which are cached on it. ``fp8``
     is the recipe's name (``"current"``, ``"delayed"``) or None."""
 
-    mesh: Mesh | None
+    mesh: Mesh | AbstractMesh | None  # abstract: found from the arrays (mesh_of_arrays)
     axis_name: str
     impl: str
     dtype: Any
@@ -168,8 +189,8 @@ class Ops(NamedTuple):
     seq_axis: int
 
 
-def op_settings(config: Any, axis_name: str) -> Ops:
-    """:class:`Ops` of a layer's ``ParallelConfig`` over its resolved ``axis_name``."""
-    return Ops(
-        config.mesh, axis_name, config.impl, config.dtype, config.fp8_recipe, config.seq_axis
-    )
+def op_settings(config: Any, axis_name: str, mesh: Any = None) -> Ops:
+    """:class:`Ops` of a layer's ``ParallelConfig`` over its resolved ``axis_name``, on
+    ``mesh`` where the config has none."""
+    mesh = config.mesh if config.mesh is not None else mesh
+    return Ops(mesh, axis_name, config.impl, config.dtype, config.fp8_recipe, config.seq_axis)

@@ -16,10 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src.lowering import layout
+from jax_ub._src.lowering import device_probe, layout
 from jax_ub._src.lowering.reference import all_reduce
 from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
@@ -225,11 +226,12 @@ def _over_tp(
                     f"jax_ub.flax.defaults), or call it inside a shard_map{hint}"
                 )
             message = (
-                f"jax_ub.flax: no mesh is set (jax.set_mesh) or given (mesh= to the layer or "
-                f"to jax_ub.flax.defaults), so the layers run XLA's plain matmuls over axis "
-                f"{axis_name!r}: nothing is overlapped. To overlap, trace the step under the "
-                f"mesh its arrays are sharded over: `with jax.set_mesh(mesh): "
-                f"state = train_step(state, batch)`{hint}"
+                f"jax_ub.flax: a layer was traced with no mesh set (jax.set_mesh) or given "
+                f"(mesh= to the layer or to jax_ub.flax.defaults), on arrays whose types carry "
+                f"none (uncommitted arrays; an init, before the params exist), so it runs XLA's "
+                f"plain matmuls over axis {axis_name!r}: that call is not overlapped. Calls on "
+                f"params sharded over a mesh find it; or trace the step under the mesh: `with "
+                f"jax.set_mesh(mesh): state = train_step(state, batch)`{hint}"
             )
             warn_once(message, message)
             return plain(*args)
@@ -246,8 +248,20 @@ def _over_tp(
                 compute_dtype=ops.dtype,
                 sums_replicated=ops.fp8 != "delayed",
             )
+            if context.empty and not isinstance(mesh, Mesh):
+                run = _probed(run)
             mapped[key] = jax.jit(run)
         return mapped[key](*args)
+
+    return call
+
+
+def _probed(run: Callable) -> Callable:
+    """``run`` on a mesh found from the arrays' types (no mesh set or given), whose devices
+    the calls' lowering takes from the program: marked inside it (device_probe)."""
+
+    def call(x, *rest):
+        return run(device_probe.probe(x), *rest)
 
     return call
 

@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, use_abstract_mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
-from jax_ub._src.lowering import layout
+from jax_ub._src.lowering import device_probe, layout
 from jax_ub._src.lowering.call_site import call_site
 from jax_ub._src.runtime import communicator, extension
 
@@ -54,8 +54,12 @@ def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
         )
     mesh = axis_ctx.mesh
     if not isinstance(mesh, Mesh):
-        # shard_map without mesh= under jax.set_mesh: the concrete mesh is the context's.
+        abstract = mesh
+        # shard_map without mesh= under jax.set_mesh: the concrete mesh is the context's;
+        # with no mesh set, the devices the program is compiled for (device_probe).
         mesh = jax_compat.concrete_mesh()
+        if not isinstance(mesh, Mesh) or mesh.empty:
+            mesh = device_probe.concrete_mesh(ctx, abstract)
     if not isinstance(mesh, Mesh) or mesh.empty:
         raise ValueError(
             "jax_ub impl='ub' needs the concrete mesh at lowering time: pass "

@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
+from jax_ub._src.lowering import device_probe
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.warn_registry import warn_once
 
@@ -200,14 +201,22 @@ def seq_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
 
 def context_mesh(op: str, axis_name: str, *arrays: Any) -> Any:
     """The mesh a global call runs over: the one set by ``jax.set_mesh``/``use_mesh``, or
-    that of the (concrete, eagerly passed) arrays. A ValueError if there is none or it
-    lacks ``axis_name``."""
+    that of the (concrete, eagerly passed) arrays, or the one the traced arrays' types
+    carry (arrays sharded over a mesh, jitted with none set: an ``AbstractMesh``, whose
+    devices the calls' lowering takes from the program, see ``device_probe``). A
+    ValueError if there is none or it lacks ``axis_name``."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         for a in arrays:
             sharding = getattr(a, "sharding", None)
             if isinstance(sharding, NamedSharding) and not isinstance(a, jax.core.Tracer):
                 mesh = sharding.mesh
+                break
+    if mesh.empty:
+        for a in arrays:
+            typed = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+            if typed is not None and not typed.empty and axis_name in typed.axis_names:
+                mesh = typed
                 break
     if mesh.empty:
         raise ValueError(
@@ -321,6 +330,8 @@ def on_global_arrays(
     for what, value in divisible.items():
         checks.check_divisible(op, what, value, size, axis_name, shapes)
     check_global_layout(op, mesh, {"x": (x, specs[0]), "w": (w, specs[1])})
+    if not isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
+        x = device_probe.probe(x)  # the mesh of the arrays' types: its devices at lowering
     if extra is not None:
         spec = P() if extra_spec is None else extra_spec
         return global_call(local, mesh, axis_name, (*specs, spec), out_spec)(x, w, extra)
@@ -399,8 +410,10 @@ def over_axis(
     an ``f`` whose replicated inputs' cotangents must not be summed (delayed fp8's amax
     histories, each device's the whole history)."""
     kwargs: dict[str, Any] = {}
-    if isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
-        kwargs["mesh"] = mesh  # eager call on concrete arrays, no mesh in context
+    if not mesh.empty and jax.sharding.get_abstract_mesh().empty:
+        # An eager call on concrete arrays, or a mesh found from the arrays' types
+        # (abstract): no mesh in context.
+        kwargs["mesh"] = mesh
     platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else None
 
     def call(*args):

@@ -64,7 +64,9 @@ class Configured(nn.Module):
     def prepare(self, x: jax.Array, **kw) -> tuple[ParallelConfig, _checks.Ops, bool]:
         """The settings, checked against the call's input (``_checks.prepare``)."""
         config = self.resolved_config()
-        return (config, *_checks.prepare(type(self).__name__, config, config.axis_name, x, **kw))
+        params = self.variables.get("params") if self.scope is not None else None
+        owner = type(self).__name__
+        return (config, *_checks.prepare(owner, config, config.axis_name, x, params=params, **kw))
 
     @nn.nowrap
     def dropout_key(self, deterministic: bool | None) -> jax.Array | None:

@@ -129,8 +129,15 @@ def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> 
     ``in_features`` are those of ``first``, the layer the inputs go into (default: ``owner``
     itself); ``checks`` are ``prepare``'s ``split_in`` and ``divisible``."""
     first = owner if first is None else first
+    params = nnx.state(owner, nnx.Param)
     return _checks.prepare(
-        type(owner).__name__, first.config, first.axis_name, inputs, first.in_features, **checks
+        type(owner).__name__,
+        first.config,
+        first.axis_name,
+        inputs,
+        first.in_features,
+        params=params,
+        **checks,
     )
 
 
