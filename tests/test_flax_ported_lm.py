@@ -222,11 +222,15 @@ class Setup:
     tol: float = 1e-5  # f32 relative error
     bf16_tol: float = 2e-2
     precision: str | None = None  # jax.default_matmul_precision
+    # False: lm1b's loop as it is, no jax.set_mesh; the layers find the mesh in the params'
+    # and batches' shardings.
+    set_mesh: bool = True
 
     @contextlib.contextmanager
     def context(self):
         with contextlib.ExitStack() as stack:
-            stack.enter_context(jax.set_mesh(self.mesh))
+            if self.set_mesh:
+                stack.enter_context(jax.set_mesh(self.mesh))
             stack.enter_context(nn.logical_axis_rules(RULES))
             if self.precision is not None:
                 stack.enter_context(jax.default_matmul_precision(self.precision))
@@ -552,6 +556,17 @@ def test_loss_and_grads_equal(setup, params, length):
     r = check_loss_and_grads(setup, params, length)
     errs = f"rel err {r['loss_err']:.1e}, grads (worst leaf) {r['grad_err']:.1e}"
     print(f"length {length}: loss {r['loss']:.6f}, {errs}")
+
+
+@pytest.mark.parametrize("length", [16, 15])
+def test_unchanged_loop_without_set_mesh(setup, params, length):
+    """lm1b's own jit with in/out shardings and no jax.set_mesh: the same loss and
+    gradients, and jax_ub's calls in the ported step where tp divides the sequence."""
+    loop = dataclasses.replace(setup, set_mesh=False)
+    r = check_loss_and_grads(loop, params, length)
+    if length == 16:
+        with setup.context():
+            check_custom_calls(r["lowered"])
 
 
 def test_training_curves(trained):

@@ -295,7 +295,7 @@ class ParallelSelfAttention(_Block, Biased):
         qkv_features = in_features if self.qkv_features is None else self.qkv_features
         out_features = in_features if self.out_features is None else self.out_features
         out = RowParallelLinear(out_features, name="out", **_layer_kwargs(self, "row"))
-        tp = out.tp_size()
+        tp = out.tp_size(inputs, self.variables.get("params"))
         head_dim, q_per_kv = _attention.check_heads(
             owner,
             self.num_heads,

@@ -12,6 +12,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
+from jax_ub._src.lowering import layout
 from jax_ub.flax import _axes, _checks, _core, _fp8, _settings
 from jax_ub.flax._settings import ParallelConfig
 
@@ -53,7 +54,15 @@ class Configured(nn.Module):
         given = {name: getattr(self, name) for name in _settings.FIELDS}
         config = _settings.resolve(owner, self.config, **given)
         axis = _axes.tp_axis(owner, config.axis_name, self._split_name())
-        return dataclasses.replace(config, axis_name=axis, owner=owner)
+        config = dataclasses.replace(config, axis_name=axis, owner=owner)
+        if config.impl == "ub" and self.scope is not None and self.is_initializing():
+            if config.mesh is None and jax.sharding.get_abstract_mesh().empty:
+                if axis not in layout.manual_axes():
+                    # An init traced with no mesh anywhere (a loop's jit(init,
+                    # out_shardings=...)): the params' shapes do not depend on the
+                    # collectives, and the steps on them find the mesh in their shardings.
+                    config = dataclasses.replace(config, impl="xla")
+        return config
 
     @nn.nowrap
     def resolved_axis(self) -> str:
@@ -101,12 +110,14 @@ class _ParallelLinear(Biased):
         return _axes.split_name(self._kind, self.kernel_axes)
 
     @nn.nowrap
-    def tp_size(self) -> int:
-        """Size of the tensor-parallel axis; validates the settings."""
+    def tp_size(self, *arrays: Any) -> int:
+        """Size of the tensor-parallel axis; validates the settings. With no mesh set or
+        given, the mesh that ``arrays`` (the call's inputs and params) are sharded over."""
         config = self.resolved_config()
-        return _checks.group_size(
-            type(self).__name__, config.mesh, config.axis_name, impl=config.impl
-        )
+        mesh = config.mesh
+        if mesh is None and jax.sharding.get_abstract_mesh().empty:
+            mesh = _checks.mesh_of_arrays(config.axis_name, *arrays)
+        return _checks.group_size(type(self).__name__, mesh, config.axis_name, impl=config.impl)
 
     @nn.compact
     def get_params(self, in_features: int) -> dict[str, Any]:
@@ -271,7 +282,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
-        tp = self.tp_size()
+        tp = self.tp_size(inputs, self.variables.get("params"))
         axis = self.resolved_axis()
         in_features = _checks.global_features(inputs.shape[-1], tp, axis, split=True)
         _, ops, sp = self.prepare(inputs, divisible={"in_features": in_features})
