@@ -305,8 +305,10 @@ def platform_of(mesh: Mesh | None) -> str:
     """The platform the layer runs on: its mesh's devices', else JAX's default backend."""
     if isinstance(mesh, Mesh):
         return mesh.devices.flat[0].platform
-    if mesh is not None:  # an AbstractMesh
-        return mesh.abstract_device.platform
+    if mesh is not None:  # an AbstractMesh (its device's platform: JAX 0.10 on)
+        platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
+        if platform is not None:
+            return platform
     return jax.default_backend()
 
 
