@@ -437,3 +437,30 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
     if done.returncode != 0 or not re.search(r"^1 passed", done.stdout, re.MULTILINE):
         pytest.fail(f"the test failed in its own process (rc={done.returncode}):\n{tail}")
     return False
+
+
+# The slow tier, ``pytest -m slow`` (``-m "not slow"`` leaves it out): whole models and
+# benchmarks, the examples, and several processes joined by jax.distributed. What every
+# op, layer and gradient path does is in the fast tier; these run them end to end.
+SLOW_FILES = frozenset(
+    {
+        "test_bench.py",
+        "test_flax_ported_lm.py",
+        "test_flax_public_lm.py",
+        "test_layer_bench.py",
+        "test_llama.py",
+        "test_llama_decode.py",
+        "test_model_bench.py",
+        "test_multiprocess.py",
+        "test_multiprocess_example.py",
+        "test_multiprocess_faults.py",
+        "test_step_trace.py",
+        "test_train_example.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
