@@ -118,15 +118,18 @@ def test_linen_mlp_one_token(rand):
 
 
 def test_attention_and_gated_mlp_without_a_mesh_equal_with_one(rand):
-    """No mesh set or given: XLA's plain math (one warning), equal to the same blocks
-    (same params) run over tp under jax.set_mesh."""
+    """No mesh set, given or carried by the arrays: XLA's plain math (one warning), equal
+    to the same blocks (same params) run over tp under jax.set_mesh and, with no mesh set,
+    on arrays sharded over it (found there)."""
     mesh = mesh_dp_tp()
-    x = batch_sharded(mesh, rand(8, BATCH, D))
+    x = rand(8, BATCH, D)
     attn = ubf.ParallelSelfAttention(D, 4, num_kv_heads=2, rope_theta=1e4, rngs=nnx.Rngs(0))
     mlp = ubf.ParallelGatedMLP(D, F, rngs=nnx.Rngs(1))
     step = nnx.jit(lambda a, m, x: m(a(x, is_causal=True)))
-    with pytest.warns(UserWarning, match="nothing is overlapped"):
+    with pytest.warns(UserWarning, match="not overlapped"):
         plain = step(attn, mlp, x)
+    x = batch_sharded(mesh, x)
+    assert rel_err(step(attn, mlp, x), plain) < 1e-5
     with jax.set_mesh(mesh):
         over_tp = step(attn, mlp, x)
     assert rel_err(plain, over_tp) < 1e-5

@@ -4,6 +4,7 @@ the local heads, output projection) in ``jax.shard_map``. Layout as in ``_core``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -312,48 +313,67 @@ def platform_of(mesh: Mesh | None) -> str:
     return jax.default_backend()
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionCall:
+    """What an attention block's compiled function depends on besides its ops' settings
+    (hashable: :func:`attention_call` is cached on it).
+
+    Attributes:
+      head_dim: each head's size.
+      ndim: the activations' rank (``[seq, *batch, features]`` or batch-major).
+      use_bias: the projections have biases.
+      has_mask: a mask array is passed.
+      is_causal: attend only to earlier positions.
+      implementation: the attention core, as :func:`attention_local` takes it.
+      q_per_kv: queries per key/value head.
+      rope_theta: rotary embeddings' base, or None.
+      sequence_parallel: the activations split over the axis (else replicated over it).
+      dropout_rate, broadcast_dropout: the attention weights' dropout (a key is passed
+        where the rate is above 0).
+    """
+
+    head_dim: int
+    ndim: int
+    use_bias: bool
+    has_mask: bool
+    is_causal: bool = False
+    implementation: str | None = None
+    q_per_kv: int = 1
+    rope_theta: float | None = None
+    sequence_parallel: bool = True
+    dropout_rate: float = 0.0
+    broadcast_dropout: bool = True
+
+
 @functools.lru_cache(maxsize=256)
-def attention_call(
-    ops: _checks.Ops,
-    head_dim: int,
-    ndim: int,
-    use_bias: bool,
-    has_mask: bool,
-    is_causal: bool = False,
-    attention_implementation: str | None = None,
-    q_per_kv: int = 1,
-    rope_theta: float | None = None,
-    sequence_parallel: bool = True,
-    dropout_rate: float = 0.0,
-    broadcast_dropout: bool = True,
-) -> Callable[..., jax.Array]:
+def attention_call(ops: _checks.Ops, call: AttentionCall) -> Callable[..., jax.Array]:
     """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded (or with
     the activations replicated over the axis: ``_core.linear_replicated``). With
-    ``dropout_rate`` > 0, ``f(x, qkv_params, out_params, mask, key)``: the attention
+    ``call.dropout_rate`` > 0, ``f(x, qkv_params, out_params, mask, key)``: the attention
     weights dropped as :func:`attention_local` says."""
-    seq = ops.seq_axis % ndim
+    seq = ops.seq_axis % call.ndim
     axis_name, fp8 = ops.axis_name, ops.fp8
     kw = _core._kw(ops, seq)
     attend = functools.partial(
         attention_local,
-        head_dim=head_dim,
-        q_per_kv=q_per_kv,
-        rope_theta=rope_theta,
-        is_causal=is_causal,
-        implementation=attention_implementation,
+        head_dim=call.head_dim,
+        q_per_kv=call.q_per_kv,
+        rope_theta=call.rope_theta,
+        is_causal=call.is_causal,
+        implementation=call.implementation,
         platform=platform_of(ops.mesh),
         # The nested shard_map needs an unchecked one around it, whose transpose sums the
         # cotangents of replicated inputs over the axis: right for the bias's partial sums,
         # tp times the delayed-fp8 histories' (each device's is the whole history). With
         # delayed scaling, a partly manual cuDNN core gives way to XLA's.
         nest_cudnn=fp8 != "delayed",
-        dropout_rate=dropout_rate,
-        broadcast_dropout=broadcast_dropout,
+        dropout_rate=call.dropout_rate,
+        broadcast_dropout=call.broadcast_dropout,
     )
 
     def body(x, p_qkv, p_out, mask, key=None, linear=None, axis=axis_name):
         if linear is None:
-            linear = _core.linear_local if sequence_parallel else _core.linear_replicated
+            linear = _core.linear_local if call.sequence_parallel else _core.linear_replicated
         # Attention takes the sequence first; XLA merges these moves with its own.
         qkv = layout.seq_first(linear("column", x, p_qkv, **(kw | {"axis_name": axis})), seq)
         out = layout.seq_back(attend(qkv, mask, dropout_key=key, axis_name=axis), seq)
@@ -361,11 +381,11 @@ def attention_call(
 
     plain = functools.partial(body, linear=_core.linear_replicated, axis=None)
 
-    col = _core.param_specs("column", axis_name, use_bias, fp8)
-    row = _core.param_specs("row", axis_name, use_bias, fp8)
-    spec = _core.activation_spec(ndim, axis_name, seq, sequence_parallel)
-    in_specs = (spec, col, row, P() if has_mask else None)
-    in_specs += (P(),) if dropout_rate > 0 else ()
+    col = _core.param_specs("column", axis_name, call.use_bias, fp8)
+    row = _core.param_specs("row", axis_name, call.use_bias, fp8)
+    spec = _core.activation_spec(call.ndim, axis_name, seq, call.sequence_parallel)
+    in_specs = (spec, col, row, P() if call.has_mask else None)
+    in_specs += (P(),) if call.dropout_rate > 0 else ()
     unchecked = fp8 != "delayed"  # see nest_cudnn above
     return _core._over_tp(body, ops, in_specs, spec, plain, check_vma=not unchecked)
 

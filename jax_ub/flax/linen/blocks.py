@@ -316,19 +316,24 @@ class ParallelSelfAttention(_Block, Biased):
         p_qkv = qkv.get_params(in_features)
         p_out = out.get_params(qkv_features)
         key = self.dropout_key(deterministic)
-        f = _attention.attention_call(
-            ops,
-            head_dim,
-            inputs.ndim,
-            self.use_bias,
-            mask is not None,
-            bool(is_causal),
-            self.attention_implementation,
-            q_per_kv,
-            self.rope_theta,
-            sp,
-            *(() if key is None else (self.dropout_rate, self.broadcast_dropout)),
+        dropout = (
+            {}
+            if key is None
+            else dict(dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout)
         )
+        call = _attention.AttentionCall(
+            head_dim=head_dim,
+            ndim=inputs.ndim,
+            use_bias=self.use_bias,
+            has_mask=mask is not None,
+            is_causal=bool(is_causal),
+            implementation=self.attention_implementation,
+            q_per_kv=q_per_kv,
+            rope_theta=self.rope_theta,
+            sequence_parallel=sp,
+            **dropout,
+        )
+        f = _attention.attention_call(ops, call)
         return f(inputs, p_qkv, p_out, mask, *(() if key is None else (key,)))
 
     @nn.nowrap

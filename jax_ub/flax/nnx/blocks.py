@@ -289,19 +289,24 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         if mask is not None:
             _attention.check_mask(owner, mask, inputs.shape, qkv.seq_axis)
         key = self._dropout_key(deterministic, rngs)
-        f = _attention.attention_call(
-            ops,
-            self.head_dim,
-            inputs.ndim,
-            qkv.use_bias,
-            mask is not None,
-            bool(is_causal),
-            self.attention_implementation,
-            self.q_per_kv,
-            self.rope_theta,
-            sp,
-            *(() if key is None else (self.dropout_rate, self.broadcast_dropout)),
+        dropout = (
+            {}
+            if key is None
+            else dict(dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout)
         )
+        call = _attention.AttentionCall(
+            head_dim=self.head_dim,
+            ndim=inputs.ndim,
+            use_bias=qkv.use_bias,
+            has_mask=mask is not None,
+            is_causal=bool(is_causal),
+            implementation=self.attention_implementation,
+            q_per_kv=self.q_per_kv,
+            rope_theta=self.rope_theta,
+            sequence_parallel=sp,
+            **dropout,
+        )
+        f = _attention.attention_call(ops, call)
         extra = () if key is None else (key,)
         return f(inputs, qkv.param_values(), out.param_values(), mask, *extra)
 
