@@ -313,6 +313,7 @@ def on_global_arrays(
     x: Any,
     w: Any,
     axis_name: str,
+    *,
     specs: tuple[P, P],
     out_spec: P,
     divisible: dict[str, int],

@@ -98,7 +98,9 @@ def all_gather_matmul(
             mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
         y = f(x, w)  # == x @ w, with the all-gather of x hidden behind the matmul
     """
-    seq_axis = check_arguments(_OP, x, w, impl, seq_axis, bias, activation, fp8)
+    seq_axis = check_arguments(
+        _OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias, activation=activation, fp8=fp8
+    )
     if fp8 is not None:
         if return_gathered:
             raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
@@ -162,11 +164,11 @@ def _on_global_arrays(
         x,
         w,
         axis_name,
-        (layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, axis_name)),
-        P(*([None] * (x.ndim - 1)), axis_name),
-        {f"rows of x (dim {seq_axis})": x.shape[seq_axis], "columns of w": w.shape[1]},
-        None if bias is None and fp8 is None else (bias, fp8),
-        (P(axis_name), P()),  # the bias's columns are w's; fp8 scales replicated
+        specs=(layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, axis_name)),
+        out_spec=P(*([None] * (x.ndim - 1)), axis_name),
+        divisible={f"rows of x (dim {seq_axis})": x.shape[seq_axis], "columns of w": w.shape[1]},
+        extra=None if bias is None and fp8 is None else (bias, fp8),
+        extra_spec=(P(axis_name), P()),  # the bias's columns are w's; fp8 scales replicated
     )
 
 

@@ -13,7 +13,9 @@ from jax_ub._src.settings import checks
 from jax_ub._src.settings.config import config
 
 
-def check_arguments(op: str, x, w, impl: str, seq_axis: int, bias, activation, fp8) -> int:
+def check_arguments(
+    op: str, x, w, *, impl: str, seq_axis: int, bias=None, activation=None, fp8=None
+) -> int:
     """The checks of a call's arguments that the ops share (each raising with ``op``'s
     name); returns ``seq_axis`` normalised."""
     checks.check_impl(op, impl)

@@ -121,11 +121,14 @@ def gated_mlp(
         x,
         w_gate_up,
         axis_name,
-        (layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, None, axis_name)),
-        layout.seq_spec(x.ndim, axis_name, seq_axis),
-        {f"rows of x (dim {seq_axis})": x.shape[seq_axis], "f of w_gate_up": w_gate_up.shape[2]},
-        (w_down, scales),
-        (P(axis_name, None), P()),  # fp8 scales replicated
+        specs=(layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, None, axis_name)),
+        out_spec=layout.seq_spec(x.ndim, axis_name, seq_axis),
+        divisible={
+            f"rows of x (dim {seq_axis})": x.shape[seq_axis],
+            "f of w_gate_up": w_gate_up.shape[2],
+        },
+        extra=(w_down, scales),
+        extra_spec=(P(axis_name, None), P()),  # fp8 scales replicated
     )
 
 

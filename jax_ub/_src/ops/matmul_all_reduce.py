@@ -75,7 +75,7 @@ def matmul_all_reduce(
             mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
         y = f(h, w)  # == h @ w, replicated
     """
-    seq_axis = check_arguments(_OP, x, w, impl, seq_axis, bias, None, None)
+    seq_axis = check_arguments(_OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias)
     size = checks.bound_axis_size(_OP, axis_name)
     if size is None:
         return _on_global_arrays(x, w, bias, axis_name, impl, seq_axis)
@@ -111,10 +111,10 @@ def _on_global_arrays(x, w, bias, axis_name: str, impl: str, seq_axis: int):
         x,
         w,
         axis_name,
-        (P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
-        P(),
-        {"features of x (last dim)": x.shape[-1]},
-        bias,
+        specs=(P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
+        out_spec=P(),
+        divisible={"features of x (last dim)": x.shape[-1]},
+        extra=bias,
     )
 
 

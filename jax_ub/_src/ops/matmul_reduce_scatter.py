@@ -70,7 +70,7 @@ def matmul_reduce_scatter(
             mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
         y = f(h, w)  # == h @ w, row-sharded over tp
     """
-    seq_axis = check_arguments(_OP, x, w, impl, seq_axis, bias, None, fp8)
+    seq_axis = check_arguments(_OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias, fp8=fp8)
     y = _reduced(x, w, axis_name, impl, fp8, seq_axis)
     return y if bias is None else y + jnp.asarray(bias, y.dtype)
 
@@ -106,10 +106,13 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
         x,
         w,
         axis_name,
-        (P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
-        layout.seq_spec(x.ndim, axis_name, seq_axis),
-        {"features of x (last dim)": x.shape[-1], f"rows of x (dim {seq_axis})": x.shape[seq_axis]},
-        fp8,
+        specs=(P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
+        out_spec=layout.seq_spec(x.ndim, axis_name, seq_axis),
+        divisible={
+            "features of x (last dim)": x.shape[-1],
+            f"rows of x (dim {seq_axis})": x.shape[seq_axis],
+        },
+        extra=fp8,
     )
 
 

@@ -134,6 +134,7 @@ def kv_client():
 
 def create_across_processes(
     module: ModuleType,
+    *,
     platform: str,
     describe: tuple,
     group_size: int,

@@ -111,15 +111,15 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
     else:
         comm_id, ns, peers = bootstrap.create_across_processes(
             module,
-            key.platform,
+            platform=key.platform,
             # Not the settings: processes that differ must meet, to say so (bootstrap).
-            (key.platform, key.axis_name, key.device_ids, key.group_size),
-            key.group_size,
-            ordinals,
-            [d.process_index for d in devices],
-            [d.id for d in devices],
-            capacity,
-            key.options,
+            describe=(key.platform, key.axis_name, key.device_ids, key.group_size),
+            group_size=key.group_size,
+            ordinals=ordinals,
+            process_of_slot=[d.process_index for d in devices],
+            device_ids=[d.id for d in devices],
+            capacity=capacity,
+            options=key.options,
         )
     return Communicator(
         id=comm_id,
