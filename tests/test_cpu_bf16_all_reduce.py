@@ -12,8 +12,9 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import in_own_process, make_mesh, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_grad_matrix_flax import LAYERS, B, D, F, reference, run_linen, run_nnx
@@ -74,3 +75,32 @@ def test_layer_trains_in_bfloat16(rand, name, framework):
         assert rel_err(g_x, g_x_ref) < 5e-2, (name, seq)
         for got, want in zip(jax.tree.leaves(g_params), jax.tree.leaves(g_ref)):
             assert rel_err(got, want) < 5e-2, (name, seq)
+
+
+def test_bfloat16_llama_decodes_on_cpu(request):
+    """The Llama-style model (its vocabulary-parallel embedding all-reduces when decoding)
+    in bfloat16 on (dp=2, tp=2): a few training steps, then greedy decoding with the cache,
+    jax_ub's tokens equal to XLA's collectives' (same params). It aborted the process, so
+    it runs in a process of its own."""
+    if not in_own_process(request):
+        return
+    from flax import nnx
+
+    from jax_ub.bench import llama
+
+    cfg, batch = llama.PRESETS["tiny"], 4
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    period = jax.random.randint(jax.random.key(5), (batch, 8), 0, cfg.vocab)
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(jnp.tile(period, (1, 4)), NamedSharding(mesh, P("dp", None)))
+        ub = llama.Llama(cfg, impl="ub", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        optimizer = llama.make_optimizer(ub, 1e-2)
+        losses = [float(llama.train_step(ub, optimizer, tokens)) for _ in range(4)]
+        xla = llama.Llama(cfg, impl="xla", dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+        nnx.update(xla, nnx.state(ub, nnx.Param))
+        out = {
+            m: llama.greedy_generate(model, tokens[:, :5], 6)
+            for m, model in (("ub", ub), ("xla", xla))
+        }
+    assert all(jnp.isfinite(jnp.asarray(losses))) and losses[-1] < losses[0], losses
+    np.testing.assert_array_equal(np.asarray(out["ub"]), np.asarray(out["xla"]))
