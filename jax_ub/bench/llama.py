@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 import jax_ub.flax as ubf
-from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import all_reduce, reduce_scatter_rows
+from jax_ub._src.ops import placement
 from jax_ub.flax.nnx.layers import sharded_param
 
 # The embedding's reduce-scatter of its partial sums over the sequence (looked up at trace
@@ -170,8 +170,8 @@ class VocabParallelEmbed(nnx.Module):
                 return all_reduce(x, axis)  # in float32 on CPU devices: jax_compat says why
             # Into rank-major row blocks (the move fuses into the lookup); this rank's
             # block comes back batch-major as it is.
-            blocks = layout.to_rank_blocks(x, 1, jax.lax.axis_size(axis))
-            return layout.from_rank_block(scatter_sequence(blocks, axis), 1)
+            blocks = placement.to_rank_blocks(x, 1, jax.lax.axis_size(axis))
+            return placement.from_rank_block(scatter_sequence(blocks, axis), 1)
 
         return jax.shard_map(
             lookup,

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering import layout
+from jax_ub._src.lowering import batch_layout
+from jax_ub._src.ops import placement
 from jax_ub._src.runtime.extension import normalize_platform
 from jax_ub.flax import _checks, _core
 
@@ -270,13 +271,13 @@ def _automatic_axes() -> tuple[str, ...]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
-    return tuple(a for a in mesh.axis_names if a not in layout.manual_axes())
+    return tuple(a for a in mesh.axis_names if a not in placement.manual_axes())
 
 
 def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
     """``f(*arrays)`` (each ``[batch, ...]``) in a shard_map over the mesh axes still
     automatic here (those besides the tensor-parallel one: dp, fsdp, ...), the batch split
-    over them as :func:`jax_ub._src.lowering.layout.batch_spec` lays it out.
+    over them as :func:`jax_ub._src.lowering.batch_layout.batch_spec` lays it out.
 
     cuDNN attention partitions itself with ``custom_partitioning``, which XLA's GPU
     compiler cannot handle in a partly manual computation: it fails or crashes the process
@@ -290,7 +291,7 @@ def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
         return f(*arrays)
     # batch_spec reads [rows, *batch, cols]: the batch as its one batch dim.
     batch = jax.ShapeDtypeStruct((1, arrays[0].shape[0], 1), arrays[0].dtype)
-    spec = P(layout.batch_spec(batch, mesh, auto)[1])
+    spec = P(batch_layout.batch_spec(batch, mesh, auto)[1])
 
     return jax.shard_map(
         f,
@@ -375,8 +376,8 @@ def attention_call(ops: _checks.Ops, call: AttentionCall) -> Callable[..., jax.A
         if linear is None:
             linear = _core.linear_local if call.sequence_parallel else _core.linear_replicated
         # Attention takes the sequence first; XLA merges these moves with its own.
-        qkv = layout.seq_first(linear("column", x, p_qkv, **(kw | {"axis_name": axis})), seq)
-        out = layout.seq_back(attend(qkv, mask, dropout_key=key, axis_name=axis), seq)
+        qkv = placement.seq_first(linear("column", x, p_qkv, **(kw | {"axis_name": axis})), seq)
+        out = placement.seq_back(attend(qkv, mask, dropout_key=key, axis_name=axis), seq)
         return linear("row", out, p_out, **(kw | {"axis_name": axis}))
 
     plain = functools.partial(body, linear=_core.linear_replicated, axis=None)
@@ -411,7 +412,7 @@ def decode_call(
 
     def body(x, p_qkv, p_out, cached_key, cached_value, index, axis=axis_name):
         kw_axis = kw | {"axis_name": axis}
-        qkv = layout.seq_first(_core.linear_replicated("column", x, p_qkv, **kw_axis), seq)
+        qkv = placement.seq_first(_core.linear_replicated("column", x, p_qkv, **kw_axis), seq)
         t, batch = qkv.shape[0], qkv.shape[1]
         qkv = jnp.swapaxes(qkv.reshape(t, batch, -1, q_per_kv + 2, head_dim), 0, 1)
         groups = qkv.shape[2]
@@ -434,7 +435,7 @@ def decode_call(
             mask=mask[None, None],
             implementation="xla",
         )
-        out = layout.seq_back(jnp.swapaxes(out.reshape(batch, t, -1), 0, 1), seq)
+        out = placement.seq_back(jnp.swapaxes(out.reshape(batch, t, -1), 0, 1), seq)
         y = _core.linear_replicated("row", out, p_out, **kw_axis)
         return y, cached_key, cached_value
 

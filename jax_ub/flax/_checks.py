@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from jax_ub._src.lowering import layout
+from jax_ub._src.ops import placement
 
 # The tensor-parallel mesh axis where nothing names one.
 DEFAULT_AXIS = "tp"
@@ -28,7 +28,7 @@ def group_size(
     """
     if not isinstance(axis_name, str):
         raise ValueError(f"{owner}: axis_name must be a mesh axis name (str), got {axis_name!r}")
-    if axis_name in layout.manual_axes():
+    if axis_name in placement.manual_axes():
         return int(jax.lax.axis_size(axis_name))
     known = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if known.empty:
@@ -65,13 +65,13 @@ def default_axis_hint(axis_name: str) -> str:
 
 def global_features(features: int, tp: int, axis_name: str, split: bool) -> int:
     """The layer's feature count from an input's (the inverse of :func:`local_features`)."""
-    return features * tp if split and axis_name in layout.manual_axes() else features
+    return features * tp if split and axis_name in placement.manual_axes() else features
 
 
 def local_features(features: int, tp: int, axis_name: str, split: bool) -> int:
     """Features an input has where the layer sees it: the local shard inside a shard_map
     over ``axis_name`` when they are ``split`` over it, else all of them."""
-    return features // tp if split and axis_name in layout.manual_axes() else features
+    return features // tp if split and axis_name in placement.manual_axes() else features
 
 
 def check_dropout(owner: str, rate: Any) -> None:
@@ -116,10 +116,10 @@ def check_input(
             f"{owner}: input has {shape[-1]} features (last dim) but the layer expects "
             f"{in_features}; input shape {shape}"
         )
-    seq = layout.check_seq_axis(owner, x, seq_axis)
+    seq = placement.check_seq_axis(owner, x, seq_axis)
     if sequence_parallel is False:
         return False
-    if axis_name in layout.manual_axes() or shape[seq] % tp == 0:
+    if axis_name in placement.manual_axes() or shape[seq] % tp == 0:
         return True
     if sequence_parallel:
         raise ValueError(
@@ -150,7 +150,7 @@ def prepare(
     (:func:`mesh_of_arrays`): a step jitted on sharded arrays without ``jax.set_mesh``."""
     mesh = config.mesh
     if mesh is None and jax.sharding.get_abstract_mesh().empty:
-        if axis_name not in layout.manual_axes():
+        if axis_name not in placement.manual_axes():
             mesh = mesh_of_arrays(axis_name, x, params)
     tp = group_size(owner, mesh, axis_name, impl=config.impl)
     for what, value in (divisible or {}).items():

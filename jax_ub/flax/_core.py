@@ -20,8 +20,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src.lowering import device_probe, layout
+from jax_ub._src.lowering import device_probe
 from jax_ub._src.lowering.reference import all_reduce
+from jax_ub._src.ops import placement
 from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
@@ -35,7 +36,7 @@ Params = Mapping[str, jax.Array]
 
 # ``[seq, *batch, features]`` split over the axis on the sequence dim (``seq_axis``, a
 # dim index in [0, ndim - 1)).
-seq_spec = layout.seq_spec
+seq_spec = placement.seq_spec
 
 
 def feature_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
@@ -203,7 +204,7 @@ def _over_tp(
     check_vma: bool = True,
 ):
     """``f`` on local shards, run as described above, on global arrays through
-    :func:`jax_ub._src.lowering.layout.global_call` (as the ops run). With no mesh known (none
+    :func:`jax_ub._src.ops.placement.global_call` (as the ops run). With no mesh known (none
     given, none set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the
     same layer written on global arrays) runs instead where ``ops.impl`` is not ``"ub"``,
     after one warning that nothing is overlapped: XLA partitions its matmuls from the
@@ -214,7 +215,7 @@ def _over_tp(
     mapped: dict[Any, Callable] = {}
 
     def call(*args):
-        if axis_name in layout.manual_axes():
+        if axis_name in placement.manual_axes():
             return f(*args)
         context = jax.sharding.get_abstract_mesh()
         if ops.mesh is None and context.empty:
@@ -238,7 +239,7 @@ def _over_tp(
         mesh = ops.mesh if context.empty else context  # the layer's mesh only when none is set
         key = mesh, traced_settings()  # a jit's trace keeps the settings it was traced with
         if key not in mapped:
-            run = layout.global_call(
+            run = placement.global_call(
                 f,
                 mesh,
                 axis_name,

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_ub._src.lowering import layout
+from jax_ub._src.ops import placement
 from jax_ub._src.settings import checks, trace_key
 from jax_ub.flax import _fp8
 
@@ -87,7 +87,7 @@ class ParallelConfig:
                 f"{owner}: sequence_parallel must be True, False or None (sequence-parallel "
                 f"where the axis divides the sequence), got {self.sequence_parallel!r}"
             )
-        layout.check_seq_axis_type(owner, self.seq_axis)
+        placement.check_seq_axis_type(owner, self.seq_axis)
         _fp8.check(owner, self.fp8, self.amax_history_length)
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)

@@ -8,7 +8,7 @@ Partial-auto shard_map (the op's axis manual, other mesh axes left to XLA): XLA'
 partitioner refuses to partition a side-effecting custom call over the automatic axes
 ("Side-effect ops cannot be replicated"). So lowering wraps the call in a nested
 shard_map that makes the remaining axes manual too; its in/out specs keep the batch dims
-sharded over them (see ``layout.batch_spec``), so each device runs the call on its own
+sharded over them (see ``batch_layout.batch_spec``), so each device runs the call on its own
 batch shard and nothing is gathered over data-parallel axes.
 
 Why every device of a group runs the same calls: the custom call is marked as having a
@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, use_abstract_mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
-from jax_ub._src.lowering import device_probe, layout
+from jax_ub._src.lowering import batch_layout, device_probe
 from jax_ub._src.lowering.call_site import call_site
 from jax_ub._src.runtime import communicator, extension
 
@@ -82,7 +82,7 @@ def _lower_nested(prim, batched, ctx, mesh: Mesh, manual: frozenset, *operands, 
     """Lower `prim` inside a shard_map over the mesh axes that are still automatic here.
 
     Each device then runs the custom call on its own shard of the batch dims, which keep
-    their sharding over those axes (``layout.batch_spec``); the weight is replicated over
+    their sharding over those axes (``batch_layout.batch_spec``); the weight is replicated over
     them (XLA gathers an fsdp-sharded weight, as it would for a plain dot).
 
     No empty array (an absent bias or GELU input, an unrequested result) crosses the
@@ -93,7 +93,7 @@ def _lower_nested(prim, batched, ctx, mesh: Mesh, manual: frozenset, *operands, 
     reproducer).
     """
     auto = tuple(a for a in mesh.axis_names if a not in manual)
-    spec = layout.batch_spec(ctx.avals_in[0], mesh, auto)
+    spec = batch_layout.batch_spec(ctx.avals_in[0], mesh, auto)
     types = {a: AxisType.Manual for a in manual}
     abstract = mesh.abstract_mesh.update_axis_types(types) if types else mesh.abstract_mesh
     in_specs = [spec if i in batched else P() for i in range(len(ctx.avals_in))]
@@ -104,7 +104,7 @@ def _lower_nested(prim, batched, ctx, mesh: Mesh, manual: frozenset, *operands, 
     def body(*passed):
         it = iter(passed)
         args = [
-            jnp.zeros(layout.local_shape(a.shape, s, mesh), a.dtype) if e else next(it)
+            jnp.zeros(batch_layout.local_shape(a.shape, s, mesh), a.dtype) if e else next(it)
             for a, s, e in zip(ctx.avals_in, in_specs, empty_in)
         ]
         outs = prim.bind(*args, **params)

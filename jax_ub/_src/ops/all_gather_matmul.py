@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops import placement
 from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
@@ -111,7 +111,7 @@ def all_gather_matmul(
         )
     if seq_axis != 0:
         result = all_gather_matmul(
-            layout.as_rank_block(x, seq_axis),
+            placement.as_rank_block(x, seq_axis),
             w,
             axis_name,
             bias=bias,
@@ -120,7 +120,7 @@ def all_gather_matmul(
             return_gathered=return_gathered,
             fp8=fp8,
         )
-        return layout.from_rank_blocks(result, seq_axis)
+        return placement.from_rank_blocks(result, seq_axis)
     group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
     if bias is not None:  # the output's dtype, as the epilogue adds it
         bias = jnp.asarray(bias, x.dtype if fp8 is None else result_dtype(x, w))
@@ -139,7 +139,7 @@ def _on_global_arrays(
 ):
     """The op on global arrays: a shard_map over ``axis_name`` alone."""
     if return_gathered:
-        layout.context_mesh(_OP, axis_name, x, w)  # the missing-mesh error comes first
+        placement.context_mesh(_OP, axis_name, x, w)  # the missing-mesh error comes first
         raise ValueError(
             f"{_OP}: return_gathered is for calls inside shard_map; on global arrays the "
             f"gathered x is x itself ({x.shape=})"
@@ -158,13 +158,13 @@ def _on_global_arrays(
             seq_axis=seq_axis,
         )
 
-    return layout.on_global_arrays(
+    return placement.on_global_arrays(
         _OP,
         local,
         x,
         w,
         axis_name,
-        specs=(layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, axis_name)),
+        specs=(placement.seq_spec(x.ndim, axis_name, seq_axis), P(None, axis_name)),
         out_spec=P(*([None] * (x.ndim - 1)), axis_name),
         divisible={f"rows of x (dim {seq_axis})": x.shape[seq_axis], "columns of w": w.shape[1]},
         extra=None if bias is None and fp8 is None else (bias, fp8),

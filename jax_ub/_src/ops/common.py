@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.varying import varying_axes
+from jax_ub._src.ops import placement
 from jax_ub._src.ops.epilogue import check_epilogue
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.config import config
@@ -20,7 +20,7 @@ def check_arguments(
     name); returns ``seq_axis`` normalised."""
     checks.check_impl(op, impl)
     checks.check_matmul_shapes(op, x, w)
-    seq_axis = layout.check_seq_axis(op, x, seq_axis)
+    seq_axis = placement.check_seq_axis(op, x, seq_axis)
     check_epilogue(op, x, w, bias, activation)
     checks.check_fp8_operands(op, x, w, fp8)
     if fp8 is not None:

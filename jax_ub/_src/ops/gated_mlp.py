@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering import layout
+from jax_ub._src.ops import placement
 from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
 from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.settings import checks
@@ -98,7 +98,7 @@ def gated_mlp(
             f"{_OP}: w_down must be [f, n] with f = w_gate_up.shape[2] = "
             f"{w_gate_up.shape[2]}; {shapes}"
         )
-    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
+    seq_axis = placement.check_seq_axis(_OP, x, seq_axis)
     scales = checks.check_fp8_pair(_OP, fp8, "(gate_up, down)")
 
     def local(x, w_gate_up, w_down_and_scales):
@@ -106,23 +106,23 @@ def gated_mlp(
         k, _, f = w_gate_up.shape
         # The hidden rows stay in the gather's rank-major order, which the row-wise math
         # and the reduce-scatter take as they are: a batch-major x moves no rows.
-        x = layout.as_rank_block(x, seq_axis)
+        x = placement.as_rank_block(x, seq_axis)
         # [k, 2, f] -> [k, 2f] is free: this rank's gate columns, then its up columns.
         gate_up = all_gather_matmul(x, w_gate_up.reshape(k, 2 * f), axis_name, fp8=up, impl=impl)
         hidden = act(gate_up[..., :f]) * gate_up[..., f:]
         y = matmul_reduce_scatter(hidden, w_down, axis_name, fp8=down, impl=impl)
-        return layout.from_rank_block(y, seq_axis)
+        return placement.from_rank_block(y, seq_axis)
 
     if checks.bound_axis_size(_OP, axis_name) is not None:
         return local(x, w_gate_up, (w_down, scales))
-    return layout.on_global_arrays(
+    return placement.on_global_arrays(
         _OP,
         local,
         x,
         w_gate_up,
         axis_name,
-        specs=(layout.seq_spec(x.ndim, axis_name, seq_axis), P(None, None, axis_name)),
-        out_spec=layout.seq_spec(x.ndim, axis_name, seq_axis),
+        specs=(placement.seq_spec(x.ndim, axis_name, seq_axis), P(None, None, axis_name)),
+        out_spec=placement.seq_spec(x.ndim, axis_name, seq_axis),
         divisible={
             f"rows of x (dim {seq_axis})": x.shape[seq_axis],
             "f of w_gate_up": w_gate_up.shape[2],

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
-from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import matmul_all_reduce_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops import placement
 from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.group import Group
 from jax_ub._src.settings import checks
@@ -88,7 +88,7 @@ def _summed(x, w, axis_name: str, impl: str, size: int, seq_axis: int):
     if size == 1:  # nothing to sum; XLA refuses a psum over a size-1 automatic axis
         return matmul_all_reduce_reference(x, w, None)
     rows = x.shape[seq_axis]
-    xs = layout.seq_first(x, seq_axis)  # the rule reads the rows first
+    xs = placement.seq_first(x, seq_axis)  # the rule reads the rows first
     group = Group.of_call(_OP, impl, xs, w, None, axis_name, size)
     if not group.ub:
         return matmul_all_reduce_reference(x, w, axis_name)
@@ -96,7 +96,7 @@ def _summed(x, w, axis_name: str, impl: str, size: int, seq_axis: int):
     if pad:
         xs = jnp.pad(xs, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
     y = _matmul_all_reduce(xs, w, group)
-    return layout.seq_back(y[:rows], seq_axis)
+    return placement.seq_back(y[:rows], seq_axis)
 
 
 def _on_global_arrays(x, w, bias, axis_name: str, impl: str, seq_axis: int):
@@ -105,7 +105,7 @@ def _on_global_arrays(x, w, bias, axis_name: str, impl: str, seq_axis: int):
     def local(x, w, bias=None):
         return matmul_all_reduce(x, w, axis_name, bias=bias, impl=impl, seq_axis=seq_axis)
 
-    return layout.on_global_arrays(
+    return placement.on_global_arrays(
         _OP,
         local,
         x,

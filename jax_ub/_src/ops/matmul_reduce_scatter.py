@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops import placement
 from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
@@ -84,8 +84,8 @@ def _reduced(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
     what = "rows of x" if seq_axis == 0 else f"rows of x (dim {seq_axis})"
     checks.check_divisible(_OP, what, x.shape[seq_axis], size, axis_name, f"{x.shape=}")
     if seq_axis != 0:
-        y = _reduced(layout.to_rank_blocks(x, seq_axis, size), w, axis_name, impl, fp8, 0)
-        return layout.from_rank_block(y, seq_axis)
+        y = _reduced(placement.to_rank_blocks(x, seq_axis, size), w, axis_name, impl, fp8, 0)
+        return placement.from_rank_block(y, seq_axis)
     group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
     if fp8 is not None:
         return fp8_matmul_reduce_scatter(x, w, fp8, group)
@@ -100,14 +100,14 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
     def local(x, w, fp8=None):
         return matmul_reduce_scatter(x, w, axis_name, impl=impl, fp8=fp8, seq_axis=seq_axis)
 
-    return layout.on_global_arrays(
+    return placement.on_global_arrays(
         _OP,
         local,
         x,
         w,
         axis_name,
         specs=(P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
-        out_spec=layout.seq_spec(x.ndim, axis_name, seq_axis),
+        out_spec=placement.seq_spec(x.ndim, axis_name, seq_axis),
         divisible={
             "features of x (last dim)": x.shape[-1],
             f"rows of x (dim {seq_axis})": x.shape[seq_axis],

@@ -15,10 +15,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src.lowering import layout
 from jax_ub._src.lowering.reference import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import impl_choice
+from jax_ub._src.ops import impl_choice, placement
 from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
 from jax_ub._src.ops.common import contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
@@ -82,7 +81,7 @@ def gelu_mlp(
     """
     checks.check_impl(_OP, impl)
     checks.check_matmul_shapes(_OP, x, w_up)
-    seq_axis = layout.check_seq_axis(_OP, x, seq_axis)
+    seq_axis = placement.check_seq_axis(_OP, x, seq_axis)
     if w_down.ndim != 2 or w_down.shape[0] != w_up.shape[1]:
         raise ValueError(
             f"{_OP}: w_down must be [f, n] with f = w_up.shape[1] = {w_up.shape[1]}; "
@@ -101,7 +100,7 @@ def gelu_mlp(
     size = checks.bound_axis_size(_OP, axis_name)
     if size is not None and seq_axis != 0:
         y = gelu_mlp(
-            layout.as_rank_block(x, seq_axis),
+            placement.as_rank_block(x, seq_axis),
             w_up,
             w_down,
             axis_name,
@@ -110,7 +109,7 @@ def gelu_mlp(
             impl=impl,
             fp8=fp8,
         )
-        return layout.from_rank_block(y, seq_axis)
+        return placement.from_rank_block(y, seq_axis)
     fused = size is not None
     if fused:
         hidden = jax.ShapeDtypeStruct((size * h_rows[0], *h_rows[1:]), dtype)

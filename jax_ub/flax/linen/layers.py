@@ -12,7 +12,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub._src.lowering import layout
+from jax_ub._src.ops import placement
 from jax_ub.flax import _axes, _checks, _core, _fp8, _settings
 from jax_ub.flax._settings import ParallelConfig
 
@@ -57,7 +57,7 @@ class Configured(nn.Module):
         config = dataclasses.replace(config, axis_name=axis, owner=owner)
         if config.impl == "ub" and self.scope is not None and self.is_initializing():
             if config.mesh is None and jax.sharding.get_abstract_mesh().empty:
-                if axis not in layout.manual_axes():
+                if axis not in placement.manual_axes():
                     # An init traced with no mesh anywhere (a loop's jit(init,
                     # out_shardings=...)): the params' shapes do not depend on the
                     # collectives, and the steps on them find the mesh in their shardings.

@@ -4,14 +4,14 @@
 2. Inside ``jax.shard_map`` whose manual axes include the op's axis while others stay
    automatic (partial-auto): operands are local over the manual axes, global over the
    others. Lowering makes the remaining axes manual around the custom call, keeping the
-   batch dims sharded over them (:func:`batch_spec`).
+   batch dims sharded over them (``lowering.batch_layout.batch_spec``).
 3. From plain ``jit`` (or eagerly) on global arrays under a mesh (``jax.set_mesh``): the
    op runs in a shard_map over its own axis alone (:func:`over_axis`), which is case 2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering import device_probe
+from jax_ub._src.lowering.batch_layout import spec_axes
 from jax_ub._src.settings import checks
-from jax_ub._src.settings.warn_registry import warn_once
 
 
 def manual_axes() -> frozenset[str]:
@@ -32,77 +32,6 @@ def manual_axes() -> frozenset[str]:
     if mesh.empty:
         return frozenset()
     return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
-
-
-def batch_spec(aval: Any, mesh: Any, auto: Sequence[str]) -> P:
-    """How ``x [rows, *batch, cols]`` is split over the automatic axes ``auto``.
-
-    Only batch dims can be: the rows are the dim the op gathers or scatters over its own
-    axis, and the columns are contracted or are the weight's. Where the array's type
-    carries its sharding (``Explicit`` axes), that is used. ``Auto`` axes have no sharding
-    at trace time, so they are laid out the way data parallelism lays out a batch: every
-    automatic axis of size > 1, in mesh order, on the first batch dim they divide. If the
-    activations are laid out otherwise, XLA moves them into this layout and back; if no
-    batch dim fits, the op's operands are replicated over those axes (correct, but each
-    device then computes the whole batch).
-    """
-    ndim = len(aval.shape)
-    entries: list[Any] = [None] * ndim
-    typed = getattr(getattr(aval, "sharding", None), "spec", None)
-    explicit = [a for a in auto if _axis_type(mesh, a) == AxisType.Explicit]
-    if typed is not None and explicit:
-        for d in range(1, ndim - 1):
-            names = _names(typed[d] if d < len(typed) else None)
-            kept = tuple(a for a in names if a in auto)
-            entries[d] = kept[0] if len(kept) == 1 else (kept or None)
-    free = [a for a in auto if a not in explicit and mesh.shape[a] > 1]
-    size = int(np.prod([mesh.shape[a] for a in free])) if free else 1
-    if free:
-        for d in range(1, ndim - 1):
-            if entries[d] is None and aval.shape[d] % size == 0:
-                entries[d] = free[0] if len(free) == 1 else tuple(free)
-                break
-        else:
-            _warn_replicated(tuple(aval.shape), tuple(free), size)
-    return P(*entries)
-
-
-def _warn_replicated(shape: tuple, axes: tuple, size: int) -> None:
-    """Once per shape: no batch dim of x can be split over the automatic axes, so every
-    device of them computes the whole op (correct, but not data-parallel)."""
-    if len(shape) > 2:
-        message = (
-            f"jax_ub: x of shape {shape} ([rows, *batch, features] as the op sees it) has "
-            f"batch dims {shape[1:-1]}, none divisible by {size}, the size of the automatic "
-            f"mesh axes {axes}: the op runs on the whole batch on every device of those "
-            f"axes (correct, not data-parallel). A batch divisible by {size} is split."
-        )
-    else:
-        message = (
-            f"jax_ub: x of shape {shape} has no batch dim (between the rows and the "
-            f"features) to split over the automatic mesh axes {axes} (size {size}): the op "
-            "runs on the whole batch on every device of those axes (correct, not "
-            "data-parallel). Keep a batch dim, e.g. [seq, batch, features] rather than "
-            "[seq * batch, features]."
-        )
-    warn_once(message, message)
-
-
-def local_shape(shape: Sequence[int], spec: P, mesh: Any) -> tuple[int, ...]:
-    """The shape of one device's shard of an array of ``shape`` laid out as ``spec``."""
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    sizes = [int(np.prod([mesh.shape[a] for a in _names(e)])) for e in entries]
-    return tuple(d // s for d, s in zip(shape, sizes))
-
-
-def _axis_type(mesh: Any, axis: str) -> Any:
-    return dict(zip(mesh.axis_names, mesh.axis_types))[axis]
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 # --- the sequence dim --------------------------------------------------------------------
@@ -243,10 +172,11 @@ def check_global_layout(op: str, mesh: Any, named: dict[str, tuple[Any, P]]) -> 
             continue
         ndim = len(a.shape)
         got = tuple(
-            manual_axis in _names(actual[d] if d < len(actual) else None) for d in range(ndim)
+            manual_axis in spec_axes(actual[d] if d < len(actual) else None) for d in range(ndim)
         )
         want = tuple(
-            manual_axis in _names(expected[d] if d < len(expected) else None) for d in range(ndim)
+            manual_axis in spec_axes(expected[d] if d < len(expected) else None)
+            for d in range(ndim)
         )
         if got != want:
             raise ValueError(
@@ -259,15 +189,15 @@ def check_global_layout(op: str, mesh: Any, named: dict[str, tuple[Any, P]]) -> 
 def _the_axis(named: dict[str, tuple[Any, P]]) -> str:
     for _, spec in named.values():
         for entry in spec:
-            if _names(entry):
-                return _names(entry)[0]
+            if spec_axes(entry):
+                return spec_axes(entry)[0]
     raise AssertionError("no axis in the expected specs")
 
 
 def _spec_over(spec: P, axis: str, ndim: int) -> P:
     return P(
         *[
-            (axis if axis in _names(spec[d] if d < len(spec) else None) else None)
+            (axis if axis in spec_axes(spec[d] if d < len(spec) else None) else None)
             for d in range(ndim)
         ]
     )
@@ -300,8 +230,8 @@ def replace_axis(actual: P, wanted: P, axis: str, ndim: int) -> P:
     """``actual`` with ``axis`` moved to where ``wanted`` has it; other axes kept."""
     entries = []
     for d in range(ndim):
-        names = [a for a in _names(actual[d] if d < len(actual) else None) if a != axis]
-        if axis in _names(wanted[d] if d < len(wanted) else None):
+        names = [a for a in spec_axes(actual[d] if d < len(actual) else None) if a != axis]
+        if axis in spec_axes(wanted[d] if d < len(wanted) else None):
             names = [axis, *names]
         entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
     return P(*entries)
