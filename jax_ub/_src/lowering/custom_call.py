@@ -42,6 +42,7 @@ from jax_ub._src import jax_compat
 from jax_ub._src.lowering import batch_layout, device_probe
 from jax_ub._src.lowering.call_site import call_site
 from jax_ub._src.runtime import communicator, extension
+from jax_ub._src.settings import checks
 
 
 def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
@@ -66,8 +67,7 @@ def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
             "mesh=<a jax.sharding.Mesh> to jax.shard_map or call under jax.set_mesh(mesh) "
             "(or use impl='xla')"
         )
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
+    checks.check_axis_in_mesh("", axis_name, mesh)
     return mesh, jax_compat.manual_axes(axis_ctx)
 
 

@@ -153,8 +153,7 @@ def context_mesh(op: str, axis_name: str, *arrays: Any) -> Any:
             "mesh that has this axis (like lax.all_gather), or on global arrays under "
             "`with jax.set_mesh(mesh):`"
         )
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"{op}: axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
+    checks.check_axis_in_mesh(op, axis_name, mesh)
     return mesh
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_ub._src.runtime import bootstrap, cpu_runtime, extension
+from jax_ub._src.settings import checks
 from jax_ub._src.settings.config import config
 from jax_ub._src.settings.options import Options, current_options
 from jax_ub._src.settings.warn_registry import clear_warnings, warn_once
@@ -72,8 +73,7 @@ PeersUnreachable = bootstrap.PeersUnreachable
 
 def slot_devices(mesh: Mesh, axis_name: str) -> list[jax.Device]:
     """Mesh devices in slot order: the axis last, the other axes flattened into groups."""
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
+    checks.check_axis_in_mesh("", axis_name, mesh)
     axis = mesh.axis_names.index(axis_name)
     devs = np.moveaxis(np.asarray(mesh.devices), axis, -1)
     return list(devs.reshape(-1))

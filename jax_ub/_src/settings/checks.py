@@ -26,6 +26,15 @@ def bound_axis_size(op: str, axis_name: str) -> int | None:
         return None
 
 
+def check_axis_in_mesh(owner: str, axis_name: str, mesh) -> None:
+    """``axis_name`` is an axis of ``mesh`` (a ``Mesh`` or ``AbstractMesh``), or a
+    ValueError naming both: the one place this is said, for the ops, their lowering and
+    the communicators."""
+    if axis_name not in mesh.axis_names:
+        prefix = f"{owner}: " if owner else ""
+        raise ValueError(f"{prefix}axis {axis_name!r} is not in the mesh; {mesh.axis_names=}")
+
+
 def check_divisible(op: str, what: str, value: int, size: int, axis_name: str, shapes: str):
     if value % size != 0:
         raise ValueError(
