@@ -3,7 +3,7 @@ tensor-parallel group's size, divisibility, the input's layout and features."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -139,19 +139,20 @@ def prepare(
     *,
     split_in: bool = False,
     divisible: Mapping[str, int] | None = None,
-    params: Any = None,
+    params: Callable[[], Any] | None = None,
 ) -> tuple[Ops, bool]:
     """What every layer checks when called, and what its compiled function is keyed on:
     the tensor-parallel group's size (from the mesh) divides each of ``divisible``'s
     values, ``x`` is ``[seq, *batch, in_features]`` (the local shard of them inside a
     shard_map over the axis where they are ``split_in``). Returns the ops' settings and
     whether the call runs sequence-parallel (:func:`check_input`). With no mesh given or
-    set, the mesh is the one ``x``'s or ``params``' types say they are sharded over
-    (:func:`mesh_of_arrays`): a step jitted on sharded arrays without ``jax.set_mesh``."""
+    set, the mesh is the one ``x``'s or ``params()``' types say they are sharded over
+    (:func:`mesh_of_arrays`): a step jitted on sharded arrays without ``jax.set_mesh``;
+    ``params`` is called only then."""
     mesh = config.mesh
     if mesh is None and jax.sharding.get_abstract_mesh().empty:
         if axis_name not in placement.manual_axes():
-            mesh = mesh_of_arrays(axis_name, x, params)
+            mesh = mesh_of_arrays(axis_name, x, None if params is None else params())
     tp = group_size(owner, mesh, axis_name, impl=config.impl)
     for what, value in (divisible or {}).items():
         check_divisible(owner, what, value, tp, axis_name)

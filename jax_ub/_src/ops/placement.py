@@ -6,7 +6,7 @@
    others. Lowering makes the remaining axes manual around the custom call, keeping the
    batch dims sharded over them (``lowering.batch_layout.batch_spec``).
 3. From plain ``jit`` (or eagerly) on global arrays under a mesh (``jax.set_mesh``): the
-   op runs in a shard_map over its own axis alone (:func:`over_axis`), which is case 2.
+   op runs in a shard_map over its own axis alone (:func:`global_call`), which is case 2.
 """
 
 from __future__ import annotations
@@ -279,78 +279,40 @@ def global_call(
     sums_replicated: bool = True,
 ) -> Callable:
     """``f`` (a computation on local shards) as a function of global arrays laid out on
-    ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3).
-    ``compute_dtype``, ``sums_replicated``: as :func:`over_axis` takes them.
+    ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3), in a
+    shard_map whose only manual axis is ``axis_name`` (other axes stay XLA's).
 
-    Runs in :func:`over_axis`. Under ``Explicit`` axes shard_map takes inputs only already
-    split as its ``in_specs`` say: each array's split over ``axis_name`` is moved there,
-    its other axes kept (the ops check the layout first, so theirs stay as they are).
-    A size-1 axis stays automatic in JAX, where XLA refuses the psum that would type a
-    replicated output as such: nothing to check over a group of one, so ``check_vma``
-    applies to larger groups only.
+    - Under ``Explicit`` axes shard_map takes inputs only already split as its ``in_specs``
+      say: each array's split over ``axis_name`` is moved there, its other axes kept (the
+      ops check the layout first, so theirs stay as they are).
+    - ``check_vma=False`` where ``f`` nests a shard_map over the other axes (JAX cannot
+      differentiate a nested unchecked shard_map inside a checked one). A size-1 axis
+      stays automatic in JAX, where XLA refuses the psum that would type a replicated
+      output as such: nothing to check over a group of one, so ``check_vma`` applies to
+      larger groups only.
+    - On CPU devices, where ``f`` computes in 16 bits (an operand is a 16-bit float, or
+      ``compute_dtype`` is one) and the mesh has other axes, XLA's CPU compiler would abort
+      on the 16-bit all-reduce of a replicated input's cotangent
+      (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there the inputs replicated over the
+      axis cross in float32 and the shard_map is unchecked, so that the sum is that of its
+      transpose, of a float32 input, not of a cast to varying inside ``f`` after ``f``'s
+      cast to 16 bits. Not with ``sums_replicated=False``: an ``f`` whose replicated
+      inputs' cotangents must not be summed (delayed fp8's amax histories, each device's
+      the whole history).
     """
-    checked = check_vma and int(mesh.shape[axis_name]) > 1
-    mapped = over_axis(
-        f, mesh, axis_name, in_specs, out_specs, checked, compute_dtype, sums_replicated
-    )
-
-    def call(*args):
-        return mapped(*_moved_to_specs(axis_name, in_specs, args))
-
-    return call
-
-
-def _moved_to_specs(axis_name: str, in_specs: Any, args: tuple) -> tuple:
-    """Each array of ``args`` whose type carries its sharding, with its split over
-    ``axis_name`` moved to where ``in_specs`` has it. Arrays whose type carries no sharding
-    (``Auto`` axes) pass as they are: XLA moves them."""
-
-    def move(spec, a):
-        actual = typed_spec(a)
-        if spec is None or actual is None:
-            return a
-        target = replace_axis(actual, spec, axis_name, a.ndim)
-        return a if target == actual else jax.sharding.reshard(a, target)
-
-    is_spec = lambda s: s is None or isinstance(s, P)  # noqa: E731
-    return tuple(jax.tree.map(move, in_specs, args, is_leaf=is_spec))
-
-
-def over_axis(
-    f: Callable,
-    mesh: Any,
-    axis_name: str,
-    in_specs: tuple,
-    out_specs: Any,
-    check_vma: bool = True,
-    compute_dtype: Any = None,
-    sums_replicated: bool = True,
-) -> Callable:
-    """``f`` in a shard_map whose only manual axis is ``axis_name``; other axes stay XLA's.
-    ``check_vma=False`` where ``f`` nests a shard_map over those other axes (JAX cannot
-    differentiate a nested unchecked shard_map inside a checked one).
-
-    On CPU devices, where ``f`` computes in 16 bits (an operand is a 16-bit float, or
-    ``compute_dtype`` is one) and the mesh has other axes, XLA's CPU compiler would abort
-    on the 16-bit all-reduce of a replicated input's cotangent
-    (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there the inputs replicated over the
-    axis cross in float32 and the shard_map is unchecked, so that the sum is that of its
-    transpose, of a float32 input, and not of a cast to varying inside ``f``, after
-    ``f``'s cast to 16 bits. Not with ``sums_replicated=False``:
-    an ``f`` whose replicated inputs' cotangents must not be summed (delayed fp8's amax
-    histories, each device's the whole history)."""
+    check_vma = check_vma and int(mesh.shape[axis_name]) > 1
     kwargs: dict[str, Any] = {}
     if not mesh.empty and jax.sharding.get_abstract_mesh().empty:
         # An eager call on concrete arrays, or a mesh found from the arrays' types
         # (abstract): no mesh in context.
         kwargs["mesh"] = mesh
     platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else None
+    partly_manual = len(mesh.axis_names) > 1
 
     def call(*args):
-        # The CPU workaround of the docstring.
+        args = _moved_to_specs(axis_name, in_specs, args)
         body, checked = f, check_vma
         leaves = [*jax.tree.leaves(args), jax.ShapeDtypeStruct((), compute_dtype or jnp.float32)]
-        partly_manual = len(getattr(mesh, "axis_names", ())) > 1
         if (
             sums_replicated
             and partly_manual
@@ -379,7 +341,23 @@ def over_axis(
     return call
 
 
+def _moved_to_specs(axis_name: str, in_specs: Any, args: tuple) -> tuple:
+    """Each array of ``args`` whose type carries its sharding, with its split over
+    ``axis_name`` moved to where ``in_specs`` has it. Arrays whose type carries no sharding
+    (``Auto`` axes) pass as they are: XLA moves them."""
+
+    def move(spec, a):
+        actual = typed_spec(a)
+        if spec is None or actual is None:
+            return a
+        target = replace_axis(actual, spec, axis_name, a.ndim)
+        return a if target == actual else jax.sharding.reshard(a, target)
+
+    return tuple(jax.tree.map(move, in_specs, args, is_leaf=_is_spec))
+
+
 def _is_spec(s: Any) -> bool:
+    """A leaf of an in_specs tree (a spec, or None), or of the dtypes tree made from one."""
     return s is None or isinstance(s, (P, np.dtype))
 
 

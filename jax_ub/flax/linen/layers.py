@@ -73,7 +73,7 @@ class Configured(nn.Module):
     def prepare(self, x: jax.Array, **kw) -> tuple[ParallelConfig, _checks.Ops, bool]:
         """The settings, checked against the call's input (``_checks.prepare``)."""
         config = self.resolved_config()
-        params = self.variables.get("params") if self.scope is not None else None
+        params = lambda: self.variables.get("params")  # noqa: E731 (read only where needed)
         owner = type(self).__name__
         return (config, *_checks.prepare(owner, config, config.axis_name, x, params=params, **kw))
 

@@ -128,17 +128,9 @@ def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> 
     (:func:`_checks.prepare`, its errors naming ``owner``'s class): the settings, axis and
     ``in_features`` are those of ``first``, the layer the inputs go into (default: ``owner``
     itself); ``checks`` are ``prepare``'s ``split_in`` and ``divisible``."""
-    first = owner if first is None else first
-    params = nnx.state(owner, nnx.Param)
-    return _checks.prepare(
-        type(owner).__name__,
-        first.config,
-        first.axis_name,
-        inputs,
-        first.in_features,
-        params=params,
-        **checks,
-    )
+    first, params = owner if first is None else first, lambda: nnx.state(owner, nnx.Param)
+    args = (first.config, first.axis_name, inputs, first.in_features)
+    return _checks.prepare(type(owner).__name__, *args, params=params, **checks)
 
 
 class Configured:
