@@ -81,7 +81,7 @@ def test_bad_logical_settings_are_named():
             ubf.ColumnParallelLinear(
                 D, F, param_axes="data", kernel_axes=("embed", "mlp"), rngs=nnx.Rngs(0)
             )
-        with pytest.raises(ValueError, match="kernel_axes must name the kernel's two dims"):
+        with pytest.raises(ValueError, match="kernel_axes must name each of the kernel's 2 dims"):
             ubf.ColumnParallelLinear(D, F, kernel_axes=("mlp",), rngs=nnx.Rngs(0))
         with (
             nnx.logical_axis_rules((("mlp", ("data", "model")),)),

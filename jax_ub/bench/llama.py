@@ -42,7 +42,7 @@ import jax_ub
 import jax_ub.flax as ubf
 from jax_ub._src.lowering.reference import all_reduce, reduce_scatter_rows
 from jax_ub._src.ops import placement
-from jax_ub.flax.nnx.layers import sharded_param
+from jax_ub.flax.nnx.base import sharded_param
 
 # The embedding's reduce-scatter of its partial sums over the sequence (looked up at trace
 # time: the model benchmark's bound replaces it with the same sum, uncommunicated).

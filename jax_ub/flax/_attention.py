@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src.lowering import batch_layout
 from jax_ub._src.ops import placement
 from jax_ub._src.runtime.extension import normalize_platform
-from jax_ub.flax import _checks, _core
+from jax_ub.flax import _checks, _core, _projection
 
 
 def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 0) -> None:
@@ -382,8 +382,8 @@ def attention_call(ops: _checks.Ops, call: AttentionCall) -> Callable[..., jax.A
 
     plain = functools.partial(body, linear=_core.linear_replicated, axis=None)
 
-    col = _core.param_specs("column", axis_name, call.use_bias, fp8)
-    row = _core.param_specs("row", axis_name, call.use_bias, fp8)
+    col = _projection.param_specs("column", axis_name, call.use_bias, fp8)
+    row = _projection.param_specs("row", axis_name, call.use_bias, fp8)
     spec = _core.activation_spec(call.ndim, axis_name, seq, call.sequence_parallel)
     in_specs = (spec, col, row, P() if call.has_mask else None)
     in_specs += (P(),) if call.dropout_rate > 0 else ()
@@ -439,8 +439,8 @@ def decode_call(
         y = _core.linear_replicated("row", out, p_out, **kw_axis)
         return y, cached_key, cached_value
 
-    col = _core.param_specs("column", axis_name, use_bias, fp8)
-    row = _core.param_specs("row", axis_name, use_bias, fp8)
+    col = _projection.param_specs("column", axis_name, use_bias, fp8)
+    row = _projection.param_specs("row", axis_name, use_bias, fp8)
     cache = P(None, None, axis_name, None)
     in_specs = (P(), col, row, cache, cache, P())
     plain = functools.partial(body, axis=None)

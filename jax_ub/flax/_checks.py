@@ -3,13 +3,16 @@ tensor-parallel group's size, divisibility, the input's layout and features."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from jax_ub._src.ops import placement
+from jax_ub.flax._projection import Projection
 
 # The tensor-parallel mesh axis where nothing names one.
 DEFAULT_AXIS = "tp"
@@ -64,14 +67,9 @@ def default_axis_hint(axis_name: str) -> str:
 
 
 def global_features(features: int, tp: int, axis_name: str, split: bool) -> int:
-    """The layer's feature count from an input's (the inverse of :func:`local_features`)."""
+    """The layer's feature count from an input's: inside a shard_map over ``axis_name``, a
+    ``split`` one is its local shard."""
     return features * tp if split and axis_name in placement.manual_axes() else features
-
-
-def local_features(features: int, tp: int, axis_name: str, split: bool) -> int:
-    """Features an input has where the layer sees it: the local shard inside a shard_map
-    over ``axis_name`` when they are ``split`` over it, else all of them."""
-    return features // tp if split and axis_name in placement.manual_axes() else features
 
 
 def check_dropout(owner: str, rate: Any) -> None:
@@ -91,7 +89,7 @@ def check_divisible(owner: str, what: str, value: int, tp: int, axis_name: str) 
 def check_input(
     owner: str,
     x: Any,
-    in_features: int | None,
+    in_features: int | Projection | None,
     tp: int,
     axis_name: str,
     seq_axis: int = 0,
@@ -100,23 +98,37 @@ def check_input(
     """Check that x is ``[seq, *batch, in_features]`` (the sequence at ``seq_axis``) and
     return whether the call runs sequence-parallel.
 
+    ``in_features`` is the count of the last dim, or a projection's trailing dims
+    (``Projection.in_shape``, its split one the local shard inside a shard_map over
+    ``axis_name``), where ``seq_axis`` counts as on the input flattened to
+    ``[..., features]``; None accepts any features (linen infers them from the input).
+
     ``sequence_parallel`` is the layer's setting (``ParallelConfig``'s): False runs with
     the activations replicated over the axis (:func:`linear_replicated`). Otherwise, inside
     a shard_map over ``axis_name`` the layers take sequence shards (True); on global arrays
     they run sequence-parallel where ``tp`` divides the sequence, and else (one token being
     decoded, a prompt of any length) replicated, unless ``sequence_parallel`` is True,
-    which makes that a ValueError. ``in_features=None`` accepts any feature count (linen
-    infers it from the input).
+    which makes that a ValueError.
     """
     shape = getattr(x, "shape", None)
-    if shape is None or len(shape) < 2:
-        raise ValueError(f"{owner}: input must be [seq, *batch, features], got shape {shape}")
-    if in_features is not None and shape[-1] != in_features:
+    trailing = _trailing(in_features, tp, axis_name)
+    if shape is None or len(shape) < 1 + len(trailing or (0,)):
+        dims = "features" if trailing is None or len(trailing) == 1 else f"*{trailing}"
+        what = f"[seq, *batch, {dims}]"
+        raise ValueError(f"{owner}: input must be {what}, got shape {shape}")
+    if trailing is not None and tuple(shape[len(shape) - len(trailing) :]) != trailing:
+        if len(trailing) == 1:
+            got, want, where = shape[-1], trailing[0], "last dim"
+        else:
+            got, want = tuple(shape[len(shape) - len(trailing) :]), trailing
+            where = f"last {len(trailing)} dims"
         raise ValueError(
-            f"{owner}: input has {shape[-1]} features (last dim) but the layer expects "
-            f"{in_features}; input shape {shape}"
+            f"{owner}: input has {got} features ({where}) but the layer expects {want}; "
+            f"input shape {tuple(shape)}"
         )
-    seq = placement.check_seq_axis(owner, x, seq_axis)
+    n_in = len(trailing or (0,))
+    flat = SimpleNamespace(shape=(*shape[: len(shape) - n_in], math.prod(shape[-n_in:])))
+    seq = placement.check_seq_axis(owner, flat, seq_axis)
     if sequence_parallel is False:
         return False
     if axis_name in placement.manual_axes() or shape[seq] % tp == 0:
@@ -130,23 +142,33 @@ def check_input(
     return False
 
 
+def _trailing(in_features: int | Projection | None, tp: int, axis_name: str) -> tuple | None:
+    """The input's trailing dims a layer expects where it sees the input."""
+    if in_features is None:
+        return None
+    if not isinstance(in_features, Projection):
+        return (in_features,)
+    dims = list(in_features.in_shape)
+    if in_features.kind == "row" and axis_name in placement.manual_axes():
+        dims[in_features.split] //= tp
+    return tuple(dims)
+
+
 def prepare(
     owner: str,
     config: Any,
     axis_name: str,
     x: Any,
-    in_features: int | None = None,
+    in_features: int | Projection | None = None,
     *,
-    split_in: bool = False,
     divisible: Mapping[str, int] | None = None,
     params: Callable[[], Any] | None = None,
 ) -> tuple[Ops, bool]:
     """What every layer checks when called, and what its compiled function is keyed on:
     the tensor-parallel group's size (from the mesh) divides each of ``divisible``'s
-    values, ``x`` is ``[seq, *batch, in_features]`` (the local shard of them inside a
-    shard_map over the axis where they are ``split_in``). Returns the ops' settings and
-    whether the call runs sequence-parallel (:func:`check_input`). With no mesh given or
-    set, the mesh is the one ``x``'s or ``params()``' types say they are sharded over
+    values, ``x`` is ``[seq, *batch, in_features]`` (:func:`check_input`). Returns the ops'
+    settings and whether the call runs sequence-parallel. With no mesh given or set, the
+    mesh is the one ``x``'s or ``params()``' types say they are sharded over
     (:func:`mesh_of_arrays`): a step jitted on sharded arrays without ``jax.set_mesh``;
     ``params`` is called only then."""
     mesh = config.mesh
@@ -156,10 +178,8 @@ def prepare(
     tp = group_size(owner, mesh, axis_name, impl=config.impl)
     for what, value in (divisible or {}).items():
         check_divisible(owner, what, value, tp, axis_name)
-    features = in_features
-    if features is not None:
-        features = local_features(features, tp, axis_name, split_in)
-    sp = check_input(owner, x, features, tp, axis_name, config.seq_axis, config.sequence_parallel)
+    seq, sp = config.seq_axis, config.sequence_parallel
+    sp = check_input(owner, x, in_features, tp, axis_name, seq, sp)
     return op_settings(config, axis_name, mesh), sp
 
 

@@ -11,6 +11,7 @@ over the tensor parallel axis, "feature-sharded" means the last dim is.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
 from jax_ub.flax._checks import Ops, default_axis_hint
+from jax_ub.flax._projection import Projection, param_specs
 
 Params = Mapping[str, jax.Array]
 
@@ -37,46 +39,6 @@ Params = Mapping[str, jax.Array]
 # ``[seq, *batch, features]`` split over the axis on the sequence dim (``seq_axis``, a
 # dim index in [0, ndim - 1)).
 seq_spec = placement.seq_spec
-
-
-def feature_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
-    """``[seq, *batch, features]`` split over ``axis_name`` on the feature dim, wherever
-    the sequence is."""
-    del seq_axis
-    return P(*([None] * (ndim - 1)), axis_name)
-
-
-def param_specs(kind: str, axis_name: str, use_bias: bool, fp8: str | None = None) -> dict:
-    """How the ops need a ``kind`` (``"column"``, ``"row"``) layer's params split over
-    ``axis_name`` (with ``fp8="delayed"``, its amax histories too, replicated)."""
-    names = param_names("", kind, axis_name, use_bias, None)
-    return {k: P(*v) for k, v in names.items()} | _fp8.history_specs(fp8)
-
-
-def param_names(
-    owner: str, kind: str, axis_name: str, use_bias: bool, other_axes: Any
-) -> dict[str, tuple]:
-    """The sharding names a layer's params carry as metadata (``nnx.get_partition_spec``,
-    ``nn.get_partition_spec``): the tensor-parallel split, plus ``other_axes`` (a mesh
-    axis name, a tuple of them, or None) on the kernel's other dim, e.g. an FSDP axis.
-
-    Only initial placement and the user's view: the ops take the params in whatever layout
-    they arrive and XLA gathers what is not split over ``axis_name`` (an FSDP gather).
-    """
-    if other_axes is not None and (
-        other_axes == axis_name or (isinstance(other_axes, tuple) and axis_name in other_axes)
-    ):
-        raise ValueError(
-            f"{owner}: param_axes={other_axes!r} names the tensor-parallel axis "
-            f"{axis_name!r}; it names the axes that split the kernel's other dim"
-        )
-    if kind == "column":
-        names = {"kernel": (other_axes, axis_name), "bias": (axis_name,)}
-    else:
-        names = {"kernel": (axis_name, other_axes), "bias": (None,)}  # added after the sum
-    if not use_bias:
-        del names["bias"]
-    return names
 
 
 # --- per-shard computations (run inside shard_map) ---------------------------------------
@@ -267,44 +229,85 @@ def _probed(run: Callable) -> Callable:
     return call
 
 
-# Per layer kind: the specs of its input and output.
-def replicated_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
-    """``[seq, *batch, features]`` replicated over ``axis_name`` (other axes XLA's)."""
-    del ndim, axis_name, seq_axis
-    return P()
-
-
-# Per layer kind: the specs of its input and output, sequence-parallel (True) or not.
-_LINEAR = {
-    ("column", True): (seq_spec, feature_spec),  # sequence- -> feature-sharded
-    ("row", True): (feature_spec, seq_spec),  # feature- -> sequence-sharded
-    ("column", False): (replicated_spec, feature_spec),
-    ("row", False): (feature_spec, replicated_spec),
-}
-
-
 def activation_spec(ndim: int, axis_name: str, seq_axis: int, sequence_parallel: bool) -> P:
     """A block's input and output: sequence-sharded, or replicated over the axis."""
-    return (seq_spec if sequence_parallel else replicated_spec)(ndim, axis_name, seq_axis)
+    return seq_spec(ndim, axis_name, seq_axis) if sequence_parallel else P()
+
+
+def projection_local(
+    projections: tuple[Projection, ...],
+    x: jax.Array,
+    params: tuple[Params, ...],
+    *,
+    sequence_parallel: bool,
+    **kw: Any,
+) -> Any:
+    """Projections of one input on local shards (or, with ``axis_name=None``, on global
+    arrays), as :func:`linear_local` (``sequence_parallel``) or :func:`linear_replicated`
+    run them, on the operands flattened to its ``[k, n]`` matmul (:mod:`._projection`).
+    Column projections of one ``x`` run as one: their kernels' shards side by side, so
+    ``x`` is gathered once; the result is each one's ``[..., *features]`` (this rank's
+    shard of them), a tuple. A row projection's is its own, reduce-scattered (or summed)."""
+    kind, n_in = projections[0].kind, projections[0].n_in
+    lead = x.shape[:-n_in]
+    flat = [_flat(p, params_p) for p, params_p in zip(projections, params)]
+    sizes = [f["kernel"].shape[1] for f in flat]
+    merged = {"kernel": jnp.concatenate([f["kernel"] for f in flat], axis=1)}
+    if any(p.use_bias for p in projections):
+        biases = [f.get("bias", jnp.zeros((n,), f["kernel"].dtype)) for f, n in zip(flat, sizes)]
+        merged["bias"] = jnp.concatenate(biases)
+    if len(flat) == 1 and "fp8" in flat[0]:
+        merged["fp8"] = flat[0]["fp8"]
+    linear = linear_local if sequence_parallel else linear_replicated
+    y = linear(kind, x.reshape(*lead, -1), merged, **kw)
+    out = []
+    for i, (params_p, n) in enumerate(zip(params, sizes)):
+        start = sum(sizes[:i])
+        shape = params_p["kernel"].shape[n_in:]  # this rank's features (all, on global arrays)
+        out.append(y[..., start : start + n].reshape(*y.shape[:-1], *shape))
+    return tuple(out) if kind == "column" else out[0]
+
+
+def _flat(p: Projection, params: Params) -> dict[str, Any]:
+    """A projection's params (or their local shards) as a plain linear layer's."""
+    kernel = params["kernel"]
+    flat = {"kernel": kernel.reshape(math.prod(kernel.shape[: p.n_in]), -1)}
+    if params.get("bias") is not None:
+        flat["bias"] = params["bias"].reshape(-1)
+    if "fp8" in params:
+        flat["fp8"] = params["fp8"]
+    return flat
 
 
 @functools.lru_cache(maxsize=256)
-def linear_call(
-    kind: str, ops: Ops, ndim: int, use_bias: bool, sequence_parallel: bool = True
-) -> Callable[[jax.Array, Params], jax.Array]:
-    """``f(x, params)`` of a ``kind`` layer: ``"column"`` takes sequence-sharded ``x`` to a
-    feature-sharded output, ``"row"`` the reverse; without ``sequence_parallel``, the
-    sequence-sharded side is replicated over the axis instead."""
-    x_spec, out_spec = _LINEAR[kind, sequence_parallel]
-    seq = ops.seq_axis % ndim
-    kw = _kw(ops, seq)
-    local = functools.partial(linear_local if sequence_parallel else linear_replicated, kind, **kw)
-    plain = functools.partial(linear_replicated, kind, **(kw | {"axis_name": None}))
-    in_specs = (
-        x_spec(ndim, ops.axis_name, seq),
-        param_specs(kind, ops.axis_name, use_bias, ops.fp8),
-    )
-    out_specs = out_spec(ndim, ops.axis_name, seq)
+def projection_call(
+    projections: tuple[Projection, ...], ops: Ops, ndim: int, sequence_parallel: bool = True
+) -> Callable[[jax.Array, tuple[Params, ...]], Any]:
+    """``f(x, params)`` of ``projections`` (column projections of one input, or one row
+    projection) on an ``ndim``-dim input: column takes a sequence-sharded ``x`` to
+    outputs feature-sharded on their split dims, row a feature-sharded ``x`` (on its split
+    dim) to a sequence-sharded output; without ``sequence_parallel``, the sequence-sharded
+    side is replicated over the axis instead. ``params``: one dict per projection."""
+    first, axis = projections[0], ops.axis_name
+    lead = ndim - first.n_in
+    seq = ops.seq_axis % (lead + 1)  # of the input as its flattened [..., k]
+    kw = _kw(ops, seq) | {"sequence_parallel": sequence_parallel}
+    local = functools.partial(projection_local, projections, **kw)
+    global_kw = kw | {"axis_name": None, "sequence_parallel": False}
+    plain = functools.partial(projection_local, projections, **global_kw)
+    side = activation_spec(lead + len(first.features), axis, seq, sequence_parallel)
+
+    def split_spec(p: Projection, dim: int) -> P:  # the activation split on ``dim`` of p's
+        dims = [None] * (lead + len(p.features) if p.kind == "column" else ndim)
+        dims[lead + dim] = axis
+        return P(*dims)
+
+    if first.kind == "column":
+        x_spec = activation_spec(ndim, axis, seq, sequence_parallel)
+        out_specs: Any = tuple(split_spec(p, p.split - p.n_in) for p in projections)
+    else:
+        x_spec, out_specs = split_spec(first, first.split), side
+    in_specs = (x_spec, tuple(p.param_specs(axis, ops.fp8) for p in projections))
     return _over_tp(local, ops, in_specs, out_specs, plain)
 
 

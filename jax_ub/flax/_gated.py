@@ -23,8 +23,8 @@ from jax_ub.flax._core import (
     dropout,
     linear_local,
     linear_replicated,
-    param_names,
 )
+from jax_ub.flax._projection import param_names
 
 
 def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str, tuple]:

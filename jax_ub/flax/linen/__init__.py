@@ -5,7 +5,7 @@ Parameters are created with ``nn.with_partitioning`` (boxed as ``nn.Partitioned`
 """
 
 from jax_ub.flax.linen.blocks import ParallelGatedMLP, ParallelMLP, ParallelSelfAttention
-from jax_ub.flax.linen.layers import ColumnParallelLinear, RowParallelLinear
+from jax_ub.flax.linen.layers import ColumnParallelLinear, RowParallelLinear, project
 
 __all__ = [
     "ColumnParallelLinear",
@@ -13,4 +13,5 @@ __all__ = [
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
+    "project",
 ]

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.core import meta
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
 from jax_ub._src.ops import placement
-from jax_ub.flax import _axes, _checks, _core, _fp8, _settings
+from jax_ub.flax import _axes, _checks, _core, _fp8, _projection, _settings
+from jax_ub.flax._projection import Projection, check_group
 from jax_ub.flax._settings import ParallelConfig
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -53,7 +58,7 @@ class Configured(nn.Module):
         owner = type(self).__name__
         given = {name: getattr(self, name) for name in _settings.FIELDS}
         config = _settings.resolve(owner, self.config, **given)
-        axis = _axes.tp_axis(owner, config.axis_name, self._split_name())
+        axis = self._tp_axis(owner, config.axis_name)
         config = dataclasses.replace(config, axis_name=axis, owner=owner)
         if config.impl == "ub" and self.scope is not None and self.is_initializing():
             if config.mesh is None and jax.sharding.get_abstract_mesh().empty:
@@ -63,6 +68,11 @@ class Configured(nn.Module):
                     # collectives, and the steps on them find the mesh in their shardings.
                     config = dataclasses.replace(config, impl="xla")
         return config
+
+    @nn.nowrap
+    def _tp_axis(self, owner: str, axis_name: str | None) -> str:
+        """The axis ``_axes.tp_axis`` resolves from ``axis_name`` and the split dim's name."""
+        return _axes.tp_axis(owner, axis_name, self._split_name())
 
     @nn.nowrap
     def resolved_axis(self) -> str:
@@ -98,16 +108,63 @@ class Biased(Configured):
 
 
 class _ParallelLinear(Biased):
-    """Shared fields, checks and parameter creation of the two parallel layers."""
+    """Shared fields, checks and parameter creation of the two parallel layers, shaped as
+    ``nn.DenseGeneral``'s."""
 
-    features: int
+    features: int | Sequence[int]
+    axis: int | Sequence[int] = _setting(-1)
 
     # Set by subclasses: "column" or "row".
     _kind: ClassVar[str]
 
     @nn.nowrap
-    def _split_name(self) -> str | None:
-        return _axes.split_name(self._kind, self.kernel_axes)
+    def _tp_axis(self, owner: str, axis_name: str | None) -> str:
+        return self._split(axis_name)[1]
+
+    @nn.nowrap
+    def _split(self, axis_name: str | None) -> tuple[int, str]:
+        """``(kernel dim, mesh axis)`` of the split (``_axes.choose_split``)."""
+        owner = type(self).__name__
+        names, mesh_names = self._kernel_names()
+        n_in = len(_projection.canonical_axes(owner, self.axis))
+        return _axes.choose_split(owner, self._kind, n_in, names, axis_name, mesh_names=mesh_names)
+
+    @nn.nowrap
+    def _kernel_names(self) -> tuple[tuple | None, bool]:
+        """The kernel's names and whether they are mesh axes: ``kernel_axes`` (logical),
+        or those of a ``kernel_init`` wrapped by ``nn.with_logical_partitioning`` (logical)
+        or ``nn.with_partitioning`` (mesh axes)."""
+        names, mesh_names = _init_names(self.kernel_init)
+        owner = type(self).__name__
+        names = _axes.kernel_names(owner, self.kernel_axes, names, self.param_axes)
+        mesh_names = mesh_names and self.kernel_axes is None
+        return names, mesh_names
+
+    @nn.nowrap
+    def projection(self, in_shape: Any) -> Projection:
+        """The layer's shape on an input whose contracted (global) dims are ``in_shape``."""
+        owner = type(self).__name__
+        in_shape = _projection.canonical_shape(owner, "the input's features", in_shape)
+        features = _projection.canonical_shape(owner, "features", self.features)
+        n_in = len(_projection.canonical_axes(owner, self.axis, len(in_shape)))
+        names, _ = self._kernel_names()
+        if names is not None:
+            _axes.check_kernel_axes(owner, names, n_in + len(features))
+        split = self._split(self.resolved_config().axis_name)[0]
+        return Projection(self._kind, in_shape, features, split, self.use_bias)
+
+    @nn.nowrap
+    def in_shape(self, inputs: jax.Array) -> tuple[int, ...]:
+        """The global contracted dims of ``inputs`` (a row layer's split one is the local
+        shard inside a shard_map over the axis)."""
+        owner = type(self).__name__
+        n_in = len(_projection.canonical_axes(owner, self.axis))
+        shape = list(inputs.shape[max(inputs.ndim - n_in, 0) :])
+        if self._kind == "row" and len(shape) == n_in:
+            split, axis = self._split(self.resolved_config().axis_name)
+            tp = self.tp_size(inputs, self.variables.get("params"))
+            shape[split] = _checks.global_features(shape[split], tp, axis, split=True)
+        return tuple(shape)
 
     @nn.nowrap
     def tp_size(self, *arrays: Any) -> int:
@@ -120,46 +177,116 @@ class _ParallelLinear(Biased):
         return _checks.group_size(type(self).__name__, mesh, config.axis_name, impl=config.impl)
 
     @nn.compact
-    def get_params(self, in_features: int) -> dict[str, Any]:
-        """Create (at init) or fetch the global ``kernel``, (with ``use_bias``) ``bias`` and
-        (with ``fp8="delayed"``) the amax histories, as ``fp8: {"x", "w", "grad"}``.
+    def get_params(self, in_features: int | Sequence[int]) -> dict[str, Any]:
+        """Create (at init) or fetch the global ``kernel [*in_features, *features]``, (with
+        ``use_bias``) ``bias [*features]`` and (with ``fp8="delayed"``) the amax histories,
+        as ``fp8: {"x", "w", "grad"}``.
 
-        Blocks call this to run several layers in one ``shard_map``.
+        Blocks (and :func:`project`) call this to run several layers in one ``shard_map``.
         """
         owner = type(self).__name__
         config = self.resolved_config()
-        if self.kernel_axes is None:
-            axis = config.axis_name
-            names = _core.param_names(owner, self._kind, axis, self.use_bias, self.param_axes)
+        shape = self.projection(in_features)
+        names, mesh_names = self._kernel_names()
+        boxed = names is not None and _init_names(self.kernel_init)[0] is not None
+        logical = None if names is None or mesh_names else names
+        our = shape.names(owner, config.axis_name, self.param_axes, logical)
+        if names is not None and mesh_names:
+            our = {"kernel": names, "bias": names[shape.n_in :]}
 
-            def init(base, names):
-                return nn.with_partitioning(base, names, mesh=config.mesh)
-        else:  # logical names, mapped to mesh axes by the user's logical_axis_rules
-            names = _axes.logical_param_names(self._kind, self.kernel_axes, owner, self.param_axes)
-
-            def init(base, names):
+        def box(base, names):
+            if logical is not None:
                 return nn.with_logical_partitioning(base, names, mesh=config.mesh)
+            return nn.with_partitioning(base, names, mesh=config.mesh)
 
-        params = {
-            "kernel": self.param(
-                "kernel",
-                init(self.kernel_init, names["kernel"]),
-                (in_features, self.features),
-                config.param_dtype,
-            )
-        }
+        def init(base, names, n_lead):
+            base = _flat_init(base, n_lead)
+            return base if boxed else box(base, names)  # a user's box keeps its names
+
+        kernel_init = init(self.kernel_init, our["kernel"], shape.n_in)
+        dtype = config.param_dtype
+        params = {"kernel": self.param("kernel", kernel_init, shape.kernel_shape, dtype)}
         if self.use_bias:
-            params["bias"] = self.param(
-                "bias", init(self.bias_init, names["bias"]), (self.features,), config.param_dtype
-            )
+            bias_init = init(self.bias_init, our["bias"], 0)
+            params["bias"] = self.param("bias", bias_init, shape.features, dtype)
         if config.fp8_recipe == "delayed":
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
             zeros = lambda: jnp.zeros((config.amax_history_length,), jnp.float32)  # noqa: E731
             params["fp8"] = {
-                k: self.variable(OVERWRITE_WITH_GRADIENT, name, init(zeros, (None,))).value
+                k: self.variable(OVERWRITE_WITH_GRADIENT, name, box(zeros, (None,))).value
                 for k, name in _fp8.HISTORY_NAMES.items()
             }
         return params
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``inputs`` contracted with ``kernel``, plus ``bias``: ``[..., *in]`` ->
+        ``[..., *features]``."""
+        return project(inputs, self)
+
+
+@functools.lru_cache(maxsize=64)
+def _init_names(kernel_init: Any) -> tuple[tuple | None, bool]:
+    """The names an initializer wrapped by ``nn.with_logical_partitioning`` (logical) or
+    ``nn.with_partitioning`` (mesh axes) boxes its values with, else None."""
+    box = jax.eval_shape(lambda: kernel_init(jax.random.key(0), (2, 2), jnp.float32))
+    if isinstance(box, nn.LogicallyPartitioned):
+        return tuple(box.names), False
+    if isinstance(box, nn.Partitioned):
+        return tuple(box.names), True
+    return None, False
+
+
+def _flat_init(init: Any, n_lead: int) -> Any:
+    """``init`` called as ``nn.DenseGeneral`` calls it: on the shape flattened to
+    ``[prod(leading n_lead dims), prod(the rest)]`` (without leading dims, to one dim),
+    so that a fan-in is that of the contracted dims; a box keeps its names."""
+
+    def call(key, shape, dtype=jnp.float32):
+        lead, rest = math.prod(shape[:n_lead]), math.prod(shape[n_lead:])
+        value = init(key, (lead, rest) if n_lead else (rest,), dtype)
+        if isinstance(value, nn.Partitioned):  # not constrained while flat (rank < names)
+            return value.replace_boxed(jnp.reshape(value.unbox(apply_constraint=False), shape))
+        if isinstance(value, meta.AxisMetadata):
+            return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+        return jnp.reshape(value, shape)
+
+    return call
+
+
+def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
+    """Linen version of :func:`jax_ub.flax.nnx.project`: ``inputs`` through each of
+    ``layers``, column-parallel layers of one input gathered once, each keeping its own
+    params. Call it where the layers are called, in the parent's ``@nn.compact`` method or
+    ``setup``-defined one::
+
+        >>> class QK(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         q = jax_ub.flax.linen.ColumnParallelLinear((8, 4), name="query")
+        ...         k = jax_ub.flax.linen.ColumnParallelLinear((4, 4), name="key")
+        ...         return jax_ub.flax.linen.project(x, q, k)
+        >>> x = jnp.ones((32, 2, 16))
+        >>> with jax.set_mesh(mesh):
+        ...     variables = QK().init(jax.random.key(0), x)
+        ...     q, k = jax.jit(QK().apply)(variables, x)
+        >>> variables["params"]["query"]["kernel"].value.shape, q.shape, k.shape
+        ((16, 8, 4), (32, 2, 8, 4), (32, 2, 4, 4))
+    """
+    if not layers or not all(isinstance(lay, _ParallelLinear) for lay in layers):
+        raise ValueError(
+            f"project: takes jax_ub's linen ColumnParallelLinear or RowParallelLinear "
+            f"layers, got {[type(lay).__name__ for lay in layers]}"
+        )
+    first = layers[0]
+    in_shape = first.in_shape(inputs)
+    shapes = tuple(lay.projection(in_shape) for lay in layers)
+    configs = [lay.resolved_config() for lay in layers]
+    check_group(shapes, configs)
+    divisible = {p.split_what: p.split_size for p in shapes}
+    _, ops, sp = first.prepare(inputs, in_features=shapes[0], divisible=divisible)
+    params = tuple(lay.get_params(in_shape) for lay in layers)
+    out = _core.projection_call(shapes, ops, inputs.ndim, sp)(inputs, params)
+    return out[0] if len(layers) == 1 and shapes[0].kind == "column" else out
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -245,12 +372,6 @@ class ColumnParallelLinear(_ParallelLinear):
 
     _kind = "column"
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
-        _, ops, sp = self.prepare(inputs, divisible={"features": self.features})
-        params = self.get_params(inputs.shape[-1])
-        return _core.linear_call(self._kind, ops, inputs.ndim, self.use_bias, sp)(inputs, params)
-
 
 class RowParallelLinear(_ParallelLinear):
     """Linen version of :class:`jax_ub.flax.RowParallelLinear`.
@@ -279,12 +400,3 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     _kind = "row"
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, features]``."""
-        tp = self.tp_size(inputs, self.variables.get("params"))
-        axis = self.resolved_axis()
-        in_features = _checks.global_features(inputs.shape[-1], tp, axis, split=True)
-        _, ops, sp = self.prepare(inputs, divisible={"in_features": in_features})
-        params = self.get_params(in_features)
-        return _core.linear_call(self._kind, ops, inputs.ndim, self.use_bias, sp)(inputs, params)

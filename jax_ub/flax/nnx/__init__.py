@@ -7,9 +7,10 @@ Parameters are ``nnx.Param``s carrying their sharding names as metadata, so
 variables (replicated), which a training step overwrites with their gradients.
 """
 
+from jax_ub.flax.nnx.base import OverwriteWithGradient
 from jax_ub.flax.nnx.blocks import ParallelMLP, ParallelSelfAttention
 from jax_ub.flax.nnx.gated import ParallelGatedMLP
-from jax_ub.flax.nnx.layers import ColumnParallelLinear, OverwriteWithGradient, RowParallelLinear
+from jax_ub.flax.nnx.layers import ColumnParallelLinear, RowParallelLinear, project
 
 __all__ = [
     "ColumnParallelLinear",
@@ -18,4 +19,5 @@ __all__ = [
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
+    "project",
 ]

@@ -19,18 +19,17 @@ from flax.typing import Dtype
 
 from jax_ub.flax import _attention, _checks, _core
 from jax_ub.flax._settings import ParallelConfig
-from jax_ub.flax.nnx.gated import ParallelGatedMLP as ParallelGatedMLP  # re-exported
-from jax_ub.flax.nnx.layers import (
+from jax_ub.flax.nnx.base import (
     BiasedSettings,
-    ColumnParallelLinear,
     Dropping,
-    RowParallelLinear,
     block_config,
     check_split,
     prepare_call,
     sharded_param,
     take_settings,
 )
+from jax_ub.flax.nnx.gated import ParallelGatedMLP as ParallelGatedMLP  # re-exported
+from jax_ub.flax.nnx.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from jax_ub.flax import _gated
-from jax_ub.flax.nnx.layers import (
+from jax_ub.flax.nnx.base import (
     Configured,
     Dropping,
     Settings,

@@ -3,251 +3,73 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, TypedDict
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.nnx import variablelib
-from flax.typing import Dtype, Initializer
-from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _checks, _core, _fp8, _settings
-from jax_ub.flax._settings import ParallelConfig
+from jax_ub.flax import _axes, _core, _fp8, _projection, _settings
+from jax_ub.flax._projection import check_group
+from jax_ub.flax.nnx.base import (
+    BiasedSettings,
+    Configured,
+    add_histories,
+    check_split,
+    prepare_call,
+    sharded_param,
+    take_settings,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-default_kernel_init = nnx.initializers.lecun_normal()
-default_bias_init = nnx.initializers.zeros_init()
-
-
-def _overwrite_with_gradient_type() -> type[nnx.Variable]:
-    """The NNX variable type of linen's ``"_overwrite_with_gradient"`` collection: the one
-    ``nnx.bridge`` gives flax's own fp8 layers' amax histories and scales, so that one
-    filter selects both; registered here under that name when nothing has yet."""
-    try:
-        return variablelib.variable_type_from_name(OVERWRITE_WITH_GRADIENT)
-    except ValueError:
-
-        class OverwriteWithGradient(nnx.Variable):
-            """State a training step overwrites with its gradient (flax's
-            OVERWRITE_WITH_GRADIENT), e.g. fp8 amax histories."""
-
-        return variablelib.register_variable_name(OVERWRITE_WITH_GRADIENT, OverwriteWithGradient)
-
-
-OverwriteWithGradient = _overwrite_with_gradient_type()
-
-
-def sharded_param(
-    value: jax.Array, names: tuple, mesh: Mesh | None, kind: type[nnx.Variable] = nnx.Param
-) -> nnx.Variable:
-    """A ``kind`` variable (a param by default) carrying its sharding names; placed on
-    ``mesh`` (or the mesh set by ``jax.set_mesh``) when one is known, else left where it
-    is until the user shards it."""
-    if mesh is None and jax.sharding.get_abstract_mesh().empty:
-        return kind(value, out_sharding=names, eager_sharding=False)
-    return kind(value, out_sharding=names, mesh=mesh)
-
-
-class Settings(TypedDict, total=False):
-    """The keyword settings every NNX layer takes, as :class:`ColumnParallelLinear`
-    documents them; a layer's constructor takes them as ``**settings``."""
-
-    config: ParallelConfig | None
-    mesh: Mesh | None
-    axis_name: str | None
-    param_axes: str | tuple[str, ...] | None
-    kernel_axes: tuple[str | None, str | None] | None
-    impl: str | None
-    sequence_parallel: bool | None
-    fp8: bool | str | None
-    amax_history_length: int | None
-    seq_axis: int | None
-    dtype: Dtype | None
-    param_dtype: Dtype | None
-    kernel_init: Initializer
-
-
-class BiasedSettings(Settings, total=False):
-    """:class:`Settings` and the bias of the layers that have one."""
-
-    use_bias: bool
-    bias_init: Initializer
-
-
-_DEFAULTS = dict.fromkeys(Settings.__annotations__) | {"kernel_init": default_kernel_init}
-_BIAS_DEFAULTS = {"use_bias": True, "bias_init": default_bias_init}
-
-
-def take_settings(owner: str, given: dict[str, Any], bias: bool = True) -> dict[str, Any]:
-    """The settings ``given`` to a constructor as ``**settings``, each one there (its
-    default where not given); a name that is not one (with ``bias``, of
-    :class:`BiasedSettings`, else of :class:`Settings`) raises a TypeError as Python does."""
-    defaults = _DEFAULTS | (_BIAS_DEFAULTS if bias else {})
-    for name in given:
-        if name not in defaults:
-            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
-    return defaults | given
-
-
-def block_config(owner: str, settings: dict[str, Any]) -> ParallelConfig:
-    """A block's settings (from :func:`take_settings`) over ``config`` or the model
-    defaults, with its tensor-parallel axis resolved from its ``kernel_axes`` ``(model
-    dim, split dim)``: what it gives its projections."""
-    given = {name: settings[name] for name in _settings.FIELDS}
-    config = _settings.resolve(owner, settings["config"], **given)
-    split = _axes.block_split_name(owner, settings["kernel_axes"], settings["param_axes"])
-    axis_name = _axes.tp_axis(owner, config.axis_name, split)
-    return dataclasses.replace(config, axis_name=axis_name, owner=owner)
-
-
-def check_split(owner: str, config: ParallelConfig, what: str, features: int) -> None:
-    """``features`` (named ``what``) divide over the axis, where its size is known."""
-    tp = _checks.group_size(owner, config.mesh, config.axis_name, required=False)
-    if tp is not None:
-        _checks.check_divisible(owner, what, features, tp, config.axis_name)
-
-
-def add_histories(module: nnx.Module, names: Iterable[str], config: ParallelConfig) -> None:
-    """With ``fp8="delayed"``, the amax histories ``names`` of ``module``: float32
-    ``[amax_history_length]`` zeros (scale 1 until the first step records its amaxes, as
-    flax's fp8 ops), replicated, :class:`OverwriteWithGradient` variables."""
-    if config.fp8_recipe != "delayed":
-        return
-    history = jnp.zeros((config.amax_history_length,), jnp.float32)
-    for name in names:
-        setattr(module, name, sharded_param(history, (None,), config.mesh, OverwriteWithGradient))
-
-
-def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> tuple:
-    """``(the ops' settings, sequence-parallel)`` for a call of ``owner`` on ``inputs``
-    (:func:`_checks.prepare`, its errors naming ``owner``'s class): the settings, axis and
-    ``in_features`` are those of ``first``, the layer the inputs go into (default: ``owner``
-    itself); ``checks`` are ``prepare``'s ``split_in`` and ``divisible``."""
-    first, params = owner if first is None else first, lambda: nnx.state(owner, nnx.Param)
-    args = (first.config, first.axis_name, inputs, first.in_features)
-    return _checks.prepare(type(owner).__name__, *args, params=params, **checks)
-
-
-class Configured:
-    """A layer's :class:`~jax_ub.flax.ParallelConfig` as ``config``, and its fields as
-    attributes: ``layer.impl = "xla"`` replaces the record by a checked copy."""
-
-    config: ParallelConfig
-
-    def _configure(self, owner: str, config: ParallelConfig | None, given: dict, axis) -> None:
-        """Settle the settings ``given`` (keyword arguments, None where not given) over
-        ``config`` or the model defaults, the tensor-parallel axis resolved as ``axis``
-        (``_axes.tp_axis``'s split name) says."""
-        config = _settings.resolve(owner, config, **given)
-        axis_name = _axes.tp_axis(owner, config.axis_name, axis)
-        self.config = dataclasses.replace(config, axis_name=axis_name, owner=owner)
-
-
-def _setting(name: str) -> property:
-    def get(self):
-        return getattr(self.config, name)
-
-    def set(self, value):
-        self.config = dataclasses.replace(self.config, owner=type(self).__name__, **{name: value})
-
-    return property(get, set, doc=f"The layer's ``config.{name}``.")
-
-
-for _name in _settings.FIELDS:
-    setattr(Configured, _name, _setting(_name))
-
-
-class Dropping:
-    """The dropout of a block (of its hidden activations or attention weights), with
-    ``nnx.Dropout``'s conventions: ``dropout_rate``; ``deterministic`` set when built, by
-    ``nnx.view(model, deterministic=...)`` or per call (the call's wins); the key from the
-    call's ``rngs`` or else the ``dropout`` stream of the ``rngs`` the block was built
-    with (forked)."""
-
-    dropout_rate: float
-    deterministic: bool | None
-
-    def _init_dropout(
-        self, owner: str, rate: float, deterministic: bool | None, rngs: nnx.Rngs
-    ) -> None:
-        _checks.check_dropout(owner, rate)
-        self.dropout_rate, self.deterministic = float(rate), deterministic
-        self.rngs = rngs.dropout.fork() if rate > 0 else nnx.data(None)
-
-    def _dropout_key(self, deterministic: bool | None, rngs) -> jax.Array | None:
-        """This call's dropout key, or None where no dropout runs (rate 0, deterministic)."""
-        owner = type(self).__name__
-        if self.dropout_rate == 0:
-            return None
-        deterministic = nnx.module.first_from(
-            deterministic,
-            self.deterministic,
-            error_msg=f"{owner}: dropout_rate={self.dropout_rate} needs `deterministic`: "
-            "pass it to the constructor or the call, or use nnx.view(model, deterministic=...)",
-        )
-        if deterministic:
-            return None
-        rngs = self.rngs if rngs is None else rngs
-        if isinstance(rngs, nnx.Rngs):
-            return rngs.dropout()
-        if isinstance(rngs, nnx.RngStream):
-            return rngs()
-        if rngs is None:
-            raise ValueError(f"{owner}: deterministic=False needs rngs for the dropout masks")
-        return rngs  # a key
-
-    def set_view(self, deterministic: bool | None = None, **_) -> None:
-        """For ``nnx.view``: ``deterministic=True`` turns dropout off."""
-        if deterministic is not None:
-            self.deterministic = deterministic
-
 
 class _ParallelLinear(Configured, nnx.Module):
-    """Shared constructor: global-shaped params carrying their sharding over ``axis_name``."""
+    """Shared constructor: global-shaped params carrying their sharding over ``axis_name``,
+    shaped as ``nnx.LinearGeneral``'s."""
 
-    # Set by subclasses: which features are split over the axis, and the layer's kind.
-    _split: str
+    # Set by subclasses: "column" or "row".
     _kind: str
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
+        in_features: int | Sequence[int],
+        out_features: int | Sequence[int],
         *,
+        axis: int | Sequence[int] = -1,
         rngs: nnx.Rngs,
         **settings: Unpack[BiasedSettings],
     ):
         owner = type(self).__name__
         s = take_settings(owner, settings)
-        kernel_axes, param_axes, use_bias = s["kernel_axes"], s["param_axes"], s["use_bias"]
-        if kernel_axes is not None:  # checked before the names resolve the axis
-            _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
-        given = {name: s[name] for name in _settings.FIELDS}
-        split_name = _axes.split_name(self._kind, kernel_axes)
-        self._configure(owner, s["config"], given, split_name)
-        cfg = self.config
-        split = {"in_features": in_features, "out_features": out_features}[self._split]
-        check_split(owner, cfg, self._split, split)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.use_bias = use_bias
-        if kernel_axes is None:
-            names = _core.param_names(owner, self._kind, cfg.axis_name, use_bias, param_axes)
-        else:  # logical names, which the user's logical_axis_rules map to mesh axes
-            names = _axes.logical_param_names(self._kind, kernel_axes, owner, param_axes)
-        kernel = s["kernel_init"](rngs.params(), (in_features, out_features), cfg.param_dtype)
+        in_shape = _projection.canonical_shape(owner, "in_features", in_features)
+        features = _projection.canonical_shape(owner, "out_features", out_features)
+        self.axis = _projection.canonical_axes(owner, axis, len(in_shape))
+        config = _settings.resolve(owner, s["config"], **{k: s[k] for k in _settings.FIELDS})
+        kernel, kernel_names = _init(s["kernel_init"], rngs.params(), in_shape, features, config)
+        logical = _axes.kernel_names(owner, s["kernel_axes"], kernel_names, s["param_axes"])
+        if logical is not None:
+            _axes.check_kernel_axes(owner, logical, len(in_shape + features))
+        split, axis_name = _axes.choose_split(
+            owner, self._kind, len(in_shape), logical, config.axis_name
+        )
+        self.config = cfg = dataclasses.replace(config, axis_name=axis_name, owner=owner)
+        shape = _projection.Projection(self._kind, in_shape, features, split, s["use_bias"])
+        check_split(owner, cfg, shape.split_what, shape.split_size)
+        self.projection = nnx.static(shape)
+        # nnx.Linear's and nnx.LinearGeneral's attributes (ints where they are).
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias = s["use_bias"]
+        names = shape.names(owner, axis_name, s["param_axes"], logical)
         self.kernel = sharded_param(kernel, names["kernel"], cfg.mesh)
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            bias = s["bias_init"](rngs.params(), (out_features,), cfg.param_dtype)
-            self.bias = sharded_param(bias, names["bias"], cfg.mesh)
-        else:
-            self.bias = nnx.data(None)
+        self.bias: nnx.Param[jax.Array] | None = nnx.data(None)
+        if self.use_bias:
+            bias, bias_names = _init(s["bias_init"], rngs.params(), (), features, config)
+            self.bias = sharded_param(bias, bias_names or names["bias"], cfg.mesh)
         add_histories(self, _fp8.HISTORY_NAMES.values(), cfg)
 
     def param_values(self) -> dict[str, jax.Array]:
@@ -260,12 +82,68 @@ class _ParallelLinear(Configured, nnx.Module):
             values["fp8"] = {k: getattr(self, n)[...] for k, n in _fp8.HISTORY_NAMES.items()}
         return values
 
-    def _config(self, inputs: jax.Array) -> tuple:
-        split = {"in_features": self.in_features, "out_features": self.out_features}[self._split]
-        ops, sp = prepare_call(
-            self, inputs, split_in=self._split == "in_features", divisible={self._split: split}
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``inputs`` contracted with ``kernel``, plus ``bias``: ``[..., *in_features]`` ->
+        ``[..., *out_features]``."""
+        return project(inputs, self)
+
+
+def _init(init: Any, key: jax.Array, in_shape: tuple, features: tuple, config) -> tuple:
+    """``(value, sharding names or None)`` of a param ``[*in_shape, *features]`` from
+    ``init``, called as ``nnx.LinearGeneral`` calls it (on the flattened shape, so that a
+    fan-in is that of the contracted dims); the names are those an initializer wrapped by
+    ``nnx.with_partitioning`` gives."""
+    flat = (math.prod(in_shape), math.prod(features)) if in_shape else (math.prod(features),)
+    value = init(key, flat, config.param_dtype)
+    names = None
+    if isinstance(value, variablelib.VariableMetadata):
+        metadata = value.metadata
+        names = next((metadata[k] for k in _NAME_KEYS if metadata.get(k) is not None), None)
+        value = value.raw_value
+    return jnp.reshape(value, in_shape + features), None if names is None else tuple(names)
+
+
+# Where flax versions keep the names nnx.with_partitioning gives.
+_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
+    """``inputs`` through each of ``layers``, column-parallel layers of one input (q, k
+    and v; gate and up) gathered once: their kernels' shards run side by side in one
+    :func:`jax_ub.all_gather_matmul`, so one all-gather feeds them all, and each layer keeps
+    its own params (the checkpoint's layout). Returns a tuple of their outputs, each as the
+    layer alone returns it; with one layer (column or row), its output.
+
+    Example: a Llama-style attention's projections, each built as ``nnx.LinearGeneral``
+    would be, run from one gather of ``x`` (``[seq, batch, embed]``)::
+
+        >>> q_proj = jax_ub.flax.ColumnParallelLinear(16, (8, 4), mesh=mesh, rngs=nnx.Rngs(0))
+        >>> k_proj = jax_ub.flax.ColumnParallelLinear(16, (4, 4), mesh=mesh, rngs=nnx.Rngs(1))
+        >>> q, k = jax.jit(jax_ub.flax.nnx.project)(jnp.ones((32, 2, 16)), q_proj, k_proj)
+        >>> q.shape, k.shape, q.sharding.spec  # heads split over tp
+        ((32, 2, 8, 4), (32, 2, 4, 4), P(None, None, 'tp'))
+    """
+    first = layers[0]
+    owner = type(first).__name__
+    shapes = _check_group(owner, inputs, layers)
+    p0 = shapes[0]
+    divisible = {p.split_what: p.split_size for p in shapes}
+    ops, sp = prepare_call(first, inputs, divisible=divisible)
+    f = _core.projection_call(shapes, ops, inputs.ndim, sp)
+    out = f(inputs, tuple(layer.param_values() for layer in layers))
+    return out[0] if len(layers) == 1 and p0.kind == "column" else out
+
+
+def _check_group(owner: str, inputs: Any, layers: Sequence[Any]) -> tuple:
+    """The layers' projections, checked to run from one input as one."""
+    if not layers or not all(isinstance(lay, _ParallelLinear) for lay in layers):
+        raise ValueError(
+            f"project: takes jax_ub's ColumnParallelLinear or RowParallelLinear layers, got "
+            f"{[type(lay).__name__ for lay in layers]}"
         )
-        return ops, inputs.ndim, self.use_bias, sp
+    shapes = tuple(lay.projection for lay in layers)
+    check_group(shapes, [lay.config for lay in layers])
+    return shapes
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -399,12 +277,7 @@ class ColumnParallelLinear(_ParallelLinear):
       rngs: rng key.
     """
 
-    _split = "out_features"
     _kind = "column"
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""
-        return _core.linear_call(self._kind, *self._config(inputs))(inputs, self.param_values())
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -440,9 +313,4 @@ class RowParallelLinear(_ParallelLinear):
         a multiple of ``tp``.
     """
 
-    _split = "in_features"
     _kind = "row"
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """``inputs @ kernel + bias``: ``[seq, *batch, in]`` -> ``[seq, *batch, out]``."""
-        return _core.linear_call(self._kind, *self._config(inputs))(inputs, self.param_values())

@@ -1,0 +1,189 @@
+"""The shape of a column- or row-parallel projection, as flax's ``DenseGeneral`` (linen)
+and ``LinearGeneral`` (NNX) shape theirs, and where its params are split.
+
+A projection contracts the input's trailing dims ``in_shape`` with a kernel
+``[*in_shape, *features]`` into ``[..., *features]``, plus a bias ``[*features]``. One
+kernel dim is split over the tensor-parallel axis: a feature dim for a column-parallel
+projection (e.g. the heads of ``[embed, heads, head_dim]``), a contracted one for a
+row-parallel projection (the heads of ``[heads, head_dim, embed]``). Flattened, the
+contracted dims and the features are the ``[k, n]`` matmul of the plain linear layers,
+and each rank's shard flattens to its block of that matmul (its columns, its rows) in the
+same order, whichever dim is split: the ops run on the flattened shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from jax.sharding import PartitionSpec as P
+
+from jax_ub.flax import _fp8
+
+
+def canonical_shape(owner: str, what: str, value: Any) -> tuple[int, ...]:
+    """``value`` (an int or a sequence of them, each positive) as a tuple."""
+    dims = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        dims = None
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ValueError(
+            f"{owner}: {what} must be a positive int or a non-empty sequence of them, got {value!r}"
+        )
+    return dims
+
+
+def canonical_axes(owner: str, axis: Any, n_in: int | None = None) -> tuple[int, ...]:
+    """The input dims a projection contracts, ``axis`` (an int or a sequence of them, as
+    flax's ``axis``), as negative indices: they must be the input's last ``len(axis)``
+    dims, in order (the trailing dims the ops flatten)."""
+    axes = (axis,) if isinstance(axis, int) and not isinstance(axis, bool) else axis
+    try:
+        axes = tuple(axes)
+    except TypeError:
+        axes = ()
+    valid = bool(axes) and all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
+    if valid and n_in is not None and len(axes) != n_in:
+        raise ValueError(
+            f"{owner}: in_features {n_in} dims and axis={axis!r} must have the same length"
+        )
+    if not valid or any(a >= 0 for a in axes):
+        if valid and all(a >= 0 for a in axes):
+            raise ValueError(
+                f"{owner}: axis={axis!r} counts from the front; the contracted dims are the "
+                f"input's last ones, so give them from the end: axis="
+                f"{tuple(range(-len(axes), 0)) if len(axes) > 1 else -1}"
+            )
+        raise ValueError(f"{owner}: axis must be an int or a sequence of ints, got {axis!r}")
+    if axes != tuple(range(-len(axes), 0)):
+        raise ValueError(
+            f"{owner}: axis={axis!r} must be the input's last {len(axes)} dims in order, "
+            f"{tuple(range(-len(axes), 0))}: jax_ub contracts the trailing dims (move the "
+            "others there with jnp.moveaxis)"
+        )
+    return axes
+
+
+class Projection(NamedTuple):
+    """A projection's shape: ``kind`` (``"column"``, ``"row"``), the contracted
+    ``in_shape``, the output ``features``, which kernel dim is ``split`` over the
+    tensor-parallel axis, and whether it has a bias. Hashable: the layers' compiled
+    functions are keyed on it."""
+
+    kind: str
+    in_shape: tuple[int, ...]
+    features: tuple[int, ...]
+    split: int
+    use_bias: bool
+
+    @classmethod
+    def linear(cls, kind: str, use_bias: bool) -> Projection:
+        """A plain ``[k, n]`` linear layer's (its sizes not needed for names and specs)."""
+        return cls(kind, (0,), (0,), 1 if kind == "column" else 0, use_bias)
+
+    @property
+    def n_in(self) -> int:
+        return len(self.in_shape)
+
+    @property
+    def kernel_shape(self) -> tuple[int, ...]:
+        return self.in_shape + self.features
+
+    @property
+    def split_size(self) -> int:
+        return self.kernel_shape[self.split]
+
+    @property
+    def split_what(self) -> str:
+        """The split dim as the layer's arguments name it, e.g. ``out_features[0]``."""
+        name, dims, i = "out_features", self.features, self.split - self.n_in
+        if self.kind == "row":
+            name, dims, i = "in_features", self.in_shape, self.split
+        return name if len(dims) == 1 else f"{name}[{i}]"
+
+    def flat(self) -> tuple[int, int]:
+        """The kernel as a ``[k, n]`` matmul."""
+        return math.prod(self.in_shape), math.prod(self.features)
+
+    def names(
+        self, owner: str, axis_name: str, other_axes: Any, logical: tuple | None = None
+    ) -> dict[str, tuple]:
+        """The sharding names the params carry as metadata (``nnx.get_partition_spec``,
+        ``nn.get_partition_spec``). With ``logical`` names of the kernel's dims (the user's
+        rules map them to mesh axes), those, and the features' for the bias. Else mesh
+        axes: ``axis_name`` on the split dim and ``other_axes`` (e.g. an FSDP axis, or
+        None) on the first dim of the other side (the model dim: the first contracted one
+        of a column projection, the first feature of a row one); the bias split as the
+        features are (column) or replicated, as it is added after the sum (row).
+
+        Only initial placement and the user's view: the ops take the params in whatever
+        layout they arrive, and XLA gathers what is not split over ``axis_name``."""
+        if logical is not None:
+            kernel = tuple(logical)
+            bias = kernel[self.n_in :]
+        else:
+            if other_axes is not None and (
+                other_axes == axis_name
+                or (isinstance(other_axes, tuple) and axis_name in other_axes)
+            ):
+                raise ValueError(
+                    f"{owner}: param_axes={other_axes!r} names the tensor-parallel axis "
+                    f"{axis_name!r}; it names the axes that split the kernel's other dim"
+                )
+            names: list[Any] = [None] * len(self.kernel_shape)
+            names[0 if self.kind == "column" else self.n_in] = other_axes
+            names[self.split] = axis_name
+            kernel = tuple(names)
+            bias = kernel[self.n_in :] if self.kind == "column" else (None,) * len(self.features)
+        return {"kernel": kernel, "bias": bias} if self.use_bias else {"kernel": kernel}
+
+    def param_specs(self, axis_name: str, fp8: str | None = None) -> dict[str, Any]:
+        """The specs the ops take the params in, over ``axis_name`` alone (with
+        ``fp8="delayed"``, the amax histories too, replicated)."""
+        kernel = [None] * len(self.kernel_shape)
+        kernel[self.split] = axis_name
+        specs = {"kernel": P(*kernel)}
+        if self.use_bias:
+            bias = kernel[self.n_in :] if self.kind == "column" else [None] * len(self.features)
+            specs["bias"] = P(*bias)
+        return specs | _fp8.history_specs(fp8)
+
+
+def param_names(
+    owner: str, kind: str, axis_name: str, use_bias: bool, other_axes: Any
+) -> dict[str, tuple]:
+    """The sharding names a plain ``[k, n]`` ``kind`` layer's params carry as metadata
+    (:meth:`Projection.names`)."""
+    return Projection.linear(kind, use_bias).names(owner, axis_name, other_axes)
+
+
+def param_specs(kind: str, axis_name: str, use_bias: bool, fp8: str | None = None) -> dict:
+    """How the ops need a plain ``kind`` layer's params split over ``axis_name`` (with
+    ``fp8="delayed"``, its amax histories too, replicated)."""
+    return Projection.linear(kind, use_bias).param_specs(axis_name, fp8)
+
+
+def check_group(projections: Sequence[Projection], configs: Sequence[Any]) -> None:
+    """Projections that run from one input as one (:func:`jax_ub.flax.nnx.project`): column
+    ones, of the same input features and settings; fp8 with current scaling only."""
+    if len(projections) == 1:
+        return
+    if any(p.kind != "column" for p in projections):
+        raise ValueError(
+            "project: layers run from one gather are column-parallel; a row-parallel layer "
+            "runs alone"
+        )
+    if len({(p.in_shape, config) for p, config in zip(projections, configs)}) > 1:
+        raise ValueError(
+            "project: the layers of one gather take the same input features and settings "
+            f"(config); got in_features {[p.in_shape for p in projections]} and configs "
+            f"{list(configs)}"
+        )
+    if configs[0].fp8_recipe == "delayed":
+        raise ValueError(
+            "project: fp8='delayed' keeps amax histories per layer, and layers run from one "
+            "gather share one GEMM: call them one by one, or use fp8='current'"
+        )
