@@ -3,6 +3,9 @@ communicators in one program, buffer sizes and growth, settings reaching new com
 Teardown with work in flight, after faults, and leaks are in test_teardown.py."""
 
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import pytest
@@ -254,3 +257,34 @@ def test_user_clear_caches_reuses_communicator(mesh1d, rand):
     b = f(x, w)
     assert jax_ub.live_communicators() == [c1]
     assert rel_err(b, a) == 0.0
+
+
+_EXIT_WHILE_RUNNING = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import jax_ub
+mesh = jax.sharding.Mesh(jax.devices()[:2], ("tp",))
+def body(x, w):
+    def step(x, _):
+        return jnp.tanh(jax_ub.all_gather_matmul(x, w, "tp", impl="ub"))[: x.shape[0]], None
+    return jax.lax.scan(step, x, None, length=300)[0]
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp")))
+y = f(jnp.ones((64, 32)), jnp.ones((32, 32)) * 0.01)
+del y  # dropped unread: the program still runs when the interpreter exits
+print("dispatched", flush=True)
+"""
+
+
+def test_exit_while_a_program_runs():
+    """The interpreter exits (finalize at exit) while a program's calls still run, its
+    outputs dropped unread: the communicator goes, the calls after it fail, nothing hangs.
+    (Destroying it under the registry's lock deadlocked with the next call's lookup.)"""
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_EXIT_WHILE_RUNNING)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "dispatched" in run.stdout, run.stderr[-2000:]

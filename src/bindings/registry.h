@@ -26,8 +26,19 @@ class Registry {
     return it == items().end() ? nullptr : it->second;
   }
   static bool Remove(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu());
-    return items().erase(id) > 0;
+    std::shared_ptr<T> item;
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      auto it = items().find(id);
+      if (it == items().end()) return false;
+      item = std::move(it->second);
+      items().erase(it);
+    }
+    // The last reference goes here, outside the lock: the destructor waits for the calls
+    // in flight, and the completion of one may start the program's next call, whose
+    // handler looks its communicator up (and, finding none, fails instead of waiting).
+    item.reset();
+    return true;
   }
   static size_t Size() {
     std::lock_guard<std::mutex> lock(mu());
