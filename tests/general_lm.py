@@ -93,9 +93,9 @@ class Attention(nn.Module):
         if cfg.decode:  # one token, appended to this model's own cache
             b = x.shape[0]
             shape = (b, cfg.max_len, cfg.kv_heads, cfg.head_dim)
-            ck = self.variable("cache", "key", jnp.zeros, shape, k.dtype)
-            cv = self.variable("cache", "value", jnp.zeros, shape, v.dtype)
-            index = self.variable("cache", "index", lambda: jnp.array(0, jnp.int32))
+            ck = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
+            cv = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+            index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
             i = index.value
             ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
             cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
