@@ -445,6 +445,7 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
 SLOW_FILES = frozenset(
     {
         "test_bench.py",
+        "test_flax_general_lm.py",
         "test_flax_ported_lm.py",
         "test_flax_public_lm.py",
         "test_layer_bench.py",

@@ -1,6 +1,6 @@
 """Acceptance test: a Llama-style LM on flax's own ``nn.DenseGeneral`` projections
-(``general_lm.py``: its own interleaved RoPE, packed-sequence masks, GQA and KV cache)
-switched to jax_ub by passing jax_ub's ``ColumnParallelLinear`` / ``RowParallelLinear`` as
+(``examples/dense_general_lm.py``: its own interleaved RoPE, packed-sequence masks, GQA and
+KV cache) switched to jax_ub by passing jax_ub's ``ColumnParallelLinear`` / ``RowParallelLinear`` as
 its projection constructors, and nothing else.
 
 Against the same model on ``nn.DenseGeneral``, unsharded (plain JAX), f32: the same
@@ -15,30 +15,33 @@ same checks on GPUs.
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import make_mesh, rel_err
 from flax import linen as nn
-from general_lm import LM, RULES, Config, greedy, loss_fn, packed_batch
 
-import jax_ub.flax as ubf
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+from dense_general_lm import (  # noqa: E402
+    LM,
+    RULES,
+    Config,
+    greedy,
+    jax_ub_config,
+    loss_fn,
+    packed_batch,
+)
 
 BATCH = 4
 CALL = re.compile(r'custom_call_target="(jax_ub_\w+)"')
 
 
 def ported(gather: bool, **kw) -> Config:
-    """The model's config with jax_ub's projections (and ``project`` with ``gather``)."""
-    settings = dict(impl="ub", seq_axis=1)
-    return Config(
-        column=functools.partial(ubf.linen.ColumnParallelLinear, **settings),
-        row=functools.partial(ubf.linen.RowParallelLinear, **settings),
-        gather=ubf.linen.project if gather else None,
-        **kw,
-    )
+    return jax_ub_config(gather, **kw)
 
 
 def init_params(cfg: Config, mesh=None):

@@ -1,5 +1,5 @@
-"""A Llama-style linen LM written on flax's own ``nn.DenseGeneral`` projections, with its own
-attention core, for the tests (and the benchmark) of jax_ub's DenseGeneral-shaped layers.
+"""Your own Llama-style linen LM, written on flax's ``nn.DenseGeneral``, switched to jax_ub by
+its projection constructors alone.
 
 The model keeps what real code bases keep for themselves: interleaved RoPE (pairs ``(2i,
 2i+1)`` rotated) at explicit positions, packed sequences (segment ids: a token sees the
@@ -10,18 +10,36 @@ projections are built by two constructors, ``column`` (q, k, v, gate, up) and ``
 down), ``nn.DenseGeneral`` by default: jax_ub's version of the model is the same code
 with ``jax_ub.flax.linen.ColumnParallelLinear`` and ``RowParallelLinear`` passed instead.
 With ``gather`` (``jax_ub.flax.linen.project``) q, k and v, and gate and up, run from one
-gather of their input each.
+gather of their input each. Runs on 2 GPUs where there are, else on 2 CPU devices:
+
+    python3 examples/dense_general_lm.py
+
+It initialises both versions from one key (the same checkpoint), then prints their losses
+and the largest relative difference of their gradients (jit under ``jax.set_mesh``, the
+rules mapping heads and the MLP's hidden units to the "tensor" axis), and what each
+decodes greedily. ``tests/test_flax_general_lm.py`` checks the same, and
+``benchmarks/general_lm_step.py`` times the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Two CPU devices where there is no GPU (set before JAX starts; GPUs ignore it).
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+
+import jax_ub.flax as ubf  # before JAX starts its devices: it sizes the CPU thread pool
 
 VOCAB, E, HEADS, KV_HEADS, HD, FFN, LAYERS = 64, 32, 4, 2, 8, 64, 2
 RULES = (
@@ -201,3 +219,41 @@ def greedy(model_decode: LM, params, prompt: jax.Array, new_tokens: int, step=No
             token = jnp.argmax(logits[:, -1], axis=-1)[:, None].astype(prompt.dtype)
             out.append(token)
     return jnp.concatenate(out, axis=1)
+
+
+def jax_ub_config(gather: bool = True, **kw: Any) -> Config:
+    """The model's config with jax_ub's projections (and ``project`` with ``gather``)."""
+    settings = dict(impl="ub", seq_axis=1)  # batch-major activations, [batch, length, embed]
+    return Config(
+        column=functools.partial(ubf.linen.ColumnParallelLinear, **settings),
+        row=functools.partial(ubf.linen.RowParallelLinear, **settings),
+        gather=ubf.linen.project if gather else None,
+        **kw,
+    )
+
+
+def main() -> None:
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("tensor",))
+    batch = packed_batch(jax.random.key(1), 4, 16)
+    params = nn.unbox(LM(Config()).init(jax.random.key(0), *batch)["params"])
+    grad = jax.value_and_grad(loss_fn, argnums=1)
+    loss, grads = jax.jit(grad, static_argnums=0)(LM(Config()), params, batch)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        ours, our_grads = jax.jit(grad, static_argnums=0)(LM(jax_ub_config()), params, batch)
+    worst = max(
+        float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        for a, b in zip(jax.tree.leaves(our_grads), jax.tree.leaves(grads))
+    )
+    print(
+        f"loss: nn.DenseGeneral {float(loss):.6f}, jax_ub {float(ours):.6f}; "
+        f"gradients' largest relative difference {worst:.2e}"
+    )
+    prompt = batch[0][:, :4]
+    print("greedy, nn.DenseGeneral:", greedy(LM(Config(decode=True)), params, prompt, 8)[0])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        tokens = greedy(LM(jax_ub_config(decode=True)), params, prompt, 8)[0]
+    print("greedy, jax_ub:         ", tokens)
+
+
+if __name__ == "__main__":
+    main()
