@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
@@ -89,6 +89,9 @@ def main(argv=None) -> None:
         base, heads=args.heads // tp, kv_heads=args.kv_heads // tp, ffn=args.ffn // tp
     )
     narrow_params = nn.unbox(jax.jit(lm.LM(narrow).init)(jax.random.key(0), *batch)["params"])
+    # Every input on every GPU before the loops (not copied from the first GPU each call).
+    replicated = NamedSharding(mesh, P())
+    narrow_params, batch = jax.device_put((narrow_params, batch), replicated)
     with jax.set_mesh(mesh), nn.logical_axis_rules(lm.RULES):
         # jax_ub's init: the same params as flax's (tests/test_flax_general_lm.py), which
         # cannot init its 3-dim logical kernels under a mesh (it constrains them while flat).

@@ -74,7 +74,8 @@ def check_same_checkpoint(mesh) -> None:
     ours = init_params(ported(False), mesh)
     assert jax.tree.structure(ours) == jax.tree.structure(reference)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
-        assert a.shape == b.shape and bool(jnp.array_equal(a, b))
+        # Equal up to rounding: a GPU's jitted initializer fuses differently from eager.
+        assert a.shape == b.shape and rel_err(a, b) < 1e-6
     # The heads and the MLP's hidden units are split over "tensor", as the rules say.
     kernel = ours["block_0"]["attn"]["query"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
