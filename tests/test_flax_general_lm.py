@@ -108,9 +108,11 @@ def check_decode(mesh, gather: bool) -> None:
     assert bool(jnp.all(got == want)), (got, want)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return make_mesh((2, "tensor"))
+@pytest.fixture(scope="module", params=["tp2", "dp2_tp2"])
+def mesh(request):
+    if request.param == "tp2":
+        return make_mesh((2, "tensor"))
+    return make_mesh((2, "data"), (2, "tensor"))  # the layers split the rows over "data"
 
 
 def test_same_checkpoint(mesh):

@@ -360,3 +360,28 @@ def test_bench_loops_on_four_devices():
     out = _run_in_own_process([*cmd, "--rounds", "1", "--ops", "ag"], flags)
     rows = [x.split()[0] for x in out.splitlines() if x.startswith("  ") and "vs xla_seq" in x]
     assert {"gemm", "comm", "xla_seq", "jax_ub"} <= set(rows), out
+
+
+@pytest.mark.parametrize("calls", [26])
+def test_many_unrolled_calls_on_global_arrays_with_a_data_axis(rand, calls):
+    """26 unrolled calls on global arrays under a (data, tp) mesh, each a shard_map of its
+    own: values and gradients equal to XLA's. With the data axis left automatic, every
+    call needed lowering's nested shard_map, and XLA's Shardy partitioner then refused the
+    24th ("Side-effect ops cannot be replicated"); the calls now split their rows over it."""
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    layers = calls // 2
+    ws = [(rand(16, 16, scale=0.3), rand(16, 16, scale=0.3)) for _ in range(layers)]
+    x = rand(8, 4, 16)  # [seq, batch, features]
+
+    def loss(ws, x, impl):
+        for w_up, w_down in ws:
+            h = jnp.tanh(AG(x, w_up, "tp", impl=impl))
+            x = x + RS(h, w_down, "tp", impl=impl)
+        return jnp.sum(x**2)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(lambda ws, x: loss(ws, x, "ub")))(ws, x)
+        want = jax.jit(jax.value_and_grad(lambda ws, x: loss(ws, x, "xla")))(ws, x)
+    assert rel_err(got[0], want[0]) < 1e-5
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert rel_err(a, b) < 1e-5

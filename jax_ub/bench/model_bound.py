@@ -38,7 +38,7 @@ def bound_ops(fp8: bool = False):
         # The layers keep one jitted shard_map per configuration: without this, the bound
         # would reuse the traces of jax_ub's ops, and jax_ub those of the bound.
         for cached in (
-            _core.linear_call,
+            _core.projection_call,
             _core.mlp_call,
             _gated.gated_mlp_call,
             _attention.attention_call,

@@ -164,6 +164,7 @@ def _over_tp(
     out_specs: Any,
     plain: Callable,
     check_vma: bool = True,
+    row_dims: int = 0,
 ):
     """``f`` on local shards, run as described above, on global arrays through
     :func:`jax_ub._src.ops.placement.global_call` (as the ops run). With no mesh known (none
@@ -210,6 +211,7 @@ def _over_tp(
                 check_vma,
                 compute_dtype=ops.dtype,
                 sums_replicated=ops.fp8 != "delayed",
+                row_dims=row_dims,
             )
             if context.empty and not isinstance(mesh, Mesh):
                 run = _probed(run)
@@ -308,7 +310,8 @@ def projection_call(
     else:
         x_spec, out_specs = split_spec(first, first.split), side
     in_specs = (x_spec, tuple(p.param_specs(axis, ops.fp8) for p in projections))
-    return _over_tp(local, ops, in_specs, out_specs, plain)
+    # fp8's amaxes are the whole batch's: its rows stay whole over the other axes.
+    return _over_tp(local, ops, in_specs, out_specs, plain, row_dims=0 if ops.fp8 else lead)
 
 
 def _kw(ops: Ops, seq: int) -> dict[str, Any]:

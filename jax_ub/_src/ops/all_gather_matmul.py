@@ -169,6 +169,7 @@ def _on_global_arrays(
         divisible={f"rows of x (dim {seq_axis})": x.shape[seq_axis], "columns of w": w.shape[1]},
         extra=None if bias is None and fp8 is None else (bias, fp8),
         extra_spec=(P(axis_name), P()),  # the bias's columns are w's; fp8 scales replicated
+        split_rows=fp8 is None,
     )
 
 

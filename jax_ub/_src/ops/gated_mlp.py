@@ -129,6 +129,7 @@ def gated_mlp(
         },
         extra=(w_down, scales),
         extra_spec=(P(axis_name, None), P()),  # fp8 scales replicated
+        split_rows=scales is None,
     )
 
 

@@ -113,6 +113,7 @@ def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
             f"rows of x (dim {seq_axis})": x.shape[seq_axis],
         },
         extra=fp8,
+        split_rows=fp8 is None,
     )
 
 

@@ -248,12 +248,14 @@ def on_global_arrays(
     divisible: dict[str, int],
     extra: Any = None,
     extra_spec: Any = None,
+    split_rows: bool = True,
 ) -> Any:
     """``local(x, w)`` (the op on local shards) run on global arrays: under the context
     mesh (or the arrays'), after checking that each of ``divisible``'s dims splits over the
     axis and that the layout, where known, is ``specs``. With ``extra`` (a pytree of more
     operands, e.g. fp8 scales, laid out as ``extra_spec`` says, replicated by default),
-    ``local(x, w, extra)``."""
+    ``local(x, w, extra)``. ``split_rows``: the other mesh axes split x's rows
+    (:func:`global_call`'s ``row_dims``); not for fp8, whose amaxes are the whole batch's."""
     mesh = context_mesh(op, axis_name, x, w)
     size = int(mesh.shape[axis_name])
     shapes = f"{x.shape=} {w.shape=}"
@@ -263,9 +265,10 @@ def on_global_arrays(
     if not isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
         x = device_probe.probe(x)  # the mesh of the arrays' types: its devices at lowering
     if extra is not None:
-        spec = P() if extra_spec is None else extra_spec
-        return global_call(local, mesh, axis_name, (*specs, spec), out_spec)(x, w, extra)
-    return global_call(local, mesh, axis_name, specs, out_spec)(x, w)
+        specs = (*specs, P() if extra_spec is None else extra_spec)
+    rows = x.ndim - 1 if split_rows else 0  # [rows, *batch, k]: every dim but the features
+    run = global_call(local, mesh, axis_name, specs, out_spec, row_dims=rows)
+    return run(x, w) if extra is None else run(x, w, extra)
 
 
 def global_call(
@@ -277,6 +280,7 @@ def global_call(
     check_vma: bool = True,
     compute_dtype: Any = None,
     sums_replicated: bool = True,
+    row_dims: int = 0,
 ) -> Callable:
     """``f`` (a computation on local shards) as a function of global arrays laid out on
     ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3), in a
@@ -290,6 +294,13 @@ def global_call(
       stays automatic in JAX, where XLA refuses the psum that would type a replicated
       output as such: nothing to check over a group of one, so ``check_vma`` applies to
       larger groups only.
+    - ``row_dims``: the first arg's and every output's leading dims that are rows ``f``
+      computes independently (a projection's; not attention's, which mixes the sequence).
+      With other mesh axes, all ``Auto``, the shard_map is then manual over every axis,
+      those axes splitting a row dim of the first arg and the outputs that none of the
+      specs splits (the first such dim they divide), as data parallelism splits a batch:
+      no op inside needs lowering's nested shard_map over them (XLA's Shardy mis-assigns
+      the manual axes of many such nested calls: "Side-effect ops cannot be replicated").
     - On CPU devices, where ``f`` computes in 16 bits (an operand is a 16-bit float, or
       ``compute_dtype`` is one) and the mesh has other axes, XLA's CPU compiler would abort
       on the 16-bit all-reduce of a replicated input's cotangent
@@ -307,11 +318,16 @@ def global_call(
         # (abstract): no mesh in context.
         kwargs["mesh"] = mesh
     platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else None
-    partly_manual = len(mesh.axis_names) > 1
 
     def call(*args):
         args = _moved_to_specs(axis_name, in_specs, args)
         body, checked = f, check_vma
+        axis_names, specs_in, specs_out = {axis_name}, in_specs, out_specs
+        split = _rows_over_other_axes(mesh, axis_name, in_specs, out_specs, args, row_dims)
+        if split is not None:
+            specs_in, specs_out = split
+            axis_names = set(mesh.axis_names)
+        partly_manual = len(axis_names) < len(mesh.axis_names)
         leaves = [*jax.tree.leaves(args), jax.ShapeDtypeStruct((), compute_dtype or jnp.float32)]
         if (
             sums_replicated
@@ -331,14 +347,51 @@ def global_call(
 
         return jax.shard_map(
             body,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names={axis_name},
+            in_specs=specs_in,
+            out_specs=specs_out,
+            axis_names=axis_names,
             check_vma=checked,
             **kwargs,
         )(*args)
 
     return call
+
+
+def _rows_over_other_axes(
+    mesh: Any, axis_name: str, in_specs: tuple, out_specs: Any, args: tuple, row_dims: int
+) -> tuple | None:
+    """``(in_specs, out_specs)`` with the mesh's other axes splitting a row dim of the first
+    arg and of every output (:func:`global_call`'s ``row_dims``), or None where that does
+    not apply: no row dims, no other axes, an ``Explicit`` one, or no row dim that no spec
+    splits and that the other axes divide."""
+    others = [a for a in mesh.axis_names if a != axis_name]
+    if row_dims <= 0 or not others:
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if any(types[a] != AxisType.Auto for a in others):
+        return None
+    split = tuple(a for a in others if int(mesh.shape[a]) > 1)
+    if not split:  # other axes of size 1: manual, nothing to split
+        return in_specs, out_specs
+    size = int(np.prod([int(mesh.shape[a]) for a in split]))
+    outs = jax.tree.leaves(out_specs, is_leaf=_is_spec)
+    x_spec, x = in_specs[0], args[0]
+
+    def free(spec: Any, d: int) -> bool:
+        return spec is None or d >= len(spec) or spec[d] is None
+
+    rows = [d for d in range(row_dims) if x.shape[d] % size == 0]
+    d = next((d for d in rows if free(x_spec, d) and all(free(s, d) for s in outs)), None)
+    if d is None:
+        return None
+    entry = split[0] if len(split) == 1 else split
+
+    def with_rows(spec: Any) -> P:
+        entries = list(spec or ()) + [None] * max(0, d + 1 - len(spec or ()))
+        entries[d] = entry
+        return P(*entries)
+
+    return (with_rows(x_spec), *in_specs[1:]), jax.tree.map(with_rows, out_specs, is_leaf=_is_spec)
 
 
 def _moved_to_specs(axis_name: str, in_specs: Any, args: tuple) -> tuple:
