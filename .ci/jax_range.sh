@@ -87,6 +87,8 @@ timeout 900 "$vpy" -m pytest -q -p no:cacheprovider \
   "tests/test_fp8.py" \
   "tests/test_flax_nnx.py" \
   "tests/test_flax_linen.py" \
+  "tests/test_flax_general.py" \
+  "tests/test_repeated_calls.py::test_many_unrolled_calls_on_global_arrays_with_a_data_axis" \
   "tests/test_model_layouts.py" \
   "tests/test_hlo.py" \
   "tests/test_matmul_all_reduce.py" \

@@ -1,4 +1,4 @@
-"""Train a Llama-style model (jax_ub.bench.llama) with jax_ub's overlapped ops, and check
+"""Train a Llama-style model (jax_ub.models.llama) with jax_ub's overlapped ops, and check
 its losses against the same model on XLA's collectives (same init, same data).
 
 Gated (SwiGLU) MLPs, grouped-query attention with rotary embeddings, layers under
@@ -49,7 +49,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ub.bench import llama
+from jax_ub.models import llama
 
 
 def main() -> None:

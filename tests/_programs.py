@@ -23,7 +23,7 @@ def llama_step_texts(mesh, *, layers: int = 2, scan_unroll=True) -> tuple[str, s
     ops (impl="ub") on ``mesh`` ("dp", "tp"), its blocks scanned over stacked params."""
     from flax import nnx
 
-    from jax_ub.bench import llama
+    from jax_ub.models import llama
 
     cfg = dataclasses.replace(llama.PRESETS["tiny"], layers=layers)
     tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab)

@@ -86,7 +86,7 @@ def test_bfloat16_llama_decodes_on_cpu(request):
         return
     from flax import nnx
 
-    from jax_ub.bench import llama
+    from jax_ub.models import llama
 
     cfg, batch = llama.PRESETS["tiny"], 4
     mesh = make_mesh((2, "dp"), (2, "tp"))

@@ -115,14 +115,19 @@ def mesh(request):
     return make_mesh((2, "data"), (2, "tensor"))  # the layers split the rows over "data"
 
 
+@pytest.fixture(scope="module")
+def tol():
+    return 2e-5
+
+
 def test_same_checkpoint(mesh):
     check_same_checkpoint(mesh)
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["one_by_one", "project"])
 @pytest.mark.parametrize("length", [16, 15])
-def test_loss_and_grads_equal(mesh, length, gather):
-    check_loss_and_grads(mesh, length, gather, tol=2e-5)
+def test_loss_and_grads_equal(mesh, length, gather, tol):
+    check_loss_and_grads(mesh, length, gather, tol)
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["one_by_one", "project"])

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from test_flax_decode import check_greedy_decoding
 
 import jax_ub
-from jax_ub.bench import llama
+from jax_ub.models import llama
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The Llama-style model (jax_ub.bench.llama) on CPU devices, dp=2 x tp=2: training with
+"""The Llama-style model (jax_ub.models.llama) on CPU devices, dp=2 x tp=2: training with
 jax_ub's ops follows XLA's collectives step for step (float32, scan over layers with each
 remat policy), the model's sharding, and the FLOP count."""
 
@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ub.bench import llama
+from jax_ub.models import llama
 
 CFG = llama.PRESETS["tiny"]
 

@@ -1,4 +1,4 @@
-"""Decoding with the Llama-style model (jax_ub.bench.llama) on CPU devices, (dp, tp)
+"""Decoding with the Llama-style model (jax_ub.models.llama) on CPU devices, (dp, tp)
 meshes: the stacked blocks' key/value caches, a prefilled prompt then one token at a time
 give the full-sequence forward's logits; greedy decoding with jax_ub's ops gives XLA's
 tokens (same params), and those of recomputing the whole sequence per token."""
@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ub.bench import llama
+from jax_ub.models import llama
 
 CFG = llama.PRESETS["tiny"]
 BATCH = 4

@@ -1,6 +1,6 @@
 """Where a Llama step's time goes, by sublayer: the attention sublayer (RMSNorm, GQA with
 rotary embeddings, projections) and the gated-MLP sublayer of one block
-(jax_ub.bench.llama), each alone, forward and backward (jit of its VJP), with jax_ub's
+(jax_ub.models.llama), each alone, forward and backward (jit of its VJP), with jax_ub's
 ops, with XLA's collectives, and with the no-communication bound (the model bench's
 ``bound_ops``), timed as the op benchmark times (``jax_ub.bench.timing.measure``:
 interleaved rounds, loop averages, medians); ratios to the bound.
@@ -28,9 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub.flax as ubf
-from jax_ub.bench import llama
 from jax_ub.bench.model import bound_ops
 from jax_ub.bench.timing import measure
+from jax_ub.models import llama
 
 
 def sublayer(kind: str, cfg, impl: str, dtype, seq_axis: int) -> nnx.Module:

@@ -1,4 +1,4 @@
-"""End-to-end training step of the Llama-style model (jax_ub.bench.llama) per way of
+"""End-to-end training step of the Llama-style model (jax_ub.models.llama) per way of
 communicating: jax_ub's overlapped ops (``jax_ub_keep``: with ``keep_gathered`` on, which
 keeps the gathered inputs instead of gathering them again), XLA's collectives with default
 flags, XLA with the flags a MaxText user sets for overlap (in a process of its own: XLA flags
@@ -45,7 +45,7 @@ OVERLAP_FLAGS = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jax_ub.bench import llama
+    from jax_ub.models import llama
 
     ap = argparse.ArgumentParser(prog="python -m jax_ub.bench.model", description=DESCRIPTION)
     llama.add_shape_args(ap)
@@ -162,7 +162,7 @@ def _tuning_of(variant: str, args):
 
 def _config(args):
     """The preset's shapes, with ``--layers``."""
-    from jax_ub.bench import llama
+    from jax_ub.models import llama
 
     cfg = llama.PRESETS[args.preset]
     return dataclasses.replace(cfg, layers=args.layers) if args.layers else cfg
@@ -194,7 +194,7 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
     from flax import nnx
 
     import jax_ub
-    from jax_ub.bench import llama
+    from jax_ub.models import llama
 
     impl = "xla" if variant.startswith("xla") else "ub"
     with jax.set_mesh(mesh):

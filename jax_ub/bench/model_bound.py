@@ -22,11 +22,11 @@ def bound_ops(fp8: bool = False):
     import jax_ub
     from jax_ub._src.lowering import reference
     from jax_ub._src.ops import gated_mlp
-    from jax_ub.bench import llama
     from jax_ub.bench.layer import bound_all_gather_matmul as ag
     from jax_ub.bench.layer import bound_matmul_reduce_scatter as rs
     from jax_ub.bench.layer import copies_of_rows, sum_row_blocks
     from jax_ub.flax import _attention, _core, _gated
+    from jax_ub.models import llama
 
     saved = [
         (m, n, getattr(m, n))

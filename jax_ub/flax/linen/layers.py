@@ -318,16 +318,22 @@ class ColumnParallelLinear(_ParallelLinear):
         (32, 2, 64)
 
     Attributes:
-      features: number of output features; a multiple of ``tp``.
+      features: number of output features, or a tuple of the output's feature dims, e.g.
+        ``(heads, head_dim)`` (as ``nn.DenseGeneral``'s); the split one (the first, or the
+        one the rules map to the axis) a multiple of ``tp``.
+      axis: the input dims contracted, ``-1`` (default) or the last few in order, e.g.
+        ``(-2, -1)``; a row-parallel layer splits the first (or the one the rules map).
       mesh: optional :class:`jax.sharding.Mesh` to run on when no mesh is set (default:
         the mesh set by ``jax.set_mesh``, or the enclosing shard_map's).
       axis_name: the tensor-parallel mesh axis (default: with ``kernel_axes``, the mesh
         axis the active ``nn.logical_axis_rules`` map the split dim's name to; else
         ``"tp"``).
-      kernel_axes: logical names of the kernel's dims ``(in, out)``, e.g.
+      kernel_axes: logical names of the kernel's dims ``(*in, *out)``, e.g.
         ``("embed", "mlp")``, as flax's ``with_logical_partitioning`` takes them: the params
-        are boxed ``nn.LogicallyPartitioned`` (the bias named as the output dim) and your
-        ``logical_axis_rules`` map them to mesh axes. Instead of ``param_axes``.
+        are boxed ``nn.LogicallyPartitioned`` (the bias named as the output dims) and your
+        ``logical_axis_rules`` map them to mesh axes. A ``kernel_init`` wrapped by
+        ``nn.with_logical_partitioning`` (or ``nn.with_partitioning``: mesh axes) gives
+        them instead, boxing the params itself. Instead of ``param_axes``.
       param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
         (default: None); XLA gathers them for the matmul.
       impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"`` (default).

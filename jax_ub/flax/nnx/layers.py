@@ -236,8 +236,13 @@ class ColumnParallelLinear(_ParallelLinear):
         (True, True)
 
     Args:
-      in_features: number of input features.
-      out_features: number of output features; a multiple of ``tp``.
+      in_features: number of input features, or a tuple of the contracted dims' sizes
+        (as ``nnx.LinearGeneral``'s; they are the input's last dims, ``axis``).
+      out_features: number of output features, or a tuple of the output's feature dims,
+        e.g. ``(heads, head_dim)``; the split one (the first, or the one the rules map to
+        the axis) a multiple of ``tp``.
+      axis: the input dims contracted, ``-1`` (default) or the last few in order, e.g.
+        ``(-2, -1)`` for ``[..., heads, head_dim]``.
       config: a :class:`~jax_ub.flax.ParallelConfig` of the settings below from ``mesh``
         to ``param_dtype`` (default: the model defaults, :func:`jax_ub.flax.defaults`);
         those given as keyword arguments take precedence. A setting left None is the
@@ -248,10 +253,13 @@ class ColumnParallelLinear(_ParallelLinear):
       axis_name: the tensor-parallel mesh axis (default: with ``kernel_axes``, the mesh
         axis the ``logical_axis_rules`` active when the layer is built map the split dim's
         name to; else ``"tp"``).
-      kernel_axes: logical names of the kernel's dims ``(in, out)``, e.g.
-        ``("embed", "mlp")``: the params carry them as their sharding names (the bias the
-        output dim's), which your ``logical_axis_rules`` map to mesh axes
-        (``nnx.get_partition_spec`` under the rules). Instead of ``param_axes``.
+      kernel_axes: logical names of the kernel's dims ``(*in, *out)``, e.g.
+        ``("embed", "mlp")`` or ``("embed", "heads", "head_dim")``: the params carry them as
+        their sharding names (the bias the output dims'), which your ``logical_axis_rules``
+        map to mesh axes (``nnx.get_partition_spec`` under the rules); the split dim is the
+        first output dim (row: contracted dim) the rules map to a mesh axis. A
+        ``kernel_init`` wrapped by ``nnx.with_partitioning`` gives them too. Instead of
+        ``param_axes``.
       param_axes: mesh axis (or axes) splitting the kernel's other dim, e.g. ``"fsdp"``
         (default: None, replicated). Only where the params are placed: XLA gathers them
         for the matmul.
@@ -272,8 +280,9 @@ class ColumnParallelLinear(_ParallelLinear):
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
       param_dtype: the dtype passed to parameter initializers (default: float32).
-      kernel_init: initializer for the global ``[in_features, out_features]`` kernel.
-      bias_init: initializer for the global ``[out_features]`` bias.
+      kernel_init: initializer for the global ``[*in_features, *out_features]`` kernel,
+        called on its flattened ``[in, out]`` shape as ``nnx.LinearGeneral`` calls it.
+      bias_init: initializer for the global ``[*out_features]`` bias.
       rngs: rng key.
     """
 
@@ -305,12 +314,13 @@ class RowParallelLinear(_ParallelLinear):
         ``mesh=`` is the third way: the layer runs on that mesh when none is set.
 
     Args:
-      in_features: number of input features; a multiple of ``tp``.
-      out_features: number of output features.
-      config, mesh, axis_name, param_axes, impl, sequence_parallel, fp8, seq_axis,
-        use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for
-        :class:`ColumnParallelLinear`. ``seq`` must be
-        a multiple of ``tp``.
+      in_features: number of input features, or a tuple of the contracted dims' sizes
+        (e.g. ``(heads, head_dim)`` with ``axis=(-2, -1)``); the split one (the first, or
+        the one the rules map to the axis) a multiple of ``tp``.
+      out_features: number of output features, or a tuple of them.
+      config, mesh, axis_name, axis, kernel_axes, param_axes, impl, sequence_parallel,
+        fp8, seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for
+        :class:`ColumnParallelLinear`. ``seq`` must be a multiple of ``tp``.
     """
 
     _kind = "row"
