@@ -175,6 +175,9 @@ def test_rules_without_the_split_name_warn(rand, mesh):
     with nnx.logical_axis_rules(RULES + (("n_heads", "tensor"),)):
         layer = ubf.ColumnParallelLinear(E, (H, HD), kernel_init=init, rngs=nnx.Rngs(0))
     assert layer.axis_name == "tensor" and layer.projection.split == 1
+    unnamed = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", None, None))
+    with pytest.warns(UserWarning, match=r"name none of the dims it splits .*dim 1"):
+        ubf.ColumnParallelLinear(E, (H, HD), kernel_init=unnamed, rngs=nnx.Rngs(0), impl="xla")
 
 
 def test_bad_shapes_are_named(rand, mesh):

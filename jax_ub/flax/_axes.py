@@ -81,9 +81,23 @@ def choose_split(
         if mapped == wanted:
             return d, wanted
     split_name = names[candidates[0]]
-    if axis_name is None or split_name is not None:
-        _warn_unmapped(owner, str(split_name), rules)
+    if split_name is None:
+        _warn_unnamed(owner, names, candidates[0], axis_name or DEFAULT_AXIS)
+    elif axis_name is None:
+        _warn_unmapped(owner, split_name, rules)
     return candidates[0], axis_name or DEFAULT_AXIS
+
+
+def _warn_unnamed(owner: str, names: tuple, dim: int, axis_name: str) -> None:
+    """Once: the kernel's names leave every dim the layer could split unnamed, so its
+    params would be placed replicated while the layer splits them."""
+    message = (
+        f"{owner}: the kernel's names {names} name none of the dims it splits over the "
+        f"tensor-parallel axis (dim {dim}, None there): the params are placed unsplit while "
+        f"the layer runs split over {axis_name!r}. Name dim {dim} (kernel_axes, or the "
+        "kernel_init's partitioning) with a name your logical axis rules map to that axis"
+    )
+    warn_once(f"unnamed split dim: {owner} {names}", message)
 
 
 def _warn_unmapped(owner: str, split_name: str, rules: Any) -> None:
