@@ -13,6 +13,7 @@ same order, whichever dim is split: the ops run on the flattened shards.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -177,10 +178,12 @@ def check_group(projections: Sequence[Projection], configs: Sequence[Any]) -> No
             "runs alone"
         )
     if len({(p.in_shape, config) for p, config in zip(projections, configs)}) > 1:
+        fields = [f.name for f in dataclasses.fields(configs[0])]
+        differ = [f for f in fields if len({getattr(c, f) for c in configs}) > 1]
         raise ValueError(
-            "project: the layers of one gather take the same input features and settings "
-            f"(config); got in_features {[p.in_shape for p in projections]} and configs "
-            f"{list(configs)}"
+            "project: the layers of one gather take the same input features and settings; "
+            f"got in_features {[p.in_shape for p in projections]}"
+            + "".join(f", {f} {[getattr(c, f) for c in configs]}" for f in differ)
         )
     if configs[0].fp8_recipe == "delayed":
         raise ValueError(
