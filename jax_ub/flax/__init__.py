@@ -7,6 +7,10 @@ live in :mod:`jax_ub.flax.linen`.
   (:func:`jax_ub.all_gather_matmul`); output feature-sharded.
 * :class:`RowParallelLinear`: feature-sharded input, matmul reduce-scattered back to
   sequence-parallel (:func:`jax_ub.matmul_reduce_scatter`).
+* Both shaped as flax's ``nnx.LinearGeneral`` / ``nn.DenseGeneral`` (multi-dim features and
+  contracted dims, the same params), so a model's own attention and MLP swap their
+  projection constructors; :func:`jax_ub.flax.nnx.project` (linen:
+  :func:`jax_ub.flax.linen.project`) runs column layers of one input from one gather.
 * :class:`ParallelMLP`, :class:`ParallelSelfAttention`: blocks built from the two.
 * :class:`ParallelGatedMLP`: SwiGLU / GeGLU (:func:`jax_ub.gated_mlp`).
 
