@@ -175,6 +175,11 @@ def test_rules_without_the_split_name_warn(rand, mesh):
     with nnx.logical_axis_rules(RULES + (("n_heads", "tensor"),)):
         layer = ubf.ColumnParallelLinear(E, (H, HD), kernel_init=init, rngs=nnx.Rngs(0))
     assert layer.axis_name == "tensor" and layer.projection.split == 1
+    # nnx.LinearGeneral's kernel_metadata names them too.
+    with nnx.logical_axis_rules(RULES):
+        names = {"out_sharding": ("embed", "heads", "kv")}
+        layer = ubf.ColumnParallelLinear(E, (H, HD), kernel_metadata=names, rngs=nnx.Rngs(0))
+    assert layer.axis_name == "tensor" and layer.projection.split == 1
     unnamed = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", None, None))
     with pytest.warns(UserWarning, match=r"name none of the dims it splits .*dim 1"):
         ubf.ColumnParallelLinear(E, (H, HD), kernel_init=unnamed, rngs=nnx.Rngs(0), impl="xla")

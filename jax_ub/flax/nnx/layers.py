@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -41,6 +41,8 @@ class _ParallelLinear(Configured, nnx.Module):
         out_features: int | Sequence[int],
         *,
         axis: int | Sequence[int] = -1,
+        kernel_metadata: Mapping[str, Any] | None = None,
+        bias_metadata: Mapping[str, Any] | None = None,
         rngs: nnx.Rngs,
         **settings: Unpack[BiasedSettings],
     ):
@@ -51,6 +53,7 @@ class _ParallelLinear(Configured, nnx.Module):
         self.axis = _projection.canonical_axes(owner, axis, len(in_shape))
         config = _settings.resolve(owner, s["config"], **{k: s[k] for k in _settings.FIELDS})
         kernel, kernel_names = _init(s["kernel_init"], rngs.params(), in_shape, features, config)
+        kernel_names = _metadata_names(owner, "kernel_metadata", kernel_metadata, kernel_names)
         logical = _axes.kernel_names(owner, s["kernel_axes"], kernel_names, s["param_axes"])
         if logical is not None:
             _axes.check_kernel_axes(owner, logical, len(in_shape + features))
@@ -69,6 +72,7 @@ class _ParallelLinear(Configured, nnx.Module):
         self.bias: nnx.Param[jax.Array] | None = nnx.data(None)
         if self.use_bias:
             bias, bias_names = _init(s["bias_init"], rngs.params(), (), features, config)
+            bias_names = _metadata_names(owner, "bias_metadata", bias_metadata, bias_names)
             self.bias = sharded_param(bias, bias_names or names["bias"], cfg.mesh)
         add_histories(self, _fp8.HISTORY_NAMES.values(), cfg)
 
@@ -101,6 +105,21 @@ def _init(init: Any, key: jax.Array, in_shape: tuple, features: tuple, config) -
         names = next((metadata[k] for k in _NAME_KEYS if metadata.get(k) is not None), None)
         value = value.raw_value
     return jnp.reshape(value, in_shape + features), None if names is None else tuple(names)
+
+
+def _metadata_names(owner: str, what: str, metadata: Any, names: tuple | None) -> tuple | None:
+    """The sharding names in ``nnx.LinearGeneral``'s ``kernel_metadata`` /
+    ``bias_metadata`` (the only metadata the layers take), else ``names``."""
+    if not metadata:
+        return names
+    unknown = sorted(set(metadata) - set(_NAME_KEYS))
+    given = [metadata[k] for k in _NAME_KEYS if metadata.get(k) is not None]
+    if unknown or len(given) != 1 or names is not None:
+        raise ValueError(
+            f"{owner}: {what} may hold the params' sharding names alone (one of "
+            f"{_NAME_KEYS}), not also given by the initializer; got {dict(metadata)!r}"
+        )
+    return tuple(given[0])
 
 
 # Where flax versions keep the names nnx.with_partitioning gives.
