@@ -166,10 +166,3 @@ def block_split_name(owner: str, kernel_axes: Any, param_axes: Any) -> str | Non
     if kernel_axes is None:
         return None
     return logical_param_names("column", kernel_axes, owner, param_axes)["kernel"][1]
-
-
-def split_name(kind: str, kernel_axes: Any) -> str | None:
-    """The logical name of the kernel dim a ``kind`` layer splits over its axis."""
-    if kernel_axes is None:
-        return None
-    return kernel_axes[1] if kind == "column" else kernel_axes[0]
