@@ -140,31 +140,44 @@ def test_project_gathers_once(rand, mesh):
         assert rel_err(a, b) < TOL
 
 
-def test_inside_shard_map(rand, mesh):
-    """On local shards in the user's shard_map: heads split, the row layer's input local."""
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("partial_auto", [False, True], ids=["all_manual", "partial_auto"])
+def test_inside_shard_map(rand, mesh, partial_auto, check_vma):
+    """On local shards in the user's shard_map (every axis manual, or "tensor" alone), with
+    check_vma on and off: q, k, v from one gather (project), the attention-like product,
+    the row layer back; values and gradients (params and input) as plain unsharded JAX's."""
     with jax.set_mesh(mesh):
-        q = ubf.ColumnParallelLinear(E, (H, HD), rngs=nnx.Rngs(0), **ub())
-        o = ubf.RowParallelLinear((H, HD), E, axis=(-2, -1), rngs=nnx.Rngs(1), **ub())
-    graph, state = nnx.split((q, o))
+        qkv = [
+            ubf.ColumnParallelLinear(E, (n, HD), rngs=nnx.Rngs(i), **ub())
+            for i, n in enumerate((H, H, H))
+        ]
+        o = ubf.RowParallelLinear((H, HD), E, axis=(-2, -1), rngs=nnx.Rngs(9), **ub())
+    graph, state = nnx.split((qkv, o))
     x = rand(2, 8, E)
 
     def body(state, x):
-        q, o = nnx.merge(graph, state)
-        return o(q(x))
+        qkv, o = nnx.merge(graph, state)
+        q, k, v = ubf.nnx.project(x, *qkv)
+        return o(q * jnp.tanh(k) + v)
+
+    def plain(state, x):
+        (qkv, o) = nnx.merge(graph, state)
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, m.kernel[...]) + m.bias[...] for m in qkv)
+        return jnp.einsum("bshd,hde->bse", q * jnp.tanh(k) + v, o.kernel[...]) + o.bias[...]
 
     specs = nnx.get_partition_spec(state)
+    kw = dict(axis_names={"tensor"}) if partial_auto else {}
+    batch = None if partial_auto else "data"
     f = jax.shard_map(
-        body, mesh=mesh, in_specs=(specs, P(None, "tensor")), out_specs=P(None, "tensor")
-    )
-    want = (
-        jnp.einsum(
-            "bshd,hde->bse",
-            jnp.einsum("bse,ehd->bshd", x, q.kernel[...]) + q.bias[...],
-            o.kernel[...],
-        )
-        + o.bias[...]
-    )
-    assert rel_err(jax.jit(f)(state, x), want) < TOL
+        body, mesh=mesh, in_specs=(specs, P(batch, "tensor")), out_specs=P(batch, "tensor"),
+        check_vma=check_vma, **kw,
+    )  # fmt: skip
+    loss = lambda f: lambda s, x: jnp.sum(jnp.sin(f(s, x)))  # noqa: E731
+    got = jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1)))(state, x)
+    want = jax.value_and_grad(loss(plain), argnums=(0, 1))(state, x)
+    assert rel_err(got[0], want[0]) < TOL
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert rel_err(a, b) < TOL
 
 
 def test_rules_without_the_split_name_warn(rand, mesh):

@@ -39,6 +39,14 @@ def _linear(p, x):
     return x @ p["kernel"] + p["bias"]
 
 
+def _general_column(p, x):  # [b, t, D] -> [b, t, heads, F / heads]
+    return jnp.einsum("btk,khd->bthd", x, p["kernel"]) + p["bias"]
+
+
+def _general_row(p, x):  # [b, t, heads, F / heads] -> [b, t, D]
+    return jnp.einsum("bthd,hde->bte", x, p["kernel"]) + p["bias"]
+
+
 def _attention(p, x):
     """Causal grouped-query attention from the fused qkv columns (per key/value head: its
     queries, its key, its value), written out: no jax_ub code."""
@@ -73,6 +81,19 @@ LAYERS = {
         {},
         _linear,
     ),
+    # DenseGeneral-shaped: [embed] -> [heads, head_dim] and back, heads split.
+    "column_general": (
+        lambda **kw: ubf.ColumnParallelLinear(D, (HEADS, F // HEADS), **kw),
+        lambda **kw: ubf.linen.ColumnParallelLinear((HEADS, F // HEADS), **kw),
+        {},
+        _general_column,
+    ),
+    "row_general": (
+        lambda **kw: ubf.RowParallelLinear((HEADS, F // HEADS), D, axis=(-2, -1), **kw),
+        lambda **kw: ubf.linen.RowParallelLinear(D, axis=(-2, -1), **kw),
+        {},
+        _general_row,
+    ),
     "mlp": (
         lambda **kw: ubf.ParallelMLP(D, F, **kw),
         lambda **kw: ubf.linen.ParallelMLP(F, **kw),
@@ -92,6 +113,11 @@ LAYERS = {
         _attention,
     ),
 }
+
+
+# The layers' input and output features where they are not D.
+IN = {"row_general": (HEADS, F // HEADS)}
+OUT = {"column": (F,), "row": (F,), "column_general": (HEADS, F // HEADS)}
 
 
 def _loss(y, cot):
@@ -163,9 +189,8 @@ def check_layer(
     if not mesh_set:
         run = functools.partial(run_nnx, build_mesh=mesh)
     for sequence_parallel, seq in CASES:
-        x = jax.device_put(rand(B, seq, D), NamedSharding(mesh, P("dp")))
-        out = F if name in ("column", "row") else D
-        cot = rand(B, seq, out)
+        x = jax.device_put(rand(B, seq, *IN.get(name, (D,))), NamedSharding(mesh, P("dp")))
+        cot = rand(B, seq, *OUT.get(name, (D,)))
         settings = dict(impl=impl, sequence_parallel=sequence_parallel, seq_axis=1)
         with jax.set_mesh(mesh) if mesh_set else contextlib.nullcontext():
             y, g_params, g_x, params = run(name, settings, x, cot)
