@@ -121,13 +121,9 @@ def _warn_unmapped(owner: str, split_name: str, rules: Any) -> None:
 def logical_param_names(kind: str, kernel_axes: Any, owner: str, param_axes: Any) -> dict:
     """Param names of a ``kind`` layer given the kernel's logical axis names ``(in, out)``:
     the kernel's, and the bias's (its output dim's)."""
-    if param_axes is not None:
-        raise ValueError(
-            f"{owner}: pass either param_axes (mesh axes) or kernel_axes (logical names, "
-            f"for logical_axis_rules), not both; got {param_axes=}, {kernel_axes=}"
-        )
+    kernel_axes = kernel_names(owner, kernel_axes, None, param_axes)
     check_kernel_axes(owner, kernel_axes, 2)
-    return {"kernel": tuple(kernel_axes), "bias": (kernel_axes[1],)}
+    return {"kernel": kernel_axes, "bias": (kernel_axes[1],)}
 
 
 def check_kernel_axes(owner: str, kernel_axes: Any, ndim: int) -> None:

@@ -254,12 +254,13 @@ def projection_local(
     lead = x.shape[:-n_in]
     flat = [_flat(p, params_p) for p, params_p in zip(projections, params)]
     sizes = [f["kernel"].shape[1] for f in flat]
-    merged = {"kernel": jnp.concatenate([f["kernel"] for f in flat], axis=1)}
-    if any(p.use_bias for p in projections):
-        biases = [f.get("bias", jnp.zeros((n,), f["kernel"].dtype)) for f, n in zip(flat, sizes)]
-        merged["bias"] = jnp.concatenate(biases)
-    if len(flat) == 1 and "fp8" in flat[0]:
-        merged["fp8"] = flat[0]["fp8"]
+    merged = flat[0]
+    if len(flat) > 1:  # side by side: one GEMM, one gather (no fp8 histories: check_group)
+        merged = {"kernel": jnp.concatenate([f["kernel"] for f in flat], axis=1)}
+        if any(p.use_bias for p in projections):
+            dtype = flat[0]["kernel"].dtype
+            biases = [f.get("bias", jnp.zeros((n,), dtype)) for f, n in zip(flat, sizes)]
+            merged["bias"] = jnp.concatenate(biases)
     linear = linear_local if sequence_parallel else linear_replicated
     y = linear(kind, x.reshape(*lead, -1), merged, **kw)
     out = []

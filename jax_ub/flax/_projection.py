@@ -105,10 +105,6 @@ class Projection(NamedTuple):
             name, dims, i = "in_features", self.in_shape, self.split
         return name if len(dims) == 1 else f"{name}[{i}]"
 
-    def flat(self) -> tuple[int, int]:
-        """The kernel as a ``[k, n]`` matmul."""
-        return math.prod(self.in_shape), math.prod(self.features)
-
     def names(
         self, owner: str, axis_name: str, other_axes: Any, logical: tuple | None = None
     ) -> dict[str, tuple]:
@@ -143,14 +139,17 @@ class Projection(NamedTuple):
 
     def param_specs(self, axis_name: str, fp8: str | None = None) -> dict[str, Any]:
         """The specs the ops take the params in, over ``axis_name`` alone (with
-        ``fp8="delayed"``, the amax histories too, replicated)."""
-        kernel = [None] * len(self.kernel_shape)
-        kernel[self.split] = axis_name
-        specs = {"kernel": P(*kernel)}
-        if self.use_bias:
-            bias = kernel[self.n_in :] if self.kind == "column" else [None] * len(self.features)
-            specs["bias"] = P(*bias)
-        return specs | _fp8.history_specs(fp8)
+        ``fp8="delayed"``, the amax histories too, replicated): :meth:`names`' mesh axes."""
+        names = self.names("", axis_name, None)
+        return {k: P(*v) for k, v in names.items()} | _fp8.history_specs(fp8)
+
+
+def flat_shape(shape: Sequence[int], n_lead: int) -> tuple[int, ...]:
+    """``shape`` as flax's ``DenseGeneral`` / ``LinearGeneral`` hand it to their
+    initializers: ``[prod(leading n_lead dims), prod(the rest)]``, or with no leading
+    dims one dim, so that a fan-in is that of the contracted dims."""
+    rest = math.prod(shape[n_lead:])
+    return (math.prod(shape[:n_lead]), rest) if n_lead else (rest,)
 
 
 def param_names(

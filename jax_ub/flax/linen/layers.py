@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -242,8 +241,7 @@ def _flat_init(init: Any, n_lead: int) -> Any:
     so that a fan-in is that of the contracted dims; a box keeps its names."""
 
     def call(key, shape, dtype=jnp.float32):
-        lead, rest = math.prod(shape[:n_lead]), math.prod(shape[n_lead:])
-        value = init(key, (lead, rest) if n_lead else (rest,), dtype)
+        value = init(key, _projection.flat_shape(shape, n_lead), dtype)
         if isinstance(value, nn.Partitioned):  # not constrained while flat (rank < names)
             return value.replace_boxed(jnp.reshape(value.unbox(apply_constraint=False), shape))
         if isinstance(value, meta.AxisMetadata):

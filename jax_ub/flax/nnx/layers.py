@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +96,7 @@ def _init(init: Any, key: jax.Array, in_shape: tuple, features: tuple, config) -
     ``init``, called as ``nnx.LinearGeneral`` calls it (on the flattened shape, so that a
     fan-in is that of the contracted dims); the names are those an initializer wrapped by
     ``nnx.with_partitioning`` gives."""
-    flat = (math.prod(in_shape), math.prod(features)) if in_shape else (math.prod(features),)
+    flat = _projection.flat_shape(in_shape + features, len(in_shape))
     value = init(key, flat, config.param_dtype)
     names = None
     if isinstance(value, variablelib.VariableMetadata):
