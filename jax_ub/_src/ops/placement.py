@@ -6,7 +6,9 @@
    others. Lowering makes the remaining axes manual around the custom call, keeping the
    batch dims sharded over them (``lowering.batch_layout.batch_spec``).
 3. From plain ``jit`` (or eagerly) on global arrays under a mesh (``jax.set_mesh``): the
-   op runs in a shard_map over its own axis alone (:func:`global_call`), which is case 2.
+   op runs in a shard_map (:func:`global_call`) manual over every axis, the others
+   splitting its rows (case 1), or, where no row dim splits or in fp8, over its own axis
+   alone (case 2).
 """
 
 from __future__ import annotations
@@ -284,7 +286,7 @@ def global_call(
 ) -> Callable:
     """``f`` (a computation on local shards) as a function of global arrays laid out on
     ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3), in a
-    shard_map whose only manual axis is ``axis_name`` (other axes stay XLA's).
+    shard_map over ``axis_name`` (other axes XLA's, unless ``row_dims`` splits over them).
 
     - Under ``Explicit`` axes shard_map takes inputs only already split as its ``in_specs``
       say: each array's split over ``axis_name`` is moved there, its other axes kept (the
