@@ -17,7 +17,7 @@ import pytest
 from conftest import in_own_process, make_mesh, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_grad_matrix_flax import LAYERS, B, D, F, reference, run_linen, run_nnx
+from test_grad_matrix_flax import IN, LAYERS, OUT, B, D, reference, run_linen, run_nnx
 
 from jax_ub._src import jax_compat
 
@@ -64,8 +64,9 @@ def test_layer_trains_in_bfloat16(rand, name, framework):
     mesh = make_mesh((2, "dp"), (2, "tp"))
     run = run_nnx if framework == "nnx" else run_linen
     for seq in (5, 8):
-        x = jax.device_put(rand(B, seq, D, dtype=jnp.bfloat16), NamedSharding(mesh, P("dp")))
-        cot = rand(B, seq, F if name in ("column", "row") else D)
+        x = rand(B, seq, *IN.get(name, (D,)), dtype=jnp.bfloat16)
+        x = jax.device_put(x, NamedSharding(mesh, P("dp")))
+        cot = rand(B, seq, *OUT.get(name, (D,)))
         settings = dict(impl="ub", seq_axis=1, dtype=jnp.bfloat16)
         with jax.set_mesh(mesh):
             y, g_params, g_x, params = run(name, settings, x, cot)
