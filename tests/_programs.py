@@ -18,9 +18,11 @@ def regathering_calls(hlo_text: str) -> tuple[int, int]:
     return len(rows), sum(int(r) > 0 for r in rows)
 
 
-def llama_step_texts(mesh, *, layers: int = 2, scan_unroll=True) -> tuple[str, str]:
+def llama_step_texts(
+    mesh, *, layers: int = 2, scan_unroll=True, impl: str = "ub"
+) -> tuple[str, str]:
     """(lowered StableHLO, compiled HLO) of the tiny Llama's training step with jax_ub's
-    ops (impl="ub") on ``mesh`` ("dp", "tp"), its blocks scanned over stacked params."""
+    ops (``impl``) on ``mesh`` ("dp", "tp"), its blocks scanned over stacked params."""
     from flax import nnx
 
     from jax_ub.models import llama
@@ -29,7 +31,7 @@ def llama_step_texts(mesh, *, layers: int = 2, scan_unroll=True) -> tuple[str, s
     tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab)
     with jax.set_mesh(mesh):
         tokens = jax.device_put(tokens, jax.NamedSharding(mesh, P("dp", None)))
-        model = llama.Llama(cfg, impl="ub", scan_unroll=scan_unroll, rngs=nnx.Rngs(0))
+        model = llama.Llama(cfg, impl=impl, scan_unroll=scan_unroll, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split((model, llama.make_optimizer(model)))
 
         def step(state, tokens):

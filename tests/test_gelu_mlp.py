@@ -131,8 +131,8 @@ def test_gelu_mlp_without_biases_on_a_partial_auto_mesh(rand):
     assert all(np.all(np.isfinite(to_f32(g))) for g in got)
 
 
-def test_gelu_mlp_on_global_arrays_is_the_two_ops(mesh1d, rand):
-    """Outside shard_map (global arrays under set_mesh) the block is the two ops."""
+def test_gelu_mlp_on_global_arrays(mesh1d, rand):
+    """Outside shard_map (global arrays under set_mesh): the unsharded block's numbers."""
     mesh = mesh1d(2)
     args = operands(rand, 2)
     with jax.set_mesh(mesh):

@@ -134,7 +134,7 @@ def test_grad_scale_amax_is_e5m2_ready(mesh1d, rand):
 
 
 def test_fp8_gelu_mlp_on_global_arrays(mesh1d, rand):
-    """Outside shard_map (global arrays under set_mesh) the fp8 block is the two fp8 ops."""
+    """Outside shard_map (global arrays under set_mesh): the fp8 block's numbers."""
     mesh = mesh1d(2)
     args = operands(rand, 2, k=32, f=16, n=16, dtype=jnp.bfloat16)
     scales = (jax_ub.Fp8Scales(), jax_ub.Fp8Scales())

@@ -1,9 +1,9 @@
 """Where a Llama step's time goes, by sublayer: the attention sublayer (RMSNorm, GQA with
 rotary embeddings, projections) and the gated-MLP sublayer of one block
 (jax_ub.models.llama), each alone, forward and backward (jit of its VJP), with jax_ub's
-ops, with XLA's collectives, and with the no-communication bound (the model bench's
-``bound_ops``), timed as the op benchmark times (``jax_ub.bench.timing.measure``:
-interleaved rounds, loop averages, medians); ratios to the bound.
+ops, with XLA's collectives, and with the no-communication bound (``impl="none"``), timed
+as the op benchmark times (``jax_ub.bench.timing.measure``: interleaved rounds, loop
+averages, medians); ratios to the bound.
 
     python3 benchmarks/tools/llama_block_parts.py --seq 8192 --batch 1   # GPUs
     python3 benchmarks/tools/llama_block_parts.py --preset tiny --seq 64  # CPU check
@@ -12,7 +12,6 @@ interleaved rounds, loop averages, medians); ratios to the bound.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -28,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub.flax as ubf
-from jax_ub.bench.model import bound_ops
 from jax_ub.bench.timing import measure
 from jax_ub.models import llama
 
@@ -83,7 +81,7 @@ def main() -> None:
         runs = {}
         for variant in ("jax_ub", "xla", "bound"):
             with jax.set_mesh(mesh):
-                impl = "xla" if variant == "xla" else "ub"
+                impl = {"xla": "xla", "bound": "none"}.get(variant, "ub")
                 graphdef, params = nnx.split(sublayer(kind, cfg, impl, dtype, seq_axis))
 
                 def step(params, x, ct, graphdef=graphdef, kind=kind):
@@ -94,9 +92,7 @@ def main() -> None:
                     y, vjp = jax.vjp(apply, params, x)
                     return y, vjp(ct)
 
-                bound = bound_ops() if variant == "bound" else contextlib.nullcontext()
-                with bound:
-                    compiled = jax.jit(step).lower(params, x, ct).compile()
+                compiled = jax.jit(step).lower(params, x, ct).compile()
             runs[variant] = (compiled, (params, x, ct))
         # The bound multiplies copies of the local rows: no reference to check it against.
         m = measure(runs, runs["xla"], args.rounds, args.iters, unchecked=("bound",))

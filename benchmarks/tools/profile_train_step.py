@@ -155,8 +155,8 @@ def profile_llama(argv: list[str], out: str) -> None:
 
     import jax
 
+    from jax_ub._src.lowering.reference import NO_COMMUNICATION_SCOPE as STAND_IN_SCOPE
     from jax_ub.bench import model, timing
-    from jax_ub.bench.layer import STAND_IN_SCOPE
 
     margs = model._parser().parse_args(argv)
     cfg, mesh, tokens = model.setup(margs)

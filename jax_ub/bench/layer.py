@@ -50,59 +50,19 @@ CPU_SIZES = "64x128x32"  # the host protocol's GEMM is a plain loop: tiny on CPU
 VARIANTS = ("bound", "xla", "jax_ub")
 BATCH_MAJOR = "jax_ub_batch_major"
 PASSES = ("fwd", "fwd+bwd")
-# The named scope of the bound's stand-ins for the collectives (its copies of rows and its
-# row-block sums, and their gradients): work the bound does and an overlapped op does not,
-# which a profile of the bound sums by this name (benchmarks/tools/step_trace.py).
-STAND_IN_SCOPE = "bound_stand_in"
 
 
 # ------------------------------------------------------------------ the layer
 
 
-def bound_all_gather_matmul(
-    x: jax.Array, w: jax.Array, axis_name: str, *, bias=None, activation=None, seq_axis=0, **_
-) -> jax.Array:
-    """all_gather_matmul's shapes without its communication: ``tp`` copies of the local
-    rows ``x [m, ..., k]`` stacked to ``[tp * m, ..., k]`` (on ``seq_axis``), times
-    ``w [k, n]``, then the op's bias and activation. Takes the op's keyword arguments."""
-    y = copies_of_rows(x, axis_name, seq_axis) @ w
-    y = y if bias is None else y + bias
-    return jax.nn.gelu(y) if activation == "gelu" else y
-
-
-def copies_of_rows(x: jax.Array, axis_name: str, seq_axis: int = 0) -> jax.Array:
-    """An all-gather's shapes without its communication: ``tp`` copies of ``x``'s rows (on
-    ``seq_axis``) stacked, ``tp`` the size of ``axis_name``."""
-    with jax.named_scope(STAND_IN_SCOPE):
-        return jnp.concatenate([x] * lax.axis_size(axis_name), axis=seq_axis)
-
-
-def sum_row_blocks(y: jax.Array, axis_name: str, seq_axis: int = 0) -> jax.Array:
-    """A reduce-scatter's shapes without its communication: the sum of ``y``'s ``tp``
-    blocks of rows (on ``seq_axis``), ``tp`` the size of ``axis_name``."""
-    tp = lax.axis_size(axis_name)
-    with jax.named_scope(STAND_IN_SCOPE):
-        blocks = y.reshape(*y.shape[:seq_axis], tp, -1, *y.shape[seq_axis + 1 :])
-        return blocks.sum(axis=seq_axis)
-
-
-def bound_matmul_reduce_scatter(
-    x: jax.Array, w: jax.Array, axis_name: str, *, bias=None, seq_axis=0, **_
-) -> jax.Array:
-    """matmul_reduce_scatter's shapes without its communication: ``x [M, ..., k] @ w``,
-    then the sum of its ``tp`` blocks of ``M / tp`` rows (on ``seq_axis``), plus the bias."""
-    y = sum_row_blocks(x @ w, axis_name, seq_axis)
-    return y if bias is None else y + bias
-
-
 def collectives(variant: str):
     """(all-gather matmul, matmul reduce-scatter, GELU MLP) of a variant: ``(x, w) -> y``
-    for the first two, ``(x, w_up, w_down) -> y`` for the MLP."""
-    if variant == "bound":
-        ag = functools.partial(bound_all_gather_matmul, axis_name=AXIS)
-        rs = functools.partial(bound_matmul_reduce_scatter, axis_name=AXIS)
-        return ag, rs, lambda x, w_up, w_down: rs(jax.nn.gelu(ag(x, w_up)), w_down)
-    impl = {"jax_ub": "ub", "xla": "xla", BATCH_MAJOR: "ub"}[variant]
+    for the first two, ``(x, w_up, w_down) -> y`` for the MLP. The bound is the ops with
+    ``impl="none"``: the same GEMMs, each gather a stack of ``tp`` copies of the local rows
+    and each reduce-scatter a sum of row blocks (in the named scope
+    ``reference.NO_COMMUNICATION_SCOPE``: work the bound does and an overlapped op does
+    not, which a profile of the bound sums by that name)."""
+    impl = {"jax_ub": "ub", "xla": "xla", BATCH_MAJOR: "ub", "bound": "none"}[variant]
     kw = dict(axis_name=AXIS, impl=impl, seq_axis=int(variant == BATCH_MAJOR))
     return (
         functools.partial(jax_ub.all_gather_matmul, **kw),

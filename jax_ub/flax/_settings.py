@@ -35,7 +35,9 @@ class ParallelConfig:
         mesh is set (None: the mesh set by ``jax.set_mesh``, or the enclosing shard_map's).
       axis_name: the tensor-parallel mesh axis (None: from the layer's ``kernel_axes`` and
         the logical axis rules, else ``"tp"``).
-      impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives) or ``"auto"``.
+      impl: ``"ub"`` (userbuffers), ``"xla"`` (lax collectives), ``"auto"``, or ``"none"``
+        (the same GEMMs, the communication removed: wrong numbers, to time a model's
+        no-communication bound).
       sequence_parallel: the activations' layout between layers. True: split over the
         axis on the sequence dim (a ValueError where ``tp`` does not divide the sequence);
         False: replicated over the axis (tensor parallelism without sequence
@@ -56,7 +58,7 @@ class ParallelConfig:
         >>> jax_ub.flax.ParallelConfig(impl="nccl")
         Traceback (most recent call last):
         ...
-        ValueError: ParallelConfig: impl must be one of ('auto', 'ub', 'xla'), got impl='nccl'
+        ValueError: ParallelConfig: impl must be one of ('auto', 'ub', 'xla', 'none'), got ...
     """
 
     mesh: Mesh | None = None

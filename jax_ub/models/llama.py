@@ -12,8 +12,10 @@ logits stay split, :func:`cross_entropy` reducing over them where they lie), as 
 does: a replicated table's gradient would be all-reduced whole every step (vocab x hidden,
 1 GB per table for Llama 3 8B in bf16) and its AdamW state kept on every device.
 
-``impl`` picks the blocks' collectives: ``"ub"`` (jax_ub's overlapped ops), ``"xla"``
-(XLA's collectives), ``"auto"``; ``fp8`` runs the blocks' projections in fp8 (current or
+``impl`` picks the model's collectives: ``"ub"`` (jax_ub's overlapped ops), ``"xla"``
+(XLA's collectives), ``"auto"``, or ``"none"``: the same GEMMs with the communication
+removed (wrong numbers; the step's no-communication bound, which the model benchmark
+times); ``fp8`` runs the blocks' projections in fp8 (current or
 delayed scaling; with ``impl="xla"`` XLA's collectives and XLA's fp8 GEMMs of the same
 quantized operands, flax's fp8 recipe). Run under ``jax.set_mesh(mesh)`` with a
 ``("dp", "tp")`` mesh.
@@ -40,13 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 import jax_ub.flax as ubf
-from jax_ub._src.lowering.reference import all_reduce, reduce_scatter_rows
+from jax_ub._src.lowering.reference import collectives_of
 from jax_ub._src.ops import placement
 from jax_ub.flax.nnx.base import sharded_param
-
-# The embedding's reduce-scatter of its partial sums over the sequence (looked up at trace
-# time: the model benchmark's bound replaces it with the same sum, uncommunicated).
-scatter_sequence = reduce_scatter_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +138,8 @@ class VocabParallelEmbed(nnx.Module):
     initializer are ``nnx.Embed``'s, its rows split ``P(axis, None)``: a checkpoint's
     ``[vocab, features]`` table loads as it is. Called from ``jit`` under ``jax.set_mesh``;
     ``vocab`` and (sequence-parallel) ``seq`` must be divisible by the axis's size.
+    ``impl="none"`` sums the partial sums locally, uncommunicated (the bound's); other
+    values use XLA's collectives.
     """
 
     def __init__(
@@ -148,6 +148,7 @@ class VocabParallelEmbed(nnx.Module):
         features: int,
         *,
         axis: str = "tp",
+        impl: str = "auto",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
@@ -155,10 +156,11 @@ class VocabParallelEmbed(nnx.Module):
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
         table = init(rngs.params(), (vocab, features), param_dtype)
         self.embedding = sharded_param(table, (axis, None), None)
-        self.axis, self.dtype = axis, dtype
+        self.axis, self.impl, self.dtype = axis, impl, dtype
 
     def __call__(self, tokens: jax.Array, *, sequence_parallel: bool) -> jax.Array:
         axis, dtype = self.axis, self.dtype or self.embedding.dtype
+        collectives = collectives_of(self.impl)
 
         def lookup(table, tokens):
             rows = table.shape[0]
@@ -167,11 +169,12 @@ class VocabParallelEmbed(nnx.Module):
             x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0).astype(dtype)
             x = jnp.where(mine[..., None], x, jnp.zeros((), dtype))
             if not sequence_parallel:
-                return all_reduce(x, axis)  # in float32 on CPU devices: jax_compat says why
+                # XLA's in float32 on CPU devices: jax_compat says why.
+                return collectives.all_reduce(x, axis)
             # Into rank-major row blocks (the move fuses into the lookup); this rank's
             # block comes back batch-major as it is.
             blocks = placement.to_rank_blocks(x, 1, jax.lax.axis_size(axis))
-            return placement.from_rank_block(scatter_sequence(blocks, axis), 1)
+            return placement.from_rank_block(collectives.scatter_rows(blocks, axis), 1)
 
         return jax.shard_map(
             lookup,
@@ -222,7 +225,7 @@ class Llama(nnx.Module):
 
     Args:
       cfg: the shapes.
-      impl: the blocks' collectives (``"ub"``, ``"xla"``, ``"auto"``).
+      impl: the model's collectives (``"ub"``, ``"xla"``, ``"auto"``, ``"none"``).
       fp8: the blocks' projections in fp8: ``False``, ``"current"`` or ``"delayed"``
         (amax histories kept per layer; :func:`train_step` overwrites them).
       remat: ``"none"``, ``"dots"`` (keep the matmuls' outputs, recompute the rest) or
@@ -248,7 +251,7 @@ class Llama(nnx.Module):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.embed = VocabParallelEmbed(
-            cfg.vocab, cfg.hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            cfg.vocab, cfg.hidden, impl=impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
 
         @nnx.split_rngs(splits=cfg.layers)

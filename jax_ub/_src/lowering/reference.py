@@ -1,7 +1,10 @@
-"""The unfused ops, built from lax collectives: CPU fallback, test oracle, benchmark baseline."""
+"""The unfused ops, built from lax collectives: CPU fallback, test oracle, benchmark baseline;
+and, with the collectives removed (impl="none"), the no-communication bound."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -60,28 +63,39 @@ def all_gather_matmul_reference(
     bias=None,
     activation: str | None = None,
     return_pre_activation: bool = False,
+    collectives: Collectives | None = None,
 ):
     """``activation(all_gather(x, axis_name, tiled=True) @ w + bias)``; fp8 operands scaled by
     ``scales``, as :func:`scaled_matmul`. Returns the result, then the gathered ``x`` with
-    ``return_gathered``, then the activation's input with ``return_pre_activation``."""
-    gathered = all_gather_rows(x, axis_name)
+    ``return_gathered``, then the activation's input with ``return_pre_activation``. The
+    gather is ``collectives``' (XLA's by default)."""
+    gathered = (collectives or XLA).gather_rows(x, axis_name)
     out, pre = epilogue(scaled_matmul(gathered, w, scales, out_dtype), bias, activation)
     extra = (gathered,) * return_gathered + (pre,) * return_pre_activation
     return (out, *extra) if extra else out
 
 
 def matmul_reduce_scatter_reference(
-    x: jax.Array, w: jax.Array, axis_name: str, scales=None, out_dtype=None
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    scales=None,
+    out_dtype=None,
+    collectives: Collectives | None = None,
 ) -> jax.Array:
     """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True); fp8 operands
-    scaled by ``scales``, as :func:`scaled_matmul`."""
-    return reduce_scatter_rows(scaled_matmul(x, w, scales, out_dtype), axis_name)
+    scaled by ``scales``, as :func:`scaled_matmul`. The scatter is ``collectives'``."""
+    y = scaled_matmul(x, w, scales, out_dtype)
+    return (collectives or XLA).scatter_rows(y, axis_name)
 
 
-def matmul_all_reduce_reference(x: jax.Array, w: jax.Array, axis_name: str | None) -> jax.Array:
-    """``psum(x @ w, axis_name)`` (``x @ w`` with ``axis_name=None``: a group of one)."""
+def matmul_all_reduce_reference(
+    x: jax.Array, w: jax.Array, axis_name: str | None, collectives: Collectives | None = None
+) -> jax.Array:
+    """``psum(x @ w, axis_name)`` (``x @ w`` with ``axis_name=None``: a group of one). The
+    sum is ``collectives'``."""
     y = x @ w
-    return y if axis_name is None else all_reduce(y, axis_name)
+    return y if axis_name is None else (collectives or XLA).all_reduce(y, axis_name)
 
 
 def all_reduce(y: jax.Array, axis_name: str) -> jax.Array:
@@ -147,3 +161,52 @@ def _reduce_scatter(y: jax.Array, axis_name: str) -> jax.Array:
     n = lax.axis_size(axis_name)
     blocks = lax.all_to_all(y, axis_name, split_axis=0, concat_axis=0, tiled=True)
     return jnp.sum(blocks.reshape((n, y.shape[0] // n, *y.shape[1:])), axis=0)
+
+
+# --- which collectives: XLA's, or none --------------------------------------------------
+
+# The named scope of impl="none"'s stand-ins for the collectives (profiles time it).
+NO_COMMUNICATION_SCOPE = "bound_stand_in"
+
+
+def copies_of_rows(x: jax.Array, axis_name: str) -> jax.Array:
+    """An all-gather's shapes without its communication: ``tp`` copies of ``x``'s rows
+    stacked on dim 0, ``tp`` the size of ``axis_name``."""
+    with jax.named_scope(NO_COMMUNICATION_SCOPE):
+        return jnp.concatenate([x] * lax.axis_size(axis_name), axis=0)
+
+
+def sum_row_blocks(y: jax.Array, axis_name: str) -> jax.Array:
+    """A reduce-scatter's shapes without its communication: the sum of ``y``'s ``tp``
+    blocks of rows (dim 0), ``tp`` the size of ``axis_name``."""
+    with jax.named_scope(NO_COMMUNICATION_SCOPE):
+        blocks = y.reshape(lax.axis_size(axis_name), -1, *y.shape[1:])
+        return blocks.sum(axis=0)
+
+
+def _kept(y: jax.Array, axis_name: str) -> jax.Array:
+    """An all-reduce's shapes without its communication: ``y`` itself."""
+    return y
+
+
+@dataclasses.dataclass(frozen=True)
+class Collectives:
+    """The collectives an unfused op is built from, over the rows (dim 0) of its operands:
+    ``gather_rows(x, axis_name)``, ``scatter_rows(y, axis_name)``, ``all_reduce(y,
+    axis_name)``."""
+
+    gather_rows: Callable[[jax.Array, str], jax.Array]
+    scatter_rows: Callable[[jax.Array, str], jax.Array]
+    all_reduce: Callable[[jax.Array, str], jax.Array]
+
+
+# XLA's collectives: the unfused ops (impl="xla").
+XLA = Collectives(all_gather_rows, reduce_scatter_rows, all_reduce)
+# None: the same GEMMs and shapes, nothing communicated (impl="none"; wrong numbers, for
+# timing a model's no-communication bound).
+NONE = Collectives(copies_of_rows, sum_row_blocks, _kept)
+
+
+def collectives_of(impl: str) -> Collectives:
+    """The collectives of an impl's unfused path: none for ``"none"``, else XLA's."""
+    return NONE if impl == "none" else XLA

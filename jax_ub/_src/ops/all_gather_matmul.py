@@ -12,13 +12,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import placement
+from jax_ub._src.ops import driver
 from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import KeptInput, saved_output
-from jax_ub._src.settings import checks
 from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
 _OP = "all_gather_matmul"
@@ -61,8 +60,10 @@ def all_gather_matmul(
         shard: sharded like ``w``'s columns); cast to the output's dtype.
       activation: ``None`` or ``"gelu"`` (the tanh approximation, ``jax.nn.gelu``'s
         default), applied after the bias.
-      impl: ``"ub"`` (userbuffer custom call), ``"xla"`` (lax reference), or ``"auto"``
-        (``"ub"`` where this platform and dtype are supported, else ``"xla"``).
+      impl: ``"ub"`` (userbuffer custom call), ``"xla"`` (lax reference), ``"auto"``
+        (``"ub"`` where this platform and dtype are supported, else ``"xla"``), or
+        ``"none"`` (the same GEMMs, nothing communicated: to time a bound; see
+        ``jax_ub``'s module docstring).
       return_gathered: also return ``all_gather(x)``, e.g. to keep it for a backward pass
         (inside shard_map only; not with ``fp8``).
       fp8: run in fp8 with these scales (:class:`jax_ub.Fp8Scales`; ``Fp8Scales()`` for
@@ -101,27 +102,35 @@ def all_gather_matmul(
     seq_axis = check_arguments(
         _OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias, activation=activation, fp8=fp8
     )
-    if fp8 is not None:
-        if return_gathered:
-            raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
-    size = checks.bound_axis_size(_OP, axis_name)
-    if size is None:
-        return _on_global_arrays(
-            x, w, bias, activation, axis_name, impl, return_gathered, fp8, seq_axis
-        )
-    if seq_axis != 0:
-        result = all_gather_matmul(
-            placement.as_rank_block(x, seq_axis),
-            w,
-            axis_name,
-            bias=bias,
-            activation=activation,
-            impl=impl,
-            return_gathered=return_gathered,
-            fp8=fp8,
-        )
-        return placement.from_rank_blocks(result, seq_axis)
-    group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
+    if fp8 is not None and return_gathered:
+        raise ValueError(f"{_OP}: return_gathered is not available with fp8 ({x.shape=})")
+    call = driver.Call(
+        _OP,
+        driver.GATHER,
+        axis_name,
+        impl,
+        seq_axis,
+        fp8=fp8 is not None,
+        divides=(("columns of w", w.shape[1]),),
+        shard_map_only=(
+            "return_gathered is for calls inside shard_map; on global arrays the gathered "
+            f"x is x itself ({x.shape=})"
+            if return_gathered
+            else None
+        ),
+    )
+
+    def body(call, x, w, extra):
+        return gathered_product(call, x, w, *extra, activation, return_gathered)
+
+    # The bias's columns are w's; fp8 scales are replicated.
+    return driver.run(call, body, x, w, (bias, fp8), (P(axis_name), P()))
+
+
+def gathered_product(call: driver.Call, x, w, bias, fp8, activation=None, return_gathered=False):
+    """The op on a rank's rows ``x [m, *batch, k]``: ``[tp * m, *batch, n]`` (and the
+    gathered ``x`` with ``return_gathered``), by the path the call's impl picks."""
+    group = Group.of_call(call, x, w, fp8)
     if bias is not None:  # the output's dtype, as the epilogue adds it
         bias = jnp.asarray(bias, x.dtype if fp8 is None else result_dtype(x, w))
     gelu = activation == "gelu"
@@ -129,48 +138,15 @@ def all_gather_matmul(
         return fp8_all_gather_matmul(x, w, fp8, bias, group, gelu)
     if not group.ub:
         return all_gather_matmul_reference(
-            x, w, axis_name, return_gathered=return_gathered, bias=bias, activation=activation
-        )
-    return _all_gather_matmul(x, w, bias, group, gelu, return_gathered)
-
-
-def _on_global_arrays(
-    x, w, bias, activation, axis_name: str, impl: str, return_gathered, fp8, seq_axis: int
-):
-    """The op on global arrays: a shard_map over ``axis_name`` alone."""
-    if return_gathered:
-        placement.context_mesh(_OP, axis_name, x, w)  # the missing-mesh error comes first
-        raise ValueError(
-            f"{_OP}: return_gathered is for calls inside shard_map; on global arrays the "
-            f"gathered x is x itself ({x.shape=})"
-        )
-
-    def local(x, w, extra=(None, None)):
-        bias, fp8 = extra
-        return all_gather_matmul(
             x,
             w,
-            axis_name,
+            call.axis_name,
+            return_gathered=return_gathered,
             bias=bias,
             activation=activation,
-            impl=impl,
-            fp8=fp8,
-            seq_axis=seq_axis,
+            collectives=group.collectives,
         )
-
-    return placement.on_global_arrays(
-        _OP,
-        local,
-        x,
-        w,
-        axis_name,
-        specs=(placement.seq_spec(x.ndim, axis_name, seq_axis), P(None, axis_name)),
-        out_spec=P(*([None] * (x.ndim - 1)), axis_name),
-        divisible={f"rows of x (dim {seq_axis})": x.shape[seq_axis], "columns of w": w.shape[1]},
-        extra=None if bias is None and fp8 is None else (bias, fp8),
-        extra_spec=(P(axis_name), P()),  # the bias's columns are w's; fp8 scales replicated
-        split_rows=fp8 is None,
-    )
+    return _all_gather_matmul(x, w, bias, group, gelu, return_gathered)
 
 
 class _Residuals(NamedTuple):

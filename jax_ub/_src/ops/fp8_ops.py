@@ -133,6 +133,7 @@ def _ag(
         bias=bias,
         activation="gelu" if gelu else None,
         return_pre_activation=True,
+        collectives=group.collectives,
     )
     return (out if dgelu_at is None else dgelu_reference(out, dgelu_at)), gathered, pre
 
@@ -145,7 +146,12 @@ def _rs(x_q, w_t, sx, sw, *, out_dtype, group: Group):
             x_q, w_t, transpose_w=True, scales=scales, out_dtype=out_dtype
         )
     return matmul_reduce_scatter_reference(
-        x_q, w_t.T, group.axis_name, scales=scales, out_dtype=out_dtype
+        x_q,
+        w_t.T,
+        group.axis_name,
+        scales=scales,
+        out_dtype=out_dtype,
+        collectives=group.collectives,
     )
 
 

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.ops import placement
-from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
-from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.ops import driver, placement
+from jax_ub._src.ops.all_gather_matmul import gathered_product
+from jax_ub._src.ops.matmul_reduce_scatter import scattered_product
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.fp8 import Fp8Scales
 
@@ -100,37 +100,28 @@ def gated_mlp(
         )
     seq_axis = placement.check_seq_axis(_OP, x, seq_axis)
     scales = checks.check_fp8_pair(_OP, fp8, "(gate_up, down)")
-
-    def local(x, w_gate_up, w_down_and_scales):
-        w_down, (up, down) = w_down_and_scales
-        k, _, f = w_gate_up.shape
-        # The hidden rows stay in the gather's rank-major order, which the row-wise math
-        # and the reduce-scatter take as they are: a batch-major x moves no rows.
-        x = placement.as_rank_block(x, seq_axis)
-        # [k, 2, f] -> [k, 2f] is free: this rank's gate columns, then its up columns.
-        gate_up = all_gather_matmul(x, w_gate_up.reshape(k, 2 * f), axis_name, fp8=up, impl=impl)
-        hidden = act(gate_up[..., :f]) * gate_up[..., f:]
-        y = matmul_reduce_scatter(hidden, w_down, axis_name, fp8=down, impl=impl)
-        return placement.from_rank_block(y, seq_axis)
-
-    if checks.bound_axis_size(_OP, axis_name) is not None:
-        return local(x, w_gate_up, (w_down, scales))
-    return placement.on_global_arrays(
+    call = driver.Call(
         _OP,
-        local,
-        x,
-        w_gate_up,
+        driver.BLOCK,
         axis_name,
-        specs=(placement.seq_spec(x.ndim, axis_name, seq_axis), P(None, None, axis_name)),
-        out_spec=placement.seq_spec(x.ndim, axis_name, seq_axis),
-        divisible={
-            f"rows of x (dim {seq_axis})": x.shape[seq_axis],
-            "f of w_gate_up": w_gate_up.shape[2],
-        },
-        extra=(w_down, scales),
-        extra_spec=(P(axis_name, None), P()),  # fp8 scales replicated
-        split_rows=scales is None,
+        impl,
+        seq_axis,
+        fp8=fp8 is not None,
+        divides=(("f of w_gate_up", w_gate_up.shape[2]),),
     )
+
+    def block(call, x, w_gate_up, extra):
+        w_down, (up, down) = extra
+        k, _, f = w_gate_up.shape
+        # [k, 2, f] -> [k, 2f] is free: this rank's gate columns, then its up columns.
+        ag = call.on("all_gather_matmul", driver.GATHER)
+        gate_up = gathered_product(ag, x, w_gate_up.reshape(k, 2 * f), None, up)
+        hidden = act(gate_up[..., :f]) * gate_up[..., f:]
+        rs = call.on("matmul_reduce_scatter", driver.SCATTER)
+        return scattered_product(rs, hidden, w_down, None, down)
+
+    # w_down's rows are split as w_gate_up's f; the fp8 scales are replicated.
+    return driver.run(call, block, x, w_gate_up, (w_down, scales), (P(axis_name, None), P()))
 
 
 def activation_function(activation) -> Callable[[jax.Array], jax.Array]:

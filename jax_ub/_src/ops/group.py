@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.lowering.reference import XLA, Collectives, collectives_of
 from jax_ub._src.ops import impl_choice
+from jax_ub._src.ops.driver import Call
 from jax_ub._src.settings.fp8 import compute_operands
 from jax_ub._src.settings.options import weight_transposed
 
@@ -21,24 +23,34 @@ class Group:
       size: the size of that axis (``tp``).
       fallback: impl="auto": lower to XLA's collectives where the group's devices cannot
         share memory (impl="ub" raises there instead).
-      ub: run the userbuffer custom call; False runs the unfused reference on XLA's
-        collectives (only the fp8 ops take both paths through one VJP).
+      ub: run the userbuffer custom call; False runs the unfused reference on
+        ``collectives`` (only the fp8 ops take both paths through one VJP).
+      collectives: the unfused reference's collectives: XLA's, or none (impl="none").
     """
 
     axis_name: str
     size: int
     fallback: bool
     ub: bool = True
+    collectives: Collectives = XLA
 
     @classmethod
-    def of_call(cls, op: str, impl: str, x, w, fp8, axis_name: str, size: int) -> Group:
-        """The group of one call of ``op`` on local shards ``x @ w`` (in fp8 where ``fp8``,
-        its scales, is not None) over ``axis_name`` of ``size``: the path
-        :func:`impl_choice.use_ub` picks for the operands the call computes in. impl="auto"
-        falls back to XLA's collectives if the group's GPUs cannot share memory."""
+    def of_call(cls, call: Call, x, w, fp8=None) -> Group:
+        """The group of one call (its axis bound: ``call.size`` set) on the rank's operands
+        ``x @ w`` (in fp8 where ``fp8``, its scales, is not None): the path
+        :func:`impl_choice.use_ub` picks for the operands the call computes in.
+        impl="auto" falls back to XLA's collectives if the group's GPUs cannot share
+        memory."""
         operands = (x, w) if fp8 is None else compute_operands(x, w)
-        ub = impl_choice.use_ub(op, impl, *operands, fp8=fp8 is not None, axis_size=size)
-        return cls(axis_name, size, fallback=impl == "auto", ub=ub)
+        kw = dict(fp8=fp8 is not None, axis_size=call.size)
+        ub = impl_choice.use_ub(call.op, call.impl, *operands, **kw)
+        return cls(
+            call.axis_name,
+            call.size,
+            fallback=call.impl == "auto",
+            ub=ub,
+            collectives=collectives_of(call.impl),
+        )
 
     def all_gather_matmul(self, x, w, **kwargs):
         """The userbuffer all-gather GEMM over this group: ``bind_all_gather_matmul`` with

@@ -94,6 +94,8 @@ def choose_impl(
     warns once where "auto" falls back on GPUs for want of the CUDA extension."""
     if impl == "xla":
         return ImplChoice("xla", "impl='xla' asks for XLA's collectives")
+    if impl == "none":
+        return ImplChoice("none", "impl='none' removes the communication (the bound)")
     backend = jax.default_backend()
     operands_reason = operands_unsupported_reason(x, w, fp8)
     reason = operands_reason or platform_unsupported_reason(backend)
@@ -149,11 +151,12 @@ def explain_impl(
         ``shard_map``.
       dtype: the dtype of ``x`` and ``w``.
       axis_size: the size of the op's mesh axis (``tp``).
-      impl: ``"auto"``, ``"ub"`` or ``"xla"``.
+      impl: ``"auto"``, ``"ub"``, ``"xla"`` or ``"none"``.
       fp8: the call passes ``fp8=Fp8Scales(...)``.
 
     Returns:
-      an :class:`ImplChoice`: ``impl`` ("ub" or "xla"), ``reason``, ``comm_bytes``.
+      an :class:`ImplChoice`: ``impl`` ("ub", "xla" or "none"), ``reason``,
+      ``comm_bytes``.
 
     Raises:
       ValueError: where ``impl="ub"`` cannot run this call (the op raises the same).

@@ -7,15 +7,13 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.reference import matmul_all_reduce_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import placement
+from jax_ub._src.ops import driver
 from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.group import Group
-from jax_ub._src.settings import checks
 
 _OP = "matmul_all_reduce"
 
@@ -53,7 +51,7 @@ def matmul_all_reduce(
       impl: ``"ub"``, ``"xla"`` (XLA's dot then its all-reduce) or ``"auto"``: ub where its
         rows split evenly over the axis and the rule of ``jax_ub.explain_impl`` says it
         pays (on GPUs: an all-reduce of at least ``config.auto_min_bytes`` per rank), else
-        XLA's.
+        XLA's; ``"none"``: the local product, unsummed.
       seq_axis: the dim of ``x`` whose rows ub splits over the axis for its reduce-scatter:
         0 for ``[seq, batch, ..., k]``, 1 for batch-major ``[batch, seq, ..., k]`` (the
         other dims before the features stay whole, split over other mesh axes by XLA).
@@ -76,46 +74,23 @@ def matmul_all_reduce(
         y = f(h, w)  # == h @ w, replicated
     """
     seq_axis = check_arguments(_OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias)
-    size = checks.bound_axis_size(_OP, axis_name)
-    if size is None:
-        return _on_global_arrays(x, w, bias, axis_name, impl, seq_axis)
-    y = _summed(x, w, axis_name, impl, size, seq_axis)
+    call = driver.Call(_OP, driver.ALL_REDUCE, axis_name, impl, seq_axis)
+    return driver.run(call, summed_product, x, w, bias)  # the bias replicated
+
+
+def summed_product(call: driver.Call, x, w, bias=None):
+    """The op on a rank's rows ``x [rows, *batch, k]``: ``psum(x @ w) + bias``, by the path
+    the call's impl picks."""
+    if call.size == 1:  # nothing to sum; XLA refuses a psum over a size-1 automatic axis
+        y = matmul_all_reduce_reference(x, w, None)
+    elif not (group := Group.of_call(call, x, w)).ub:
+        y = matmul_all_reduce_reference(x, w, call.axis_name, group.collectives)
+    else:
+        rows, pad = x.shape[0], -x.shape[0] % call.size
+        if pad:
+            x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+        y = _matmul_all_reduce(x, w, group)[:rows]
     return y if bias is None else y + jnp.asarray(bias, y.dtype)
-
-
-def _summed(x, w, axis_name: str, impl: str, size: int, seq_axis: int):
-    """psum(x @ w) over the axis, on local shards, by the path ``impl`` picks."""
-    if size == 1:  # nothing to sum; XLA refuses a psum over a size-1 automatic axis
-        return matmul_all_reduce_reference(x, w, None)
-    rows = x.shape[seq_axis]
-    xs = placement.seq_first(x, seq_axis)  # the rule reads the rows first
-    group = Group.of_call(_OP, impl, xs, w, None, axis_name, size)
-    if not group.ub:
-        return matmul_all_reduce_reference(x, w, axis_name)
-    pad = -rows % size
-    if pad:
-        xs = jnp.pad(xs, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
-    y = _matmul_all_reduce(xs, w, group)
-    return placement.seq_back(y[:rows], seq_axis)
-
-
-def _on_global_arrays(x, w, bias, axis_name: str, impl: str, seq_axis: int):
-    """The op on global arrays: a shard_map over ``axis_name`` alone."""
-
-    def local(x, w, bias=None):
-        return matmul_all_reduce(x, w, axis_name, bias=bias, impl=impl, seq_axis=seq_axis)
-
-    return placement.on_global_arrays(
-        _OP,
-        local,
-        x,
-        w,
-        axis_name,
-        specs=(P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
-        out_spec=P(),
-        divisible={"features of x (last dim)": x.shape[-1]},
-        extra=bias,
-    )
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -6,16 +6,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import placement
+from jax_ub._src.ops import driver
 from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.remat import saved_output
-from jax_ub._src.settings import checks
 from jax_ub._src.settings.fp8 import Fp8Scales
 
 _OP = "matmul_reduce_scatter"
@@ -71,50 +69,25 @@ def matmul_reduce_scatter(
         y = f(h, w)  # == h @ w, row-sharded over tp
     """
     seq_axis = check_arguments(_OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias, fp8=fp8)
-    y = _reduced(x, w, axis_name, impl, fp8, seq_axis)
-    return y if bias is None else y + jnp.asarray(bias, y.dtype)
+    call = driver.Call(_OP, driver.SCATTER, axis_name, impl, seq_axis, fp8=fp8 is not None)
+
+    def body(call, x, w, extra):
+        return scattered_product(call, x, w, *extra)
+
+    return driver.run(call, body, x, w, (bias, fp8))  # bias and scales replicated
 
 
-def _reduced(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
-    """psum_scatter(x @ w) over the rows of ``seq_axis``: on local shards, or on global
-    arrays."""
-    size = checks.bound_axis_size(_OP, axis_name)
-    if size is None:
-        return _on_global_arrays(x, w, axis_name, impl, fp8, seq_axis)
-    what = "rows of x" if seq_axis == 0 else f"rows of x (dim {seq_axis})"
-    checks.check_divisible(_OP, what, x.shape[seq_axis], size, axis_name, f"{x.shape=}")
-    if seq_axis != 0:
-        y = _reduced(placement.to_rank_blocks(x, seq_axis, size), w, axis_name, impl, fp8, 0)
-        return placement.from_rank_block(y, seq_axis)
-    group = Group.of_call(_OP, impl, x, w, fp8, axis_name, size)
+def scattered_product(call: driver.Call, x, w, bias=None, fp8=None):
+    """The op on a rank's rows ``x [M, *batch, k]``: this rank's block of the summed
+    product plus ``bias``, ``[M / tp, *batch, n]``, by the path the call's impl picks."""
+    group = Group.of_call(call, x, w, fp8)
     if fp8 is not None:
-        return fp8_matmul_reduce_scatter(x, w, fp8, group)
-    if not group.ub:
-        return matmul_reduce_scatter_reference(x, w, axis_name)
-    return _matmul_reduce_scatter(x, w, group)
-
-
-def _on_global_arrays(x, w, axis_name: str, impl: str, fp8, seq_axis: int):
-    """The op on global arrays: a shard_map over ``axis_name`` alone."""
-
-    def local(x, w, fp8=None):
-        return matmul_reduce_scatter(x, w, axis_name, impl=impl, fp8=fp8, seq_axis=seq_axis)
-
-    return placement.on_global_arrays(
-        _OP,
-        local,
-        x,
-        w,
-        axis_name,
-        specs=(P(*([None] * (x.ndim - 1)), axis_name), P(axis_name, None)),
-        out_spec=placement.seq_spec(x.ndim, axis_name, seq_axis),
-        divisible={
-            "features of x (last dim)": x.shape[-1],
-            f"rows of x (dim {seq_axis})": x.shape[seq_axis],
-        },
-        extra=fp8,
-        split_rows=fp8 is None,
-    )
+        y = fp8_matmul_reduce_scatter(x, w, fp8, group)
+    elif not group.ub:
+        y = matmul_reduce_scatter_reference(x, w, call.axis_name, collectives=group.collectives)
+    else:
+        y = _matmul_reduce_scatter(x, w, group)
+    return y if bias is None else y + jnp.asarray(bias, y.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -14,16 +14,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering.reference import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import impl_choice, placement
-from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
+from jax_ub._src.ops import driver, impl_choice, placement
+from jax_ub._src.ops.all_gather_matmul import gathered_product
 from jax_ub._src.ops.common import contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
 from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.ops.group import Group
-from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
+from jax_ub._src.ops.matmul_reduce_scatter import scattered_product
 from jax_ub._src.ops.remat import KeptInput
 from jax_ub._src.settings import checks, options
 from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands, result_dtype
@@ -50,7 +51,8 @@ def gelu_mlp(
     backward's GELU gradient in the epilogue of the GEMM that computes it (see the module
     docstring). Equal to writing the block with :func:`all_gather_matmul` and
     :func:`matmul_reduce_scatter`, which is what runs where the userbuffer path does not
-    (``impl="xla"``, ``"auto"`` choosing XLA, global arrays outside ``shard_map``).
+    (``impl="xla"``, or ``"auto"`` choosing XLA for either projection). Called inside
+    ``jax.shard_map`` or on global arrays under ``jax.set_mesh``, as the ops.
 
     Args:
       x: local rows ``[m, ..., k]``, sequence-sharded over ``axis_name``.
@@ -91,44 +93,50 @@ def gelu_mlp(
     check_epilogue(_OP, x, w_down, down_bias, None)
     up, down = checks.check_fp8_pair(_OP, fp8, "(up, down)")
     dtype = x.dtype if fp8 is None else result_dtype(x, w_up)  # of the hidden activation
-    h_rows = (x.shape[0], *x.shape[1:-1], w_up.shape[1])
     checks.check_fp8_operands(_OP, x, w_up, up, ("x", "w_up"), "fp8[0]")
-    hidden_rows = jax.ShapeDtypeStruct(h_rows, dtype)
+    hidden_rows = jax.ShapeDtypeStruct((*x.shape[:-1], w_up.shape[1]), dtype)
     checks.check_fp8_operands(
         _OP, hidden_rows, w_down, down, ("the hidden activation", "w_down"), "fp8[1]"
     )
-    size = checks.bound_axis_size(_OP, axis_name)
-    if size is not None and seq_axis != 0:
-        y = gelu_mlp(
-            placement.as_rank_block(x, seq_axis),
-            w_up,
-            w_down,
-            axis_name,
-            up_bias=up_bias,
-            down_bias=down_bias,
-            impl=impl,
-            fp8=fp8,
-        )
-        return placement.from_rank_block(y, seq_axis)
-    fused = size is not None
-    if fused:
-        hidden = jax.ShapeDtypeStruct((size * h_rows[0], *h_rows[1:]), dtype)
-        ops = ((x, w_up), (hidden, w_down))
-        if fp8 is not None:
-            ops = (compute_operands(x, w_up), compute_operands(hidden, w_down))
-        # Each projection as its own op would decide (the rule counts each op's bytes).
-        kw = dict(fp8=fp8 is not None, axis_size=size)
-        fused = impl_choice.use_ub("all_gather_matmul", impl, *ops[0], **kw)
-        fused = fused and impl_choice.use_ub("matmul_reduce_scatter", impl, *ops[1], **kw)
+    call = driver.Call(
+        _OP,
+        driver.BLOCK,
+        axis_name,
+        impl,
+        seq_axis,
+        fp8=fp8 is not None,
+        divides=(("columns of w_up", w_up.shape[1]),),
+    )
+    extra = (up_bias, w_down, down_bias, fp8)
+    # up_bias's columns are w_up's, w_down's rows too; down_bias and the scales replicated.
+    specs = (P(axis_name), P(axis_name, None), P(), P())
+    return driver.run(call, _block, x, w_up, extra, specs)
+
+
+def _block(call: driver.Call, x, w_up, extra):
+    """The block on a rank's rows ``x [m, *batch, k]``: fused where the rule picks ub for
+    both projections, else the two ops, each on its own path."""
+    up_bias, w_down, down_bias, fp8 = extra
+    up, down = (None, None) if fp8 is None else fp8
+    size, dtype = call.size, x.dtype if fp8 is None else result_dtype(x, w_up)
+    hidden = jax.ShapeDtypeStruct((size * x.shape[0], *x.shape[1:-1], w_up.shape[1]), dtype)
+    ops = ((x, w_up), (hidden, w_down))
+    if fp8 is not None:
+        ops = (compute_operands(x, w_up), compute_operands(hidden, w_down))
+    # Each projection as its own op would decide (the rule counts each op's bytes).
+    kw = dict(fp8=fp8 is not None, axis_size=size)
+    fused = impl_choice.use_ub("all_gather_matmul", call.impl, *ops[0], **kw)
+    fused = fused and impl_choice.use_ub("matmul_reduce_scatter", call.impl, *ops[1], **kw)
     if not fused:  # the same block from the two ops, each taking its own path
-        kw = dict(impl=impl, seq_axis=seq_axis)
-        h = all_gather_matmul(x, w_up, axis_name, bias=up_bias, activation="gelu", fp8=up, **kw)
-        return matmul_reduce_scatter(h, w_down, axis_name, bias=down_bias, fp8=down, **kw)
+        ag = call.on("all_gather_matmul", driver.GATHER)
+        h = gathered_product(ag, x, w_up, up_bias, up, activation="gelu")
+        rs = call.on("matmul_reduce_scatter", driver.SCATTER)
+        return scattered_product(rs, h, w_down, down_bias, down)
     if up_bias is not None:
         up_bias = jnp.asarray(up_bias, dtype)
     # Both projections run the userbuffer op here; impl="auto" falls back to XLA's
     # collectives if the group's GPUs cannot share memory.
-    group = Group(axis_name, size, fallback=impl == "auto")
+    group = Group(call.axis_name, size, fallback=call.impl == "auto")
     if fp8 is None:
         y = _gelu_mlp(x, w_up, up_bias, w_down, group)
     else:

@@ -23,7 +23,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src import jax_compat
-from jax_ub._src.lowering import device_probe
 from jax_ub._src.lowering.batch_layout import spec_axes
 from jax_ub._src.settings import checks
 
@@ -236,41 +235,6 @@ def replace_axis(actual: P, wanted: P, axis: str, ndim: int) -> P:
             names = [axis, *names]
         entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
     return P(*entries)
-
-
-def on_global_arrays(
-    op: str,
-    local: Callable,
-    x: Any,
-    w: Any,
-    axis_name: str,
-    *,
-    specs: tuple[P, P],
-    out_spec: P,
-    divisible: dict[str, int],
-    extra: Any = None,
-    extra_spec: Any = None,
-    split_rows: bool = True,
-) -> Any:
-    """``local(x, w)`` (the op on local shards) run on global arrays: under the context
-    mesh (or the arrays'), after checking that each of ``divisible``'s dims splits over the
-    axis and that the layout, where known, is ``specs``. With ``extra`` (a pytree of more
-    operands, e.g. fp8 scales, laid out as ``extra_spec`` says, replicated by default),
-    ``local(x, w, extra)``. ``split_rows``: the other mesh axes split x's rows
-    (:func:`global_call`'s ``row_dims``); not for fp8, whose amaxes are the whole batch's."""
-    mesh = context_mesh(op, axis_name, x, w)
-    size = int(mesh.shape[axis_name])
-    shapes = f"{x.shape=} {w.shape=}"
-    for what, value in divisible.items():
-        checks.check_divisible(op, what, value, size, axis_name, shapes)
-    check_global_layout(op, mesh, {"x": (x, specs[0]), "w": (w, specs[1])})
-    if not isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
-        x = device_probe.probe(x)  # the mesh of the arrays' types: its devices at lowering
-    if extra is not None:
-        specs = (*specs, P() if extra_spec is None else extra_spec)
-    rows = x.ndim - 1 if split_rows else 0  # [rows, *batch, k]: every dim but the features
-    run = global_call(local, mesh, axis_name, specs, out_spec, row_dims=rows)
-    return run(x, w) if extra is None else run(x, w, extra)
 
 
 def global_call(

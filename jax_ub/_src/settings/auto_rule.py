@@ -67,7 +67,8 @@ class ImplChoice:
     """What an op's ``impl`` resolves to for one call, and why.
 
     Attributes:
-      impl: ``"ub"`` (the userbuffer op) or ``"xla"`` (XLA's unfused collective and dot).
+      impl: ``"ub"`` (the userbuffer op), ``"xla"`` (XLA's unfused collective and dot) or
+        ``"none"`` (the unfused dot, its collective removed).
       reason: why, in words.
       comm_bytes: the bytes the call's collective moves per rank (:func:`comm_bytes`), or
         None where the rule did not need them.

@@ -12,7 +12,7 @@ from jax import lax
 from jax_ub._src.settings.config import config
 from jax_ub._src.settings.fp8 import E4M3, Fp8Scales, is_quantized
 
-IMPLS = ("auto", "ub", "xla")
+IMPLS = ("auto", "ub", "xla", "none")
 
 
 def bound_axis_size(op: str, axis_name: str) -> int | None:

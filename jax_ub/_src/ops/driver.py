@@ -1,0 +1,174 @@
+"""The one driver every public op runs through.
+
+An op's front end checks its arguments once into a :class:`Call` and hands :func:`run`
+its body: the op on one rank's rows, ``x [rows, *batch, k]`` whose rows (dim 0) are the
+ones split over the axis. The driver does the rest, the same way for every op:
+
+1. global arrays (no shard_map binds the axis) -> the layout checked, one shard_map
+   (:func:`placement.global_call`);
+2. the rank's shard -> the body's rows (a batch-major shard becomes one block of rows,
+   without moving data where the op allows it);
+3. the body, with the axis's size in the call record;
+4. the result back in the caller's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_ub._src.lowering import device_probe
+from jax_ub._src.ops import placement
+from jax_ub._src.settings import checks
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How an op's operands and result are split over its axis: static data per op.
+
+    Attributes:
+      x: ``"rows"`` (the sequence, ``seq_axis``: sequence-parallel input) or
+        ``"features"`` (the last dim).
+      w_dim: the dim of ``w`` split over the axis (negative: from the end).
+      out: ``"rows"``, ``"features"`` or ``"replicated"``.
+      rows: what the body does to the rows, which says how a batch-major shard
+        (``seq_axis`` > 0) becomes the body's rows and back: ``"gather"`` (every rank's
+        rows come back; rank-major blocks put in sequence order once), ``"scatter"`` (the
+        rank keeps its block of the whole: the rows reordered once, rank-major),
+        ``"keep"`` (gathered and scattered again inside, only row-wise math between: no
+        row moves at all) or ``"whole"`` (every rank holds all rows: the sequence moved
+        first, and back).
+    """
+
+    x: str
+    w_dim: int
+    out: str
+    rows: str
+
+
+# all_gather_matmul: the rows of x gathered, w split on its columns, the product's
+# columns split as w's.
+GATHER = Layout(x="rows", w_dim=-1, out="features", rows="gather")
+# matmul_reduce_scatter: the features of x split (w's rows), the summed product's rows
+# scattered.
+SCATTER = Layout(x="features", w_dim=0, out="rows", rows="scatter")
+# matmul_all_reduce: as SCATTER, the summed product on every rank; ub splits the rows
+# (the sequence first) for its reduce-scatter inside.
+ALL_REDUCE = Layout(x="features", w_dim=0, out="replicated", rows="whole")
+# The MLPs: rows gathered into the up-projection, the down-projection's scattered back;
+# only row-wise math between, so a batch-major x moves no rows.
+BLOCK = Layout(x="rows", w_dim=-1, out="rows", rows="keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of an op, its arguments checked: what its body and the driver read.
+
+    Attributes:
+      op: the public op's name, for messages and the impl rule.
+      layout: the op's :class:`Layout`.
+      axis_name: the tensor-parallel mesh axis.
+      impl: ``"auto"``, ``"ub"``, ``"xla"`` or ``"none"``.
+      seq_axis: the caller's sequence dim of ``x``, normalised (``>= 0``).
+      fp8: the call runs in fp8 (on global arrays the other mesh axes then stay XLA's:
+        the amaxes are the whole batch's).
+      divides: ``(what, size)`` of the other dims the axis must divide (w's split dim).
+      shard_map_only: why the call cannot run on global arrays, or None.
+      size: the axis's size, once bound (the body sees it set).
+    """
+
+    op: str
+    layout: Layout
+    axis_name: str
+    impl: str
+    seq_axis: int
+    fp8: bool = False
+    divides: tuple[tuple[str, int], ...] = ()
+    shard_map_only: str | None = None
+    size: int | None = None
+
+    def on(self, op: str, layout: Layout) -> Call:
+        """This call's settings for another op run inside its body (an MLP's projections),
+        on rows already the body's (``seq_axis`` 0)."""
+        return dataclasses.replace(self, op=op, layout=layout, seq_axis=0, divides=())
+
+
+Body = Callable[[Call, Any, Any, Any], Any]
+
+
+def run(call: Call, body: Body, x: Any, w: Any, extra: Any = None, extra_spec: Any = None) -> Any:
+    """``body(call, rows, w, extra)`` on the rank's rows, from a call inside a shard_map
+    binding ``call.axis_name`` or on global arrays; returns the result in the caller's
+    layout. ``extra``: the op's other operands (a pytree; biases, fp8 scales, a second
+    weight), laid out on global arrays as ``extra_spec`` says (replicated by default)."""
+    size = checks.bound_axis_size(call.op, call.axis_name)
+    if size is None:
+        return _on_global_arrays(call, body, x, w, extra, extra_spec)
+    return _on_shards(dataclasses.replace(call, size=size), body, x, w, extra)
+
+
+def _on_shards(call: Call, body: Body, x: Any, w: Any, extra: Any) -> Any:
+    s, size, rows = call.seq_axis, call.size, call.layout.rows
+    if rows == "scatter":
+        what = "rows of x" if s == 0 else f"rows of x (dim {s})"
+        checks.check_divisible(call.op, what, x.shape[s], size, call.axis_name, f"{x.shape=}")
+    if s == 0:
+        return body(call, x, w, extra)
+    into_rows, back = _ROWS[rows]
+    return back(body(call, into_rows(x, s, size), w, extra), s)
+
+
+# Each Layout.rows: (a shard split on its dim s as the body's rows, the body's result back).
+_ROWS = {
+    "gather": (lambda x, s, _: placement.as_rank_block(x, s), placement.from_rank_blocks),
+    "scatter": (placement.to_rank_blocks, placement.from_rank_block),
+    "keep": (lambda x, s, _: placement.as_rank_block(x, s), placement.from_rank_block),
+    "whole": (lambda x, s, _: placement.seq_first(x, s), placement.seq_back),
+}
+
+
+def _on_global_arrays(call: Call, body: Body, x: Any, w: Any, extra: Any, extra_spec: Any) -> Any:
+    """The op on global arrays: checked against the mesh in context (or the arrays'), then
+    one shard_map that hands each rank its shards."""
+    op, axis, s, layout = call.op, call.axis_name, call.seq_axis, call.layout
+    mesh = placement.context_mesh(op, axis, x, w)
+    if call.shard_map_only:
+        raise ValueError(f"{op}: {call.shard_map_only}")
+    size = int(mesh.shape[axis])
+    spec = {
+        "rows": placement.seq_spec(x.ndim, axis, s),
+        "features": P(*([None] * (x.ndim - 1)), axis),
+        "replicated": P(),
+    }
+    x_spec, out_spec = spec[layout.x], spec[layout.out]
+    w_spec = P(*(axis if d == layout.w_dim % w.ndim else None for d in range(w.ndim)))
+    divides = dict(call.divides)
+    if layout.x == "features":
+        divides = {"features of x (last dim)": x.shape[-1], **divides}
+    if layout.x == "rows" or layout.rows == "scatter":
+        divides = {f"rows of x (dim {s})": x.shape[s], **divides}
+    shapes = f"{x.shape=} {w.shape=}"
+    for what, value in divides.items():
+        checks.check_divisible(op, what, value, size, axis, shapes)
+    placement.check_global_layout(op, mesh, {"x": (x, x_spec), "w": (w, w_spec)})
+    if not isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
+        x = device_probe.probe(x)  # the mesh of the arrays' types: its devices at lowering
+
+    has_extra = bool(jax.tree.leaves(extra))  # else (None, ...) passes as it is
+
+    def local(x, w, more=None):
+        bound = dataclasses.replace(call, size=int(jax.lax.axis_size(axis)))
+        return _on_shards(bound, body, x, w, more if has_extra else extra)
+
+    specs = (x_spec, w_spec)
+    if has_extra:
+        specs = (*specs, P() if extra_spec is None else extra_spec)
+    # [rows, *batch, k]: every dim but the features may carry the other axes' split.
+    row_dims = 0 if call.fp8 else x.ndim - 1
+    f = placement.global_call(local, mesh, axis, specs, out_spec, row_dims=row_dims)
+    return f(x, w, extra) if has_extra else f(x, w)

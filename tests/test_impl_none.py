@@ -1,0 +1,119 @@
+"""impl="none": every op's GEMMs with the communication removed (the no-communication
+bound): a gather is ``tp`` copies of the local rows, a reduce-scatter the sum of the
+product's row blocks, an all-reduce the local product. Its numbers, its gradients' shapes,
+and programs with no collective, from the ops up to the Llama model."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _programs import llama_step_texts
+from conftest import rel_err, smap
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_hlo import _collectives, _custom_call_targets
+
+import jax_ub
+
+TP, M, K, N = 2, 4, 8, 6
+
+
+def _copies(x, seq_axis=0):
+    return np.concatenate([np.asarray(x)] * TP, axis=seq_axis)
+
+
+def _block_sum(y, seq_axis=0):
+    y = np.asarray(y)
+    return sum(np.split(y, TP, axis=seq_axis))
+
+
+@pytest.mark.parametrize("seq_axis", [0, 1])
+def test_each_op_is_its_local_gemms(mesh1d, rand, seq_axis):
+    """Inside shard_map, on one rank's shards: the ops' local math, bias and GELU kept."""
+    mesh = mesh1d(TP)
+    shape = (M, 3, K) if seq_axis == 0 else (3, M, K)
+    x, w, b = rand(*shape), rand(K, N), rand(N)
+    w_up, w_down = rand(K, 2 * N), rand(2 * N, K)
+    kw = dict(impl="none", seq_axis=seq_axis)
+
+    def body(x, w, b, w_up, w_down):
+        return (
+            jax_ub.all_gather_matmul(x, w, "tp", bias=b, activation="gelu", **kw),
+            jax_ub.matmul_reduce_scatter(_copies_jnp(x, seq_axis), w, "tp", bias=b, **kw),
+            jax_ub.matmul_all_reduce(x, w, "tp", bias=b, **kw),
+            jax_ub.gelu_mlp(x, w_up, w_down, "tp", **kw),
+        )
+
+    # Every rank gets the same operands (replicated specs), so rank 0's results are every
+    # rank's: stacked over tp on a new dim for the check.
+    rep = P()
+    f = smap(body, mesh, (rep,) * 5, (P("tp"),) * 4)
+    ag, rs, ar, mlp = (np.split(np.asarray(r), TP)[0] for r in f(x, w, b, w_up, w_down))
+    local = _copies(x, seq_axis) @ np.asarray(w) + np.asarray(b)
+    assert rel_err(ag, jax.nn.gelu(local)) < 1e-5
+    # The reduce-scatter's input was tp copies of x: its row blocks sum to tp * (x @ w).
+    assert rel_err(rs, TP * (np.asarray(x) @ np.asarray(w)) + np.asarray(b)) < 1e-5
+    assert rel_err(ar, np.asarray(x) @ np.asarray(w) + np.asarray(b)) < 1e-5
+    hidden = jax.nn.gelu(_copies(x, seq_axis) @ np.asarray(w_up))
+    assert rel_err(mlp, _block_sum(hidden @ np.asarray(w_down), seq_axis)) < 1e-5
+
+
+def _copies_jnp(x, seq_axis):
+    return jnp.concatenate([x] * TP, axis=seq_axis)
+
+
+def test_gated_mlp_is_its_local_gemms(mesh1d, rand):
+    mesh = mesh1d(TP)
+    x, w_gate_up, w_down = rand(M, K), rand(K, 2, N), rand(N, K)
+    f = smap(lambda *a: jax_ub.gated_mlp(*a, "tp", impl="none"), mesh, (P(),) * 3, P("tp"))
+    got = np.split(np.asarray(f(x, w_gate_up, w_down)), TP)[0]
+    want = _block_sum(jax_ub.gated_mlp_reference(_copies(x), w_gate_up, w_down))
+    assert rel_err(got, want) < 1e-5
+
+
+def test_global_arrays_forward_and_backward_communicate_nothing(mesh1d, rand):
+    """On global arrays under a mesh, forward and backward of a column-then-row pair:
+    gradients of the operands' shapes, finite, and no collective or jax_ub call in the
+    lowered or compiled program."""
+    mesh = mesh1d(TP)
+    x, w1, w2 = rand(TP * M, 3, K), rand(K, TP * N), rand(TP * N, K)
+
+    def loss(x, w1, w2):
+        h = jax_ub.all_gather_matmul(x, w1, "tp", impl="none")
+        return jnp.sum(jnp.sin(jax_ub.matmul_reduce_scatter(h, w2, "tp", impl="none")))
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P("tp")))
+        w1 = jax.device_put(w1, NamedSharding(mesh, P(None, "tp")))
+        w2 = jax.device_put(w2, NamedSharding(mesh, P("tp", None)))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        grads = step(x, w1, w2)
+        lowered = step.lower(x, w1, w2)
+        texts = {"lowered": lowered.as_text(), "compiled": lowered.compile().as_text()}
+    for g, a in zip(grads, (x, w1, w2)):
+        assert g.shape == a.shape and np.all(np.isfinite(np.asarray(g)))
+    for kind, text in texts.items():
+        assert _collectives(kind, text) == [], kind
+        assert not [t for t in _custom_call_targets(text) if t.startswith("jax_ub")], kind
+
+
+def test_explain_impl_says_none():
+    choice = jax_ub.explain_impl("all_gather_matmul", (M, K), (K, N), jnp.float32, 2, impl="none")
+    assert choice.impl == "none" and "removes the communication" in choice.reason
+
+
+def test_llama_step_has_no_row_collectives(mesh2d):
+    """The model with impl="none" (the model benchmark's bound): none of the ops' gathers
+    and reduce-scatters (JAX's names for them, which impl="xla" shows) and no jax_ub call
+    in its compiled step. What stays: the loss's all-reduces over the vocabulary's split
+    and dp's (the gradients', the embedding table's scatter-add over dp)."""
+    rows = r'op_name="[^"]*shard_map/(all_gather|reduce_scatter)"'
+    found = {}
+    for impl in ("xla", "none"):
+        _, compiled = llama_step_texts(mesh2d(2, 2), impl=impl)
+        found[impl] = set(re.findall(rows, compiled))
+        if impl == "none":
+            assert not [t for t in _custom_call_targets(compiled) if t.startswith("jax_ub")]
+    assert found == {"xla": {"all_gather", "reduce_scatter"}, "none": set()}, found
