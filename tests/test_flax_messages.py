@@ -45,6 +45,8 @@ def test_no_mesh_warning_says_the_axis_is_the_default(rand):
         mlp.init(jax.random.key(0), x)
 
 
+# The init runs with no mesh: the once-per-process no-mesh warning may come too.
+@pytest.mark.filterwarnings("ignore:jax_ub.flax. a layer was traced with no mesh set")
 @pytest.mark.parametrize("rules", [None, (("embed", None), ("heads", "tensor"))])
 def test_unmapped_logical_name_warns(rand, rules):
     """lm1b's attention names its kernels ('embed', 'kv'); rules without 'kv' (or none at
