@@ -140,6 +140,44 @@ def test_project_gathers_once(rand, mesh):
         assert rel_err(a, b) < TOL
 
 
+def test_project_under_plain_jit_with_no_mesh_set(rand, mesh):
+    """The unchanged loop of a model jitted on sharded params, no mesh set (as flax's own
+    layers allow): project and the row layer find the mesh from the params' shardings and
+    run jax_ub's calls; values and gradients as plain unsharded JAX's."""
+    with jax.set_mesh(mesh):
+        qkv = [
+            ubf.ColumnParallelLinear(E, (n, HD), rngs=nnx.Rngs(i), **ub(impl="auto"))
+            for i, n in enumerate((H, KV, KV))
+        ]
+        o = ubf.RowParallelLinear((H, HD), E, axis=(-2, -1), rngs=nnx.Rngs(9), **ub())
+    graph, state = nnx.split((qkv, o))
+    x = rand(2, 8, E)
+
+    def loss(state, x):
+        qkv, o = nnx.merge(graph, state)
+        q, k, v = ubf.nnx.project(x, *qkv)
+        kv = jnp.repeat(jnp.tanh(k) + v, H // KV, axis=2)
+        return jnp.sum(jnp.sin(o(q * kv)))
+
+    def plain(state, x):
+        (qkv, o) = nnx.merge(graph, state)
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, m.kernel[...]) + m.bias[...] for m in qkv)
+        kv = jnp.repeat(jnp.tanh(k) + v, H // KV, axis=2)
+        y = jnp.einsum("bshd,hde->bse", q * kv, o.kernel[...]) + o.bias[...]
+        return jnp.sum(jnp.sin(y))
+
+    assert jax.sharding.get_abstract_mesh().empty
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    got = step(state, x)
+    calls = _calls(loss, state, x)
+    assert calls.count("jax_ub_all_gather_matmul") == 1, calls
+    assert calls.count("jax_ub_matmul_reduce_scatter") == 1, calls
+    want = jax.value_and_grad(plain, argnums=(0, 1))(state, x)
+    assert rel_err(got[0], want[0]) < TOL
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert rel_err(a, b) < TOL
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("partial_auto", [False, True], ids=["all_manual", "partial_auto"])
 def test_inside_shard_map(rand, mesh, partial_auto, check_vma):

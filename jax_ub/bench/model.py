@@ -2,7 +2,9 @@
 communicating: jax_ub's overlapped ops (``jax_ub_keep``: with ``keep_gathered`` on, which
 keeps the gathered inputs instead of gathering them again), XLA's collectives with default
 flags, XLA with the flags a MaxText user sets for overlap (in a process of its own: XLA flags
-are per process), and the no-communication bound (every GEMM kept, every collective removed).
+are per process), and the no-communication bound (the model with ``impl="none"``: every GEMM
+kept, the ops' and the embedding's collectives removed; the loss's all-reduces over the
+vocabulary's split stay).
 
 Run as ``python -m jax_ub.bench.model`` (``--help`` for the options). In-process variants
 run in interleaved rounds on the same data from the same init; each prints step time
