@@ -45,6 +45,16 @@ def gpus() -> list:
         return []
 
 
+def need_gpus(count: int) -> list:
+    """This process's GPUs; the calling test module is skipped (at import) where it has
+    fewer than ``count``."""
+    found = gpus()
+    if len(found) < count:
+        need = "a GPU" if count == 1 else f"at least {count} GPUs"
+        pytest.skip(f"needs {need}", allow_module_level=True)
+    return found
+
+
 def make_mesh(*shape_and_names, devices=None) -> Mesh:
     """Mesh from (size, name) pairs, e.g. make_mesh((2, "dp"), (4, "tp")).
 

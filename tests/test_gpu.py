@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gpus, use_tuning
+from conftest import need_gpus, use_tuning
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -19,9 +19,7 @@ from jax_ub._src.lowering.primitives import bind_matmul_reduce_scatter
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if len(GPUS) < 2:
-    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+GPUS = need_gpus(2)
 
 TPS = sorted({2, len(GPUS)} & set(range(2, len(GPUS) + 1)))
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gpus
+from conftest import need_gpus
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -18,9 +18,7 @@ import jax_ub
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if not GPUS:
-    pytest.skip("needs a GPU", allow_module_level=True)
+GPUS = need_gpus(1)
 
 N = min(len(GPUS), 2)
 M, K, NC = 512, 256, 384  # per-rank rows, contraction, columns

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gpus
+from conftest import need_gpus
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -17,9 +17,7 @@ import jax_ub.flax as ubf
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if len(GPUS) < 2:
-    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+GPUS = need_gpus(2)
 
 SEQ, BATCH, D, HEADS = 512, 2, 512, 8  # head_dim 64
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gpus
+from conftest import need_gpus
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from test_fp8 import deq
@@ -20,9 +20,7 @@ from jax_ub.fp8 import quantize
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if not GPUS:
-    pytest.skip("needs a GPU", allow_module_level=True)
+GPUS = need_gpus(1)
 if min(tuple(map(int, d.compute_capability.split("."))) for d in GPUS) < (8, 9):
     pytest.skip("fp8 GEMMs need compute capability 8.9", allow_module_level=True)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import gpus
+from conftest import need_gpus
 from jax.sharding import Mesh
 from test_flax_general_lm import (  # noqa: F401  (collected here with this file's fixtures)
     test_greedy_decode_token_equal,
@@ -20,9 +20,7 @@ from test_flax_general_lm import (  # noqa: F401  (collected here with this file
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if len(GPUS) < 2:
-    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+GPUS = need_gpus(2)
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import gpus
+from conftest import need_gpus
 from jax.sharding import Mesh
 from test_grad_matrix import OPS, check_op
 from test_grad_matrix_flax import LAYERS, check_layer
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if len(GPUS) < 2:
-    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+GPUS = need_gpus(2)
 
 MESHES = [(1, 2)] + ([(2, 2), (1, 4)] if len(GPUS) >= 4 else [])
 # Reduction orders differ from the reference's (the split K, the chunked reduce-scatter).

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gpus, in_own_process
+from conftest import in_own_process, need_gpus
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -40,9 +40,7 @@ import jax_ub.flax as ubf
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if not GPUS:
-    pytest.skip("needs a GPU", allow_module_level=True)
+GPUS = need_gpus(1)
 
 N = min(len(GPUS), 2)
 LAYOUTS = sorted({(1, N), (N, 1)})

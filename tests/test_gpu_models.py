@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import test_flax_public_lm as public_lm
 from _programs import assert_each_call_compiled_once, llama_step_texts
-from conftest import gpus
+from conftest import need_gpus
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,9 +27,7 @@ from jax_ub.models import llama
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if len(GPUS) < 2:
-    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+GPUS = need_gpus(2)
 
 CFG = llama.PRESETS["tiny"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import gpus
+from conftest import need_gpus
 from jax.sharding import Mesh
 from test_flax_ported_lm import (
     Setup,
@@ -22,9 +22,7 @@ from test_flax_ported_lm import (
 
 pytestmark = pytest.mark.gpu
 
-GPUS = gpus()
-if len(GPUS) < 2:
-    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+GPUS = need_gpus(2)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from conftest import (
     ag_fn,
     assert_same_specials,
     bits,
-    gpus,
+    need_gpus,
     open_fds,
     rel_err,
     rs_fn,
@@ -35,9 +35,7 @@ import jax_ub
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_communicators")]
 
-GPUS = gpus()
-if len(GPUS) < 2:
-    pytest.skip("needs at least 2 GPUs", allow_module_level=True)
+GPUS = need_gpus(2)
 
 GPU_TPS = sorted({2, len(GPUS)})
 AG = jax_ub.all_gather_matmul
