@@ -450,8 +450,9 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
 
 
 # The slow tier, ``pytest -m slow`` (``-m "not slow"`` leaves it out): whole models and
-# benchmarks, the examples, and several processes joined by jax.distributed. What every
-# op, layer and gradient path does is in the fast tier; these run them end to end.
+# benchmarks, the examples, and several processes joined by jax.distributed: these files,
+# and the whole-model tests of other files, marked ``slow`` where they are. What every op,
+# layer and gradient path does is in the fast tier; these run them end to end.
 SLOW_FILES = frozenset(
     {
         "test_bench.py",

@@ -78,6 +78,7 @@ def test_layer_trains_in_bfloat16(rand, name, framework):
             assert rel_err(got, want) < 5e-2, (name, seq)
 
 
+@pytest.mark.slow  # a whole model: the slow tier (conftest.py)
 def test_bfloat16_llama_decodes_on_cpu(request):
     """The Llama-style model (its vocabulary-parallel embedding all-reduces when decoding)
     in bfloat16 on (dp=2, tp=2): a few training steps, then greedy decoding with the cache,

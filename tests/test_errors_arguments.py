@@ -91,7 +91,7 @@ def test_mixed_dtypes_with_ub(mesh1d, rand, op):
 @pytest.mark.parametrize("op", OPS)
 def test_bad_impl(mesh1d, rand, impl, op):
     f = _ag(mesh1d(2), impl) if op == "ag" else _rs(mesh1d(2), impl)
-    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'ub', 'xla'\)"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'ub', 'xla', 'none'\)"):
         f(rand(2 * 4, 8), rand(8, 8))
 
 
@@ -167,7 +167,7 @@ BAD_CALLS = [
     (
         "ag impl 'ub ' (trailing space)",
         _call("ag", _np(8, 4), _np(4, 4), impl="ub "),
-        r"all_gather_matmul: impl must be one of \('auto', 'ub', 'xla'\), got impl='ub '",
+        r"all_gather_matmul: impl must be one of \('auto', 'ub', 'xla', 'none'\), got impl='ub '",
     ),
     (
         "rs impl 'XLA'",

@@ -79,6 +79,7 @@ def greedy(model, prompt, steps, cached):
     return np.asarray(tokens)
 
 
+@pytest.mark.slow  # a whole model: the slow tier (conftest.py)
 def test_tiny_lm_greedy_decoding(rand):
     check_greedy_decoding(make_mesh((2, "dp"), (2, "tp")))
 

@@ -133,6 +133,7 @@ def greedy(model, variables, prompt, steps, cached):
             logits, cache = step(updated(variables, cache), nxt)
 
 
+@pytest.mark.slow  # a whole model: the slow tier (conftest.py)
 def test_tiny_lm_greedy_decoding():
     mesh = make_mesh((2, "dp"), (2, "tp"))
     prompt = jax.random.randint(jax.random.key(3), (BATCH, 5), 0, 64)

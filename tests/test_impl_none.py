@@ -104,6 +104,7 @@ def test_explain_impl_says_none():
     assert choice.impl == "none" and "removes the communication" in choice.reason
 
 
+@pytest.mark.slow  # a whole model: the slow tier (conftest.py)
 def test_llama_step_has_no_row_collectives(mesh2d):
     """The model with impl="none" (the model benchmark's bound): none of the ops' gathers
     and reduce-scatters (JAX's names for them, which impl="xla" shows) and no jax_ub call
