@@ -450,12 +450,15 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
 
 
 # The slow tier, ``pytest -m slow`` (``-m "not slow"`` leaves it out): whole models and
-# benchmarks, the examples, and several processes joined by jax.distributed: these files,
+# benchmarks, the examples (README's and the docstrings'), bfloat16 training on CPU
+# devices, and several processes joined by jax.distributed: these files,
 # and the whole-model tests of other files, marked ``slow`` where they are. What every op,
 # layer and gradient path does is in the fast tier; these run them end to end.
 SLOW_FILES = frozenset(
     {
         "test_bench.py",
+        "test_cpu_bf16_all_reduce.py",
+        "test_docstrings.py",
         "test_flax_general_lm.py",
         "test_flax_ported_lm.py",
         "test_flax_public_lm.py",
