@@ -127,8 +127,6 @@ find "$work/suite" -name __pycache__ -prune -exec rm -rf {} +
 cat > "$work/suite/pytest.ini" << 'EOF'
 [pytest]
 timeout = 300
-markers =
-    gpu: needs CUDA GPUs (skipped without them)
 EOF
 cd "$work/suite"
 loaded=$("$work/venv/bin/python" -c "import jax_ub; print(jax_ub.__file__)")

@@ -475,6 +475,15 @@ SLOW_FILES = frozenset(
 )
 
 
+def pytest_configure(config):
+    # Here, not in pyproject.toml: the tests also run from a copy outside the source tree
+    # (.ci/wheel_check.sh).
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
+    config.addinivalue_line(
+        "markers", "slow: the slow tier: whole models, benchmarks, examples (SLOW_FILES)"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_FILES:
