@@ -41,8 +41,9 @@ class Layout:
         rows come back; rank-major blocks put in sequence order once), ``"scatter"`` (the
         rank keeps its block of the whole: the rows reordered once, rank-major),
         ``"keep"`` (gathered and scattered again inside, only row-wise math between: no
-        row moves at all) or ``"whole"`` (every rank holds all rows: the sequence moved
-        first, and back).
+        row moves at all) or ``"whole"`` (every rank holds all rows: the body takes the
+        shard as it is and reads ``seq_axis`` itself, moving rows only where it splits
+        them).
     """
 
     x: str
@@ -58,7 +59,7 @@ GATHER = Layout(x="rows", w_dim=-1, out="features", rows="gather")
 # scattered.
 SCATTER = Layout(x="features", w_dim=0, out="rows", rows="scatter")
 # matmul_all_reduce: as SCATTER, the summed product on every rank; ub splits the rows
-# (the sequence first) for its reduce-scatter inside.
+# (the sequence moved first) for its reduce-scatter inside.
 ALL_REDUCE = Layout(x="features", w_dim=0, out="replicated", rows="whole")
 # The MLPs: rows gathered into the up-projection, the down-projection's scattered back;
 # only row-wise math between, so a batch-major x moves no rows.
@@ -117,7 +118,7 @@ def _on_shards(call: Call, body: Body, x: Any, w: Any, extra: Any) -> Any:
     if rows == "scatter":
         what = "rows of x" if s == 0 else f"rows of x (dim {s})"
         checks.check_divisible(call.op, what, x.shape[s], size, call.axis_name, f"{x.shape=}")
-    if s == 0:
+    if s == 0 or rows == "whole":
         return body(call, x, w, extra)
     into_rows, back = _ROWS[rows]
     return back(body(call, into_rows(x, s, size), w, extra), s)
@@ -128,7 +129,6 @@ _ROWS = {
     "gather": (lambda x, s, _: placement.as_rank_block(x, s), placement.from_rank_blocks),
     "scatter": (placement.to_rank_blocks, placement.from_rank_block),
     "keep": (lambda x, s, _: placement.as_rank_block(x, s), placement.from_rank_block),
-    "whole": (lambda x, s, _: placement.seq_first(x, s), placement.seq_back),
 }
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.reference import matmul_all_reduce_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import driver
+from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.common import check_arguments, contract_rows
 from jax_ub._src.ops.group import Group
 
@@ -79,17 +79,21 @@ def matmul_all_reduce(
 
 
 def summed_product(call: driver.Call, x, w, bias=None):
-    """The op on a rank's rows ``x [rows, *batch, k]``: ``psum(x @ w) + bias``, by the path
-    the call's impl picks."""
+    """The op on a rank's shard ``x [..., k]`` as the caller laid it out (every rank holds
+    all rows): ``psum(x @ w) + bias``, by the path the call's impl picks. Only ub's path,
+    which splits the rows for its reduce-scatter, moves the sequence (``call.seq_axis``)
+    first."""
+    s = call.seq_axis
+    xs = placement.seq_first(x, s)  # the rule reads the rows first; free until used
     if call.size == 1:  # nothing to sum; XLA refuses a psum over a size-1 automatic axis
         y = matmul_all_reduce_reference(x, w, None)
-    elif not (group := Group.of_call(call, x, w)).ub:
+    elif not (group := Group.of_call(call, xs, w)).ub:
         y = matmul_all_reduce_reference(x, w, call.axis_name, group.collectives)
     else:
-        rows, pad = x.shape[0], -x.shape[0] % call.size
+        rows, pad = xs.shape[0], -xs.shape[0] % call.size
         if pad:
-            x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
-        y = _matmul_all_reduce(x, w, group)[:rows]
+            xs = jnp.pad(xs, ((0, pad),) + ((0, 0),) * (xs.ndim - 1))
+        y = placement.seq_back(_matmul_all_reduce(xs, w, group)[:rows], s)
     return y if bias is None else y + jnp.asarray(bias, y.dtype)
 
 
