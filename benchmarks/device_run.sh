@@ -17,6 +17,7 @@ MODES=(
   all          "tests, then bench (args: bench's)"                                    mode_all
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
+  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the files of RANKS_FILES (\"file:seconds ...\") or of a set; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 35 minutes a N, so several calls with RANKS_FILES), then pytest's own (e.g. -k); logs in \$OUT/ranks_N.log. Correctness only: never timings" mode_ranks
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -188,6 +189,39 @@ mode_tests() {
     | grep -v "^tests.*PASSED" | tail -n 30
   echo "passed: $(grep -cE " PASSED" "$OUT/gpu_tests.log")"
   grep -E "^=+ .* in [0-9.]+s" "$OUT/gpu_tests.log"
+}
+
+# The N-ranks mode's test sets, file:seconds (limits about 1.5x the times seen at N = 4 and 8
+# on one H200: test_gpu 140-150 s, fp8 80, epilogue 50, layouts 160, the gradient matrix
+# 300, the models about 25 s a test). quick: about 4.5 minutes at one N.
+RANKS_QUICK="test_gpu.py:220 test_gpu_fp8.py:120 test_gpu_epilogue.py:80"
+RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py:450 test_gpu_layouts.py:240 test_gpu_flax.py:120 test_gpu_reliability.py:200 test_gpu_models.py:500 test_gpu_general_lm.py:240 test_gpu_ported_lm.py:240"
+
+mode_ranks() {
+  local set=quick
+  case ${1:-} in quick | all) set=$1; shift ;; esac
+  local -a specs ranks
+  if [ -n "${RANKS_FILES:-}" ]; then read -ra specs <<< "$RANKS_FILES"
+  elif [ "$set" = all ]; then read -ra specs <<< "$RANKS_ALL"; else read -ra specs <<< "$RANKS_QUICK"; fi
+  read -ra ranks <<< "${RANKS:-4}"
+  local n spec file limit log
+  for n in "${ranks[@]}"; do
+    log="$OUT/ranks_$n.log"
+    : > "$log"
+    for spec in "${specs[@]}"; do
+      file=${spec%%:*}
+      limit=${spec##*:}
+      step --append --ok "0 5" -k 10 "ranks=$n tests/$file" "$limit" "$log" \
+        python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_${file%.py}" -q -rfEs \
+        -m gpu "tests/$file" "$@"
+      grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" "$log" | tail -n 4
+    done
+  done
+  if [ "$set" = all ]; then  # processes of their own on GPU 0: the fault tests among them
+    step --append --ok "0 5" -k 10 "shared-GPU processes" 400 "$OUT/ranks_processes.log" \
+      python3 -m pytest -q -rfEs -m gpu tests/test_gpu_multiprocess.py -k "one_shared_gpu" "$@"
+    tail -n 3 "$OUT/ranks_processes.log"
+  fi
 }
 
 mode_bench() {

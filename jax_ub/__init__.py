@@ -13,6 +13,8 @@ Public API:
     SwiGLU / GeGLU, x gathered once for the gate and up projections
   Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
   initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
+  share_gpu(process_id): this process one of several ranks on one GPU (tp > 1 developed
+    and tested on a machine of one GPU), before JAX first uses a device
   configure(**settings) / config
   explain_impl(op, x_shape, w_shape, dtype, axis_size, ...) -> ImplChoice: what impl="auto"
     (or "ub", "xla") runs for a call, and why
@@ -76,6 +78,7 @@ from jax_ub._src.ops.remat import dots_and_ops_saveable
 from jax_ub._src.runtime import cpu_runtime as _cpu_runtime
 from jax_ub._src.runtime import extension as _extension  # registers the FFI handlers
 from jax_ub._src.runtime.communicator import Communicator, initialize, live_communicators
+from jax_ub._src.runtime.shared_gpu import share_gpu
 from jax_ub._src.runtime.teardown import check_health, finalize
 from jax_ub._src.settings.auto_rule import ImplChoice
 from jax_ub._src.settings.config import Config, config, configure
@@ -99,6 +102,7 @@ __all__ = [
     "gelu_mlp",
     "initialize",
     "live_communicators",
+    "share_gpu",
     "matmul_all_reduce",
     "matmul_all_reduce_reference",
     "matmul_reduce_scatter",

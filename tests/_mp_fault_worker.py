@@ -2,7 +2,8 @@
 tests/_mp_launch.py, for test_multiprocess_faults.py and test_gpu_multiprocess.py).
 
 argv: scenario process_id num_processes port
-One device per process (a CPU device, or with JAX_UB_TEST_GPU=1 GPU number process_id);
+One device per process (a CPU device, or with JAX_UB_TEST_GPU=1 GPU number process_id, or
+GPU 0 for every process with JAX_UB_TEST_SHARE_GPU=1);
 one tensor-parallel group spans all processes.
 
 Scenario "killed_peer": every process runs a loop of userbuffer ops (all_gather_matmul and

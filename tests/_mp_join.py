@@ -5,14 +5,21 @@ jax, which reads that environment when it is first imported."""
 import os
 
 ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
+# Every process drives GPU 0 (jax_ub.share_gpu says how XLA's collectives then work).
+SHARE_GPU = os.environ.get("JAX_UB_TEST_SHARE_GPU") == "1"
 
 
 def join(pid: int, nproc: int, port: int, *, gpus: str, cpu_devices: int, timeout_s: str):
     """Set this process's devices (with JAX_UB_TEST_GPU=1 the GPUs ``gpus``, as
-    CUDA_VISIBLE_DEVICES lists them; else ``cpu_devices`` host devices) and jax_ub's default
+    CUDA_VISIBLE_DEVICES lists them, or GPU 0 with JAX_UB_TEST_SHARE_GPU=1; else
+    ``cpu_devices`` host devices) and jax_ub's default
     timeout ``timeout_s`` (unless the environment gives one), then join the group of
     ``nproc`` processes coordinated on ``port`` as process ``pid``."""
-    if ON_GPU:
+    if ON_GPU and SHARE_GPU:
+        import jax_ub
+
+        jax_ub.share_gpu(pid)
+    elif ON_GPU:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     else:

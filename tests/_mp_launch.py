@@ -71,6 +71,10 @@ def _env(gpu: bool, **extra) -> dict:
     return env
 
 
+def _shared(share_gpu: bool) -> dict:
+    return {"JAX_UB_TEST_SHARE_GPU": "1"} if share_gpu else {}
+
+
 def run(
     scenario: str,
     nproc: int,
@@ -81,12 +85,11 @@ def run(
 ) -> list[tuple[int, str]]:
     """(exit code, output) of each of nproc processes of _mp_worker.py, ndev devices each
     (with `share_gpu`, one device each, all on GPU 0)."""
-    extra = {"JAX_UB_TEST_SHARE_GPU": "1"} if share_gpu else {}
     out = _start(
         WORKER,
         [scenario, str(ndev)],
         nproc,
-        _env(gpu, **extra),
+        _env(gpu, **_shared(share_gpu)),
         timeout,
         f"{scenario}: processes hung past {timeout} s",
     )
@@ -104,7 +107,7 @@ def results(out):
     return res
 
 
-def check_killed_peer(nproc: int, gpu: bool = False) -> None:
+def check_killed_peer(nproc: int, gpu: bool = False, share_gpu: bool = False) -> None:
     """nproc processes, one device each, one tp group across them. After 3 good ops the last
     process SIGKILLs itself (_mp_fault_worker.py "killed_peer"). The survivors must fail
     their next op within JAX_UB_TIMEOUT_S with an error naming the op and the dead rank (and
@@ -117,7 +120,7 @@ def check_killed_peer(nproc: int, gpu: bool = False) -> None:
         FAULT_WORKER,
         ["killed_peer"],
         nproc,
-        _env(gpu, JAX_UB_TIMEOUT_S=str(timeout_s)),
+        _env(gpu, JAX_UB_TIMEOUT_S=str(timeout_s), **_shared(share_gpu)),
         120,
         "the processes hung (not ended 120 s after start)",
     )

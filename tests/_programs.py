@@ -19,15 +19,16 @@ def regathering_calls(hlo_text: str) -> tuple[int, int]:
 
 
 def llama_step_texts(
-    mesh, *, layers: int = 2, scan_unroll=True, impl: str = "ub"
+    mesh, *, layers: int = 2, scan_unroll=True, impl: str = "ub", cfg=None
 ) -> tuple[str, str]:
-    """(lowered StableHLO, compiled HLO) of the tiny Llama's training step with jax_ub's
-    ops (``impl``) on ``mesh`` ("dp", "tp"), its blocks scanned over stacked params."""
+    """(lowered StableHLO, compiled HLO) of the tiny Llama's (or ``cfg``'s) training step
+    with jax_ub's ops (``impl``) on ``mesh`` ("dp", "tp"), its blocks scanned over stacked
+    params."""
     from flax import nnx
 
     from jax_ub.models import llama
 
-    cfg = dataclasses.replace(llama.PRESETS["tiny"], layers=layers)
+    cfg = dataclasses.replace(cfg or llama.PRESETS["tiny"], layers=layers)
     tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab)
     with jax.set_mesh(mesh):
         tokens = jax.device_put(tokens, jax.NamedSharding(mesh, P("dp", None)))

@@ -7,9 +7,13 @@ jax is imported, hence at the very top of this file.
 
 import os
 
+import _ranks
+
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
+if _ranks.rank_count():  # pytest --ranks N: this process is one of N ranks on GPU 0
+    _ranks.prepare_environment()
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -30,11 +34,15 @@ from jax_ub._src.settings import options as _options  # noqa: E402
 from jax_ub._src.settings.config import config as _config  # noqa: E402
 from jax_ub._src.settings.options import current_options  # noqa: E402
 
+if _ranks.rank_count():
+    _ranks.join()
+
 NUM_DEVICES = 8
 
 
 def cpu_devices():
-    return jax.devices("cpu")
+    """This process's CPU devices (in the N-ranks mode each rank has its own)."""
+    return jax.local_devices(backend="cpu")
 
 
 def gpus() -> list:
@@ -46,13 +54,44 @@ def gpus() -> list:
 
 
 def need_gpus(count: int) -> list:
-    """This process's GPUs; the calling test module is skipped (at import) where it has
-    fewer than ``count``."""
+    """The GPUs of this process (in the N-ranks mode: every rank's, one each); the calling
+    test module is skipped (at import) where there are fewer than ``count``."""
     found = gpus()
     if len(found) < count:
         need = "a GPU" if count == 1 else f"at least {count} GPUs"
         pytest.skip(f"needs {need}", allow_module_level=True)
     return found
+
+
+RANKS = _ranks.rank_count()  # N in the N-ranks mode (pytest --ranks N), else 0
+
+
+def gpu_mesh(devices, shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    """A mesh of ``shape`` over the first prod(shape) of ``devices``. In the N-ranks mode a
+    mesh of fewer than N devices skips the test: the ranks outside it would run none of its
+    programs (it runs when the mode has as many ranks)."""
+    n = int(np.prod(shape))
+    if RANKS and n != RANKS:
+        pytest.skip(f"a mesh of {n} devices; this run has {RANKS} ranks")
+    assert len(devices) >= n, (len(devices), shape)
+    return Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+def model_mesh(devices, names: tuple[str, str], most_tp: int) -> Mesh:
+    """A (dp, tp) mesh for a whole-model test whose shapes split over at most ``most_tp``
+    ranks (its heads): (1, 2) on GPUs; in the N-ranks mode over every rank, tp = min(N,
+    most_tp) and dp the rest."""
+    tp = min(RANKS, most_tp) if RANKS else 2
+    return gpu_mesh(devices, ((RANKS or 2) // tp, tp), names)
+
+
+def group_sizes(devices, most: int | None = None) -> list[int]:
+    """Tensor-parallel sizes a GPU test runs: 2 and every GPU (at most ``most``); in the
+    N-ranks mode, N alone."""
+    if RANKS:
+        return [RANKS]
+    top = len(devices) if most is None else min(len(devices), most)
+    return sorted({min(2, top), top})
 
 
 def make_mesh(*shape_and_names, devices=None) -> Mesh:
@@ -425,11 +464,12 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
     import subprocess
     import sys
 
-    if os.environ.get(_CHILD_ENV) == "1":
+    if os.environ.get(_CHILD_ENV) == "1" or RANKS:  # a rank is a process of its own
         return True
     # The parent already holds its share of the GPUs: the child allocates as it goes.
     env = dict(os.environ, **{_CHILD_ENV: "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    cmd.append(request.node.nodeid)
     try:
         done = subprocess.run(
             cmd,
@@ -444,6 +484,9 @@ def in_own_process(request, timeout_s: float = 300) -> bool:
     tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
     if done.returncode < 0:
         pytest.fail(f"the test's process died of signal {-done.returncode}:\n{tail}")
+    if done.returncode == 0 and re.search(r"^1 skipped", done.stdout, re.MULTILINE):
+        reason = re.search(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", done.stdout, re.MULTILINE)
+        pytest.skip(reason.group(1) if reason else "skipped in its own process")
     if done.returncode != 0 or not re.search(r"^1 passed", done.stdout, re.MULTILINE):
         pytest.fail(f"the test failed in its own process (rc={done.returncode}):\n{tail}")
     return False
@@ -469,16 +512,45 @@ SLOW_FILES = frozenset(
         "test_multiprocess.py",
         "test_multiprocess_example.py",
         "test_multiprocess_faults.py",
+        "test_ranks_mode.py",
         "test_step_trace.py",
         "test_train_example.py",
     }
 )
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("jax_ub")
+    group.addoption(
+        "--ranks",
+        type=int,
+        default=0,
+        help="run the selected GPU tests in N processes sharing GPU 0, each one rank of a "
+        "jax.distributed group: the CUDA path at tp=N on one GPU (tests/_ranks.py)",
+    )
+    group.addoption("--ranks-logs", default=None, help="folder for each rank's log (--ranks)")
+
+
+def pytest_cmdline_main(config):
+    ranks = config.getoption("ranks")
+    if ranks and not RANKS:  # the launcher: it runs no test itself
+        args = list(config.invocation_params.args)
+        cwd = str(config.invocation_params.dir)
+        return _ranks.launch(ranks, args, config.getoption("ranks_logs"), cwd)
+    return None
+
+
 def pytest_configure(config):
     # Here, not in pyproject.toml: the tests also run from a copy outside the source tree
     # (.ci/wheel_check.sh).
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
+    config.addinivalue_line(
+        "markers", "own_processes: starts processes of its own (skipped under --ranks)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "single_controller(why): needs one process driving every rank (skipped under --ranks)",
+    )
     config.addinivalue_line(
         "markers", "slow: the slow tier: whole models, benchmarks, examples (SLOW_FILES)"
     )
@@ -488,3 +560,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        if RANKS and "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="the N-ranks mode runs GPU tests only"))
+        elif RANKS and "own_processes" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="starts processes of its own: run it alone"))
+        elif RANKS and "single_controller" in item.keywords:
+            reason = item.get_closest_marker("single_controller").args[0]
+            item.add_marker(pytest.mark.skip(reason=f"one process drives every rank: {reason}"))

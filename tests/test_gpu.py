@@ -1,4 +1,5 @@
-"""GPU tier: jax_ub on CUDA GPUs of one process against the XLA reference.
+"""GPU tier: jax_ub on CUDA GPUs against the XLA reference, at tp 2 and every GPU of the
+process, or at tp=N in the N-ranks mode (``pytest --ranks N``: N processes on one GPU).
 
 Skipped without at least 2 GPUs. Shapes are global; per GPU the row shard is M / tp.
 """
@@ -9,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_gpus, use_tuning
+from conftest import RANKS, gpu_mesh, group_sizes, need_gpus, use_tuning
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -21,7 +23,10 @@ pytestmark = pytest.mark.gpu
 
 GPUS = need_gpus(2)
 
-TPS = sorted({2, len(GPUS)} & set(range(2, len(GPUS) + 1)))
+TPS = group_sizes(GPUS)
+# (dp, tp) meshes of every GPU with dp >= 2 and tp >= 2
+DP_TP = sorted({(len(GPUS) // t, t) for t in (2, len(GPUS) // 2) if t >= 2 and len(GPUS) // t >= 2})
+CPU = jax.local_devices(backend="cpu")[0]
 
 
 def _rel(a, b) -> float:
@@ -32,7 +37,7 @@ def _rel(a, b) -> float:
 
 
 def _mesh(tp: int, dp: int = 1) -> Mesh:
-    return Mesh(np.array(GPUS[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+    return gpu_mesh(GPUS, (dp, tp), ("dp", "tp"))
 
 
 def _data(key, shapes, dtype):
@@ -190,7 +195,7 @@ def test_float32_grads_follow_allow_tf32(allow_tf32):
     """Float32: every GEMM of the forward and the gradients (the weight gradients are XLA's
     dot) at full float32 precision unless allow_tf32, against precision="highest" math."""
     jax_ub.configure(allow_tf32=allow_tf32)
-    mesh = _mesh(2)
+    mesh = _mesh(TPS[-1])
     x, w1, w2 = _data(jax.random.key(8), [(528, 512), (512, 768), (768, 512)], jnp.float32)
     w1, w2 = w1 / np.sqrt(512), w2 / np.sqrt(768)
 
@@ -207,7 +212,7 @@ def test_float32_grads_follow_allow_tf32(allow_tf32):
     )
     loss = lambda g: lambda *a: jnp.sum(jnp.sin(g(*a)))  # noqa: E731
     grads = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(x, w1, w2)
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(CPU):
         cpu = [np.asarray(a) for a in (x, w1, w2)]
         grads_ref = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2)))(*cpu)
     errors = [_rel(g, r) for g, r in zip(grads, grads_ref)]
@@ -226,7 +231,7 @@ def test_each_gemm_order_matches_xla(order):
     jax_ub.finalize()  # communicators take the GEMM settings when they are created
     use_tuning(gemm_order=order)
     try:
-        mesh = _mesh(2)
+        mesh = _mesh(TPS[-1])
         for dtype in (jnp.bfloat16, jnp.float32):
             x, w = _data(jax.random.key(3), [(3 * 256, 640), (640, 3 * 128)], dtype)
             with jax.default_matmul_precision("highest"):
@@ -253,11 +258,8 @@ def test_each_gemm_order_matches_xla(order):
         jax_ub.finalize()
 
 
-@pytest.mark.parametrize("tp", TPS)
-def test_dp_by_tp_mesh(tp):
-    dp = len(GPUS) // tp
-    if dp < 2:
-        pytest.skip("needs dp >= 2")
+@pytest.mark.parametrize("dp,tp", DP_TP or [pytest.param(1, 1, marks=pytest.mark.skip("4 GPUs"))])
+def test_dp_by_tp_mesh(dp, tp):
     mesh = _mesh(tp, dp)
     x, w = _data(jax.random.key(3), [(512, 256), (256, 384)], jnp.bfloat16)
 
@@ -343,7 +345,7 @@ def test_host_times_count_each_call():
     positive host time, of which the wait for the process's other GPUs is a part."""
     from jax_ub.bench.timing import host_times
 
-    mesh = _mesh(2)
+    mesh = _mesh(TPS[-1])
     x, w = _data(jax.random.key(11), [(256, 128), (128, 256)], jnp.bfloat16)
     ag, rs = _ag(mesh, "ub"), _rs(mesh, "ub")
     jax.block_until_ready((ag(x, w), rs(x @ w, w.T)))  # compile; communicators exist now
@@ -352,7 +354,7 @@ def test_host_times_count_each_call():
         out = (ag(x, w), rs(x @ w, w.T))
     jax.block_until_ready(out)
     after = host_times()
-    ordinals = sorted(d.id for d in GPUS[:2])
+    ordinals = sorted(d.local_hardware_id for d in mesh.local_devices)
     for d in ordinals:
         calls, total_s, await_s = (a - b for a, b in zip(after[d], before.get(d, (0, 0.0, 0.0))))
         assert calls == 10, (d, calls)
@@ -381,9 +383,13 @@ def test_group_gpus_agree_on_each_kernel():
     jax.block_until_ready(out)
     choices = kernel_choices()
     assert choices, "no GEMM plan was made"
-    for shape, per_gpu in choices.items():
-        assert len(per_gpu) == tp, (shape, per_gpu)
+    for shape, per_gpu in sorted(choices.items()):
+        assert len(per_gpu) == len(mesh.local_devices), (shape, per_gpu)
         assert not any(deciding for *_, deciding in per_gpu), (shape, per_gpu)
-        assert len({(row, index) for _, row, index, _ in per_gpu}) == 1, (shape, per_gpu)
+        kernels = [(row, index) for _, row, index, _ in per_gpu]
+        if RANKS:  # each rank sees its own GPU's choice: compare them across the ranks
+            kernels = multihost_utils.process_allgather(np.array(kernels)).reshape(-1, 2)
+            kernels = [tuple(k) for k in kernels]
+        assert len(set(kernels)) == 1, (shape, kernels)
     assert _rel(out[0], _ag(mesh, "xla")(x, w)) < 2e-2
     assert _rel(out[1], _rs(mesh, "xla")(y, w.T)) < 2e-2

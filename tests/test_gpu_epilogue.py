@@ -1,8 +1,9 @@
 """GPU tier of the epilogues: all_gather_matmul's bias and GELU in cuBLASLt's epilogues (GELU's
 input kept through GELU_AUX for the backward) over a group of this process's GPUs (at most
-2; one GPU: a group of one), forward against a float32 reference and gradients against
-impl="xla" at full precision; bf16, f32 and fp8. Groups of 2 processes sharing one GPU:
-test_gpu_multiprocess.py::test_protocol_on_one_shared_gpu (its "epilogue" cases)."""
+2; one GPU: a group of one; ``pytest --ranks N``: the N ranks), forward against a float32
+reference and gradients against impl="xla" at full precision; bf16, f32 and fp8. Groups of
+2 processes sharing one GPU: test_gpu_multiprocess.py::test_protocol_on_one_shared_gpu (its
+"epilogue" cases)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_gpus
-from jax.sharding import Mesh
+from conftest import RANKS, gpu_mesh, need_gpus
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 GPUS = need_gpus(1)
 
-N = min(len(GPUS), 2)
+N = RANKS or min(len(GPUS), 2)  # the group: in the N-ranks mode every rank
 M, K, NC = 512, 256, 384  # per-rank rows, contraction, columns
 EPILOGUES = [(True, None), (False, "gelu"), (True, "gelu")]  # (bias, activation)
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
@@ -41,7 +41,7 @@ def _operands(dtype, seed=0):
 
 
 def _fn(impl, with_bias, activation, fp8=None):
-    mesh = Mesh(np.array(GPUS[:N]), ("tp",))
+    mesh = gpu_mesh(GPUS, (N,), ("tp",))
 
     def body(x, w, b):
         return jax_ub.all_gather_matmul(
@@ -118,7 +118,7 @@ def test_fp8_epilogue(out_dtype):
 def test_gelu_mlp_dgelu_epilogue(dtype):
     """gelu_mlp's backward runs GELU's gradient in cuBLASLt's DGELU epilogue: forward and
     every gradient against the two ops through XLA at full precision."""
-    mesh = Mesh(np.array(GPUS[:N]), ("tp",))
+    mesh = gpu_mesh(GPUS, (N,), ("tp",))
     keys = jax.random.split(jax.random.key(7), 5)
     shapes = ((N * M, K), (K, N * NC), (N * NC,), (N * NC, K), (K,))
     scale = (1.0, 1 / np.sqrt(K), 1.0, 1 / np.sqrt(N * NC), 1.0)

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_gpus
+from conftest import RANKS, gpu_mesh, need_gpus
 from flax import nnx
-from jax.sharding import Mesh
 
 import jax_ub.flax as ubf
 
@@ -46,7 +45,7 @@ def _loss_and_grads(model, x, ct):
 @pytest.mark.parametrize("impl", ["ub", "xla"])
 def test_cudnn_attention_matches_xla_attention(impl):
     """The default core on GPUs (cuDNN flash attention) equals XLA's, forward and grads."""
-    mesh = Mesh(np.array(GPUS[: min(4, len(GPUS))]), ("tp",))
+    mesh = gpu_mesh(GPUS, (RANKS or min(4, len(GPUS)),), ("tp",))
     kw = dict(mesh=mesh, impl=impl, dtype=jnp.bfloat16)
     fused = ubf.ParallelSelfAttention(D, HEADS, rngs=nnx.Rngs(0), **kw)
     plain = ubf.ParallelSelfAttention(

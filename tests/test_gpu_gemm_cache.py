@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from _mp_launch import gpu_count
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.own_processes]
 
 if gpu_count() < 1:
     pytest.skip("needs a GPU", allow_module_level=True)

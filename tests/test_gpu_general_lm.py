@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import need_gpus
+from conftest import RANKS, model_mesh, need_gpus
 from jax.sharding import Mesh
 from test_flax_general_lm import (  # noqa: F401  (collected here with this file's fixtures)
     test_greedy_decode_token_equal,
@@ -25,6 +25,8 @@ GPUS = need_gpus(2)
 
 @pytest.fixture(scope="module")
 def mesh():
+    if RANKS:  # the model's 2 kv heads split over tp <= 2; dp takes the other ranks
+        return model_mesh(GPUS, ("data", "tensor"), most_tp=2)
     return Mesh(np.array(GPUS[:2]), ("tensor",))
 
 

@@ -1,9 +1,10 @@
 """GPU tier of the gradient matrices (``test_grad_matrix.py``, ``test_grad_matrix_flax.py``):
 every public op and every Flax layer on the userbuffer path against ``jax.grad`` of plain
 unsharded JAX, float32 at full precision, on the GPU meshes there are: (dp, tp) = (1, 2),
-and with 4 GPUs (2, 2) and (1, 4). The ops in three ways to call them (an unchecked
-shard_map over every axis, a checked partial-auto one, plain jit with and without a mesh
-set); the layers with
+and with 4 GPUs (2, 2) and (1, 4); in the N-ranks mode (``pytest --ranks N``, N processes
+on one GPU) (1, N), and for N >= 4 (2, N/2) and (N/2, 2). The ops in three ways to call
+them (an unchecked shard_map over every axis, a checked partial-auto one, plain jit with
+and without a mesh set); the layers with
 ``sequence_parallel`` True, False and unset on sequences tp does and does not divide.
 
 Skipped without at least 2 GPUs."""
@@ -11,10 +12,8 @@ Skipped without at least 2 GPUs."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
-from conftest import need_gpus
-from jax.sharding import Mesh
+from conftest import RANKS, gpu_mesh, need_gpus
 from test_grad_matrix import OPS, check_op
 from test_grad_matrix_flax import LAYERS, check_layer
 
@@ -22,13 +21,16 @@ pytestmark = pytest.mark.gpu
 
 GPUS = need_gpus(2)
 
-MESHES = [(1, 2)] + ([(2, 2), (1, 4)] if len(GPUS) >= 4 else [])
+if RANKS:
+    MESHES = sorted({(1, RANKS)} | ({(2, RANKS // 2), (RANKS // 2, 2)} if RANKS >= 4 else set()))
+else:
+    MESHES = [(1, 2)] + ([(2, 2), (1, 4)] if len(GPUS) >= 4 else [])
 # Reduction orders differ from the reference's (the split K, the chunked reduce-scatter).
 TOL = 1e-4
 
 
-def _mesh(dp: int, tp: int) -> Mesh:
-    return Mesh(np.array(GPUS[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+def _mesh(dp: int, tp: int):
+    return gpu_mesh(GPUS, (dp, tp), ("dp", "tp"))
 
 
 @pytest.fixture(autouse=True)

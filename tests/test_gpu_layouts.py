@@ -1,7 +1,8 @@
 """GPU tier of the model layouts: every way of calling the ops on every (dp, tp) mesh.
 
 Meshes (1, n) and (n, 1) over this process's n GPUs (n <= 2; one GPU: (1, 1), a group of
-one, which still runs the CUDA custom calls). Each case runs in its own process
+one, which still runs the CUDA custom calls); in the N-ranks mode (``pytest --ranks N``, N
+processes on one GPU) n = N, and (2, N/2) too for N >= 4. Each case runs in its own process
 (``conftest.in_own_process``), so that a crash in one cannot hide the others. Cases: both
 ops in a partial-auto shard_map, in a shard_map with every axis manual, from plain jit on
 global arrays under ``jax.set_mesh``, on batch-major activations, with the epilogue and
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import in_own_process, need_gpus
+from conftest import RANKS, gpu_mesh, in_own_process, need_gpus
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -42,15 +43,15 @@ pytestmark = pytest.mark.gpu
 
 GPUS = need_gpus(1)
 
-N = min(len(GPUS), 2)
-LAYOUTS = sorted({(1, N), (N, 1)})
-SEQ, BATCH, D, H = 512, 4, 256, 512
+N = RANKS or min(len(GPUS), 2)
+LAYOUTS = sorted({(1, N), (N, 1)} | ({(2, N // 2)} if N >= 4 else set()))
+SEQ, BATCH, D, H = 512, 8, 256, 512
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 OPS_IN_HLO = ("jax_ub_all_gather_matmul", "jax_ub_matmul_reduce_scatter")
 
 
 def _mesh(dp: int, tp: int) -> Mesh:
-    return Mesh(np.array(GPUS[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+    return gpu_mesh(GPUS, (dp, tp), ("dp", "tp"))
 
 
 def _rel(a, b) -> float:
@@ -69,7 +70,7 @@ def _operands(mesh, dtype, seed=0):
     return put(x, P("tp", "dp")), put(w1, P(None, "tp")), put(w2, P("tp", None))
 
 
-CPU = jax.devices("cpu")[0]
+CPU = jax.local_devices(backend="cpu")[0]
 
 
 def _f32(a):

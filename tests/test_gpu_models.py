@@ -10,13 +10,15 @@ Skipped without at least 2 GPUs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_flax_public_lm as public_lm
 from _programs import assert_each_call_compiled_once, llama_step_texts
-from conftest import need_gpus
+from conftest import RANKS, gpu_mesh, model_mesh, need_gpus
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,23 +31,38 @@ pytestmark = pytest.mark.gpu
 
 GPUS = need_gpus(2)
 
-CFG = llama.PRESETS["tiny"]
+TINY = llama.PRESETS["tiny"]
+TP = RANKS or 2  # the tensor-parallel size of the tests on one mesh
+# (dp, tp) meshes: (1, 2) and (2, 1); in the N-ranks mode (1, N), (2, N/2), and (N, 1) for
+# N <= 4 (the batch of 4 splits over dp <= 4)
+MESHES = sorted(
+    {(1, TP), (2, TP // 2)} | ({(TP, 1)} if TP <= 4 else set()) if RANKS else {(1, 2), (2, 1)}
+)
+
+
+def _config(tp: int) -> llama.LlamaConfig:
+    """The tiny preset, its 2 kv heads split over tp <= 2; for larger tp, tp kv heads of 8
+    features and an MLP as wide, so that each rank's fp8 GEMMs keep k >= 16."""
+    if tp <= TINY.kv_heads:
+        return TINY
+    return dataclasses.replace(TINY, heads=2 * tp, kv_heads=tp, hidden=16 * tp, ffn=32 * tp)
 
 
 def _mesh(dp: int, tp: int) -> Mesh:
-    return Mesh(np.array(GPUS[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+    return gpu_mesh(GPUS, (dp, tp), ("dp", "tp"))
 
 
 def _losses(mesh, impl, fp8, steps=5):
-    tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, CFG.vocab)
+    cfg = _config(mesh.shape["tp"])
+    tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab)
     with jax.set_mesh(mesh):
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
-        model = llama.Llama(CFG, impl=impl, fp8=fp8, rngs=nnx.Rngs(0))
+        model = llama.Llama(cfg, impl=impl, fp8=fp8, rngs=nnx.Rngs(0))
         optimizer = llama.make_optimizer(model, 3e-3)
         return np.array([float(llama.train_step(model, optimizer, tokens)) for _ in range(steps)])
 
 
-@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("dp, tp", MESHES)
 @pytest.mark.parametrize("fp8", [False, "current", "delayed"])
 def test_llama_trains_as_with_xla(dp, tp, fp8):
     with jax.default_matmul_precision("highest"):  # XLA's f32 dots would use TF32
@@ -59,11 +76,16 @@ def test_scanned_blocks_run_each_call_once(scan_unroll):
     """XLA's GPU compiler keeps each of jax_ub's calls once in a step whose blocks are
     scanned over stacked params, unrolled or a loop (it once ran every forward all-gather
     of the unrolled scan twice, and three of the loop's four forward calls)."""
-    _, compiled = llama_step_texts(_mesh(1, 2), layers=2, scan_unroll=scan_unroll)
+    mesh = _mesh(1, TP)
+    _, compiled = llama_step_texts(mesh, layers=2, scan_unroll=scan_unroll, cfg=_config(TP))
     assert_each_call_compiled_once(compiled, layers=2 if scan_unroll is True else 1)
 
 
-@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])
+# TinyLM's 2 kv heads split over tp <= 2
+DECODE_MESHES = sorted({(TP // 2, 2)} | ({(TP, 1)} if TP <= 4 else set())) if RANKS else MESHES
+
+
+@pytest.mark.parametrize("dp, tp", DECODE_MESHES)
 def test_greedy_decoding_with_a_cache(dp, tp):
     with jax.default_matmul_precision("highest"):
         check_greedy_decoding(_mesh(dp, tp))
@@ -73,15 +95,16 @@ def test_greedy_decoding_with_a_cache(dp, tp):
 def test_bfloat16_llama_step_on_gpus_is_close_to_xla(keep_gathered):
     """bf16 compute and params, tp=2: the first losses agree to bf16 precision, whether the
     ops keep the gathered x for the backward or gather it again there."""
-    mesh = _mesh(1, 2)
-    tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, CFG.vocab)
+    mesh = _mesh(1, TP)
+    cfg = _config(TP)
+    tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, cfg.vocab)
     losses = {}
     jax_ub.configure(keep_gathered=keep_gathered)  # conftest's _restore_config undoes it
     with jax.set_mesh(mesh):
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
         for impl in ("ub", "xla"):
             model = llama.Llama(
-                CFG, impl=impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+                cfg, impl=impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
             )
             optimizer = llama.make_optimizer(model, 3e-3)
             step = nnx.jit(llama.loss_and_update)  # traced here, with this setting
@@ -93,7 +116,7 @@ def test_bfloat16_llama_step_on_gpus_is_close_to_xla(keep_gathered):
 def test_public_style_lm_trains_and_decodes_alike_on_gpus():
     """Trained with ub and with xla: the same losses; then greedy decoding of the ub-trained
     params, with the cache and recomputing, ub and xla: the same tokens and logits."""
-    mesh = Mesh(np.array(GPUS[:2]).reshape(1, 2), ("data", "model"))
+    mesh = model_mesh(GPUS, ("data", "model"), most_tp=4)  # 4 heads
     batches = public_lm.make_batches()
     with jax.default_matmul_precision("highest"):
         run = {impl: public_lm.train(mesh, impl, batches) for impl in ("ub", "xla")}

@@ -6,10 +6,8 @@ Skipped without at least 2 GPUs.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from conftest import need_gpus
-from jax.sharding import Mesh
+from conftest import model_mesh, need_gpus
 from test_flax_ported_lm import (
     Setup,
     check_bf16,
@@ -27,7 +25,7 @@ GPUS = need_gpus(2)
 
 @pytest.fixture(scope="module")
 def setup():
-    mesh = Mesh(np.array(GPUS[:2]).reshape(1, 2), ("data", "tensor"))
+    mesh = model_mesh(GPUS, ("data", "tensor"), most_tp=4)  # 4 heads
     return Setup(mesh, tol=1e-4, precision="highest")
 
 

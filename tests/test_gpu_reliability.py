@@ -19,6 +19,8 @@ from conftest import (
     ag_fn,
     assert_same_specials,
     bits,
+    gpu_mesh,
+    group_sizes,
     need_gpus,
     open_fds,
     rel_err,
@@ -37,13 +39,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_communicators")]
 
 GPUS = need_gpus(2)
 
-GPU_TPS = sorted({2, len(GPUS)})
+GPU_TPS = group_sizes(GPUS)
 AG = jax_ub.all_gather_matmul
 RS = jax_ub.matmul_reduce_scatter
 
 
 def _gpu_mesh(tp: int) -> Mesh:
-    return Mesh(np.array(GPUS[:tp]), ("tp",))
+    return gpu_mesh(GPUS, (tp,), ("tp",))
 
 
 @pytest.mark.parametrize("trials", [0, 3])
@@ -98,6 +100,9 @@ def test_gpu_nan_inf_pass_through(op, dtype):
     assert_same_specials(fn(mesh, "ub")(x, w), want, dtype)
 
 
+@pytest.mark.single_controller(
+    "rank 1 skips the call inside one program; across processes: test_gpu_multiprocess.py"
+)
 def test_gpu_missing_peer_is_reported():
     """Rank 1 never calls the op. The GPUs of one process meet on the host once each has
     enqueued a call (CudaCommunicator::AwaitLocalPeers), so rank 0's call fails with an
@@ -136,6 +141,9 @@ def test_gpu_missing_peer_is_reported():
     jax_ub.check_health()
 
 
+@pytest.mark.single_controller(
+    "one program whose ranks disagree; across processes: test_gpu_multiprocess.py"
+)
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_gpu_ranks_disagree_are_detected(op):
     """Rank 1 runs the op with a smaller k than rank 0. Every chunk carries a call
@@ -193,7 +201,7 @@ def test_gpu_hundred_initialize_finalize_rounds_leak_nothing():
     from jax_ub._src import _cuda
 
     mesh = _gpu_mesh(2)
-    ordinals = [d.local_hardware_id for d in mesh.devices.flat]
+    ordinals = [d.local_hardware_id for d in mesh.local_devices]
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2 * 256, 512)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((512, 2 * 128)) / 23, jnp.bfloat16)

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 
-S, B, K, F, N = 8, 4, 16, 24, 12  # seq, batch, features in, hidden, out
+# seq, batch, features in, hidden, out: distinct, and split evenly by tp = 2, 4 and 8
+S, B, K, F, N = 8, 4, 16, 24, 40
 # "jit_nomesh": plain jit on arrays sharded over the mesh, with no mesh set (the mesh found
 # in the arrays' types, its devices where the program lowers).
 MODES = ["smap_vma", "smap_novma", "partial_vma", "partial_novma", "jit", "jit_nomesh"]

@@ -1,0 +1,185 @@
+"""N ranks on one GPU: ``pytest --ranks N`` runs the selected tests in N processes that all
+drive GPU 0, each one rank (one JAX device) of a ``jax.distributed`` group.
+
+The CUDA path at tp 2, 4 and 8 needs no more than one GPU this way: jax_ub's userbuffers
+are shared between the processes through CUDA IPC, as between processes on different
+GPUs. The single-controller GPU tests run unchanged in each rank (the same program in
+every process, as SPMD code runs), with three things made to work across processes:
+
+- **XLA's collectives** (the tests' ``impl="xla"`` references, a loss's ``psum``, the
+  dp gradient sums) run on NCCL, which refuses two ranks of one GPU in a communicator
+  ("Duplicate GPU detected"). Each rank gets a host id of its own (``NCCL_HOSTID``, set by
+  ``jax_ub.share_gpu``), so NCCL takes the ranks for separate machines and joins them over
+  its socket transport on the loopback interface. Slow, and only for correctness:
+  **timings from this mode are never performance figures.**
+- **Fetching a global array** (``np.asarray``, ``float``, ``jax.device_get``) of which a
+  rank holds only its shard gathers the whole array first, on every rank (a collective:
+  each rank fetches the same arrays in the same order, as single-controller test code
+  does), so the tests' checks see global values.
+- **Meshes** are over all N ranks' devices; a test that builds a mesh of fewer devices
+  (:func:`conftest.gpu_mesh`) is skipped in this mode: the ranks outside it would run
+  none of its programs.
+
+The parent process (the ``pytest --ranks N`` the user runs) only launches the ranks and
+reports: rank 0's output is shown as it runs, every rank's is written to
+``--ranks-logs`` (default: a temporary folder), a failed rank's tail is printed, and the
+exit status is the worst rank's. A rank that hangs is ended by pytest-timeout (thread
+method: its stacks are dumped into its log); the others are ended ``GRACE_S`` seconds
+after the first rank ends.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB_TEST_RANKS_PORT"
+GRACE_S = 120.0  # after the first rank ends, how long the others may take to end too
+
+
+def rank_count() -> int:
+    """How many ranks share the GPU in this process's group (0: not in the N-ranks mode)."""
+    return int(os.environ.get(RANKS_ENV, "0"))
+
+
+def rank() -> int:
+    return int(os.environ.get(RANK_ENV, "0"))
+
+
+# ------------------------------------------------------------------ in each rank
+
+
+def prepare_environment() -> None:
+    """Before JAX first uses a device: this rank on GPU 0 (``jax_ub.share_gpu``: allocated as
+    it goes, and NCCL's view of it, a host of its own reached over loopback)."""
+    import jax_ub
+
+    jax_ub.share_gpu(rank())
+    # N ranks compile every program N times on the host's cores: no autotuning (the GEMMs'
+    # numbers stay cuBLAS's; only their speed, not measured here, may differ).
+    env = os.environ
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+
+
+def join() -> None:
+    """After jax is imported: join the group, and let global arrays be fetched whole."""
+    import jax
+
+    # CPU devices' collectives across the ranks (the mode's own test runs on CPU devices).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{os.environ[PORT_ENV]}",
+        num_processes=rank_count(),
+        process_id=rank(),
+        initialization_timeout=120,
+    )
+    _fetch_global_arrays_whole()
+
+
+def _fetch_global_arrays_whole() -> None:
+    """``np.asarray(a)`` of an array sharded over several processes gathers it first (JAX
+    refuses to fetch such an array). A collective: every rank must fetch it."""
+    import numpy as np
+    from jax._src import array as array_module
+    from jax.experimental import multihost_utils
+
+    cls = array_module.ArrayImpl
+    if getattr(cls, "_jax_ub_test_gathers", False):
+        return
+    plain = cls._value
+
+    def value(self):
+        if self._npy_value is None and not (self.is_fully_addressable or self.is_fully_replicated):
+            whole = np.asarray(multihost_utils.process_allgather(self, tiled=True))
+            whole.flags.writeable = False
+            return whole
+        return plain.fget(self)
+
+    cls._value = property(value)
+    cls._jax_ub_test_gathers = True
+
+
+def local_devices_of(mesh) -> list:
+    """The devices of ``mesh`` that this process drives."""
+    import jax
+
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _strip_ranks_options(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--ranks", "--ranks-logs"):
+            skip = True
+        elif not a.startswith(("--ranks=", "--ranks-logs=")):
+            out.append(a)
+    return out
+
+
+def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
+    """Run ``pytest args`` in ``ranks`` processes, one rank each; the worst exit status."""
+    if ranks < 1:
+        raise SystemExit(f"--ranks must be at least 1, got {ranks}")
+    logs = logs or tempfile.mkdtemp(prefix="jax_ub_ranks_")
+    os.makedirs(logs, exist_ok=True)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pytest", *_strip_ranks_options(args), "-p", "no:cacheprovider"]
+    # A hung test ends its rank, its stacks dumped, instead of waiting on forever.
+    cmd += ["-o", "timeout_method=thread"]
+    procs, files = [], []
+    for i in range(ranks):
+        env = dict(os.environ, **{RANK_ENV: str(i), RANKS_ENV: str(ranks), PORT_ENV: str(port)})
+        path = os.path.join(logs, f"rank{i}.log")
+        files.append(path)
+        log = open(path, "w")  # noqa: SIM115 (closed below)
+        procs.append((subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=log), log))
+    print(f"jax_ub N-ranks mode: {ranks} processes on GPU 0, logs in {logs}", flush=True)
+    _follow(files[0], procs[0][0])
+    deadline = time.monotonic() + GRACE_S
+    codes = []
+    for i, (p, log) in enumerate(procs):
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+            print(f"rank {i} had not ended {GRACE_S:.0f} s after rank 0: killed", flush=True)
+        log.close()
+    for i, code in enumerate(codes):
+        if i and code not in (0, 5):
+            with open(files[i]) as f:
+                tail = f.read().splitlines()[-60:]
+            print(f"\n---- rank {i} ended with status {code}; its log's end:", *tail, sep="\n")
+    print(f"jax_ub N-ranks mode: exit status of each rank: {codes}", flush=True)
+    failed = [c for c in codes if c not in (0, 5)]
+    return failed[0] if failed else (5 if all(c == 5 for c in codes) else 0)
+
+
+def _follow(path: str, proc: subprocess.Popen) -> None:
+    """Print the file at ``path`` as ``proc`` writes it, until it ends."""
+    with open(path) as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            elif proc.poll() is not None:
+                sys.stdout.write(f.read())
+                return
+            else:
+                time.sleep(0.2)

@@ -1,0 +1,40 @@
+"""The N-ranks mode (``pytest --ranks N``, tests/_ranks.py) on CPU devices: two processes,
+each one rank of a jax.distributed group, run tests/_ranks_cases.py; the launcher shows
+rank 0's output, reports a failed rank's log, and exits with the worst rank's status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(tmp_path, **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pytest", "--ranks", "2", "--ranks-logs", str(tmp_path)]
+    cmd += ["-q", "-rs", "-p", "no:cacheprovider", os.path.join(HERE, "_ranks_cases.py")]
+    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        cmd, cwd=HERE, env=dict(full_env, **env), capture_output=True, text=True, timeout=240
+    )
+
+
+def test_two_ranks_pass_and_skip(tmp_path):
+    done = _run(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 processes" in done.stdout
+    assert "2 passed, 1 skipped" in done.stdout, done.stdout[-3000:]
+    assert "a mesh of 1 devices; this run has 2 ranks" in done.stdout
+    assert "exit status of each rank: [0, 0]" in done.stdout
+    for rank in (0, 1):  # every rank ran every case
+        log = (tmp_path / f"rank{rank}.log").read_text()
+        assert "2 passed, 1 skipped" in log, log[-2000:]
+
+
+def test_a_failed_rank_is_reported(tmp_path):
+    done = _run(tmp_path, JAX_UB_TEST_RANKS_FAIL="1")
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "rank 1 ended with status 1" in done.stdout, done.stdout[-3000:]
+    assert "rank 1 fails on purpose" in done.stdout
+    assert "exit status of each rank: [0, 1]" in done.stdout
