@@ -57,7 +57,7 @@ class _ParallelLinear(Configured, nnx.Module):
         if logical is not None:
             _axes.check_kernel_axes(owner, logical, len(in_shape + features))
         split, axis_name = _axes.choose_split(
-            owner, self._kind, len(in_shape), logical, config.axis_name
+            owner, self._kind, len(in_shape), logical, config.axis_name, mesh=config.mesh
         )
         self.config = cfg = dataclasses.replace(config, axis_name=axis_name, owner=owner)
         shape = _projection.Projection(self._kind, in_shape, features, split, s["use_bias"])
