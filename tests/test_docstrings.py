@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 import jax_ub
 import jax_ub.flax
 import jax_ub.flax.linen.blocks
+import jax_ub.flax.linen.dense_general
 import jax_ub.flax.linen.layers
 import jax_ub.flax.nnx.blocks
+import jax_ub.flax.nnx.dense_general
 import jax_ub.flax.nnx.gated
 import jax_ub.flax.nnx.layers
 
@@ -27,6 +29,8 @@ MODULES = [
     jax_ub.flax.nnx.gated,
     jax_ub.flax.linen.layers,
     jax_ub.flax.linen.blocks,
+    jax_ub.flax.nnx.dense_general,
+    jax_ub.flax.linen.dense_general,
     jax_ub.flax._settings,
 ]
 

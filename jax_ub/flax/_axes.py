@@ -118,6 +118,58 @@ def choose_split(
     return d, axis
 
 
+def choose_kind(
+    owner: str,
+    n_in: int,
+    names: tuple | None,
+    axis_name: str | None,
+    *,
+    mesh_names: bool = False,
+    mesh: Any = None,
+) -> tuple[str, str | None]:
+    """``(kind, tensor-parallel axis or None)`` of a DenseGeneral-shaped projection from
+    its kernel's names ``[*in (n_in dims), *features]`` (logical, placed by the active
+    rules; mesh axes with ``mesh_names``) and the mesh (``mesh``, else the one set).
+
+    The tensor-parallel axis is ``axis_name``; without it, the one mesh axis of size > 1
+    the names split the kernel over (several: a ValueError naming them, asking for
+    ``axis_name``). Then ``"column"`` where a feature dim is split over it, ``"row"`` where
+    a contracted dim is, else ``"replicated"``: a plain matmul, XLA's, as also where the
+    axis has size 1 (a group of one) or no names or mesh say anything (a layer initialized
+    with no mesh has the same params either way)."""
+    if names is None:
+        return "replicated", axis_name
+    sizes = axis_sizes(mesh)
+    rules = () if mesh_names else flax_spmd.get_logical_axis_rules()
+    listed = [_dim_axes(n, rules, mesh_names, axis_name) for n in names]
+    if axis_name is None:
+        if not sizes:
+            return "replicated", None
+        order = list(sizes)
+        big = sorted({a for on in listed for a in on if sizes.get(a, 1) > 1}, key=order.index)
+        if len(big) > 1:
+            raise ValueError(
+                f"{owner}: the kernel's names {names} are split over the mesh axes "
+                f"{tuple(big)} ({', '.join(f'{a}={sizes[a]}' for a in big)}); pass "
+                "axis_name=... naming the tensor-parallel one (to the layer, or to "
+                "jax_ub.flax.defaults); XLA keeps the others as it would"
+            )
+        if not big:
+            return "replicated", None
+        axis_name = big[0]
+    elif sizes and sizes.get(axis_name, 1) == 1:
+        return "replicated", axis_name
+    column = [d for d in range(n_in, len(names)) if axis_name in listed[d]]
+    row = [d for d in range(n_in) if axis_name in listed[d]]
+    if column and row:
+        raise ValueError(
+            f"{owner}: the kernel's names {names} split both a contracted dim ({row[0]}) "
+            f"and a feature dim ({column[0]}) over the tensor-parallel axis {axis_name!r}; "
+            "a projection splits one side"
+        )
+    return ("column" if column else "row" if row else "replicated"), axis_name
+
+
 def _dim_axes(name: Any, rules: Any, mesh_names: bool, axis_name: str | None) -> tuple:
     """The mesh axes a kernel dim of that ``name`` is split over: ``name`` itself where
     ``mesh_names`` (one axis or several), else the rules'; a name the rules do not map

@@ -229,7 +229,8 @@ class _ParallelLinear(Biased):
 def _init_names(kernel_init: Any) -> tuple[tuple | None, bool]:
     """The names an initializer wrapped by ``nn.with_logical_partitioning`` (logical) or
     ``nn.with_partitioning`` (mesh axes) boxes its values with, else None."""
-    box = jax.eval_shape(lambda: kernel_init(jax.random.key(0), (2, 2), jnp.float32))
+    key = jax.random.key(0)
+    box = jax.eval_shape(lambda: _projection.init_kernel(kernel_init, key, (2, 2), 1, jnp.float32))
     if isinstance(box, nn.LogicallyPartitioned):
         return tuple(box.names), False
     if isinstance(box, nn.Partitioned):
@@ -240,10 +241,12 @@ def _init_names(kernel_init: Any) -> tuple[tuple | None, bool]:
 def _flat_init(init: Any, n_lead: int) -> Any:
     """``init`` called as ``nn.DenseGeneral`` calls it: on the shape flattened to
     ``[prod(leading n_lead dims), prod(the rest)]`` (without leading dims, to one dim),
-    so that a fan-in is that of the contracted dims; a box keeps its names."""
+    so that a fan-in is that of the contracted dims; an n-d initializer on the shape
+    itself, with ``in_axis`` and ``out_axis`` (``_projection.init_kernel``); a box keeps
+    its names."""
 
     def call(key, shape, dtype=jnp.float32):
-        value = init(key, _projection.flat_shape(shape, n_lead), dtype)
+        value = _projection.init_kernel(init, key, shape, n_lead, dtype)
         if isinstance(value, nn.Partitioned):  # not constrained while flat (rank < names)
             return value.replace_boxed(jnp.reshape(value.unbox(apply_constraint=False), shape))
         if isinstance(value, meta.AxisMetadata):
