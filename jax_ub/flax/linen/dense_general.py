@@ -130,9 +130,7 @@ class DenseGeneral(_ParallelLinear):
             return out
         shape = self.projection(self.in_shape(inputs))
         sp = kind == "row" and self.prepare(inputs, in_features=shape)[2]
-        tp_dim = _dense_general.output_tp_dim(
-            kind, out.ndim, len(shape.features), shape.split, shape.n_in, sp, config.seq_axis
-        )
+        tp_dim = _dense_general.output_tp_dim(shape, out.ndim, sp, config.seq_axis)
         return _dense_general.constrain_output(
             owner, out, out_sharding, kind, tp_dim, config.axis_name
         )

@@ -137,10 +137,7 @@ class DenseGeneral(_ParallelLinear):
         if out_sharding is None:
             return out
         sp = shape.kind == "row" and prepare_call(self, inputs)[1]
-        tp_dim = _dense_general.output_tp_dim(
-            shape.kind, out.ndim, len(shape.features), shape.split, shape.n_in, sp,
-            self.config.seq_axis,
-        )  # fmt: skip
+        tp_dim = _dense_general.output_tp_dim(shape, out.ndim, sp, self.config.seq_axis)
         return _dense_general.constrain_output(
             owner, out, out_sharding, shape.kind, tp_dim, self.config.axis_name
         )
