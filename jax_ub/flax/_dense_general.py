@@ -93,14 +93,13 @@ def replicated_matmul(
     return out if bias is None else out + bias.astype(dtype)
 
 
-def output_tp_dim(
-    kind: str, out_ndim: int, n_features: int, split: int, n_in: int, sp: bool, seq_axis: int
-) -> int | None:
-    """The output dim a ``kind`` layer splits over the tensor-parallel axis (module
-    docstring), None where none (or, replicated, XLA's choice)."""
-    if kind == "column":
-        return out_ndim - n_features + (split - n_in)
-    if kind == "row" and sp:
+def output_tp_dim(shape: Any, out_ndim: int, sp: bool, seq_axis: int) -> int | None:
+    """The output dim a projection of ``shape`` (a ``_projection.Projection``) splits over
+    the tensor-parallel axis (module docstring): a column one's split feature dim, a row
+    one's sequence where the call runs sequence-parallel (``sp``); else None."""
+    if shape.kind == "column":
+        return out_ndim - len(shape.features) + (shape.split - shape.n_in)
+    if shape.kind == "row" and sp:
         return seq_axis
     return None
 
