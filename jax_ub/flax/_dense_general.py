@@ -69,6 +69,19 @@ def param_dtype(owner: str, weight_dtype: Any, param_dtype: Any) -> Any:
     return weight_dtype if weight_dtype is not None else param_dtype
 
 
+def alias(owner: str, name: str, value: Any, trainer_value: Any) -> Any:
+    """``name`` given as itself or as a trainer's ``{name}_shape``: one of them."""
+    if value is not None and trainer_value is not None:
+        raise ValueError(
+            f"{owner}: {name}={value!r} and {name}_shape={trainer_value!r} name the same "
+            "setting: pass one"
+        )
+    value = value if value is not None else trainer_value
+    if value is None:
+        raise TypeError(f"{owner}.__init__() missing the argument {name!r} (or {name}_shape)")
+    return value
+
+
 def kernel_axes(names: Any) -> Any:
     """A trainer's ``kernel_axes``, ``()`` meaning none (its default), as jax_ub's."""
     return None if names is not None and len(tuple(names)) == 0 else names

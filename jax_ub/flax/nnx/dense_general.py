@@ -73,7 +73,8 @@ class DenseGeneral(_ParallelLinear):
         ('column', 'row', 'tensor', (4, 32, 16))
 
     Args:
-      in_features, out_features, axis: as for :class:`ColumnParallelLinear`.
+      in_features, out_features, axis: as for :class:`ColumnParallelLinear`;
+        ``in_features_shape`` and ``out_features_shape`` (a trainer's names) for the first two.
       kernel_axes: the kernel's logical names ``(*in, *out)``; ``()`` or None: none.
       weight_dtype: the params' dtype (``param_dtype``).
       quant: None (a trainer's quantization has no counterpart: use ``fp8``).
@@ -86,9 +87,11 @@ class DenseGeneral(_ParallelLinear):
 
     def __init__(
         self,
-        in_features: int | Sequence[int],
-        out_features: int | Sequence[int],
+        in_features: int | Sequence[int] | None = None,
+        out_features: int | Sequence[int] | None = None,
         *,
+        in_features_shape: int | Sequence[int] | None = None,
+        out_features_shape: int | Sequence[int] | None = None,
         axis: int | Sequence[int] = -1,
         weight_dtype: Any = None,
         quant: Any = None,
@@ -97,6 +100,8 @@ class DenseGeneral(_ParallelLinear):
         **settings: Unpack[BiasedSettings],
     ):
         owner = type(self).__name__
+        in_features = _dense_general.alias(owner, "in_features", in_features, in_features_shape)
+        out_features = _dense_general.alias(owner, "out_features", out_features, out_features_shape)
         _dense_general.check_options(owner, quant, matmul_precision)
         settings["kernel_axes"] = _dense_general.kernel_axes(settings.get("kernel_axes"))
         dtype = _dense_general.param_dtype(owner, weight_dtype, settings.get("param_dtype"))
