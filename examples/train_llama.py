@@ -20,8 +20,10 @@ With ``--fp8 current`` (or ``delayed``) it trains jax_ub's model in fp8 and, fro
 stays within the runs' seed-to-seed spread: at each step, whether fp8's loss is no further
 from the seeds' mean than the seeds are from each other (their max - min). With
 ``--generate N`` it then continues the first training sequence's opening greedily for N
-tokens with both trained models (decoding from their key/value caches) and prints the
-continuations:
+tokens with both trained models (decoding from their key/value caches), prints the
+continuations and checks they agree as the dtype allows: in float32 every token; in
+bfloat16 each row up to a near-tie, where its two candidates' logits are within
+``NEAR_TIE`` (2^-5) of the largest, a few bfloat16 roundings (``decode_agreement``):
 
     python3 examples/train_llama.py --steps 40 --generate 16
 """
