@@ -223,3 +223,10 @@ def test_options_with_no_counterpart_are_named():
     linen = ubf.linen.DenseGeneral(F, quant=object())
     with pytest.raises(ValueError, match=r"quant=<object.*do not run a trainer.s quantization"):
         linen.init(jax.random.key(0), jnp.ones((B, L, E)))
+
+
+def test_project_refuses_a_plain_matmul():
+    layer = ubf.DenseGeneral(E, F, rngs=nnx.Rngs(0))  # no names: a plain matmul
+    assert layer.kind == "replicated"
+    with pytest.raises(ValueError, match="runs as a plain matmul: call it alone"):
+        ubf.nnx.project(jnp.ones((B, L, E)), layer)

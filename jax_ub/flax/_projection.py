@@ -204,6 +204,11 @@ def param_specs(kind: str, axis_name: str, use_bias: bool, fp8: str | None = Non
 def check_group(projections: Sequence[Projection], configs: Sequence[Any]) -> None:
     """Projections that run from one input as one (:func:`jax_ub.flax.nnx.project`): column
     ones, of the same input features and settings; fp8 with current scaling only."""
+    if any(p.kind == "replicated" for p in projections):
+        raise ValueError(
+            "project: a DenseGeneral that no tensor-parallel axis splits runs as a plain "
+            "matmul: call it alone"
+        )
     if len(projections) == 1:
         return
     if any(p.kind != "column" for p in projections):
