@@ -64,6 +64,17 @@ def nd_dense_init(scale: float, mode: str, distribution: str) -> Callable:
     return init
 
 
+# What a trainer's call sites pass its DenseGeneral: dtypes, its quantization (none here),
+# the matmul precision and an n-d initializer of their own.
+CALL_SITE = dict(
+    dtype=jnp.float32,
+    weight_dtype=jnp.float32,
+    quant=None,
+    matmul_precision="float32",
+    kernel_init=nd_dense_init(1.0, "fan_in", "normal"),
+)
+
+
 class TrainerDenseGeneral(nn.Module):
     """The trainer's own projection, as public trainers write it."""
 
@@ -148,7 +159,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions):
-        cfg, dense = self.cfg, self.cfg.dense
+        cfg, dense = self.cfg, functools.partial(self.cfg.dense, **CALL_SITE)
         heads = activations(
             cfg, "activation_batch", "activation_length", "activation_heads", "activation_kv"
         )
@@ -191,7 +202,7 @@ class Mlp(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        cfg, dense = self.cfg, self.cfg.dense
+        cfg, dense = self.cfg, functools.partial(self.cfg.dense, **CALL_SITE)
         hidden = activations(cfg, "activation_batch", "activation_length", "activation_mlp")
         gate = dense(MLP, kernel_axes=("embed", "mlp"), name="wi_0")(x, out_sharding=hidden)
         up = dense(MLP, kernel_axes=("embed", "mlp"), name="wi_1")(x, out_sharding=hidden)
@@ -236,7 +247,7 @@ class Decoder(nn.Module):
                 x, _ = block(cfg, name=f"layers_{i}")(x, positions)
         x = RMSNorm(name="decoder_norm")(x)
         vocab = activations(cfg, "activation_batch", "activation_length", "activation_vocab")
-        head = cfg.dense(VOCAB, kernel_axes=("embed", "vocab"), name="logits_dense")
+        head = cfg.dense(VOCAB, kernel_axes=("embed", "vocab"), name="logits_dense", **CALL_SITE)
         return head(x, out_sharding=vocab)
 
 
