@@ -213,8 +213,9 @@ def train(
 
 def make_mesh(devices: list[jax.Device], shape: dict[str, int]) -> Mesh:
     """A mesh of `devices` with axes `shape` (e.g. {"dp": 2, "tp": 2}); "tp" must be one."""
-    if AXIS not in shape or int(np.prod(list(shape.values()))) != len(devices):
-        raise ValueError(f"mesh {shape} must have a {AXIS!r} axis and {len(devices)} devices")
+    problem = mesh_problem(shape, len(devices))
+    if problem:
+        raise ValueError(problem)
     return Mesh(np.array(devices).reshape(tuple(shape.values())), tuple(shape))
 
 
@@ -293,6 +294,20 @@ def _train(
     return TrainResult([float(x) for x in losses], step_time, compile_time)
 
 
+def mesh_problem(shape: dict[str, int], devices: int) -> str | None:
+    """Why the axes ``shape`` (axis -> size) cannot lay out ``devices`` devices, or None:
+    a ``"tp"`` axis, sizes that multiply to the number of devices."""
+    size = int(np.prod(list(shape.values())))
+    if AXIS not in shape:
+        return f"mesh {shape} has no {AXIS!r} axis: name the tensor-parallel axis {AXIS!r}"
+    if size != devices:
+        return (
+            f"mesh {shape}: its sizes multiply to {size}, but there are {devices} devices; "
+            f"give sizes that multiply to {devices}, e.g. {AXIS}={devices}"
+        )
+    return None
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """ "dp=2,tp=2" -> {"dp": 2, "tp": 2}."""
     try:
@@ -339,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, TrainResult]:
     config = dict(CPU_CONFIG if platform == "cpu" else GPU_CONFIG)
     config.update({k: v for k, v in vars(args).items() if k in config and v is not None})
     shape = parse_mesh(args.mesh) if args.mesh else {AXIS: len(devices)}
+    problem = mesh_problem(shape, len(devices))
+    if problem:
+        parser.error(f"--mesh {args.mesh}: {problem}")
     print(f"{len(devices)} {platform} devices, mesh {shape}; {config}")
     # The GPU model (hidden 4096) does not learn at 3e-3 in bf16: its loss stalls near ln(vocab).
     lr = args.lr if args.lr is not None else (3e-3 if platform == "cpu" else 3e-4)

@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 import jax_ub
 import jax_ub.flax
 import jax_ub.flax.linen.blocks
+import jax_ub.flax.linen.dense_general
 import jax_ub.flax.linen.layers
 import jax_ub.flax.nnx.blocks
+import jax_ub.flax.nnx.dense_general
 import jax_ub.flax.nnx.gated
 import jax_ub.flax.nnx.layers
 
@@ -27,6 +29,8 @@ MODULES = [
     jax_ub.flax.nnx.gated,
     jax_ub.flax.linen.layers,
     jax_ub.flax.linen.blocks,
+    jax_ub.flax.nnx.dense_general,
+    jax_ub.flax.linen.dense_general,
     jax_ub.flax._settings,
 ]
 
@@ -84,3 +88,13 @@ def test_info_reports_what_a_bug_report_needs():
         "tuning (internal): autotune_gemm=",
     ):
         assert needle in text, (needle, text)
+
+
+def test_all_gather_matmul_states_auto_size_rule():
+    """``help(all_gather_matmul)``'s ``"auto"`` says what the module docs say: on GPUs, ub
+    only from ``auto_min_bytes`` (8 MiB by default) per rank."""
+    doc = " ".join(jax_ub.all_gather_matmul.__doc__.split())
+    assert "auto_min_bytes" in doc and "8 MiB" in doc, doc
+    from jax_ub._src.settings.config import DEFAULT_AUTO_MIN_BYTES
+
+    assert DEFAULT_AUTO_MIN_BYTES == 8 << 20

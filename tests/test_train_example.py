@@ -134,3 +134,58 @@ def test_llama_example_spread_summary():
     far = example.spread_summary(np.array([5.1, 4.05, 4.0, 3.0]), seeds, "fp8")
     assert "at 4 of 4 steps" in near
     assert "at 2 of 4 steps" in far
+
+
+@pytest.mark.parametrize(
+    "tp,devices,batch,match",
+    [
+        (8, 4, 4, r"--tp 8: the tensor-parallel size must be between 1 and the 4 devices"),
+        (0, 4, 4, r"--tp 0: .* between 1 and the 4 devices"),
+        (3, 4, 4, r"--tp 3 must divide .* heads 4, kv_heads 2, ffn 128, vocab 256"),
+        (2, 8, 6, r"--batch 6 must be a multiple of dp = 8 devices // --tp 2 = 4"),
+    ],
+)
+def test_llama_example_names_a_mesh_it_cannot_run(tp, devices, batch, match):
+    """--tp larger than the devices, or not dividing the heads, ... is named before any
+    JAX error (an IndexError, an IndivisibleError)."""
+    import re
+
+    from jax_ub.models import llama
+
+    problem = llama.mesh_problem(llama.PRESETS["tiny"], tp, devices, batch)
+    assert problem is not None and re.search(match, problem), problem
+    assert llama.mesh_problem(llama.PRESETS["tiny"], 2, 4, 4) is None
+
+
+def test_tp_transformer_example_names_a_mesh_it_cannot_run(example):
+    assert "sizes multiply to 3, but there are 4 devices" in example.mesh_problem({"tp": 3}, 4)
+    assert "no 'tp' axis" in example.mesh_problem({"dp": 4}, 4)
+    assert example.mesh_problem({"dp": 2, "tp": 2}, 4) is None
+    with pytest.raises(SystemExit):  # argparse's error, a message and no traceback
+        example.main(["--mesh", "tp=3", "--steps", "1"])
+
+
+def test_llama_example_says_what_bf16_decoding_should_agree_on():
+    """float32: every token equal. bfloat16: a row may differ from a token whose two
+    candidates' logits (the reference's, after the common prefix) are a near-tie, never
+    from one where they are far apart."""
+    example = _llama_example()
+    xla = np.array([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])
+    ub = xla.copy()
+    ub[1, 3:] = [9, 9]  # row 1 differs from token 1 after a prompt of 2 tokens
+
+    def logits_at(gap):
+        def at(prefix):
+            assert prefix.shape == (2, 3)  # the common prefix of the differing row
+            logits = np.zeros((2, 16), np.float32)
+            logits[1, 4], logits[1, 9] = 4.0, 4.0 - gap  # XLA's token 4, jax_ub's 9
+            return logits
+
+        return at
+
+    assert example.decode_agreement(xla, xla, 2, logits_at(0), "float32")[0]
+    assert not example.decode_agreement(ub, xla, 2, logits_at(0.01), "float32")[0]
+    ok, text = example.decode_agreement(ub, xla, 2, logits_at(0.01), "bfloat16")
+    assert ok and "row 1 differs from token 1" in text and "a near-tie" in text, text
+    ok, text = example.decode_agreement(ub, xla, 2, logits_at(1.0), "bfloat16")
+    assert not ok and "NOT a near-tie" in text, text

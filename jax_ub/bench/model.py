@@ -176,11 +176,14 @@ def setup(args):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jax_ub.models import llama
+
     cfg = _config(args)
     devices = jax.devices()
+    problem = llama.mesh_problem(cfg, args.tp, len(devices), args.batch)
+    if problem:
+        raise SystemExit(problem)
     dp = len(devices) // args.tp
-    if dp < 1:
-        raise SystemExit(f"--tp {args.tp} needs that many devices; this process has {len(devices)}")
     mesh = Mesh(np.array(devices[: dp * args.tp]).reshape(dp, args.tp), ("dp", "tp"))
     tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab)
     tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))

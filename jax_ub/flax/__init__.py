@@ -11,6 +11,9 @@ live in :mod:`jax_ub.flax.linen`.
   contracted dims, the same params), so a model's own attention and MLP swap their
   projection constructors; :func:`jax_ub.flax.nnx.project` (linen:
   :func:`jax_ub.flax.linen.project`) runs column layers of one input from one gather.
+* :class:`DenseGeneral`: one DenseGeneral-shaped class that runs as either of the two, or
+  as a plain matmul, as its kernel's logical names and the rules place it (a trainer's
+  projections swap to jax_ub by one assignment).
 * :class:`ParallelMLP`, :class:`ParallelSelfAttention`: blocks built from the two.
 * :class:`ParallelGatedMLP`: SwiGLU / GeGLU (:func:`jax_ub.gated_mlp`).
 
@@ -40,6 +43,7 @@ from jax_ub.flax import checkpoints, linen, nnx
 from jax_ub.flax._settings import ParallelConfig, defaults
 from jax_ub.flax.nnx import (
     ColumnParallelLinear,
+    DenseGeneral,
     OverwriteWithGradient,
     ParallelGatedMLP,
     ParallelMLP,
@@ -49,6 +53,7 @@ from jax_ub.flax.nnx import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "DenseGeneral",
     "OverwriteWithGradient",
     "ParallelConfig",
     "ParallelGatedMLP",

@@ -6,43 +6,74 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from flax.core import spmd as flax_spmd
 
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax._checks import DEFAULT_AXIS
 
 
-def tp_axis(owner: str, axis_name: str | None, split_name: str | None) -> str:
+def tp_axis(owner: str, axis_name: str | None, split_name: str | None, mesh: Any = None) -> str:
     """The tensor-parallel mesh axis of a layer: ``axis_name`` where given; else, for a
     layer with logical axis names, the mesh axis the user's ``logical_axis_rules``
     (``nn.logical_axis_rules`` / ``nnx.logical_axis_rules``) map its split dim's name
-    ``split_name`` to; else ``"tp"``."""
+    ``split_name`` to (of a rule listing several, the one of size > 1 on ``mesh`` or the
+    mesh set: :func:`_split_axis`); else ``"tp"``."""
     if axis_name is not None:
         return axis_name
     if split_name is None:
         return DEFAULT_AXIS
     rules = flax_spmd.get_logical_axis_rules()
-    mapped = _mapped(owner, split_name, rules)
+    mapped = _split_axis(owner, split_name, _mapped_axes(split_name, rules), None, mesh)
     if mapped is None:
         _warn_unmapped(owner, split_name, rules)
         return DEFAULT_AXIS
     return mapped
 
 
-def _mapped(owner: str, name: Any, rules: Any) -> str | None:
-    """The mesh axis the ``rules`` map the logical ``name`` to, or None."""
+def axis_sizes(mesh: Any = None) -> dict[str, int]:
+    """The sizes of ``mesh``'s axes, else of the mesh set (``jax.set_mesh``, a shard_map
+    being traced); empty where none is known."""
+    known = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    return {} if known.empty else dict(known.shape)
+
+
+def _mapped_axes(name: Any, rules: Any) -> tuple[str, ...]:
+    """The mesh axes the first of the ``rules`` for the logical ``name`` maps it to (one
+    or several; none where no rule names it or it maps to None)."""
     mapped = next((mesh_axes for rule, mesh_axes in rules or () if rule == name), None)
-    if not mapped:
-        return None
     if isinstance(mapped, (tuple, list)):
-        if len(mapped) != 1:
-            raise ValueError(
-                f"{owner}: the logical axis rules map {name!r} to the mesh axes "
-                f"{tuple(mapped)}; jax_ub splits over one axis: map it to one, or pass "
-                "axis_name=..."
-            )
-        mapped = mapped[0]
-    return mapped
+        return tuple(a for a in mapped if a is not None)
+    return () if mapped is None else (mapped,)
+
+
+def _split_axis(owner: str, name: Any, axes: tuple, axis_name: str | None, mesh: Any) -> str | None:
+    """The tensor-parallel axis among ``axes``, the mesh axes a kernel dim named ``name``
+    is split over: ``axis_name`` where given and listed (None where not listed); else the
+    one axis; else, of several (a rule ``'mlp' -> ['fsdp_transpose', 'tensor', ...]``),
+    the one of size > 1 on the mesh (the first where all have size 1). Two of size > 1,
+    or several with no mesh known, are a ValueError naming them."""
+    if not axes:
+        return None
+    if axis_name is not None:
+        return axis_name if axis_name in axes else None
+    if len(axes) == 1:
+        return axes[0]
+    sizes = axis_sizes(mesh)
+    if not sizes:
+        raise ValueError(
+            f"{owner}: the logical axis rules map {name!r} to the mesh axes {axes}; jax_ub "
+            "splits over the one of size > 1, and no mesh is known here: set one "
+            "(jax.set_mesh, or mesh=...), or pass axis_name=... naming the tensor-parallel axis"
+        )
+    big = [a for a in axes if sizes.get(a, 1) > 1]
+    if len(big) > 1:
+        raise ValueError(
+            f"{owner}: the logical axis rules map {name!r} to the mesh axes {axes}, of which "
+            f"{tuple(big)} have size > 1 ({', '.join(f'{a}={sizes[a]}' for a in big)}); jax_ub "
+            f"splits over one axis: pass axis_name=... naming one of {tuple(big)}"
+        )
+    return big[0] if big else axes[0]
 
 
 def choose_split(
@@ -53,6 +84,7 @@ def choose_split(
     axis_name: str | None,
     *,
     mesh_names=False,
+    mesh: Any = None,
 ) -> tuple[int, str]:
     """``(kernel dim, mesh axis)``: which dim of a ``kind`` projection's kernel
     ``[*in_shape (n_in dims), *features]`` is split over which tensor-parallel axis.
@@ -60,32 +92,119 @@ def choose_split(
     The candidates are the features (column) or the contracted dims (row). With ``names``
     of the kernel's dims, logical ones (``kernel_axes``, or a ``kernel_init``'s
     partitioning; mesh axes with ``mesh_names``, a linen ``nn.Partitioned``): the first
-    candidate named ``axis_name`` or mapped to it by the active logical axis rules, or,
-    with no ``axis_name`` given, the first one a rule maps to a mesh axis (or, with no
-    rule for it, the first named ``"tp"``). Else the first candidate, over ``axis_name``
-    or ``"tp"``; with names that place no candidate on that axis, a warning: the params
-    would not be split."""
+    candidate named ``axis_name`` or mapped to it (alone or among several mesh axes) by the
+    active logical axis rules, or, with no ``axis_name`` given, the first one a rule maps
+    to a mesh axis (:func:`_split_axis`; or, with no rule for it, the first named
+    ``"tp"``). Else the first candidate, over ``axis_name`` or ``"tp"``. A warning where
+    the names place no candidate on the chosen axis, or where that axis has size 1 on
+    ``mesh`` (or the mesh set) while they split a candidate over another axis: XLA would
+    then gather the kernel whole at every call (:func:`_warn_group_of_one`)."""
     if names is None:
         return (n_in if kind == "column" else 0), axis_name or DEFAULT_AXIS
     candidates = list(range(n_in, len(names)) if kind == "column" else range(n_in))
     rules = () if mesh_names else flax_spmd.get_logical_axis_rules()
-    placed = {}
+    listed = {d: _dim_axes(names[d], rules, mesh_names, axis_name) for d in candidates}
     for d in candidates:
-        mapped = names[d] if mesh_names else _mapped(owner, names[d], rules)
-        if mapped is None and names[d] in (axis_name, DEFAULT_AXIS):
-            mapped = names[d]  # a mesh axis named directly
-        if isinstance(mapped, str):
-            placed[d] = mapped
-    wanted = axis_name if axis_name is not None else next(iter(placed.values()), None)
-    for d, mapped in placed.items():
-        if mapped == wanted:
-            return d, wanted
-    split_name = names[candidates[0]]
-    if split_name is None:
-        _warn_unnamed(owner, names, candidates[0], axis_name or DEFAULT_AXIS)
+        axis = _split_axis(owner, names[d], listed[d], axis_name, mesh)
+        if axis is not None:
+            _warn_group_of_one(owner, names, listed, d, axis, mesh)
+            return d, axis
+    d, axis = candidates[0], axis_name or DEFAULT_AXIS
+    if names[d] is None:
+        _warn_unnamed(owner, names, d, axis)
     elif axis_name is None:
-        _warn_unmapped(owner, split_name, rules)
-    return candidates[0], axis_name or DEFAULT_AXIS
+        _warn_unmapped(owner, names[d], rules)
+    _warn_group_of_one(owner, names, listed, d, axis, mesh)
+    return d, axis
+
+
+def choose_kind(
+    owner: str,
+    n_in: int,
+    names: tuple | None,
+    axis_name: str | None,
+    *,
+    mesh_names: bool = False,
+    mesh: Any = None,
+) -> tuple[str, str | None]:
+    """``(kind, tensor-parallel axis or None)`` of a DenseGeneral-shaped projection from
+    its kernel's names ``[*in (n_in dims), *features]`` (logical, placed by the active
+    rules; mesh axes with ``mesh_names``) and the mesh (``mesh``, else the one set).
+
+    The tensor-parallel axis is ``axis_name``; without it, the one mesh axis of size > 1
+    the names split the kernel over (several: a ValueError naming them, asking for
+    ``axis_name``). Then ``"column"`` where a feature dim is split over it, ``"row"`` where
+    a contracted dim is, else ``"replicated"``: a plain matmul, XLA's, as also where the
+    axis has size 1 (a group of one) or no names or mesh say anything (a layer initialized
+    with no mesh has the same params either way)."""
+    if names is None:
+        return "replicated", axis_name
+    sizes = axis_sizes(mesh)
+    rules = () if mesh_names else flax_spmd.get_logical_axis_rules()
+    listed = [_dim_axes(n, rules, mesh_names, axis_name) for n in names]
+    if axis_name is None:
+        if not sizes:
+            return "replicated", None
+        order = list(sizes)
+        big = sorted({a for on in listed for a in on if sizes.get(a, 1) > 1}, key=order.index)
+        if len(big) > 1:
+            raise ValueError(
+                f"{owner}: the kernel's names {names} are split over the mesh axes "
+                f"{tuple(big)} ({', '.join(f'{a}={sizes[a]}' for a in big)}); pass "
+                "axis_name=... naming the tensor-parallel one (to the layer, or to "
+                "jax_ub.flax.defaults); XLA keeps the others as it would"
+            )
+        if not big:
+            return "replicated", None
+        axis_name = big[0]
+    elif sizes and sizes.get(axis_name, 1) == 1:
+        return "replicated", axis_name
+    column = [d for d in range(n_in, len(names)) if axis_name in listed[d]]
+    row = [d for d in range(n_in) if axis_name in listed[d]]
+    if column and row:
+        raise ValueError(
+            f"{owner}: the kernel's names {names} split both a contracted dim ({row[0]}) "
+            f"and a feature dim ({column[0]}) over the tensor-parallel axis {axis_name!r}; "
+            "a projection splits one side"
+        )
+    return ("column" if column else "row" if row else "replicated"), axis_name
+
+
+def _dim_axes(name: Any, rules: Any, mesh_names: bool, axis_name: str | None) -> tuple:
+    """The mesh axes a kernel dim of that ``name`` is split over: ``name`` itself where
+    ``mesh_names`` (one axis or several), else the rules'; a name the rules do not map
+    that is ``axis_name`` or ``"tp"`` counts as a mesh axis named directly."""
+    if mesh_names:
+        return tuple(name) if isinstance(name, (tuple, list)) else (() if name is None else (name,))
+    axes = _mapped_axes(name, rules)
+    if not axes and name is not None and name in (axis_name, DEFAULT_AXIS):
+        return (name,)
+    return axes
+
+
+def _warn_group_of_one(
+    owner: str, names: tuple, listed: dict, dim: int, axis: str, mesh: Any
+) -> None:
+    """Once: the layer splits over ``axis``, of size 1 on the mesh (a group of one), or
+    over an axis its names do not place the split ``dim`` on, while they split one of
+    the dims it could split over another axis of size > 1: the ops run unsplit, and XLA
+    gathers that kernel whole onto every device at every call (splitting the batch
+    instead)."""
+    sizes = axis_sizes(mesh)
+    if not sizes or (sizes.get(axis, 1) > 1 and axis in listed.get(dim, ())):
+        return
+    other = [(d, a) for d, on in listed.items() for a in on if a != axis and sizes.get(a, 1) > 1]
+    if not other:
+        return
+    d, a = other[0]
+    message = (
+        f"{owner}: it runs over axis_name {axis!r} (size {sizes.get(axis, 1)} on the mesh), "
+        f"while its kernel's dim {d} (named {names[d]!r}) is split over {a!r} (size "
+        f"{sizes[a]}): jax_ub runs a group of {sizes.get(axis, 1)} over {axis!r}, and XLA "
+        f"gathers the kernel whole onto every device at every call. Pass axis_name={a!r} "
+        "(to the layer or to jax_ub.flax.defaults) for tensor parallelism over it"
+    )
+    warn_once(f"group of one: {owner} {names} {axis} {a}", message)
 
 
 def _warn_unnamed(owner: str, names: tuple, dim: int, axis_name: str) -> None:

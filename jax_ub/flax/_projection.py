@@ -14,6 +14,7 @@ same order, whichever dim is split: the ops run on the flattened shards.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -69,8 +70,9 @@ def canonical_axes(owner: str, axis: Any, n_in: int | None = None) -> tuple[int,
 
 
 class Projection(NamedTuple):
-    """A projection's shape: ``kind`` (``"column"``, ``"row"``), the contracted
-    ``in_shape``, the output ``features``, which kernel dim is ``split`` over the
+    """A projection's shape: ``kind`` (``"column"``, ``"row"``; ``"replicated"``: a plain
+    matmul, :class:`jax_ub.flax.DenseGeneral`'s where no kernel dim is tensor-parallel),
+    the contracted ``in_shape``, the output ``features``, which kernel dim is ``split`` over the
     tensor-parallel axis, and whether it has a bias. Hashable: the layers' compiled
     functions are keyed on it."""
 
@@ -121,6 +123,9 @@ class Projection(NamedTuple):
         if logical is not None:
             kernel = tuple(logical)
             bias = kernel[self.n_in :]
+        elif self.kind == "replicated":
+            kernel = (other_axes,) + (None,) * (len(self.kernel_shape) - 1)
+            bias = (None,) * len(self.features)
         else:
             if other_axes is not None and (
                 other_axes == axis_name
@@ -142,6 +147,36 @@ class Projection(NamedTuple):
         ``fp8="delayed"``, the amax histories too, replicated): :meth:`names`' mesh axes."""
         names = self.names("", axis_name, None)
         return {k: P(*v) for k, v in names.items()} | _fp8.history_specs(fp8)
+
+
+def takes_axes(init: Any) -> bool:
+    """Whether ``init`` is an n-d initializer, called ``init(key, shape, dtype, in_axis,
+    out_axis)`` on the kernel's own shape, as trainers' ``variance_scaling``-style
+    initializers of n-d kernels are: its parameters include ``in_axis`` and ``out_axis``,
+    or it requires five positional arguments (through flax's partitioning wrappers, which
+    keep the wrapped function's signature)."""
+    try:
+        params = list(inspect.signature(init).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if {"in_axis", "out_axis"} <= {p.name for p in params}:
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.kind in positional and p.default is p.empty]
+    return len(required) >= 5
+
+
+def init_kernel(init: Any, key: Any, shape: Sequence[int], n_in: int, dtype: Any) -> Any:
+    """A kernel ``[*in (n_in dims), *features]`` from ``init``: an n-d initializer
+    (:func:`takes_axes`) on ``shape`` with ``in_axis`` the contracted dims and ``out_axis``
+    the features; any other on the shape flattened to ``[in, out]`` as flax's
+    ``DenseGeneral`` calls it (:func:`flat_shape`), so that a fan-in is the contracted
+    dims'. The value as ``init`` returns it (a box, flat, where it boxes)."""
+    if takes_axes(init):
+        in_axis = tuple(range(n_in))
+        out_axis = tuple(range(n_in, len(shape)))
+        return init(key, tuple(shape), dtype, in_axis, out_axis)
+    return init(key, flat_shape(shape, n_in), dtype)
 
 
 def flat_shape(shape: Sequence[int], n_lead: int) -> tuple[int, ...]:
@@ -169,6 +204,11 @@ def param_specs(kind: str, axis_name: str, use_bias: bool, fp8: str | None = Non
 def check_group(projections: Sequence[Projection], configs: Sequence[Any]) -> None:
     """Projections that run from one input as one (:func:`jax_ub.flax.nnx.project`): column
     ones, of the same input features and settings; fp8 with current scaling only."""
+    if any(p.kind == "replicated" for p in projections):
+        raise ValueError(
+            "project: a DenseGeneral that no tensor-parallel axis splits runs as a plain "
+            "matmul: call it alone"
+        )
     if len(projections) == 1:
         return
     if any(p.kind != "column" for p in projections):

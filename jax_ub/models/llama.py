@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -110,6 +111,26 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(REMAT_POLICIES),
         help="rematerialization policy of each block (default: dots)",
     )
+
+
+def mesh_problem(cfg: LlamaConfig, tp: int, devices: int, batch: int) -> str | None:
+    """Why a ``(dp, tp)`` mesh of ``devices // tp`` x ``tp`` devices cannot run ``cfg`` on
+    a ``batch``, or None: ``tp`` must be between 1 and ``devices`` and divide the heads,
+    the key/value heads, the MLP's hidden units and the vocabulary (each split over tp),
+    and ``dp`` the batch."""
+    if not 1 <= tp <= devices:
+        return f"--tp {tp}: the tensor-parallel size must be between 1 and the {devices} devices"
+    dims = dict(heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab)
+    split = [f"{name} {size}" for name, size in dims.items() if size % tp]
+    if split:
+        return (
+            f"--tp {tp} must divide what the model splits over tp; it does not divide "
+            f"{', '.join(split)} (try a divisor of {math.gcd(*dims.values())})"
+        )
+    dp = devices // tp
+    if batch % dp:
+        return f"--batch {batch} must be a multiple of dp = {devices} devices // --tp {tp} = {dp}"
+    return None
 
 
 class RMSNorm(nnx.Module):

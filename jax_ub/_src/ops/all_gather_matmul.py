@@ -61,9 +61,11 @@ def all_gather_matmul(
       activation: ``None`` or ``"gelu"`` (the tanh approximation, ``jax.nn.gelu``'s
         default), applied after the bias.
       impl: ``"ub"`` (userbuffer custom call), ``"xla"`` (lax reference), ``"auto"``
-        (``"ub"`` where this platform and dtype are supported, else ``"xla"``), or
-        ``"none"`` (the same GEMMs, nothing communicated: to time a bound; see
-        ``jax_ub``'s module docstring).
+        (``"ub"`` where this platform and dtype are supported and, on GPUs, where the
+        gather moves at least ``jax_ub.config.auto_min_bytes`` per rank, 8 MiB by default;
+        else ``"xla"``: ``jax_ub.explain_impl`` says which and why), or ``"none"`` (the
+        same GEMMs, nothing communicated: to time a bound; see ``jax_ub``'s module
+        docstring).
       return_gathered: also return ``all_gather(x)``, e.g. to keep it for a backward pass
         (inside shard_map only; not with ``fp8``).
       fp8: run in fp8 with these scales (:class:`jax_ub.Fp8Scales`; ``Fp8Scales()`` for

@@ -12,6 +12,7 @@ from types import ModuleType
 import jax
 
 from jax_ub._src import _host
+from jax_ub._src.settings.config import export_trace_setting
 
 # Platform name in lowering contexts -> name XLA registers custom calls under.
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
@@ -96,6 +97,7 @@ _cuda_import_error: list[str] = []  # why the CUDA extension did not load, once 
 def cuda_module() -> ModuleType | None:
     """The CUDA extension, registered with XLA, or None when it was not built or cannot
     load (:func:`cuda_import_error` says why)."""
+    export_trace_setting()  # the extension reads JAX_UB_TRACE as "1" or "0"
     try:
         _preload_cublaslt()
         from jax_ub._src import _cuda  # noqa: PLC0415

@@ -14,27 +14,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
+import warnings
 
 from jax_ub._src.settings import trace_key
 
+# The shortest wait on a peer that timeout_s may set: a shorter one fails calls whose peer
+# is merely a moment behind (scheduling, a first call's compile), blaming the peer.
+MIN_TIMEOUT_S = 0.1
+
+
+def _is_int(value: object) -> bool:
+    """An integer, Python's or NumPy's (``np.int64(1 << 20)``), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
 
 def _check_timeout(value: object, source: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"timeout_s must be a number of seconds, got {value!r} ({source})")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"timeout_s must be positive and finite, got {value} ({source})")
+    if value < MIN_TIMEOUT_S:
+        raise ValueError(
+            f"timeout_s must be at least {MIN_TIMEOUT_S} s, got {value} ({source}): a shorter "
+            "wait fails calls whose peer is merely a moment behind, as if it never arrived"
+        )
 
 
 def _check_buffer_bytes(value: object, source: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_int(value):
         raise ValueError(f"buffer_bytes must be an integer, got {value!r} ({source})")
     if value < 0:
         raise ValueError(f"buffer_bytes must be >= 0, got {value} ({source})")
 
 
 def _check_auto_min_bytes(value: object, source: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(
             f"auto_min_bytes must be an integer number of bytes >= 0, got {value!r} ({source})"
         )
@@ -161,6 +177,35 @@ def _from_env(name: str) -> object:
     return value
 
 
+TRACE_VAR = "JAX_UB_TRACE"
+
+
+def trace_enabled() -> bool:
+    """Whether ``JAX_UB_TRACE`` turns on the CUDA path's trace on stderr, read as every
+    boolean ``JAX_UB_*`` variable is: one of ``1/true/yes/on`` (on) or ``0/false/no/off``
+    (off), any case; unset or empty: off. Other text warns, naming the variable, and leaves
+    the trace off."""
+    text = os.environ.get(TRACE_VAR, "")
+    if not text.strip():
+        return False
+    try:
+        return _parse_bool(text)
+    except ValueError:
+        warnings.warn(
+            f"jax_ub: environment variable {TRACE_VAR}={text!r} is not one of "
+            f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)}: the trace stays off",
+            stacklevel=2,
+        )
+        return False
+
+
+def export_trace_setting() -> None:
+    """Set ``JAX_UB_TRACE`` to ``"1"`` or ``"0"`` as :func:`trace_enabled` reads it, for the
+    CUDA extension, which reads the variable when it first traces; unset stays unset."""
+    if TRACE_VAR in os.environ:
+        os.environ[TRACE_VAR] = "1" if trace_enabled() else "0"
+
+
 # The settings read when a call is traced, not when a communicator is created
 # (options.traced_settings); part of the key of JAX's trace caches (trace_key).
 TRACE_TIME = ("auto_min_bytes", "keep_gathered")
@@ -183,7 +228,7 @@ class Config:
         holds grows it when ``allow_grow``, else raises naming both sizes (env
         ``JAX_UB_BUFFER_BYTES``).
       timeout_s: how long any rank waits for a peer before the op fails with an error
-        naming the missing rank (env ``JAX_UB_TIMEOUT_S``, default 30).
+        naming the missing rank (env ``JAX_UB_TIMEOUT_S``, default 30; at least 0.1).
       allow_grow: when an op needs more than the buffer holds, create a larger buffer at
         trace time (at least twice the old one) instead of raising (env
         ``JAX_UB_ALLOW_GROW``, default on).
@@ -278,5 +323,15 @@ def configure(**changes: object) -> Config:
     for name, value in changes.items():
         _SETTINGS[name][3](value, f"jax_ub.configure({name}=...)")
     for name, value in changes.items():
-        setattr(config, name, value)
+        setattr(config, name, _plain(value))
     return config
+
+
+def _plain(value: object) -> object:
+    """A NumPy number as Python's own (``np.int64(1 << 20)`` -> ``1048576``): the settings
+    go to the communicators' C++ options as Python numbers."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value

@@ -5,10 +5,12 @@ Parameters are created with ``nn.with_partitioning`` (boxed as ``nn.Partitioned`
 """
 
 from jax_ub.flax.linen.blocks import ParallelGatedMLP, ParallelMLP, ParallelSelfAttention
+from jax_ub.flax.linen.dense_general import DenseGeneral
 from jax_ub.flax.linen.layers import ColumnParallelLinear, RowParallelLinear, project
 
 __all__ = [
     "ColumnParallelLinear",
+    "DenseGeneral",
     "ParallelGatedMLP",
     "ParallelMLP",
     "ParallelSelfAttention",

@@ -57,7 +57,7 @@ class Configured(nn.Module):
         owner = type(self).__name__
         given = {name: getattr(self, name) for name in _settings.FIELDS}
         config = _settings.resolve(owner, self.config, **given)
-        axis = self._tp_axis(owner, config.axis_name)
+        axis = self._tp_axis(owner, config.axis_name, config.mesh)
         config = dataclasses.replace(config, axis_name=axis, owner=owner)
         if config.impl == "ub" and self.scope is not None and self.is_initializing():
             if config.mesh is None and jax.sharding.get_abstract_mesh().empty:
@@ -69,9 +69,9 @@ class Configured(nn.Module):
         return config
 
     @nn.nowrap
-    def _tp_axis(self, owner: str, axis_name: str | None) -> str:
+    def _tp_axis(self, owner: str, axis_name: str | None, mesh: Mesh | None = None) -> str:
         """The axis ``_axes.tp_axis`` resolves from ``axis_name`` and the split dim's name."""
-        return _axes.tp_axis(owner, axis_name, self._split_name())
+        return _axes.tp_axis(owner, axis_name, self._split_name(), mesh)
 
     @nn.nowrap
     def resolved_axis(self) -> str:
@@ -117,16 +117,18 @@ class _ParallelLinear(Biased):
     _kind: ClassVar[str]
 
     @nn.nowrap
-    def _tp_axis(self, owner: str, axis_name: str | None) -> str:
-        return self._split(axis_name)[1]
+    def _tp_axis(self, owner: str, axis_name: str | None, mesh: Mesh | None = None) -> str:
+        return self._split(axis_name, mesh)[1]
 
     @nn.nowrap
-    def _split(self, axis_name: str | None) -> tuple[int, str]:
+    def _split(self, axis_name: str | None, mesh: Mesh | None = None) -> tuple[int, str]:
         """``(kernel dim, mesh axis)`` of the split (``_axes.choose_split``)."""
         owner = type(self).__name__
         names, mesh_names = self._kernel_names()
         n_in = len(_projection.canonical_axes(owner, self.axis))
-        return _axes.choose_split(owner, self._kind, n_in, names, axis_name, mesh_names=mesh_names)
+        return _axes.choose_split(
+            owner, self._kind, n_in, names, axis_name, mesh_names=mesh_names, mesh=mesh
+        )
 
     @nn.nowrap
     def _kernel_names(self) -> tuple[tuple | None, bool]:
@@ -227,7 +229,8 @@ class _ParallelLinear(Biased):
 def _init_names(kernel_init: Any) -> tuple[tuple | None, bool]:
     """The names an initializer wrapped by ``nn.with_logical_partitioning`` (logical) or
     ``nn.with_partitioning`` (mesh axes) boxes its values with, else None."""
-    box = jax.eval_shape(lambda: kernel_init(jax.random.key(0), (2, 2), jnp.float32))
+    key = jax.random.key(0)
+    box = jax.eval_shape(lambda: _projection.init_kernel(kernel_init, key, (2, 2), 1, jnp.float32))
     if isinstance(box, nn.LogicallyPartitioned):
         return tuple(box.names), False
     if isinstance(box, nn.Partitioned):
@@ -238,10 +241,12 @@ def _init_names(kernel_init: Any) -> tuple[tuple | None, bool]:
 def _flat_init(init: Any, n_lead: int) -> Any:
     """``init`` called as ``nn.DenseGeneral`` calls it: on the shape flattened to
     ``[prod(leading n_lead dims), prod(the rest)]`` (without leading dims, to one dim),
-    so that a fan-in is that of the contracted dims; a box keeps its names."""
+    so that a fan-in is that of the contracted dims; an n-d initializer on the shape
+    itself, with ``in_axis`` and ``out_axis`` (``_projection.init_kernel``); a box keeps
+    its names."""
 
     def call(key, shape, dtype=jnp.float32):
-        value = init(key, _projection.flat_shape(shape, n_lead), dtype)
+        value = _projection.init_kernel(init, key, shape, n_lead, dtype)
         if isinstance(value, nn.Partitioned):  # not constrained while flat (rank < names)
             return value.replace_boxed(jnp.reshape(value.unbox(apply_constraint=False), shape))
         if isinstance(value, meta.AxisMetadata):

@@ -9,11 +9,13 @@ variables (replicated), which a training step overwrites with their gradients.
 
 from jax_ub.flax.nnx.base import OverwriteWithGradient
 from jax_ub.flax.nnx.blocks import ParallelMLP, ParallelSelfAttention
+from jax_ub.flax.nnx.dense_general import DenseGeneral
 from jax_ub.flax.nnx.gated import ParallelGatedMLP
 from jax_ub.flax.nnx.layers import ColumnParallelLinear, RowParallelLinear, project
 
 __all__ = [
     "ColumnParallelLinear",
+    "DenseGeneral",
     "OverwriteWithGradient",
     "ParallelGatedMLP",
     "ParallelMLP",

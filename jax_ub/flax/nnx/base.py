@@ -103,7 +103,7 @@ def block_config(owner: str, settings: dict[str, Any]) -> ParallelConfig:
     given = {name: settings[name] for name in _settings.FIELDS}
     config = _settings.resolve(owner, settings["config"], **given)
     split = _axes.block_split_name(owner, settings["kernel_axes"], settings["param_axes"])
-    axis_name = _axes.tp_axis(owner, config.axis_name, split)
+    axis_name = _axes.tp_axis(owner, config.axis_name, split, config.mesh)
     return dataclasses.replace(config, axis_name=axis_name, owner=owner)
 
 

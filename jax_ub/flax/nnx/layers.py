@@ -56,12 +56,17 @@ class _ParallelLinear(Configured, nnx.Module):
         logical = _axes.kernel_names(owner, s["kernel_axes"], kernel_names, s["param_axes"])
         if logical is not None:
             _axes.check_kernel_axes(owner, logical, len(in_shape + features))
-        split, axis_name = _axes.choose_split(
-            owner, self._kind, len(in_shape), logical, config.axis_name
-        )
+        kind, axis_name = self._choose_kind(owner, len(in_shape), logical, config)
+        split = len(in_shape)
+        if kind != "replicated":
+            split, axis_name = _axes.choose_split(
+                owner, kind, len(in_shape), logical, axis_name, mesh=config.mesh
+            )
+        axis_name = axis_name or _axes.DEFAULT_AXIS
         self.config = cfg = dataclasses.replace(config, axis_name=axis_name, owner=owner)
-        shape = _projection.Projection(self._kind, in_shape, features, split, s["use_bias"])
-        check_split(owner, cfg, shape.split_what, shape.split_size)
+        shape = _projection.Projection(kind, in_shape, features, split, s["use_bias"])
+        if kind != "replicated":
+            check_split(owner, cfg, shape.split_what, shape.split_size)
         self.projection = nnx.static(shape)
         # nnx.Linear's and nnx.LinearGeneral's attributes (ints where they are).
         self.in_features, self.out_features = in_features, out_features
@@ -74,6 +79,11 @@ class _ParallelLinear(Configured, nnx.Module):
             bias_names = _metadata_names(owner, "bias_metadata", bias_metadata, bias_names)
             self.bias = sharded_param(bias, bias_names or names["bias"], cfg.mesh)
         add_histories(self, _fp8.HISTORY_NAMES.values(), cfg)
+
+    def _choose_kind(self, owner: str, n_in: int, names: Any, config: Any) -> tuple:
+        """``(kind, tensor-parallel axis or None)``: the class's own, over the config's."""
+        del owner, n_in, names
+        return self._kind, config.axis_name
 
     def param_values(self) -> dict[str, jax.Array]:
         """The global arrays the ops take: ``kernel``, with ``use_bias`` ``bias``, and with
@@ -94,10 +104,11 @@ class _ParallelLinear(Configured, nnx.Module):
 def _init(init: Any, key: jax.Array, in_shape: tuple, features: tuple, config) -> tuple:
     """``(value, sharding names or None)`` of a param ``[*in_shape, *features]`` from
     ``init``, called as ``nnx.LinearGeneral`` calls it (on the flattened shape, so that a
-    fan-in is that of the contracted dims); the names are those an initializer wrapped by
-    ``nnx.with_partitioning`` gives."""
-    flat = _projection.flat_shape(in_shape + features, len(in_shape))
-    value = init(key, flat, config.param_dtype)
+    fan-in is that of the contracted dims), or an n-d initializer on the shape itself with
+    ``in_axis`` and ``out_axis`` (``_projection.init_kernel``); the names are those an
+    initializer wrapped by ``nnx.with_partitioning`` gives."""
+    shape = in_shape + features
+    value = _projection.init_kernel(init, key, shape, len(in_shape), config.param_dtype)
     names = None
     if isinstance(value, variablelib.VariableMetadata):
         metadata = value.metadata
