@@ -71,32 +71,10 @@ if [ "$MODE" = oldest ]; then
   "$vpy" -c "import jax; assert jax.__version__ == '$oldest', jax.__version__"
 fi
 
-# One or a few tests of every module: the ops forward and backward (f32, bf16, the
-# epilogues, seq_axis), fp8, the Flax nnx and linen layers, the global-array layouts and
-# partial-auto meshes, the lowered HLO, GEMM + all-reduce (its all-gather's spelling moved
-# between JAX releases), the reduce-scatter that gathers beside it, argument and settings
-# errors, several processes.
+# One or a few tests of every module (.ci/subset.txt says which).
 cd "$SRC"
-timeout 900 "$vpy" -m pytest -q -p no:cacheprovider \
-  "tests/test_ops_forward.py::test_f32" \
-  "tests/test_ops_grad.py" \
-  "tests/test_grad_matrix.py" \
-  "tests/test_grad_matrix_flax.py" \
-  "tests/test_cpu_bf16_all_reduce.py" \
-  "tests/test_trace_key.py" \
-  "tests/test_fp8.py" \
-  "tests/test_flax_nnx.py" \
-  "tests/test_flax_linen.py" \
-  "tests/test_flax_general.py" \
-  "tests/test_repeated_calls.py::test_many_unrolled_calls_on_global_arrays_with_a_data_axis" \
-  "tests/test_model_layouts.py" \
-  "tests/test_hlo.py" \
-  "tests/test_matmul_all_reduce.py" \
-  "tests/test_regather.py" \
-  "tests/test_errors_arguments.py" \
-  "tests/test_errors_settings.py" \
-  "tests/test_multiprocess.py::test_protocol_across_processes" \
-  "tests/test_multiprocess.py::test_fp8_across_processes"
+mapfile -t subset < <(grep -vE '^(#|$)' "$SRC/.ci/subset.txt")
+timeout 900 "$vpy" -m pytest -q -p no:cacheprovider "${subset[@]}"
 t3=$(date +%s)
 echo "== $MODE JAX ($("$vpy" -c 'import jax; print(jax.__version__)')) passed: install $((t1 - t0)) s, build $((t2 - t1)) s," \
   "tests $((t3 - t2)) s"

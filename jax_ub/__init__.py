@@ -76,7 +76,7 @@ from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.ops.mlp import gelu_mlp
 from jax_ub._src.ops.remat import dots_and_ops_saveable
 from jax_ub._src.runtime import cpu_runtime as _cpu_runtime
-from jax_ub._src.runtime import extension as _extension  # registers the FFI handlers
+from jax_ub._src.runtime import extension as _extension  # loads the host extension
 from jax_ub._src.runtime.communicator import Communicator, initialize, live_communicators
 from jax_ub._src.runtime.shared_gpu import share_gpu
 from jax_ub._src.runtime.teardown import check_health, finalize

@@ -111,12 +111,11 @@ NB_MODULE(_cuda, m) {
     jax_ub::Status st = jax_ub::CudaStatus(cudaGetDevice(&current), "cudaGetDevice");
     if (st.ok()) st = jax_ub::CudaStatus(cudaSetDevice(device), "cudaSetDevice");
     if (st.ok()) st = jax_ub::CudaStatus(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
-    cudaSetDevice(current);
-    jax_ub::RaiseIfError(st);
+    const jax_ub::Status restored =
+        jax_ub::CudaStatus(cudaSetDevice(current), "cudaSetDevice (restoring the device)");
+    jax_ub::RaiseIfError(st.ok() ? restored : st);
     return std::make_pair(free, total);
   });
-  // Whether GPU a can map GPU b's memory (NVLink or PCIe peer access); the current device
-  // is kept.
   // (runtime, driver) CUDA versions as CUDA encodes them (13000 = 13.0); driver 0: none.
   m.def("cuda_versions", []() {
     int runtime = 0, driver = 0;
@@ -125,6 +124,7 @@ NB_MODULE(_cuda, m) {
     if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
     return std::make_pair(runtime, driver);
   });
+  // Whether GPU a can map GPU b's memory (NVLink or PCIe peer access).
   m.def("can_access_peer", [](int a, int b) {
     int can = 0;
     jax_ub::RaiseIfError(

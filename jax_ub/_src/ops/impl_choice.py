@@ -146,7 +146,7 @@ def explain_impl(
     call inside ``shard_map`` on local shards, on this process's default backend.
 
     Args:
-      op: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"``.
+      op: ``"all_gather_matmul"``, ``"matmul_reduce_scatter"`` or ``"matmul_all_reduce"``.
       x_shape, w_shape: the local shapes (``x [m, ..., k]``, ``w [k, n]``), as inside
         ``shard_map``.
       dtype: the dtype of ``x`` and ``w``.

@@ -1,4 +1,6 @@
-"""Loads the compiled extensions and registers their FFI handlers with XLA."""
+"""Loads the compiled extensions and registers their FFI handlers with XLA: the host
+extension at import, its CPU handlers when the first CPU call is lowered (the backend must
+be up), the CUDA extension and its handlers when first asked for."""
 
 from __future__ import annotations
 

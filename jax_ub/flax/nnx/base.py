@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,6 @@ from jax.sharding import Mesh
 
 from jax_ub.flax import _axes, _checks, _settings
 from jax_ub.flax._settings import ParallelConfig
-
-if TYPE_CHECKING:
-    pass
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
