@@ -63,7 +63,7 @@ The rules behind the options (each function's docstring has its shapes and shard
     The tuning choices themselves are internal (jax_ub._src.settings.options.Tuning).
 """
 
-from jax_ub._src.lowering.reference import (
+from jax_ub._src.lowering.unfused import (
     all_gather_matmul_reference,
     matmul_all_reduce_reference,
     matmul_reduce_scatter_reference,

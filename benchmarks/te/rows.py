@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub import fp8 as ub_fp8
-from jax_ub._src.lowering.reference import scaled_matmul
+from jax_ub._src.lowering.unfused import scaled_matmul
 from jax_ub._src.lowering.wire_format import pack_scales
 from jax_ub.bench.timing import measure
 

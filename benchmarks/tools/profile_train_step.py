@@ -155,7 +155,7 @@ def profile_llama(argv: list[str], out: str) -> None:
 
     import jax
 
-    from jax_ub._src.lowering.reference import NO_COMMUNICATION_SCOPE as STAND_IN_SCOPE
+    from jax_ub._src.lowering.unfused import NO_COMMUNICATION_SCOPE as STAND_IN_SCOPE
     from jax_ub.bench import model, timing
 
     margs = model._parser().parse_args(argv)

@@ -115,7 +115,7 @@ def _add_fp8(impls, mesh, op, x, w, specs, gemm_specs, variants=()) -> None:
     and jax_ub's op from bf16 operands, quantizing x and w in the call as a training step
     does (``jax_ub_fp8_hp``)."""
     from jax_ub import fp8  # noqa: PLC0415
-    from jax_ub._src.lowering.reference import scaled_matmul  # noqa: PLC0415
+    from jax_ub._src.lowering.unfused import scaled_matmul  # noqa: PLC0415
     from jax_ub._src.lowering.wire_format import pack_scales  # noqa: PLC0415
 
     call = OPS[op]

@@ -60,7 +60,7 @@ def collectives(variant: str):
     for the first two, ``(x, w_up, w_down) -> y`` for the MLP. The bound is the ops with
     ``impl="none"``: the same GEMMs, each gather a stack of ``tp`` copies of the local rows
     and each reduce-scatter a sum of row blocks (in the named scope
-    ``reference.NO_COMMUNICATION_SCOPE``: work the bound does and an overlapped op does
+    ``unfused.NO_COMMUNICATION_SCOPE``: work the bound does and an overlapped op does
     not, which a profile of the bound sums by that name)."""
     impl = {"jax_ub": "ub", "xla": "xla", BATCH_MAJOR: "ub", "bound": "none"}[variant]
     kw = dict(axis_name=AXIS, impl=impl, seq_axis=int(variant == BATCH_MAJOR))

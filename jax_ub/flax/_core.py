@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src.lowering import device_probe
-from jax_ub._src.lowering.reference import all_reduce
+from jax_ub._src.lowering.unfused import all_reduce
 from jax_ub._src.ops import placement
 from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once

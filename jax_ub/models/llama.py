@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 import jax_ub.flax as ubf
-from jax_ub._src.lowering.reference import collectives_of
+from jax_ub._src.lowering.unfused import collectives_of
 from jax_ub._src.ops import placement
 from jax_ub.flax.nnx.base import sharded_param
 

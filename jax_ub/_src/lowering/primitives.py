@@ -16,7 +16,7 @@ from jax.interpreters import batching
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.custom_call import is_empty, lowering_rule
-from jax_ub._src.lowering.reference import (
+from jax_ub._src.lowering.unfused import (
     all_gather_matmul_reference,
     all_gather_rows,
     dgelu_reference,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering.reference import all_gather_matmul_reference, reduce_scatter_rows
+from jax_ub._src.lowering.unfused import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver
 from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with

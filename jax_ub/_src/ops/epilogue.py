@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src.lowering.reference import ACTIVATIONS, dgelu_reference
+from jax_ub._src.lowering.unfused import ACTIVATIONS, dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
 
 

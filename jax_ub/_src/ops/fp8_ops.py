@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ub._src.lowering.reference import (
+from jax_ub._src.lowering.unfused import (
     all_gather_matmul_reference,
     dgelu_reference,
     epilogue,

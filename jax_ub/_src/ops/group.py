@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.lowering.reference import XLA, Collectives, collectives_of
+from jax_ub._src.lowering.unfused import XLA, Collectives, collectives_of
 from jax_ub._src.ops import impl_choice
 from jax_ub._src.ops.driver import Call
 from jax_ub._src.settings.fp8 import compute_operands

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ub._src import jax_compat
-from jax_ub._src.lowering.reference import matmul_all_reduce_reference, reduce_scatter_rows
+from jax_ub._src.lowering.unfused import matmul_all_reduce_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.common import check_arguments, contract_rows

@@ -7,7 +7,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ub._src.lowering.reference import matmul_reduce_scatter_reference
+from jax_ub._src.lowering.unfused import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver
 from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with

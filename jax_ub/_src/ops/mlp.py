@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering.reference import dgelu_reference
+from jax_ub._src.lowering.unfused import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver, impl_choice, placement
 from jax_ub._src.ops.all_gather_matmul import gathered_product

@@ -1,5 +1,10 @@
-"""The unfused ops, built from lax collectives: CPU fallback, test oracle, benchmark baseline;
-and, with the collectives removed (impl="none"), the no-communication bound."""
+"""The unfused ops: a GEMM and a ``lax`` collective, one after the other.
+
+The production path of ``impl="xla"`` (and of ``"auto"`` where it does not pick the
+userbuffer op), the primitives' fallback where a group's devices cannot share memory, the
+oracle the tests compare the overlapped ops with, and the benchmarks' baseline; with the
+collectives removed (:data:`NONE`, ``impl="none"``), the no-communication bound. The public
+``jax_ub.*_reference`` functions are defined here."""
 
 from __future__ import annotations
 
