@@ -69,12 +69,12 @@ from jax_ub._src.lowering.unfused import (
     matmul_reduce_scatter_reference,
 )
 from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
+from jax_ub._src.ops.checkpoint_policy import dots_and_ops_saveable
 from jax_ub._src.ops.gated_mlp import gated_mlp, gated_mlp_reference
 from jax_ub._src.ops.impl_choice import explain_impl
 from jax_ub._src.ops.matmul_all_reduce import matmul_all_reduce
 from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_ub._src.ops.mlp import gelu_mlp
-from jax_ub._src.ops.remat import dots_and_ops_saveable
 from jax_ub._src.runtime import cpu_runtime as _cpu_runtime
 from jax_ub._src.runtime import extension as _extension  # loads the host extension
 from jax_ub._src.runtime.communicator import Communicator, initialize, live_communicators

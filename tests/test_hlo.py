@@ -251,7 +251,7 @@ OPS = {"fp8_ag": "all_gather_matmul", "fp8_rs": "matmul_reduce_scatter"}
 def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
     """Each op's backward ties its weight gradient's product to its dx, so that XLA cannot
     move the product to the optimizer at the step's end and keep the gathered operands it
-    reads alive until then (ops/common.py::weight_grad_with)."""
+    reads alive until then (ops/weight_grad.py::weight_grad_with)."""
     mesh = mesh1d(4)
     if op == "gelu_mlp":
         x, w_up, w_down = rand(4 * 8, 16), rand(16, 4 * 8), rand(4 * 8, 16)

@@ -13,11 +13,13 @@ from jax.sharding import PartitionSpec as P
 from jax_ub._src.lowering.unfused import all_gather_matmul_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver
-from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
+from jax_ub._src.ops.argument_checks import check_arguments
+from jax_ub._src.ops.checkpoint_policy import saved_output
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
-from jax_ub._src.ops.remat import KeptInput, saved_output
+from jax_ub._src.ops.kept_input import KeptInput
+from jax_ub._src.ops.weight_grad import contract_rows, weight_grad_with
 from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
 _OP = "all_gather_matmul"
@@ -179,7 +181,7 @@ def _fwd(x, w, bias, group: Group, gelu: bool, return_gathered: bool):
         keep_pre_gelu=True,
     )
     bias_like = None if bias is None else bias[:0]
-    out = saved_output(out)  # kept under remat (remat.py), as is a kept gathered x
+    out = saved_output(out)  # kept under remat (checkpoint_policy.py), as is a kept gathered x
     res = _Residuals(x[:0], KeptInput.of(x, gathered), w, pre if gelu else None, bias_like)
     return ((out, gathered) if return_gathered else out), res
 

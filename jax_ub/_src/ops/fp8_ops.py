@@ -32,10 +32,10 @@ from jax_ub._src.lowering.unfused import (
 )
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.lowering.wire_format import pack_scales
-from jax_ub._src.ops.common import weight_grad_with
+from jax_ub._src.ops.checkpoint_policy import saved_gathered, saved_output
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.group import Group
-from jax_ub._src.ops.remat import saved_gathered, saved_output
+from jax_ub._src.ops.weight_grad import weight_grad_with
 from jax_ub._src.settings import options
 from jax_ub._src.settings.fp8 import (
     E4M3,
@@ -260,7 +260,7 @@ def ag_forward(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
         out, g_q, pre = _ag(
             x_q, w_q.T, sx, sw, out_dtype=out_dtype, group=group, bias=bias, gelu=gelu
         )
-    out, g_q = saved_output(out), saved_gathered(g_q)  # kept under remat (remat.py)
+    out, g_q = saved_output(out), saved_gathered(g_q)  # kept under remat (checkpoint_policy.py)
     res = AgResiduals(
         **shared._asdict(),
         gathered_q=g_q,

@@ -12,8 +12,9 @@ from jax_ub._src import jax_compat
 from jax_ub._src.lowering.unfused import matmul_all_reduce_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver, placement
-from jax_ub._src.ops.common import check_arguments, contract_rows
+from jax_ub._src.ops.argument_checks import check_arguments
 from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.weight_grad import contract_rows
 
 _OP = "matmul_all_reduce"
 

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 from jax_ub._src.lowering.unfused import matmul_reduce_scatter_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver
-from jax_ub._src.ops.common import check_arguments, contract_rows, weight_grad_with
+from jax_ub._src.ops.argument_checks import check_arguments
+from jax_ub._src.ops.checkpoint_policy import saved_output
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
-from jax_ub._src.ops.remat import saved_output
+from jax_ub._src.ops.weight_grad import contract_rows, weight_grad_with
 from jax_ub._src.settings.fp8 import Fp8Scales
 
 _OP = "matmul_reduce_scatter"
@@ -97,7 +98,7 @@ def _matmul_reduce_scatter(x, w, group: Group):
 
 def _fwd(x, w, group: Group):
     out = group.matmul_reduce_scatter(x, w)
-    return saved_output(out), (x, w)  # kept under remat (remat.py)
+    return saved_output(out), (x, w)  # kept under remat (checkpoint_policy.py)
 
 
 def _bwd(group: Group, res, dy):

@@ -20,12 +20,12 @@ from jax_ub._src.lowering.unfused import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver, impl_choice, placement
 from jax_ub._src.ops.all_gather_matmul import gathered_product
-from jax_ub._src.ops.common import contract_rows, weight_grad_with
 from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
 from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.kept_input import KeptInput
 from jax_ub._src.ops.matmul_reduce_scatter import scattered_product
-from jax_ub._src.ops.remat import KeptInput
+from jax_ub._src.ops.weight_grad import contract_rows, weight_grad_with
 from jax_ub._src.settings import checks, options
 from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands, result_dtype
 

@@ -1,12 +1,5 @@
-"""What the ops keep for their backward, by name, and what a ``jax.checkpoint`` policy
-keeps of it.
-
-``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` saves the outputs of
-``dot_general``; jax_ub's GEMMs are custom calls, which it does not recognise, so under
-it the backward would recompute every op (GEMM and communication) to rebuild its
-residuals. The ops name their results (``OUTPUT``) and the gathered operand the weight
-gradient needs (``GATHERED``) with ``jax.ad_checkpoint.checkpoint_name``;
-:data:`dots_and_ops_saveable` saves those and the dots.
+"""What an all-gathered op keeps of its input for the backward, and how its backward
+computes the input gradient from it.
 
 An all-gathered op's weight gradient needs ``all_gather(x)``. :class:`KeptInput` keeps it
 from the forward, or, with ``jax_ub.configure(keep_gathered=False)``, keeps ``x``'s shard
@@ -20,26 +13,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
+from jax_ub._src.ops.checkpoint_policy import saved_gathered
 from jax_ub._src.settings.config import config
-
-OUTPUT = "jax_ub_output"
-GATHERED = "jax_ub_gathered"
-
-
-def saved_output(a: jax.Array) -> jax.Array:
-    return checkpoint_name(a, OUTPUT)
-
-
-def saved_gathered(a: jax.Array) -> jax.Array:
-    return checkpoint_name(a, GATHERED)
-
-
-dots_and_ops_saveable = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    jax.checkpoint_policies.save_only_these_names(OUTPUT, GATHERED),
-)
 
 
 class KeptInput(NamedTuple):
