@@ -1,5 +1,6 @@
-// The steps every call is made of: begin, flag waits and signals, descriptors, the
-// verify, the end of a call, and host time accounting.
+// A call: its entry point (Call: Begin, the step list that enqueue.cu enqueues, EndCall) and
+// the steps every call is made of: begin, flag waits and signals, descriptors, the verify,
+// the end of a call, and host time accounting.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -7,13 +8,21 @@
 #include "cuda/check.h"
 #include "cuda/communicator.h"
 #include "cuda/communicator_internal.h"
-#include "cuda/driver.h"
+#include "cuda/driver_api.h"
 #include "cuda/sum.h"
 #include "cuda/trace.h"
 #include "cuda/verify.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {
+
+Status CudaCommunicator::Call(int device, cudaStream_t xs, OpKind op, const CallShape& shape,
+                              const Operands& ops) {
+  const auto since = Clock::now();
+  Slot* s = nullptr;
+  Status st = Enqueue(device, xs, op, shape, ops, &s);
+  return EndCall(s, OpName(op), since, std::move(st));
+}
 
 Status CudaCommunicator::Begin(int device, const char* op, int64_t need_bytes, Slot** slot,
                                uint64_t* epoch) {

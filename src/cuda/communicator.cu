@@ -6,7 +6,7 @@
 #include "cuda/check.h"
 #include "cuda/communicator.h"
 #include "cuda/communicator_internal.h"
-#include "cuda/driver.h"
+#include "cuda/driver_api.h"
 #include "cuda/sum.h"
 #include "cuda/trace.h"
 #include "cuda/verify.h"

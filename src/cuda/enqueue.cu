@@ -8,21 +8,13 @@
 #include "cuda/check.h"
 #include "cuda/communicator.h"
 #include "cuda/communicator_internal.h"
-#include "cuda/driver.h"
+#include "cuda/driver_api.h"
 #include "cuda/sum.h"
 #include "cuda/trace.h"
 #include "cuda/verify.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {
-
-Status CudaCommunicator::Call(int device, cudaStream_t xs, OpKind op, const CallShape& shape,
-                              const Operands& ops) {
-  const auto since = Clock::now();
-  Slot* s = nullptr;
-  Status st = Enqueue(device, xs, op, shape, ops, &s);
-  return EndCall(s, OpName(op), since, std::move(st));
-}
 
 int CudaCommunicator::FlagIndex(Flag flag, int rank) {
   switch (flag) {

@@ -1,4 +1,4 @@
-#include "cuda/driver.h"
+#include "cuda/driver_api.h"
 
 #include "cuda/check.h"
 
