@@ -115,8 +115,9 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         break;
       case Step::Kind::kJoin: {
         // A copy lane's event is its own; the compute lane's, one per lane it releases.
-        cudaEvent_t ev = step.peer == kComputeLane ? s->ready[step.lane] : s->comm_done[step.peer];
-        JAX_UB_CUDA(cudaEventRecord(ev, lane(step.peer)));
+        cudaEvent_t ev =
+            step.on_lane == kComputeLane ? s->ready[step.lane] : s->comm_done[step.on_lane];
+        JAX_UB_CUDA(cudaEventRecord(ev, lane(step.on_lane)));
         JAX_UB_CUDA(cudaStreamWaitEvent(stream, ev));
         break;
       }

@@ -60,7 +60,7 @@ Step Gemm(Ref src, Ref dst, int64_t rows, Ref addend = {}) {
 Step Join(int lane, int on_lane) {
   Step s = Make(Step::Kind::kJoin);
   s.lane = lane;
-  s.peer = on_lane;
+  s.on_lane = on_lane;
   return s;
 }
 Step Verify(int64_t out_bytes, int64_t gathered_bytes) {

@@ -134,12 +134,13 @@ struct Step {
     kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
                // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
     kSum,      // out = the group's partials in our buffer (one per rank), in rank order
-    kJoin,     // the lane waits for all work enqueued so far on lane `peer`
+    kJoin,     // the lane waits for all work enqueued so far on lane `on_lane`
     kVerify,   // every peer's descriptor matches ours; else the outputs are poisoned
   };
   Kind kind = Kind::kWait;
   int lane = kComputeLane;
-  int peer = -1;
+  int peer = -1;               // kWait, kPublish, kSignal: the rank
+  int on_lane = kComputeLane;  // kJoin: the lane joined
   Flag flag = Flag::kData;
   const char* what = "";  // kWait: what the peer is awaited to do, for errors
   Ref src, dst, addend, aux;
