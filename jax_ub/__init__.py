@@ -1,24 +1,32 @@
 """jax_ub: tensor-parallel communication overlapped with matmuls, through userbuffers.
 
-Public API:
+Public API (each name's own help, e.g. help(jax_ub.all_gather_matmul), has its shapes,
+shardings and options in full; this page lists them and the rules they share):
   all_gather_matmul(x, w, axis_name, *, bias=None, activation=None, impl="auto",
                     return_gathered=False, fp8=None, seq_axis=0)
   matmul_reduce_scatter(x, w, axis_name, *, bias=None, impl="auto", fp8=None, seq_axis=0)
-  matmul_all_reduce(x, w, axis_name, *, bias=None, impl="auto"): the row-parallel GEMM
-    with activations replicated over the axis (decode), its reduce-scatter half overlapped
+  matmul_all_reduce(x, w, axis_name, *, bias=None, impl="auto", seq_axis=0): the
+    row-parallel GEMM with activations replicated over the axis (decode), its
+    reduce-scatter half overlapped
   gelu_mlp(x, w_up, w_down, axis_name, *, up_bias=None, down_bias=None, impl="auto",
            fp8=None, seq_axis=0): the two ops around GELU, GELU's backward in a GEMM epilogue
   gated_mlp(x, w_gate_up, w_down, axis_name, *, activation="silu", impl="auto", fp8=None,
             seq_axis=0):
     SwiGLU / GeGLU, x gathered once for the gate and up projections
-  Fp8Scales, and the fp8 scaling recipes in jax_ub.fp8
-  initialize(mesh, axis_name, *, buffer_bytes=None) / finalize() / check_health()
-  share_gpu(process_id): this process one of several ranks on one GPU (tp > 1 developed
+  all_gather_matmul_reference, matmul_reduce_scatter_reference,
+  matmul_all_reduce_reference, gated_mlp_reference: the same math on lax collectives
+  Fp8Scales: per-tensor fp8 scales (the fp8= argument); the scaling recipes in jax_ub.fp8
+  initialize(mesh, axis_name, *, buffer_bytes=None, platform=None) -> Communicator: one
+    made now, not on first use; finalize() / check_health(); live_communicators()
+  share_gpu(process_id, *, gpu=0): this process one of several ranks on one GPU (tp > 1 developed
     and tested on a machine of one GPU), before JAX first uses a device
-  configure(**settings) / config
+  configure(**settings) / config: the settings, a Config (help(jax_ub.Config) lists them
+    and their JAX_UB_* environment variables)
   explain_impl(op, x_shape, w_shape, dtype, axis_size, ...) -> ImplChoice: what impl="auto"
     (or "ub", "xla") runs for a call, and why
   dots_and_ops_saveable: a jax.checkpoint policy that saves the dots and the ops' results
+  Subpackages: jax_ub.flax (tensor-parallel Flax layers), jax_ub.fp8, jax_ub.models (a
+    Llama-style model), jax_ub.bench (benchmarks), jax_ub.info (python -m jax_ub.info)
 
 The rules behind the options (each function's docstring has its shapes and shardings):
 
@@ -63,51 +71,40 @@ The rules behind the options (each function's docstring has its shapes and shard
     The tuning choices themselves are internal (jax_ub._src.settings.options.Tuning).
 """
 
+# The public names are re-exported ("name as name") and there is no __all__: pydoc would print
+# every name of an __all__ in full, some 700 lines, where this docstring lists them and each
+# name's own help() has its details. A star import takes these names (and any subpackage
+# imported by then).
 from jax_ub._src.lowering.unfused import (
-    all_gather_matmul_reference,
-    matmul_all_reduce_reference,
-    matmul_reduce_scatter_reference,
+    all_gather_matmul_reference as all_gather_matmul_reference,
 )
-from jax_ub._src.ops.all_gather_matmul import all_gather_matmul
-from jax_ub._src.ops.checkpoint_policy import dots_and_ops_saveable
-from jax_ub._src.ops.gated_mlp import gated_mlp, gated_mlp_reference
-from jax_ub._src.ops.impl_choice import explain_impl
-from jax_ub._src.ops.matmul_all_reduce import matmul_all_reduce
-from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter
-from jax_ub._src.ops.mlp import gelu_mlp
+from jax_ub._src.lowering.unfused import (
+    matmul_all_reduce_reference as matmul_all_reduce_reference,
+)
+from jax_ub._src.lowering.unfused import (
+    matmul_reduce_scatter_reference as matmul_reduce_scatter_reference,
+)
+from jax_ub._src.ops.all_gather_matmul import all_gather_matmul as all_gather_matmul
+from jax_ub._src.ops.checkpoint_policy import dots_and_ops_saveable as dots_and_ops_saveable
+from jax_ub._src.ops.gated_mlp import gated_mlp as gated_mlp
+from jax_ub._src.ops.gated_mlp import gated_mlp_reference as gated_mlp_reference
+from jax_ub._src.ops.impl_choice import explain_impl as explain_impl
+from jax_ub._src.ops.matmul_all_reduce import matmul_all_reduce as matmul_all_reduce
+from jax_ub._src.ops.matmul_reduce_scatter import matmul_reduce_scatter as matmul_reduce_scatter
+from jax_ub._src.ops.mlp import gelu_mlp as gelu_mlp
 from jax_ub._src.runtime import cpu_runtime as _cpu_runtime
 from jax_ub._src.runtime import extension as _extension  # loads the host extension
-from jax_ub._src.runtime.communicator import Communicator, initialize, live_communicators
-from jax_ub._src.runtime.shared_gpu import share_gpu
-from jax_ub._src.runtime.teardown import check_health, finalize
-from jax_ub._src.settings.auto_rule import ImplChoice
-from jax_ub._src.settings.config import Config, config, configure
-from jax_ub._src.settings.fp8 import Fp8Scales
-
-__all__ = [
-    "Communicator",
-    "Config",
-    "Fp8Scales",
-    "ImplChoice",
-    "all_gather_matmul",
-    "all_gather_matmul_reference",
-    "check_health",
-    "config",
-    "configure",
-    "dots_and_ops_saveable",
-    "explain_impl",
-    "finalize",
-    "gated_mlp",
-    "gated_mlp_reference",
-    "gelu_mlp",
-    "initialize",
-    "live_communicators",
-    "share_gpu",
-    "matmul_all_reduce",
-    "matmul_all_reduce_reference",
-    "matmul_reduce_scatter",
-    "matmul_reduce_scatter_reference",
-]
+from jax_ub._src.runtime.communicator import Communicator as Communicator
+from jax_ub._src.runtime.communicator import initialize as initialize
+from jax_ub._src.runtime.communicator import live_communicators as live_communicators
+from jax_ub._src.runtime.shared_gpu import share_gpu as share_gpu
+from jax_ub._src.runtime.teardown import check_health as check_health
+from jax_ub._src.runtime.teardown import finalize as finalize
+from jax_ub._src.settings.auto_rule import ImplChoice as ImplChoice
+from jax_ub._src.settings.config import Config as Config
+from jax_ub._src.settings.config import config as config
+from jax_ub._src.settings.config import configure as configure
+from jax_ub._src.settings.fp8 import Fp8Scales as Fp8Scales
 
 # Before JAX creates its CPU client: enough worker threads for any number of calls in
 # flight on CPU devices (cpu_runtime says why).

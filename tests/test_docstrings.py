@@ -98,3 +98,42 @@ def test_all_gather_matmul_states_auto_size_rule():
     from jax_ub._src.settings.config import DEFAULT_AUTO_MIN_BYTES
 
     assert DEFAULT_AUTO_MIN_BYTES == 8 << 20
+
+
+# Every public name of jax_ub's top level (jax_ub has no __all__: help(jax_ub) would print
+# each name of one in full).
+PUBLIC = {
+    "Communicator", "Config", "Fp8Scales", "ImplChoice", "all_gather_matmul",
+    "all_gather_matmul_reference", "check_health", "config", "configure",
+    "dots_and_ops_saveable", "explain_impl", "finalize", "gated_mlp", "gated_mlp_reference",
+    "gelu_mlp", "initialize", "live_communicators", "share_gpu", "matmul_all_reduce",
+    "matmul_all_reduce_reference", "matmul_reduce_scatter", "matmul_reduce_scatter_reference",
+}  # fmt: skip
+
+
+def test_help_is_short_and_names_every_public_name():
+    """``help(jax_ub)`` reads in a few minutes (under 150 lines), names every public name,
+    and each public function's and class's own help still has its whole docstring."""
+    import inspect
+    import pydoc
+    import re
+
+    text = pydoc.render_doc(jax_ub, renderer=pydoc.plaintext)
+    assert len(text.splitlines()) < 150, len(text.splitlines())
+    public = {n for n, v in vars(jax_ub).items() if not n.startswith("_")}
+    public = {n for n in public if not inspect.ismodule(getattr(jax_ub, n))}
+    assert public == PUBLIC, public ^ PUBLIC
+    for name in PUBLIC:
+        assert re.search(rf"\b{name}\b", text), f"help(jax_ub) does not name {name}"
+        value = getattr(jax_ub, name)
+        if (inspect.isfunction(value) or inspect.isclass(value)) and value.__doc__:
+            # Words only: pydoc prefixes a class's lines with "|".
+            own = pydoc.render_doc(value, renderer=pydoc.plaintext).replace("|", " ").split()
+            doc = inspect.getdoc(value).replace("|", " ").split()
+            assert " ".join(doc) in " ".join(own), name
+
+
+def test_star_import_takes_every_public_name():
+    namespace = {}
+    exec("from jax_ub import *", namespace)
+    assert PUBLIC <= set(namespace), PUBLIC - set(namespace)
