@@ -237,12 +237,11 @@ def _warn_unmapped(owner: str, split_name: str, rules: Any) -> None:
     warn_once(f"unmapped logical axis: {owner} {split_name} {where}", message)
 
 
-def logical_param_names(kind: str, kernel_axes: Any, owner: str, param_axes: Any) -> dict:
-    """Param names of a ``kind`` layer given the kernel's logical axis names ``(in, out)``:
-    the kernel's, and the bias's (its output dim's)."""
+def block_kernel_axes(owner: str, kernel_axes: Any, param_axes: Any) -> tuple:
+    """A block's ``kernel_axes``, the logical names ``(model dim, split dim)``, checked."""
     kernel_axes = kernel_names(owner, kernel_axes, None, param_axes)
     check_kernel_axes(owner, kernel_axes, 2)
-    return {"kernel": kernel_axes, "bias": (kernel_axes[1],)}
+    return kernel_axes
 
 
 def check_kernel_axes(owner: str, kernel_axes: Any, ndim: int) -> None:
@@ -280,4 +279,4 @@ def block_split_name(owner: str, kernel_axes: Any, param_axes: Any) -> str | Non
     ``kernel_axes`` ``(model dim, split dim)``; None without them."""
     if kernel_axes is None:
         return None
-    return logical_param_names("column", kernel_axes, owner, param_axes)["kernel"][1]
+    return block_kernel_axes(owner, kernel_axes, param_axes)[1]

@@ -37,7 +37,7 @@ def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str,
 def logical_kernel_names(owner: str, kernel_axes: Any, param_axes: Any) -> dict[str, tuple]:
     """The kernels' logical names from ``kernel_axes`` ``(model dim, split dim)``, which
     the user's logical_axis_rules map to mesh axes."""
-    model, split = _axes.logical_param_names("column", kernel_axes, owner, param_axes)["kernel"]
+    model, split = _axes.block_kernel_axes(owner, kernel_axes, param_axes)
     return {"gate_up": (model, None, split), "down_proj": (split, model)}
 
 

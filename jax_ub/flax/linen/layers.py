@@ -74,11 +74,6 @@ class Configured(nn.Module):
         return _axes.tp_axis(owner, axis_name, self._split_name(), mesh)
 
     @nn.nowrap
-    def resolved_axis(self) -> str:
-        """The tensor-parallel mesh axis."""
-        return self.resolved_config().axis_name
-
-    @nn.nowrap
     def prepare(self, x: jax.Array, **kw) -> tuple[ParallelConfig, _checks.Ops, bool]:
         """The settings, checked against the call's input (``_checks.prepare``)."""
         config = self.resolved_config()

@@ -153,8 +153,7 @@ def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
         ((32, 2, 8, 4), (32, 2, 4, 4), P(None, None, 'tp'))
     """
     first = layers[0]
-    owner = type(first).__name__
-    shapes = _check_group(owner, inputs, layers)
+    shapes = _check_group(layers)
     p0 = shapes[0]
     divisible = {p.split_what: p.split_size for p in shapes}
     ops, sp = prepare_call(first, inputs, divisible=divisible)
@@ -163,7 +162,7 @@ def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
     return out[0] if len(layers) == 1 and p0.kind == "column" else out
 
 
-def _check_group(owner: str, inputs: Any, layers: Sequence[Any]) -> tuple:
+def _check_group(layers: Sequence[Any]) -> tuple:
     """The layers' projections, checked to run from one input as one."""
     if not layers or not all(isinstance(lay, _ParallelLinear) for lay in layers):
         raise ValueError(
