@@ -211,15 +211,18 @@ mode_ranks() {
     for spec in "${specs[@]}"; do
       file=${spec%%:*}
       limit=${spec##*:}
+      local start
+      start=$(wc -l < "$log")
       step --append --ok "0 5" -k 10 "ranks=$n tests/$file" "$limit" "$log" \
         python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_${file%.py}" -q -rfEs \
         -m gpu "tests/$file" "$@"
-      grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" "$log" | tail -n 4
+      tail -n "+$((start + 1))" "$log" \
+        | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
     done
   done
   if [ "$set" = all ]; then  # processes of their own on GPU 0: the fault tests among them
     step --append --ok "0 5" -k 10 "shared-GPU processes" 400 "$OUT/ranks_processes.log" \
-      python3 -m pytest -q -rfEs -m gpu tests/test_gpu_multiprocess.py -k "one_shared_gpu" "$@"
+      python3 -m pytest -q -rfEs -m gpu tests/test_gpu_multiprocess.py -k "one_gpu or one_shared_gpu" "$@"
     tail -n 3 "$OUT/ranks_processes.log"
   fi
 }

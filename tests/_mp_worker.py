@@ -18,7 +18,8 @@ if scenario == "different_hosts":
 # This process drives GPUs [pid * ndev, (pid + 1) * ndev) of the machine, or with
 # JAX_UB_TEST_SHARE_GPU=1 every process drives GPU 0 (one device each): CUDA IPC works
 # between processes of one GPU, so a machine of one GPU runs groups of several ranks.
-GPUS = ",".join(str(pid * ndev + i) for i in range(ndev))  # "0" when they share GPU 0
+# (with JAX_UB_TEST_SHARE_GPU=1 join() puts every process on GPU 0 instead)
+GPUS = ",".join(str(pid * ndev + i) for i in range(ndev))
 join(pid, nproc, port, gpus=GPUS, cpu_devices=ndev, timeout_s="8")
 
 import jax  # noqa: E402

@@ -85,13 +85,10 @@ def model_mesh(devices, names: tuple[str, str], most_tp: int) -> Mesh:
     return gpu_mesh(devices, ((RANKS or 2) // tp, tp), names)
 
 
-def group_sizes(devices, most: int | None = None) -> list[int]:
-    """Tensor-parallel sizes a GPU test runs: 2 and every GPU (at most ``most``); in the
-    N-ranks mode, N alone."""
-    if RANKS:
-        return [RANKS]
-    top = len(devices) if most is None else min(len(devices), most)
-    return sorted({min(2, top), top})
+def group_sizes(devices) -> list[int]:
+    """Tensor-parallel sizes a GPU test runs: 2 and every GPU; in the N-ranks mode, N
+    alone."""
+    return [RANKS] if RANKS else sorted({min(2, len(devices)), len(devices)})
 
 
 def make_mesh(*shape_and_names, devices=None) -> Mesh:

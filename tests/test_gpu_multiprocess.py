@@ -15,22 +15,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.own_processes]
 GPUS = gpu_count()
 
 
-@pytest.mark.parametrize("nproc,ndev", [(2, 1), (4, 1), (2, 2)])
-def test_tp_group_across_processes_on_gpus(nproc, ndev):
-    if GPUS < nproc * ndev:
-        pytest.skip(f"needs {nproc * ndev} GPUs, found {GPUS}")
-    for r in results(run("tp_across_processes", nproc, ndev, timeout=300, gpu=True)):
-        # f32 on both sides (the worker asks XLA for full-precision dots, not TF32).
-        assert all(e < 1e-4 for e in r["errs"]), r["errs"]
-
-
-@pytest.mark.parametrize("nproc", [2, 4, 8])
-def test_tp_group_across_processes_on_one_shared_gpu(nproc):
+@pytest.mark.parametrize(
+    "nproc,ndev,shared",
+    [(2, 1, False), (4, 1, False), (2, 2, False), (2, 1, True), (4, 1, True), (8, 1, True)],
+    ids=["2x1", "4x1", "2x2", "2_on_one_gpu", "4_on_one_gpu", "8_on_one_gpu"],
+)
+def test_tp_group_across_processes_on_gpus(nproc, ndev, shared):
     """Both ops, two calls of one inner jitted function and the gradients against XLA's
-    collectives (NCCL, each process a host of its own to it), nproc processes on GPU 0."""
-    if GPUS < 1:
-        pytest.skip("needs a GPU")
-    for r in results(run("tp_across_processes", nproc, 1, timeout=300, gpu=True, share_gpu=True)):
+    collectives; nproc processes of ndev GPUs each, or all on GPU 0 (``shared``: NCCL
+    takes each process for a host of its own, ``jax_ub.share_gpu``)."""
+    if GPUS < (1 if shared else nproc * ndev):
+        pytest.skip(f"needs {1 if shared else nproc * ndev} GPUs, found {GPUS}")
+    out = run("tp_across_processes", nproc, ndev, timeout=300, gpu=True, share_gpu=shared)
+    for r in results(out):
+        # f32 on both sides (the worker asks XLA for full-precision dots, not TF32).
         assert all(e < 1e-4 for e in r["errs"]), r["errs"]
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import jax_ub
-from jax_ub._src.runtime import shared_gpu
+from jax_ub._src import jax_compat
 
 
 def _in_fresh_process(code: str) -> subprocess.CompletedProcess:
@@ -57,6 +57,6 @@ def test_bad_arguments_are_named(kwargs, message):
 
 
 def test_too_late_once_the_gpu_backend_exists(monkeypatch):
-    monkeypatch.setitem(shared_gpu.xla_bridge._backends, "cuda", object())
+    monkeypatch.setitem(jax_compat.backend_registry()[0], "cuda", object())
     with pytest.raises(RuntimeError, match="before JAX first uses a device"):
         jax_ub.share_gpu(0)

@@ -59,11 +59,12 @@ def distributed_client():
     return _distributed.global_state.client
 
 
-def cpu_backend_registry() -> tuple[dict, dict]:
+def backend_registry() -> tuple[dict, dict]:
     """(the backends JAX has created, by platform; the factories it creates them with).
 
-    No public replacement: JAX has no hook around the creation of a backend, and jax_ub
-    wraps the CPU factory to size the client's worker pool (``cpu_runtime.install``)."""
+    No public replacement: JAX has no hook around the creation of a backend; jax_ub wraps
+    the CPU factory to size the client's worker pool (``cpu_runtime.install``), and
+    ``share_gpu`` must run before the GPU backend exists."""
     return getattr(_xla_bridge, "_backends", {}), getattr(_xla_bridge, "_backend_factories", {})
 
 

@@ -44,7 +44,7 @@ seq_spec = placement.seq_spec
 # --- per-shard computations (run inside shard_map) ---------------------------------------
 
 
-def _promote(dtype: Any, *arrays: jax.Array | None) -> list[jax.Array | None]:
+def promote(dtype: Any, *arrays: jax.Array | None) -> list[jax.Array | None]:
     """Cast to ``dtype``, or to the arrays' common dtype when it is None (like nnx.Linear)."""
     present = [a for a in arrays if a is not None]
     dtype = dtype if dtype is not None else jnp.result_type(*present)
@@ -79,7 +79,7 @@ def linear_local(
     rank's columns' shard) and ``activation`` applied in the GEMMs' epilogue. ``"row"``:
     ``[seq, *b, k/tp]`` -> ``[seq/tp, *b, n]``, matmul_reduce_scatter with its bias added
     once after the reduction."""
-    x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
+    x, kernel, bias = promote(dtype, x, params["kernel"], params.get("bias"))
     kw = dict(bias=bias, impl=impl, fp8=_scales(fp8, params), seq_axis=seq_axis)
     if kind == "column":
         return jax_ub.all_gather_matmul(x, kernel, axis_name, activation=activation, **kw)
@@ -122,7 +122,7 @@ def linear_replicated(
     ops quantize them, delayed scales included (:func:`dense`), and XLA's all-reduce sums
     it. With ``axis_name=None``, on global arrays: the plain layer, which XLA partitions
     itself."""
-    x, kernel, bias = _promote(dtype, x, params["kernel"], params.get("bias"))
+    x, kernel, bias = promote(dtype, x, params["kernel"], params.get("bias"))
     summed = kind == "row" and axis_name is not None
     if summed and fp8 is None:
         y = jax_ub.matmul_all_reduce(x, kernel, axis_name, impl=impl, seq_axis=seq_axis)
@@ -356,7 +356,7 @@ def mlp_call(
         if not fused:
             h = linear_local("column", x, p_up, **kw)
             return linear_local("row", activation(h), p_down, **kw)
-        x, k_up, b_up, k_down, b_down = _promote(
+        x, k_up, b_up, k_down, b_down = promote(
             ops.dtype, x, p_up["kernel"], p_up.get("bias"), p_down["kernel"], p_down.get("bias")
         )
         scales = None if not ops.fp8 else (_scales(ops.fp8, p_up), _scales(ops.fp8, p_down))

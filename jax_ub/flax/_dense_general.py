@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.ops import placement
 from jax_ub._src.settings.config import config as ub_config
+from jax_ub.flax._core import promote
 
 # matmul_precision values asking for full float32, which jax_ub's GEMMs meet (they multiply
 # in the operands' dtype and accumulate in float32; no TF32 unless allow_tf32).
@@ -55,6 +55,17 @@ def check_options(owner: str, quant: Any, matmul_precision: Any) -> None:
             f"{owner}: matmul_precision={matmul_precision!r} has no counterpart in jax_ub's "
             "GEMMs, which multiply in the operands' dtype and accumulate in float32: pass "
             "'default' (or 'float32' / 'highest': float32 operands in full float32)"
+        )
+
+
+def check_no_fp8(owner: str, fp8: Any) -> None:
+    """fp8 runs in jax_ub's tensor-parallel ops: a projection that runs as a plain matmul
+    refuses it, naming it."""
+    if fp8:
+        raise ValueError(
+            f"{owner}: fp8={fp8!r} runs in jax_ub's tensor-parallel ops; this projection is a "
+            "plain matmul (no feature or contracted dim of its kernel is split over a "
+            "tensor-parallel axis): leave fp8 off for it"
         )
 
 
@@ -98,12 +109,11 @@ def replicated_matmul(
     """``x [..., *in (n_in dims)]`` contracted with ``kernel [*in, *features]``, plus
     ``bias [*features]``, in ``dtype`` (None: their common one), as flax's DenseGeneral
     computes it; sharded however XLA chooses."""
-    dtype = dtype or jnp.result_type(x, kernel, *([] if bias is None else [bias]))
-    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    x, kernel, bias = promote(dtype, x, kernel, bias)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     precision = None if precision in ("default", None) else precision
     out = jax.lax.dot_general(x, kernel, (contract, ((), ())), precision=precision)
-    return out if bias is None else out + bias.astype(dtype)
+    return out if bias is None else out + bias
 
 
 def output_tp_dim(shape: Any, out_ndim: int, sp: bool, seq_axis: int) -> int | None:

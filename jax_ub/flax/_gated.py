@@ -17,12 +17,12 @@ from jax_ub.flax import _axes, _fp8
 from jax_ub.flax._core import (
     Ops,
     _over_tp,
-    _promote,
     _scales,
     activation_spec,
     dropout,
     linear_local,
     linear_replicated,
+    promote,
 )
 from jax_ub.flax._projection import param_names
 
@@ -92,7 +92,7 @@ def gated_mlp_call(
     def body(x, gate_up, down, hist=None, key=None):
         if key is not None:
             return projections(x, gate_up, down, hist, key, linear_local, ops.axis_name)
-        x, gate_up, down = _promote(ops.dtype, x, gate_up, down)
+        x, gate_up, down = promote(ops.dtype, x, gate_up, down)
         scales = None
         if ops.fp8 is not None:  # (gate_up's, down_proj's)
             scales = tuple(_scales(ops.fp8, _params(p, None, hist)) for p in PROJECTIONS)

@@ -48,7 +48,7 @@ import threading
 
 import jax
 
-from jax_ub._src.jax_compat import cpu_backend_registry
+from jax_ub._src.jax_compat import backend_registry
 from jax_ub._src.settings.warn_registry import warn_once
 
 _lock = threading.Lock()
@@ -124,7 +124,7 @@ def install() -> None:
         if _installed:
             return
         _installed = True
-    backends, factories = cpu_backend_registry()
+    backends, factories = backend_registry()
     registration = factories.get("cpu")
     if "cpu" in backends or registration is None:
         return

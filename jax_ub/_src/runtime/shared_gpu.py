@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from jax._src import xla_bridge
+from jax_ub._src.jax_compat import backend_registry
 
 # NVLink multicast stays off in every library that could use it (NCCL, PyTorch, NVSHMEM).
 NO_MULTICAST = {
@@ -43,7 +43,7 @@ def share_gpu(process_id: int, *, gpu: int = 0) -> dict[str, str]:
         raise ValueError(f"share_gpu: process_id must be an int >= 0, got {process_id!r}")
     if not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0:
         raise ValueError(f"share_gpu: gpu must be an int >= 0, got {gpu!r}")
-    if "cuda" in xla_bridge._backends or "gpu" in xla_bridge._backends:
+    if {"cuda", "gpu"} & set(backend_registry()[0]):
         raise RuntimeError(
             "share_gpu must run before JAX first uses a device: this process's GPU backend "
             "exists already, with the GPUs it saw then"

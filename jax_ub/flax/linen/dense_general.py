@@ -66,12 +66,18 @@ class DenseGeneral(_ParallelLinear):
         owner = type(self).__name__
         given = {name: getattr(self, name) for name in _settings.FIELDS}
         config = _settings.resolve(owner, self.config, **given)
+        names, mesh_names, n_in = self._names_and_n_in()
+        kind, _ = _axes.choose_kind(
+            owner, n_in, names, config.axis_name, mesh_names=mesh_names, mesh=config.mesh
+        )
+        return kind
+
+    @nn.nowrap
+    def _names_and_n_in(self) -> tuple[tuple | None, bool, int]:
+        """The kernel's names (mesh axes' where the second is True) and its contracted
+        dims' count."""
         names, mesh_names = self._kernel_names()
-        n_in = len(_projection.canonical_axes(owner, self.axis))
-        axis = config.axis_name
-        return _axes.choose_kind(owner, n_in, names, axis, mesh_names=mesh_names, mesh=config.mesh)[
-            0
-        ]
+        return names, mesh_names, len(_projection.canonical_axes(type(self).__name__, self.axis))
 
     @nn.nowrap
     def _kernel_names(self) -> tuple[tuple | None, bool]:
@@ -84,14 +90,11 @@ class DenseGeneral(_ParallelLinear):
     @nn.nowrap
     def _split(self, axis_name: str | None, mesh: Any = None) -> tuple[int, str]:
         kind = self.kind()
+        names, mesh_names, n_in = self._names_and_n_in()
         if kind == "replicated":
-            n_in = len(_projection.canonical_axes(type(self).__name__, self.axis))
             return n_in, axis_name or DEFAULT_AXIS
-        owner = type(self).__name__
-        names, mesh_names = self._kernel_names()
-        n_in = len(_projection.canonical_axes(owner, self.axis))
         return _axes.choose_split(
-            owner, kind, n_in, names, axis_name, mesh_names=mesh_names, mesh=mesh
+            type(self).__name__, kind, n_in, names, axis_name, mesh_names=mesh_names, mesh=mesh
         )
 
     @nn.nowrap
@@ -110,12 +113,7 @@ class DenseGeneral(_ParallelLinear):
         config = self.resolved_config()
         kind = self.kind()
         if kind == "replicated":
-            if config.fp8:
-                raise ValueError(
-                    f"{owner}: fp8={config.fp8!r} runs in jax_ub's tensor-parallel ops; this "
-                    "projection is a plain matmul (no feature or contracted dim of its "
-                    "kernel is split over a tensor-parallel axis): leave fp8 off for it"
-                )
+            _dense_general.check_no_fp8(owner, config.fp8)
             in_shape = self.in_shape(inputs)
             params = self.get_params(in_shape)
             out = _dense_general.replicated_matmul(

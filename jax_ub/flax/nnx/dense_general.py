@@ -109,12 +109,8 @@ class DenseGeneral(_ParallelLinear):
             settings["param_dtype"] = dtype
         self.matmul_precision = matmul_precision
         super().__init__(in_features, out_features, axis=axis, rngs=rngs, **settings)
-        if self.kind == "replicated" and self.config.fp8:
-            raise ValueError(
-                f"{owner}: fp8={self.config.fp8!r} runs in jax_ub's tensor-parallel ops; this "
-                f"projection is a plain matmul (its kernel {self.kernel.shape} is split over "
-                f"no tensor-parallel axis): leave fp8 off for it"
-            )
+        if self.kind == "replicated":
+            _dense_general.check_no_fp8(owner, self.config.fp8)
 
     def _choose_kind(self, owner: str, n_in: int, names: Any, config: Any) -> tuple:
         return _axes.choose_kind(owner, n_in, names, config.axis_name, mesh=config.mesh)
