@@ -1,5 +1,6 @@
 """N ranks on one GPU: ``pytest --ranks N`` runs the selected tests in N processes that all
-drive GPU 0, each one rank (one JAX device) of a ``jax.distributed`` group.
+drive one GPU (GPU 0, or ``JAX_UB_TEST_RANKS_GPU``), each one rank (one JAX device) of a
+``jax.distributed`` group.
 
 The CUDA path at tp 2, 4 and 8 needs no more than one GPU this way: jax_ub's userbuffers
 are shared between the processes through CUDA IPC, as between processes on different
@@ -38,6 +39,7 @@ import tempfile
 import time
 
 RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB_TEST_RANKS_PORT"
+GPU_ENV = "JAX_UB_TEST_RANKS_GPU"  # which GPU the ranks share (default 0)
 GRACE_S = 120.0  # after the first rank ends, how long the others may take to end too
 
 
@@ -50,15 +52,21 @@ def rank() -> int:
     return int(os.environ.get(RANK_ENV, "0"))
 
 
+def shared_gpu() -> int:
+    """The GPU the ranks share: ``JAX_UB_TEST_RANKS_GPU`` (default 0), so that a machine of
+    several GPUs can run one group of ranks on each."""
+    return int(os.environ.get(GPU_ENV, "0"))
+
+
 # ------------------------------------------------------------------ in each rank
 
 
 def prepare_environment() -> None:
-    """Before JAX first uses a device: this rank on GPU 0 (``jax_ub.share_gpu``: allocated as
-    it goes, and NCCL's view of it, a host of its own reached over loopback)."""
+    """Before JAX first uses a device: this rank on the shared GPU (``jax_ub.share_gpu``:
+    allocated as it goes, and NCCL's view of it, a host of its own reached over loopback)."""
     import jax_ub
 
-    jax_ub.share_gpu(rank())
+    jax_ub.share_gpu(rank(), gpu=shared_gpu())
     # N ranks compile every program N times on the host's cores: no autotuning (the GEMMs'
     # numbers stay cuBLAS's; only their speed, not measured here, may differ).
     env = os.environ
@@ -148,7 +156,8 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
         files.append(path)
         log = open(path, "w")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=log), log))
-    print(f"jax_ub N-ranks mode: {ranks} processes on GPU 0, logs in {logs}", flush=True)
+    where = f"{ranks} processes on GPU {shared_gpu()}, logs in {logs}"
+    print(f"jax_ub N-ranks mode: {where}", flush=True)
     _follow(files[0], procs[0][0])
     deadline = time.monotonic() + GRACE_S
     codes = []
