@@ -329,6 +329,11 @@ try:
         )
         out = f(x, w)
         result = [float(np.abs(np.asarray(s.data)).sum()) for s in out.addressable_shards]
+        if devices.flat[0].platform == "gpu":
+            # A GPU's device-side check of the peers' call descriptors turns the outputs
+            # NaN and marks the communicator broken; check_health() raises naming both.
+            print(f"SUMS {json.dumps(result)}", flush=True)
+            jax_ub.check_health()
     elif scenario == "mismatched_setting":
         # The last process folds every reduce-scatter, its peers none: left to run, the
         # folding side would wait for a first piece never sent. Both ops must refuse at the

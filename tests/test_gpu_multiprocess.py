@@ -8,6 +8,11 @@ from __future__ import annotations
 import pytest
 from _mp_launch import check_killed_peer, gpu_count, results, run
 from test_multiprocess import check_fp8, check_protocol
+from test_multiprocess_faults import (
+    check_absent_peer,
+    check_mismatched_setting,
+    check_mismatched_shape,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.own_processes]
 
@@ -78,3 +83,18 @@ def test_killed_process_on_one_shared_gpu(nproc):
     if GPUS < 1:
         pytest.skip("needs a GPU")
     check_killed_peer(nproc=nproc, gpu=True, share_gpu=True)
+
+
+@pytest.mark.parametrize(
+    "check",
+    [check_absent_peer, check_mismatched_setting, check_mismatched_shape],
+    ids=["absent_peer", "mismatched_setting", "mismatched_shape"],
+)
+def test_faults_on_one_shared_gpu(check):
+    """The CPU tier's faults with every process on GPU 0 (the checks:
+    test_multiprocess_faults.py): a process that never calls the op, one configured
+    otherwise, one calling with another shape. Each fails every other process clearly
+    within the deadline, naming it, and nothing hangs."""
+    if GPUS < 1:
+        pytest.skip("needs a GPU")
+    check(gpu=True, share_gpu=True)

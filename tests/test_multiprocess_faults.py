@@ -5,6 +5,8 @@ processes (tests/_mp_worker.py, tests/_mp_fault_worker.py)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import time
@@ -45,8 +47,13 @@ def test_absent_peer_fails_with_timeout_not_hang():
     """The last process never calls the op: the others fail with an error naming it within
     the deadline (JAX_UB_TIMEOUT_S=8 in the worker). jax.distributed then takes the idle
     process down too, which is its documented reaction to a failed task."""
+    check_absent_peer()
+
+
+def check_absent_peer(**where) -> None:
+    """The absent-peer scenario's outcome; ``where``: _mp_launch.run's gpu, share_gpu."""
     t0 = time.time()
-    out = run("absent_peer", 3, 1)
+    out = run("absent_peer", 3, 1, **where)
     for code, text in out[:-1]:
         assert code != 0, text[-2000:]
         assert "process 2" in text and "did not" in text, text[-2000:]
@@ -54,11 +61,21 @@ def test_absent_peer_fails_with_timeout_not_hang():
 
 
 def test_mismatched_shape_fails_clearly():
-    out = run("mismatched_shape", 2, 1)
+    check_mismatched_shape()
+
+
+def check_mismatched_shape(**where) -> None:
+    """Process 0 calls with 8 rows, process 1 with 16: every process fails naming both
+    calls. On GPUs a device-side check finds it: the outputs are NaN (each process prints
+    their sums) and check_health() raises the error."""
+    out = run("mismatched_shape", 2, 1, **where)
     assert all(code != 0 for code, _ in out), [t[-500:] for _, t in out]
     text = "\n".join(t for _, t in out)
     assert "ranks disagree on the call" in text, text[-3000:]
     assert "rows=8" in text and "rows=16" in text, text[-3000:]
+    for line in text.splitlines():
+        if line.startswith("SUMS "):
+            assert all(math.isnan(v) for v in json.loads(line[5:])), line
 
 
 def test_mismatched_setting_fails_clearly():
@@ -68,7 +85,11 @@ def test_mismatched_setting_fails_clearly():
     leaves only after the others have printed their errors, or a loaded machine's slower
     process would be aborted, "Socket closed", before printing: _mp_worker.py's
     exit_after_peers_reported.)"""
-    out = run("mismatched_setting", 2, 1)
+    check_mismatched_setting()
+
+
+def check_mismatched_setting(**where) -> None:
+    out = run("mismatched_setting", 2, 1, **where)
     for code, text in out:
         assert code != 0, text[-2000:]
         assert "configured jax_ub differently: reduce_scatter_fold_rows=" in text, text[-2000:]
