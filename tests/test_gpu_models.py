@@ -10,7 +10,6 @@ Skipped without at least 2 GPUs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -26,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 from test_flax_decode import check_greedy_decoding
 
 import jax_ub
-from jax_ub._src.settings.options import experimental_tuning
 from jax_ub.models import llama
 
 pytestmark = pytest.mark.gpu
@@ -67,26 +65,23 @@ def _losses(mesh, impl, fp8, steps=5):
 @pytest.mark.parametrize("dp, tp", MESHES)
 @pytest.mark.parametrize("fp8", [False, "current", "delayed"])
 def test_llama_trains_as_with_xla(dp, tp, fp8):
-    """Five steps of training, ub against xla. In fp8 both promote the forward GEMMs'
-    partial sums to float32 along k (XLA's fp8 dots do at precision HIGHEST; jax_ub's fast
-    accumulation, its default, alone moved the first loss by 7e-4 at tp=8), so the first
-    two steps, whose operands quantize alike, agree to 2e-3. Later steps part: one value
-    rounded to the other side of an fp8 step moves by up to 1/16, and the loss falls 6x in
-    five steps (on CPU at tp=8 the curves were equal for three steps, then 0.7% apart; on
-    an H200 at tp=8, 1.0% at step 4), so the whole curve agrees to 3e-2."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.default_matmul_precision("highest"))  # no TF32 in XLA's dots
-        if fp8:
-            stack.enter_context(experimental_tuning(fp8_fast_accumulation=False))
-            jax_ub.finalize()  # a new communicator takes the tuning
-            stack.callback(jax_ub.finalize)
+    """Five steps of training, ub against xla. In fp8 the first loss (the same params, an
+    fp8 forward) agrees to 2e-3: XLA computes this tiny model's fp8 products exactly in
+    float32 (k <= 512 at default precision, <= 128 at HIGHEST, seen on an H200), while
+    jax_ub's cuBLASLt fp8 GEMMs carry the fp8 tensor cores' accumulation error, about 1e-4
+    relative (fast accumulation or not at these k), which moved the first loss by up to
+    7.5e-4 at tp=8. Later steps part further: a value rounded to the other side of an fp8
+    step moves by up to 1/16, and the loss falls 6x in five steps (seen: 1.0% at step 4 on
+    an H200 at tp=8; on CPU, where both are exact, equal for three steps, then 0.7%), so
+    the whole curve agrees to 3e-2."""
+    with jax.default_matmul_precision("highest"):  # XLA's f32 dots would use TF32
         ub, xla = (_losses(_mesh(dp, tp), impl, fp8) for impl in ("ub", "xla"))
     print(f"dp={dp} tp={tp} fp8={fp8}: ub/xla - 1 per step {np.abs(ub / xla - 1)}")
     assert np.all(np.isfinite(ub)) and ub[-1] < ub[0], ub
     if not fp8:
         np.testing.assert_allclose(ub, xla, rtol=1e-4)
     else:
-        np.testing.assert_allclose(ub[:2], xla[:2], rtol=2e-3)
+        np.testing.assert_allclose(ub[0], xla[0], rtol=2e-3)
         np.testing.assert_allclose(ub, xla, rtol=3e-2)
 
 
