@@ -361,8 +361,9 @@ def train(setup, params, cfg, batches, train_mode):
     keys = jax.random.split(jax.random.key(1), len(batches))
     lowered = step.lower(params, opt_state, batches[0], keys[0])
     losses, first_grads = [], None
-    for batch, key in zip(batches, keys):
-        params, opt_state, loss, grads = step(params, opt_state, batch, key)
+    # By index: a batch sharded over processes (the N-ranks mode's dp) cannot be iterated.
+    for i, key in enumerate(keys):
+        params, opt_state, loss, grads = step(params, opt_state, batches[i], key)
         losses.append(float(loss))
         first_grads = grads if first_grads is None else first_grads
     return np.array(losses), first_grads, params, lowered
