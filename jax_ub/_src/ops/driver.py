@@ -8,8 +8,10 @@ ones split over the axis. The driver does the rest, the same way for every op:
    (:func:`placement.global_call`);
 2. the rank's shard -> the body's rows (a batch-major shard becomes one block of rows,
    without moving data where the op allows it);
-3. the body, with the axis's size in the call record;
-4. the result back in the caller's layout.
+3. the path of each GEMM the body runs, resolved once from the call's ``impl`` on those
+   rows (the op's :data:`Route`, asking :func:`impl_choice.choose_path`), into the call
+   record with the axis's size; the body reads them (``call.path``, ``call.group()``);
+4. the body, then the result back in the caller's layout.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import device_probe
-from jax_ub._src.ops import placement
+from jax_ub._src.ops import impl_choice, placement
+from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.path import Path
 from jax_ub._src.settings import checks
+from jax_ub._src.settings.fp8 import compute_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +86,8 @@ class Call:
       divides: ``(what, size)`` of the other dims the axis must divide (w's split dim).
       shard_map_only: why the call cannot run on global arrays, or None.
       size: the axis's size, once bound (the body sees it set).
+      paths: the path of each GEMM the body runs, in the order of the op's :data:`Route`,
+        resolved by the driver (the body sees them set).
     """
 
     op: str
@@ -92,36 +99,78 @@ class Call:
     divides: tuple[tuple[str, int], ...] = ()
     shard_map_only: str | None = None
     size: int | None = None
+    paths: tuple[Path, ...] = ()
 
-    def on(self, op: str, layout: Layout) -> Call:
-        """This call's settings for another op run inside its body (an MLP's projections),
-        on rows already the body's (``seq_axis`` 0)."""
-        return dataclasses.replace(self, op=op, layout=layout, seq_axis=0, divides=())
+    @property
+    def path(self) -> Path:
+        """The path of the call's (first) GEMM."""
+        return self.paths[0]
+
+    def group(self) -> Group:
+        """The collective of the call's (first) GEMM, on its path."""
+        fallback = impl_choice.falls_back_at_lowering(self.impl)
+        return Group(self.axis_name, self.size, self.path, fallback)
+
+    def choose(self, x: Any, w: Any, fp8: Any = None, op: str | None = None) -> Path:
+        """The path of the GEMM ``x @ w`` (the rank's operands; in fp8 with ``fp8``, its
+        scales) that ``op`` (default: this call's) runs: :func:`impl_choice.choose_path`
+        for this call's impl and group size. For routes only: the driver asks them once."""
+        operands = (x, w) if fp8 is None else compute_operands(x, w)
+        kw = dict(fp8=fp8 is not None, axis_size=self.size)
+        return impl_choice.choose_path(op or self.op, self.impl, *operands, **kw)
+
+    def on(self, op: str, layout: Layout, path: Path) -> Call:
+        """This call's settings for another op run inside its body (an MLP's projections)
+        on ``path`` (one of this call's), on rows already the body's (``seq_axis`` 0)."""
+        return dataclasses.replace(
+            self, op=op, layout=layout, seq_axis=0, divides=(), paths=(path,)
+        )
 
 
 Body = Callable[[Call, Any, Any, Any], Any]
+# ``route(call, rows, w, extra)``: the path of each GEMM the body runs on these operands
+# (``call.size`` set), in the body's order, each decided as its own op would decide it.
+Route = Callable[[Call, Any, Any, Any], tuple[Path, ...]]
 
 
-def run(call: Call, body: Body, x: Any, w: Any, extra: Any = None, extra_spec: Any = None) -> Any:
+def one_gemm(call: Call, x: Any, w: Any, extra: Any) -> tuple[Path, ...]:
+    """The :data:`Route` of an op whose body runs ``x @ w`` alone (``extra``: ``(..., fp8
+    scales)``, the scales last)."""
+    return (call.choose(x, w, extra[-1]),)
+
+
+def run(
+    call: Call,
+    body: Body,
+    route: Route,
+    x: Any,
+    w: Any,
+    extra: Any = None,
+    extra_spec: Any = None,
+) -> Any:
     """``body(call, rows, w, extra)`` on the rank's rows, from a call inside a shard_map
-    binding ``call.axis_name`` or on global arrays; returns the result in the caller's
-    layout. ``extra``: the op's other operands (a pytree; biases, fp8 scales, a second
-    weight), laid out on global arrays as ``extra_spec`` says (replicated by default)."""
+    binding ``call.axis_name`` or on global arrays, the paths ``route`` picks in the call;
+    returns the result in the caller's layout. ``extra``: the op's other operands (a
+    pytree; biases, fp8 scales, a second weight), laid out on global arrays as
+    ``extra_spec`` says (replicated by default)."""
     size = checks.bound_axis_size(call.op, call.axis_name)
     if size is None:
-        return _on_global_arrays(call, body, x, w, extra, extra_spec)
-    return _on_shards(dataclasses.replace(call, size=size), body, x, w, extra)
+        return _on_global_arrays(call, body, route, x, w, extra, extra_spec)
+    return _on_shards(dataclasses.replace(call, size=size), body, route, x, w, extra)
 
 
-def _on_shards(call: Call, body: Body, x: Any, w: Any, extra: Any) -> Any:
+def _on_shards(call: Call, body: Body, route: Route, x: Any, w: Any, extra: Any) -> Any:
     s, size, rows = call.seq_axis, call.size, call.layout.rows
     if rows == "scatter":
         what = "rows of x" if s == 0 else f"rows of x (dim {s})"
         checks.check_divisible(call.op, what, x.shape[s], size, call.axis_name, f"{x.shape=}")
     if s == 0 or rows == "whole":
-        return body(call, x, w, extra)
-    into_rows, back = _ROWS[rows]
-    return back(body(call, into_rows(x, s, size), w, extra), s)
+        into_rows, back = (lambda x, s, size: x), (lambda y, s: y)
+    else:
+        into_rows, back = _ROWS[rows]
+    x = into_rows(x, s, size)
+    call = dataclasses.replace(call, paths=route(call, x, w, extra))
+    return back(body(call, x, w, extra), s)
 
 
 # Each Layout.rows: (a shard split on its dim s as the body's rows, the body's result back).
@@ -132,7 +181,9 @@ _ROWS = {
 }
 
 
-def _on_global_arrays(call: Call, body: Body, x: Any, w: Any, extra: Any, extra_spec: Any) -> Any:
+def _on_global_arrays(
+    call: Call, body: Body, route: Route, x: Any, w: Any, extra: Any, extra_spec: Any
+) -> Any:
     """The op on global arrays: checked against the mesh in context (or the arrays'), then
     one shard_map that hands each rank its shards."""
     op, axis, s, layout = call.op, call.axis_name, call.seq_axis, call.layout
@@ -163,7 +214,7 @@ def _on_global_arrays(call: Call, body: Body, x: Any, w: Any, extra: Any, extra_
 
     def local(x, w, more=None):
         bound = dataclasses.replace(call, size=int(jax.lax.axis_size(axis)))
-        return _on_shards(bound, body, x, w, more if has_extra else extra)
+        return _on_shards(bound, body, route, x, w, more if has_extra else extra)
 
     specs = (x_spec, w_spec)
     if has_extra:
