@@ -63,8 +63,9 @@ class Configured(nn.Module):
             if config.mesh is None and jax.sharding.get_abstract_mesh().empty:
                 if axis not in placement.manual_axes():
                     # An init traced with no mesh anywhere (a loop's jit(init,
-                    # out_shardings=...)): the params' shapes do not depend on the
-                    # collectives, and the steps on them find the mesh in their shardings.
+                    # out_shardings=...)) runs the plain layer (_checks.without_mesh): the
+                    # params' shapes do not depend on the collectives, and the steps on
+                    # them find the mesh in their shardings.
                     config = dataclasses.replace(config, impl="xla")
         return config
 
