@@ -305,8 +305,8 @@ def projection_call(
     else:
         x_spec, out_specs = split_spec(first, first.split), side
     in_specs = (x_spec, tuple(p.param_specs(axis, ops.fp8) for p in projections))
-    # fp8's amaxes are the whole batch's: its rows stay whole over the other axes.
-    return _over_tp(local, ops, in_specs, out_specs, plain, row_dims=0 if ops.fp8 else lead)
+    rows = placement.row_dims(lead, ops.fp8 is not None)
+    return _over_tp(local, ops, in_specs, out_specs, plain, row_dims=rows)
 
 
 def _kw(ops: Ops, seq: int) -> dict[str, Any]:

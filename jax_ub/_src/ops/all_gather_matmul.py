@@ -117,19 +117,15 @@ def all_gather_matmul(
         seq_axis,
         fp8=fp8 is not None,
         divides=(("columns of w", w.shape[1]),),
-        shard_map_only=(
-            "return_gathered is for calls inside shard_map; on global arrays the gathered "
-            f"x is x itself ({x.shape=})"
-            if return_gathered
-            else None
-        ),
+        shard_map_only=("return_gathered",) if return_gathered else (),
     )
 
     def body(call, x, w, extra):
-        return gathered_product(call, x, w, *extra, activation, return_gathered)
+        return gathered_product(call, x, w, extra.bias, extra.fp8, activation, return_gathered)
 
-    # The bias's columns are w's; fp8 scales are replicated.
-    return driver.run(call, body, driver.one_gemm, x, w, (bias, fp8), (P(axis_name), P()))
+    extra = driver.Extra(bias=bias, fp8=fp8)
+    specs = driver.Extra.specs(bias=P(axis_name))  # the bias's columns are w's
+    return driver.run(call, body, driver.one_gemm, x, w, extra, specs)
 
 
 def gathered_product(call: driver.Call, x, w, bias, fp8, activation=None, return_gathered=False):

@@ -113,7 +113,7 @@ def gated_mlp(
     def route(call, x, w_gate_up, extra):
         # Each projection's path, as its own op would decide: the gate and up GEMM on
         # [k, 2f], the down-projection on the gated product as the block computes it.
-        w_down, (up, down) = extra
+        w_down, (up, down) = extra.w_down, extra.fp8
         w = _side_by_side(w_gate_up)
         ag = call.choose(x, w, up, op="all_gather_matmul")
         dtype = x.dtype if up is None else result_dtype(x, w)
@@ -122,14 +122,15 @@ def gated_mlp(
         return ag, call.choose(hidden, w_down, down, op="matmul_reduce_scatter")
 
     def block(call, x, w_gate_up, extra):
-        w_down, (up, down) = extra
+        w_down, (up, down) = extra.w_down, extra.fp8
         ag = call.on("all_gather_matmul", driver.GATHER, call.paths[0])
         gate_up = gathered_product(ag, x, _side_by_side(w_gate_up), None, up)
         rs = call.on("matmul_reduce_scatter", driver.SCATTER, call.paths[1])
         return scattered_product(rs, _gated(act, gate_up), w_down, None, down)
 
     # w_down's rows are split as w_gate_up's f; the fp8 scales are replicated.
-    extra, specs = (w_down, scales), (P(axis_name, None), P())
+    extra = driver.Extra(fp8=scales, w_down=w_down)
+    specs = driver.Extra.specs(w_down=P(axis_name, None))
     return driver.run(call, block, route, x, w_gate_up, extra, specs)
 
 

@@ -77,10 +77,11 @@ def matmul_all_reduce(
     """
     seq_axis = check_arguments(_OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias)
     call = driver.Call(_OP, driver.ALL_REDUCE, axis_name, impl, seq_axis)
-    return driver.run(call, summed_product, _route, x, w, bias)  # the bias replicated
+    extra = driver.Extra(bias=bias)  # replicated
+    return driver.run(call, summed_product, _route, x, w, extra)
 
 
-def _route(call: driver.Call, x, w, bias) -> tuple[Path, ...]:
+def _route(call: driver.Call, x, w, extra: driver.Extra) -> tuple[Path, ...]:
     """The path of the op's GEMM, decided on the rows first (as ub splits them). A group
     of one sums nothing: XLA's dot, whatever the impl."""
     if call.size == 1:
@@ -90,11 +91,11 @@ def _route(call: driver.Call, x, w, bias) -> tuple[Path, ...]:
     return (call.choose(rows, w),)
 
 
-def summed_product(call: driver.Call, x, w, bias=None):
+def summed_product(call: driver.Call, x, w, extra: driver.Extra):
     """The op on a rank's shard ``x [..., k]`` as the caller laid it out (every rank holds
-    all rows): ``psum(x @ w) + bias``, on the call's path."""
+    all rows): ``psum(x @ w) + extra.bias``, on the call's path."""
     y = _BODIES(call, x, w)
-    return y if bias is None else y + jnp.asarray(bias, y.dtype)
+    return y if extra.bias is None else y + jnp.asarray(extra.bias, y.dtype)
 
 
 def _ub(call: driver.Call, x, w):

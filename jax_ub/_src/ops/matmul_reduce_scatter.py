@@ -74,10 +74,10 @@ def matmul_reduce_scatter(
     call = driver.Call(_OP, driver.SCATTER, axis_name, impl, seq_axis, fp8=fp8 is not None)
 
     def body(call, x, w, extra):
-        return scattered_product(call, x, w, *extra)
+        return scattered_product(call, x, w, extra.bias, extra.fp8)
 
-    # bias and scales replicated
-    return driver.run(call, body, driver.one_gemm, x, w, (bias, fp8))
+    extra = driver.Extra(bias=bias, fp8=fp8)  # replicated
+    return driver.run(call, body, driver.one_gemm, x, w, extra)
 
 
 def scattered_product(call: driver.Call, x, w, bias=None, fp8=None):

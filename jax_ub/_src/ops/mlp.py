@@ -108,16 +108,16 @@ def gelu_mlp(
         fp8=fp8 is not None,
         divides=(("columns of w_up", w_up.shape[1]),),
     )
-    extra = (up_bias, w_down, down_bias, fp8)
+    extra = driver.Extra(bias=up_bias, fp8=fp8, w_down=w_down, down_bias=down_bias)
     # up_bias's columns are w_up's, w_down's rows too; down_bias and the scales replicated.
-    specs = (P(axis_name), P(axis_name, None), P(), P())
+    specs = driver.Extra.specs(bias=P(axis_name), w_down=P(axis_name, None))
     return driver.run(call, _block, _route, x, w_up, extra, specs)
 
 
-def _route(call: driver.Call, x, w_up, extra) -> tuple[Path, Path]:
+def _route(call: driver.Call, x, w_up, extra: driver.Extra) -> tuple[Path, Path]:
     """The paths of the up- and the down-projection, each as its own op would decide (the
     rule counts each op's bytes), on a rank's rows ``x [m, *batch, k]``."""
-    _, w_down, _, fp8 = extra
+    w_down, fp8 = extra.w_down, extra.fp8
     up, down = (None, None) if fp8 is None else fp8
     dtype = x.dtype if fp8 is None else result_dtype(x, w_up)
     hidden = jax.ShapeDtypeStruct((call.size * x.shape[0], *x.shape[1:-1], w_up.shape[1]), dtype)
@@ -127,10 +127,10 @@ def _route(call: driver.Call, x, w_up, extra) -> tuple[Path, Path]:
     )
 
 
-def _block(call: driver.Call, x, w_up, extra):
+def _block(call: driver.Call, x, w_up, extra: driver.Extra):
     """The block on a rank's rows ``x [m, *batch, k]``: fused where both projections run
     the userbuffer op, else the two ops, each on its own path."""
-    up_bias, w_down, down_bias, fp8 = extra
+    up_bias, fp8, w_down, down_bias = extra
     up, down = (None, None) if fp8 is None else fp8
     if call.paths != (Path.UB, Path.UB):  # the same block from the two ops
         up_path, down_path = call.paths

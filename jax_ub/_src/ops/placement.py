@@ -237,6 +237,13 @@ def replace_axis(actual: P, wanted: P, axis: str, ndim: int) -> P:
     return P(*entries)
 
 
+def row_dims(leading: int, fp8: bool) -> int:
+    """:func:`global_call`'s ``row_dims`` for a projection whose input has ``leading`` dims
+    before its contracted ones: all of them are rows it computes independently, except in
+    fp8, whose amaxes are the whole batch's (its rows stay whole over the other axes)."""
+    return 0 if fp8 else leading
+
+
 def global_call(
     f: Callable,
     mesh: Any,
