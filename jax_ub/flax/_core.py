@@ -24,6 +24,7 @@ import jax_ub
 from jax_ub._src.lowering import device_probe
 from jax_ub._src.lowering.unfused import all_reduce
 from jax_ub._src.ops import placement
+from jax_ub._src.ops.cpu_16bit import Widening
 from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
@@ -203,9 +204,8 @@ def _over_tp(
                 in_specs,
                 out_specs,
                 check_vma,
-                compute_dtype=ops.dtype,
-                sums_replicated=ops.fp8 != "delayed",
                 row_dims=row_dims,
+                widening=Widening(ops.dtype, sums_replicated=ops.fp8 != "delayed"),
             )
             if context.empty and not isinstance(mesh, Mesh):
                 run = _probed(run)
