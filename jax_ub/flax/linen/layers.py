@@ -29,7 +29,7 @@ def _setting(default: Any = None) -> Any:
     return dataclasses.field(default=default, kw_only=True)
 
 
-class Configured(nn.Module):
+class SettingsModule(nn.Module):
     """A linen layer's settings: its :class:`~jax_ub.flax.ParallelConfig` from its
     attributes (those not None) over its ``config`` or else the model defaults
     (:func:`jax_ub.flax.defaults`, read when the layer is called), the tensor-parallel
@@ -95,8 +95,8 @@ class Configured(nn.Module):
         return self.make_rng("dropout")
 
 
-class Biased(Configured):
-    """:class:`Configured` with the layers' bias: ``use_bias`` and ``bias_init``."""
+class Biased(SettingsModule):
+    """:class:`SettingsModule` with the layers' bias: ``use_bias`` and ``bias_init``."""
 
     use_bias: bool = _setting(True)
     bias_init: Initializer = _setting(default_bias_init)
