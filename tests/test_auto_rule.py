@@ -17,6 +17,7 @@ from jax import lax
 
 import jax_ub
 from jax_ub._src.ops import impl_choice
+from jax_ub._src.ops.path import Path
 from jax_ub._src.runtime import extension
 from jax_ub._src.settings import auto_rule
 
@@ -161,29 +162,31 @@ def test_auto_min_bytes_from_the_environment(monkeypatch):
         jax_ub.Config().check()
 
 
-# ------------------------------------------------------------------ use_ub on a simulated GPU
+# ------------------------------------------------------------------ choose_path on a simulated GPU
 
 
 @pytest.mark.usefixtures("simulated_gpu")
-def test_use_ub_on_gpus_follows_the_rule(rand):
+def test_choose_path_on_gpus_follows_the_rule(rand):
     x_small, w = rand(8, 16, dtype=BF16), rand(16, 8, dtype=BF16)
-    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=2) is False
-    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=1) is False
-    assert impl_choice.use_ub(AG, "ub", x_small, w, axis_size=1) is True  # ub always means ub
+    assert impl_choice.choose_path(AG, "auto", x_small, w, axis_size=2) is Path.XLA
+    assert impl_choice.choose_path(AG, "auto", x_small, w, axis_size=1) is Path.XLA
+    # ub always means ub
+    assert impl_choice.choose_path(AG, "ub", x_small, w, axis_size=1) is Path.UB
     jax_ub.configure(auto_min_bytes=8 * 16 * 2)  # exactly this call's bytes at tp=2
-    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=2) is True
-    assert impl_choice.use_ub(AG, "auto", x_small, w, axis_size=1) is False
+    assert impl_choice.choose_path(AG, "auto", x_small, w, axis_size=2) is Path.UB
+    assert impl_choice.choose_path(AG, "auto", x_small, w, axis_size=1) is Path.XLA
 
 
 def _with_axis_size(monkeypatch):
-    """Pass the axis size to use_ub as the ops will (impl_choice.use_ub(..., axis_size=size))."""
-    real = impl_choice.use_ub
+    """Pass the axis size to choose_path as the ops will (impl_choice.choose_path(...,
+    axis_size=size))."""
+    real = impl_choice.choose_path
 
-    def use_ub(op, impl, x, w, fp8=False, axis_size=None):
+    def choose_path(op, impl, x, w, fp8=False, axis_size=None):
         axis_size = lax.axis_size("tp") if axis_size is None else axis_size
         return real(op, impl, x, w, fp8=fp8, axis_size=axis_size)
 
-    monkeypatch.setattr(impl_choice, "use_ub", use_ub)
+    monkeypatch.setattr(impl_choice, "choose_path", choose_path)
 
 
 @pytest.mark.usefixtures("simulated_gpu")
@@ -233,7 +236,7 @@ def test_auto_on_cpu_is_the_host_protocol_and_logs_why(mesh1d, rand, caplog, op)
 def test_auto_logs_a_gpu_decision_for_xla(rand, caplog):
     x, w = rand(8, 16, dtype=BF16), rand(16, 8, dtype=BF16)
     with caplog.at_level(logging.DEBUG, logger="jax_ub"):
-        impl_choice.use_ub(RS, "auto", x, w, axis_size=2)
+        impl_choice.choose_path(RS, "auto", x, w, axis_size=2)
     (message,) = [r.getMessage() for r in caplog.records if r.name == "jax_ub"]
     assert "matmul_reduce_scatter impl='auto' -> 'xla'" in message
     assert "(x (8, 16), w (16, 8), bfloat16, group of 2)" in message
@@ -243,7 +246,7 @@ def test_auto_logs_a_gpu_decision_for_xla(rand, caplog):
 def test_auto_logs_why_it_cannot_take_ub(rand, caplog):
     x, w = rand(8, 16), rand(16, 8, dtype=BF16)
     with caplog.at_level(logging.DEBUG, logger="jax_ub"):
-        assert impl_choice.use_ub(AG, "auto", x, w, axis_size=2) is False
+        assert impl_choice.choose_path(AG, "auto", x, w, axis_size=2) is Path.XLA
     assert "-> 'xla'" in caplog.text and "different dtypes" in caplog.text
 
 
@@ -282,7 +285,7 @@ def test_explain_impl_says_what_the_op_does_on_gpus(rand):
         choice = jax_ub.explain_impl(AG, (m, 8192), (8192, 64), BF16, 2)
         assert choice.impl == impl, choice
         x, w = rand(m, 8192, dtype=BF16), rand(8192, 64, dtype=BF16)
-        assert impl_choice.use_ub(AG, "auto", x, w, axis_size=2) is (impl == "ub")
+        assert impl_choice.choose_path(AG, "auto", x, w, axis_size=2) is Path(impl)
     solo = jax_ub.explain_impl(RS, (4096, 8192), (8192, 8192), BF16, 1)
     assert solo.impl == "xla" and "group of one device" in solo.reason
 

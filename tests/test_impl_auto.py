@@ -106,6 +106,7 @@ def test_gpu_without_cuda_extension_says_why(monkeypatch, rand):
     """On GPUs with only the CPU extension loaded: impl="ub" says what is missing and how to
     see it, impl="auto" warns once and takes XLA's path."""
     from jax_ub._src.ops import impl_choice
+    from jax_ub._src.ops.path import Path
     from jax_ub._src.runtime import extension
     from jax_ub._src.settings import warn_registry
 
@@ -120,6 +121,6 @@ def test_gpu_without_cuda_extension_says_why(monkeypatch, rand):
         r"implementation for platform 'gpu': the CUDA extension is not built "
         r"\(no CUDA toolkit\).*python -m jax_ub.info",
     ):
-        impl_choice.use_ub("all_gather_matmul", "ub", x, w)
+        impl_choice.choose_path("all_gather_matmul", "ub", x, w)
     with pytest.warns(UserWarning, match=r"impl='auto' uses XLA's collectives on GPUs"):
-        assert impl_choice.use_ub("all_gather_matmul", "auto", x, w) is False
+        assert impl_choice.choose_path("all_gather_matmul", "auto", x, w) is Path.XLA

@@ -25,9 +25,9 @@ def group_size(
     over it being traced, the layer's ``mesh``, the mesh set by ``jax.set_mesh``.
 
     When none of them is known: None if ``required`` is False (a layer built before any
-    mesh is set checks its sizes when it is called); 1 for a call with ``impl`` other than
-    ``"ub"``, which then runs XLA's plain matmuls (:func:`_over_tp`); a ValueError
-    otherwise. A ValueError too when the axis is not in the mesh.
+    mesh is set checks its sizes when it is called); else 1, or a ValueError, as
+    :func:`without_mesh` says for ``impl``. A ValueError too when the axis is not in the
+    mesh.
     """
     if not isinstance(axis_name, str):
         raise ValueError(f"{owner}: axis_name must be a mesh axis name (str), got {axis_name!r}")
@@ -37,8 +37,25 @@ def group_size(
     if known.empty:
         if not required:
             return None
-        if impl is not None and impl != "ub":
-            return 1
+        without_mesh(owner, axis_name, impl)
+        return 1
+    if axis_name not in known.axis_names:
+        raise ValueError(
+            f"{owner}: axis_name {axis_name!r} is not an axis of the mesh; "
+            f"mesh.axis_names={known.axis_names}{default_axis_hint(axis_name)}"
+        )
+    return int(known.shape[axis_name])
+
+
+def without_mesh(owner: str, axis_name: str, impl: str | None) -> None:
+    """The one rule for a layer called where no mesh is known (none given or set, none in
+    its arrays' types, no shard_map over ``axis_name`` being traced): it runs its plain
+    version on global arrays, XLA's matmuls that XLA partitions from the operands'
+    shardings (nothing overlapped: ``_core``'s runner warns once), as a group of one;
+    except under ``impl="ub"``, which raises here. (A linen init is the one caller that
+    asks for the plain version under "ub": its params' shapes do not depend on the
+    collectives, ``linen.layers.SettingsModule.resolved_config``.)"""
+    if impl is None or impl == "ub":
         raise ValueError(
             f"{owner}: no mesh to run over: call the layer under `with jax.set_mesh(mesh):`, "
             f"pass mesh=... (to the layer or to jax_ub.flax.defaults), or call it inside a "
@@ -46,12 +63,6 @@ def group_size(
             f"'auto' runs XLA's plain matmuls when no mesh is known; impl={impl!r} does not)"
             f"{default_axis_hint(axis_name)}"
         )
-    if axis_name not in known.axis_names:
-        raise ValueError(
-            f"{owner}: axis_name {axis_name!r} is not an axis of the mesh; "
-            f"mesh.axis_names={known.axis_names}{default_axis_hint(axis_name)}"
-        )
-    return int(known.shape[axis_name])
 
 
 def default_axis_hint(axis_name: str) -> str:

@@ -24,10 +24,11 @@ import jax_ub
 from jax_ub._src.lowering import device_probe
 from jax_ub._src.lowering.unfused import all_reduce
 from jax_ub._src.ops import placement
+from jax_ub._src.ops.cpu_16bit import Widening
 from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
-from jax_ub.flax._checks import Ops, default_axis_hint
+from jax_ub.flax._checks import Ops, default_axis_hint, without_mesh
 from jax_ub.flax._projection import Projection, param_specs
 
 Params = Mapping[str, jax.Array]
@@ -169,9 +170,8 @@ def _over_tp(
     """``f`` on local shards, run as described above, on global arrays through
     :func:`jax_ub._src.ops.placement.global_call` (as the ops run). With no mesh known (none
     given, none set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the
-    same layer written on global arrays) runs instead where ``ops.impl`` is not ``"ub"``,
-    after one warning that nothing is overlapped: XLA partitions its matmuls from the
-    operands' shardings."""
+    same layer written on global arrays) runs instead, as :func:`_checks.without_mesh`
+    says, after one warning that nothing is overlapped."""
     axis_name = ops.axis_name
     # One jit(shard_map) per mesh it runs under (shard_map binds its mesh when built) and
     # per value of the settings read at trace time.
@@ -182,13 +182,8 @@ def _over_tp(
             return f(*args)
         context = jax.sharding.get_abstract_mesh()
         if ops.mesh is None and context.empty:
+            without_mesh("jax_ub.flax", axis_name, ops.impl)  # raises for impl="ub"
             hint = default_axis_hint(axis_name)
-            if ops.impl == "ub":
-                raise ValueError(
-                    f"no mesh to run over axis {axis_name!r}: call the layer under "
-                    "`with jax.set_mesh(mesh):`, pass mesh=... (to the layer or to "
-                    f"jax_ub.flax.defaults), or call it inside a shard_map{hint}"
-                )
             message = (
                 f"jax_ub.flax: a layer was traced with no mesh set (jax.set_mesh) or given "
                 f"(mesh= to the layer or to jax_ub.flax.defaults), on arrays whose types carry "
@@ -209,9 +204,8 @@ def _over_tp(
                 in_specs,
                 out_specs,
                 check_vma,
-                compute_dtype=ops.dtype,
-                sums_replicated=ops.fp8 != "delayed",
                 row_dims=row_dims,
+                widening=Widening(ops.dtype, sums_replicated=ops.fp8 != "delayed"),
             )
             if context.empty and not isinstance(mesh, Mesh):
                 run = _probed(run)
@@ -311,8 +305,8 @@ def projection_call(
     else:
         x_spec, out_specs = split_spec(first, first.split), side
     in_specs = (x_spec, tuple(p.param_specs(axis, ops.fp8) for p in projections))
-    # fp8's amaxes are the whole batch's: its rows stay whole over the other axes.
-    return _over_tp(local, ops, in_specs, out_specs, plain, row_dims=0 if ops.fp8 else lead)
+    rows = placement.row_dims(lead, ops.fp8 is not None)
+    return _over_tp(local, ops, in_specs, out_specs, plain, row_dims=rows)
 
 
 def _kw(ops: Ops, seq: int) -> dict[str, Any]:

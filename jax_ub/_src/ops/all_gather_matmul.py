@@ -19,6 +19,7 @@ from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.fp8_ops import fp8_all_gather_matmul
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.kept_input import KeptInput
+from jax_ub._src.ops.path import Bodies
 from jax_ub._src.ops.weight_grad import contract_rows, weight_grad_with
 from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
@@ -116,41 +117,44 @@ def all_gather_matmul(
         seq_axis,
         fp8=fp8 is not None,
         divides=(("columns of w", w.shape[1]),),
-        shard_map_only=(
-            "return_gathered is for calls inside shard_map; on global arrays the gathered "
-            f"x is x itself ({x.shape=})"
-            if return_gathered
-            else None
-        ),
+        shard_map_only=("return_gathered",) if return_gathered else (),
     )
 
     def body(call, x, w, extra):
-        return gathered_product(call, x, w, *extra, activation, return_gathered)
+        return gathered_product(call, x, w, extra.bias, extra.fp8, activation, return_gathered)
 
-    # The bias's columns are w's; fp8 scales are replicated.
-    return driver.run(call, body, x, w, (bias, fp8), (P(axis_name), P()))
+    extra = driver.Extra(bias=bias, fp8=fp8)
+    specs = driver.Extra.specs(bias=P(axis_name))  # the bias's columns are w's
+    return driver.run(call, body, driver.one_gemm, x, w, extra, specs)
 
 
 def gathered_product(call: driver.Call, x, w, bias, fp8, activation=None, return_gathered=False):
     """The op on a rank's rows ``x [m, *batch, k]``: ``[tp * m, *batch, n]`` (and the
-    gathered ``x`` with ``return_gathered``), by the path the call's impl picks."""
-    group = Group.of_call(call, x, w, fp8)
+    gathered ``x`` with ``return_gathered``), on the call's path."""
     if bias is not None:  # the output's dtype, as the epilogue adds it
         bias = jnp.asarray(bias, x.dtype if fp8 is None else result_dtype(x, w))
+    return _BODIES(call, x, w, bias, fp8, activation, return_gathered)
+
+
+def _ub(call: driver.Call, x, w, bias, fp8, activation, return_gathered):
     gelu = activation == "gelu"
-    if fp8 is not None:
-        return fp8_all_gather_matmul(x, w, fp8, bias, group, gelu)
-    if not group.ub:
-        return all_gather_matmul_reference(
-            x,
-            w,
-            call.axis_name,
-            return_gathered=return_gathered,
-            bias=bias,
-            activation=activation,
-            collectives=group.collectives,
-        )
-    return _all_gather_matmul(x, w, bias, group, gelu, return_gathered)
+    return _all_gather_matmul(x, w, bias, call.group(), gelu, return_gathered)
+
+
+def _unfused(call: driver.Call, x, w, bias, fp8, activation, return_gathered):
+    return all_gather_matmul_reference(
+        x,
+        w,
+        call.axis_name,
+        return_gathered=return_gathered,
+        bias=bias,
+        activation=activation,
+        collectives=call.path.collectives,
+    )
+
+
+def _fp8(call: driver.Call, x, w, bias, fp8, activation, return_gathered):
+    return fp8_all_gather_matmul(x, w, fp8, bias, call.group(), activation == "gelu")
 
 
 class _Residuals(NamedTuple):
@@ -201,3 +205,5 @@ def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
 
 
 _all_gather_matmul.defvjp(_fwd, _bwd)
+
+_BODIES = Bodies(ub=_ub, unfused=_unfused, fp8=_fp8)

@@ -35,6 +35,7 @@ from jax_ub._src.lowering.wire_format import pack_scales
 from jax_ub._src.ops.checkpoint_policy import saved_gathered, saved_output
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.path import Path
 from jax_ub._src.ops.weight_grad import weight_grad_with
 from jax_ub._src.settings import options
 from jax_ub._src.settings.fp8 import (
@@ -110,7 +111,7 @@ def _ag(
     that product times gelu'(dgelu_at), in the epilogue; ``w_t`` is the weight stored
     k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
     scales = pack_scales(sx, sw)
-    if group.ub:
+    if group.path is Path.UB:
         return group.all_gather_matmul(
             x_q,
             w_t,
@@ -133,7 +134,7 @@ def _ag(
         bias=bias,
         activation="gelu" if gelu else None,
         return_pre_activation=True,
-        collectives=group.collectives,
+        collectives=group.path.collectives,
     )
     return (out if dgelu_at is None else dgelu_reference(out, dgelu_at)), gathered, pre
 
@@ -141,7 +142,7 @@ def _ag(
 def _rs(x_q, w_t, sx, sw, *, out_dtype, group: Group):
     """psum_scatter(x_q @ w_t.T scaled by sx * sw); ``w_t`` as for :func:`_ag`."""
     scales = pack_scales(sx, sw)
-    if group.ub:
+    if group.path is Path.UB:
         return group.matmul_reduce_scatter(
             x_q, w_t, transpose_w=True, scales=scales, out_dtype=out_dtype
         )
@@ -151,7 +152,7 @@ def _rs(x_q, w_t, sx, sw, *, out_dtype, group: Group):
         group.axis_name,
         scales=scales,
         out_dtype=out_dtype,
-        collectives=group.collectives,
+        collectives=group.path.collectives,
     )
 
 
@@ -241,7 +242,7 @@ def _op_grads(res: AgResiduals | RsResiduals, dx, dw, grad_amax, axis_name: str)
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def fp8_all_gather_matmul(x, w, fp8: Fp8Scales, bias, group: Group, gelu: bool):
-    """gelu?(all_gather(x) @ w + bias?) in fp8 (module docstring); ``group.ub`` picks the
+    """gelu?(all_gather(x) @ w + bias?) in fp8 (module docstring); ``group.path`` picks the
     custom call or XLA."""
     return ag_forward(x, w, fp8, bias, group, gelu)[0]
 
@@ -290,7 +291,7 @@ fp8_all_gather_matmul.defvjp(ag_forward, _ag_bwd)
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_matmul_reduce_scatter(x, w, fp8: Fp8Scales, group: Group):
-    """psum_scatter(x @ w) in fp8 (module docstring); ``group.ub`` as above."""
+    """psum_scatter(x @ w) in fp8 (module docstring); ``group.path`` as above."""
     return rs_forward(x, w, fp8, group)[0]
 
 

@@ -22,7 +22,7 @@ from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.all_gather_matmul import gathered_product
 from jax_ub._src.ops.matmul_reduce_scatter import scattered_product
 from jax_ub._src.settings import checks
-from jax_ub._src.settings.fp8 import Fp8Scales
+from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
 _OP = "gated_mlp"
 
@@ -110,18 +110,40 @@ def gated_mlp(
         divides=(("f of w_gate_up", w_gate_up.shape[2]),),
     )
 
+    def route(call, x, w_gate_up, extra):
+        # Each projection's path, as its own op would decide: the gate and up GEMM on
+        # [k, 2f], the down-projection on the gated product as the block computes it.
+        w_down, (up, down) = extra.w_down, extra.fp8
+        w = _side_by_side(w_gate_up)
+        ag = call.choose(x, w, up, op="all_gather_matmul")
+        dtype = x.dtype if up is None else result_dtype(x, w)
+        gate_up = jax.ShapeDtypeStruct((call.size * x.shape[0], *x.shape[1:-1], w.shape[1]), dtype)
+        hidden = jax.eval_shape(lambda g: _gated(act, g), gate_up)
+        return ag, call.choose(hidden, w_down, down, op="matmul_reduce_scatter")
+
     def block(call, x, w_gate_up, extra):
-        w_down, (up, down) = extra
-        k, _, f = w_gate_up.shape
-        # [k, 2, f] -> [k, 2f] is free: this rank's gate columns, then its up columns.
-        ag = call.on("all_gather_matmul", driver.GATHER)
-        gate_up = gathered_product(ag, x, w_gate_up.reshape(k, 2 * f), None, up)
-        hidden = act(gate_up[..., :f]) * gate_up[..., f:]
-        rs = call.on("matmul_reduce_scatter", driver.SCATTER)
-        return scattered_product(rs, hidden, w_down, None, down)
+        w_down, (up, down) = extra.w_down, extra.fp8
+        ag = call.on("all_gather_matmul", driver.GATHER, call.paths[0])
+        gate_up = gathered_product(ag, x, _side_by_side(w_gate_up), None, up)
+        rs = call.on("matmul_reduce_scatter", driver.SCATTER, call.paths[1])
+        return scattered_product(rs, _gated(act, gate_up), w_down, None, down)
 
     # w_down's rows are split as w_gate_up's f; the fp8 scales are replicated.
-    return driver.run(call, block, x, w_gate_up, (w_down, scales), (P(axis_name, None), P()))
+    extra = driver.Extra(fp8=scales, w_down=w_down)
+    specs = driver.Extra.specs(w_down=P(axis_name, None))
+    return driver.run(call, block, route, x, w_gate_up, extra, specs)
+
+
+def _side_by_side(w_gate_up):
+    """``[k, 2, f] -> [k, 2f]``, free: this rank's gate columns, then its up columns."""
+    k, _, f = w_gate_up.shape
+    return w_gate_up.reshape(k, 2 * f)
+
+
+def _gated(act, gate_up):
+    """``act(gate) * up`` of the gate and up products side by side, ``[..., 2f] -> [..., f]``."""
+    f = gate_up.shape[-1] // 2
+    return act(gate_up[..., :f]) * gate_up[..., f:]
 
 
 def activation_function(activation) -> Callable[[jax.Array], jax.Array]:

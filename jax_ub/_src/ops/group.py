@@ -7,10 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
-from jax_ub._src.lowering.unfused import XLA, Collectives, collectives_of
-from jax_ub._src.ops import impl_choice
-from jax_ub._src.ops.driver import Call
-from jax_ub._src.settings.fp8 import compute_operands
+from jax_ub._src.ops.path import Path
 from jax_ub._src.settings.options import weight_transposed
 
 
@@ -21,36 +18,16 @@ class Group:
     Attributes:
       axis_name: the mesh axis of the collective.
       size: the size of that axis (``tp``).
-      fallback: impl="auto": lower to XLA's collectives where the group's devices cannot
-        share memory (impl="ub" raises there instead).
-      ub: run the userbuffer custom call; False runs the unfused reference on
-        ``collectives`` (only the fp8 ops take both paths through one VJP).
-      collectives: the unfused reference's collectives: XLA's, or none (impl="none").
+      path: the path the driver resolved (:class:`Path`); the fp8 ops read it to pick the
+        userbuffer call or the unfused reference on ``path.collectives`` inside one VJP.
+      fallback: lower to XLA's collectives where the group's devices cannot share memory
+        (``impl_choice.falls_back_at_lowering``; else that raises).
     """
 
     axis_name: str
     size: int
-    fallback: bool
-    ub: bool = True
-    collectives: Collectives = XLA
-
-    @classmethod
-    def of_call(cls, call: Call, x, w, fp8=None) -> Group:
-        """The group of one call (its axis bound: ``call.size`` set) on the rank's operands
-        ``x @ w`` (in fp8 where ``fp8``, its scales, is not None): the path
-        :func:`impl_choice.use_ub` picks for the operands the call computes in.
-        impl="auto" falls back to XLA's collectives if the group's GPUs cannot share
-        memory."""
-        operands = (x, w) if fp8 is None else compute_operands(x, w)
-        kw = dict(fp8=fp8 is not None, axis_size=call.size)
-        ub = impl_choice.use_ub(call.op, call.impl, *operands, **kw)
-        return cls(
-            call.axis_name,
-            call.size,
-            fallback=call.impl == "auto",
-            ub=ub,
-            collectives=collectives_of(call.impl),
-        )
+    path: Path = Path.UB
+    fallback: bool = False
 
     def all_gather_matmul(self, x, w, **kwargs):
         """The userbuffer all-gather GEMM over this group: ``bind_all_gather_matmul`` with

@@ -1,8 +1,16 @@
-"""Which path a call takes: the userbuffer op ("ub") or XLA's unfused op ("xla").
+"""Which path a call takes: the userbuffer op ("ub"), XLA's unfused op ("xla") or the
+unfused GEMMs alone ("none"), as a :class:`~jax_ub._src.ops.path.Path`.
 
 What the userbuffer op can run at all (dtypes, fp8 support, platform and extension) is
 decided here; among the calls it can run, impl="auto" follows the rule of
-:mod:`jax_ub._src.settings.auto_rule`.
+:mod:`jax_ub._src.settings.auto_rule`. The driver asks :func:`choose_path` once per GEMM
+of a call, at trace time, and records the answer in the call.
+
+One part of the decision is deferred to lowering, the only place that knows the concrete
+devices: whether the group's devices can share memory (one host, peer access). A call on
+``Path.UB`` under ``impl="auto"`` then still lowers to XLA's collectives, with a warning,
+where they cannot (:func:`falls_back_at_lowering`; ``communicator.for_lowering``);
+``impl="ub"`` raises there instead.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_ub._src.ops.path import Path
 from jax_ub._src.runtime import extension
 from jax_ub._src.settings import auto_rule, checks
 from jax_ub._src.settings.auto_rule import ImplChoice
@@ -114,20 +123,26 @@ def choose_impl(
     )
 
 
-def use_ub(
+def choose_path(
     op: str,
     impl: str,
     x: jax.Array,
     w: jax.Array,
     fp8: bool = False,
     axis_size: int | None = None,
-) -> bool:
-    """Whether the op runs the userbuffer path (:func:`choose_impl`); impl="auto"'s
+) -> Path:
+    """The path of one GEMM ``x @ w`` of ``op`` (:func:`choose_impl`); impl="auto"'s
     decisions are logged at DEBUG on the "jax_ub" logger."""
     choice = choose_impl(op, impl, x, w, fp8, axis_size)
     if impl == "auto":
         auto_rule.log_choice(op, x.shape, w.shape, x.dtype, axis_size, choice)
-    return choice.impl == "ub"
+    return Path(choice.impl)
+
+
+def falls_back_at_lowering(impl: str) -> bool:
+    """Whether a call on ``Path.UB`` may still lower to XLA's collectives where its group's
+    devices cannot share memory (module docstring): under impl="auto" only."""
+    return impl == "auto"
 
 
 def explain_impl(

@@ -14,6 +14,7 @@ from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.argument_checks import check_arguments
 from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.path import Bodies, Path
 from jax_ub._src.ops.weight_grad import contract_rows
 
 _OP = "matmul_all_reduce"
@@ -76,26 +77,45 @@ def matmul_all_reduce(
     """
     seq_axis = check_arguments(_OP, x, w, impl=impl, seq_axis=seq_axis, bias=bias)
     call = driver.Call(_OP, driver.ALL_REDUCE, axis_name, impl, seq_axis)
-    return driver.run(call, summed_product, x, w, bias)  # the bias replicated
+    extra = driver.Extra(bias=bias)  # replicated
+    return driver.run(call, summed_product, _route, x, w, extra)
 
 
-def summed_product(call: driver.Call, x, w, bias=None):
-    """The op on a rank's shard ``x [..., k]`` as the caller laid it out (every rank holds
-    all rows): ``psum(x @ w) + bias``, by the path the call's impl picks. Only ub's path,
-    which splits the rows for its reduce-scatter, moves the sequence (``call.seq_axis``)
-    first."""
+def _route(call: driver.Call, x, w, extra: driver.Extra) -> tuple[Path, ...]:
+    """The path of the op's GEMM, decided on the rows first (as ub splits them). A group
+    of one sums nothing: XLA's dot, whatever the impl."""
+    if call.size == 1:
+        return (Path.XLA,)
     s = call.seq_axis
-    xs = placement.seq_first(x, s)  # the rule reads the rows first; free until used
-    if call.size == 1:  # nothing to sum; XLA refuses a psum over a size-1 automatic axis
-        y = matmul_all_reduce_reference(x, w, None)
-    elif not (group := Group.of_call(call, xs, w)).ub:
-        y = matmul_all_reduce_reference(x, w, call.axis_name, group.collectives)
-    else:
-        rows, pad = xs.shape[0], -xs.shape[0] % call.size
-        if pad:
-            xs = jnp.pad(xs, ((0, pad),) + ((0, 0),) * (xs.ndim - 1))
-        y = placement.seq_back(_matmul_all_reduce(xs, w, group)[:rows], s)
-    return y if bias is None else y + jnp.asarray(bias, y.dtype)
+    rows = jax.ShapeDtypeStruct((x.shape[s], *x.shape[:s], *x.shape[s + 1 :]), x.dtype)
+    return (call.choose(rows, w),)
+
+
+def summed_product(call: driver.Call, x, w, extra: driver.Extra):
+    """The op on a rank's shard ``x [..., k]`` as the caller laid it out (every rank holds
+    all rows): ``psum(x @ w) + extra.bias``, on the call's path."""
+    y = _BODIES(call, x, w)
+    return y if extra.bias is None else y + jnp.asarray(extra.bias, y.dtype)
+
+
+def _ub(call: driver.Call, x, w):
+    """ub splits the rows (the sequence, ``call.seq_axis``, moved first) for its
+    reduce-scatter, zero rows appended up to a multiple of the group's size."""
+    s = call.seq_axis
+    xs = placement.seq_first(x, s)
+    rows, pad = xs.shape[0], -xs.shape[0] % call.size
+    if pad:
+        xs = jnp.pad(xs, ((0, pad),) + ((0, 0),) * (xs.ndim - 1))
+    return placement.seq_back(_matmul_all_reduce(xs, w, call.group())[:rows], s)
+
+
+def _unfused(call: driver.Call, x, w):
+    # A group of one: nothing to sum; XLA refuses a psum over a size-1 automatic axis.
+    axis = None if call.size == 1 else call.axis_name
+    return matmul_all_reduce_reference(x, w, axis, call.path.collectives)
+
+
+_BODIES = Bodies(ub=_ub, unfused=_unfused)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -14,6 +14,7 @@ from jax_ub._src.ops.argument_checks import check_arguments
 from jax_ub._src.ops.checkpoint_policy import saved_output
 from jax_ub._src.ops.fp8_ops import fp8_matmul_reduce_scatter
 from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.path import Bodies
 from jax_ub._src.ops.weight_grad import contract_rows, weight_grad_with
 from jax_ub._src.settings.fp8 import Fp8Scales
 
@@ -73,22 +74,26 @@ def matmul_reduce_scatter(
     call = driver.Call(_OP, driver.SCATTER, axis_name, impl, seq_axis, fp8=fp8 is not None)
 
     def body(call, x, w, extra):
-        return scattered_product(call, x, w, *extra)
+        return scattered_product(call, x, w, extra.bias, extra.fp8)
 
-    return driver.run(call, body, x, w, (bias, fp8))  # bias and scales replicated
+    extra = driver.Extra(bias=bias, fp8=fp8)  # replicated
+    return driver.run(call, body, driver.one_gemm, x, w, extra)
 
 
 def scattered_product(call: driver.Call, x, w, bias=None, fp8=None):
     """The op on a rank's rows ``x [M, *batch, k]``: this rank's block of the summed
-    product plus ``bias``, ``[M / tp, *batch, n]``, by the path the call's impl picks."""
-    group = Group.of_call(call, x, w, fp8)
-    if fp8 is not None:
-        y = fp8_matmul_reduce_scatter(x, w, fp8, group)
-    elif not group.ub:
-        y = matmul_reduce_scatter_reference(x, w, call.axis_name, collectives=group.collectives)
-    else:
-        y = _matmul_reduce_scatter(x, w, group)
+    product plus ``bias``, ``[M / tp, *batch, n]``, on the call's path."""
+    y = _BODIES(call, x, w, fp8)
     return y if bias is None else y + jnp.asarray(bias, y.dtype)
+
+
+_BODIES = Bodies(
+    ub=lambda call, x, w, fp8: _matmul_reduce_scatter(x, w, call.group()),
+    unfused=lambda call, x, w, fp8: matmul_reduce_scatter_reference(
+        x, w, call.axis_name, collectives=call.path.collectives
+    ),
+    fp8=lambda call, x, w, fp8: fp8_matmul_reduce_scatter(x, w, fp8, call.group()),
+)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -18,16 +18,17 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering.unfused import dgelu_reference
 from jax_ub._src.lowering.varying import match_varying
-from jax_ub._src.ops import driver, impl_choice, placement
+from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.all_gather_matmul import gathered_product
 from jax_ub._src.ops.epilogue import bias_grad, check_epilogue
 from jax_ub._src.ops.fp8_mlp import fp8_gelu_mlp
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.kept_input import KeptInput
 from jax_ub._src.ops.matmul_reduce_scatter import scattered_product
+from jax_ub._src.ops.path import Path
 from jax_ub._src.ops.weight_grad import contract_rows, weight_grad_with
 from jax_ub._src.settings import checks, options
-from jax_ub._src.settings.fp8 import Fp8Scales, compute_operands, result_dtype
+from jax_ub._src.settings.fp8 import Fp8Scales, result_dtype
 
 _OP = "gelu_mlp"
 
@@ -107,36 +108,39 @@ def gelu_mlp(
         fp8=fp8 is not None,
         divides=(("columns of w_up", w_up.shape[1]),),
     )
-    extra = (up_bias, w_down, down_bias, fp8)
+    extra = driver.Extra(bias=up_bias, fp8=fp8, w_down=w_down, down_bias=down_bias)
     # up_bias's columns are w_up's, w_down's rows too; down_bias and the scales replicated.
-    specs = (P(axis_name), P(axis_name, None), P(), P())
-    return driver.run(call, _block, x, w_up, extra, specs)
+    specs = driver.Extra.specs(bias=P(axis_name), w_down=P(axis_name, None))
+    return driver.run(call, _block, _route, x, w_up, extra, specs)
 
 
-def _block(call: driver.Call, x, w_up, extra):
-    """The block on a rank's rows ``x [m, *batch, k]``: fused where the rule picks ub for
-    both projections, else the two ops, each on its own path."""
-    up_bias, w_down, down_bias, fp8 = extra
+def _route(call: driver.Call, x, w_up, extra: driver.Extra) -> tuple[Path, Path]:
+    """The paths of the up- and the down-projection, each as its own op would decide (the
+    rule counts each op's bytes), on a rank's rows ``x [m, *batch, k]``."""
+    w_down, fp8 = extra.w_down, extra.fp8
     up, down = (None, None) if fp8 is None else fp8
-    size, dtype = call.size, x.dtype if fp8 is None else result_dtype(x, w_up)
-    hidden = jax.ShapeDtypeStruct((size * x.shape[0], *x.shape[1:-1], w_up.shape[1]), dtype)
-    ops = ((x, w_up), (hidden, w_down))
-    if fp8 is not None:
-        ops = (compute_operands(x, w_up), compute_operands(hidden, w_down))
-    # Each projection as its own op would decide (the rule counts each op's bytes).
-    kw = dict(fp8=fp8 is not None, axis_size=size)
-    fused = impl_choice.use_ub("all_gather_matmul", call.impl, *ops[0], **kw)
-    fused = fused and impl_choice.use_ub("matmul_reduce_scatter", call.impl, *ops[1], **kw)
-    if not fused:  # the same block from the two ops, each taking its own path
-        ag = call.on("all_gather_matmul", driver.GATHER)
+    dtype = x.dtype if fp8 is None else result_dtype(x, w_up)
+    hidden = jax.ShapeDtypeStruct((call.size * x.shape[0], *x.shape[1:-1], w_up.shape[1]), dtype)
+    return (
+        call.choose(x, w_up, up, op="all_gather_matmul"),
+        call.choose(hidden, w_down, down, op="matmul_reduce_scatter"),
+    )
+
+
+def _block(call: driver.Call, x, w_up, extra: driver.Extra):
+    """The block on a rank's rows ``x [m, *batch, k]``: fused where both projections run
+    the userbuffer op, else the two ops, each on its own path."""
+    up_bias, fp8, w_down, down_bias = extra
+    up, down = (None, None) if fp8 is None else fp8
+    if call.paths != (Path.UB, Path.UB):  # the same block from the two ops
+        up_path, down_path = call.paths
+        ag = call.on("all_gather_matmul", driver.GATHER, up_path)
         h = gathered_product(ag, x, w_up, up_bias, up, activation="gelu")
-        rs = call.on("matmul_reduce_scatter", driver.SCATTER)
+        rs = call.on("matmul_reduce_scatter", driver.SCATTER, down_path)
         return scattered_product(rs, h, w_down, down_bias, down)
     if up_bias is not None:
-        up_bias = jnp.asarray(up_bias, dtype)
-    # Both projections run the userbuffer op here; impl="auto" falls back to XLA's
-    # collectives if the group's GPUs cannot share memory.
-    group = Group(call.axis_name, size, fallback=call.impl == "auto")
+        up_bias = jnp.asarray(up_bias, x.dtype if fp8 is None else result_dtype(x, w_up))
+    group = call.group()
     if fp8 is None:
         y = _gelu_mlp(x, w_up, up_bias, w_down, group)
     else:

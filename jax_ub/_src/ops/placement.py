@@ -17,13 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src import jax_compat
 from jax_ub._src.lowering.batch_layout import spec_axes
+from jax_ub._src.ops.cpu_16bit import INPUTS_DTYPE, Widening, is_spec
 from jax_ub._src.settings import checks
 
 
@@ -237,6 +236,13 @@ def replace_axis(actual: P, wanted: P, axis: str, ndim: int) -> P:
     return P(*entries)
 
 
+def row_dims(leading: int, fp8: bool) -> int:
+    """:func:`global_call`'s ``row_dims`` for a projection whose input has ``leading`` dims
+    before its contracted ones: all of them are rows it computes independently, except in
+    fp8, whose amaxes are the whole batch's (its rows stay whole over the other axes)."""
+    return 0 if fp8 else leading
+
+
 def global_call(
     f: Callable,
     mesh: Any,
@@ -244,9 +250,8 @@ def global_call(
     in_specs: tuple,
     out_specs: Any,
     check_vma: bool = True,
-    compute_dtype: Any = None,
-    sums_replicated: bool = True,
     row_dims: int = 0,
+    widening: Widening = INPUTS_DTYPE,
 ) -> Callable:
     """``f`` (a computation on local shards) as a function of global arrays laid out on
     ``mesh``: the one way the ops and the Flax layers run on global arrays (case 3), in a
@@ -267,15 +272,9 @@ def global_call(
       specs splits (the first such dim they divide), as data parallelism splits a batch:
       no op inside needs lowering's nested shard_map over them (XLA's Shardy mis-assigns
       the manual axes of many such nested calls: "Side-effect ops cannot be replicated").
-    - On CPU devices, where ``f`` computes in 16 bits (an operand is a 16-bit float, or
-      ``compute_dtype`` is one) and the mesh has other axes, XLA's CPU compiler would abort
-      on the 16-bit all-reduce of a replicated input's cotangent
-      (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``): there the inputs replicated over the
-      axis cross in float32 and the shard_map is unchecked, so that the sum is that of its
-      transpose, of a float32 input, not of a cast to varying inside ``f`` after ``f``'s
-      cast to 16 bits. Not with ``sums_replicated=False``: an ``f`` whose replicated
-      inputs' cotangents must not be summed (delayed fp8's amax histories, each device's
-      the whole history).
+    - On CPU devices, where the shard_map leaves other mesh axes automatic, ``widening``
+      (:mod:`cpu_16bit`) keeps XLA from aborting on a 16-bit all-reduce: the ops' own
+      calls take their inputs' dtypes; a Flax layer's says its compute dtype and recipe.
     """
     check_vma = check_vma and int(mesh.shape[axis_name]) > 1
     kwargs: dict[str, Any] = {}
@@ -294,23 +293,9 @@ def global_call(
             specs_in, specs_out = split
             axis_names = set(mesh.axis_names)
         partly_manual = len(axis_names) < len(mesh.axis_names)
-        leaves = [*jax.tree.leaves(args), jax.ShapeDtypeStruct((), compute_dtype or jnp.float32)]
-        if (
-            sums_replicated
-            and partly_manual
-            and any(jax_compat.cpu_16bit(a, platform) for a in leaves)
-        ):
-            narrow = jax.tree.map(
-                lambda spec, a: _replicated_16bit(spec, a, axis_name),
-                in_specs,
-                args,
-                is_leaf=_is_spec,
-            )
-            args, checked = jax.tree.map(_widen, narrow, args, is_leaf=_is_spec), False
-
-            def body(*wide):
-                return f(*jax.tree.map(_narrow, narrow, wide, is_leaf=_is_spec))
-
+        widened = partly_manual and widening.apply(f, args, in_specs, axis_name, platform)
+        if widened:
+            (body, args), checked = widened, False
         return jax.shard_map(
             body,
             in_specs=specs_in,
@@ -340,7 +325,7 @@ def _rows_over_other_axes(
     if not split:  # other axes of size 1: manual, nothing to split
         return in_specs, out_specs
     size = int(np.prod([int(mesh.shape[a]) for a in split]))
-    outs = jax.tree.leaves(out_specs, is_leaf=_is_spec)
+    outs = jax.tree.leaves(out_specs, is_leaf=is_spec)
     x_spec, x = in_specs[0], args[0]
 
     def free(spec: Any, d: int) -> bool:
@@ -357,7 +342,7 @@ def _rows_over_other_axes(
         entries[d] = entry
         return P(*entries)
 
-    return (with_rows(x_spec), *in_specs[1:]), jax.tree.map(with_rows, out_specs, is_leaf=_is_spec)
+    return (with_rows(x_spec), *in_specs[1:]), jax.tree.map(with_rows, out_specs, is_leaf=is_spec)
 
 
 def _moved_to_specs(axis_name: str, in_specs: Any, args: tuple) -> tuple:
@@ -372,27 +357,4 @@ def _moved_to_specs(axis_name: str, in_specs: Any, args: tuple) -> tuple:
         target = replace_axis(actual, spec, axis_name, a.ndim)
         return a if target == actual else jax.sharding.reshard(a, target)
 
-    return tuple(jax.tree.map(move, in_specs, args, is_leaf=_is_spec))
-
-
-def _is_spec(s: Any) -> bool:
-    """A leaf of an in_specs tree (a spec, or None), or of the dtypes tree made from one."""
-    return s is None or isinstance(s, (P, np.dtype))
-
-
-def _replicated_16bit(spec: P | None, a: Any, axis_name: str) -> Any:
-    """``a``'s dtype where it is a 16-bit float replicated over ``axis_name`` (``spec``
-    does not name it), else None."""
-    dtype = getattr(a, "dtype", None)
-    if spec is None or dtype not in (jnp.bfloat16, jnp.float16):
-        return None
-    named = {n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,))}
-    return None if axis_name in named else np.dtype(a.dtype)
-
-
-def _widen(dtype: Any, a: Any) -> Any:
-    return a if dtype is None else a.astype(np.float32)
-
-
-def _narrow(dtype: Any, a: Any) -> Any:
-    return a if dtype is None else a.astype(dtype)
+    return tuple(jax.tree.map(move, in_specs, args, is_leaf=is_spec))

@@ -18,8 +18,8 @@ from jax_ub.flax import _attention, _axes, _checks, _core, _gated
 from jax_ub.flax.linen.layers import (
     Biased,
     ColumnParallelLinear,
-    Configured,
     RowParallelLinear,
+    SettingsModule,
 )
 
 
@@ -112,7 +112,7 @@ class ParallelMLP(_Block, Biased):
         return f(inputs, p_up, p_down, *(() if key is None else (key,)))
 
 
-class ParallelGatedMLP(_Block, Configured):
+class ParallelGatedMLP(_Block, SettingsModule):
     """Linen version of :class:`jax_ub.flax.ParallelGatedMLP`: the same params
     (``gate_up [in, 2, hidden]``, ``down_proj [hidden, out]``), math and sharding.
 

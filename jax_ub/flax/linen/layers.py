@@ -29,7 +29,7 @@ def _setting(default: Any = None) -> Any:
     return dataclasses.field(default=default, kw_only=True)
 
 
-class Configured(nn.Module):
+class SettingsModule(nn.Module):
     """A linen layer's settings: its :class:`~jax_ub.flax.ParallelConfig` from its
     attributes (those not None) over its ``config`` or else the model defaults
     (:func:`jax_ub.flax.defaults`, read when the layer is called), the tensor-parallel
@@ -63,8 +63,9 @@ class Configured(nn.Module):
             if config.mesh is None and jax.sharding.get_abstract_mesh().empty:
                 if axis not in placement.manual_axes():
                     # An init traced with no mesh anywhere (a loop's jit(init,
-                    # out_shardings=...)): the params' shapes do not depend on the
-                    # collectives, and the steps on them find the mesh in their shardings.
+                    # out_shardings=...)) runs the plain layer (_checks.without_mesh): the
+                    # params' shapes do not depend on the collectives, and the steps on
+                    # them find the mesh in their shardings.
                     config = dataclasses.replace(config, impl="xla")
         return config
 
@@ -94,8 +95,8 @@ class Configured(nn.Module):
         return self.make_rng("dropout")
 
 
-class Biased(Configured):
-    """:class:`Configured` with the layers' bias: ``use_bias`` and ``bias_init``."""
+class Biased(SettingsModule):
+    """:class:`SettingsModule` with the layers' bias: ``use_bias`` and ``bias_init``."""
 
     use_bias: bool = _setting(True)
     bias_init: Initializer = _setting(default_bias_init)

@@ -134,7 +134,7 @@ def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> 
     return _checks.prepare(type(owner).__name__, *args, params=params, **checks)
 
 
-class Configured:
+class ConfigFields:
     """A layer's :class:`~jax_ub.flax.ParallelConfig` as ``config``, and its fields as
     attributes: ``layer.impl = "xla"`` replaces the record by a checked copy."""
 
@@ -152,7 +152,7 @@ def _setting(name: str) -> property:
 
 
 for _name in _settings.FIELDS:
-    setattr(Configured, _name, _setting(_name))
+    setattr(ConfigFields, _name, _setting(_name))
 
 
 class Dropping:

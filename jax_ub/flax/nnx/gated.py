@@ -13,7 +13,7 @@ from flax import nnx
 
 from jax_ub.flax import _gated
 from jax_ub.flax.nnx.base import (
-    Configured,
+    ConfigFields,
     Dropping,
     Settings,
     add_histories,
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-class ParallelGatedMLP(Configured, Dropping, nnx.Module):
+class ParallelGatedMLP(ConfigFields, Dropping, nnx.Module):
     """The gated MLP of Llama, Mistral and Qwen (SwiGLU) or Gemma (GeGLU), tensor-parallel:
     ``down_proj(activation(x @ gate) * (x @ up))`` (:func:`jax_ub.gated_mlp`).
 

@@ -15,7 +15,7 @@ from jax_ub.flax import _axes, _core, _fp8, _projection, _settings
 from jax_ub.flax._projection import check_group
 from jax_ub.flax.nnx.base import (
     BiasedSettings,
-    Configured,
+    ConfigFields,
     add_histories,
     check_split,
     prepare_call,
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-class _ParallelLinear(Configured, nnx.Module):
+class _ParallelLinear(ConfigFields, nnx.Module):
     """Shared constructor: global-shaped params carrying their sharding over ``axis_name``,
     shaped as ``nnx.LinearGeneral``'s."""
 
