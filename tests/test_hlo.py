@@ -141,6 +141,20 @@ def test_custom_calls_carry_the_communicator_id(mesh1d, operands):
     assert re.search(rf"comm_id = {comm.id} : i64", text), text
 
 
+def test_unscaled_calls_take_their_scales_from_a_constant(mesh1d, operands, rand):
+    """A call not in fp8 reads its scales operand from a constant buffer: no instruction
+    (on GPUs a kernel launched before every call) computes it."""
+    rs_operands = (rand(4 * 8, 4 * 8), rand(4 * 8, 16))
+    for f, args in ((_ag(mesh1d(4), "ub"), operands), (_rs(mesh1d(4), "ub"), rs_operands)):
+        text = _texts(f, *args)["compiled"]
+        calls = [ln for ln in text.splitlines() if "custom_call_target=" in ln]
+        assert calls, text
+        for call in calls:
+            scales = re.search(r"custom-call\(%[\w.]+, %[\w.]+, %([\w.]+)", call).group(1)
+            (definition,) = [ln for ln in text.splitlines() if f"%{scales} = " in ln]
+            assert "f32[8]{0} constant({1, 0, 0, 0, 1, 0, 0, 0})" in definition, definition
+
+
 @pytest.mark.parametrize("kind", ["lowered", "compiled"])
 def test_xla_impl_uses_collectives(mesh1d, operands, rand, kind):
     """Sanity check of the matchers: the reference path does show its collectives."""
