@@ -17,7 +17,7 @@ MODES=(
   all          "tests, then bench (args: bench's)"                                    mode_all
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
-  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the files of RANKS_FILES (\"file:seconds ...\") or of a set; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 35 minutes a N, so several calls with RANKS_FILES), then pytest's own (e.g. -k); logs in \$OUT/ranks_N.log. Correctness only: never timings" mode_ranks
+  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the files of RANKS_FILES (\"file:seconds ...\") or of a set; RANKS_PARALLEL=1: each N a lane of its own, all at once, spread over the GPUs; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 35 minutes a N, so several calls with RANKS_FILES), then pytest's own (e.g. -k); logs in \$OUT/ranks_N.log. Correctness only: never timings" mode_ranks
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -197,29 +197,58 @@ mode_tests() {
 RANKS_QUICK="test_gpu.py:220 test_gpu_fp8.py:120 test_gpu_epilogue.py:80"
 RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py:450 test_gpu_layouts.py:240 test_gpu_flax.py:120 test_gpu_reliability.py:200 test_gpu_models.py:500 test_gpu_general_lm.py:240 test_gpu_ported_lm.py:240"
 
+# One N's files, one after the other (its logs: $OUT/ranks_N.log); the GPU its ranks share:
+# JAX_UB_TEST_RANKS_GPU, as the caller sets it.
+ranks_lane() {
+  local n=$1
+  shift
+  local log="$OUT/ranks_$n.log" spec file limit start
+  : > "$log"
+  for spec in "${RANKS_SPECS[@]}"; do
+    file=${spec%%:*}
+    limit=${spec##*:}
+    start=$(wc -l < "$log")
+    step --append --ok "0 5" -k 10 "ranks=$n tests/$file" "$limit" "$log" \
+      python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_${file%.py}" -q -rfEs \
+      -m gpu "tests/$file" "$@"
+    tail -n "+$((start + 1))" "$log" \
+      | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
+  done
+}
+
 mode_ranks() {
   local set=quick
   case ${1:-} in quick | all) set=$1; shift ;; esac
-  local -a specs ranks
-  if [ -n "${RANKS_FILES:-}" ]; then read -ra specs <<< "$RANKS_FILES"
-  elif [ "$set" = all ]; then read -ra specs <<< "$RANKS_ALL"; else read -ra specs <<< "$RANKS_QUICK"; fi
+  local -a ranks
+  if [ -n "${RANKS_FILES:-}" ]; then read -ra RANKS_SPECS <<< "$RANKS_FILES"
+  elif [ "$set" = all ]; then read -ra RANKS_SPECS <<< "$RANKS_ALL"; else read -ra RANKS_SPECS <<< "$RANKS_QUICK"; fi
   read -ra ranks <<< "${RANKS:-4}"
-  local n spec file limit log
-  for n in "${ranks[@]}"; do
-    log="$OUT/ranks_$n.log"
-    : > "$log"
-    for spec in "${specs[@]}"; do
-      file=${spec%%:*}
-      limit=${spec##*:}
-      local start
-      start=$(wc -l < "$log")
-      step --append --ok "0 5" -k 10 "ranks=$n tests/$file" "$limit" "$log" \
-        python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_${file%.py}" -q -rfEs \
-        -m gpu "tests/$file" "$@"
-      tail -n "+$((start + 1))" "$log" \
-        | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
+  local n i=0 gpus
+  if [ -z "${RANKS_PARALLEL:-}" ]; then
+    for n in "${ranks[@]}"; do ranks_lane "$n" "$@"; done
+  else
+    # Each N a lane of its own, all at once (the ranks compile on the host's cores while
+    # others run), spread over the machine's GPUs; a lane's failures come back as a file.
+    gpus=$(nvidia-smi -L 2> /dev/null | grep -c "^GPU" || true)
+    [ "${gpus:-0}" -ge 1 ] || gpus=1
+    for n in "${ranks[@]}"; do
+      (
+        export JAX_UB_TEST_RANKS_GPU=$((i % gpus))
+        FAILED=()
+        ranks_lane "$n" "$@" > "$SCRATCH/lane_$n.out"
+        printf '%s\n' "${FAILED[@]}" > "$SCRATCH/lane_$n.failed"
+      ) &
+      i=$((i + 1))
     done
-  done
+    wait
+    i=0
+    for n in "${ranks[@]}"; do
+      echo "-- ranks=$n, GPU $((i % gpus)):"
+      i=$((i + 1))
+      cat "$SCRATCH/lane_$n.out"
+      while IFS= read -r f; do [ -n "$f" ] && FAILED+=("$f"); done < "$SCRATCH/lane_$n.failed"
+    done
+  fi
   if [ "$set" = all ]; then  # processes of their own on GPU 0: the fault tests among them
     step --append --ok "0 5" -k 10 "shared-GPU processes" 400 "$OUT/ranks_processes.log" \
       python3 -m pytest -q -rfEs -m gpu tests/test_gpu_multiprocess.py -k "one_gpu or one_shared_gpu" "$@"
