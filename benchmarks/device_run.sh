@@ -31,6 +31,7 @@ MODES=(
   stepmemory   "benchmarks/tools/step_memory.py (args: bench.model's; MEM_FRACTION, PROFILE_S, PROFILE_LINES); live ranges and buffer assignment in \$OUT/step_memory.tgz" mode_stepmemory
   power        "benchmarks/tools/power_clocks.py for both ops (args: its own; POWER_S)" mode_power
   gemm         "benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape (args: m,k,n ...; GEMM_S, GEMM_CANDIDATES, GEMM_LINES)" mode_gemm
+  solo         "benchmarks/tools/solo_schedule.cu: one rank's compute schedule of each Llama 3 8B/70B projection at tp 2, 4, 8 on GPU 0, its peers' rows in place, against the GEMM of the rank's whole work (SOLO_TP, SOLO_SHAPES op:name:tokens:in:out, SOLO_S)" mode_solo
   overlapcost  "benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the whole GEMM (2m rows) in loops as long (args: m,k,n ...; OVERLAP_SECONDS, default 2)" mode_overlapcost
   copyhold     "benchmarks/tools/copy_hold.cu, with the driver's default hardware queues, 32 and 1 (CUDA_DEVICE_MAX_CONNECTIONS)" mode_copyhold
   sanitize     "compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS, SANITIZE_S) on a small 2-GPU run: benchmarks/tools/sanitize_small.py (SANITIZE_TP, SANITIZE_CASE); slow: minutes each" mode_sanitize
@@ -363,6 +364,28 @@ mode_gemm() {
   grep -E "^==|best|#" "$OUT/gemm_candidates.log" | head -n "${GEMM_LINES:-150}"
   step -k 5 "xla dot" 120 "$SCRATCH/xla_dot.log" python3 benchmarks/tools/xla_dot_times.py "$@"
   grep "xla dot" "$SCRATCH/xla_dot.log"
+}
+
+# Llama 3 projections as op:name:tokens:in:out (the whole layer's GEMM; per-rank shapes
+# follow from tp): 8B (hidden 4096, ffn 14336, qkv 6144) and 70B (8192, 28672, 10240).
+SOLO_PROJECTIONS="ag:8b_qkv:8192:4096:6144 ag:8b_gate_up:8192:4096:28672 rs:8b_o:8192:4096:4096 rs:8b_down:8192:14336:4096 ag:70b_qkv:8192:8192:10240 ag:70b_gate_up:8192:8192:57344 rs:70b_o:8192:8192:8192 rs:70b_down:8192:28672:8192"
+
+mode_solo() {
+  # One rank's compute schedule per projection and tp on GPU 0, its peers' rows in place,
+  # against the GEMM of the rank's whole work (SOLO_TP, default "2 4 8"; SOLO_S seconds a loop).
+  build_tool solo_schedule
+  local spec op name tokens in out tp m k n
+  : > "$OUT/solo.log"
+  for tp in ${SOLO_TP:-2 4 8}; do
+    for spec in ${SOLO_SHAPES:-$SOLO_PROJECTIONS}; do
+      IFS=: read -r op name tokens in out <<< "$spec"
+      m=$((tokens / tp))
+      if [ "$op" = ag ]; then k=$in n=$((out / tp)); else k=$((in / tp)) n=$out; fi
+      step --append -k 5 "solo $name tp=$tp" 120 "$OUT/solo.log" \
+        build/dev/solo_schedule "$op" "$tp" "$m,$k,$n" "${SOLO_S:-0.5}"
+      grep "x[0-9.]* (rounds" "$OUT/solo.log" | tail -n 1 | sed "s/^/$name: /"
+    done
+  done
 }
 
 mode_overlapcost() {

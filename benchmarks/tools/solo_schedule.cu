@@ -1,0 +1,220 @@
+// One rank's compute schedule of an overlapped op at tp = 2..8 on ONE GPU, as if its peers
+// were there: the very step list the CUDA communicator enqueues (CallSteps, rank 0 of a
+// group of `tp`), with its GEMMs (jax_ub's CublasLtGemm, tuned as in the op), the
+// reduce-scatter's sums and the joins between lanes, while the flag waits, descriptors,
+// signals, copies and the check are left out: the peers' rows (AG) and partials (RS) are
+// in this GPU's userbuffer from the start. Timed against the GEMM of the whole per-rank
+// work (the no-communication bound's: AG [tp*m, k] @ [k, n], RS [tp*m, k] @ [k, n]), in
+// interleaved loops of `seconds` each, 3 rounds, median: what chunking (and the sums)
+// cost the compute side, with no second GPU. Not part of the library.
+//
+// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows]
+//   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
+//   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2 only).
+// e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm/cublaslt_gemm.h"
+#include "cuda/sum.h"
+#include "cuda_tool.h"
+#include "protocol/schedule.h"
+
+namespace {
+
+using jax_ub_tool::Check;
+using jax_ub_tool::FillRandom;
+
+void Check(const jax_ub::Status& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.message().c_str());
+    std::exit(1);
+  }
+}
+
+struct Run {
+  jax_ub::OpKind op;
+  jax_ub::CallShape shape;
+  int tp;
+  std::vector<jax_ub::Step> steps;
+  jax_ub::Operands ops;
+  char* buffer = nullptr;        // this rank's userbuffer, the peers' rows in place
+  char* peer_scratch = nullptr;  // where a step addressing a peer's buffer writes
+  jax_ub::CublasLtGemm* gemm = nullptr;
+  std::vector<jax_ub::CublasLtGemm::Plan*> plans;  // per step (GEMMs only)
+  jax_ub::CublasLtGemm::Plan* whole = nullptr;     // the bound's GEMM
+  __nv_bfloat16 *whole_x = nullptr, *whole_out = nullptr;
+  cudaStream_t compute = nullptr;
+  std::vector<cudaStream_t> lanes;  // a copy lane per rank: only joins run there
+  cudaEvent_t join = nullptr;       // a lane's work so far, for another lane to wait on
+  cudaEvent_t begin = nullptr, end = nullptr;
+};
+
+char* At(Run& r, const jax_ub::Ref& ref) {
+  return jax_ub::Resolve(ref, r.ops, r.buffer, [&](int) { return r.peer_scratch; });
+}
+
+cudaStream_t Lane(Run& r, int lane) {
+  return lane == jax_ub::kComputeLane ? r.compute : r.lanes[lane];
+}
+
+jax_ub::GemmArgs Args(Run& r, const jax_ub::Step& g) {
+  jax_ub::GemmArgs args;
+  args.addend = At(r, g.addend);
+  return args;
+}
+
+void Setup(Run& r) {
+  const jax_ub::CallShape& s = r.shape;
+  const int64_t x_rows = r.op == jax_ub::OpKind::kAllGatherMatmul ? s.m : r.tp * s.m;
+  const int64_t out_rows = r.op == jax_ub::OpKind::kAllGatherMatmul ? r.tp * s.m : s.m;
+  __nv_bfloat16 *x, *w, *out;
+  Check(cudaMalloc(&x, x_rows * s.k * 2), "x");
+  Check(cudaMalloc(&w, s.k * s.n * 2), "w");
+  Check(cudaMalloc(&out, out_rows * s.n * 2), "out");
+  const int64_t bytes = jax_ub::RequiredBytes(r.op, s, r.tp);
+  Check(cudaMalloc(&r.buffer, bytes), "userbuffer");
+  Check(cudaMalloc(&r.peer_scratch, bytes), "peer scratch");
+  Check(cudaMalloc(&r.whole_x, r.tp * s.m * s.k * 2), "whole x");
+  Check(cudaMalloc(&r.whole_out, r.tp * s.m * s.n * 2), "whole out");
+  Check(cudaStreamCreateWithFlags(&r.compute, cudaStreamNonBlocking), "stream");
+  r.lanes.resize(r.tp);
+  for (cudaStream_t& lane : r.lanes)
+    Check(cudaStreamCreateWithFlags(&lane, cudaStreamNonBlocking), "stream");
+  Check(cudaEventCreateWithFlags(&r.join, cudaEventDisableTiming), "event");
+  Check(cudaEventCreate(&r.begin), "event");
+  Check(cudaEventCreate(&r.end), "event");
+  FillRandom(x, x_rows * s.k, 1, 1.0f, r.compute);
+  FillRandom(w, s.k * s.n, 2, 0.01f, r.compute);
+  FillRandom(r.whole_x, r.tp * s.m * s.k, 3, 1.0f, r.compute);
+  // The peers' rows (AG) or partials (RS), as they would have landed.
+  FillRandom(reinterpret_cast<__nv_bfloat16*>(r.buffer), bytes / 2, 4, 1.0f, r.compute);
+  Check(cudaStreamSynchronize(r.compute), "fill");
+  r.ops.x = x;
+  r.ops.w = w;
+  r.ops.out = out;
+  jax_ub::GemmOptions options;  // tuned as the op's first call tunes; no in-op trials
+  options.trials = 0;
+  Check(jax_ub::CublasLtGemm::Create(options, &r.gemm), "CublasLtGemm::Create");
+  r.plans.assign(r.steps.size(), nullptr);
+  for (size_t i = 0; i < r.steps.size(); ++i) {
+    const jax_ub::Step& g = r.steps[i];
+    if (g.kind != jax_ub::Step::Kind::kGemm) continue;
+    Check(r.gemm->Prepare(s.in, s.w_type, s.out, At(r, g.src), w, false, At(r, g.dst), g.rows, s.k,
+                          s.n, jax_ub::Epilogue{}, Args(r, g), r.compute, &r.plans[i]),
+          "Prepare (step)");
+  }
+  Check(r.gemm->Prepare(jax_ub::DType::kBF16, r.whole_x, w, false, r.whole_out, r.tp * s.m, s.k,
+                        s.n, nullptr, r.compute, &r.whole),
+        "Prepare (whole)");
+  Check(jax_ub::PreloadSumKernels(), "PreloadSumKernels");
+}
+
+// One call of the schedule: its compute-side steps, on their lanes.
+void Schedule(Run& r) {
+  for (size_t i = 0; i < r.steps.size(); ++i) {
+    const jax_ub::Step& step = r.steps[i];
+    cudaStream_t stream = Lane(r, step.lane);
+    switch (step.kind) {
+      case jax_ub::Step::Kind::kGemm:
+        Check(r.gemm->Matmul(r.plans[i], At(r, step.src), r.ops.w, At(r, step.dst), stream,
+                             Args(r, step)),
+              "Matmul");
+        break;
+      case jax_ub::Step::Kind::kSum:
+        Check(jax_ub::LaunchSum(r.shape.out, At(r, step.src), step.rows * r.shape.n, r.tp,
+                                At(r, step.dst), stream),
+              "LaunchSum");
+        break;
+      case jax_ub::Step::Kind::kJoin:
+        // Recorded and waited for at once: the wait takes the event as it stands now.
+        Check(cudaEventRecord(r.join, Lane(r, step.on_lane)), "record");
+        Check(cudaStreamWaitEvent(stream, r.join), "wait");
+        break;
+      default:  // waits, descriptors, signals, copies and the check: the peers' side
+        break;
+    }
+  }
+  for (cudaStream_t lane : r.lanes) {  // the copy lanes end in the caller's stream
+    Check(cudaEventRecord(r.join, lane), "record");
+    Check(cudaStreamWaitEvent(r.compute, r.join), "wait");
+  }
+}
+
+void Whole(Run& r) {
+  Check(r.gemm->Matmul(r.whole, r.whole_x, r.ops.w, r.whole_out, r.compute), "Matmul (whole)");
+}
+
+// ms per iteration of `body` over `iters` iterations enqueued back to back.
+template <typename Body>
+double Time(Run& r, Body body, int iters) {
+  Check(cudaEventRecord(r.begin, r.compute), "record");
+  for (int i = 0; i < iters; ++i) body(r);
+  Check(cudaEventRecord(r.end, r.compute), "record");
+  Check(cudaEventSynchronize(r.end), "sync");
+  float ms = 0;
+  Check(cudaEventElapsedTime(&ms, r.begin, r.end), "elapsed");
+  return ms / iters;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  long long m = 0, k = 0, n = 0;
+  if (argc < 4 || (std::strcmp(argv[1], "ag") != 0 && std::strcmp(argv[1], "rs") != 0) ||
+      std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
+    std::fprintf(stderr, "usage: %s ag|rs tp m,k,n [seconds] [fold_rows]\n", argv[0]);
+    return 2;
+  }
+  const int tp = std::atoi(argv[2]);
+  const double seconds = argc > 4 ? std::atof(argv[4]) : 1.0;
+  const long long fold_rows = argc > 5 ? std::atoll(argv[5]) : 2048;
+  if (tp < 2 || tp > 8 || m < 1 || k < 1 || n < 1) {
+    std::fprintf(stderr, "tp must be 2..8 and m, k, n positive; got tp=%d m=%lld k=%lld n=%lld\n",
+                 tp, m, k, n);
+    return 2;
+  }
+  Run r;
+  r.op =
+      argv[1][0] == 'a' ? jax_ub::OpKind::kAllGatherMatmul : jax_ub::OpKind::kMatmulReduceScatter;
+  r.tp = tp;
+  r.shape.m = m;
+  r.shape.k = k;
+  r.shape.n = n;
+  r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
+  r.steps = jax_ub::CallSteps(r.op, jax_ub::Schedule{0, tp, fold_rows}, r.shape);
+  Check(cudaSetDevice(0), "cudaSetDevice");
+  Setup(r);
+  int gemms = 0;
+  for (const jax_ub::Step& s : r.steps) gemms += s.kind == jax_ub::Step::Kind::kGemm;
+  const int iters = std::max(3, int(seconds * 1e3 / Time(r, Whole, 3)));
+  std::printf(
+      "%s tp=%d, a rank's m=%lld k=%lld n=%lld: %d GEMMs a call, the bound's GEMM %lldx%lldx%lld; "
+      "%d iterations a loop\n",
+      argv[1], tp, m, k, n, gemms, tp * m, k, n, iters);
+  std::vector<double> sched, whole;
+  for (int round = 0; round < 3; ++round) {  // interleaved, the order alternating
+    if (round % 2 == 0) {
+      whole.push_back(Time(r, Whole, iters));
+      sched.push_back(Time(r, Schedule, iters));
+    } else {
+      sched.push_back(Time(r, Schedule, iters));
+      whole.push_back(Time(r, Whole, iters));
+    }
+    std::printf("round %d: whole %.4f ms, schedule %.4f ms\n", round, whole.back(), sched.back());
+  }
+  std::sort(sched.begin(), sched.end());
+  std::sort(whole.begin(), whole.end());
+  std::printf(
+      "%s tp=%d m=%lld k=%lld n=%lld: schedule %.4f ms / whole GEMM %.4f ms = x%.4f "
+      "(rounds: schedule %.4f..%.4f, whole %.4f..%.4f)\n",
+      argv[1], tp, m, k, n, sched[1], whole[1], sched[1] / whole[1], sched.front(), sched.back(),
+      whole.front(), whole.back());
+  delete r.gemm;
+  return 0;
+}
