@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "protocol/status.h"
+
 namespace jax_ub_tool {
 
 inline void Check(cudaError_t e, const char* what) {
@@ -22,6 +24,14 @@ inline void Check(cudaError_t e, const char* what) {
 inline void Check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "%s: %s\n", what, cublasLtGetStatusName(s));
+    std::exit(1);
+  }
+}
+
+// The library's own calls (its GEMM class, the sum kernel).
+inline void Check(const jax_ub::Status& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.message().c_str());
     std::exit(1);
   }
 }

@@ -35,6 +35,21 @@ def xla_gemm_calls(f, *args) -> list[str]:
     return calls
 
 
+def own_gemm():
+    """jax_ub's own GEMM, jitted: all_gather_matmul on a group of one GPU, ``a @ b``."""
+    import jax_ub  # noqa: PLC0415
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    return jax.jit(
+        jax.shard_map(
+            lambda a, b: jax_ub.all_gather_matmul(a, b, "tp", impl="ub"),
+            mesh=mesh,
+            in_specs=(P("tp"), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
+
+
 def loop_ms(step, sync, seconds: float) -> float:
     """ms per call of `step` run back to back for at least `seconds`."""
     step()
@@ -73,17 +88,7 @@ def main() -> None:
     dot = jax.jit(lambda a, b: a @ b)
     print("XLA:", *xla_gemm_calls(dot, a, b), sep="\n  ")
 
-    import jax_ub  # noqa: PLC0415
-
-    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    ub = jax.jit(
-        jax.shard_map(
-            lambda a, b: jax_ub.all_gather_matmul(a, b, "tp", impl="ub"),
-            mesh=mesh,
-            in_specs=(P("tp"), P(None, "tp")),
-            out_specs=P(None, "tp"),
-        )
-    )
+    ub = own_gemm()
     for _ in range(20):  # past the op's kernel trials
         ub(a, b).block_until_ready()
 

@@ -38,13 +38,6 @@ namespace {
 using jax_ub_tool::Check;
 using jax_ub_tool::FillRandom;
 
-void Check(const jax_ub::Status& st, const char* what) {
-  if (!st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, st.message().c_str());
-    std::exit(1);
-  }
-}
-
 enum Phase { kGemm, kHalves, kAg, kRs, kRsNoSum, kQuarters, kRsFold, kPhases };
 const char* const kNames[kPhases] = {"gemm",     "halves",   "ag",     "rs",
                                      "rs_nosum", "quarters", "rs_fold"};

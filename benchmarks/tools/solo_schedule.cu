@@ -30,13 +30,6 @@ namespace {
 using jax_ub_tool::Check;
 using jax_ub_tool::FillRandom;
 
-void Check(const jax_ub::Status& st, const char* what) {
-  if (!st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, st.message().c_str());
-    std::exit(1);
-  }
-}
-
 struct Run {
   jax_ub::OpKind op;
   jax_ub::CallShape shape;
