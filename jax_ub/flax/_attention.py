@@ -23,8 +23,8 @@ from jax_ub.flax._settings import ParallelConfig
 
 def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 0) -> None:
     """mask must broadcast to ``[*batch, 1, seq, seq]`` (one mask for every head); the
-    batch dims are the input's others but the features, in order."""
-    seq_axis %= len(x_shape)
+    batch dims are the input's others but the features, in order. ``seq_axis``: an index
+    (``_checks.prepare``'s)."""
     seq = x_shape[seq_axis]
     batch = tuple(d for i, d in enumerate(x_shape[:-1]) if i != seq_axis)
     target = batch + (1, seq, seq)

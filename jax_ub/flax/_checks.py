@@ -144,7 +144,7 @@ def check_input(
             f"{owner}: input has {got} features ({where}) but the layer expects {want}; "
             f"input shape {tuple(shape)}"
         )
-    seq = _seq_index(owner, tuple(shape), len(trailing or (0,)), seq_axis)
+    seq = seq_index(owner, tuple(shape), seq_axis, len(trailing or (0,)))
     if sequence_parallel is False:
         return False, seq
     if axis_name in placement.manual_axes() or shape[seq] % tp == 0:
@@ -158,9 +158,10 @@ def check_input(
     return False, seq
 
 
-def _seq_index(owner: str, shape: tuple, n_in: int, seq_axis: int) -> int:
-    """``seq_axis`` as an index of a dim of ``shape`` before its ``n_in`` features (which
-    negative values count as one dim), or a ValueError naming the shape."""
+def seq_index(owner: str, shape: tuple, seq_axis: int, n_in: int = 1) -> int:
+    """A layer's ``seq_axis`` (an int: ``ParallelConfig`` checks its type) as an index of a
+    dim of an input of ``shape`` before its ``n_in`` features (which negative values count
+    as one dim), or a ValueError naming the shape."""
     lead = len(shape) - n_in
     index = seq_axis + lead + 1 if seq_axis < 0 else seq_axis
     if not 0 <= index < lead:

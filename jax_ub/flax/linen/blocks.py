@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from jax_ub.flax import _attention, _axes, _core, _gated
+from jax_ub.flax import _attention, _axes, _checks, _core, _gated
 from jax_ub.flax.linen.layers import (
     Biased,
     ColumnParallelLinear,
@@ -360,7 +360,8 @@ class ParallelSelfAttention(_Block, Biased):
                 f"apply with mutable=['cache'] and keep the cache it returns"
             )
         config = self.resolved_config()
-        shape, seq = inputs.shape, config.seq_axis % 3
+        shape = inputs.shape
+        seq = _checks.seq_index(owner, shape, config.seq_axis) if len(shape) == 3 else None
         if has_cache:  # boxed or not: its one leaf
             batch, length = jax.tree.leaves(self.get_variable("cache", "cached_key"))[0].shape[:2]
         if len(shape) != 3 or (has_cache and shape[1 - seq] != batch):

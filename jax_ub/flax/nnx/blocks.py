@@ -322,7 +322,7 @@ class ParallelSelfAttention(Dropping, nnx.Module):
             )
         shape = getattr(inputs, "shape", ())
         batch, length = self.cached_key.shape[:2]
-        seq = qkv.seq_axis % 3 if len(shape) == 3 else None
+        seq = _checks.seq_index(owner, shape, qkv.seq_axis) if len(shape) == 3 else None
         t = shape[seq] if seq is not None else None
         if seq is None or shape[1 - seq] != batch or shape[-1] != qkv.in_features:
             raise ValueError(
