@@ -58,8 +58,9 @@ def without_mesh(owner: str, axis_name: str, impl: str | None) -> None:
     version on global arrays, XLA's matmuls that XLA partitions from the operands'
     shardings (nothing overlapped: ``_core``'s runner warns once), as a group of one;
     except under ``impl="ub"``, which raises here. (A linen init is the one caller that
-    asks for the plain version under "ub": its params' shapes do not depend on the
-    collectives, ``linen.layers.SettingsModule.resolved_config``.)"""
+    runs the plain version under "ub": its params' shapes do not depend on the
+    collectives; ``linen.layers.SettingsModule.resolved_config`` gives it ``impl="xla"``,
+    as only linen's scope knows it is initializing.)"""
     if impl is None or impl == "ub":
         raise ValueError(
             f"{owner}: no mesh to run over: call the layer under `with jax.set_mesh(mesh):`, "

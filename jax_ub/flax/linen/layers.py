@@ -65,7 +65,10 @@ class SettingsModule(nn.Module):
                     # An init traced with no mesh anywhere (a loop's jit(init,
                     # out_shardings=...)) runs the plain layer (_checks.without_mesh): the
                     # params' shapes do not depend on the collectives, and the steps on
-                    # them find the mesh in their shardings.
+                    # them find the mesh in their shardings. Said here, in the settings:
+                    # only linen's scope knows it is initializing, and the settings are
+                    # what reaches the checks and the runner (driver.over_axis, cached on
+                    # them); a flag beside them would be a second key of every call.
                     config = dataclasses.replace(config, impl="xla")
         return config
 
