@@ -315,6 +315,12 @@ def test_flax_bad_seq_axis():
     layer = ubf.ColumnParallelLinear(D, D, mesh=mesh, seq_axis=2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="seq_axis=2 is not a dim of x before its features"):
         layer(jnp.ones((B, S, D)))
+    # The message names the shape passed, its contracted dims as they are (not flattened).
+    layer = ubf.RowParallelLinear((4, 4), D, axis=(-2, -1), mesh=mesh, seq_axis=2, rngs=nnx.Rngs(0))
+    with pytest.raises(
+        ValueError, match=re.escape(f"for x.shape={(B, S, 4, 4)} it is one of 0..1")
+    ):
+        layer(jnp.ones((B, S, 4, 4)))
     layer = ubf.ColumnParallelLinear(D, D, mesh=mesh, seq_axis=1, rngs=nnx.Rngs(0))
     y = layer(jnp.ones((S, 6, D)))  # 6 rows over tp: replicated activations instead
     assert y.shape == (S, 6, D)

@@ -18,12 +18,13 @@ from jax_ub._src.lowering import batch_layout
 from jax_ub._src.ops import placement
 from jax_ub._src.runtime.extension import normalize_platform
 from jax_ub.flax import _checks, _core, _projection
+from jax_ub.flax._settings import ParallelConfig
 
 
 def check_mask(owner: str, mask: Any, x_shape: tuple[int, ...], seq_axis: int = 0) -> None:
     """mask must broadcast to ``[*batch, 1, seq, seq]`` (one mask for every head); the
-    batch dims are the input's others but the features, in order."""
-    seq_axis %= len(x_shape)
+    batch dims are the input's others but the features, in order. ``seq_axis``: an index
+    (``_checks.prepare``'s)."""
     seq = x_shape[seq_axis]
     batch = tuple(d for i, d in enumerate(x_shape[:-1]) if i != seq_axis)
     target = batch + (1, seq, seq)
@@ -304,20 +305,19 @@ def _every_axis_manual(f: Callable, *arrays: jax.Array) -> jax.Array:
 
 
 def platform_of(mesh: Mesh | None) -> str:
-    """The platform the layer runs on: its mesh's devices', else JAX's default backend."""
+    """The platform the layer runs on: its mesh's devices', else those of the mesh in
+    context (abstract: JAX 0.10 on), else JAX's default backend."""
     if isinstance(mesh, Mesh):
         return mesh.devices.flat[0].platform
-    if mesh is not None:  # an AbstractMesh (its device's platform: JAX 0.10 on)
-        platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
-        if platform is not None:
-            return platform
-    return jax.default_backend()
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
+    return jax.default_backend() if platform is None else platform
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionCall:
-    """What an attention block's compiled function depends on besides its ops' settings
-    (hashable: :func:`attention_call` is cached on it).
+    """What an attention block's compiled function depends on besides its call's settings
+    (``_checks.prepare``'s ParallelConfig; hashable: :func:`attention_call` is cached on it).
 
     Attributes:
       head_dim: each head's size.
@@ -328,7 +328,6 @@ class AttentionCall:
       implementation: the attention core, as :func:`attention_local` takes it.
       q_per_kv: queries per key/value head.
       rope_theta: rotary embeddings' base, or None.
-      sequence_parallel: the activations split over the axis (else replicated over it).
       dropout_rate, broadcast_dropout: the attention weights' dropout (a key is passed
         where the rate is above 0).
     """
@@ -341,20 +340,18 @@ class AttentionCall:
     implementation: str | None = None
     q_per_kv: int = 1
     rope_theta: float | None = None
-    sequence_parallel: bool = True
     dropout_rate: float = 0.0
     broadcast_dropout: bool = True
 
 
 @functools.lru_cache(maxsize=256)
-def attention_call(ops: _checks.Ops, call: AttentionCall) -> Callable[..., jax.Array]:
+def attention_call(config: ParallelConfig, call: AttentionCall) -> Callable[..., jax.Array]:
     """``f(x, qkv_params, out_params, mask)``: self-attention, sequence-sharded (or with
-    the activations replicated over the axis: ``_core.linear_replicated``). With
-    ``call.dropout_rate`` > 0, ``f(x, qkv_params, out_params, mask, key)``: the attention
-    weights dropped as :func:`attention_local` says."""
-    seq = ops.seq_axis % call.ndim
-    axis_name, fp8 = ops.axis_name, ops.fp8
-    kw = _core._kw(ops, seq)
+    the activations replicated over the axis: ``_core.linear_replicated``, without
+    ``config.sequence_parallel``). With ``call.dropout_rate`` > 0, ``f(x, qkv_params,
+    out_params, mask, key)``: the attention weights dropped as :func:`attention_local`
+    says."""
+    seq, fp8, kw = config.seq_axis, config.fp8_recipe, _core._kw(config)
     attend = functools.partial(
         attention_local,
         head_dim=call.head_dim,
@@ -362,7 +359,6 @@ def attention_call(ops: _checks.Ops, call: AttentionCall) -> Callable[..., jax.A
         rope_theta=call.rope_theta,
         is_causal=call.is_causal,
         implementation=call.implementation,
-        platform=platform_of(ops.mesh),
         # The nested shard_map needs an unchecked one around it, whose transpose sums the
         # cotangents of replicated inputs over the axis: right for the bias's partial sums,
         # tp times the delayed-fp8 histories' (each device's is the whole history). With
@@ -372,28 +368,29 @@ def attention_call(ops: _checks.Ops, call: AttentionCall) -> Callable[..., jax.A
         broadcast_dropout=call.broadcast_dropout,
     )
 
-    def body(x, p_qkv, p_out, mask, key=None, linear=None, axis=axis_name):
+    def body(x, p_qkv, p_out, mask, key=None, linear=None, axis=config.axis_name):
         if linear is None:
-            linear = _core.linear_local if call.sequence_parallel else _core.linear_replicated
+            linear = _core.linear_local if config.sequence_parallel else _core.linear_replicated
+        platform = platform_of(config.mesh)  # of the mesh this is traced under
         # Attention takes the sequence first; XLA merges these moves with its own.
         qkv = placement.seq_first(linear("column", x, p_qkv, **(kw | {"axis_name": axis})), seq)
-        out = placement.seq_back(attend(qkv, mask, dropout_key=key, axis_name=axis), seq)
-        return linear("row", out, p_out, **(kw | {"axis_name": axis}))
+        out = attend(qkv, mask, platform=platform, dropout_key=key, axis_name=axis)
+        return linear("row", placement.seq_back(out, seq), p_out, **(kw | {"axis_name": axis}))
 
     plain = functools.partial(body, linear=_core.linear_replicated, axis=None)
 
-    col = _projection.param_specs("column", axis_name, call.use_bias, fp8)
-    row = _projection.param_specs("row", axis_name, call.use_bias, fp8)
-    spec = _core.activation_spec(call.ndim, axis_name, seq, call.sequence_parallel)
+    col = _projection.param_specs("column", config.axis_name, call.use_bias, fp8)
+    row = _projection.param_specs("row", config.axis_name, call.use_bias, fp8)
+    spec = _core.activation_spec(call.ndim, config)
     in_specs = (spec, col, row, P() if call.has_mask else None)
     in_specs += (P(),) if call.dropout_rate > 0 else ()
     unchecked = fp8 != "delayed"  # see nest_cudnn above
-    return _core._over_tp(body, ops, in_specs, spec, plain, check_vma=not unchecked)
+    return _core.over_axis(config, body, in_specs, spec, plain, check_vma=not unchecked)
 
 
 @functools.lru_cache(maxsize=256)
 def decode_call(
-    ops: _checks.Ops,
+    config: ParallelConfig,
     head_dim: int,
     use_bias: bool,
     q_per_kv: int = 1,
@@ -401,14 +398,13 @@ def decode_call(
 ) -> Callable:
     """``f(x, qkv_params, out_params, cached_key, cached_value, index) -> (y, key, value)``:
     self-attention of new tokens ``x`` (``[t, batch, features]``, or ``[batch, t, ...]``
-    with ``seq_axis=1``) at positions ``index .. index + t - 1`` over the key/value cache
-    ``[batch, max_length, kv_heads, head_dim]`` (kv heads split over the axis), which comes
-    back with the new tokens' keys and values written at ``index``. Causal: each new token
-    attends to the cache up to itself. Activations replicated over the axis
-    (``_core.linear_replicated``): decoding has no sequence to split."""
-    seq = ops.seq_axis % 3
-    axis_name, fp8 = ops.axis_name, ops.fp8
-    kw = _core._kw(ops, seq)
+    with ``config.seq_axis`` 1, an index) at positions ``index .. index + t - 1`` over the
+    key/value cache ``[batch, max_length, kv_heads, head_dim]`` (kv heads split over the
+    axis), which comes back with the new tokens' keys and values written at ``index``.
+    Causal: each new token attends to the cache up to itself. Activations replicated over
+    the axis (``_core.linear_replicated``): decoding has no sequence to split."""
+    seq, axis_name, fp8 = config.seq_axis, config.axis_name, config.fp8_recipe
+    kw = _core._kw(config)
 
     def body(x, p_qkv, p_out, cached_key, cached_value, index, axis=axis_name):
         kw_axis = kw | {"axis_name": axis}
@@ -444,4 +440,4 @@ def decode_call(
     cache = P(None, None, axis_name, None)
     in_specs = (P(), col, row, cache, cache, P())
     plain = functools.partial(body, axis=None)
-    return _core._over_tp(body, ops, in_specs, (P(), cache, cache), plain)
+    return _core.over_axis(config, body, in_specs, (P(), cache, cache), plain)

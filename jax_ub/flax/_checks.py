@@ -3,29 +3,34 @@ tensor-parallel group's size, divisibility, the input's layout and features."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Mapping
-from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh
 
 from jax_ub._src.ops import placement
 from jax_ub.flax._projection import Projection
+from jax_ub.flax._settings import ParallelConfig
 
 # The tensor-parallel mesh axis where nothing names one.
 DEFAULT_AXIS = "tp"
 
 
 def group_size(
-    owner: str, mesh: Any, axis_name: Any, *, required: bool = True, impl: str | None = None
+    owner: str,
+    axis_name: Any,
+    *arrays: Any,
+    mesh: Any = None,
+    required: bool = True,
+    impl: str | None = None,
 ) -> int | None:
-    """Size of the tensor-parallel axis, from where it is known, in this order: a shard_map
-    over it being traced, the layer's ``mesh``, the mesh set by ``jax.set_mesh``.
+    """Size of the tensor-parallel axis: a shard_map's over it being traced, else the mesh a
+    call on ``arrays`` runs over (:func:`placement.find_mesh`: the one set by
+    ``jax.set_mesh``, the layer's ``mesh``, the arrays').
 
-    When none of them is known: None if ``required`` is False (a layer built before any
-    mesh is set checks its sizes when it is called); else 1, or a ValueError, as
+    When no mesh is known: None if ``required`` is False (a layer built before any mesh is
+    set checks its sizes when it is called); else 1, or a ValueError, as
     :func:`without_mesh` says for ``impl``. A ValueError too when the axis is not in the
     mesh.
     """
@@ -33,8 +38,8 @@ def group_size(
         raise ValueError(f"{owner}: axis_name must be a mesh axis name (str), got {axis_name!r}")
     if axis_name in placement.manual_axes():
         return int(jax.lax.axis_size(axis_name))
-    known = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if known.empty:
+    known = placement.find_mesh(axis_name, *arrays, given=mesh)
+    if known is None:
         if not required:
             return None
         without_mesh(owner, axis_name, impl)
@@ -53,8 +58,9 @@ def without_mesh(owner: str, axis_name: str, impl: str | None) -> None:
     version on global arrays, XLA's matmuls that XLA partitions from the operands'
     shardings (nothing overlapped: ``_core``'s runner warns once), as a group of one;
     except under ``impl="ub"``, which raises here. (A linen init is the one caller that
-    asks for the plain version under "ub": its params' shapes do not depend on the
-    collectives, ``linen.layers.SettingsModule.resolved_config``.)"""
+    runs the plain version under "ub": its params' shapes do not depend on the
+    collectives; ``linen.layers.SettingsModule.resolved_config`` gives it ``impl="xla"``,
+    as only linen's scope knows it is initializing.)"""
     if impl is None or impl == "ub":
         raise ValueError(
             f"{owner}: no mesh to run over: call the layer under `with jax.set_mesh(mesh):`, "
@@ -105,14 +111,16 @@ def check_input(
     axis_name: str,
     seq_axis: int = 0,
     sequence_parallel: bool | None = None,
-) -> bool:
+) -> tuple[bool, int]:
     """Check that x is ``[seq, *batch, in_features]`` (the sequence at ``seq_axis``) and
-    return whether the call runs sequence-parallel.
+    return whether the call runs sequence-parallel, and ``seq_axis`` as an index (``>= 0``):
+    the one place a layer's ``seq_axis`` is checked against its input.
 
     ``in_features`` is the count of the last dim, or a projection's trailing dims
     (``Projection.in_shape``, its split one the local shard inside a shard_map over
-    ``axis_name``), where ``seq_axis`` counts as on the input flattened to
-    ``[..., features]``; None accepts any features (linen infers them from the input).
+    ``axis_name``), which a negative ``seq_axis`` counts as one dim (the ops' features,
+    the input flattened to ``[..., features]``); None accepts any features (linen infers
+    them from the input).
 
     ``sequence_parallel`` is the layer's setting (``ParallelConfig``'s): False runs with
     the activations replicated over the axis (:func:`linear_replicated`). Otherwise, inside
@@ -137,20 +145,33 @@ def check_input(
             f"{owner}: input has {got} features ({where}) but the layer expects {want}; "
             f"input shape {tuple(shape)}"
         )
-    n_in = len(trailing or (0,))
-    flat = SimpleNamespace(shape=(*shape[: len(shape) - n_in], math.prod(shape[-n_in:])))
-    seq = placement.check_seq_axis(owner, flat, seq_axis)
+    seq = seq_index(owner, tuple(shape), seq_axis, len(trailing or (0,)))
     if sequence_parallel is False:
-        return False
+        return False, seq
     if axis_name in placement.manual_axes() or shape[seq] % tp == 0:
-        return True
+        return True, seq
     if sequence_parallel:
         raise ValueError(
             f"{owner}: sequence_parallel=True splits the sequence (dim {seq} of the input, "
             f"{shape[seq]}) over axis {axis_name!r}, whose size {tp} does not divide it; "
             f"input shape {shape}"
         )
-    return False
+    return False, seq
+
+
+def seq_index(owner: str, shape: tuple, seq_axis: int, n_in: int = 1) -> int:
+    """A layer's ``seq_axis`` (an int: ``ParallelConfig`` checks its type) as an index of a
+    dim of an input of ``shape`` before its ``n_in`` features (which negative values count
+    as one dim), or a ValueError naming the shape."""
+    lead = len(shape) - n_in
+    index = seq_axis + lead + 1 if seq_axis < 0 else seq_axis
+    if not 0 <= index < lead:
+        features = "the last dim" if n_in == 1 else f"the last {n_in} dims, which count as one"
+        raise ValueError(
+            f"{owner}: seq_axis={seq_axis} is not a dim of x before its features ({features}); "
+            f"for x.shape={shape} it is one of 0..{lead - 1} (or {-lead - 1}..-2)"
+        )
+    return index
 
 
 def _trailing(in_features: int | Projection | None, tp: int, axis_name: str) -> tuple | None:
@@ -167,62 +188,24 @@ def _trailing(in_features: int | Projection | None, tp: int, axis_name: str) -> 
 
 def prepare(
     owner: str,
-    config: Any,
-    axis_name: str,
+    config: ParallelConfig,
     x: Any,
     in_features: int | Projection | None = None,
     *,
     divisible: Mapping[str, int] | None = None,
     params: Callable[[], Any] | None = None,
-) -> tuple[Ops, bool]:
-    """What every layer checks when called, and what its compiled function is keyed on:
-    the tensor-parallel group's size (from the mesh) divides each of ``divisible``'s
-    values, ``x`` is ``[seq, *batch, in_features]`` (:func:`check_input`). Returns the ops'
-    settings and whether the call runs sequence-parallel. With no mesh given or set, the
-    mesh is the one ``x``'s or ``params()``' types say they are sharded over
-    (:func:`mesh_of_arrays`): a step jitted on sharded arrays without ``jax.set_mesh``;
-    ``params`` is called only then."""
-    mesh = config.mesh
-    if mesh is None and jax.sharding.get_abstract_mesh().empty:
-        if axis_name not in placement.manual_axes():
-            mesh = mesh_of_arrays(axis_name, x, None if params is None else params())
-    tp = group_size(owner, mesh, axis_name, impl=config.impl)
+) -> ParallelConfig:
+    """What every layer checks when called: the tensor-parallel group's size (from the
+    mesh a call on ``x`` and ``params()``, called only where no mesh is set or given,
+    runs over) divides each of ``divisible``'s values, ``x`` is ``[seq, *batch,
+    in_features]`` (:func:`check_input`). Returns the call's settings, what its compiled
+    function is keyed on: ``config`` (its ``axis_name`` resolved) with
+    ``sequence_parallel`` decided for ``x`` and ``seq_axis`` an index of its dims."""
+    axis_name = config.axis_name
+    arrays = (x,) if params is None else (x, params)
+    tp = group_size(owner, axis_name, *arrays, mesh=config.mesh, impl=config.impl)
     for what, value in (divisible or {}).items():
         check_divisible(owner, what, value, tp, axis_name)
     seq, sp = config.seq_axis, config.sequence_parallel
-    sp = check_input(owner, x, in_features, tp, axis_name, seq, sp)
-    return op_settings(config, axis_name, mesh), sp
-
-
-def mesh_of_arrays(axis_name: str, *trees: Any) -> Any:
-    """The mesh (an ``AbstractMesh``) over which the arrays of ``trees`` are sharded, as
-    their types carry it (committed arrays under ``jit``), where it has ``axis_name``;
-    else None."""
-    for leaf in jax.tree.leaves(trees):
-        try:
-            mesh = jax.typeof(leaf).sharding.mesh
-        except (AttributeError, TypeError):
-            continue
-        if not mesh.empty and axis_name in mesh.axis_names:
-            return mesh
-    return None
-
-
-class Ops(NamedTuple):
-    """The settings of the ops a layer runs, from its ``ParallelConfig`` and resolved
-    axis: the leading argument of every ``*_call`` below, which are cached on it. ``fp8``
-    is the recipe's name (``"current"``, ``"delayed"``) or None."""
-
-    mesh: Mesh | AbstractMesh | None  # abstract: found from the arrays (mesh_of_arrays)
-    axis_name: str
-    impl: str
-    dtype: Any
-    fp8: str | None
-    seq_axis: int
-
-
-def op_settings(config: Any, axis_name: str, mesh: Any = None) -> Ops:
-    """:class:`Ops` of a layer's ``ParallelConfig`` over its resolved ``axis_name``, on
-    ``mesh`` where the config has none."""
-    mesh = config.mesh if config.mesh is not None else mesh
-    return Ops(mesh, axis_name, config.impl, config.dtype, config.fp8_recipe, config.seq_axis)
+    sp, seq = check_input(owner, x, in_features, tp, axis_name, seq, sp)
+    return dataclasses.replace(config, sequence_parallel=sp, seq_axis=seq, owner=owner)

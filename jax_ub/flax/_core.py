@@ -17,19 +17,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
-from jax_ub._src.lowering import device_probe
 from jax_ub._src.lowering.unfused import all_reduce
-from jax_ub._src.ops import placement
+from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.cpu_16bit import Widening
-from jax_ub._src.settings.options import traced_settings
 from jax_ub._src.settings.warn_registry import warn_once
 from jax_ub.flax import _fp8
-from jax_ub.flax._checks import Ops, default_axis_hint, without_mesh
+from jax_ub.flax._checks import default_axis_hint, without_mesh
 from jax_ub.flax._projection import Projection, param_specs
+from jax_ub.flax._settings import ParallelConfig
 
 Params = Mapping[str, jax.Array]
 
@@ -53,8 +51,8 @@ def promote(dtype: Any, *arrays: jax.Array | None) -> list[jax.Array | None]:
 
 
 def _scales(fp8: str | None, params: Params) -> jax_ub.Fp8Scales | None:
-    """The ops' ``fp8`` argument for a layer's recipe (``op_settings``'), from the amax
-    histories among its ``params`` for delayed scaling."""
+    """The ops' ``fp8`` argument for a layer's recipe (``ParallelConfig.fp8_recipe``), from
+    the amax histories among its ``params`` for delayed scaling."""
     return _fp8.scales(fp8, params.get("fp8"))
 
 
@@ -151,83 +149,63 @@ def dropout(x: jax.Array, rate: float, key: jax.Array, axis_name: str | None) ->
 
 # --- whole-layer functions, one per configuration ---------------------------------------
 #
-# Inside a shard_map over the tensor-parallel axis (the user's own), the per-shard
-# computation runs as it is, on local shards. Otherwise it runs in a jit(shard_map) over
-# that axis alone, under the layer's mesh or the one set by jax.set_mesh: every other mesh
-# axis (dp, fsdp, ...) stays XLA's, so a batch sharded over them stays sharded. Cached so
-# that eager calls compile once per shape; under an outer jit the inner jit is inlined.
+# Each is cached on the call's settings (``_checks.prepare``'s ParallelConfig) and runs its
+# per-shard computation through the driver (:func:`over_axis`): inside the user's
+# shard_map over the tensor-parallel axis on local shards, else on global arrays in a
+# jit(shard_map) over that axis, every other mesh axis (dp, fsdp, ...) XLA's.
 
 
-def _over_tp(
+def over_axis(
+    config: ParallelConfig,
     f: Callable,
-    ops: Ops,
     in_specs: Any,
     out_specs: Any,
     plain: Callable,
     check_vma: bool = True,
     row_dims: int = 0,
-):
-    """``f`` on local shards, run as described above, on global arrays through
-    :func:`jax_ub._src.ops.placement.global_call` (as the ops run). With no mesh known (none
-    given, none set: a model jitted on sharded arrays, as ``nn.Dense`` allows), ``plain`` (the
-    same layer written on global arrays) runs instead, as :func:`_checks.without_mesh`
-    says, after one warning that nothing is overlapped."""
-    axis_name = ops.axis_name
-    # One jit(shard_map) per mesh it runs under (shard_map binds its mesh when built) and
-    # per value of the settings read at trace time.
-    mapped: dict[Any, Callable] = {}
+) -> Callable:
+    """``f`` on local shards, run by :func:`jax_ub._src.ops.driver.over_axis` (as the ops
+    run) over ``config``'s axis and mesh. With no mesh known (none given, none set, none in
+    the arrays' types: a model jitted on uncommitted arrays, as ``nn.Dense`` allows),
+    ``plain`` (the same layer written on global arrays) runs instead, as
+    :func:`_checks.without_mesh` says, after one warning that nothing is overlapped."""
+    axis_name = config.axis_name
 
-    def call(*args):
-        if axis_name in placement.manual_axes():
-            return f(*args)
-        context = jax.sharding.get_abstract_mesh()
-        if ops.mesh is None and context.empty:
-            without_mesh("jax_ub.flax", axis_name, ops.impl)  # raises for impl="ub"
-            hint = default_axis_hint(axis_name)
-            message = (
-                f"jax_ub.flax: a layer was traced with no mesh set (jax.set_mesh) or given "
-                f"(mesh= to the layer or to jax_ub.flax.defaults), on arrays whose types carry "
-                f"none (uncommitted arrays; an init, before the params exist), so it runs XLA's "
-                f"plain matmuls over axis {axis_name!r}: that call is not overlapped. Calls on "
-                f"params sharded over a mesh find it; or trace the step under the mesh: `with "
-                f"jax.set_mesh(mesh): state = train_step(state, batch)`{hint}"
-            )
-            warn_once(message, message)
-            return plain(*args)
-        mesh = ops.mesh if context.empty else context  # the layer's mesh only when none is set
-        key = mesh, traced_settings()  # a jit's trace keeps the settings it was traced with
-        if key not in mapped:
-            run = placement.global_call(
-                f,
-                mesh,
-                axis_name,
-                in_specs,
-                out_specs,
-                check_vma,
-                row_dims=row_dims,
-                widening=Widening(ops.dtype, sums_replicated=ops.fp8 != "delayed"),
-            )
-            if context.empty and not isinstance(mesh, Mesh):
-                run = _probed(run)
-            mapped[key] = jax.jit(run)
-        return mapped[key](*args)
+    def without(*args):
+        without_mesh("jax_ub.flax", axis_name, config.impl)  # raises for impl="ub"
+        hint = default_axis_hint(axis_name)
+        message = (
+            f"jax_ub.flax: a layer was traced with no mesh set (jax.set_mesh) or given "
+            f"(mesh= to the layer or to jax_ub.flax.defaults), on arrays whose types carry "
+            f"none (uncommitted arrays; an init, before the params exist), so it runs XLA's "
+            f"plain matmuls over axis {axis_name!r}: that call is not overlapped. Calls on "
+            f"params sharded over a mesh find it; or trace the step under the mesh: `with "
+            f"jax.set_mesh(mesh): state = train_step(state, batch)`{hint}"
+        )
+        warn_once(message, message)
+        return plain(*args)
 
-    return call
+    widening = Widening(config.dtype, sums_replicated=config.fp8_recipe != "delayed")
+    return driver.over_axis(
+        "jax_ub.flax",
+        f,
+        axis_name,
+        in_specs,
+        out_specs,
+        mesh=config.mesh,
+        without_mesh=without,
+        check_vma=check_vma,
+        row_dims=row_dims,
+        widening=widening,
+    )
 
 
-def _probed(run: Callable) -> Callable:
-    """``run`` on a mesh found from the arrays' types (no mesh set or given), whose devices
-    the calls' lowering takes from the program: marked inside it (device_probe)."""
-
-    def call(x, *rest):
-        return run(device_probe.probe(x), *rest)
-
-    return call
-
-
-def activation_spec(ndim: int, axis_name: str, seq_axis: int, sequence_parallel: bool) -> P:
-    """A block's input and output: sequence-sharded, or replicated over the axis."""
-    return seq_spec(ndim, axis_name, seq_axis) if sequence_parallel else P()
+def activation_spec(ndim: int, config: ParallelConfig) -> P:
+    """A block's ``ndim``-dim input and output under a call's settings: sequence-sharded
+    (on ``config.seq_axis``), or replicated over the axis."""
+    if not config.sequence_parallel:
+        return P()
+    return seq_spec(ndim, config.axis_name, config.seq_axis)
 
 
 def projection_local(
@@ -278,21 +256,21 @@ def _flat(p: Projection, params: Params) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=256)
 def projection_call(
-    projections: tuple[Projection, ...], ops: Ops, ndim: int, sequence_parallel: bool = True
+    projections: tuple[Projection, ...], config: ParallelConfig, ndim: int
 ) -> Callable[[jax.Array, tuple[Params, ...]], Any]:
     """``f(x, params)`` of ``projections`` (column projections of one input, or one row
-    projection) on an ``ndim``-dim input: column takes a sequence-sharded ``x`` to
-    outputs feature-sharded on their split dims, row a feature-sharded ``x`` (on its split
-    dim) to a sequence-sharded output; without ``sequence_parallel``, the sequence-sharded
-    side is replicated over the axis instead. ``params``: one dict per projection."""
-    first, axis = projections[0], ops.axis_name
+    projection) on an ``ndim``-dim input, with a call's settings (``_checks.prepare``'s):
+    column takes a sequence-sharded ``x`` to outputs feature-sharded on their split dims,
+    row a feature-sharded ``x`` (on its split dim) to a sequence-sharded output; without
+    ``config.sequence_parallel``, the sequence-sharded side is replicated over the axis
+    instead. ``params``: one dict per projection."""
+    first, axis, sp = projections[0], config.axis_name, config.sequence_parallel
     lead = ndim - first.n_in
-    seq = ops.seq_axis % (lead + 1)  # of the input as its flattened [..., k]
-    kw = _kw(ops, seq) | {"sequence_parallel": sequence_parallel}
+    kw = _kw(config) | {"sequence_parallel": sp}
     local = functools.partial(projection_local, projections, **kw)
     global_kw = kw | {"axis_name": None, "sequence_parallel": False}
     plain = functools.partial(projection_local, projections, **global_kw)
-    side = activation_spec(lead + len(first.features), axis, seq, sequence_parallel)
+    side = activation_spec(lead + len(first.features), config)
 
     def split_spec(p: Projection, dim: int) -> P:  # the activation split on ``dim`` of p's
         dims = [None] * (lead + len(p.features) if p.kind == "column" else ndim)
@@ -300,44 +278,50 @@ def projection_call(
         return P(*dims)
 
     if first.kind == "column":
-        x_spec = activation_spec(ndim, axis, seq, sequence_parallel)
+        x_spec = activation_spec(ndim, config)
         out_specs: Any = tuple(split_spec(p, p.split - p.n_in) for p in projections)
     else:
         x_spec, out_specs = split_spec(first, first.split), side
-    in_specs = (x_spec, tuple(p.param_specs(axis, ops.fp8) for p in projections))
-    rows = placement.row_dims(lead, ops.fp8 is not None)
-    return _over_tp(local, ops, in_specs, out_specs, plain, row_dims=rows)
+    fp8 = config.fp8_recipe
+    in_specs = (x_spec, tuple(p.param_specs(axis, fp8) for p in projections))
+    rows = placement.row_dims(lead, fp8 is not None)
+    return over_axis(config, local, in_specs, out_specs, plain, row_dims=rows)
 
 
-def _kw(ops: Ops, seq: int) -> dict[str, Any]:
-    """The per-shard functions' keyword arguments for ``ops``, the sequence at ``seq``."""
-    return dict(axis_name=ops.axis_name, impl=ops.impl, dtype=ops.dtype, fp8=ops.fp8, seq_axis=seq)
+def _kw(config: ParallelConfig) -> dict[str, Any]:
+    """The per-shard functions' keyword arguments for a call's settings."""
+    return dict(
+        axis_name=config.axis_name,
+        impl=config.impl,
+        dtype=config.dtype,
+        fp8=config.fp8_recipe,
+        seq_axis=config.seq_axis,
+    )
 
 
 @functools.lru_cache(maxsize=256)
 def mlp_call(
-    ops: Ops,
+    config: ParallelConfig,
     activation: Callable[[jax.Array], jax.Array],
     ndim: int,
     use_bias: bool,
-    sequence_parallel: bool = True,
     dropout_rate: float = 0.0,
 ) -> Callable[..., jax.Array]:
-    """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded. GELU
-    runs in the column GEMMs' epilogue and its backward in the row op's dgrad GEMM
-    (``jax_ub.gelu_mlp``, in fp8 too); other activations in XLA after the column op.
+    """``f(x, up_params, down_params)``: column -> activation -> row, sequence-sharded (or
+    replicated over the axis: ``config.sequence_parallel``). GELU runs in the column GEMMs'
+    epilogue and its backward in the row op's dgrad GEMM (``jax_ub.gelu_mlp``, in fp8
+    too); other activations in XLA after the column op.
 
     With ``dropout_rate`` > 0, ``f(x, up_params, down_params, key)``: the hidden
     activations are dropped (:func:`dropout`) before the row projection, so GELU's
     backward is XLA's (``gelu_mlp`` has no place for the mask)."""
-    seq = ops.seq_axis % ndim
-    kw = _kw(ops, seq)
+    kw, axis, fp8 = _kw(config), config.axis_name, config.fp8_recipe
     fused = fused_activation(activation)
 
     def hidden(h, key, axis):
         return h if key is None else dropout(h, dropout_rate, key, axis)
 
-    def replicated(x, p_up, p_down, key=None, axis_name=ops.axis_name):
+    def replicated(x, p_up, p_down, key=None, axis_name=axis):
         kw_axis = kw | {"axis_name": axis_name}
         h = linear_replicated("column", x, p_up, activation=activation, **kw_axis)
         return linear_replicated("row", hidden(h, key, axis_name), p_down, **kw_axis)
@@ -345,31 +329,31 @@ def mlp_call(
     def body(x, p_up, p_down, key=None):
         if key is not None:  # the hidden activations are needed, for the mask
             h = linear_local("column", x, p_up, activation=fused, **kw)
-            h = hidden(h if fused else activation(h), key, ops.axis_name)
+            h = hidden(h if fused else activation(h), key, axis)
             return linear_local("row", h, p_down, **kw)
         if not fused:
             h = linear_local("column", x, p_up, **kw)
             return linear_local("row", activation(h), p_down, **kw)
         x, k_up, b_up, k_down, b_down = promote(
-            ops.dtype, x, p_up["kernel"], p_up.get("bias"), p_down["kernel"], p_down.get("bias")
+            config.dtype, x, p_up["kernel"], p_up.get("bias"), p_down["kernel"], p_down.get("bias")
         )
-        scales = None if not ops.fp8 else (_scales(ops.fp8, p_up), _scales(ops.fp8, p_down))
+        scales = None if not fp8 else (_scales(fp8, p_up), _scales(fp8, p_down))
         return jax_ub.gelu_mlp(
             x,
             k_up,
             k_down,
-            ops.axis_name,
+            axis,
             up_bias=b_up,
             down_bias=b_down,
-            impl=ops.impl,
+            impl=config.impl,
             fp8=scales,
-            seq_axis=seq,
+            seq_axis=config.seq_axis,
         )
 
-    col = param_specs("column", ops.axis_name, use_bias, ops.fp8)
-    row = param_specs("row", ops.axis_name, use_bias, ops.fp8)
-    spec = activation_spec(ndim, ops.axis_name, seq, sequence_parallel)
+    col = param_specs("column", axis, use_bias, fp8)
+    row = param_specs("row", axis, use_bias, fp8)
+    spec = activation_spec(ndim, config)
     in_specs = (spec, col, row) + ((P(),) if dropout_rate > 0 else ())
-    f = body if sequence_parallel else replicated
+    f = body if config.sequence_parallel else replicated
     plain = functools.partial(replicated, axis_name=None)
-    return _over_tp(f, ops, in_specs, spec, plain)
+    return over_axis(config, f, in_specs, spec, plain)

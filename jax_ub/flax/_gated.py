@@ -15,16 +15,17 @@ import jax_ub
 from jax_ub._src.ops.gated_mlp import activation_function
 from jax_ub.flax import _axes, _fp8
 from jax_ub.flax._core import (
-    Ops,
-    _over_tp,
+    _kw,
     _scales,
     activation_spec,
     dropout,
     linear_local,
     linear_replicated,
+    over_axis,
     promote,
 )
 from jax_ub.flax._projection import param_names
+from jax_ub.flax._settings import ParallelConfig
 
 
 def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str, tuple]:
@@ -59,26 +60,22 @@ def histories(fp8: Any, read: Callable[[str], jax.Array]) -> dict | None:
 
 @functools.lru_cache(maxsize=256)
 def gated_mlp_call(
-    ops: Ops,
-    activation: Any,
-    ndim: int,
-    sequence_parallel: bool = True,
-    dropout_rate: float = 0.0,
+    config: ParallelConfig, activation: Any, ndim: int, dropout_rate: float = 0.0
 ) -> Callable[..., jax.Array]:
     """``f(x, gate_up, down, hist, key)``: :func:`jax_ub.gated_mlp`, sequence-sharded (or
-    with the activations replicated over the axis, as :func:`linear_replicated`).
+    with the activations replicated over the axis, as :func:`linear_replicated`: without
+    ``config.sequence_parallel``), with a call's settings (``_checks.prepare``'s).
     ``hist``: with ``fp8="delayed"``, the amax histories of :func:`histories`, replicated
     (their gradients are the histories with this step's amaxes rolled in front), else
     None. ``key``: with ``dropout_rate`` > 0, the dropout key of the gated hidden
     activations (:func:`jax_ub.flax._core.dropout`), which then run through the two
     projections of :func:`linear_local` (``gated_mlp`` has no place for the mask), else
     None."""
-    seq = ops.seq_axis % ndim
-    gate = activation_function(activation)
+    gate, axis, fp8 = activation_function(activation), config.axis_name, config.fp8_recipe
 
     def projections(x, gate_up, down, hist, key, linear, axis_name):
         k, _, f = gate_up.shape  # f: this device's hidden units
-        kw = dict(axis_name=axis_name, impl=ops.impl, dtype=ops.dtype, fp8=ops.fp8, seq_axis=seq)
+        kw = _kw(config) | {"axis_name": axis_name}
         # [k, 2, f] -> [k, 2f]: the gate's columns, then the up projection's.
         gu = linear("column", x, _params("gate_up", gate_up.reshape(k, 2 * f), hist), **kw)
         hidden = gate(gu[..., :f]) * gu[..., f:]
@@ -86,39 +83,38 @@ def gated_mlp_call(
             hidden = dropout(hidden, dropout_rate, key, axis_name)
         return linear("row", hidden, _params("down_proj", down, hist), **kw)
 
-    def replicated(x, gate_up, down, hist=None, key=None, axis_name=ops.axis_name):
+    def replicated(x, gate_up, down, hist=None, key=None, axis_name=axis):
         return projections(x, gate_up, down, hist, key, linear_replicated, axis_name)
 
     def body(x, gate_up, down, hist=None, key=None):
         if key is not None:
-            return projections(x, gate_up, down, hist, key, linear_local, ops.axis_name)
-        x, gate_up, down = promote(ops.dtype, x, gate_up, down)
+            return projections(x, gate_up, down, hist, key, linear_local, axis)
+        x, gate_up, down = promote(config.dtype, x, gate_up, down)
         scales = None
-        if ops.fp8 is not None:  # (gate_up's, down_proj's)
-            scales = tuple(_scales(ops.fp8, _params(p, None, hist)) for p in PROJECTIONS)
+        if fp8 is not None:  # (gate_up's, down_proj's)
+            scales = tuple(_scales(fp8, _params(p, None, hist)) for p in PROJECTIONS)
         return jax_ub.gated_mlp(
             x,
             gate_up,
             down,
-            ops.axis_name,
+            axis,
             activation=activation,
-            impl=ops.impl,
+            impl=config.impl,
             fp8=scales,
-            seq_axis=seq,
+            seq_axis=config.seq_axis,
         )
 
-    axis_name = ops.axis_name
-    spec = activation_spec(ndim, axis_name, seq, sequence_parallel)
-    kernels = (P(None, None, axis_name), P(axis_name, None))
+    spec = activation_spec(ndim, config)
+    kernels = (P(None, None, axis), P(axis, None))
     # The histories, replicated: P() for each.
     hist = None
-    if ops.fp8 == "delayed":
-        hist = {p: _fp8.history_specs(ops.fp8)["fp8"] for p in PROJECTIONS}
+    if fp8 == "delayed":
+        hist = {p: _fp8.history_specs(fp8)["fp8"] for p in PROJECTIONS}
     key = P() if dropout_rate > 0 else None
     in_specs = (spec, *kernels, hist, key)
-    f = body if sequence_parallel else replicated
+    f = body if config.sequence_parallel else replicated
     plain = functools.partial(replicated, axis_name=None)
-    return _over_tp(f, ops, in_specs, spec, plain)
+    return over_axis(config, f, in_specs, spec, plain)
 
 
 def _params(projection: str, kernel: jax.Array | None, hist: dict | None) -> dict[str, Any]:

@@ -21,19 +21,29 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering import device_probe
 from jax_ub._src.ops import impl_choice, placement
+from jax_ub._src.ops.cpu_16bit import INPUTS_DTYPE, Widening
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.layout import ALL_REDUCE, BLOCK, GATHER, SCATTER, Layout, Rows, Split
 from jax_ub._src.ops.path import Path
 from jax_ub._src.settings import checks
 from jax_ub._src.settings.fp8 import compute_operands
+from jax_ub._src.settings.options import traced_settings
 
 # The ops' layouts (layout.py) are the front ends' to name: driver.GATHER, ...
-__all__ = ["ALL_REDUCE", "BLOCK", "GATHER", "SCATTER", "Call", "Extra", "Layout", "run"]
+__all__ = [
+    "ALL_REDUCE",
+    "BLOCK",
+    "GATHER",
+    "SCATTER",
+    "Call",
+    "Extra",
+    "Layout",
+    "over_axis",
+    "run",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +209,6 @@ def _on_global_arrays(
     for what, value in divides.items():
         checks.check_divisible(op, what, value, size, axis, shapes)
     placement.check_global_layout(op, mesh, {"x": (x, x_spec), "w": (w, w_spec)})
-    if not isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
-        x = device_probe.probe(x)  # the mesh of the arrays' types: its devices at lowering
 
     has_extra = bool(jax.tree.leaves(extra))  # else Extra(None, ...) passes as it is
 
@@ -215,3 +223,51 @@ def _on_global_arrays(
     row_dims = placement.row_dims(x.ndim - 1, call.fp8)
     f = placement.global_call(local, mesh, axis, specs, out_spec, row_dims=row_dims)
     return f(x, w, extra) if has_extra else f(x, w)
+
+
+def over_axis(
+    owner: str,
+    body: Callable,
+    axis_name: str,
+    in_specs: Any,
+    out_specs: Any,
+    *,
+    mesh: Any = None,
+    without_mesh: Callable | None = None,
+    check_vma: bool = True,
+    row_dims: int = 0,
+    widening: Widening = INPUTS_DTYPE,
+) -> Callable:
+    """``body`` (a computation on the rank's shards, e.g. a Flax layer's ops) as a function
+    callable as the ops are: inside a shard_map binding ``axis_name``, ``body`` itself, on
+    the local shards; else on global arrays laid out as ``in_specs`` say, under the mesh
+    :func:`placement.find_mesh` finds (``mesh``: the caller's own, where none is set), in a
+    jit of :func:`placement.global_call` compiled once per mesh (and whether it is set) and
+    per value of the settings read at trace time (an eager call compiles once per shape;
+    under an outer jit it is inlined).
+
+    Where no mesh is known, ``without_mesh`` (the same computation on global arrays, or
+    what raises) runs instead; with None, the ops' ValueError."""
+    mapped: dict[Any, Callable] = {}
+
+    def call(*args: Any) -> Any:
+        if axis_name in placement.manual_axes():
+            return body(*args)
+        found = placement.find_mesh(axis_name, *args, given=mesh)
+        if found is None and without_mesh is not None:
+            return without_mesh(*args)
+        if found is None:
+            found = placement.context_mesh(owner, axis_name)  # raises
+        checks.check_axis_in_mesh(owner, axis_name, found)
+        # A jit's trace keeps the settings it was traced with, and global_call binds the
+        # mesh to its shard_map only where none is set (an abstract one equals the set one).
+        key = found, jax.sharding.get_abstract_mesh().empty, traced_settings()
+        if key not in mapped:
+            kw = dict(row_dims=row_dims, widening=widening)
+            run = placement.global_call(
+                body, found, axis_name, in_specs, out_specs, check_vma, **kw
+            )
+            mapped[key] = jax.jit(run)
+        return mapped[key](*args)
+
+    return call

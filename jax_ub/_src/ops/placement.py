@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_ub._src.lowering import device_probe
 from jax_ub._src.lowering.batch_layout import spec_axes
 from jax_ub._src.ops.cpu_16bit import INPUTS_DTYPE, Widening, is_spec
 from jax_ub._src.settings import checks
@@ -128,26 +130,39 @@ def seq_spec(ndim: int, axis_name: str, seq_axis: int = 0) -> P:
 # --- global arrays (case 3) -----------------------------------------------------------
 
 
-def context_mesh(op: str, axis_name: str, *arrays: Any) -> Any:
-    """The mesh a global call runs over: the one set by ``jax.set_mesh``/``use_mesh``, or
-    that of the (concrete, eagerly passed) arrays, or the one the traced arrays' types
-    carry (arrays sharded over a mesh, jitted with none set: an ``AbstractMesh``, whose
-    devices the calls' lowering takes from the program, see ``device_probe``). A
-    ValueError if there is none or it lacks ``axis_name``."""
+def find_mesh(axis_name: str, *arrays: Any, given: Any = None) -> Any:
+    """The mesh a call on global arrays runs over, or None where none is known: the one set
+    by ``jax.set_mesh``/``use_mesh``; else ``given`` (a layer's own); else that of the
+    concrete, eagerly passed arrays; else the one the traced arrays' types carry, where it
+    has ``axis_name`` (arrays sharded over a mesh, jitted with none set: an
+    ``AbstractMesh``, whose devices the calls' lowering takes from the program, see
+    ``device_probe``). ``arrays``: arrays or trees of them; a function returning such a
+    tree is called only where no mesh is set or given (a layer's params)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        for a in arrays:
-            sharding = getattr(a, "sharding", None)
-            if isinstance(sharding, NamedSharding) and not isinstance(a, jax.core.Tracer):
-                mesh = sharding.mesh
-                break
-    if mesh.empty:
-        for a in arrays:
-            typed = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
-            if typed is not None and not typed.empty and axis_name in typed.axis_names:
-                mesh = typed
-                break
-    if mesh.empty:
+    if not mesh.empty:
+        return mesh
+    if given is not None:
+        return given
+    leaves = jax.tree.leaves([a() if isinstance(a, FunctionType) else a for a in arrays])
+    for a in leaves:
+        sharding = getattr(a, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not isinstance(a, jax.core.Tracer):
+            return sharding.mesh
+    for a in leaves:
+        try:
+            typed = jax.typeof(a).sharding.mesh
+        except (AttributeError, TypeError):
+            continue
+        if not typed.empty and axis_name in typed.axis_names:
+            return typed
+    return None
+
+
+def context_mesh(op: str, axis_name: str, *arrays: Any) -> Any:
+    """The mesh an op's call on global arrays runs over (:func:`find_mesh`); a ValueError if
+    there is none or it lacks ``axis_name``."""
+    mesh = find_mesh(axis_name, *arrays)
+    if mesh is None:
         raise ValueError(
             f"{op}: axis {axis_name!r} is not bound; call {op} inside jax.shard_map over a "
             "mesh that has this axis (like lax.all_gather), or on global arrays under "
@@ -272,6 +287,8 @@ def global_call(
       specs splits (the first such dim they divide), as data parallelism splits a batch:
       no op inside needs lowering's nested shard_map over them (XLA's Shardy mis-assigns
       the manual axes of many such nested calls: "Side-effect ops cannot be replicated").
+    - On a mesh found from the arrays' types (an ``AbstractMesh``, none set), the first
+      arg is marked for the calls' lowering to find the program's devices (device_probe).
     - On CPU devices, where the shard_map leaves other mesh axes automatic, ``widening``
       (:mod:`cpu_16bit`) keeps XLA from aborting on a 16-bit all-reduce: the ops' own
       calls take their inputs' dtypes; a Flax layer's says its compute dtype and recipe.
@@ -285,6 +302,9 @@ def global_call(
     platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else None
 
     def call(*args):
+        if not isinstance(mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
+            # A mesh found from the arrays' types: its devices at lowering.
+            args = (device_probe.probe(args[0]), *args[1:])
         args = _moved_to_specs(axis_name, in_specs, args)
         body, checked = f, check_vma
         axis_names, specs_in, specs_out = {axis_name}, in_specs, out_specs

@@ -6,6 +6,7 @@ block runs as one ``shard_map`` around its two parallel layers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -103,12 +104,12 @@ class ParallelMLP(_Block, Biased):
             self.hidden_features, name="up_proj", **_layer_kwargs(self, "column")
         )
         down = RowParallelLinear(out_features, name="down_proj", **_layer_kwargs(self, "row"))
-        _, ops, sp = self.prepare(inputs, divisible={"hidden_features": self.hidden_features})
+        call = self.prepare(inputs, divisible={"hidden_features": self.hidden_features})
         p_up = up.get_params(in_features)
         p_down = down.get_params(self.hidden_features)
         key = self.dropout_key(deterministic)
         rate = 0.0 if key is None else self.dropout_rate
-        f = _core.mlp_call(ops, self.activation, inputs.ndim, self.use_bias, sp, rate)
+        f = _core.mlp_call(call, self.activation, inputs.ndim, self.use_bias, rate)
         return f(inputs, p_up, p_down, *(() if key is None else (key,)))
 
 
@@ -151,7 +152,7 @@ class ParallelGatedMLP(_Block, SettingsModule):
         """``[seq, *batch, in_features]`` -> ``[seq, *batch, out_features]``;
         ``deterministic`` as for :class:`ParallelMLP`."""
         owner = type(self).__name__
-        config, ops, sp = self.prepare(inputs, divisible={"hidden_features": self.hidden_features})
+        config = self.prepare(inputs, divisible={"hidden_features": self.hidden_features})
         k, hidden = inputs.shape[-1], self.hidden_features
         out = k if self.out_features is None else self.out_features
         if self.kernel_axes is None:
@@ -178,7 +179,7 @@ class ParallelGatedMLP(_Block, SettingsModule):
         down = param("down_proj", self.kernel_init, (hidden, out))
         key = self.dropout_key(deterministic)
         rate = 0.0 if key is None else self.dropout_rate
-        f = _gated.gated_mlp_call(ops, self.activation, inputs.ndim, sp, rate)
+        f = _gated.gated_mlp_call(config, self.activation, inputs.ndim, rate)
         return f(inputs, gate_up, down, _gated.histories(config.fp8, history), key)
 
 
@@ -310,9 +311,9 @@ class ParallelSelfAttention(_Block, Biased):
         _attention.check_attention_implementation(owner, self.attention_implementation, config.mesh)
         if decode:
             return self._decode(inputs, mask, qkv, out, qkv_features, head_dim, q_per_kv)
-        _, ops, sp = self.prepare(inputs)
+        settings = self.prepare(inputs)
         if mask is not None:
-            _attention.check_mask(owner, mask, inputs.shape, config.seq_axis)
+            _attention.check_mask(owner, mask, inputs.shape, settings.seq_axis)
         p_qkv = qkv.get_params(in_features)
         p_out = out.get_params(qkv_features)
         key = self.dropout_key(deterministic)
@@ -330,10 +331,9 @@ class ParallelSelfAttention(_Block, Biased):
             implementation=self.attention_implementation,
             q_per_kv=q_per_kv,
             rope_theta=self.rope_theta,
-            sequence_parallel=sp,
             **dropout,
         )
-        f = _attention.attention_call(ops, call)
+        f = _attention.attention_call(settings, call)
         return f(inputs, p_qkv, p_out, mask, *(() if key is None else (key,)))
 
     @nn.nowrap
@@ -360,7 +360,8 @@ class ParallelSelfAttention(_Block, Biased):
                 f"apply with mutable=['cache'] and keep the cache it returns"
             )
         config = self.resolved_config()
-        shape, seq = inputs.shape, config.seq_axis % 3
+        shape = inputs.shape
+        seq = _checks.seq_index(owner, shape, config.seq_axis) if len(shape) == 3 else None
         if has_cache:  # boxed or not: its one leaf
             batch, length = jax.tree.leaves(self.get_variable("cache", "cached_key"))[0].shape[:2]
         if len(shape) != 3 or (has_cache and shape[1 - seq] != batch):
@@ -386,8 +387,8 @@ class ParallelSelfAttention(_Block, Biased):
         cached_key = self.variable("cache", "cached_key", zeros)
         cached_value = self.variable("cache", "cached_value", zeros)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        ops = _checks.op_settings(config, config.axis_name)
-        f = _attention.decode_call(ops, head_dim, self.use_bias, q_per_kv, self.rope_theta)
+        settings = dataclasses.replace(config, seq_axis=seq, owner=owner)
+        f = _attention.decode_call(settings, head_dim, self.use_bias, q_per_kv, self.rope_theta)
         params = (qkv.get_params(shape[-1]), out.get_params(qkv_features))
         index = cache_index.value
         if not has_cache:  # just created: attend from position 0, keep the cache empty

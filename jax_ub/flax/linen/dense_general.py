@@ -127,8 +127,9 @@ class DenseGeneral(_ParallelLinear):
         if out_sharding is None:
             return out
         shape = self.projection(self.in_shape(inputs))
-        sp = kind == "row" and self.prepare(inputs, in_features=shape)[2]
-        tp_dim = _dense_general.output_tp_dim(shape, out.ndim, sp, config.seq_axis)
+        call = self.prepare(inputs, in_features=shape)
+        sp = kind == "row" and call.sequence_parallel
+        tp_dim = _dense_general.output_tp_dim(shape, out.ndim, sp, call.seq_axis)
         return _dense_general.constrain_output(
             owner, out, out_sharding, kind, tp_dim, config.axis_name
         )

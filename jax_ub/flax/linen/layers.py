@@ -65,7 +65,10 @@ class SettingsModule(nn.Module):
                     # An init traced with no mesh anywhere (a loop's jit(init,
                     # out_shardings=...)) runs the plain layer (_checks.without_mesh): the
                     # params' shapes do not depend on the collectives, and the steps on
-                    # them find the mesh in their shardings.
+                    # them find the mesh in their shardings. Said here, in the settings:
+                    # only linen's scope knows it is initializing, and the settings are
+                    # what reaches the checks and the runner (driver.over_axis, cached on
+                    # them); a flag beside them would be a second key of every call.
                     config = dataclasses.replace(config, impl="xla")
         return config
 
@@ -75,12 +78,11 @@ class SettingsModule(nn.Module):
         return _axes.tp_axis(owner, axis_name, self._split_name(), mesh)
 
     @nn.nowrap
-    def prepare(self, x: jax.Array, **kw) -> tuple[ParallelConfig, _checks.Ops, bool]:
-        """The settings, checked against the call's input (``_checks.prepare``)."""
-        config = self.resolved_config()
+    def prepare(self, x: jax.Array, **kw) -> ParallelConfig:
+        """The call's settings, checked against its input (``_checks.prepare``)."""
         params = lambda: self.variables.get("params")  # noqa: E731 (read only where needed)
         owner = type(self).__name__
-        return (config, *_checks.prepare(owner, config, config.axis_name, x, params=params, **kw))
+        return _checks.prepare(owner, self.resolved_config(), x, params=params, **kw)
 
     @nn.nowrap
     def dropout_key(self, deterministic: bool | None) -> jax.Array | None:
@@ -167,11 +169,10 @@ class _ParallelLinear(Biased):
     def tp_size(self, *arrays: Any) -> int:
         """Size of the tensor-parallel axis; validates the settings. With no mesh set or
         given, the mesh that ``arrays`` (the call's inputs and params) are sharded over."""
-        config = self.resolved_config()
-        mesh = config.mesh
-        if mesh is None and jax.sharding.get_abstract_mesh().empty:
-            mesh = _checks.mesh_of_arrays(config.axis_name, *arrays)
-        return _checks.group_size(type(self).__name__, mesh, config.axis_name, impl=config.impl)
+        config, owner = self.resolved_config(), type(self).__name__
+        return _checks.group_size(
+            owner, config.axis_name, *arrays, mesh=config.mesh, impl=config.impl
+        )
 
     @nn.compact
     def get_params(self, in_features: int | Sequence[int]) -> dict[str, Any]:
@@ -282,9 +283,9 @@ def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
     configs = [lay.resolved_config() for lay in layers]
     check_group(shapes, configs)
     divisible = {p.split_what: p.split_size for p in shapes}
-    _, ops, sp = first.prepare(inputs, in_features=shapes[0], divisible=divisible)
+    call = first.prepare(inputs, in_features=shapes[0], divisible=divisible)
     params = tuple(lay.get_params(in_shape) for lay in layers)
-    out = _core.projection_call(shapes, ops, inputs.ndim, sp)(inputs, params)
+    out = _core.projection_call(shapes, call, inputs.ndim)(inputs, params)
     return out[0] if len(layers) == 1 and shapes[0].kind == "column" else out
 
 

@@ -106,7 +106,7 @@ def block_config(owner: str, settings: dict[str, Any]) -> ParallelConfig:
 
 def check_split(owner: str, config: ParallelConfig, what: str, features: int) -> None:
     """``features`` (named ``what``) divide over the axis, where its size is known."""
-    tp = _checks.group_size(owner, config.mesh, config.axis_name, required=False)
+    tp = _checks.group_size(owner, config.axis_name, mesh=config.mesh, required=False)
     if tp is not None:
         _checks.check_divisible(owner, what, features, tp, config.axis_name)
 
@@ -122,15 +122,14 @@ def add_histories(module: nnx.Module, names: Iterable[str], config: ParallelConf
         setattr(module, name, sharded_param(history, (None,), config.mesh, OverwriteWithGradient))
 
 
-def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> tuple:
-    """``(the ops' settings, sequence-parallel)`` for a call of ``owner`` on ``inputs``
-    (:func:`_checks.prepare`, its errors naming ``owner``'s class): the settings, axis and
-    ``in_features`` are those of ``first``, the layer the inputs go into (default: ``owner``
-    itself; a projection layer's ``projection``); ``checks`` are ``prepare``'s
-    ``divisible``."""
+def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> ParallelConfig:
+    """The settings of a call of ``owner`` on ``inputs`` (:func:`_checks.prepare`, its
+    errors naming ``owner``'s class): those of ``first``, the layer the inputs go into
+    (default: ``owner`` itself), checked against its ``in_features`` (a projection layer's
+    ``projection``); ``checks`` are ``prepare``'s ``divisible``."""
     first, params = owner if first is None else first, lambda: nnx.state(owner, nnx.Param)
     in_features = getattr(first, "projection", first.in_features)
-    args = (first.config, first.axis_name, inputs, in_features)
+    args = (first.config, inputs, in_features)
     return _checks.prepare(type(owner).__name__, *args, params=params, **checks)
 
 

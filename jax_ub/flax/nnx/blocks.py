@@ -9,6 +9,7 @@ result back to sequence-parallel. The gated MLP, :class:`ParallelGatedMLP`, live
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -121,10 +122,10 @@ class ParallelMLP(Dropping, nnx.Module):
         ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
         (with ``dropout_rate`` > 0 only)."""
         up, down = self.up_proj, self.down_proj
-        ops, sp = prepare_call(self, inputs, up, divisible={"hidden_features": up.out_features})
+        call = prepare_call(self, inputs, up, divisible={"hidden_features": up.out_features})
         key = self._dropout_key(deterministic, rngs)
         rate = self.dropout_rate if key is not None else 0.0
-        f = _core.mlp_call(ops, self.activation, inputs.ndim, up.use_bias, sp, rate)
+        f = _core.mlp_call(call, self.activation, inputs.ndim, up.use_bias, rate)
         return f(inputs, up.param_values(), down.param_values(), *([] if key is None else [key]))
 
 
@@ -214,7 +215,7 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         out_features = in_features if out_features is None else out_features
         s = take_settings(owner, settings)
         config = block_config(owner, s)
-        tp = _checks.group_size(owner, config.mesh, config.axis_name, required=False)
+        tp = _checks.group_size(owner, config.axis_name, mesh=config.mesh, required=False)
         head_dim, q_per_kv = _attention.check_heads(
             owner, num_heads, num_kv_heads, qkv_features, tp, config.axis_name, rope_theta
         )
@@ -284,9 +285,10 @@ class ParallelSelfAttention(Dropping, nnx.Module):
         owner = type(self).__name__
         qkv, out = self.qkv, self.out
         what = "num_heads" if self.q_per_kv == 1 else "num_kv_heads"
-        ops, sp = prepare_call(self, inputs, qkv, divisible={what: self.num_heads // self.q_per_kv})
+        heads = {what: self.num_heads // self.q_per_kv}
+        settings = prepare_call(self, inputs, qkv, divisible=heads)
         if mask is not None:
-            _attention.check_mask(owner, mask, inputs.shape, qkv.seq_axis)
+            _attention.check_mask(owner, mask, inputs.shape, settings.seq_axis)
         key = self._dropout_key(deterministic, rngs)
         dropout = (
             {}
@@ -302,10 +304,9 @@ class ParallelSelfAttention(Dropping, nnx.Module):
             implementation=self.attention_implementation,
             q_per_kv=self.q_per_kv,
             rope_theta=self.rope_theta,
-            sequence_parallel=sp,
             **dropout,
         )
-        f = _attention.attention_call(ops, call)
+        f = _attention.attention_call(settings, call)
         extra = () if key is None else (key,)
         return f(inputs, qkv.param_values(), out.param_values(), mask, *extra)
 
@@ -321,7 +322,7 @@ class ParallelSelfAttention(Dropping, nnx.Module):
             )
         shape = getattr(inputs, "shape", ())
         batch, length = self.cached_key.shape[:2]
-        seq = qkv.seq_axis % 3 if len(shape) == 3 else None
+        seq = _checks.seq_index(owner, shape, qkv.seq_axis) if len(shape) == 3 else None
         t = shape[seq] if seq is not None else None
         if seq is None or shape[1 - seq] != batch or shape[-1] != qkv.in_features:
             raise ValueError(
@@ -329,9 +330,11 @@ class ParallelSelfAttention(Dropping, nnx.Module):
                 f"{qkv.in_features}] with seq_axis=1) with the cache's batch {batch}; got "
                 f"input shape {shape}"
             )
-        _checks.group_size(owner, qkv.mesh, qkv.axis_name, impl=qkv.impl)
-        ops = _checks.op_settings(qkv.config, qkv.axis_name)
-        f = _attention.decode_call(ops, self.head_dim, qkv.use_bias, self.q_per_kv, self.rope_theta)
+        _checks.group_size(owner, qkv.axis_name, inputs, mesh=qkv.mesh, impl=qkv.impl)
+        settings = dataclasses.replace(qkv.config, seq_axis=seq, owner=owner)
+        f = _attention.decode_call(
+            settings, self.head_dim, qkv.use_bias, self.q_per_kv, self.rope_theta
+        )
         index = self.cache_index[...]
         try:
             position = int(index)

@@ -137,8 +137,9 @@ class DenseGeneral(_ParallelLinear):
         out = project(inputs, self)
         if out_sharding is None:
             return out
-        sp = shape.kind == "row" and prepare_call(self, inputs)[1]
-        tp_dim = _dense_general.output_tp_dim(shape, out.ndim, sp, self.config.seq_axis)
+        call = prepare_call(self, inputs)
+        sp = shape.kind == "row" and call.sequence_parallel
+        tp_dim = _dense_general.output_tp_dim(shape, out.ndim, sp, call.seq_axis)
         return _dense_general.constrain_output(
             owner, out, out_sharding, shape.kind, tp_dim, self.config.axis_name
         )

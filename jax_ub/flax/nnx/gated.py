@@ -127,9 +127,9 @@ class ParallelGatedMLP(ConfigFields, Dropping, nnx.Module):
 
         ``deterministic``, ``rngs``: the dropout's, as ``nnx.Dropout``'s call takes them
         (with ``dropout_rate`` > 0 only)."""
-        ops, sp = prepare_call(self, inputs, divisible={"hidden_features": self.hidden_features})
+        call = prepare_call(self, inputs, divisible={"hidden_features": self.hidden_features})
         key = self._dropout_key(deterministic, rngs)
         rate = 0.0 if key is None else self.dropout_rate
-        f = _gated.gated_mlp_call(ops, self.activation, inputs.ndim, sp, rate)
+        f = _gated.gated_mlp_call(call, self.activation, inputs.ndim, rate)
         hist = _gated.histories(self.fp8, lambda name: getattr(self, name)[...])
         return f(inputs, self.gate_up[...], self.down_proj[...], hist, key)

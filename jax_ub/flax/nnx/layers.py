@@ -156,8 +156,8 @@ def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
     shapes = _check_group(layers)
     p0 = shapes[0]
     divisible = {p.split_what: p.split_size for p in shapes}
-    ops, sp = prepare_call(first, inputs, divisible=divisible)
-    f = _core.projection_call(shapes, ops, inputs.ndim, sp)
+    call = prepare_call(first, inputs, divisible=divisible)
+    f = _core.projection_call(shapes, call, inputs.ndim)
     out = f(inputs, tuple(layer.param_values() for layer in layers))
     return out[0] if len(layers) == 1 and p0.kind == "column" else out
 
