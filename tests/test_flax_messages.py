@@ -38,6 +38,19 @@ def test_default_axis_not_in_mesh_says_it_is_the_default(rand):
     assert "('data', 'fsdp', 'tensor')" in text
 
 
+def test_arrays_on_a_mesh_without_the_axis_name_it_eager_as_under_set_mesh(rand):
+    """Arrays sharded over a mesh that lacks the layer's axis: the same error with no mesh
+    set as under jax.set_mesh (not the plain layer with a no-mesh warning)."""
+    from flax import nnx  # noqa: PLC0415
+
+    mesh = make_mesh((2, "data"))
+    layer = ubf.ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
+    x = jax.device_put(rand(8, 16), NamedSharding(mesh, P("data")))
+    for context in (jax.set_mesh(mesh), warnings.catch_warnings()):
+        with context, pytest.raises(ValueError, match="axis_name 'tp' is not an axis of the mesh"):
+            layer(x)
+
+
 def test_no_mesh_warning_says_the_axis_is_the_default(rand):
     mlp = ubf.linen.ParallelMLP(32)
     x = rand(8, 2, 16)
