@@ -40,6 +40,7 @@ import time
 
 RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB_TEST_RANKS_PORT"
 GPU_ENV = "JAX_UB_TEST_RANKS_GPU"  # which GPU the ranks share (default 0)
+SHARE_COMPILE_ENV = "JAX_UB_TEST_RANKS_SHARE_COMPILE"  # 1: rank 0 compiles for all (GPUs)
 GRACE_S = 120.0  # after the first rank ends, how long the others may take to end too
 
 
@@ -85,7 +86,26 @@ def join() -> None:
         process_id=rank(),
         initialization_timeout=120,
     )
+    if os.environ.get(SHARE_COMPILE_ENV) == "1":
+        _share_compiled_programs(jax)
     _fetch_global_arrays_whole()
+
+
+def _share_compiled_programs(jax) -> None:
+    """Rank 0 compiles each program and hands it to the others through jax.distributed's
+    key-value store (``jax_share_binary_between_hosts``), instead of every rank compiling
+    it, which dominates this mode's time. JAX keys a program alike in every process only on
+    GPUs (it strips the device assignment there); on CPU devices the keys differ and a rank
+    would wait for a program never sent, so CPU runs never share. Opt-in
+    (``JAX_UB_TEST_RANKS_SHARE_COMPILE=1``) until seen working on a GPU; a program that does
+    not come fails the test after two minutes instead of hanging."""
+    if not jax.devices() or jax.devices()[0].platform != "gpu":
+        return
+    cache = os.path.join(tempfile.gettempdir(), f"jax_ub_ranks_cache_{os.getppid()}_{rank()}")
+    jax.config.update("jax_compilation_cache_dir", cache)  # sharing needs the cache on
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_share_binary_between_hosts", True)
+    jax.config.update("jax_share_binary_between_hosts_timeout_ms", 120_000)
 
 
 def _fetch_global_arrays_whole() -> None:
