@@ -232,9 +232,16 @@ mode_ranks() {
     # others run), spread over the machine's GPUs; a lane's failures come back as a file.
     gpus=$(nvidia-smi -L 2> /dev/null | grep -c "^GPU" || true)
     [ "${gpus:-0}" -ge 1 ] || gpus=1
+    # Each GPU's ranks in all, for their memory shares (tests/_ranks.py).
+    local -a on_gpu=()
+    for n in "${ranks[@]}"; do
+      on_gpu[i % gpus]=$((${on_gpu[i % gpus]:-0} + n))
+      i=$((i + 1))
+    done
+    i=0
     for n in "${ranks[@]}"; do
       (
-        export JAX_UB_TEST_RANKS_GPU=$((i % gpus))
+        export JAX_UB_TEST_RANKS_GPU=$((i % gpus)) JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[i % gpus]}
         FAILED=()
         ranks_lane "$n" "$@" > "$SCRATCH/lane_$n.out"
         printf '%s\n' "${FAILED[@]}" > "$SCRATCH/lane_$n.failed"

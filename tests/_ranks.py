@@ -41,7 +41,12 @@ import time
 RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB_TEST_RANKS_PORT"
 GPU_ENV = "JAX_UB_TEST_RANKS_GPU"  # which GPU the ranks share (default 0)
 SHARE_COMPILE_ENV = "JAX_UB_TEST_RANKS_SHARE_COMPILE"  # 1: rank 0 compiles for all (GPUs)
-GRACE_S = 120.0  # after the first rank ends, how long the others may take to end too
+# After the first rank ends, how long the others may take to end too.
+GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
+# How many ranks share the GPU in all (several groups of ranks may run on one GPU at once,
+# e.g. N = 8, 4 and 2 side by side); default: this group's N.
+ON_GPU_ENV = "JAX_UB_TEST_RANKS_ON_GPU"
+GPU_MEMORY_SHARE = 0.85  # of the GPU's memory, for the XLA pools of every rank on it together
 
 
 def rank_count() -> int:
@@ -72,6 +77,12 @@ def prepare_environment() -> None:
     # numbers stay cuBLAS's; only their speed, not measured here, may differ).
     env = os.environ
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    # Each rank's XLA pool grows as it needs and never shrinks: capped at its share of the
+    # GPU, with room left for the userbuffers and the CUDA contexts, so that one rank's
+    # large test cannot starve the others of memory (a later allocation anywhere on the
+    # GPU would fail, or a rank's GPU not start at all).
+    sharing = int(env.get(ON_GPU_ENV) or rank_count() or 1)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{GPU_MEMORY_SHARE / sharing:.3f}")
 
 
 def join() -> None:
@@ -178,8 +189,8 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
         procs.append((subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=log), log))
     where = f"{ranks} processes on GPU {shared_gpu()}, logs in {logs}"
     print(f"jax_ub N-ranks mode: {where}", flush=True)
-    _follow(files[0], procs[0][0])
-    deadline = time.monotonic() + GRACE_S
+    first_end = _follow(files[0], [p for p, _ in procs])
+    deadline = first_end + GRACE_S
     codes = []
     for i, (p, log) in enumerate(procs):
         try:
@@ -187,7 +198,10 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
         except subprocess.TimeoutExpired:
             p.kill()
             codes.append(p.wait())
-            print(f"rank {i} had not ended {GRACE_S:.0f} s after rank 0: killed", flush=True)
+            print(
+                f"rank {i} had not ended {GRACE_S:.0f} s after the first rank ended: killed",
+                flush=True,
+            )
         log.close()
     for i, code in enumerate(codes):
         if i and code not in (0, 5):
@@ -199,16 +213,24 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
     return failed[0] if failed else (5 if all(c == 5 for c in codes) else 0)
 
 
-def _follow(path: str, proc: subprocess.Popen) -> None:
-    """Print the file at ``path`` as ``proc`` writes it, until it ends."""
+def _follow(path: str, procs: list[subprocess.Popen]) -> float:
+    """Print the file at ``path`` (rank 0's log) as rank 0 writes it, until rank 0 ends or
+    ``GRACE_S`` after any rank ended (rank 0 may wait forever at exit, in
+    ``jax.distributed``'s shutdown, for a rank that is gone or stuck elsewhere); the time the
+    first rank ended."""
+    first_end = None
     with open(path) as f:
         while True:
             chunk = f.read()
             if chunk:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
-            elif proc.poll() is not None:
+                continue
+            now = time.monotonic()
+            if first_end is None and any(p.poll() is not None for p in procs):
+                first_end = now
+            if procs[0].poll() is not None or (first_end and now - first_end > GRACE_S):
                 sys.stdout.write(f.read())
-                return
-            else:
-                time.sleep(0.2)
+                sys.stdout.flush()
+                return first_end if first_end is not None else now
+            time.sleep(0.2)

@@ -4,6 +4,7 @@ reference, global arrays fetched whole, meshes of fewer ranks skipped, a failing
 reported. Not collected by the suite (its name does not start with ``test_``)."""
 
 import os
+import time
 
 import jax
 import numpy as np
@@ -51,3 +52,12 @@ def test_a_mesh_of_fewer_ranks_is_skipped():
 def test_the_last_rank_fails_when_asked():
     if os.environ.get("JAX_UB_TEST_RANKS_FAIL") and jax.process_index() == RANKS - 1:
         raise AssertionError(f"rank {jax.process_index()} fails on purpose")
+
+
+def test_a_rank_gone_does_not_hang_the_others():
+    """The last rank's process ends in the middle of a test while rank 0 waits on (here: for
+    good): the launcher ends rank 0 a grace period after, instead of waiting with it."""
+    if os.environ.get("JAX_UB_TEST_RANKS_GONE"):
+        if jax.process_index() == RANKS - 1:
+            os._exit(3)
+        time.sleep(3600)

@@ -47,19 +47,27 @@ def cpu_devices():
 
 def gpus() -> list:
     """This process's GPUs (an empty list without any)."""
+    return _gpus_and_why()[0]
+
+
+def _gpus_and_why() -> tuple[list, str]:
     try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
+        return jax.devices("gpu"), ""
+    except RuntimeError as e:
+        return [], str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def need_gpus(count: int) -> list:
     """The GPUs of this process (in the N-ranks mode: every rank's, one each); the calling
-    test module is skipped (at import) where there are fewer than ``count``."""
-    found = gpus()
+    test module is skipped (at import) where there are fewer than ``count``. A GPU that is
+    there but fails to start (out of memory, a driver error) says so in the skip's reason."""
+    found, why = _gpus_and_why()
     if len(found) < count:
         need = "a GPU" if count == 1 else f"at least {count} GPUs"
-        pytest.skip(f"needs {need}", allow_module_level=True)
+        reason = f"needs {need}"
+        if why and "Unknown backend" not in why and "No visible" not in why:
+            reason += f" (jax.devices('gpu') raised: {why})"
+        pytest.skip(reason, allow_module_level=True)
     return found
 
 

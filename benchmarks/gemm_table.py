@@ -1,0 +1,207 @@
+"""The per-GPU GEMMs of Llama 3 8B, 70B and 405B's projections at tp 1-8, timed on one GPU:
+jax_ub's own GEMM (an op on a group of one: no communication) beside XLA's dot and torch's
+cuBLAS (its heuristic pick), forward and forward + backward (the input's and the weight's
+gradients: ``dY @ W^T`` and ``X^T @ dY``), bf16; with ``--fp8``, the forward GEMM in
+float8_e4m3fn beside XLA's fp8 dot and ``torch._scaled_mm``.
+
+Each projection at each tp is the GEMM one rank runs for ``--tokens`` gathered rows:
+column-parallel (qkv, gate/up: all-gather then GEMM) ``tokens x hidden x out/tp``,
+row-parallel (o, down: GEMM then reduce-scatter) ``tokens x in/tp x hidden``.
+
+Method: per row, every implementation in turn, a loop of async calls lasting at least
+``--seconds`` (ms per call), ``--rounds`` rounds interleaved; the median of the rounds,
+and the spread (max - min over median) of the row's slowest-moving implementation. jax_ub's
+ratio is to the fastest of XLA and torch in the same row.
+
+python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--fp8] [--seconds 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")  # torch shares the GPU
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from gemm_sources import loop_ms, own_gemm  # noqa: E402
+
+# name: (hidden, qkv out, ffn); Llama 3's (head dim 128, 8 kv heads).
+MODELS = {
+    "tiny": (256, 384, 512),
+    "8b": (4096, 6144, 14336),
+    "70b": (8192, 10240, 28672),
+    "405b": (16384, 18432, 53248),
+}
+
+
+def projections(model: str, tp: int, tokens: int) -> list[tuple[str, int, int, int]]:
+    """(name, M, K, N) of one rank's forward GEMM for each projection of ``model``."""
+    h, qkv, ffn = MODELS[model]
+    return [
+        (f"{model} qkv", tokens, h, qkv // tp),
+        (f"{model} o", tokens, h // tp, h),
+        (f"{model} gate/up", tokens, h, 2 * ffn // tp),
+        (f"{model} down", tokens, ffn // tp, h),
+    ]
+
+
+def _jax_step(f, *args):
+    last: list = []
+
+    def step():
+        last[:] = [f(*args)]
+
+    return step, lambda: jax.block_until_ready(last[0])
+
+
+def bf16_impls(m: int, k: int, n: int, torch) -> dict:
+    """name -> (step, sync) for the forward and the forward + backward of each source."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+
+    def with_grads(f):
+        def run(a, b, g):
+            y, vjp = jax.vjp(f, a, b)
+            return (y, *vjp(g))
+
+        return jax.jit(run)
+
+    dot, ub = jax.jit(lambda a, b: a @ b), own_gemm()
+    impls = {
+        "xla fwd": _jax_step(dot, a, b),
+        "ub fwd": _jax_step(ub, a, b),
+        "xla fwd+bwd": _jax_step(with_grads(lambda a, b: a @ b), a, b, g),
+        "ub fwd+bwd": _jax_step(with_grads(ub), a, b, g),
+    }
+    for name in ("ub fwd", "ub fwd+bwd"):  # past the op's kernel trials
+        for _ in range(20):
+            impls[name][0]()
+        impls[name][1]()
+    if torch is not None:
+        ta, tb, tg = (
+            torch.from_numpy(np.array(x.astype(jnp.float32))).cuda().bfloat16() for x in (a, b, g)
+        )
+        sync = torch.cuda.synchronize
+
+        def t_fwd():
+            return torch.mm(ta, tb)
+
+        def t_all():  # what autograd runs for y = a @ b
+            return torch.mm(ta, tb), torch.mm(tg, tb.t()), torch.mm(ta.t(), tg)
+
+        impls["torch fwd"], impls["torch fwd+bwd"] = (t_fwd, sync), (t_all, sync)
+    return impls
+
+
+def fp8_impls(m: int, k: int, n: int, torch) -> dict:
+    """name -> (step, sync): the fp8 forward GEMM (operands already quantized, bf16 out)."""
+    from jax.sharding import Mesh  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    import jax_ub  # noqa: PLC0415
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32) * 0.02
+    sx, sw = np.abs(x).max() / 448, np.abs(w).max() / 448
+    xq = jnp.asarray(x / sx, jnp.float8_e4m3fn)
+    wq = jnp.asarray(w / sw, jnp.float8_e4m3fn)
+    scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+
+    def op(impl):
+        return jax.jit(
+            jax.shard_map(
+                lambda a, b: jax_ub.all_gather_matmul(a, b, "tp", impl=impl, fp8=scales),
+                mesh=mesh,
+                in_specs=(P("tp"), P(None, "tp")),
+                out_specs=P(None, "tp"),
+            )
+        )
+
+    impls = {"xla fp8": _jax_step(op("xla"), xq, wq), "ub fp8": _jax_step(op("ub"), xq, wq)}
+    for _ in range(20):
+        impls["ub fp8"][0]()
+    impls["ub fp8"][1]()
+    if torch is not None:
+        ta = torch.from_numpy(np.array(xq.astype(jnp.float32))).cuda().to(torch.float8_e4m3fn)
+        # _scaled_mm takes its second operand column-major.
+        tb = torch.from_numpy(np.asarray(wq.astype(jnp.float32)).T.copy()).cuda()
+        tb = tb.to(torch.float8_e4m3fn).t()
+        tsx = torch.tensor(float(sx), device="cuda")
+        tsw = torch.tensor(float(sw), device="cuda")
+
+        def t_fp8():
+            return torch._scaled_mm(ta, tb, tsx, tsw, out_dtype=torch.bfloat16)
+
+        impls["torch fp8"] = (t_fp8, torch.cuda.synchronize)
+    return impls
+
+
+def time_row(impls: dict, seconds: float, rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(rounds):
+        for name, (step, sync) in impls.items():
+            times[name].append(loop_ms(step, sync, seconds))
+    return times
+
+
+def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...]) -> str:
+    """One table row: per kind, each source's median ms and jax_ub / the fastest peer."""
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    spread = max((max(ts) - min(ts)) / statistics.median(ts) for ts in times.values())
+    cells = [label]
+    for kind in kinds:
+        peers = [med[n] for n in med if n.endswith(kind) and not n.startswith("ub")]
+        ub = med[f"ub {kind}"]
+        cells += [f"{med.get(f'{s} {kind}', float('nan')):.3f}" for s in ("xla", "torch")]
+        cells += [f"{ub:.3f}", f"{ub / min(peers):.3f}"]
+    cells.append(f"{100 * spread:.1f}%")
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="8b,70b,405b")
+    ap.add_argument("--tp", default="1,2,4,8", help="tensor-parallel sizes")
+    ap.add_argument("--tokens", type=int, default=8192, help="gathered rows per GEMM")
+    ap.add_argument(
+        "--most-tflop",
+        type=float,
+        default=8.0,
+        help="skip a row whose forward GEMM is more TFLOP than this",
+    )
+    ap.add_argument("--fp8", action="store_true", help="fp8 forward rows instead of bf16")
+    ap.add_argument("--seconds", type=float, default=0.3)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        torch = None
+    kinds = ("fp8",) if args.fp8 else ("fwd", "fwd+bwd")
+    head = ["projection M x K x N (tp)"]
+    for kind in kinds:
+        head += [f"{kind}: XLA ms", "torch ms", "jax_ub ms", "jax_ub / fastest"]
+    print("| " + " | ".join(head + ["spread"]) + " |")
+    print("|" + " --- |" * (len(head) + 1), flush=True)
+    for model in args.models.split(","):
+        for tp in map(int, args.tp.split(",")):
+            for name, m, k, n in projections(model, tp, args.tokens):
+                if 2 * m * k * n > args.most_tflop * 1e12:
+                    continue
+                make = fp8_impls if args.fp8 else bf16_impls
+                times = time_row(make(m, k, n, torch), args.seconds, args.rounds)
+                print(report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
