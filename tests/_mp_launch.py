@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import shm_names
+from _op_cases import shm_names
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_mp_worker.py")

@@ -12,7 +12,8 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import OPS, op_fn, op_operands, rel_err
+from _op_cases import OPS, op_fn, op_operands
+from conftest import rel_err
 from jax import lax
 
 import jax_ub

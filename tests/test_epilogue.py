@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, op_operands, rel_err, smap, to_f32, tol
+from _op_cases import op_operands
+from conftest import make_mesh, rel_err, smap, to_f32, tol
 from jax.sharding import PartitionSpec as P
 
 import jax_ub

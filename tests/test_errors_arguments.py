@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import OPS, make_mesh, op_call, smap
+from _op_cases import OPS, op_call
 from conftest import ag_fn as _ag
+from conftest import make_mesh, smap
 from conftest import rs_fn as _rs
 from jax.sharding import PartitionSpec as P
 

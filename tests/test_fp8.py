@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import OPS, op_call, op_operands, op_specs, rel_err, smap
+from _op_cases import OPS, op_call, op_operands, op_specs
+from conftest import rel_err, smap
 from jax.sharding import PartitionSpec as P
 
 import jax_ub

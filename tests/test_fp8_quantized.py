@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import OPS, op_call, op_operands, op_specs, rel_err, smap
+from _op_cases import OPS, op_call, op_operands, op_specs
+from conftest import rel_err, smap
 from jax.sharding import PartitionSpec as P
 from test_fp8 import E4M3, E5M2, amax, deq, fp8_fn
 

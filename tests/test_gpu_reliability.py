@@ -15,20 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    ag_fn,
-    assert_same_specials,
-    bits,
-    gpu_mesh,
-    group_sizes,
-    need_gpus,
-    open_fds,
-    rel_err,
-    rs_fn,
-    special_inputs,
-    to_f32,
-    use_tuning,
-)
+from _op_cases import assert_same_specials, bits, open_fds, special_inputs
+from conftest import ag_fn, gpu_mesh, group_sizes, need_gpus, rel_err, rs_fn, to_f32, use_tuning
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P

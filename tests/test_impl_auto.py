@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import OPS, op_fn, op_operands, rel_err, smap, to_f32
+from _op_cases import OPS, op_fn, op_operands
 from conftest import ag_fn as _ag
+from conftest import rel_err, smap, to_f32
 from conftest import rs_fn as _rs
 from jax import lax
 from jax.sharding import PartitionSpec as P

@@ -8,17 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    OPS,
-    assert_same_specials,
-    cpu_devices,
-    op_fn,
-    op_operands,
-    rel_err,
-    special_inputs,
-    to_f32,
-    tol,
-)
+from _op_cases import OPS, assert_same_specials, op_fn, op_operands, special_inputs
+from conftest import cpu_devices, rel_err, to_f32, tol
 
 
 def _check(mesh, op, x, w, dtype):

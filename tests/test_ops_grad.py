@@ -7,7 +7,8 @@ test_return_gathered.py."""
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import OPS, op_call, op_operands, op_specs, rel_err, smap
+from _op_cases import OPS, op_call, op_operands, op_specs
+from conftest import rel_err, smap
 from jax.sharding import PartitionSpec as P
 
 

@@ -5,7 +5,8 @@ own product or summed in one pass (reduce_scatter_fold_rows)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import op_fn, rel_err, to_f32, tol
+from _op_cases import op_fn
+from conftest import rel_err, to_f32, tol
 
 import jax_ub
 from jax_ub._src.settings import options

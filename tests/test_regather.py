@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, rel_err, smap, to_f32, tol, use_tuning
+from _op_cases import bits
+from conftest import rel_err, smap, to_f32, tol, use_tuning
 from jax import lax
 from jax.sharding import PartitionSpec as P
 

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import OPS, bits, op_call, op_fn, op_operands, op_specs, place, rel_err, smap
+from _op_cases import OPS, bits, op_call, op_fn, op_operands, op_specs, place
+from conftest import rel_err, smap
 from jax import lax
 from jax.sharding import PartitionSpec as P
 

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _op_cases import bits
 from _programs import regathering_calls
-from conftest import bits, rel_err, smap, tol
+from conftest import rel_err, smap, tol
 from jax.sharding import PartitionSpec as P
 
 import jax_ub

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import OPS, make_mesh, op_call, rel_err, smap, tol
+from _op_cases import OPS, op_call
+from conftest import make_mesh, rel_err, smap, tol
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ag_fn, bits, comm_options, open_fds, place, rel_err, shm_names, smap, to_f32
+from _op_cases import bits, open_fds, place, shm_names
+from conftest import ag_fn, comm_options, rel_err, smap, to_f32
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
