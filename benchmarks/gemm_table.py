@@ -85,6 +85,8 @@ def bf16_impls(m: int, k: int, n: int, torch) -> dict:
         for _ in range(20):
             impls[name][0]()
         impls[name][1]()
+    check_close("bf16 fwd", ub(a, b), dot(a, b))
+    check_close("bf16 fwd+bwd", with_grads(ub)(a, b, g), with_grads(lambda a, b: a @ b)(a, b, g))
     if torch is not None:
         ta, tb, tg = (
             torch.from_numpy(np.array(x.astype(jnp.float32))).cuda().bfloat16() for x in (a, b, g)
@@ -128,6 +130,7 @@ def fp8_impls(m: int, k: int, n: int, torch) -> dict:
         )
 
     impls = {"xla fp8": _jax_step(op("xla"), xq, wq), "ub fp8": _jax_step(op("ub"), xq, wq)}
+    check_close("fp8", op("ub")(xq, wq), op("xla")(xq, wq))
     for _ in range(20):
         impls["ub fp8"][0]()
     impls["ub fp8"][1]()
@@ -144,6 +147,16 @@ def fp8_impls(m: int, k: int, n: int, torch) -> dict:
 
         impls["torch fp8"] = (t_fp8, torch.cuda.synchronize)
     return impls
+
+
+def check_close(what: str, got, want, most: float = 2e-2) -> None:
+    """jax_ub's outputs against XLA's on the same random data (relative Frobenius error):
+    a timing of wrong numbers is no result."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        err = np.linalg.norm(g - w) / np.linalg.norm(w)
+        if not err <= most:  # NaN fails too
+            raise AssertionError(f"{what}: jax_ub's output is off XLA's by {err:.3g} (> {most})")
 
 
 def time_row(impls: dict, seconds: float, rounds: int) -> dict[str, list[float]]:
