@@ -307,3 +307,31 @@ def test_weight_grads_are_tied_to_their_layers_dx(mesh1d, rand, op):
         args, want = (rand(4 * 8, 4 * 8), rand(4 * 8, 16)), [["32x8", "8x16"]]
     got = _weight_grad_barriers(f.lower(*args).as_text())
     assert got == want, got
+
+
+@pytest.mark.parametrize("op", [jax_ub.all_gather_matmul, jax_ub.matmul_reduce_scatter])
+def test_a_group_of_one_copies_nothing_to_gather(mesh1d, rand, op):
+    """On a group of one, all_gather(x) is x: neither op's backward asks its custom call for
+    a gathered copy (a pass over x or dy per call), nor does return_gathered; the gradients
+    are still plain JAX's."""
+    x, w = rand(16, 8), rand(8, 12)
+    f = smap(_local_grad(op, "ub"), mesh1d(1), (P(), P()), (P(), P()))
+    text = _texts(f, x, w)["compiled"]
+    results = re.findall(r"= \(([^)]*)\) custom-call\(", text)
+    assert len(results) == 2, text  # the forward's call, the backward's dx call
+    for result in results:
+        extra = result.split(", ")[1:]  # after the product: gathered copies, GELU's input
+        assert all(re.match(r"\w+\[0,", t) for t in extra), result
+
+    def plain_loss(x, w):
+        return jnp.sum(jnp.sin(x @ w))
+
+    want = jax.grad(plain_loss, argnums=(0, 1))(x, w)
+    for g, r in zip(f(x, w), want, strict=True):
+        assert jnp.allclose(g, r, rtol=1e-5, atol=1e-5), float(jnp.max(jnp.abs(g - r)))
+
+    ag = _ag(mesh1d(1), "ub", return_gathered=True)
+    y, gathered = ag(x, w)
+    assert (gathered == x).all()
+    (result,) = re.findall(r"= \(([^)]*)\) custom-call\(", _texts(ag, x, w)["compiled"])
+    assert re.match(r"\w+\[0,", result.split(", ")[1]), result

@@ -219,6 +219,25 @@ def bind_all_gather_matmul(
     dgelu = gelu_input is not None
     if not dgelu:
         gelu_input = jnp.zeros((0, *x.shape[1:-1], _columns(w, transpose_w)), out_dtype)
+    if return_gathered and axis_size == 1:
+        # A group of one: all_gather(x) is x, with no copy of it in the call (a pass over x
+        # per call, e.g. in every backward of a tp=1 model).
+        out, _, pre = bind_all_gather_matmul(
+            x,
+            w,
+            axis_name,
+            axis_size,
+            return_gathered=False,
+            transpose_w=transpose_w,
+            fallback=fallback,
+            scales=scales,
+            out_dtype=out_dtype,
+            bias=bias,
+            gelu=gelu,
+            keep_pre_gelu=keep_pre_gelu,
+            gelu_input=gelu_input if dgelu else None,
+        )
+        return out, x, pre
     return all_gather_matmul_p.bind(
         x,
         w,
@@ -265,6 +284,18 @@ def bind_matmul_reduce_scatter(
             f"matmul_reduce_scatter: the array to all-gather beside it must be laid out as its "
             f"result, {shape} of {out_dtype}; got {gather.shape=} of {gather.dtype}"
         )
+    elif axis_size == 1:  # a group of one: all_gather(gather) is gather, no copy in the call
+        out = bind_matmul_reduce_scatter(
+            x,
+            w,
+            axis_name,
+            axis_size,
+            transpose_w=transpose_w,
+            fallback=fallback,
+            scales=scales,
+            out_dtype=out_dtype,
+        )
+        return out, gather
     else:
         gather_src = gather
     out, gathered = matmul_reduce_scatter_p.bind(
