@@ -105,32 +105,18 @@ def bf16_impls(m: int, k: int, n: int, torch) -> dict:
 
 def fp8_impls(m: int, k: int, n: int, torch) -> dict:
     """name -> (step, sync): the fp8 forward GEMM (operands already quantized, bf16 out)."""
-    from jax.sharding import Mesh  # noqa: PLC0415
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-
-    import jax_ub  # noqa: PLC0415
+    from jax_ub import fp8  # noqa: PLC0415
+    from jax_ub.bench.impls import _fp8_scales  # noqa: PLC0415
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32) * 0.02
-    sx, sw = np.abs(x).max() / 448, np.abs(w).max() / 448
-    xq = jnp.asarray(x / sx, jnp.float8_e4m3fn)
-    wq = jnp.asarray(w / sw, jnp.float8_e4m3fn)
-    scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw))
-    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    sx, sw, scales = _fp8_scales(x, w)
+    xq, wq = fp8.quantize(jnp.asarray(x), sx), fp8.quantize(jnp.asarray(w), sw)
 
-    def op(impl):
-        return jax.jit(
-            jax.shard_map(
-                lambda a, b: jax_ub.all_gather_matmul(a, b, "tp", impl=impl, fp8=scales),
-                mesh=mesh,
-                in_specs=(P("tp"), P(None, "tp")),
-                out_specs=P(None, "tp"),
-            )
-        )
-
-    impls = {"xla fp8": _jax_step(op("xla"), xq, wq), "ub fp8": _jax_step(op("ub"), xq, wq)}
-    check_close("fp8", op("ub")(xq, wq), op("xla")(xq, wq))
+    ub, xla = own_gemm("ub", fp8=scales), own_gemm("xla", fp8=scales)
+    impls = {"xla fp8": _jax_step(xla, xq, wq), "ub fp8": _jax_step(ub, xq, wq)}
+    check_close("fp8", ub(xq, wq), xla(xq, wq))
     for _ in range(20):
         impls["ub fp8"][0]()
     impls["ub fp8"][1]()

@@ -206,6 +206,15 @@ def test_op_gradients(rand, name, mode, impl):
     check_op(rand, name, mode, impl)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", [n for n in OPS if n != "matmul_all_reduce"])
+def test_op_gradients_on_a_group_of_one(rand, name, mode):
+    """tp = 1 (dp = 2), impl="ub": the ops' own GEMMs with nothing to move; the backward's
+    all_gather(x) is x itself, not a copy made in the call. (matmul_all_reduce runs XLA's
+    dot on a group of one, not jax_ub's calls.)"""
+    check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (1, "tp")))
+
+
 def check_op(rand, name: str, mode: str, impl: str, mesh=None, tol: float = TOL) -> None:
     """The op with and without biases, sequence dim 0 and 1, against the reference."""
     op = OPS[name]

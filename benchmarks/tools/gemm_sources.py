@@ -35,14 +35,15 @@ def xla_gemm_calls(f, *args) -> list[str]:
     return calls
 
 
-def own_gemm():
-    """jax_ub's own GEMM, jitted: all_gather_matmul on a group of one GPU, ``a @ b``."""
+def own_gemm(impl: str = "ub", **op_kwargs):
+    """jax_ub's own GEMM, jitted: all_gather_matmul on a group of one GPU, ``a @ b``
+    (``impl="xla"``: XLA's dot of the same call; ``op_kwargs``: the op's, e.g. ``fp8``)."""
     import jax_ub  # noqa: PLC0415
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     return jax.jit(
         jax.shard_map(
-            lambda a, b: jax_ub.all_gather_matmul(a, b, "tp", impl="ub"),
+            lambda a, b: jax_ub.all_gather_matmul(a, b, "tp", impl=impl, **op_kwargs),
             mesh=mesh,
             in_specs=(P("tp"), P(None, "tp")),
             out_specs=P(None, "tp"),

@@ -209,13 +209,13 @@ int main(int argc, char** argv) {
       argv[1], tp, m, k, n, sched[1], whole[1], sched[1] / whole[1], sched.front(), sched.back(),
       whole.front(), whole.back());
   delete r.gemm;
-  for (cudaStream_t s : r.lanes) cudaStreamDestroy(s);
-  cudaStreamDestroy(r.compute);
-  for (cudaEvent_t e : {r.join, r.begin, r.end}) cudaEventDestroy(e);
+  for (cudaStream_t s : r.lanes) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
+  Check(cudaStreamDestroy(r.compute), "cudaStreamDestroy");
+  for (cudaEvent_t e : {r.join, r.begin, r.end}) Check(cudaEventDestroy(e), "cudaEventDestroy");
   for (const void* p :
        {r.ops.x, r.ops.w, static_cast<const void*>(r.ops.out), static_cast<const void*>(r.buffer),
         static_cast<const void*>(r.peer_scratch), static_cast<const void*>(r.whole_x),
         static_cast<const void*>(r.whole_out)})
-    cudaFree(const_cast<void*>(p));
+    Check(cudaFree(const_cast<void*>(p)), "cudaFree");
   return 0;
 }

@@ -219,26 +219,10 @@ def bind_all_gather_matmul(
     dgelu = gelu_input is not None
     if not dgelu:
         gelu_input = jnp.zeros((0, *x.shape[1:-1], _columns(w, transpose_w)), out_dtype)
-    if return_gathered and axis_size == 1:
-        # A group of one: all_gather(x) is x, with no copy of it in the call (a pass over x
-        # per call, e.g. in every backward of a tp=1 model).
-        out, _, pre = bind_all_gather_matmul(
-            x,
-            w,
-            axis_name,
-            axis_size,
-            return_gathered=False,
-            transpose_w=transpose_w,
-            fallback=fallback,
-            scales=scales,
-            out_dtype=out_dtype,
-            bias=bias,
-            gelu=gelu,
-            keep_pre_gelu=keep_pre_gelu,
-            gelu_input=gelu_input if dgelu else None,
-        )
-        return out, x, pre
-    return all_gather_matmul_p.bind(
+    # A group of one: all_gather(x) is x, given back as it is, not copied in the call (a
+    # pass over x per call, e.g. in every backward of a tp=1 model).
+    copies = return_gathered and axis_size > 1
+    out, gathered, pre = all_gather_matmul_p.bind(
         x,
         w,
         scales,
@@ -246,7 +230,7 @@ def bind_all_gather_matmul(
         gelu_input,
         axis_name=axis_name,
         axis_size=axis_size,
-        return_gathered=return_gathered,
+        return_gathered=copies,
         transpose_w=transpose_w,
         out_dtype=out_dtype,
         fallback=fallback,
@@ -254,6 +238,7 @@ def bind_all_gather_matmul(
         keep_pre_gelu=bool(keep_pre_gelu and gelu),
         dgelu=dgelu,
     )
+    return out, (x if return_gathered and not copies else gathered), pre
 
 
 def bind_matmul_reduce_scatter(
@@ -277,27 +262,14 @@ def bind_matmul_reduce_scatter(
     """
     scales, out_dtype = _scales_and_type(x, scales, out_dtype)
     shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
-    if gather is None:
-        gather_src = jnp.zeros((0, *shape[1:]), out_dtype)
-    elif gather.shape != shape or gather.dtype != out_dtype:
+    if gather is not None and (gather.shape != shape or gather.dtype != out_dtype):
         raise ValueError(
             f"matmul_reduce_scatter: the array to all-gather beside it must be laid out as its "
             f"result, {shape} of {out_dtype}; got {gather.shape=} of {gather.dtype}"
         )
-    elif axis_size == 1:  # a group of one: all_gather(gather) is gather, no copy in the call
-        out = bind_matmul_reduce_scatter(
-            x,
-            w,
-            axis_name,
-            axis_size,
-            transpose_w=transpose_w,
-            fallback=fallback,
-            scales=scales,
-            out_dtype=out_dtype,
-        )
-        return out, gather
-    else:
-        gather_src = gather
+    # A group of one: all_gather(gather) is gather, given back as it is, not copied in the call.
+    copies = gather is not None and axis_size > 1
+    gather_src = gather if copies else jnp.zeros((0, *shape[1:]), out_dtype)
     out, gathered = matmul_reduce_scatter_p.bind(
         x,
         w,
@@ -309,4 +281,6 @@ def bind_matmul_reduce_scatter(
         out_dtype=out_dtype,
         fallback=fallback,
     )
-    return out if gather is None else (out, gathered)
+    if gather is None:
+        return out
+    return out, (gathered if copies else gather)
