@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import jax
 from jax.core import AbstractValue
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from jax_ub._src.jax_compat import check_vma as _check_vma
 
@@ -53,3 +55,38 @@ def result_aval(x, shape, *operands, extra: frozenset = frozenset()):
     if hasattr(x, "vma"):
         return x.update(shape=shape, vma=varying)
     return x.update(shape=shape)
+
+
+def _with_varying(aval: AbstractValue, varying: frozenset) -> AbstractValue:
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return aval.update(manual_axis_type=mat.update(varying=varying))
+    if hasattr(aval, "vma"):
+        return aval.update(vma=varying)
+    return aval
+
+
+# The sum over a group of one: the value itself, typed as not varying over the group's axis
+# (as psum's result is). XLA's psum over a size-1 axis would be a no-op all-reduce, and
+# its SPMD partitioner rejects one inside a partial-auto shard_map whose automatic axes
+# split the operand; this emits nothing.
+_summed_over_one_p = Primitive("jax_ub_summed_over_group_of_one")
+_summed_over_one_p.def_impl(lambda x, *, axes: x)
+_summed_over_one_p.def_abstract_eval(lambda x, *, axes: _with_varying(x, _varying(x) - axes))
+mlir.register_lowering(_summed_over_one_p, lambda ctx, x, *, axes: [x])
+# The transpose, as psum's: the cotangent (the same on every rank) cast back to varying.
+ad.deflinear2(
+    _summed_over_one_p,
+    lambda ct, x, *, axes: [jax.lax.pcast(ct, tuple(sorted(axes)), to="varying")],
+)
+batching.primitive_batchers[_summed_over_one_p] = lambda args, dims, *, axes: (
+    _summed_over_one_p.bind(args[0], axes=axes),
+    dims[0],
+)
+
+
+def summed_over_group_of_one(y, axis_name: str):
+    """``psum(y, axis_name)`` where the axis has size 1: ``y``, no longer typed as varying
+    over the axis. A no-op where ``y`` does not vary over it (or nothing is checked)."""
+    axes = frozenset({axis_name}) & varying_axes(y)
+    return _summed_over_one_p.bind(y, axes=axes) if axes else y

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.unfused import matmul_all_reduce_reference, reduce_scatter_rows
-from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.lowering.varying import match_varying, summed_over_group_of_one
 from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.argument_checks import check_arguments
 from jax_ub._src.ops.group import Group
@@ -110,9 +110,9 @@ def _ub(call: driver.Call, x, w):
 
 
 def _unfused(call: driver.Call, x, w):
-    # A group of one: nothing to sum; XLA refuses a psum over a size-1 automatic axis.
-    axis = None if call.size == 1 else call.axis_name
-    return matmul_all_reduce_reference(x, w, axis, call.path.collectives)
+    if call.size == 1:  # nothing to sum; the product typed as the sum's (see there)
+        return summed_over_group_of_one(matmul_all_reduce_reference(x, w, None), call.axis_name)
+    return matmul_all_reduce_reference(x, w, call.axis_name, call.path.collectives)
 
 
 _BODIES = Bodies(ub=_ub, unfused=_unfused)
