@@ -17,7 +17,7 @@ MODES=(
   all          "tests, then bench (args: bench's)"                                    mode_all
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
-  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the files of RANKS_FILES (\"file:seconds ...\") or of a set; RANKS_PARALLEL=1: each N a lane of its own, all at once, spread over the GPUs; JAX_UB_TEST_RANKS_SHARE_COMPILE=1: rank 0 compiles each program for all (not yet seen on a GPU); args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 35 minutes a N, so several calls with RANKS_FILES), then pytest's own (e.g. -k); logs in \$OUT/ranks_N.log. Correctness only: never timings" mode_ranks
+  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds ...\", @k: pytest's -k, + for a space) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 33 lane-minutes a N at N = 8), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -192,71 +192,98 @@ mode_tests() {
   grep -E "^=+ .* in [0-9.]+s" "$OUT/gpu_tests.log"
 }
 
-# The N-ranks mode's test sets, file:seconds (limits about 1.5x the times seen at N = 4 and 8
-# on one H200: test_gpu 140-150 s, fp8 80, epilogue 50, layouts 160, the gradient matrix
-# 300, the models about 25 s a test). quick: about 4.5 minutes at one N.
-RANKS_QUICK="test_gpu.py:220 test_gpu_fp8.py:120 test_gpu_epilogue.py:80"
-RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py:450 test_gpu_layouts.py:240 test_gpu_flax.py:120 test_gpu_reliability.py:200 test_gpu_models.py:500 test_gpu_general_lm.py:240 test_gpu_ported_lm.py:240"
+# The N-ranks mode's test sets: items file[@k]:seconds, each run at every N, under a limit of
+# about 1.5x the longest time seen at N = 2-8 on one H200 beside other lanes (rank 0
+# compiling for all). @k: only pytest -k k's tests, a "+" in k standing for a space; the
+# long files are split so that parallel lanes balance. quick: about 4.5 minutes at one N.
+RANKS_QUICK="test_gpu.py:220 test_gpu_fp8.py:150 test_gpu_epilogue.py:90"
+RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:300
+  test_gpu_grad_matrix.py@op_gradients+and+not+dp1x:480 test_gpu_grad_matrix.py@layer_gradients+and+dp1x:240
+  test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:400 test_gpu_layouts.py:200 test_gpu_flax.py:60
+  test_gpu_reliability.py:150 test_gpu_models.py@trains_as:320 test_gpu_models.py@not+trains_as:420
+  test_gpu_general_lm.py:180 test_gpu_ported_lm.py:240"
 
-# One N's files, one after the other (its logs: $OUT/ranks_N.log); the GPU its ranks share:
-# JAX_UB_TEST_RANKS_GPU, as the caller sets it.
-ranks_lane() {
-  local n=$1
-  shift
-  local log="$OUT/ranks_$n.log" spec file limit start
-  : > "$log"
-  for spec in "${RANKS_SPECS[@]}"; do
-    file=${spec%%:*}
-    limit=${spec##*:}
-    start=$(wc -l < "$log")
-    step --append --ok "0 5" -k 10 "ranks=$n tests/$file" "$limit" "$log" \
-      python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_${file%.py}" -q -rfEs \
-      -m gpu "tests/$file" "$@"
-    tail -n "+$((start + 1))" "$log" \
-      | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
-  done
+# One item of the N-ranks mode at one N: ranks_item N FILE K LIMIT LOG (K: pytest's -k, or
+# empty), the test run appended to LOG; pytest's own args follow in RANKS_ARGS.
+ranks_item() {
+  local n=$1 file=$2 k=$3 limit=$4 log=$5 start tag=${file%.py}
+  local -a sel=()
+  if [ -n "$k" ]; then
+    sel=(-k "$k")
+    tag+=_$(tr -c 'A-Za-z0-9_\n' _ <<< "$k")
+  fi
+  start=$(wc -l < "$log")
+  step --append --ok "0 5" -k 10 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
+    python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag" -q -rfEs \
+    -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
+  tail -n "+$((start + 1))" "$log" \
+    | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
+}
+
+# Every item at every N, as lines "seconds n file k" (k: "-" for none), longest first.
+ranks_work() {
+  local n spec file k
+  for n in "$@"; do
+    for spec in "${RANKS_SPECS[@]}"; do
+      file=${spec%%:*}
+      k=-
+      if [[ $file == *@* ]]; then
+        k=${file#*@}
+        file=${file%%@*}
+      fi
+      echo "${spec##*:} $n $file $k"
+    done
+  done | sort -rn -k1,1
 }
 
 mode_ranks() {
   local set=quick
   case ${1:-} in quick | all) set=$1; shift ;; esac
-  local -a ranks
+  RANKS_ARGS=("$@")
   if [ -n "${RANKS_FILES:-}" ]; then read -ra RANKS_SPECS <<< "$RANKS_FILES"
-  elif [ "$set" = all ]; then read -ra RANKS_SPECS <<< "$RANKS_ALL"; else read -ra RANKS_SPECS <<< "$RANKS_QUICK"; fi
+  elif [ "$set" = all ]; then read -ra RANKS_SPECS <<< "${RANKS_ALL//$'\n'/ }"; else read -ra RANKS_SPECS <<< "$RANKS_QUICK"; fi
+  local -a ranks
   read -ra ranks <<< "${RANKS:-4}"
-  local n i=0 gpus
-  if [ -z "${RANKS_PARALLEL:-}" ]; then
-    for n in "${ranks[@]}"; do ranks_lane "$n" "$@"; done
-  else
-    # Each N a lane of its own, all at once (the ranks compile on the host's cores while
-    # others run), spread over the machine's GPUs; a lane's failures come back as a file.
-    gpus=$(nvidia-smi -L 2> /dev/null | grep -c "^GPU" || true)
-    [ "${gpus:-0}" -ge 1 ] || gpus=1
-    # Each GPU's ranks in all, for their memory shares (tests/_ranks.py).
-    local -a on_gpu=()
-    for n in "${ranks[@]}"; do
-      on_gpu[i % gpus]=$((${on_gpu[i % gpus]:-0} + n))
-      i=$((i + 1))
-    done
-    i=0
-    for n in "${ranks[@]}"; do
-      (
-        export JAX_UB_TEST_RANKS_GPU=$((i % gpus)) JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[i % gpus]}
-        FAILED=()
-        ranks_lane "$n" "$@" > "$SCRATCH/lane_$n.out"
-        printf '%s\n' "${FAILED[@]}" > "$SCRATCH/lane_$n.failed"
-      ) &
-      i=$((i + 1))
-    done
-    wait
-    i=0
-    for n in "${ranks[@]}"; do
-      echo "-- ranks=$n, GPU $((i % gpus)):"
-      i=$((i + 1))
-      cat "$SCRATCH/lane_$n.out"
-      while IFS= read -r f; do [ -n "$f" ] && FAILED+=("$f"); done < "$SCRATCH/lane_$n.failed"
-    done
-  fi
+  local lanes=${RANKS_PARALLEL:-1} gpus secs n file k lane i
+  [[ $lanes =~ ^[1-9][0-9]*$ ]] || { echo "RANKS_PARALLEL must be a count of lanes, got '$lanes'"; exit 2; }
+  gpus=$(nvidia-smi -L 2> /dev/null | grep -c "^GPU" || true)
+  [ "${gpus:-0}" -ge 1 ] || gpus=1
+  # Each item to the lane with the least work so far, longest first; lane L shares GPU
+  # L % gpus. Each GPU's ranks in all (its lanes' largest N summed) size their memory shares
+  # (tests/_ranks.py).
+  local -a load=() items=() most=() on_gpu=()
+  for ((lane = 0; lane < lanes; lane++)); do load[lane]=0; items[lane]=""; most[lane]=0; done
+  while read -r secs n file k; do
+    lane=0
+    for ((i = 1; i < lanes; i++)); do [ "${load[i]}" -lt "${load[lane]}" ] && lane=$i; done
+    load[lane]=$((load[lane] + secs))
+    items[lane]+="$n $file $k $secs;"
+    [ "$n" -gt "${most[lane]}" ] && most[lane]=$n
+  done < <(ranks_work "${ranks[@]}")
+  for ((lane = 0; lane < lanes; lane++)); do
+    on_gpu[lane % gpus]=$((${on_gpu[lane % gpus]:-0} + most[lane]))
+  done
+  for ((lane = 0; lane < lanes; lane++)); do
+    (
+      export JAX_UB_TEST_RANKS_GPU=$((lane % gpus)) JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[lane % gpus]}
+      FAILED=()
+      log="$OUT/ranks_lane$lane.log"
+      : > "$log"
+      IFS=';' read -ra work <<< "${items[lane]}"
+      for item in "${work[@]}"; do
+        read -r n file k secs <<< "$item"
+        [ "$k" = - ] && k="" || k=${k//+/ }
+        ranks_item "$n" "$file" "$k" "$secs" "$log"
+      done > "$SCRATCH/lane_$lane.out"
+      printf '%s\n' "${FAILED[@]}" > "$SCRATCH/lane_$lane.failed"
+    ) &
+  done
+  wait
+  for ((lane = 0; lane < lanes; lane++)); do
+    echo "-- lane $lane (GPU $((lane % gpus)), about ${load[lane]} s of limits; log: ranks_lane$lane.log):"
+    cat "$SCRATCH/lane_$lane.out"
+    while IFS= read -r f; do [ -n "$f" ] && FAILED+=("$f"); done < "$SCRATCH/lane_$lane.failed"
+  done
   if [ "$set" = all ]; then  # processes of their own on GPU 0: the fault tests among them
     step --append --ok "0 5" -k 10 "shared-GPU processes" 400 "$OUT/ranks_processes.log" \
       python3 -m pytest -q -rfEs -m gpu tests/test_gpu_multiprocess.py -k "one_gpu or one_shared_gpu" "$@"

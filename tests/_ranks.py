@@ -32,6 +32,7 @@ after the first rank ends.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,7 +41,7 @@ import time
 
 RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB_TEST_RANKS_PORT"
 GPU_ENV = "JAX_UB_TEST_RANKS_GPU"  # which GPU the ranks share (default 0)
-SHARE_COMPILE_ENV = "JAX_UB_TEST_RANKS_SHARE_COMPILE"  # 1: rank 0 compiles for all (GPUs)
+SHARE_COMPILE_ENV = "JAX_UB_TEST_RANKS_SHARE_COMPILE"  # 0: every rank compiles for itself
 # After the first rank ends, how long the others may take to end too.
 GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
 # How many ranks share the GPU in all (several groups of ranks may run on one GPU at once,
@@ -97,7 +98,7 @@ def join() -> None:
         process_id=rank(),
         initialization_timeout=120,
     )
-    if os.environ.get(SHARE_COMPILE_ENV) == "1":
+    if os.environ.get(SHARE_COMPILE_ENV, "1") != "0":
         _share_compiled_programs(jax)
     _fetch_global_arrays_whole()
 
@@ -107,16 +108,22 @@ def _share_compiled_programs(jax) -> None:
     key-value store (``jax_share_binary_between_hosts``), instead of every rank compiling
     it, which dominates this mode's time. JAX keys a program alike in every process only on
     GPUs (it strips the device assignment there); on CPU devices the keys differ and a rank
-    would wait for a program never sent, so CPU runs never share. Opt-in
-    (``JAX_UB_TEST_RANKS_SHARE_COMPILE=1``) until seen working on a GPU; a program that does
-    not come fails the test after two minutes instead of hanging."""
+    would wait for a program never sent, so CPU runs never share. On by default
+    (``JAX_UB_TEST_RANKS_SHARE_COMPILE=0``: off); a program that does not come fails the
+    test after two minutes instead of hanging. The launcher removes the caches it needs
+    (:func:`_compile_cache`) when its ranks have ended."""
     if not jax.devices() or jax.devices()[0].platform != "gpu":
         return
-    cache = os.path.join(tempfile.gettempdir(), f"jax_ub_ranks_cache_{os.getppid()}_{rank()}")
-    jax.config.update("jax_compilation_cache_dir", cache)  # sharing needs the cache on
+    # sharing needs the cache on
+    jax.config.update("jax_compilation_cache_dir", _compile_cache(os.getppid(), rank()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_share_binary_between_hosts", True)
     jax.config.update("jax_share_binary_between_hosts_timeout_ms", 120_000)
+
+
+def _compile_cache(launcher_pid: int, rank: int) -> str:
+    """The folder of one rank's compilation cache (:func:`_share_compiled_programs`)."""
+    return os.path.join(tempfile.gettempdir(), f"jax_ub_ranks_cache_{launcher_pid}_{rank}")
 
 
 def _fetch_global_arrays_whole() -> None:
@@ -203,6 +210,8 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
                 flush=True,
             )
         log.close()
+    for i in range(ranks):
+        shutil.rmtree(_compile_cache(os.getpid(), i), ignore_errors=True)
     for i, code in enumerate(codes):
         if i and code not in (0, 5):
             with open(files[i]) as f:

@@ -1,0 +1,56 @@
+"""benchmarks/device_run.sh's N-ranks mode, dry run (its commands printed, none run): every
+item at every N runs once, in lanes of about equal work; the whole set has every GPU file."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ITEM = re.compile(r"\[dry run\] ranks=(\d+) tests/(\S+?)(?: -k \"([^\"]+)\")?: timeout -k 10 (\d+)")
+
+
+def _dry_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), **env)
+    cmd = ["bash", str(ROOT / "benchmarks" / "device_run.sh"), "ranks", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_every_item_at_every_n_once_in_balanced_lanes(tmp_path):
+    files = "a.py:100 b.py@x+and+not+y:300 c.py:200 d.py:50 e.py:70"
+    done = _dry_run(tmp_path, RANKS="2 8", RANKS_PARALLEL="3", RANKS_FILES=files)
+    assert done.returncode == 0, done.stdout + done.stderr
+    items = ITEM.findall(done.stdout)
+    want = {
+        (n, f, k, s)
+        for n in ("2", "8")
+        for f, k, s in [
+            ("a.py", "", "100"),
+            ("b.py", "x and not y", "300"),
+            ("c.py", "", "200"),
+            ("d.py", "", "50"),
+            ("e.py", "", "70"),
+        ]
+    }
+    assert sorted(items) == sorted(want), done.stdout
+    loads = [int(x) for x in re.findall(r"-- lane \d+ \(GPU 0, about (\d+) s", done.stdout)]
+    # longest first, each to the least loaded lane: 300 100 70, 300 100 70, 200 200 50 50
+    assert sorted(loads) == [470, 470, 500], loads
+
+
+def test_the_whole_set_has_every_gpu_file(tmp_path):
+    done = _dry_run(tmp_path, "all", RANKS="4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = {f for _, f, _, _ in ITEM.findall(done.stdout)}
+    # processes of their own, not ranks: the shared-GPU step and a one-GPU file
+    own = {"test_gpu_multiprocess.py", "test_gpu_gemm_cache.py"}
+    assert ran == {p.name for p in (ROOT / "tests").glob("test_gpu*.py")} - own
+    assert "test_gpu_multiprocess.py -k one_gpu\\ or\\ one_shared_gpu" in done.stdout
+
+
+def test_a_lane_count_that_is_not_a_count_is_refused(tmp_path):
+    done = _dry_run(tmp_path, RANKS_PARALLEL="two")
+    assert done.returncode == 2
+    assert "RANKS_PARALLEL must be a count of lanes, got 'two'" in done.stdout
