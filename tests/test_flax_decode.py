@@ -50,13 +50,23 @@ def test_prompt_then_tokens_equal_full_causal_attention(rand, seq_axis):
 
 
 class TinyLM(nnx.Module):
-    def __init__(self, vocab, impl, rngs):
-        self.embed = nnx.Embed(vocab, D, rngs=rngs)
+    """Embedding, GQA self-attention, gated MLP, head. ``kv_heads`` (at least the mesh's tp,
+    which splits them) of 8 features each, two query heads per kv head."""
+
+    def __init__(self, vocab, impl, rngs, kv_heads=KV_HEADS):
+        d = 16 * kv_heads  # 2 * kv_heads query heads of 8 features: D at 2 kv heads
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
         self.attn = ubf.ParallelSelfAttention(
-            D, HEADS, num_kv_heads=KV_HEADS, rope_theta=1e4, impl=impl, seq_axis=1, rngs=rngs
+            d,
+            2 * kv_heads,
+            num_kv_heads=kv_heads,
+            rope_theta=1e4,
+            impl=impl,
+            seq_axis=1,
+            rngs=rngs,
         )
-        self.mlp = ubf.ParallelGatedMLP(D, 64, impl=impl, seq_axis=1, rngs=rngs)
-        self.head = nnx.Linear(D, vocab, rngs=rngs)
+        self.mlp = ubf.ParallelGatedMLP(d, 8 * kv_heads, impl=impl, seq_axis=1, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
 
     def __call__(self, tokens, decode=False):
         x = self.embed(tokens)  # [batch, t, d]
@@ -80,22 +90,26 @@ def greedy(model, prompt, steps, cached):
 
 
 @pytest.mark.slow  # a whole model: the slow tier (conftest.py)
-def test_tiny_lm_greedy_decoding(rand):
-    check_greedy_decoding(make_mesh((2, "dp"), (2, "tp")))
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 8)])
+def test_tiny_lm_greedy_decoding(rand, dp, tp):
+    check_greedy_decoding(make_mesh((dp, "dp"), (tp, "tp")))
 
 
 def check_greedy_decoding(mesh):
-    """TinyLM's greedy tokens, cached and recomputed, ub and xla, are all the same."""
+    """TinyLM's greedy tokens, cached and recomputed, ub and xla, are all the same; its kv
+    heads split over the mesh's tp (one per rank above tp=2)."""
+    kv_heads = max(KV_HEADS, mesh.shape["tp"])
     prompt = jax.random.randint(jax.random.key(3), (BATCH, 5), 0, 64)
     with jax.set_mesh(mesh):
         prompt = jax.device_put(prompt, NamedSharding(mesh, P("dp")))
         out = {
-            (impl, cached): greedy(TinyLM(64, impl, nnx.Rngs(0)), prompt, 6, cached)
+            (impl, cached): greedy(TinyLM(64, impl, nnx.Rngs(0), kv_heads), prompt, 6, cached)
             for impl in ("ub", "xla")
             for cached in (True, False)
         }
     reference = out["xla", False]
     assert reference.shape == (BATCH, 11)
+    assert len(np.unique(reference[:, 5:])) > 1, reference  # not one token over and over
     for key, tokens in out.items():
         np.testing.assert_array_equal(tokens, reference, err_msg=str(key))
 

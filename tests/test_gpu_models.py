@@ -1,7 +1,8 @@
 """GPU tier of the model-level features: the Llama-style model trains with jax_ub's ops
 as with XLA's collectives (float32 at highest precision, and fp8), and decoding with a
 key/value cache (GQA, rotary positions, the replicated layout of one token) gives the
-tokens of recomputing the sequence and of impl="xla". On (1, 2) and (2, 1) meshes of GPUs.
+tokens of recomputing the sequence and of impl="xla". On (1, 2) and (2, 1) meshes of GPUs
+(in the N-ranks mode also at tp=N).
 The lm1b-style linen LM of test_flax_public_lm.py (logical axis rules, no set_mesh) trains
 and decodes greedily on a ("data", "model") = (1, 2) mesh of GPUs.
 
@@ -9,8 +10,6 @@ Skipped without at least 2 GPUs.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_flax_decode import check_greedy_decoding
+from test_llama_decode import check_greedy_generate, config
 
 import jax_ub
 from jax_ub.models import llama
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.gpu
 
 GPUS = need_gpus(2)
 
-TINY = llama.PRESETS["tiny"]
 TP = RANKS or 2  # the tensor-parallel size of the tests on one mesh
 # (dp, tp) meshes: (1, 2) and (2, 1); in the N-ranks mode (1, N), (2, N/2), and (N, 1) for
 # N <= 4 (the batch of 4 splits over dp <= 4)
@@ -40,20 +39,12 @@ MESHES = sorted(
 )
 
 
-def _config(tp: int) -> llama.LlamaConfig:
-    """The tiny preset, its 2 kv heads split over tp <= 2; for larger tp, tp kv heads of 8
-    features and an MLP as wide, so that each rank's fp8 GEMMs keep k >= 16."""
-    if tp <= TINY.kv_heads:
-        return TINY
-    return dataclasses.replace(TINY, heads=2 * tp, kv_heads=tp, hidden=16 * tp, ffn=32 * tp)
-
-
 def _mesh(dp: int, tp: int) -> Mesh:
     return gpu_mesh(GPUS, (dp, tp), ("dp", "tp"))
 
 
 def _losses(mesh, impl, fp8, steps=5):
-    cfg = _config(mesh.shape["tp"])
+    cfg = config(mesh.shape["tp"])
     tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab)
     with jax.set_mesh(mesh):
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
@@ -91,12 +82,14 @@ def test_scanned_blocks_run_each_call_once(scan_unroll):
     scanned over stacked params, unrolled or a loop (it once ran every forward all-gather
     of the unrolled scan twice, and three of the loop's four forward calls)."""
     mesh = _mesh(1, TP)
-    _, compiled = llama_step_texts(mesh, layers=2, scan_unroll=scan_unroll, cfg=_config(TP))
+    _, compiled = llama_step_texts(mesh, layers=2, scan_unroll=scan_unroll, cfg=config(TP))
     assert_each_call_compiled_once(compiled, layers=2 if scan_unroll is True else 1)
 
 
-# TinyLM's 2 kv heads split over tp <= 2
-DECODE_MESHES = sorted({(TP // 2, 2)} | ({(TP, 1)} if TP <= 4 else set())) if RANKS else MESHES
+# TinyLM's kv heads split over tp (one per rank above tp=2)
+DECODE_MESHES = (
+    sorted({(1, TP), (TP // 2, 2)} | ({(TP, 1)} if TP <= 4 else set())) if RANKS else MESHES
+)
 
 
 @pytest.mark.parametrize("dp, tp", DECODE_MESHES)
@@ -105,12 +98,20 @@ def test_greedy_decoding_with_a_cache(dp, tp):
         check_greedy_decoding(_mesh(dp, tp))
 
 
+@pytest.mark.parametrize("dp, tp", DECODE_MESHES)
+def test_llama_greedy_generate_ub_equals_xla(dp, tp):
+    """The Llama-style model's greedy tokens with its stacked caches, ub and xla, and
+    recomputing the sequence per token, are the same (its kv heads split over tp)."""
+    with jax.default_matmul_precision("highest"):
+        check_greedy_generate(_mesh(dp, tp))
+
+
 @pytest.mark.parametrize("keep_gathered", [True, False])
 def test_bfloat16_llama_step_on_gpus_is_close_to_xla(keep_gathered):
     """bf16 compute and params, tp=2: the first losses agree to bf16 precision, whether the
     ops keep the gathered x for the backward or gather it again there."""
     mesh = _mesh(1, TP)
-    cfg = _config(TP)
+    cfg = config(TP)
     tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, cfg.vocab)
     losses = {}
     jax_ub.configure(keep_gathered=keep_gathered)  # conftest's _restore_config undoes it

@@ -3,6 +3,8 @@ meshes: the stacked blocks' key/value caches, a prefilled prompt then one token 
 give the full-sequence forward's logits; greedy decoding with jax_ub's ops gives XLA's
 tokens (same params), and those of recomputing the whole sequence per token."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,12 +21,20 @@ BATCH = 4
 MESHES = {"dp1xtp2": ((1, "dp"), (2, "tp")), "dp2xtp2": ((2, "dp"), (2, "tp"))}
 
 
-def _trained(impl, mesh, steps=8):
+def config(tp: int) -> llama.LlamaConfig:
+    """The tiny preset, its 2 kv heads split over tp <= 2; for larger tp, tp kv heads of 8
+    features and an MLP as wide (each rank's fp8 GEMMs keep k >= 16)."""
+    if tp <= CFG.kv_heads:
+        return CFG
+    return dataclasses.replace(CFG, heads=2 * tp, kv_heads=tp, hidden=16 * tp, ffn=32 * tp)
+
+
+def _trained(impl, mesh, steps=8, cfg=CFG):
     """A model trained a few steps on a repeating sequence, so its predictions are peaked
     rather than the near-ties of a fresh init (an argmax over near-ties would turn on
     rounding)."""
-    model = llama.Llama(CFG, impl=impl, rngs=nnx.Rngs(0))
-    period = jax.random.randint(jax.random.key(5), (BATCH, 8), 0, CFG.vocab)
+    model = llama.Llama(cfg, impl=impl, rngs=nnx.Rngs(0))
+    period = jax.random.randint(jax.random.key(5), (BATCH, 8), 0, cfg.vocab)
     tokens = jax.device_put(jnp.tile(period, (1, 4)), NamedSharding(mesh, P("dp", None)))
     optimizer = llama.make_optimizer(model, 1e-2)
     for _ in range(steps):
@@ -55,14 +65,22 @@ def test_decode_logits_equal_full_forward(impl, mesh_shape):
     assert rel_err(got, full) < 1e-5, rel_err(got, full)
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES.values(), ids=MESHES.keys())
+@pytest.mark.parametrize(
+    "mesh_shape", [*MESHES.values(), ((1, "dp"), (8, "tp"))], ids=[*MESHES.keys(), "dp1xtp8"]
+)
 def test_greedy_generate_ub_equals_xla(mesh_shape):
-    mesh = make_mesh(*mesh_shape)
-    prompt = jax.random.randint(jax.random.key(3), (BATCH, 5), 0, CFG.vocab)
+    check_greedy_generate(make_mesh(*mesh_shape))
+
+
+def check_greedy_generate(mesh):
+    """Greedy tokens with the cache, ub and xla (the same params), and recomputing the whole
+    sequence per token, are all the same; the kv heads split over the mesh's tp."""
+    cfg = config(mesh.shape["tp"])
+    prompt = jax.random.randint(jax.random.key(3), (BATCH, 5), 0, cfg.vocab)
     with jax.set_mesh(mesh):
         prompt = jax.device_put(prompt, NamedSharding(mesh, P("dp", None)))
-        ub = _trained("ub", mesh)
-        xla = llama.Llama(CFG, impl="xla", rngs=nnx.Rngs(1))
+        ub = _trained("ub", mesh, cfg=cfg)
+        xla = llama.Llama(cfg, impl="xla", rngs=nnx.Rngs(1))
         nnx.update(xla, nnx.state(ub, nnx.Param))  # the same params
         out = {name: llama.greedy_generate(m, prompt, 9) for name, m in (("ub", ub), ("xla", xla))}
         # Without the cache: the whole sequence through the forward for each token.
@@ -72,6 +90,7 @@ def test_greedy_generate_ub_equals_xla(mesh_shape):
             nxt = jnp.argmax(forward(xla, recomputed)[:, -1], axis=-1)
             recomputed = jnp.concatenate([recomputed, nxt[:, None].astype(prompt.dtype)], 1)
     assert out["ub"].shape == (BATCH, 14)
+    assert len(np.unique(np.asarray(out["ub"][:, 5:]))) > 1  # not one token over and over
     np.testing.assert_array_equal(np.asarray(out["ub"][:, :5]), np.asarray(prompt))
     np.testing.assert_array_equal(np.asarray(out["ub"]), np.asarray(out["xla"]))
     np.testing.assert_array_equal(np.asarray(out["ub"]), np.asarray(recomputed))
