@@ -43,6 +43,27 @@ def test_variants_run_and_agree(tmp_path, capsys, order="jax_ub,jax_ub_keep,xla,
     assert all(results[v]["step_ms"] > 0 for v in losses)
 
 
+def test_one_gpu_step_runs_jax_ubs_own_gemms(tmp_path):
+    """At tp=1 (dp over every device) the jax_ub variant runs jax_ub's calls, its own GEMMs
+    on groups of one (the compiled step is checked for them), with XLA's first loss."""
+    path = tmp_path / "model.json"
+    argv = ["--tp", "1", "--batch", "8", "--seq", "32", "--dtype", "float32"]
+    model.main(
+        [*argv, "--variants", "jax_ub,xla", "--rounds", "1", "--steps", "1", "--json", str(path)]
+    )
+    results = json.loads(path.read_text())["results"]
+    ub, xla = results["jax_ub"]["first_loss"], results["xla"]["first_loss"]
+    assert abs(ub - xla) <= 1e-5 * abs(xla), (ub, xla)
+
+
+def test_a_variant_that_times_the_wrong_thing_is_refused():
+    mesh = type("Mesh", (), {"shape": {"dp": 8, "tp": 1}})()
+    with pytest.raises(SystemExit, match=r"variant jax_ub: the compiled step has no jax_ub call"):
+        model._check_calls("jax_ub", 'custom_call_target="xla_ffi_python"', mesh)
+    with pytest.raises(SystemExit, match="variant bound: the compiled step has 1 jax_ub calls"):
+        model._check_calls("bound", 'custom_call_target="jax_ub_all_gather_matmul"', mesh)
+
+
 def test_unknown_variant_is_named():
     with pytest.raises(SystemExit, match="unknown variants \\['nccl'\\]"):
         model.main(["--variants", "jax_ub,nccl"])

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
@@ -231,6 +232,7 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
             compiled = step.lower(state, tokens).compile()
     finally:
         jax_ub.configure(keep_gathered=keep_gathered)
+    _check_calls(variant, compiled.as_text(), mesh)
     memory = compiled.memory_analysis()
     used = None
     if memory is not None:
@@ -241,6 +243,19 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
             - memory.alias_size_in_bytes
         )
     return compiled, state, used
+
+
+def _check_calls(variant: str, hlo: str, mesh) -> None:
+    """A jax_ub variant's step runs jax_ub's calls (at tp=1 its own GEMMs), the others none,
+    so that no row of the table times something other than it says."""
+    calls = len(re.findall(r'custom_call_target="jax_ub_', hlo))
+    if variant.startswith("jax_ub") and not calls:
+        raise SystemExit(
+            f"variant {variant}: the compiled step has no jax_ub call (mesh {dict(mesh.shape)}); "
+            "its time would be XLA's"
+        )
+    if not variant.startswith("jax_ub") and calls:
+        raise SystemExit(f"variant {variant}: the compiled step has {calls} jax_ub calls")
 
 
 def _run(variants: list[str], args, say) -> dict:
