@@ -39,7 +39,8 @@ The rules behind the options (each function's docstring has its shapes and shard
     says what a call runs and why; the "jax_ub" logger logs each decision at DEBUG when a
     call is traced. "none" runs the same GEMMs with the communication removed (a gather
     becomes tp copies of the local rows, a reduce-scatter a sum of row blocks): wrong
-    numbers, to time a model's no-communication bound (the benchmarks' "bound").
+    numbers, to time a model's no-communication bound (the benchmarks' "bound"), on XLA's
+    GEMMs or on jax_ub's own (configure(bound_gemms="ub"): each call on a group of one).
   seq_axis: the dim of x split over the axis (the sequence): 0 (default) for
     [seq, batch, ..., k], 1 for batch-major [batch, seq, ..., k]. Results keep it in place;
     the Flax layers take it too (jax_ub.flax.ParallelConfig).

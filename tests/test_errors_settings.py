@@ -27,7 +27,8 @@ BAD_SETTINGS = [
         dict(timeout=5.0),
         ValueError,
         r"unknown jax_ub setting 'timeout'; known: \['buffer_bytes', 'timeout_s', "
-        r"'allow_grow', 'allow_tf32', 'auto_min_bytes', 'gemm_cache', 'keep_gathered'\]",
+        r"'allow_grow', 'allow_tf32', 'auto_min_bytes', 'gemm_cache', 'keep_gathered', "
+        r"'bound_gemms'\]",
     ),
     (dict(buffers=1, grow=True), ValueError, r"unknown jax_ub setting 'buffers', 'grow'"),
     (dict(timeout_s=0), ValueError, r"timeout_s must be positive"),

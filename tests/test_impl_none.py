@@ -1,7 +1,8 @@
 """impl="none": every op's GEMMs with the communication removed (the no-communication
 bound): a gather is ``tp`` copies of the local rows, a reduce-scatter the sum of the
 product's row blocks, an all-reduce the local product. Its numbers, its gradients' shapes,
-and programs with no collective, from the ops up to the Llama model."""
+and programs with no collective, from the ops up to the Llama model; on XLA's GEMMs and on
+jax_ub's own (``configure(bound_gemms="ub")``: the ops' calls on groups of one device)."""
 
 import re
 
@@ -20,6 +21,17 @@ import jax_ub
 TP, M, K, N = 2, 4, 8, 6
 
 
+@pytest.fixture(params=["xla", "ub"], ids=["xla_gemms", "ub_gemms"])
+def gemms(request):
+    """Whose GEMMs the bound runs (conftest's _restore_config undoes the setting)."""
+    jax_ub.configure(bound_gemms=request.param)
+    return request.param
+
+
+def _ub_calls(text: str) -> list[str]:
+    return [t for t in _custom_call_targets(text) if t.startswith("jax_ub")]
+
+
 def _copies(x, seq_axis=0):
     return np.concatenate([np.asarray(x)] * TP, axis=seq_axis)
 
@@ -30,7 +42,7 @@ def _block_sum(y, seq_axis=0):
 
 
 @pytest.mark.parametrize("seq_axis", [0, 1])
-def test_each_op_is_its_local_gemms(mesh1d, rand, seq_axis):
+def test_each_op_is_its_local_gemms(mesh1d, rand, seq_axis, gemms):
     """Inside shard_map, on one rank's shards: the ops' local math, bias and GELU kept."""
     mesh = mesh1d(TP)
     shape = (M, 3, K) if seq_axis == 0 else (3, M, K)
@@ -64,7 +76,7 @@ def _copies_jnp(x, seq_axis):
     return jnp.concatenate([x] * TP, axis=seq_axis)
 
 
-def test_gated_mlp_is_its_local_gemms(mesh1d, rand):
+def test_gated_mlp_is_its_local_gemms(mesh1d, rand, gemms):
     mesh = mesh1d(TP)
     x, w_gate_up, w_down = rand(M, K), rand(K, 2, N), rand(N, K)
     f = smap(lambda *a: jax_ub.gated_mlp(*a, "tp", impl="none"), mesh, (P(),) * 3, P("tp"))
@@ -73,10 +85,11 @@ def test_gated_mlp_is_its_local_gemms(mesh1d, rand):
     assert rel_err(got, want) < 1e-5
 
 
-def test_global_arrays_forward_and_backward_communicate_nothing(mesh1d, rand):
+def test_global_arrays_forward_and_backward_communicate_nothing(mesh1d, rand, gemms):
     """On global arrays under a mesh, forward and backward of a column-then-row pair:
-    gradients of the operands' shapes, finite, and no collective or jax_ub call in the
-    lowered or compiled program."""
+    gradients of the operands' shapes, finite, and no collective in the lowered or
+    compiled program; jax_ub's calls only on its own GEMMs (four: each op's forward and
+    its input gradient), whose gradients equal those on XLA's."""
     mesh = mesh1d(TP)
     x, w1, w2 = rand(TP * M, 3, K), rand(K, TP * N), rand(TP * N, K)
 
@@ -96,25 +109,56 @@ def test_global_arrays_forward_and_backward_communicate_nothing(mesh1d, rand):
         assert g.shape == a.shape and np.all(np.isfinite(np.asarray(g)))
     for kind, text in texts.items():
         assert _collectives(kind, text) == [], kind
-        assert not [t for t in _custom_call_targets(text) if t.startswith("jax_ub")], kind
+        assert len(_ub_calls(text)) == (4 if gemms == "ub" else 0), (kind, _ub_calls(text))
+    if gemms == "ub":
+        jax_ub.configure(bound_gemms="xla")
+        with jax.set_mesh(mesh):
+            want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+        for g, r in zip(grads, want):
+            assert rel_err(g, r) < 1e-5
 
 
 def test_explain_impl_says_none():
     choice = jax_ub.explain_impl("all_gather_matmul", (M, K), (K, N), jnp.float32, 2, impl="none")
     assert choice.impl == "none" and "removes the communication" in choice.reason
+    jax_ub.configure(bound_gemms="ub")
+    choice = jax_ub.explain_impl("all_gather_matmul", (M, K), (K, N), jnp.float32, 2, impl="none")
+    assert choice.impl == "none_ub" and "jax_ub's GEMMs" in choice.reason
+
+
+def test_a_bound_on_gemms_jax_ub_cannot_run_is_named(mesh1d):
+    """bound_gemms="ub" on operands jax_ub's GEMM does not take: an error naming why."""
+    jax_ub.configure(bound_gemms="ub")
+    f = smap(
+        lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="none"),
+        mesh1d(TP),
+        (P("tp"), P(None, "tp")),
+        P(None, "tp"),
+    )
+    x, w = jnp.ones((M, K), jnp.float32), jnp.ones((K, N), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bound_gemms='ub' cannot run jax_ub's GEMM here: x and w"):
+        f(x, w)
+
+
+def test_bound_gemms_is_validated():
+    with pytest.raises(
+        ValueError, match=r"bound_gemms must be one of \('xla', 'ub'\), got 'cublas'"
+    ):
+        jax_ub.configure(bound_gemms="cublas")
 
 
 @pytest.mark.slow  # a whole model: the slow tier (conftest.py)
-def test_llama_step_has_no_row_collectives(mesh2d):
-    """The model with impl="none" (the model benchmark's bound): none of the ops' gathers
-    and reduce-scatters (JAX's names for them, which impl="xla" shows) and no jax_ub call
-    in its compiled step. What stays: the loss's all-reduces over the vocabulary's split
-    and dp's (the gradients', the embedding table's scatter-add over dp)."""
+def test_llama_step_has_no_row_collectives(mesh2d, gemms):
+    """The model with impl="none" (the model benchmark's bounds): none of the ops' gathers
+    and reduce-scatters (JAX's names for them, which impl="xla" shows) in its compiled
+    step, and jax_ub's calls only on its own GEMMs. What stays: the loss's all-reduces over
+    the vocabulary's split and dp's (the gradients', the embedding table's scatter-add
+    over dp)."""
     rows = r'op_name="[^"]*shard_map/(all_gather|reduce_scatter)"'
     found = {}
     for impl in ("xla", "none"):
         _, compiled = llama_step_texts(mesh2d(2, 2), impl=impl)
         found[impl] = set(re.findall(rows, compiled))
         if impl == "none":
-            assert not [t for t in _custom_call_targets(compiled) if t.startswith("jax_ub")]
+            assert bool(_ub_calls(compiled)) == (gemms == "ub")
     assert found == {"xla": {"all_gather", "reduce_scatter"}, "none": set()}, found

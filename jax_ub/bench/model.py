@@ -4,13 +4,14 @@ keeps the gathered inputs instead of gathering them again), XLA's collectives wi
 flags, XLA with the flags a MaxText user sets for overlap (in a process of its own: XLA flags
 are per process), and the no-communication bound (the model with ``impl="none"``: every GEMM
 kept, the ops' and the embedding's collectives removed; the loss's all-reduces over the
-vocabulary's split stay).
+vocabulary's split stay), on XLA's GEMMs (``bound``) and on jax_ub's own (``bound_ub``), so
+that a faster GEMM is not taken for overlap.
 
 Run as ``python -m jax_ub.bench.model`` (``--help`` for the options). In-process variants
 run in interleaved rounds on the same data from the same init; each prints step time
 (median of the rounds, and their spread), tokens/s, MFU (model FLOPs over the devices'
 stated peak), the compiled step's memory (XLA's estimate: arguments, outputs and
-temporaries), the ratio to the bound and to the best XLA variant, and the first step's
+temporaries), the ratios to the bounds and to the best XLA variant, and the first step's
 loss, which for jax_ub and XLA must agree; each round also prints the host's ms to enqueue a
 step. ``--processes N`` repeats the rounds in N fresh processes, one after another: on the
 same GPUs jax_ub's step has differed by a few percent between processes.
@@ -38,7 +39,9 @@ DESCRIPTION = (
     "and to the best XLA variant. Variants in this process run in interleaved rounds from "
     "the same init on the same tokens, and jax_ub's first loss is checked against XLA's."
 )
-VARIANTS = ("jax_ub", "jax_ub_keep", "xla", "xla_overlap", "bound")
+VARIANTS = ("jax_ub", "jax_ub_keep", "xla", "xla_overlap", "bound", "bound_ub")
+# The variants that run jax_ub's calls (its ub[...] tuning variants too).
+_UB_CALLS = ("jax_ub", "bound_ub")
 # What a MaxText user sets on GPUs for collective/compute overlap: the latency-hiding
 # scheduler and the windowed-einsum collective matmul at every size.
 OVERLAP_FLAGS = (
@@ -69,15 +72,17 @@ def _parser() -> argparse.ArgumentParser:
         choices=["none", "current", "delayed"],
         help="the blocks' projections in fp8 with current or delayed scaling (jax_ub: its "
         "fp8 ops; xla and xla_overlap: XLA's collectives and fp8 GEMMs of the same "
-        "quantized operands; bound: xla's fp8 GEMMs without the communication; default "
-        "none)",
+        "quantized operands; bound: xla's fp8 GEMMs without the communication, bound_ub: "
+        "jax_ub's; default none)",
     )
     ap.add_argument(
         "--variants",
-        default="jax_ub,xla,bound",
+        default="jax_ub,xla,bound,bound_ub",
         help=f"comma-separated, of {', '.join(VARIANTS)} (default: "
-        "jax_ub,xla,bound; jax_ub_keep: jax_ub with keep_gathered on, keeping the "
-        "gathered x for the backward; xla_overlap needs GPUs)",
+        "jax_ub,xla,bound,bound_ub; jax_ub_keep: jax_ub with keep_gathered on, keeping the "
+        "gathered x for the backward; bound: the model with its communication removed, "
+        "on XLA's GEMMs, bound_ub: on jax_ub's own (jax_ub.configure(bound_gemms='ub')); "
+        "xla_overlap needs GPUs)",
     )
     ap.add_argument(
         "--scan-unroll",
@@ -201,8 +206,10 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
     import jax_ub
     from jax_ub.models import llama
 
-    # The bound: the same model, its communication removed (jax_ub's impl="none").
-    impl = "none" if variant == "bound" else "xla" if variant.startswith("xla") else "ub"
+    # The bounds: the same model, its communication removed (jax_ub's impl="none"), on
+    # XLA's GEMMs or on jax_ub's (bound_gemms, read when the step is traced).
+    bounds = ("bound", "bound_ub")
+    impl = "none" if variant in bounds else "xla" if variant.startswith("xla") else "ub"
     with jax.set_mesh(mesh):
         model = llama.Llama(
             cfg,
@@ -225,13 +232,16 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
     step = jax.jit(step, donate_argnums=0)
     # jax_ub_keep: the ops keep all_gather(x), not x's shard, for the weight gradients
     # (read when the step is traced).
-    keep_gathered = jax_ub.config.keep_gathered
-    jax_ub.configure(keep_gathered=variant == "jax_ub_keep" or keep_gathered)
+    before = {"keep_gathered": jax_ub.config.keep_gathered, "bound_gemms": "xla"}
+    jax_ub.configure(
+        keep_gathered=variant == "jax_ub_keep" or before["keep_gathered"],
+        bound_gemms="ub" if variant == "bound_ub" else "xla",
+    )
     try:
         with jax.set_mesh(mesh), _tuning_of(variant, args):
             compiled = step.lower(state, tokens).compile()
     finally:
-        jax_ub.configure(keep_gathered=keep_gathered)
+        jax_ub.configure(**before)
     _check_calls(variant, compiled.as_text(), mesh)
     memory = compiled.memory_analysis()
     used = None
@@ -249,12 +259,13 @@ def _check_calls(variant: str, hlo: str, mesh) -> None:
     """A jax_ub variant's step runs jax_ub's calls (at tp=1 its own GEMMs), the others none,
     so that no row of the table times something other than it says."""
     calls = len(re.findall(r'custom_call_target="jax_ub_', hlo))
-    if variant.startswith("jax_ub") and not calls:
+    runs_ub = variant.startswith(_UB_CALLS)
+    if runs_ub and not calls:
         raise SystemExit(
             f"variant {variant}: the compiled step has no jax_ub call (mesh {dict(mesh.shape)}); "
             "its time would be XLA's"
         )
-    if not variant.startswith("jax_ub") and calls:
+    if not runs_ub and calls:
         raise SystemExit(f"variant {variant}: the compiled step has {calls} jax_ub calls")
 
 
@@ -348,6 +359,7 @@ def _report(results: dict, args, say) -> None:
     rows = {v: r for v, r in results.items() if not v.startswith("_") and r}
     xla = [rows[v]["step_ms"] for v in ("xla", "xla_overlap") if v in rows]
     bound = rows.get("bound", {}).get("step_ms")
+    bound_ub = rows.get("bound_ub", {}).get("step_ms")
     say(
         f"\n{args.preset} x{cfg.layers} layers, seq {args.seq}, batch {args.batch}, "
         f"{args.dtype} (params {args.param_dtype}), fp8 {args.fp8}, remat {args.remat}, "
@@ -357,7 +369,8 @@ def _report(results: dict, args, say) -> None:
     )
     say(
         f"{'variant':12s} {'step ms':>9s} {'spread':>7s} {'tokens/s':>10s} {'MFU':>6s} "
-        f"{'XLA GiB':>8s} {'ub GiB':>7s} {'/bound':>7s} {'/best XLA':>9s} {'first loss':>11s}"
+        f"{'XLA GiB':>8s} {'ub GiB':>7s} {'/bound':>7s} {'/bound_ub':>9s} {'/best XLA':>9s} "
+        f"{'first loss':>11s}"
     )
     for v, r in rows.items():
         ms = r["step_ms"]
@@ -369,6 +382,7 @@ def _report(results: dict, args, say) -> None:
             f"{v:12s} {ms:9.2f} {100 * r['spread']:6.1f}% {tps:10.0f} "
             f"{'' if mfu is None else f'{100 * mfu:5.1f}%':>6s} {mem:8.2f} {ub:7.2f} "
             f"{'' if not bound else f'{ms / bound:7.3f}':>7s} "
+            f"{'' if not bound_ub else f'{ms / bound_ub:9.3f}':>9s} "
             f"{'' if not xla else f'{ms / min(xla):9.3f}':>9s} {r['first_loss']:11.5f}"
         )
     processes = results.get("_processes")
@@ -380,7 +394,8 @@ def _report(results: dict, args, say) -> None:
     say(
         "XLA GiB: the compiled step's arguments, outputs and temporaries per device "
         "(XLA's memory analysis); ub GiB: jax_ub's userbuffers per device, allocated "
-        "outside XLA"
+        "outside XLA; /bound, /bound_ub: step time over the no-communication bound's on "
+        "XLA's GEMMs, on jax_ub's"
     )
     if "jax_ub" in rows and "xla" in rows:
         a, b = rows["jax_ub"]["first_loss"], rows["xla"]["first_loss"]

@@ -44,6 +44,15 @@ from jax_ub._src.lowering.call_site import call_site
 from jax_ub._src.runtime import communicator, extension
 from jax_ub._src.settings import checks
 
+# The axis of a group of one on every device, which no mesh has: the calls of impl="none"
+# on jax_ub's GEMMs (config.bound_gemms), lowered on the mesh with this axis added last.
+SOLO_AXIS = "jax_ub_solo"
+
+
+def _solo_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with a last axis of size one, :data:`SOLO_AXIS`: each device a group."""
+    return Mesh(mesh.devices[..., np.newaxis], (*mesh.axis_names, SOLO_AXIS))
+
 
 def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
     """The concrete mesh being lowered for, and which of its axes are manual here."""
@@ -67,7 +76,8 @@ def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
             "mesh=<a jax.sharding.Mesh> to jax.shard_map or call under jax.set_mesh(mesh) "
             "(or use impl='xla')"
         )
-    checks.check_axis_in_mesh("", axis_name, mesh)
+    if axis_name != SOLO_AXIS:
+        checks.check_axis_in_mesh("", axis_name, mesh)
     return mesh, jax_compat.manual_axes(axis_ctx)
 
 
@@ -193,6 +203,8 @@ def lowering_rule(
         mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
         if set(mesh.axis_names) - manual:
             return _lower_nested(prim, batched, ctx, mesh, manual, *operands, **params)
+        if axis_name == SOLO_AXIS:
+            mesh = _solo_mesh(mesh)
         platform = _platform(ctx)
         aval = chunk_aval(ctx)
         chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize

@@ -15,7 +15,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from jax_ub._src import jax_compat
-from jax_ub._src.lowering.custom_call import is_empty, lowering_rule
+from jax_ub._src.lowering.custom_call import SOLO_AXIS, is_empty, lowering_rule
 from jax_ub._src.lowering.unfused import (
     all_gather_matmul_reference,
     all_gather_rows,
@@ -65,7 +65,8 @@ def _matmul_reduce_scatter_abstract(
     x, w, scales, gather_src, *, axis_name, axis_size, transpose_w, out_dtype, fallback
 ):
     shape = (x.shape[0] // axis_size, *x.shape[1:-1], _columns(w, transpose_w))
-    out = result_aval(x, shape, x, w, extra=frozenset([axis_name]))
+    # Its rows differ by rank (no axis: a group of one on every device, SOLO_AXIS).
+    out = result_aval(x, shape, x, w, extra=frozenset([axis_name]) - {SOLO_AXIS})
     gathered = result_aval(gather_src, (axis_size * gather_src.shape[0], *shape[1:]), gather_src)
     return out.update(dtype=jnp.dtype(out_dtype)), gathered.update(dtype=jnp.dtype(out_dtype))
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ub._src.lowering.unfused import all_gather_matmul_reference, reduce_scatter_rows
+from jax_ub._src.lowering.unfused import all_gather_matmul_reference
 from jax_ub._src.lowering.varying import match_varying
 from jax_ub._src.ops import driver
 from jax_ub._src.ops.argument_checks import check_arguments
@@ -199,7 +199,7 @@ def _bwd(group: Group, gelu: bool, return_gathered: bool, res: _Residuals, cts):
     dx, dw = weight_grad_with(dx, contract_rows(x_gathered, dp))
     dx = match_varying(dx, res.x_like)
     if dgathered is not None:
-        scattered = reduce_scatter_rows(dgathered, group.axis_name)
+        scattered = group.scatter_rows(dgathered)
         dx = dx + match_varying(scattered, res.x_like)
     return dx, match_varying(dw, res.w), dbias
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.ops import impl_choice, placement
 from jax_ub._src.ops.cpu_16bit import INPUTS_DTYPE, Widening
-from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.group import Group, SoloGroup
 from jax_ub._src.ops.layout import ALL_REDUCE, BLOCK, GATHER, SCATTER, Layout, Rows, Split
 from jax_ub._src.ops.path import Path
 from jax_ub._src.settings import checks
@@ -84,6 +84,8 @@ class Call:
 
     def group(self) -> Group:
         """The collective of the call's (first) GEMM, on its path."""
+        if self.path is Path.NONE_UB:
+            return SoloGroup(self.axis_name, self.size, self.path)
         fallback = impl_choice.falls_back_at_lowering(self.impl)
         return Group(self.axis_name, self.size, self.path, fallback)
 

@@ -35,7 +35,6 @@ from jax_ub._src.lowering.wire_format import pack_scales
 from jax_ub._src.ops.checkpoint_policy import saved_gathered, saved_output
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.group import Group
-from jax_ub._src.ops.path import Path
 from jax_ub._src.ops.weight_grad import weight_grad_with
 from jax_ub._src.settings import options
 from jax_ub._src.settings.fp8 import (
@@ -111,7 +110,7 @@ def _ag(
     that product times gelu'(dgelu_at), in the epilogue; ``w_t`` is the weight stored
     k-major, ``[n, k]``, as cuBLASLt's fp8 GEMMs read it."""
     scales = pack_scales(sx, sw)
-    if group.path is Path.UB:
+    if group.path.calls_ub:
         return group.all_gather_matmul(
             x_q,
             w_t,
@@ -142,7 +141,7 @@ def _ag(
 def _rs(x_q, w_t, sx, sw, *, out_dtype, group: Group):
     """psum_scatter(x_q @ w_t.T scaled by sx * sw); ``w_t`` as for :func:`_ag`."""
     scales = pack_scales(sx, sw)
-    if group.path is Path.UB:
+    if group.path.calls_ub:
         return group.matmul_reduce_scatter(
             x_q, w_t, transpose_w=True, scales=scales, out_dtype=out_dtype
         )

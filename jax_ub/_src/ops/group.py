@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_ub._src.lowering.custom_call import SOLO_AXIS
 from jax_ub._src.lowering.primitives import bind_all_gather_matmul, bind_matmul_reduce_scatter
+from jax_ub._src.lowering.unfused import copies_of_rows, reduce_scatter_rows, sum_row_blocks
 from jax_ub._src.ops.path import Path
 from jax_ub._src.settings.options import weight_transposed
 
@@ -43,6 +45,10 @@ class Group:
             x, w, self.axis_name, self.size, fallback=self.fallback, **kwargs
         )
 
+    def scatter_rows(self, y):
+        """``psum_scatter`` of ``y``'s rows over this group (XLA's: no GEMM beside it)."""
+        return reduce_scatter_rows(y, self.axis_name)
+
     def gather_times_w_t(self, dy, w, gelu_input=None):
         """``(all_gather(dy) @ w.T, all_gather(dy))``: the input gradient of a
         reduce-scattered product, whose gathered ``dy`` the weight gradient takes too (so
@@ -67,3 +73,26 @@ class Group:
         GEMMs in the same call."""
         w_t, in_place = weight_transposed(w)
         return self.matmul_reduce_scatter(dp, w_t, transpose_w=in_place, gather=gather)
+
+
+@dataclasses.dataclass(frozen=True)
+class SoloGroup(Group):
+    """impl="none" on jax_ub's GEMMs (``Path.NONE_UB``, ``config.bound_gemms="ub"``): the
+    userbuffer calls of a group of one device, at the shapes of this group's, the
+    collectives replaced as impl="none" replaces them (a gather by ``size`` copies of the
+    local rows, a reduce-scatter by the sum of the product's row blocks): jax_ub's GEMMs
+    with nothing communicated, the no-communication bound of its own kernels. Wrong
+    numbers, for timing only."""
+
+    def all_gather_matmul(self, x, w, **kwargs):
+        rows = copies_of_rows(x, self.axis_name)
+        return bind_all_gather_matmul(rows, w, SOLO_AXIS, 1, **kwargs)
+
+    def matmul_reduce_scatter(self, x, w, gather=None, **kwargs):
+        out = sum_row_blocks(
+            bind_matmul_reduce_scatter(x, w, SOLO_AXIS, 1, **kwargs), self.axis_name
+        )
+        return out if gather is None else (out, copies_of_rows(gather, self.axis_name))
+
+    def scatter_rows(self, y):
+        return sum_row_blocks(y, self.axis_name)

@@ -25,6 +25,7 @@ from jax_ub._src.ops.path import Path
 from jax_ub._src.runtime import extension
 from jax_ub._src.settings import auto_rule, checks
 from jax_ub._src.settings.auto_rule import ImplChoice
+from jax_ub._src.settings.config import config
 from jax_ub._src.settings.warn_registry import warn_once
 
 UB_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -103,7 +104,7 @@ def choose_impl(
     warns once where "auto" falls back on GPUs for want of the CUDA extension."""
     if impl == "xla":
         return ImplChoice("xla", "impl='xla' asks for XLA's collectives")
-    if impl == "none":
+    if impl == "none" and config.bound_gemms == "xla":
         return ImplChoice("none", "impl='none' removes the communication (the bound)")
     backend = jax.default_backend()
     operands_reason = operands_unsupported_reason(x, w, fp8)
@@ -111,12 +112,19 @@ def choose_impl(
     if reason is not None:
         if impl == "ub":
             raise ValueError(f"{op}: impl='ub' cannot run this call: {reason}")
+        if impl == "none":
+            raise ValueError(
+                f"{op}: impl='none' with bound_gemms='ub' cannot run jax_ub's GEMM here: "
+                f"{reason}; configure(bound_gemms='xla') times XLA's"
+            )
         if operands_reason is None and extension.normalize_platform(backend) == "cuda":
             message = f"jax_ub: impl='auto' uses XLA's collectives on GPUs: {reason}"
             warn_once(message, message)
         return ImplChoice("xla", reason)
     if impl == "ub":
         return ImplChoice("ub", "impl='ub' asks for the userbuffer op")
+    if impl == "none":
+        return ImplChoice("none_ub", "impl='none' on jax_ub's GEMMs (bound_gemms='ub')")
     platform = "cpu" if backend == "cpu" else "gpu"
     return auto_rule.auto_choice(
         op, x.shape, w.shape, x.dtype, axis_size, fp8=fp8, platform=platform

@@ -83,12 +83,14 @@ def matmul_all_reduce(
 
 def _route(call: driver.Call, x, w, extra: driver.Extra) -> tuple[Path, ...]:
     """The path of the op's GEMM, decided on the rows first (as ub splits them). A group
-    of one sums nothing: XLA's dot, whatever the impl."""
+    of one sums nothing: XLA's dot, whatever the impl; so does the bound on jax_ub's
+    GEMMs (its ub body's all-gather is XLA's)."""
     if call.size == 1:
         return (Path.XLA,)
     s = call.seq_axis
     rows = jax.ShapeDtypeStruct((x.shape[s], *x.shape[:s], *x.shape[s + 1 :]), x.dtype)
-    return (call.choose(rows, w),)
+    path = call.choose(rows, w)
+    return (Path.NONE if path is Path.NONE_UB else path,)
 
 
 def summed_product(call: driver.Call, x, w, extra: driver.Extra):

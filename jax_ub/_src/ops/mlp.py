@@ -132,7 +132,7 @@ def _block(call: driver.Call, x, w_up, extra: driver.Extra):
     the userbuffer op, else the two ops, each on its own path."""
     up_bias, fp8, w_down, down_bias = extra
     up, down = (None, None) if fp8 is None else fp8
-    if call.paths != (Path.UB, Path.UB):  # the same block from the two ops
+    if call.paths[0] != call.paths[1] or not call.paths[0].calls_ub:  # the two ops
         up_path, down_path = call.paths
         ag = call.on("all_gather_matmul", driver.GATHER, up_path)
         h = gathered_product(ag, x, w_up, up_bias, up, activation="gelu")

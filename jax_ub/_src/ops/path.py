@@ -21,16 +21,24 @@ class Path(enum.Enum):
     ``UB``: the userbuffer custom call (still falling back to XLA's collectives at lowering
     under ``impl="auto"``: see :mod:`jax_ub._src.ops.impl_choice`). ``XLA``: the unfused op
     on XLA's collectives. ``NONE``: the same GEMMs, nothing communicated (a timing bound).
+    ``NONE_UB``: the bound on jax_ub's GEMMs (``config.bound_gemms="ub"``): the userbuffer
+    bodies, each call on a group of one device (``group.SoloGroup``).
     """
 
     UB = "ub"
     XLA = "xla"
     NONE = "none"
+    NONE_UB = "none_ub"
 
     @property
     def collectives(self) -> Collectives:
-        """The collectives of the unfused op on this path: none for ``NONE``, else XLA's."""
-        return NONE if self is Path.NONE else XLA
+        """The collectives of the unfused op on this path: none for the bounds, else XLA's."""
+        return NONE if self in (Path.NONE, Path.NONE_UB) else XLA
+
+    @property
+    def calls_ub(self) -> bool:
+        """Whether the path runs jax_ub's calls (the userbuffer bodies)."""
+        return self in (Path.UB, Path.NONE_UB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +47,7 @@ class Bodies:
     ``f(call, *args)`` (``call``: the driver's call record, its path resolved).
 
     Attributes:
-      ub: the userbuffer custom call (``call.path`` is ``Path.UB``).
+      ub: the userbuffer custom call (``call.path.calls_ub``).
       unfused: XLA's collectives, or none (``call.path.collectives`` says which).
       fp8: the call in fp8 (``call.fp8``), on either path: the fp8 ops run both under one
         VJP, reading the path from their group.
@@ -52,7 +60,7 @@ class Bodies:
     def __call__(self, call: Any, *args: Any) -> Any:
         if call.fp8:
             body = self.fp8
-        elif call.path is Path.UB:
+        elif call.path.calls_ub:
             body = self.ub
         else:
             body = self.unfused

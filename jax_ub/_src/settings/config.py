@@ -80,6 +80,14 @@ def _check_gemm_cache(value: object, source: str) -> None:
         )
 
 
+BOUND_GEMMS = ("xla", "ub")
+
+
+def _check_bound_gemms(value: object, source: str) -> None:
+    if value not in BOUND_GEMMS:
+        raise ValueError(f"bound_gemms must be one of {BOUND_GEMMS}, got {value!r} ({source})")
+
+
 # The smallest size measured at which neither op was slower than XLA's (at 4 MiB the
 # reduce-scatter was): the calibration is in jax_ub._src.settings.auto_rule's docstring.
 DEFAULT_AUTO_MIN_BYTES = 8 << 20
@@ -130,6 +138,7 @@ _SETTINGS = {
         _check_bool("keep_gathered"),
         False,
     ),
+    "bound_gemms": (None, None, "", _check_bound_gemms, "xla"),
 }
 
 # The environment variable behind each setting that has one.
@@ -208,13 +217,13 @@ def export_trace_setting() -> None:
 
 # The settings read when a call is traced, not when a communicator is created
 # (options.traced_settings); part of the key of JAX's trace caches (trace_key).
-TRACE_TIME = ("auto_min_bytes", "keep_gathered")
+TRACE_TIME = ("auto_min_bytes", "keep_gathered", "bound_gemms")
 
 
 @dataclasses.dataclass
 class Config:
-    """Settings read when a communicator is created (``auto_min_bytes`` and
-    ``keep_gathered``: when a call is traced).
+    """Settings read when a communicator is created (``auto_min_bytes``, ``keep_gathered``
+    and ``bound_gemms``: when a call is traced).
 
     A setting whose environment variable holds invalid text raises its ValueError (naming
     the variable and the text) when read, and :meth:`check`, which every op, layer and
@@ -254,6 +263,11 @@ class Config:
         slower (``benchmarks/RESULTS.md``). On may help where a step's backward cannot
         hide the second gather (env ``JAX_UB_KEEP_GATHERED``). fp8 calls keep their
         gathered fp8 ``x`` either way.
+      bound_gemms: whose GEMMs ``impl="none"`` (the no-communication bound) runs: XLA's
+        dots (``"xla"``, default) or jax_ub's own (``"ub"``: each call on a group of one
+        device, at the shapes of the group's, the gathers and reduce-scatters still local
+        copies and sums), so that a faster GEMM is not taken for overlap.
+        ``matmul_all_reduce`` keeps XLA's dot.
     """
 
     # An environment variable's invalid text is kept as an InvalidSetting and raised here,
@@ -296,6 +310,7 @@ class Config:
     auto_min_bytes: int = dataclasses.field(default_factory=lambda: _from_env("auto_min_bytes"))
     gemm_cache: str = dataclasses.field(default_factory=lambda: _from_env("gemm_cache"))
     keep_gathered: bool = dataclasses.field(default_factory=lambda: _from_env("keep_gathered"))
+    bound_gemms: str = dataclasses.field(default_factory=lambda: _from_env("bound_gemms"))
 
 
 config = Config()
@@ -307,9 +322,10 @@ def configure(**changes: object) -> Config:
     Programs traced afterwards get a communicator made with the new values (a new one
     where a setting it is created with changed, ``timeout_s``, ``allow_tf32`` or
     ``gemm_cache``);
-    programs compiled before keep theirs until :func:`jax_ub.finalize`. ``auto_min_bytes``
-    and ``keep_gathered`` are read when a call is traced: a function ``jit`` traced before
-    the change is traced again at its next call (they are part of the key of JAX's caches).
+    programs compiled before keep theirs until :func:`jax_ub.finalize`. ``auto_min_bytes``,
+    ``keep_gathered`` and ``bound_gemms`` are read when a call is traced: a function ``jit``
+    traced before the change is traced again at its next call (they are part of the key of
+    JAX's caches).
 
     Example::
 
