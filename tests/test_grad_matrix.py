@@ -126,6 +126,15 @@ def activation_spec(ndim: int, seq_axis: int, tp: str | None, dp: bool) -> P:
     return P(*spec)
 
 
+def calls_jax_ub(op: Op, impl: str, mesh) -> bool:
+    """Whether ``op`` runs jax_ub's calls: not with XLA's collectives nor the bound on XLA's
+    GEMMs; matmul_all_reduce runs XLA's dot on a group of one and in either bound."""
+    if impl == "xla" or (impl == "none" and jax_ub.config.bound_gemms == "xla"):
+        return False
+    all_reduce = op is OPS["matmul_all_reduce"]
+    return not (all_reduce and (mesh.shape["tp"] == 1 or impl == "none"))
+
+
 def run(op: Op, mode: str, impl: str, seq_axis: int, operands, cot, mesh=None):
     """``(value, grads of every operand)`` of ``sum(op(...) * cot)``, called as ``mode`` says,
     on ``mesh`` (axes ``("dp", "tp")``; default: 2 x 2 CPU devices)."""
@@ -163,8 +172,7 @@ def run(op: Op, mode: str, impl: str, seq_axis: int, operands, cot, mesh=None):
     grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(operands))), has_aux=True))
     if mode == "jit_nomesh":
         (_, y), grads = grad(*placed)
-        # matmul_all_reduce sums nothing on a group of one: XLA's dot, no jax_ub call
-        plain = impl == "xla" or (op is OPS["matmul_all_reduce"] and mesh.shape["tp"] == 1)
+        plain = not calls_jax_ub(op, impl, mesh)
         assert ("custom_call @jax_ub_" in grad.lower(*placed).as_text()) != plain
     else:
         with jax.set_mesh(mesh):

@@ -14,6 +14,7 @@ from _programs import llama_step_texts
 from conftest import rel_err, smap
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_grad_matrix import MODES, OPS, check, make_operands, run
 from test_hlo import _collectives, _custom_call_targets
 
 import jax_ub
@@ -162,3 +163,18 @@ def test_llama_step_has_no_row_collectives(mesh2d, gemms):
         if impl == "none":
             assert bool(_ub_calls(compiled)) == (gemms == "ub")
     assert found == {"xla": {"all_gather", "reduce_scatter"}, "none": set()}, found
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OPS))
+def test_the_bound_on_jax_ubs_gemms_is_the_bound_on_xlas(rand, name, mode):
+    """Every op, in every way to call it (the gradient matrix's), with its biases: the value
+    and gradients of impl="none" on jax_ub's GEMMs equal those on XLA's (the same local
+    math, other GEMM kernels)."""
+    op = OPS[name]
+    operands, cot = make_operands(rand, op, 0, bias=bool(op.biases))
+    got = {}
+    for gemms in ("xla", "ub"):
+        jax_ub.configure(bound_gemms=gemms)
+        got[gemms] = run(op, mode, "none", 0, operands, cot)
+    check(got["ub"], got["xla"], f"{name} {mode}", 1e-5)

@@ -18,6 +18,7 @@ from jax import lax
 from jax.sharding import AxisType
 
 from jax_ub._src import jax_compat
+from jax_ub._src.lowering.varying import typed_invariant
 from jax_ub._src.lowering.wire_format import product_scale
 
 
@@ -190,8 +191,9 @@ def sum_row_blocks(y: jax.Array, axis_name: str) -> jax.Array:
 
 
 def _kept(y: jax.Array, axis_name: str) -> jax.Array:
-    """An all-reduce's shapes without its communication: ``y`` itself."""
-    return y
+    """An all-reduce's shapes and type without its communication: ``y`` itself, typed as
+    the same on every rank (as psum's result is, so ``out_specs`` may replicate it)."""
+    return typed_invariant(y, axis_name)
 
 
 @dataclasses.dataclass(frozen=True)

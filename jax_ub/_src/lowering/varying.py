@@ -66,27 +66,29 @@ def _with_varying(aval: AbstractValue, varying: frozenset) -> AbstractValue:
     return aval
 
 
-# The sum over a group of one: the value itself, typed as not varying over the group's axis
-# (as psum's result is). XLA's psum over a size-1 axis would be a no-op all-reduce, and
-# its SPMD partitioner rejects one inside a partial-auto shard_map whose automatic axes
-# split the operand; this emits nothing.
-_summed_over_one_p = Primitive("jax_ub_summed_over_group_of_one")
-_summed_over_one_p.def_impl(lambda x, *, axes: x)
-_summed_over_one_p.def_abstract_eval(lambda x, *, axes: _with_varying(x, _varying(x) - axes))
-mlir.register_lowering(_summed_over_one_p, lambda ctx, x, *, axes: [x])
+# A value typed as not varying over some axes (as psum's result is), with nothing computed or
+# communicated: the sum over a group of one, or impl="none"'s stand-in for an all-reduce
+# (each rank keeps its own value). XLA's psum over a size-1 axis would be a no-op
+# all-reduce, which its SPMD partitioner rejects inside a partial-auto shard_map whose
+# automatic axes split the operand; this emits nothing.
+_invariant_p = Primitive("jax_ub_typed_invariant")
+_invariant_p.def_impl(lambda x, *, axes: x)
+_invariant_p.def_abstract_eval(lambda x, *, axes: _with_varying(x, _varying(x) - axes))
+mlir.register_lowering(_invariant_p, lambda ctx, x, *, axes: [x])
 # The transpose, as psum's: the cotangent (the same on every rank) cast back to varying.
 ad.deflinear2(
-    _summed_over_one_p,
+    _invariant_p,
     lambda ct, x, *, axes: [jax.lax.pcast(ct, tuple(sorted(axes)), to="varying")],
 )
-batching.primitive_batchers[_summed_over_one_p] = lambda args, dims, *, axes: (
-    _summed_over_one_p.bind(args[0], axes=axes),
+batching.primitive_batchers[_invariant_p] = lambda args, dims, *, axes: (
+    _invariant_p.bind(args[0], axes=axes),
     dims[0],
 )
 
 
-def summed_over_group_of_one(y, axis_name: str):
-    """``psum(y, axis_name)`` where the axis has size 1: ``y``, no longer typed as varying
-    over the axis. A no-op where ``y`` does not vary over it (or nothing is checked)."""
+def typed_invariant(y, axis_name: str):
+    """``y``, no longer typed as varying over ``axis_name`` (a no-op where it does not vary
+    over it, or nothing is checked). Equal to ``psum(y, axis_name)`` only where the axis
+    has size 1."""
     axes = frozenset({axis_name}) & varying_axes(y)
-    return _summed_over_one_p.bind(y, axes=axes) if axes else y
+    return _invariant_p.bind(y, axes=axes) if axes else y

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.unfused import matmul_all_reduce_reference, reduce_scatter_rows
-from jax_ub._src.lowering.varying import match_varying, summed_over_group_of_one
+from jax_ub._src.lowering.varying import match_varying, typed_invariant
 from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.argument_checks import check_arguments
 from jax_ub._src.ops.group import Group
@@ -112,8 +112,8 @@ def _ub(call: driver.Call, x, w):
 
 
 def _unfused(call: driver.Call, x, w):
-    if call.size == 1:  # nothing to sum; the product typed as the sum's (see there)
-        return summed_over_group_of_one(matmul_all_reduce_reference(x, w, None), call.axis_name)
+    if call.size == 1:  # nothing to sum; the product typed as the sum is
+        return typed_invariant(matmul_all_reduce_reference(x, w, None), call.axis_name)
     return matmul_all_reduce_reference(x, w, call.axis_name, call.path.collectives)
 
 
