@@ -202,6 +202,10 @@ RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:300
   test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:400 test_gpu_layouts.py:200 test_gpu_flax.py:60
   test_gpu_reliability.py:150 test_gpu_models.py@trains_as:320 test_gpu_models.py@not+trains_as:420
   test_gpu_general_lm.py:180 test_gpu_ported_lm.py:240"
+# Files whose ranks each need several GiB (test_gpu.py's largest case fetches its global
+# arrays whole on every rank): with several lanes, all their items run one after another in
+# lane 0, so that no two of them hold that memory at once.
+RANKS_HEAVY="test_gpu.py"
 
 # One item of the N-ranks mode at one N: ranks_item N FILE K LIMIT LOG (K: pytest's -k, or
 # empty), the test run appended to LOG; pytest's own args follow in RANKS_ARGS.
@@ -248,18 +252,25 @@ mode_ranks() {
   [[ $lanes =~ ^[1-9][0-9]*$ ]] || { echo "RANKS_PARALLEL must be a count of lanes, got '$lanes'"; exit 2; }
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c "^GPU" || true)
   [ "${gpus:-0}" -ge 1 ] || gpus=1
-  # Each item to the lane with the least work so far, longest first; lane L shares GPU
-  # L % gpus. Each GPU's ranks in all (its lanes' largest N summed) size their memory shares
-  # (tests/_ranks.py).
+  # The heavy files' items to lane 0; then each other item to the lane with the least work
+  # so far, longest first; lane L shares GPU L % gpus. Each GPU's ranks in all (its lanes'
+  # largest N summed) size their memory shares (tests/_ranks.py).
   local -a load=() items=() most=() on_gpu=()
   for ((lane = 0; lane < lanes; lane++)); do load[lane]=0; items[lane]=""; most[lane]=0; done
-  while read -r secs n file k; do
-    lane=0
-    for ((i = 1; i < lanes; i++)); do [ "${load[i]}" -lt "${load[lane]}" ] && lane=$i; done
-    load[lane]=$((load[lane] + secs))
-    items[lane]+="$n $file $k $secs;"
-    [ "$n" -gt "${most[lane]}" ] && most[lane]=$n
-  done < <(ranks_work "${ranks[@]}")
+  local heavy pass
+  for pass in heavy rest; do
+    while read -r secs n file k; do
+      [[ " $RANKS_HEAVY " == *" $file "* ]] && heavy=heavy || heavy=rest
+      [ "$heavy" = "$pass" ] || continue
+      lane=0
+      if [ "$pass" = rest ]; then
+        for ((i = 1; i < lanes; i++)); do [ "${load[i]}" -lt "${load[lane]}" ] && lane=$i; done
+      fi
+      load[lane]=$((load[lane] + secs))
+      items[lane]+="$n $file $k $secs;"
+      [ "$n" -gt "${most[lane]}" ] && most[lane]=$n
+    done < <(ranks_work "${ranks[@]}")
+  done
   for ((lane = 0; lane < lanes; lane++)); do
     on_gpu[lane % gpus]=$((${on_gpu[lane % gpus]:-0} + most[lane]))
   done

@@ -48,6 +48,12 @@ GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
 # e.g. N = 8, 4 and 2 side by side); default: this group's N.
 ON_GPU_ENV = "JAX_UB_TEST_RANKS_ON_GPU"
 GPU_MEMORY_SHARE = 0.85  # of the GPU's memory, for the XLA pools of every rank on it together
+# The least share a rank's pool gets however many share the GPU: a rank of test_gpu.py's
+# largest case holds about 5 GiB (its global arrays fetched whole); a share of 0.85/22 of an
+# H200 (5.4 GiB) ran it out of memory. Above 16 ranks the caps add up to more than the GPU:
+# device_run.sh runs the heavy files' items one after another (RANKS_HEAVY), and the other
+# files' pools stay small.
+MIN_SHARE = GPU_MEMORY_SHARE / 16
 
 
 def rank_count() -> int:
@@ -83,7 +89,8 @@ def prepare_environment() -> None:
     # large test cannot starve the others of memory (a later allocation anywhere on the
     # GPU would fail, or a rank's GPU not start at all).
     sharing = int(env.get(ON_GPU_ENV) or rank_count() or 1)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{GPU_MEMORY_SHARE / sharing:.3f}")
+    share = max(GPU_MEMORY_SHARE / sharing, MIN_SHARE)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
 
 
 def join() -> None:

@@ -50,6 +50,17 @@ def test_the_whole_set_has_every_gpu_file(tmp_path):
     assert "test_gpu_multiprocess.py -k one_gpu\\ or\\ one_shared_gpu" in done.stdout
 
 
+def test_the_heavy_files_run_one_after_another(tmp_path):
+    """test_gpu.py's items at every N in one lane (each rank holds GiBs), the rest dealt."""
+    done = _dry_run(tmp_path, "all", RANKS="2 4 8", RANKS_PARALLEL="4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lanes = re.split(r"^-- lane \d+ ", done.stdout, flags=re.M)[1:]
+    assert len(lanes) == 4
+    holding = [i for i, text in enumerate(lanes) if "tests/test_gpu.py:" in text]
+    assert holding == [0], holding
+    assert lanes[0].count("tests/test_gpu.py:") == 3
+
+
 def test_a_lane_count_that_is_not_a_count_is_refused(tmp_path):
     done = _dry_run(tmp_path, RANKS_PARALLEL="two")
     assert done.returncode == 2
