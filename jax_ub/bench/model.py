@@ -232,7 +232,7 @@ def compiled_step(variant: str, cfg, mesh, tokens, args):
     step = jax.jit(step, donate_argnums=0)
     # jax_ub_keep: the ops keep all_gather(x), not x's shard, for the weight gradients
     # (read when the step is traced).
-    before = {"keep_gathered": jax_ub.config.keep_gathered, "bound_gemms": "xla"}
+    before = {name: getattr(jax_ub.config, name) for name in ("keep_gathered", "bound_gemms")}
     jax_ub.configure(
         keep_gathered=variant == "jax_ub_keep" or before["keep_gathered"],
         bound_gemms="ub" if variant == "bound_ub" else "xla",

@@ -43,21 +43,17 @@ def match_varying(ct, like):
 def result_aval(x, shape, *operands, extra: frozenset = frozenset()):
     """x's aval with `shape`, varying over every mesh axis any operand varies over.
 
-    Under shard_map(check_vma=True) that is what the lax reference would produce; the
-    attribute holding it moved between JAX versions, hence the two spellings.
+    Under shard_map(check_vma=True) that is what the lax reference would produce.
     """
     if not _check_vma():
         return x.update(shape=shape)
     varying = frozenset(extra).union(*(_varying(a) for a in operands))
-    mat = getattr(x, "manual_axis_type", None)
-    if mat is not None:
-        return x.update(shape=shape, manual_axis_type=mat.update(varying=varying))
-    if hasattr(x, "vma"):
-        return x.update(shape=shape, vma=varying)
-    return x.update(shape=shape)
+    return _with_varying(x.update(shape=shape), varying)
 
 
 def _with_varying(aval: AbstractValue, varying: frozenset) -> AbstractValue:
+    """``aval`` typed as varying over ``varying`` (the attribute moved between JAX versions,
+    hence the two spellings)."""
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return aval.update(manual_axis_type=mat.update(varying=varying))
