@@ -106,7 +106,12 @@ def matmul_all_reduce_reference(
 
 def all_reduce(y: jax.Array, axis_name: str) -> jax.Array:
     """``psum(y, axis_name)``; a 16-bit float sum runs in float32 on CPU devices, where
-    XLA's CPU compiler would abort on it (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``)."""
+    XLA's CPU compiler would abort on it (``jax_compat.CPU_16BIT_ALL_REDUCE_ABORTS``).
+    Over a group of one it is ``y``, typed as psum's result: XLA's SPMD partitioner rejects
+    an all-reduce over a size-1 axis of a partly manual shard_map ("Cross-partition
+    allreduce must be in (partial) manual partitioning mode"; e.g. tp=1 beside dp=2)."""
+    if lax.axis_size(axis_name) == 1:
+        return typed_invariant(y, axis_name)
     if _cpu_16bit(y):
         return lax.psum(y.astype(jnp.float32), axis_name).astype(y.dtype)
     return lax.psum(y, axis_name)
