@@ -225,6 +225,15 @@ def test_op_gradients_on_a_group_of_one(rand, name, mode):
     check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (1, "tp")))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_xla_all_reduce_gradients_on_a_group_of_one(rand, mode):
+    """tp = 1 (dp = 2), matmul_all_reduce with impl="xla": its all-reduce over the size-1
+    axis is the value itself, typed as psum's result (XLA's SPMD partitioner rejects that
+    all-reduce in some partly manual shard_maps: ``unfused.all_reduce``); its gradients
+    through that typing in every way to call."""
+    check_op(rand, "matmul_all_reduce", mode, "xla", mesh=make_mesh((2, "dp"), (1, "tp")))
+
+
 def check_op(rand, name: str, mode: str, impl: str, mesh=None, tol: float = TOL) -> None:
     """The op with and without biases, sequence dim 0 and 1, against the reference."""
     op = OPS[name]
