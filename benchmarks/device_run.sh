@@ -17,7 +17,7 @@ MODES=(
   all          "tests, then bench (args: bench's)"                                    mode_all
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
-  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds ...\", @k: pytest's -k, + for a space) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 33 lane-minutes a N at N = 8), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
+  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds ...\", @k: pytest's -k, + for a space) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those); args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 33 lane-minutes a N at N = 8; and once, processes of their own on GPU 0: RANKS_ONCE), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -45,7 +45,8 @@ Usage (on a GPU machine, in the repo root):
 Builds and installs this checkout into python3's environment (pip install --no-build-isolation
 --no-deps -e ., CMake build in build/dev for CUDA_ARCHS, default 90-real; needs
 scikit-build-core, nanobind, CMake and ninja there), then runs MODE. Logs go to $OUT (default
-/tmp/out); TAG names a benchmark's outputs. DRY_RUN=1 prints each step's command, runs none.
+/tmp/out); TAG names a benchmark's outputs. DRY_RUN=1 prints each step's command, runs none; NO_BUILD=1
+skips the build (the jax_ub installed already runs).
 Modes:
 EOF
   local i line first
@@ -202,6 +203,10 @@ RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:300
   test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:400 test_gpu_layouts.py:200 test_gpu_flax.py:60
   test_gpu_reliability.py:150 test_gpu_models.py@trains_as:320 test_gpu_models.py@not+trains_as:420
   test_gpu_general_lm.py:180 test_gpu_ported_lm.py:240"
+# Items of the whole set run once, not per N (N shown as 0; RANKS_ONCE="" for none): processes
+# of their own on GPU 0,
+# the fault tests among them.
+RANKS_ONCE=${RANKS_ONCE-"test_gpu_multiprocess.py@one_gpu+or+one_shared_gpu:400"}
 # Files whose ranks each need several GiB (test_gpu.py's largest case fetches its global
 # arrays whole on every rank): with several lanes, all their items run one after another in
 # lane 0, so that no two of them hold that memory at once.
@@ -217,18 +222,26 @@ ranks_item() {
     tag+=_$(tr -c 'A-Za-z0-9_\n' _ <<< "$k")
   fi
   start=$(wc -l < "$log")
-  step --append --ok "0 5" -k 10 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
-    python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag" -q -rfEs \
-    -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
+  if [ "$n" -eq 0 ]; then  # an item of RANKS_ONCE: its tests start their own processes
+    step --append --ok "0 5" -k 10 "processes on GPU 0: tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
+      python3 -m pytest -q -rfEs -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
+  else
+    step --append --ok "0 5" -k 10 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
+      python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag" -q -rfEs \
+      -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
+  fi
   tail -n "+$((start + 1))" "$log" \
     | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
 }
 
-# Every item at every N, as lines "seconds n file k" (k: "-" for none), longest first.
+# Every item at every N (and RANKS_ONCE_SPECS' at N = 0), as lines "seconds n file k" (k: "-"
+# for none), longest first.
 ranks_work() {
   local n spec file k
   for n in "$@"; do
-    for spec in "${RANKS_SPECS[@]}"; do
+    local -a specs=("${RANKS_SPECS[@]}")
+    [ "$n" -eq 0 ] && specs=("${RANKS_ONCE_SPECS[@]}")
+    for spec in "${specs[@]}"; do
       file=${spec%%:*}
       k=-
       if [[ $file == *@* ]]; then
@@ -246,15 +259,21 @@ mode_ranks() {
   RANKS_ARGS=("$@")
   if [ -n "${RANKS_FILES:-}" ]; then read -ra RANKS_SPECS <<< "$RANKS_FILES"
   elif [ "$set" = all ]; then read -ra RANKS_SPECS <<< "${RANKS_ALL//$'\n'/ }"; else read -ra RANKS_SPECS <<< "$RANKS_QUICK"; fi
-  local -a ranks
+  local -a ranks once=()
   read -ra ranks <<< "${RANKS:-4}"
+  RANKS_ONCE_SPECS=()
+  if [ "$set" = all ] && [ -z "${RANKS_FILES:-}" ]; then read -ra RANKS_ONCE_SPECS <<< "$RANKS_ONCE"; once=(0); fi
   local lanes=${RANKS_PARALLEL:-1} gpus secs n file k lane i
   [[ $lanes =~ ^[1-9][0-9]*$ ]] || { echo "RANKS_PARALLEL must be a count of lanes, got '$lanes'"; exit 2; }
-  gpus=$(nvidia-smi -L 2> /dev/null | grep -c "^GPU" || true)
-  [ "${gpus:-0}" -ge 1 ] || gpus=1
+  # The GPUs the lanes share: RANKS_GPUS (e.g. "1"), else every GPU nvidia-smi lists.
+  local -a gpu_ids
+  if [ -n "${RANKS_GPUS:-}" ]; then read -ra gpu_ids <<< "$RANKS_GPUS"
+  else read -ra gpu_ids <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader 2> /dev/null | tr '\n' ' ')"; fi
+  [ ${#gpu_ids[@]} -ge 1 ] || gpu_ids=(0)
+  gpus=${#gpu_ids[@]}
   # The heavy files' items to lane 0; then each other item to the lane with the least work
-  # so far, longest first; lane L shares GPU L % gpus. Each GPU's ranks in all (its lanes'
-  # largest N summed) size their memory shares (tests/_ranks.py).
+  # so far, longest first; lane L shares GPU L % gpus of that list. Each GPU's ranks in all
+  # (its lanes' largest N summed) size their memory shares (tests/_ranks.py).
   local -a load=() items=() most=() on_gpu=()
   for ((lane = 0; lane < lanes; lane++)); do load[lane]=0; items[lane]=""; most[lane]=0; done
   local heavy pass
@@ -269,14 +288,14 @@ mode_ranks() {
       load[lane]=$((load[lane] + secs))
       items[lane]+="$n $file $k $secs;"
       [ "$n" -gt "${most[lane]}" ] && most[lane]=$n
-    done < <(ranks_work "${ranks[@]}")
+    done < <(ranks_work "${ranks[@]}" "${once[@]}")
   done
   for ((lane = 0; lane < lanes; lane++)); do
     on_gpu[lane % gpus]=$((${on_gpu[lane % gpus]:-0} + most[lane]))
   done
   for ((lane = 0; lane < lanes; lane++)); do
     (
-      export JAX_UB_TEST_RANKS_GPU=$((lane % gpus)) JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[lane % gpus]}
+      export JAX_UB_TEST_RANKS_GPU=${gpu_ids[lane % gpus]} JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[lane % gpus]}
       FAILED=()
       log="$OUT/ranks_lane$lane.log"
       : > "$log"
@@ -291,15 +310,10 @@ mode_ranks() {
   done
   wait
   for ((lane = 0; lane < lanes; lane++)); do
-    echo "-- lane $lane (GPU $((lane % gpus)), about ${load[lane]} s of limits; log: ranks_lane$lane.log):"
+    echo "-- lane $lane (GPU ${gpu_ids[lane % gpus]}, about ${load[lane]} s of limits; log: ranks_lane$lane.log):"
     cat "$SCRATCH/lane_$lane.out"
     while IFS= read -r f; do [ -n "$f" ] && FAILED+=("$f"); done < "$SCRATCH/lane_$lane.failed"
   done
-  if [ "$set" = all ]; then  # processes of their own on GPU 0: the fault tests among them
-    step --append --ok "0 5" -k 10 "shared-GPU processes" 400 "$OUT/ranks_processes.log" \
-      python3 -m pytest -q -rfEs -m gpu tests/test_gpu_multiprocess.py -k "one_gpu or one_shared_gpu" "$@"
-    tail -n 3 "$OUT/ranks_processes.log"
-  fi
 }
 
 mode_bench() {
@@ -503,7 +517,7 @@ trap 'echo "device_run.sh: terminated" >&2; exit 143' TERM HUP
 step --ok any gpus 60 "$OUT/gpus.txt" nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 step --append --ok any "gpu topology" 60 "$OUT/gpus.txt" nvidia-smi topo -m
 dry_run || head -n 12 "$OUT/gpus.txt"
-build_and_install
+if [ -n "${NO_BUILD:-}" ]; then echo "NO_BUILD: the jax_ub installed already"; else build_and_install; fi
 "$mode_fn" "$@"
 
 if [ ${#FAILED[@]} -gt 0 ]; then

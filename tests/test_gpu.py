@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import RANKS, gpu_mesh, group_sizes, need_gpus, use_tuning
+from conftest import RANKS, gpu_mesh, gpu_rel_err, group_sizes, need_gpus, use_tuning
 from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
@@ -27,13 +27,6 @@ TPS = group_sizes(GPUS)
 # (dp, tp) meshes of every GPU with dp >= 2 and tp >= 2
 DP_TP = sorted({(len(GPUS) // t, t) for t in (2, len(GPUS) // 2) if t >= 2 and len(GPUS) // t >= 2})
 CPU = jax.local_devices(backend="cpu")[0]
-
-
-def _rel(a, b) -> float:
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    b = np.asarray(jnp.asarray(b, jnp.float32))
-    assert np.isfinite(a).all(), "non-finite values in jax_ub output"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _mesh(tp: int, dp: int = 1) -> Mesh:
@@ -89,8 +82,8 @@ def test_forward_matches_xla(tp, shape, dtype):
     # XLA's f32 dot defaults to TF32 on GPU; jax_ub's f32 is true f32 unless allow_tf32.
     with jax.default_matmul_precision("highest"):
         ag_ref, rs_ref = _ag(mesh, "xla")(x, w), _rs(mesh, "xla")(h, v)
-    assert _rel(_ag(mesh, "ub")(x, w), ag_ref) < TOL[dtype]
-    assert _rel(_rs(mesh, "ub")(h, v), rs_ref) < TOL[dtype]
+    assert gpu_rel_err(_ag(mesh, "ub")(x, w), ag_ref) < TOL[dtype]
+    assert gpu_rel_err(_rs(mesh, "ub")(h, v), rs_ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("gather", [False, True])
@@ -115,7 +108,7 @@ def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold, gather):
         with jax.default_matmul_precision("highest"):
             ref = _rs(mesh, "xla")(h, v)
         if not gather:
-            assert _rel(_rs(mesh, "ub")(h, v), ref) < TOL[dtype]
+            assert gpu_rel_err(_rs(mesh, "ub")(h, v), ref) < TOL[dtype]
             return
         (g,) = _data(jax.random.key(rows + 10 * tp + 1), [(tp * rows, 384)], dtype)
 
@@ -127,7 +120,7 @@ def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold, gather):
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P("tp"))))
         for call in range(3):  # the buffer's gathered chunks reused, epochs advancing
             out, gathered = f(h, v, g + call)
-            assert _rel(out, ref) < TOL[dtype]
+            assert gpu_rel_err(out, ref) < TOL[dtype]
             want = np.asarray(g + call).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
             for copy in np.asarray(gathered):
                 assert (copy.view(want.dtype) == want).all(), call
@@ -159,7 +152,7 @@ def test_grads_match_xla(tp, keep_gathered):
         return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
     for g_ub, g_ref in zip(loss("ub")(x, w1, w2), loss("xla")(x, w1, w2)):
-        assert _rel(g_ub, g_ref) < 3e-2
+        assert gpu_rel_err(g_ub, g_ref) < 3e-2
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -180,14 +173,14 @@ def test_matmul_all_reduce_values_and_grads(tp, rows):
         )
         return jax.jit(g)
 
-    assert _rel(f("ub")(x, w), f("xla")(x, w)) < 1e-2
+    assert gpu_rel_err(f("ub")(x, w), f("xla")(x, w)) < 1e-2
 
     def grads(impl):
         loss = lambda x, w: jnp.sum(jnp.sin(f(impl)(x, w).astype(jnp.float32)))  # noqa: E731
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
 
     for g_ub, g_ref in zip(grads("ub"), grads("xla")):
-        assert _rel(g_ub, g_ref) < 2e-2
+        assert gpu_rel_err(g_ub, g_ref) < 2e-2
 
 
 @pytest.mark.parametrize("allow_tf32", [False, True])
@@ -215,7 +208,7 @@ def test_float32_grads_follow_allow_tf32(allow_tf32):
     with jax.default_device(CPU):
         cpu = [np.asarray(a) for a in (x, w1, w2)]
         grads_ref = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2)))(*cpu)
-    errors = [_rel(g, r) for g, r in zip(grads, grads_ref)]
+    errors = [gpu_rel_err(g, r) for g, r in zip(grads, grads_ref)]
     if allow_tf32:
         assert all(e < 5e-3 for e in errors), errors  # TF32: ~1e-4..1e-3
     else:
@@ -237,8 +230,8 @@ def test_each_gemm_order_matches_xla(order):
             with jax.default_matmul_precision("highest"):
                 ref = _ag(mesh, "xla")(x, w)
                 ref_rs = _rs(mesh, "xla")(ref, w.T)
-            assert _rel(_ag(mesh, "ub")(x, w), ref) < TOL[dtype], (order, dtype)
-            assert _rel(_rs(mesh, "ub")(ref, w.T), ref_rs) < TOL[dtype], (order, dtype)
+            assert gpu_rel_err(_ag(mesh, "ub")(x, w), ref) < TOL[dtype], (order, dtype)
+            assert gpu_rel_err(_rs(mesh, "ub")(ref, w.T), ref_rs) < TOL[dtype], (order, dtype)
 
         def loss(impl):
             def body(x, w):
@@ -253,7 +246,7 @@ def test_each_gemm_order_matches_xla(order):
         x, w = _data(jax.random.key(5), [(3 * 256, 640), (640, 3 * 128)], jnp.float32)
         x, w = x.astype(jnp.bfloat16), (w / np.sqrt(640)).astype(jnp.bfloat16)
         for g_ub, g_ref in zip(loss("ub")(x, w), loss("xla")(x, w)):
-            assert _rel(g_ub, g_ref) < 3e-2, order
+            assert gpu_rel_err(g_ub, g_ref) < 3e-2, order
     finally:
         jax_ub.finalize()
 
@@ -273,7 +266,7 @@ def test_dp_by_tp_mesh(dp, tp):
             )
         )
 
-    assert _rel(f("ub")(x, w), f("xla")(x, w)) < 2e-2
+    assert gpu_rel_err(f("ub")(x, w), f("xla")(x, w)) < 2e-2
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -337,7 +330,7 @@ def test_return_gathered(tp):
     )
     out, gathered = f(x, w)
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(x))
-    assert _rel(out, _ag(mesh, "xla")(x, w)) < 2e-2
+    assert gpu_rel_err(out, _ag(mesh, "xla")(x, w)) < 2e-2
 
 
 def test_host_times_count_each_call():
@@ -391,5 +384,5 @@ def test_group_gpus_agree_on_each_kernel():
             kernels = multihost_utils.process_allgather(np.array(kernels)).reshape(-1, 2)
             kernels = [tuple(k) for k in kernels]
         assert len(set(kernels)) == 1, (shape, kernels)
-    assert _rel(out[0], _ag(mesh, "xla")(x, w)) < 2e-2
-    assert _rel(out[1], _rs(mesh, "xla")(y, w.T)) < 2e-2
+    assert gpu_rel_err(out[0], _ag(mesh, "xla")(x, w)) < 2e-2
+    assert gpu_rel_err(out[1], _rs(mesh, "xla")(y, w.T)) < 2e-2

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import RANKS, gpu_mesh, need_gpus
+from conftest import RANKS, gpu_mesh, gpu_rel_err, need_gpus
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -24,12 +24,6 @@ N = RANKS or min(len(GPUS), 2)  # the group: in the N-ranks mode every rank
 M, K, NC = 512, 256, 384  # per-rank rows, contraction, columns
 EPILOGUES = [(True, None), (False, "gelu"), (True, "gelu")]  # (bias, activation)
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))
-    assert np.isfinite(a).all(), "non-finite values in jax_ub output"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _operands(dtype, seed=0):
@@ -73,14 +67,14 @@ def test_epilogue_forward_and_grads(dtype, with_bias, activation):
     ub = _fn("ub", with_bias, activation)
     y = ub(x, w, b)
     assert y.dtype == dtype
-    assert _rel(y, _reference(x, w, b, with_bias, activation)) < TOL[dtype]
+    assert gpu_rel_err(y, _reference(x, w, b, with_bias, activation)) < TOL[dtype]
     # XLA's f32 dots (the reference's, and the weight gradient's in both) default to TF32.
     with jax.default_matmul_precision("highest"):
         want = jax.grad(_loss(_fn("xla", with_bias, activation)), argnums=(0, 1, 2))(x, w, b)
         got = jax.grad(_loss(ub), argnums=(0, 1, 2))(x, w, b)
     names = ("dx", "dw", "dbias") if with_bias else ("dx", "dw")
     for name, g, r in zip(names, got, want):
-        assert _rel(g, r) < 2 * TOL[dtype], name
+        assert gpu_rel_err(g, r) < 2 * TOL[dtype], name
 
 
 def test_epilogue_is_deterministic():
@@ -109,9 +103,9 @@ def test_fp8_epilogue(out_dtype):
         y_xla = xla(x, w, b)
         want = jax.grad(_loss(xla), argnums=(0, 1, 2))(x, w, b)
         got = jax.grad(_loss(ub), argnums=(0, 1, 2))(x, w, b)
-    assert _rel(y, y_xla) < 1e-2
+    assert gpu_rel_err(y, y_xla) < 1e-2
     for name, g, r in zip(("dx", "dw", "dbias"), got, want):
-        assert _rel(g, r) < 5e-2, name  # through e5m2: see test_epilogue.py's fp8 test
+        assert gpu_rel_err(g, r) < 5e-2, name  # through e5m2: see test_epilogue.py's fp8 test
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -139,6 +133,6 @@ def test_gelu_mlp_dgelu_epilogue(dtype):
         want_y = fn("xla")(*wide)
         want = jax.grad(_loss(fn("xla")), argnums=range(5))(*wide)
         got = jax.grad(_loss(fn("ub")), argnums=range(5))(*args)
-    assert _rel(fn("ub")(*args), want_y) < TOL[dtype]
+    assert gpu_rel_err(fn("ub")(*args), want_y) < TOL[dtype]
     for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
-        assert _rel(g, r) < 2 * TOL[dtype], name
+        assert gpu_rel_err(g, r) < 2 * TOL[dtype], name

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from conftest import RANKS, gpu_mesh, need_gpus
+from conftest import RANKS, gpu_mesh, gpu_rel_err, need_gpus
 from flax import nnx
 
 import jax_ub.flax as ubf
@@ -19,12 +18,6 @@ pytestmark = pytest.mark.gpu
 GPUS = need_gpus(2)
 
 SEQ, BATCH, D, HEADS = 512, 2, 512, 8  # head_dim 64
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.isfinite(a).all(), "non-finite values"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _loss_and_grads(model, x, ct):
@@ -58,9 +51,9 @@ def test_cudnn_attention_matches_xla_attention(impl):
     (y, g, gx), hlo_fused = _loss_and_grads(fused, x, ct)
     (y_ref, g_ref, gx_ref), _ = _loss_and_grads(plain, x, ct)
     assert "cudnn" in hlo_fused.lower()  # the fused kernel runs (XLA may fuse its own too)
-    assert _rel(y, y_ref) < 2e-2
-    assert _rel(gx, gx_ref) < 3e-2
+    assert gpu_rel_err(y, y_ref) < 2e-2
+    assert gpu_rel_err(gx, gx_ref) < 3e-2
     for (path, a), (_, b) in zip(
         jax.tree_util.tree_leaves_with_path(g), jax.tree_util.tree_leaves_with_path(g_ref)
     ):
-        assert _rel(a, b) < 3e-2, path
+        assert gpu_rel_err(a, b) < 3e-2, path

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import RANKS, gpu_mesh, need_gpus
+from conftest import RANKS, gpu_mesh, gpu_rel_err, need_gpus
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from test_fp8 import deq
@@ -30,12 +30,6 @@ M, K, NC = 1024, 512, 768  # per-rank rows, contraction, columns (multiples of 1
 
 def _mesh() -> Mesh:
     return gpu_mesh(GPUS, (N,), ("tp",))
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(b, np.float32)
-    assert np.isfinite(a).all(), "non-finite values in jax_ub output"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _operands(op, dtype, seed=0):
@@ -78,9 +72,9 @@ def test_fp8_forward_and_grads_match_dequantized_reference(op, dtype):
     # Hopper's fp8 tensor cores accumulate with less than float32's precision (about 1e-4
     # relative seen at k = 512): float32 outputs get 1e-3.
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-3
-    assert _rel(out, xq @ wq) < tol
-    assert _rel(dx, g @ wq.T) < tol
-    assert _rel(dw, xq.T @ g) < tol
+    assert gpu_rel_err(out, xq @ wq) < tol
+    assert gpu_rel_err(dx, g @ wq.T) < tol
+    assert gpu_rel_err(dw, xq.T @ g) < tol
     np.testing.assert_allclose(float(dscales.grad), np.abs(f32(ct)).max(), rtol=1e-6)
 
 
@@ -100,7 +94,7 @@ def test_fp8_current_scaling_matches_xla_path(op):
     # e5m2 (2 mantissa bits) turns some of those into a quantization step: 3.1% was seen
     # for RS's dx on 2 H200s.
     for a, b in zip(got, want):
-        assert _rel(a, b) < 5e-2
+        assert gpu_rel_err(a, b) < 5e-2
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -114,8 +108,8 @@ def test_fp8_operands_given_quantized(op):
     out = _fn(op)(xq, wq, scales)
     assert out.dtype == jnp.bfloat16
     f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
-    assert _rel(out, deq(f32(x), sx) @ deq(f32(w), sw)) < 2e-2
-    assert _rel(out, _fn(op)(x, w, scales)) < 1e-2  # bf16 rounding of the same GEMMs
+    assert gpu_rel_err(out, deq(f32(x), sx) @ deq(f32(w), sw)) < 2e-2
+    assert gpu_rel_err(out, _fn(op)(x, w, scales)) < 1e-2  # bf16 rounding of the same GEMMs
 
 
 def test_fp8_gelu_mlp_matches_the_two_fp8_ops():
@@ -148,7 +142,7 @@ def test_fp8_gelu_mlp_matches_the_two_fp8_ops():
     # op's trials), whose bf16 roundings turn into e4m3 and e5m2 steps where the next op
     # quantizes them: 3.5% was seen on one H200. A wrong epilogue would be far off.
     for name, a, b in zip(("y", "dx", "dw_up", "db_up", "dw_down", "db_down"), *outs.values()):
-        assert _rel(a, b) < 5e-2, name
+        assert gpu_rel_err(a, b) < 5e-2, name
 
 
 def test_flax_mlp_in_fp8():
@@ -169,8 +163,8 @@ def test_flax_mlp_in_fp8():
             ys[fp8, impl] = nnx.jit(lambda m, x: m(x))(model, x)
     # The second layer quantizes the first's output again: rounding differences between
     # the two paths' bf16 activations flip some e4m3 roundings (2.2% seen on an H100).
-    assert _rel(ys[True, "ub"], ys[True, "xla"]) < 5e-2
-    assert 1e-3 < _rel(ys[True, "ub"], ys[False, "ub"]) < 0.1
+    assert gpu_rel_err(ys[True, "ub"], ys[True, "xla"]) < 5e-2
+    assert 1e-3 < gpu_rel_err(ys[True, "ub"], ys[False, "ub"]) < 0.1
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -198,7 +192,7 @@ def test_forward_fast_accumulation_error_and_switch(op):
         with experimental_tuning(fp8_fast_accumulation=fast):
             f = jax.jit(lambda a, b, s: _fn(op)(a, b, s))  # a new trace for each setting
             out = np.asarray(f(x, w, scales))
-        errors[fast] = (_rel(out, want), out)
+        errors[fast] = (gpu_rel_err(out, want), out)
     jax_ub.finalize()
     fast, promoted = errors[True][0], errors[False][0]
     print(f"{op}: relative error at k={k}: fast {fast:.2e}, promoted {promoted:.2e}")

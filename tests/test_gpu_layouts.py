@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import RANKS, gpu_mesh, in_own_process, need_gpus
+from conftest import RANKS, gpu_mesh, gpu_rel_err, in_own_process, need_gpus
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -52,13 +52,6 @@ OPS_IN_HLO = ("jax_ub_all_gather_matmul", "jax_ub_matmul_reduce_scatter")
 
 def _mesh(dp: int, tp: int) -> Mesh:
     return gpu_mesh(GPUS, (dp, tp), ("dp", "tp"))
-
-
-def _rel(a, b) -> float:
-    a, b = (np.asarray(jnp.asarray(v, jnp.float32)) for v in (a, b))
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert np.isfinite(a).all(), "non-finite values in jax_ub output"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _operands(mesh, dtype, seed=0):
@@ -96,9 +89,9 @@ def _check_against_reference(f, args, reference, tol, mesh=None):
     with jax.default_device(CPU):
         y_ref = reference(*ref_args)
         grads_ref = jax.grad(ref_loss, argnums=argnums)(*ref_args)
-    assert _rel(y, y_ref) < tol
+    assert gpu_rel_err(y, y_ref) < tol
     for i, (g, r) in enumerate(zip(grads, grads_ref)):
-        assert _rel(g, r) < 2 * tol, f"gradient of argument {i}"
+        assert gpu_rel_err(g, r) < 2 * tol, f"gradient of argument {i}"
     return hlo
 
 
@@ -238,15 +231,15 @@ def test_fp8_plain_jit(request, layout):
             for impl in ("ub", "xla")
         }
     (l_ub, g_ub), (l_xla, g_xla) = outs["ub"], outs["xla"]
-    assert _rel(l_ub, l_xla) < 2e-2
+    assert gpu_rel_err(l_ub, l_xla) < 2e-2
     # The gradients pass through e5m2 (2 mantissa bits): two implementations that round
     # a few elements differently differ by several percent.
     for g, r in zip(g_ub, g_xla):
-        assert _rel(g, r) < 1e-1
+        assert gpu_rel_err(g, r) < 1e-1
     # And near the unquantized float32 math.
     with jax.default_device(CPU):
         l_ref = jnp.sum(_mlp_reference(*map(_f32, (x, w1, w2))) ** 2)
-    assert _rel(l_ub, l_ref) < 1e-1
+    assert gpu_rel_err(l_ub, l_ref) < 1e-1
 
 
 # Float32: with bfloat16 activations, XLA's CPU compiler (jaxlib 0.10.2) aborts on the
@@ -270,10 +263,10 @@ def test_flax_nnx_mlp_matches_xla(request, layout):
         grads = {impl: nnx.jit(loss_and_grad)(m, x) for impl, m in models.items()}
     if layout[0] > 1:  # the batch stays split over dp
         assert ys["ub"].sharding.spec[1] == "dp", ys["ub"].sharding
-    assert _rel(ys["ub"], ys["xla"]) < 5e-3  # XLA's float32 dots may run in TF32
+    assert gpu_rel_err(ys["ub"], ys["xla"]) < 5e-3  # XLA's float32 dots may run in TF32
     g_ub, g_xla = (jax.tree.leaves(nnx.to_pure_dict(grads[i][1])) for i in ("ub", "xla"))
     for g, r in zip(g_ub, g_xla):
-        assert _rel(g, r) < 5e-3
+        assert gpu_rel_err(g, r) < 5e-3
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -293,10 +286,10 @@ def test_flax_linen_mlp_matches_xla(request, layout):
             impl: jax.jit(jax.value_and_grad(loss), static_argnums=1)(variables, m)
             for impl, m in mlps.items()
         }
-    assert _rel(out["ub"][0], out["xla"][0]) < 5e-3
+    assert gpu_rel_err(out["ub"][0], out["xla"][0]) < 5e-3
     grads = [jax.tree.leaves(nn.unbox(out[impl][1])) for impl in ("ub", "xla")]
     for g, r in zip(*grads):
-        assert _rel(g, r) < 5e-3
+        assert gpu_rel_err(g, r) < 5e-3
 
 
 def test_group_of_one_under_auto_is_a_plain_matmul(request):
@@ -317,5 +310,5 @@ def test_group_of_one_under_auto_is_a_plain_matmul(request):
         y_xla = jax.jit(_mlp("xla"))(*args)
         y_ub = jax.jit(_mlp("ub"))(*args)
     assert not any(op in hlo for op in OPS_IN_HLO)
-    assert _rel(y_auto, y_xla) < 1e-6
-    assert _rel(y_auto, y_ub) < 3e-3
+    assert gpu_rel_err(y_auto, y_xla) < 1e-6
+    assert gpu_rel_err(y_auto, y_ub) < 3e-3
