@@ -3,16 +3,14 @@
 // group of `tp`), with its GEMMs (jax_ub's CublasLtGemm, tuned as in the op), the
 // reduce-scatter's sums and the joins between lanes, while the flag waits, descriptors,
 // signals, copies and the check are left out: the peers' rows (AG) and partials (RS) are
-// in this GPU's userbuffer from the start, and a side lane's wait for a partial waits for
-// the compute lane's work so far instead (the peers keep pace with us). Timed against the GEMM of
-// the whole per-rank work (the no-communication bound's: AG [tp*m, k] @ [k, n], RS [tp*m, k] @ [k,
-// n]), in interleaved loops of `seconds` each, 3 rounds, median: what chunking (and the sums) cost
-// the compute side, with no second GPU. Not part of the library.
+// in this GPU's userbuffer from the start. Timed against the GEMM of the whole per-rank
+// work (the no-communication bound's: AG [tp*m, k] @ [k, n], RS [tp*m, k] @ [k, n]), in
+// interleaved loops of `seconds` each, 3 rounds, median: what chunking (and the sums)
+// cost the compute side, with no second GPU. Not part of the library.
 //
 // Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
-//   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; negative: no fold, and
-//   above tp=2 a sum pass of every partial at the end).
+//   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2 only).
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -125,19 +123,6 @@ void Schedule(Run& r) {
         Check(jax_ub::LaunchSum(r.shape.out, At(r, step.src), step.rows * r.shape.n, r.tp,
                                 At(r, step.dst), stream),
               "LaunchSum");
-        break;
-      case jax_ub::Step::Kind::kAdd:
-        Check(jax_ub::LaunchAdd(r.shape.out, At(r, step.src), At(r, step.addend),
-                                step.rows * r.shape.n, At(r, step.dst), stream),
-              "LaunchAdd");
-        break;
-      case jax_ub::Step::Kind::kWait:
-        // A side lane's wait for a peer's partial: it lands when the peer, in step with us,
-        // has done what we have done so far, so the lane waits for our compute lane.
-        if (step.lane != jax_ub::kComputeLane && step.flag == jax_ub::Flag::kData) {
-          Check(cudaEventRecord(r.join, r.compute), "record");
-          Check(cudaStreamWaitEvent(stream, r.join), "wait");
-        }
         break;
       case jax_ub::Step::Kind::kJoin:
         // Recorded and waited for at once: the wait takes the event as it stands now.

@@ -113,10 +113,6 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         JAX_UB_RETURN_IF_ERROR(
             LaunchSum(shape.out, at(step.src), step.rows * shape.n, size, at(step.dst), stream));
         break;
-      case Step::Kind::kAdd:
-        JAX_UB_RETURN_IF_ERROR(LaunchAdd(shape.out, at(step.src), at(step.addend),
-                                         step.rows * shape.n, at(step.dst), stream));
-        break;
       case Step::Kind::kJoin: {
         // A copy lane's event is its own; the compute lane's, one per lane it releases.
         cudaEvent_t ev =

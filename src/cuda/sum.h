@@ -1,6 +1,5 @@
-// The reductions of GEMM+RS: the partials every rank computed for this rank, summed on its
-// GPU, in one pass or as they land. Its own unit so that the diagnostics in benchmarks/tools/ time
-// the same kernel.
+// The reduction that ends GEMM+RS: the partials every rank computed for this rank, summed
+// on its GPU. Its own unit so that the diagnostics in benchmarks/tools/ time the same kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,10 +15,6 @@ namespace jax_ub {
 // float32 in that order, so results do not depend on which partial landed first.
 // Enqueued on `stream`.
 Status LaunchSum(DType t, const void* parts, int64_t count, int nparts, void* out,
-                 cudaStream_t stream);
-
-// out[i] = a[i] + b[i] (type `t`) in float32; `out` may be `a` or `b`. Enqueued on `stream`.
-Status LaunchAdd(DType t, const void* a, const void* b, int64_t count, void* out,
                  cudaStream_t stream);
 
 // Loads the sum's kernels on the current device (see CudaCommunicator: no lazy loading

@@ -308,11 +308,6 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         HostSum(shape.out, parts, ctx.size, at(step.dst), step.rows * shape.n);
         break;
       }
-      case Step::Kind::kAdd: {
-        const void* parts[2] = {at(step.src), at(step.addend)};
-        HostSum(shape.out, parts, 2, at(step.dst), step.rows * shape.n);
-        break;
-      }
       case Step::Kind::kJoin:    // lanes run in list order here
       case Step::Kind::kVerify:  // checked at each wait
         break;

@@ -57,15 +57,6 @@ Step Gemm(Ref src, Ref dst, int64_t rows, Ref addend = {}) {
   s.addend = addend;
   return s;
 }
-Step Add(int lane, Ref src, Ref addend, Ref dst, int64_t rows) {
-  Step s = Make(Step::Kind::kAdd);
-  s.lane = lane;
-  s.src = src;
-  s.addend = addend;
-  s.dst = dst;
-  s.rows = rows;
-  return s;
-}
 Step Join(int lane, int on_lane) {
   Step s = Make(Step::Kind::kJoin);
   s.lane = lane;
@@ -160,41 +151,17 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   if (gathers)
     steps.push_back(
         Copy(rank, At(Region::kGatherSrc, 0), At(Region::kGathered, rank * chunk), chunk));
-  // Where the group presums (Schedule::ReduceScatterPresums), our own lane adds up the
-  // partials of `arrivals` but the last into `acc` (our own staging slot, never sent from)
-  // as they land, a step after each of our GEMMs for the peers: the partial sent at a
-  // peer's step s lands while we run ours. With 3 ranks the first partial is the sum.
-  const bool presum = sched.ReduceScatterPresums();
-  const std::vector<int> arrivals = sched.ReduceScatterArrivalOrder();
-  Ref acc;
-  if (presum) acc = At(Region::kBuffer, size > 3 ? staged(rank) : received(arrivals[0]));
-  auto presum_after = [&](int s) {  // the presum steps after our s-th GEMM for a peer
-    if (!presum || size == 3 || s < 1 || s > size - 3) return;
-    const char* what = "deliver its partial sum";
-    if (s == 1) steps.push_back(WaitData(rank, arrivals[0], what));
-    steps.push_back(WaitData(rank, arrivals[s], what));
-    const Ref first = s == 1 ? At(Region::kBuffer, received(arrivals[0])) : acc;
-    steps.push_back(Add(rank, first, At(Region::kBuffer, received(arrivals[s])), acc, c.m));
-  };
   // Each peer's partial first, each piece sent while the next one is computed; ours last.
-  int step_index = 0;
   for (int d : sched.ReduceScatterComputeOrder()) {
     for (int p = 0; p < num_pieces; ++p) {
       if (d == rank) {
         Ref dst = At(Region::kBuffer, received(rank) + offset(p));
         Ref addend;
-        if (size == 1 || fold || presum) dst = At(Region::kOut, offset(p));
+        if (size == 1 || fold) dst = At(Region::kOut, offset(p));
         if (fold) {
           const int peer = 1 - rank;
           steps.push_back(WaitData(kComputeLane, peer, "deliver its partial sum", piece_flag(p)));
           addend = At(Region::kBuffer, received(peer) + offset(p));
-        }
-        if (presum) {
-          if (size == 3)
-            steps.push_back(WaitData(kComputeLane, arrivals[0], "deliver its partial sum"));
-          else
-            steps.push_back(Join(kComputeLane, rank));
-          addend = acc;
         }
         steps.push_back(Gemm(input(d, p), dst, pieces[p].count, addend));
         continue;
@@ -206,13 +173,8 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
                            pieces[p].count * c.n * es));
       steps.push_back(Signal(d, d, piece_flag(p)));
     }
-    presum_after(step_index++);
   }
-  if (presum) {  // the partial that landed during our own GEMM
-    steps.push_back(WaitData(kComputeLane, arrivals.back(), "deliver its partial sum"));
-    steps.push_back(Add(kComputeLane, At(Region::kOut, 0),
-                        At(Region::kBuffer, received(arrivals.back())), At(Region::kOut, 0), c.m));
-  } else if (size > 1 && !fold) {
+  if (size > 1 && !fold) {
     for (int j : sched.ReductionOrder())
       if (j != rank) steps.push_back(WaitData(kComputeLane, j, "deliver its partial sum"));
     Step sum = Make(Step::Kind::kSum);

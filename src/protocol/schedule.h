@@ -67,22 +67,6 @@ struct Schedule {
     return size == 2 && fold_rows >= 0 && rows / 2 >= fold_rows;
   }
 
-  // Whether a group of more than 2 folds too: the peers' partials are summed on a side lane
-  // as they land, while the GEMMs of the blocks for the peers run, and our own block's GEMM
-  // takes that sum as its accumulator; only the last partial to land (sent while we compute
-  // our own block) is added after it. The separate pass reading all `size` partials at the
-  // end becomes one add of two. Any `fold_rows` >= 0: the blocks stay whole, so no GEMM
-  // gets smaller.
-  bool ReduceScatterPresums() const { return size > 2 && fold_rows >= 0; }
-
-  // The peers in the order their partials for us land: rank - 1 computes ours first (its
-  // first push), rank + 1 last, while we compute our own block.
-  std::vector<int> ReduceScatterArrivalOrder() const {
-    std::vector<int> order;
-    for (int s = 1; s < size; ++s) order.push_back((rank - s + size) % size);
-    return order;
-  }
-
   // A run of rows of a block.
   struct Rows {
     int64_t first;
@@ -96,8 +80,8 @@ struct Schedule {
     return {{0, rows / 2}, {rows / 2, rows - rows / 2}};
   }
 
-  // The sum pass adds partials in rank order, independent of arrival, so results are
-  // bitwise reproducible run to run (as the presums' fixed order of ReduceScatterArrivalOrder).
+  // Partials are summed in rank order, independent of arrival, so results are
+  // bitwise reproducible run to run.
   std::vector<int> ReductionOrder() const {
     std::vector<int> order;
     for (int j = 0; j < size; ++j) order.push_back(j);
@@ -137,9 +121,8 @@ inline Flag ProgressFlag(Flag flag) { return flag == Flag::kFirstPiece ? Flag::k
 
 // The work of one call runs on lanes: the compute lane (GEMMs, sums, checks) and one
 // copy lane per rank (lane r: pushes to peer r; this rank's own lane copies the gathered
-// output and sums a reduce-scatter's partials as they land). On a GPU each lane is a stream and
-// lanes run concurrently; the host runs the steps one after another in list order, which every
-// lane's order and every join allows.
+// output). On a GPU each lane is a stream and lanes run concurrently; the host runs the
+// steps one after another in list order, which every lane's order and every join allows.
 constexpr int kComputeLane = -1;
 
 struct Step {
@@ -151,7 +134,6 @@ struct Step {
     kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
                // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
     kSum,      // out = the group's partials in our buffer (one per rank), in rank order
-    kAdd,      // dst[rows, n] = src + addend, elementwise (dst may be either)
     kJoin,     // the lane waits for all work enqueued so far on lane `on_lane`
     kVerify,   // every peer's descriptor matches ours; else the outputs are poisoned
   };

@@ -43,10 +43,7 @@ class Tuning:
         Until they end, results may differ from later calls' in the last bits.
       reduce_scatter_fold_rows: on groups of 2, the smallest row piece for which
         matmul_reduce_scatter adds the peer's partial in its own GEMM's epilogue instead
-        of a sum pass; on larger groups any value >= 0 folds (the peers' partials summed
-        as they land, that sum the own GEMM's addend, the last partial added after it);
-        0 always, negative never (one pass over every partial at the end). The same in
-        every process of a group.
+        of a sum pass; 0 always, negative never. The same in every process of a group.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
