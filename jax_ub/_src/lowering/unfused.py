@@ -117,6 +117,14 @@ def all_reduce(y: jax.Array, axis_name: str) -> jax.Array:
     return lax.psum(y, axis_name)
 
 
+def all_max(y: jax.Array, axis_name: str) -> jax.Array:
+    """``pmax(y, axis_name)``; over a group of one ``y``, typed as pmax's result (XLA's
+    partitioner rejects that reduction as it does ``all_reduce``'s)."""
+    if lax.axis_size(axis_name) == 1:
+        return typed_invariant(y, axis_name)
+    return lax.pmax(y, axis_name)
+
+
 def all_gather_rows(x: jax.Array, axis_name: str) -> jax.Array:
     """``all_gather(x, axis_name, axis=0, tiled=True)``, whose transpose is
     :func:`reduce_scatter_rows` (where that differs from psum_scatter, see there)."""

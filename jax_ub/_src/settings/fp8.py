@@ -24,7 +24,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+
+from jax_ub._src.lowering.unfused import all_max
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
 E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients
@@ -44,11 +45,7 @@ class Fp8Scales:
 def amax(a: jax.Array, axis_name: str | None = None) -> jax.Array:
     """max |a| as float32, over the group of ``axis_name`` too when given."""
     m = jnp.max(jnp.abs(a)).astype(jnp.float32)
-    # A group of one needs no reduction (and JAX leaves a size-1 axis automatic, where
-    # XLA refuses a cross-device reduction).
-    if axis_name is None or lax.axis_size(axis_name) == 1:
-        return m
-    return lax.pmax(m, axis_name)
+    return m if axis_name is None else all_max(m, axis_name)
 
 
 def scale_from_amax(a: jax.Array, dtype=E4M3) -> jax.Array:
