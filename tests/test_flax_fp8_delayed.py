@@ -12,14 +12,16 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from conftest import nnx_in_shard_map, rel_err
+from conftest import make_mesh, nnx_in_shard_map, rel_err
 from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training.train_state import TrainState
 from jax.sharding import PartitionSpec as P
 
+import jax_ub
 import jax_ub.flax as ubf
 import jax_ub.flax.linen as ubl
+from jax_ub.flax import _fp8
 
 TP = 4
 SEQ, BATCH, D, HIDDEN = 16, 2, 32, 64
@@ -343,3 +345,35 @@ def test_nnx_attention_records_its_amaxes(mesh):
         for name in NAMES:
             h = np.asarray(getattr(layer, name)[...])
             assert h[0] > 0 and np.all(h[1:] == 0), (name, h)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("manual", ["tp", "dp_tp"])
+def test_replicated_recipe_reports_whole_amaxes_beside_dp(rand, manual, check_vma):
+    """The replicated layout's fp8 recipe (``jax_ub.flax._fp8.dense``) in a shard_map
+    manual over tp alone or over dp and tp, types checked or not: each given scale's
+    gradient is the amax of its whole tensor (``fp8_ops.reported_amax``), not a sum over
+    the devices nor a value varying over dp."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    x, w, ct = rand(16, 32), rand(32, 16), rand(16, 16)
+    amax = lambda a: np.float32(np.max(np.abs(np.asarray(a))))  # noqa: E731
+    scales = jax_ub.Fp8Scales(
+        x=jnp.float32(amax(x) / 400), w=jnp.float32(amax(w) / 440), grad=jnp.float32(amax(ct) / 5e4)
+    )
+    rows = "dp" if manual == "dp_tp" else None
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w, s: _fp8.dense(x, w, s, "tp"),
+            mesh=mesh,
+            in_specs=(P(rows, None), P(None, "tp"), P()),
+            out_specs=P(rows, "tp"),
+            check_vma=check_vma,
+            **({} if manual == "dp_tp" else {"axis_names": {"tp"}}),
+        )
+    )
+    y, vjp = jax.vjp(f, x, w, scales)
+    dx, dw, dscales = vjp(ct)
+    assert rel_err(y, np.asarray(x) @ np.asarray(w)) < 0.1  # fp8's precision
+    assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
+    for got, want in ((dscales.x, amax(x)), (dscales.w, amax(w)), (dscales.grad, amax(ct))):
+        np.testing.assert_allclose(float(got), want, rtol=1e-6)

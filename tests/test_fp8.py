@@ -3,6 +3,7 @@ against a reference that dequantizes and multiplies in float32, current and dela
 scaling, the amaxes reported for delayed scaling, impl="ub" against impl="xla", the fp8
 bytes in the HLO, a short training loop with amax histories, and bad inputs."""
 
+import contextlib
 import functools
 
 import jax
@@ -11,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _op_cases import OPS, op_call, op_operands, op_specs
-from conftest import rel_err, smap
+from conftest import make_mesh, rel_err, smap
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -266,3 +267,81 @@ def test_fp8_aligned_shapes_still_run_the_userbuffer_op_on_cpu():
     """k and n multiples of 16: impl="auto" on CPU devices still runs the host protocol."""
     choice = jax_ub.explain_impl("all_gather_matmul", (8, 32), (32, 16), jnp.bfloat16, 2, fp8=True)
     assert choice.impl == "ub", choice
+
+
+DP_MODES = ["partial_auto-vma", "partial_auto-novma", "all_manual-vma", "all_manual-novma", "jit"]
+
+
+def _dp_tp_fp8_fn(op, mesh, mode):
+    """The fp8 op on a (dp, tp) mesh, called one way: shard_map manual over tp only (dp
+    left to XLA) or over both, check_vma on or off; or plain jit on global arrays."""
+    fn = op_call(op)
+    if mode == "jit":  # called under jax.set_mesh(mesh): see _vjp_on
+        return jax.jit(lambda x, w, s: fn(x, w, "tp", fp8=s))
+    manual, vma = mode.split("-")
+    in_specs, out_specs = op_specs(op, dp=manual == "all_manual")
+    kw = {} if manual == "all_manual" else {"axis_names": {"tp"}}
+    return smap(
+        lambda x, w, s: fn(x, w, "tp", fp8=s),
+        mesh,
+        (*in_specs, P()),
+        out_specs,
+        check_vma=vma == "vma",
+        **kw,
+    )
+
+
+def _vjp_on(mesh, mode, f, args, ct):
+    """(f(*args), the cotangents of args for ``ct``), plain jit's under jax.set_mesh(mesh)."""
+    with jax.set_mesh(mesh) if mode == "jit" else contextlib.nullcontext():
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(ct)
+
+
+# Partial-auto with 2-D x: the op warns that it runs on every row over dp, as it should.
+NO_BATCH_DIM = pytest.mark.filterwarnings("ignore:jax_ub. x of shape.*has no batch dim")
+
+
+@NO_BATCH_DIM
+@pytest.mark.parametrize("mode", DP_MODES)
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("op", OPS)
+def test_delayed_scaling_beside_dp_in_every_way_to_call(rand, op, tp, mode):
+    """Delayed scaling beside dp = 2, at tp = 1 (the amax's max over a group of one:
+    ``unfused.all_max``) and 2: forward and gradients against the dequantized float32
+    math, and each given scale's gradient the amax of its whole tensor, which shard_map
+    would otherwise sum over devices (check_vma off) or refuse as varying over dp (on)."""
+    mesh = make_mesh((2, "dp"), (tp, "tp"))
+    x, w = op_operands(rand, op, tp, 8, 32, 16, dp=2)
+    ct = rand(x.shape[0], w.shape[1])
+    sx, sw, sg = amax(x) / 400, amax(w) / 440, amax(ct) / 50000
+    scales = jax_ub.Fp8Scales(x=jnp.float32(sx), w=jnp.float32(sw), grad=jnp.float32(sg))
+    out, (dx, dw, dscales) = _vjp_on(mesh, mode, _dp_tp_fp8_fn(op, mesh, mode), (x, w, scales), ct)
+    xq, wq, dct = deq(x, sx), deq(w, sw), deq(ct, sg, E5M2)
+    assert rel_err(out, xq @ wq) < 1e-5
+    assert rel_err(dx, dct @ wq.T) < 1e-5
+    assert rel_err(dw, xq.T @ dct) < 1e-5
+    np.testing.assert_allclose(float(dscales.x), amax(x), rtol=1e-6)
+    np.testing.assert_allclose(float(dscales.w), amax(w), rtol=1e-6)
+    np.testing.assert_allclose(float(dscales.grad), amax(ct), rtol=1e-6)
+
+
+@NO_BATCH_DIM
+@pytest.mark.parametrize("mode", DP_MODES)
+@pytest.mark.parametrize("op", OPS)
+def test_current_scaling_on_a_group_of_one_beside_dp(rand, op, mode):
+    """Current scaling at tp = 1 beside dp = 2 (a gathered x's amax over a group of one):
+    forward against the dequantized float32 math (each dp shard with its own amax where dp
+    is manual, one amax where XLA partitions it), gradients against the float32 math within
+    e5m2's precision."""
+    mesh = make_mesh((2, "dp"), (1, "tp"))
+    x, w = op_operands(rand, op, 1, 8, 32, 16, dp=2)
+    ct = rand(x.shape[0], w.shape[1])
+    f = _dp_tp_fp8_fn(op, mesh, mode)
+    out, (dx, dw, _) = _vjp_on(mesh, mode, f, (x, w, jax_ub.Fp8Scales()), ct)
+    halves = (x[:8], x[8:]) if mode.startswith("all_manual") else (x,)
+    want = np.concatenate([deq(h, amax(h) / 448) @ deq(w, amax(w) / 448) for h in halves])
+    assert rel_err(out, want) < 1e-5
+    x32, w32, ct32 = (np.asarray(a, np.float32) for a in (x, w, ct))
+    assert rel_err(dx, ct32 @ w32.T) < 0.1
+    assert rel_err(dw, x32.T @ ct32) < 0.1

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ub
 from jax_ub import fp8 as _ops_fp8
 from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.ops.fp8_ops import reported_amax
 
 RECIPES = ("current", "delayed")
 DEFAULT_HISTORY_LENGTH = 16
@@ -111,7 +112,7 @@ def _fake_quant(a: jax.Array, scale: jax.Array | None, dtype: Any, axis_name: st
 
 def _fake_quant_fwd(a, scale, dtype, axis_name):
     s = jax.lax.stop_gradient(_ops_fp8.current_scale(a, dtype)) if scale is None else scale
-    seen = None if scale is None else _ops_fp8.amax(a, axis_name)
+    seen = None if scale is None else reported_amax(_ops_fp8.amax(a), axis_name, scale)
     return _ops_fp8.quantize(a, s, dtype).astype(jnp.float32) * s, (a[:0], seen)
 
 
@@ -136,7 +137,7 @@ def _quantized_grad_fwd(y, scale, axis_name):
 
 def _quantized_grad_bwd(axis_name, scale, dy):
     dq = _fake_quant_fwd(dy, scale, _ops_fp8.E5M2, axis_name)[0].astype(dy.dtype)
-    return dq, None if scale is None else _ops_fp8.amax(dy, axis_name)
+    return dq, None if scale is None else reported_amax(_ops_fp8.amax(dy), axis_name, scale)
 
 
 _quantized_grad.defvjp(_quantized_grad_fwd, _quantized_grad_bwd)

@@ -24,17 +24,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ub._src import jax_compat
 from jax_ub._src.lowering.unfused import (
     all_gather_matmul_reference,
+    all_max,
     dgelu_reference,
     epilogue,
     matmul_reduce_scatter_reference,
 )
-from jax_ub._src.lowering.varying import match_varying
+from jax_ub._src.lowering.varying import match_varying, varying_axes
 from jax_ub._src.lowering.wire_format import pack_scales
 from jax_ub._src.ops.checkpoint_policy import saved_gathered, saved_output
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.group import Group
+from jax_ub._src.ops.placement import manual_axes
 from jax_ub._src.ops.weight_grad import weight_grad_with
 from jax_ub._src.settings import options
 from jax_ub._src.settings.fp8 import (
@@ -173,11 +176,31 @@ def _scale_of(given, observed_amax, dtype):
     return given if given is not None else scale_from_amax(observed_amax, dtype)
 
 
+def reported_amax(local_amax, axis_name: str | None, scale):
+    """A tensor's amax (this device's ``local_amax``, max over ``axis_name``'s group too
+    where given) reported as the cotangent of its given ``scale``: it must come out of
+    shard_map as the max over every device the tensor is split over. shard_map sums a
+    replicated input's cotangents: with ``check_vma``, over the axes the cotangent still
+    varies over, so the max is taken over all of them and none is left; without, over
+    every manual axis, so after the max one device reports it and the others 0."""
+    m = local_amax if axis_name is None else all_max(local_amax, axis_name)
+    if jax_compat.check_vma():
+        rest = varying_axes(m) - varying_axes(scale)
+        return lax.pmax(m, tuple(sorted(rest))) if rest else m
+    split = tuple(a for a in sorted(manual_axes()) if lax.axis_size(a) > 1)
+    if not split:
+        return m
+    first = jnp.all(jnp.array([lax.axis_index(a) == 0 for a in split]))
+    return jnp.where(first, lax.pmax(m, split), 0.0)
+
+
 def _seen(given, local_amax, axis_name):
-    """The amax to report for a scale the caller gave (over the group), else None: no
+    """The amax to report for a scale the caller gave (``reported_amax``), else None: no
     collective is traced for a gradient nobody asked for, nor for an operand given in fp8
     (``local_amax`` None)."""
-    return None if given is None or local_amax is None else lax.pmax(local_amax, axis_name)
+    if given is None or local_amax is None:
+        return None
+    return reported_amax(local_amax, axis_name, given)
 
 
 def _local_amax(a, axis_name=None):
