@@ -203,11 +203,10 @@ RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:300
   test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:400 test_gpu_layouts.py:200 test_gpu_flax.py:60
   test_gpu_reliability.py:150 test_gpu_models.py@trains_as:320 test_gpu_models.py@not+trains_as:420
   test_gpu_general_lm.py:180 test_gpu_ported_lm.py:240"
-# Items of the whole set run once, not per N (N shown as 0; RANKS_ONCE="" for none): processes
-# of their own on GPU 0,
-# the fault tests among them.
+# Items of the whole set run once, not per N (N shown as 0; RANKS_ONCE="" for none): tests
+# that start processes of their own on GPU 0, the fault tests among them.
 RANKS_ONCE=${RANKS_ONCE-"test_gpu_multiprocess.py@one_gpu+or+one_shared_gpu:400"}
-# Files whose ranks each need several GiB (test_gpu.py's largest case fetches its global
+# Files whose ranks each need several GiB (test_gpu.py's largest case makes its global
 # arrays whole on every rank): with several lanes, all their items run one after another in
 # lane 0, so that no two of them hold that memory at once.
 RANKS_HEAVY="test_gpu.py"
