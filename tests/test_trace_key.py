@@ -5,6 +5,8 @@ JAX's trace caches, so a change retraces instead of being silently ignored."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +65,24 @@ def test_configure_retraces_on_trace_time_settings_only(rand):
     jax_ub.configure(keep_gathered=not jax_ub.config.keep_gathered)
     f(x)
     assert len(traces) == 3
+
+
+def test_setting_the_tuning_it_has_keeps_every_trace():
+    """Setting the tuning to what it is (a test's restore, the defaults) traces nothing
+    again, even the first time in a process: the trace key holds the tuning from import.
+    (It once did not, and the first restore made JAX trace and compile every program of
+    the process again.) In a fresh process: an earlier test may have set it already."""
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from jax_ub._src.settings import options\n"
+        "traces = []\n"
+        "f = jax.jit(lambda x: traces.append(1) or jnp.sin(x))\n"
+        "f(jnp.ones(3))\n"
+        "options.restore_tuning(options.tuning())\n"
+        "options.set_experimental_tuning()\n"
+        "f(jnp.ones(3))\n"
+        "print(len(traces))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1", done.stdout

@@ -160,6 +160,10 @@ class Options:
 
 # Tuning choices that shape the traced program, not the communicator.
 _TRACE_TIME = ("transpose_w_in_place", "dgelu_epilogue")
+# The trace key holds the tuning from the start: otherwise its first set_experimental_tuning
+# or restore_tuning, even to the defaults, changes the key, and JAX traces and compiles
+# again every program it has (eager ones too) when next called.
+_traced_tuning_changed()
 
 
 def traced_settings() -> tuple[object, ...]:
