@@ -75,18 +75,35 @@ class TinyLM(nnx.Module):
 
 
 def greedy(model, prompt, steps, cached):
-    tokens = prompt
-    if cached:
-        model.attn.init_cache(prompt.shape[0], MAX)
-        logits = nnx.jit(lambda m, t: m(t, decode=True))(model, prompt)
+    """``prompt [batch, p]`` and its ``steps`` greedy next tokens: with the attention's
+    cache (the prompt in one step, then a token a step), or recomputed."""
+    if not cached:
+        return np.asarray(recompute_greedy(model, prompt, steps))
+    model.attn.init_cache(prompt.shape[0], MAX)
+    step = nnx.jit(lambda m, t: m(t, decode=True))  # two programs: the prompt, one token
+    logits, tokens = step(model, prompt), [prompt]
     for _ in range(steps):
-        if not cached:
-            logits = model(tokens)
-        nxt = jnp.argmax(logits[:, -1], axis=-1)[:, None]
-        tokens = jnp.concatenate([tokens, nxt], axis=1)
-        if cached:
-            logits = nnx.jit(lambda m, t: m(t, decode=True))(model, nxt)
-    return np.asarray(tokens)
+        tokens.append(jnp.argmax(logits[:, -1], axis=-1).astype(prompt.dtype)[:, None])
+        logits = step(model, tokens[-1])
+    return np.asarray(jnp.concatenate(tokens, axis=1))
+
+
+def recompute_greedy(model, prompt, steps):
+    """``prompt [batch, p]`` and its ``steps`` greedy next tokens, the whole sequence
+    through ``model(tokens)`` (causal) for each. One compiled program serves every step: it
+    runs on a buffer of the final length, the tokens not yet chosen zero, which the logits
+    at the positions before them do not see."""
+
+    @nnx.jit
+    def choose(m, tokens, t):
+        logits = jnp.take(m(tokens), t - 1, axis=1)  # [batch, vocab] at position t - 1
+        return tokens.at[:, t].set(jnp.argmax(logits, axis=-1).astype(tokens.dtype))
+
+    p = prompt.shape[1]
+    tokens = jnp.pad(prompt, ((0, 0), (0, steps)))
+    for t in range(p, p + steps):
+        tokens = choose(model, tokens, jnp.int32(t))
+    return tokens
 
 
 @pytest.mark.slow  # a whole model: the slow tier (conftest.py)

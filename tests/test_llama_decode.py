@@ -13,6 +13,7 @@ from conftest import make_mesh, rel_err
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_flax_decode import recompute_greedy
 
 from jax_ub.models import llama
 
@@ -86,11 +87,7 @@ def check_greedy_generate(mesh):
         nnx.update(xla, nnx.state(ub, nnx.Param))  # the same params
         out = {name: llama.greedy_generate(m, prompt, 9) for name, m in (("ub", ub), ("xla", xla))}
         # Without the cache: the whole sequence through the forward for each token.
-        forward = nnx.jit(lambda m, t: m(t))
-        recomputed = prompt
-        for _ in range(9):
-            nxt = jnp.argmax(forward(xla, recomputed)[:, -1], axis=-1)
-            recomputed = jnp.concatenate([recomputed, nxt[:, None].astype(prompt.dtype)], 1)
+        recomputed = recompute_greedy(xla, prompt, 9)
     assert out["ub"].shape == (BATCH, 14)
     assert len(np.unique(np.asarray(out["ub"][:, 5:]))) > 1  # not one token over and over
     np.testing.assert_array_equal(np.asarray(out["ub"][:, :5]), np.asarray(prompt))
