@@ -17,7 +17,7 @@ MODES=(
   all          "tests, then bench (args: bench's)"                                    mode_all
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
-  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds ...\", @k: pytest's -k, + for a space) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those); args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 33 lane-minutes a N at N = 8; and once, processes of their own on GPU 0: RANKS_ONCE), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
+  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds[:N0] ...\", @k: pytest's -k, + for a space; N0: the least N to run it at) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those); args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 50 lane-minutes at N = 8 with 6 lanes on one H200; and once, processes of their own on GPU 0: RANKS_ONCE), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -82,7 +82,7 @@ end_step_group() {
 # Runs CMD (a program, not a shell function) under `timeout LIMIT` (-k: SIGKILL SECONDS after
 # the SIGTERM), in a process group of its own (set -m: its id is timeout's pid), stdin from
 # /dev/null, stdout and stderr to LOG (--append: added to it); then kills what is left in
-# that group. Prints "NAME: rc=N" and sets STEP_RC; a status not in CODES (default 0; any:
+# that group. Prints "NAME: rc=N (S s)" and sets STEP_RC; a status not in CODES (default 0; any:
 # none fails) is recorded as a failure.
 step() {
   local append="" ok="0" kill_after=""
@@ -106,6 +106,7 @@ step() {
     return 0
   fi
   [ -n "$append" ] || : > "$log"
+  local started=$SECONDS
   set -m
   "${run[@]}" < /dev/null >> "$log" 2>&1 &
   STEP_PGID=$!
@@ -117,7 +118,7 @@ step() {
   if [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ]; then
     timed_out=", TIMED OUT after $limit s"
   fi
-  echo "$name: rc=$STEP_RC$timed_out"
+  echo "$name: rc=$STEP_RC$timed_out ($((SECONDS - started)) s)"
   if [ "$ok" != any ] && [[ " $ok " != *" $STEP_RC "* ]]; then
     FAILED+=("$name (rc=$STEP_RC$timed_out)")
   fi
@@ -193,14 +194,15 @@ mode_tests() {
   grep -E "^=+ .* in [0-9.]+s" "$OUT/gpu_tests.log"
 }
 
-# The N-ranks mode's test sets: items file[@k]:seconds, each run at every N, under a limit of
-# about 1.5x the longest time seen at N = 2-8 on one H200 beside other lanes (rank 0
-# compiling for all). @k: only pytest -k k's tests, a "+" in k standing for a space; the
-# long files are split so that parallel lanes balance. quick: about 4.5 minutes at one N.
+# The N-ranks mode's test sets: items file[@k]:seconds[:N0], each run at every N (from N0 on,
+# where given: below it the selection holds no test), under a limit of about 1.5x the
+# longest time seen at N = 2-8 on one H200 beside other lanes (rank 0 compiling for all).
+# @k: only pytest -k k's tests, a "+" in k standing for a space; the long files are split
+# so that parallel lanes balance. quick: about 4.5 minutes at one N.
 RANKS_QUICK="test_gpu.py:220 test_gpu_fp8.py:150 test_gpu_epilogue.py:90"
 RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:300
-  test_gpu_grad_matrix.py@op_gradients+and+not+dp1x:480 test_gpu_grad_matrix.py@layer_gradients+and+dp1x:240
-  test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:400 test_gpu_layouts.py:200 test_gpu_flax.py:60
+  test_gpu_grad_matrix.py@op_gradients+and+not+dp1x:300:4 test_gpu_grad_matrix.py@layer_gradients+and+dp1x:240
+  test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:300:4 test_gpu_layouts.py:200 test_gpu_flax.py:60
   test_gpu_reliability.py:150 test_gpu_models.py@trains_as:320 test_gpu_models.py@not+trains_as:420
   test_gpu_general_lm.py:180 test_gpu_ported_lm.py:240"
 # Items of the whole set run once, not per N (N shown as 0; RANKS_ONCE="" for none): tests
@@ -233,21 +235,22 @@ ranks_item() {
     | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
 }
 
-# Every item at every N (and RANKS_ONCE_SPECS' at N = 0), as lines "seconds n file k" (k: "-"
-# for none), longest first.
+# Every item at every N from its N0 on (and RANKS_ONCE_SPECS' at N = 0), as lines
+# "seconds n file k" (k: "-" for none), longest first.
 ranks_work() {
-  local n spec file k
+  local n spec file k secs from
   for n in "$@"; do
     local -a specs=("${RANKS_SPECS[@]}")
     [ "$n" -eq 0 ] && specs=("${RANKS_ONCE_SPECS[@]}")
     for spec in "${specs[@]}"; do
-      file=${spec%%:*}
+      IFS=: read -r file secs from <<< "$spec"
+      [ "$n" -gt 0 ] && [ "$n" -lt "${from:-0}" ] && continue
       k=-
       if [[ $file == *@* ]]; then
         k=${file#*@}
         file=${file%%@*}
       fi
-      echo "${spec##*:} $n $file $k"
+      echo "$secs $n $file $k"
     done
   done | sort -rn -k1,1
 }
