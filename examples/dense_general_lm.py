@@ -206,9 +206,10 @@ def greedy(model_decode: LM, params, prompt: jax.Array, new_tokens: int, step=No
             {"params": p, "cache": c}, tok, pos, jnp.ones_like(tok), mutable=["cache"]
         )
     )
-    cache = model_decode.init(
+    # One compiled program for the empty cache (the params it also makes are dropped).
+    cache = jax.jit(lambda *args: model_decode.init(*args)["cache"])(
         jax.random.key(0), prompt[:, :1], jnp.zeros_like(prompt[:, :1]), prompt[:, :1]
-    )["cache"]
+    )
     out, token = [], prompt[:, :1]
     for t in range(prompt.shape[1] + new_tokens - 1):
         logits, state = step(params, cache, token, jnp.full((batch, 1), t, jnp.int32))
