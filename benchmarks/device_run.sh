@@ -196,9 +196,11 @@ mode_tests() {
 
 # The N-ranks mode's test sets: items file[@k]:seconds[:N0], each run at every N (from N0 on,
 # where given: below it the selection holds no test), under a limit of about 1.5x the
-# longest time seen at N = 2-8 on one H200 beside other lanes (rank 0 compiling for all).
-# @k: only pytest -k k's tests, a "+" in k standing for a space; the long files are split
-# so that parallel lanes balance. quick: about 4.5 minutes at one N.
+# longest time seen at N = 2-8 on one H200 with up to 3 lanes on it (rank 0 compiling for
+# all), scaled by lanes/3 above 3 lanes a GPU: the ranks' CPU work saturates its host's
+# cores (16 beside an H200: 6 lanes ran items about 2x as long). @k: only pytest -k k's
+# tests, a "+" in k standing for a space; the long files are split so that parallel lanes
+# balance. quick: about 4.5 minutes at one N.
 RANKS_QUICK="test_gpu.py:220 test_gpu_fp8.py:150 test_gpu_epilogue.py:90"
 RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:300
   test_gpu_grad_matrix.py@op_gradients+and+not+dp1x:300:4 test_gpu_grad_matrix.py@layer_gradients+and+dp1x:240
@@ -298,6 +300,8 @@ mode_ranks() {
   for ((lane = 0; lane < lanes; lane++)); do
     (
       export JAX_UB_TEST_RANKS_GPU=${gpu_ids[lane % gpus]} JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[lane % gpus]}
+      # lanes sharing this lane's GPU (and its host's cores with the others)
+      sharing=$(((lanes + gpus - 1 - lane % gpus) / gpus))
       FAILED=()
       log="$OUT/ranks_lane$lane.log"
       : > "$log"
@@ -305,7 +309,7 @@ mode_ranks() {
       for item in "${work[@]}"; do
         read -r n file k secs <<< "$item"
         [ "$k" = - ] && k="" || k=${k//+/ }
-        ranks_item "$n" "$file" "$k" "$secs" "$log"
+        ranks_item "$n" "$file" "$k" "$((sharing > 3 ? secs * sharing / 3 : secs))" "$log"
       done > "$SCRATCH/lane_$lane.out"
       printf '%s\n' "${FAILED[@]}" > "$SCRATCH/lane_$lane.failed"
     ) &
