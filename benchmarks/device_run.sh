@@ -17,7 +17,7 @@ MODES=(
   all          "tests, then bench (args: bench's)"                                    mode_all
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
-  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds[:N0] ...\", @k: pytest's -k, + for a space; N0: the least N to run it at) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those); args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 50 lane-minutes at N = 8 with 6 lanes on one H200; and once, processes of their own on GPU 0: RANKS_ONCE), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
+  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds[:N0] ...\", @k: pytest's -k, + for a space; N0: the least N to run it at) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those; RANKS_THREADS=1: benchmarks/tools/hot_threads.py every 30 s meanwhile, into \$OUT/ranks_threads.log); args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 4.5 minutes a N) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 50 lane-minutes at N = 8 with 6 lanes on one H200; and once, processes of their own on GPU 0: RANKS_ONCE), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -278,7 +278,7 @@ mode_ranks() {
   # The heavy files' items to lane 0; then each other item to the lane with the least work
   # so far, longest first; lane L shares GPU L % gpus of that list. Each GPU's ranks in all
   # (its lanes' largest N summed) size their memory shares (tests/_ranks.py).
-  local -a load=() items=() most=() on_gpu=()
+  local -a load=() items=() most=() on_gpu=() lane_pids=()
   for ((lane = 0; lane < lanes; lane++)); do load[lane]=0; items[lane]=""; most[lane]=0; done
   local heavy pass
   for pass in heavy rest; do
@@ -297,6 +297,13 @@ mode_ranks() {
   for ((lane = 0; lane < lanes; lane++)); do
     on_gpu[lane % gpus]=$((${on_gpu[lane % gpus]:-0} + most[lane]))
   done
+  # RANKS_THREADS=1: where the host's CPU time goes meanwhile, every 30 s
+  local sampler=""
+  if [ -n "${RANKS_THREADS:-}" ] && ! dry_run; then
+    python3 benchmarks/tools/hot_threads.py --seconds 100000 --every 30 --top 16 \
+      > "$OUT/ranks_threads.log" 2>&1 &
+    sampler=$!
+  fi
   for ((lane = 0; lane < lanes; lane++)); do
     (
       export JAX_UB_TEST_RANKS_GPU=${gpu_ids[lane % gpus]} JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[lane % gpus]}
@@ -313,8 +320,10 @@ mode_ranks() {
       done > "$SCRATCH/lane_$lane.out"
       printf '%s\n' "${FAILED[@]}" > "$SCRATCH/lane_$lane.failed"
     ) &
+    lane_pids[lane]=$!
   done
-  wait
+  for ((lane = 0; lane < lanes; lane++)); do wait "${lane_pids[lane]}"; done
+  [ -n "$sampler" ] && kill "$sampler" 2> /dev/null
   for ((lane = 0; lane < lanes; lane++)); do
     echo "-- lane $lane (GPU ${gpu_ids[lane % gpus]}, about ${load[lane]} s of limits; log: ranks_lane$lane.log):"
     cat "$SCRATCH/lane_$lane.out"
