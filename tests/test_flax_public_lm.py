@@ -138,11 +138,11 @@ def train(mesh, impl, batches):
 def greedy(mesh, impl, params, prompt, cached):
     """The prompt and MAX - PROMPT greedy tokens: with the cache (prompt prefilled at
     once, then one token per step) or recomputing the whole prefix each step (zero-padded
-    to MAX: causal, so the padding changes nothing before it)."""
+    to MAX: causal, so the padding changes nothing before it; one program for every step),
+    and the logits that chose the last token."""
     model = DecoderLM()
     rules, defaults = settings(mesh, impl)
     with rules, defaults:
-        tokens = prompt
         if cached:
             blank = jnp.ones((BATCH, MAX), jnp.int32)
             abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), blank, decode=True))
@@ -159,15 +159,21 @@ def greedy(mesh, impl, params, prompt, cached):
                 return logits[:, -1], mutated["cache"]
 
             logits, cache = step(params, cache, prompt)
-        recompute = jax.jit(lambda p, t: model.apply({"params": p}, t))
-        while tokens.shape[1] < MAX:
-            if not cached:
-                padded = jnp.pad(tokens, ((0, 0), (0, MAX - tokens.shape[1])))
-                logits = recompute(params, padded)[:, tokens.shape[1] - 1]
-            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
-            tokens = jnp.concatenate([tokens, nxt], axis=1)
-            if cached and tokens.shape[1] < MAX:
-                logits, cache = step(params, cache, nxt)
+            out, steps = [prompt], MAX - prompt.shape[1]
+            for i in range(steps):
+                out.append(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
+                if i + 1 < steps:  # the logits after the last token choose nothing
+                    logits, cache = step(params, cache, out[-1])
+            return np.asarray(jnp.concatenate(out, axis=1)), np.asarray(logits)
+
+        @jax.jit  # one program for every step: t is traced
+        def choose(params, tokens, t):
+            logits = jnp.take(model.apply({"params": params}, tokens), t - 1, axis=1)
+            return tokens.at[:, t].set(jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits
+
+        tokens = jnp.pad(prompt, ((0, 0), (0, MAX - prompt.shape[1])))
+        for t in range(prompt.shape[1], MAX):
+            tokens, logits = choose(params, tokens, jnp.int32(t))
     return np.asarray(tokens), np.asarray(logits)
 
 
