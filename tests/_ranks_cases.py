@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import RANKS, gpu_mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -41,6 +42,9 @@ def test_op_across_the_ranks_equals_xla_and_numpy():
     whole = np.asarray(got)  # ... and fetches them all
     np.testing.assert_allclose(whole, np.asarray(x) @ np.asarray(w), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(whole, np.asarray(want), rtol=1e-4, atol=1e-4)
+    rows = jax.device_put(x.astype(jax.numpy.bfloat16), NamedSharding(mesh, P("tp")))
+    assert not rows.is_fully_addressable
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(x).astype(rows.dtype))
     assert os.environ["NCCL_HOSTID"] == f"jax_ub_rank_{jax.process_index()}"
 
 

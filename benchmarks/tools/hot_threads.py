@@ -1,6 +1,6 @@
 """Where a machine's CPU time goes, thread by thread: every ``--every`` seconds, the threads
-that used the most CPU since the last sample (user and system time apart), each with the
-system call it is in or last entered, its kernel wait channel, its process's jax_ub rank
+that used the most CPU since the last sample (user and system time apart), each with its
+name, the system call it is in or last entered, its kernel wait channel, its process's jax_ub rank
 (``JAX_UB_TEST_RANK``) and command line; then the interval's CPU time summed by system call.
 Linux only (``/proc``); reading other users' threads' environments and syscalls needs root.
 
@@ -108,10 +108,11 @@ def main() -> None:
         )
         for (pid, tid), (u, s) in hot[: args.top]:
             call, wchan = _where(pid, tid)
+            thread = _read(f"/proc/{pid}/task/{tid}/comm").strip()[:16]
             cpu, sys_share = 100 * (u + s) / TICK / args.every, 100 * s / max(u + s, 1)
             print(
                 f"  {cpu:5.1f}% cpu ({sys_share:3.0f}% sys)  tid {tid:<7} {call:<14} "
-                f"{wchan:<22} {_process(pid, names)}"
+                f"{wchan:<22} {thread:<16} {_process(pid, names)}"
             )
         shares = ", ".join(f"{c} {t / TICK / args.every:.1f}" for c, t in by_call.most_common(8))
         print(f"  cores by the call each thread is in now: {shares}", flush=True)
