@@ -46,6 +46,7 @@ import numpy as np
 RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB_TEST_RANKS_PORT"
 GPU_ENV = "JAX_UB_TEST_RANKS_GPU"  # which GPU the ranks share (default 0)
 SHARE_COMPILE_ENV = "JAX_UB_TEST_RANKS_SHARE_COMPILE"  # 0: every rank compiles for itself
+FETCH_DIR_ENV = "JAX_UB_TEST_RANKS_FETCH_DIR"  # the launcher's folder for fetched shards
 # After the first rank ends, how long the others may take to end too.
 GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
 # How many ranks share the GPU in all (several groups of ranks may run on one GPU at once,
@@ -58,7 +59,8 @@ GPU_MEMORY_SHARE = 0.85  # of the GPU's memory, for the XLA pools of every rank 
 # device_run.sh runs the heavy files' items one after another (RANKS_HEAVY), and the other
 # files' pools stay small.
 MIN_SHARE = GPU_MEMORY_SHARE / 16
-FETCH_TIMEOUT_MS = 120_000  # how long a rank waits at a fetch for the others
+# How long a rank waits at a fetch for the others.
+FETCH_TIMEOUT_MS = int(os.environ.get("JAX_UB_TEST_RANKS_FETCH_TIMEOUT_MS", "120000"))
 
 
 def rank_count() -> int:
@@ -175,9 +177,7 @@ def _gather_through_files(a) -> np.ndarray:
     from jax._src import distributed
 
     client, me, count = distributed.global_state.client, jax.process_index(), next(_fetches)
-    folder = _fetch_folder(os.getppid())
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{count}_{{}}.pkl")
+    path = os.path.join(os.environ[FETCH_DIR_ENV], f"{count}_{{}}.pkl")
     mine = [
         (tuple((i.start, i.stop) for i in s.index), np.asarray(s.data))
         for s in a.addressable_shards
@@ -186,7 +186,7 @@ def _gather_through_files(a) -> np.ndarray:
         pickle.dump(mine, f, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(path.format(me) + ".part", path.format(me))
     what = f"fetch {count} of a global array {a.dtype}{list(a.shape)}"
-    client.wait_at_barrier(f"jax_ub_fetch_{count}_written", FETCH_TIMEOUT_MS)
+    _barrier(client, f"jax_ub_fetch_{count}_written", what)
     whole, covered = np.empty(a.shape, a.dtype), set()
     for r in range(jax.process_count()):
         with open(path.format(r), "rb") as f:
@@ -196,13 +196,24 @@ def _gather_through_files(a) -> np.ndarray:
                 covered.add((index, data.size))
     if sum(size for _, size in covered) != whole.size:
         raise AssertionError(f"{what}: the ranks' shards do not cover it ({sorted(covered)})")
-    client.wait_at_barrier(f"jax_ub_fetch_{count}_read", FETCH_TIMEOUT_MS)
+    _barrier(client, f"jax_ub_fetch_{count}_read", what)
     os.unlink(path.format(me))
     return whole
 
 
+def _barrier(client, name: str, what: str) -> None:
+    try:
+        client.wait_at_barrier(name, FETCH_TIMEOUT_MS)
+    except Exception as e:
+        raise RuntimeError(
+            f"{what}: not every rank reached barrier {name} within {FETCH_TIMEOUT_MS} ms (a rank"
+            " gone, or one that fetches other arrays or in another order)"
+        ) from e
+
+
 def _fetch_folder(launcher_pid: int) -> str:
-    """Where the ranks of one launcher pass shards of fetched arrays (removed at its end)."""
+    """Where the ranks of one launcher pass shards of fetched arrays: chosen by the launcher
+    (the ranks must agree, and free space changes as they write), removed at its end."""
     base = tempfile.gettempdir()
     # Containers often give /dev/shm 64 MiB: too little for the larger tests' arrays.
     if os.access("/dev/shm", os.W_OK):
@@ -247,12 +258,15 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
     logs = logs or tempfile.mkdtemp(prefix="jax_ub_ranks_")
     os.makedirs(logs, exist_ok=True)
     port = _free_port()
+    fetch_dir = _fetch_folder(os.getpid())
+    os.makedirs(fetch_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "pytest", *_strip_ranks_options(args), "-p", "no:cacheprovider"]
     # A hung test ends its rank, its stacks dumped, instead of waiting on forever.
     cmd += ["-o", "timeout_method=thread"]
     procs, files = [], []
     for i in range(ranks):
         env = dict(os.environ, **{RANK_ENV: str(i), RANKS_ENV: str(ranks), PORT_ENV: str(port)})
+        env[FETCH_DIR_ENV] = fetch_dir
         path = os.path.join(logs, f"rank{i}.log")
         files.append(path)
         log = open(path, "w")  # noqa: SIM115 (closed below)
@@ -275,7 +289,7 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
         log.close()
     for i in range(ranks):
         shutil.rmtree(_compile_cache(os.getpid(), i), ignore_errors=True)
-    shutil.rmtree(_fetch_folder(os.getpid()), ignore_errors=True)
+    shutil.rmtree(fetch_dir, ignore_errors=True)
     for i, code in enumerate(codes):
         if i and code not in (0, 5):
             with open(files[i]) as f:

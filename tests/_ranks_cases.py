@@ -65,3 +65,16 @@ def test_a_rank_gone_does_not_hang_the_others():
         if jax.process_index() == RANKS - 1:
             os._exit(3)
         time.sleep(3600)
+
+
+def test_a_fetch_the_others_skip_names_itself():
+    """Rank 0 fetches an array the others never fetch: a clear error, not a hang."""
+    if not os.environ.get("JAX_UB_TEST_RANKS_SKIP_FETCH"):
+        return
+    rows = jax.device_put(
+        np.arange(4 * RANKS, dtype=np.float32).reshape(RANKS, 4),
+        NamedSharding(gpu_mesh(_one_device_per_rank(), (RANKS,), ("tp",)), P("tp")),
+    )
+    if jax.process_index() == 0:
+        with pytest.raises(RuntimeError, match=rf"float32\[{RANKS}, 4\]: not every rank"):
+            np.asarray(rows)

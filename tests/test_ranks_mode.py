@@ -24,12 +24,12 @@ def test_two_ranks_pass_and_skip(tmp_path):
     done = _run(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "2 processes" in done.stdout
-    assert "3 passed, 1 skipped" in done.stdout, done.stdout[-3000:]
+    assert "4 passed, 1 skipped" in done.stdout, done.stdout[-3000:]
     assert "a mesh of 1 devices; this run has 2 ranks" in done.stdout
     assert "exit status of each rank: [0, 0]" in done.stdout
     for rank in (0, 1):  # every rank ran every case
         log = (tmp_path / f"rank{rank}.log").read_text()
-        assert "3 passed, 1 skipped" in log, log[-2000:]
+        assert "4 passed, 1 skipped" in log, log[-2000:]
 
 
 def test_a_failed_rank_is_reported(tmp_path):
@@ -47,3 +47,14 @@ def test_a_rank_gone_ends_the_run(tmp_path):
     assert done.returncode != 0, done.stdout[-3000:]
     assert "rank 0 had not ended 5 s after the first rank ended: killed" in done.stdout
     assert "rank 1 ended with status 3" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_fetch_a_rank_skips_is_an_error_naming_it(tmp_path):
+    done = _run(
+        tmp_path,
+        JAX_UB_TEST_RANKS_SKIP_FETCH="1",
+        JAX_UB_TEST_RANKS_FETCH_TIMEOUT_MS="3000",
+        JAX_UB_TEST_RANKS_GRACE_S="20",
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "4 passed, 1 skipped" in done.stdout, done.stdout[-3000:]
