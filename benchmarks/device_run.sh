@@ -216,6 +216,15 @@ RANKS_ONCE=${RANKS_ONCE-"test_gpu_multiprocess.py@one_gpu+or+one_shared_gpu:400"
 # lane 0, so that no two of them hold that memory at once.
 RANKS_HEAVY="test_gpu.py"
 
+# The MPS daemon of the N-ranks mode (mode_ranks), stopped at its end or at the script's.
+RANKS_MPS_DIR=""
+RANKS_MPS_VARS=()
+stop_ranks_mps() {
+  if [ -n "$RANKS_MPS_DIR" ]; then python3 tests/_ranks.py mps-stop "$RANKS_MPS_DIR"; fi
+  RANKS_MPS_DIR=""
+  RANKS_MPS_VARS=()
+}
+
 # One item of the N-ranks mode at one N: ranks_item N FILE K LIMIT LOG (K: pytest's -k, or
 # empty), the test run appended to LOG; pytest's own args follow in RANKS_ARGS.
 ranks_item() {
@@ -231,7 +240,7 @@ ranks_item() {
       python3 -m pytest -q -rfEs -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
   else
     step --append --ok "0 5" -k 10 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
-      python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag" -q -rfEs \
+      env "${RANKS_MPS_VARS[@]}" python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag" -q -rfEs \
       -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
   fi
   tail -n "+$((start + 1))" "$log" \
@@ -298,6 +307,14 @@ mode_ranks() {
   for ((lane = 0; lane < lanes; lane++)); do
     on_gpu[lane % gpus]=$((${on_gpu[lane % gpus]:-0} + most[lane]))
   done
+  # One MPS daemon for every lane's ranks (tests/_ranks.py start_mps; none where the machine
+  # has none, or JAX_UB_TEST_RANKS_MPS=0), so that their kernels run side by side instead of
+  # taking turns on the GPU; RANKS_ONCE's processes run without it.
+  if ! dry_run; then
+    RANKS_MPS_DIR=$SCRATCH/mps
+    read -ra RANKS_MPS_VARS <<< "$(python3 tests/_ranks.py mps-start "$RANKS_MPS_DIR")"
+    echo "ranks share the GPU: ${RANKS_MPS_VARS[*]:-taking turns (no MPS daemon)}"
+  fi
   # RANKS_THREADS=1: where the host's CPU time goes meanwhile, every 30 s
   local sampler=""
   if [ -n "${RANKS_THREADS:-}" ] && ! dry_run; then
@@ -325,6 +342,7 @@ mode_ranks() {
   done
   for ((lane = 0; lane < lanes; lane++)); do wait "${lane_pids[lane]}"; done
   [ -n "$sampler" ] && kill "$sampler" 2> /dev/null
+  stop_ranks_mps
   for ((lane = 0; lane < lanes; lane++)); do
     echo "-- lane $lane (GPU ${gpu_ids[lane % gpus]}, about ${load[lane]} s of limits; log: ranks_lane$lane.log):"
     cat "$SCRATCH/lane_$lane.out"
@@ -528,7 +546,7 @@ fi
 
 mkdir -p "$OUT"
 SCRATCH=$(mktemp -d)
-trap 'end_step_group; rm -rf "$SCRATCH"' EXIT
+trap 'end_step_group; stop_ranks_mps; rm -rf "$SCRATCH"' EXIT
 trap 'echo "device_run.sh: interrupted" >&2; exit 130' INT
 trap 'echo "device_run.sh: terminated" >&2; exit 143' TERM HUP
 
