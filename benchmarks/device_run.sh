@@ -17,7 +17,7 @@ MODES=(
   all          "tests, then bench (args: bench's)"                                    mode_all
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
-  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds[:N0] ...\", @k: pytest's -k, + for a space; N0: the least N to run it at) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those), each item's limit scaled by lanes/3 above 3 lanes a GPU; RANKS_THREADS=1: benchmarks/tools/hot_threads.py every 30 s meanwhile, into \$OUT/ranks_threads.log; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 3 minutes at N = 8 with 3 lanes) or all (every file: the gradient matrix in every way to call, layouts, models, faults; about 35 lane-minutes at N = 8, about 75 at N = 2, 4 and 8 (some estimated), so about 20 minutes with RANKS_PARALLEL=4 on one H200, whose 16 cores 6 lanes saturate; and once, processes of their own on GPU 0: RANKS_ONCE), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
+  ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds[:N0] ...\", @k: pytest's -k, + for a space; N0: the least N to run it at) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those), each item's limit scaled by lanes/3 above 3 lanes a GPU; RANKS_THREADS=1: benchmarks/tools/hot_threads.py every 30 s meanwhile, into \$OUT/ranks_threads.log; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 3 minutes at N = 8 with 3 lanes) or all (every file: the gradient matrix in every way to call, layouts, models, faults; and once, processes of their own on GPU 0: RANKS_ONCE; about 17 minutes on one H200: N = 8 with 4 lanes 9 minutes, N = 2 and 4 with 6 lanes 7.5); the ranks of every lane share one MPS daemon where the machine has MPS (JAX_UB_TEST_RANKS_MPS=0: none), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -197,11 +197,12 @@ mode_tests() {
 # The N-ranks mode's test sets: items file[@k]:seconds[:N0], each run at every N (from N0 on,
 # where given: below it the selection holds no test), under a limit of about 1.5x the
 # longest time seen at N = 2-8 on one H200 with 3 or 4 lanes on it (rank 0 compiling for
-# all; the most is at N = 8), scaled by lanes/3 above 3 lanes a GPU. With 6 lanes the ranks'
-# CPU work saturated the host's 16 cores and items ran past their limits; with 3 or 4, 8 to
-# 15 cores were busy. @k: only pytest -k k's tests, a "+" in k standing for a space; the
-# long files are split so that parallel lanes balance. quick: about 3 minutes at N = 8 with
-# 3 lanes.
+# all; the most is at N = 8), scaled by lanes/3 above 3 lanes a GPU. Without MPS, 6 lanes of
+# N = 8 saturated the host's 16 cores and items ran past their limits; under MPS 4 lanes of
+# N = 8 kept 5 to 14 cores busy and the GPU was often idle, each group's rank 0 (compiling
+# for all) its busiest thread. @k: only pytest -k k's tests, a "+" in k standing for a
+# space; the long files are split so that parallel lanes balance. quick: about 3 minutes at
+# N = 8 with 3 lanes.
 RANKS_QUICK="test_gpu.py:250 test_gpu_fp8.py:210 test_gpu_epilogue.py:110"
 RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:200
   test_gpu_grad_matrix.py@op_gradients+and+not+dp1x:180:4 test_gpu_grad_matrix.py@layer_gradients+and+dp1x:220

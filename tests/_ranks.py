@@ -25,7 +25,8 @@ The ranks' kernels run side by side under an MPS daemon of the launcher's own, w
 machine has NVIDIA's ``nvidia-cuda-mps-control`` (``JAX_UB_TEST_RANKS_MPS``: ``auto``, the
 default; ``1``: required; ``0``: none) and no MPS daemon runs already; without one the ranks'
 CUDA contexts take turns on the GPU, and each step that waits for every rank waits for each
-context's turn (on one H200, 8 ranks' greedy decoding took 40 s with MPS, 78 s without).
+context's turn (on one H200, 8 ranks' Llama greedy decoding tests took 48 s with MPS, 78 s
+without).
 
 The parent process (the ``pytest --ranks N`` the user runs) only launches the ranks and
 reports: rank 0's output is shown as it runs, every rank's is written to
@@ -82,6 +83,12 @@ def rank() -> int:
     return int(os.environ.get(RANK_ENV, "0"))
 
 
+def ranks_on_gpu() -> int:
+    """How many ranks share this rank's GPU in all: this group's N, or more where other
+    groups run beside it (``JAX_UB_TEST_RANKS_ON_GPU``, set by device_run.sh's lanes)."""
+    return int(os.environ.get(ON_GPU_ENV) or rank_count() or 1)
+
+
 def shared_gpu() -> int:
     """The GPU the ranks share: ``JAX_UB_TEST_RANKS_GPU`` (default 0), so that a machine of
     several GPUs can run one group of ranks on each."""
@@ -106,8 +113,7 @@ def prepare_environment() -> None:
     # GPU, with room left for the userbuffers and the CUDA contexts, so that one rank's
     # large test cannot starve the others of memory (a later allocation anywhere on the
     # GPU would fail, or a rank's GPU not start at all).
-    sharing = int(env.get(ON_GPU_ENV) or rank_count() or 1)
-    share = max(GPU_MEMORY_SHARE / sharing, MIN_SHARE)
+    share = max(GPU_MEMORY_SHARE / ranks_on_gpu(), MIN_SHARE)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
 
 

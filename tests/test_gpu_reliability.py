@@ -11,12 +11,23 @@ import os
 import re
 import time
 
+import _ranks
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _op_cases import assert_same_specials, bits, open_fds, special_inputs
-from conftest import ag_fn, gpu_mesh, group_sizes, need_gpus, rel_err, rs_fn, to_f32, use_tuning
+from conftest import (
+    RANKS,
+    ag_fn,
+    gpu_mesh,
+    group_sizes,
+    need_gpus,
+    rel_err,
+    rs_fn,
+    to_f32,
+    use_tuning,
+)
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -185,7 +196,9 @@ def test_gpu_hundred_initialize_finalize_rounds_leak_nothing():
     GPU, flags, streams, a cuBLASLt handle and workspace, a watchdog thread) / both ops /
     finalize. After 10 warm-up rounds: free GPU memory (cudaMemGetInfo; one leaked round is
     over 96 MiB per GPU), open file descriptors and threads must not grow, no communicator
-    may stay registered, and every round gives the same bits."""
+    may stay registered, and every round gives the same bits. The GPU's free memory is
+    checked where only this test's processes use the GPU: in the N-ranks mode with other
+    groups of ranks beside them (device_run.sh's lanes) their use moves it by GiBs."""
     from jax_ub._src import _cuda
 
     mesh = _gpu_mesh(2)
@@ -212,6 +225,7 @@ def test_gpu_hundred_initialize_finalize_rounds_leak_nothing():
         if i in (9, 99):
             samples[i] = snapshot()
     (free0, fd0, th0), (free1, fd1, th1) = samples.values()
-    assert all(a - b < 48 for a, b in zip(free0, free1)), f"free MiB {free0} -> {free1}"
+    if _ranks.ranks_on_gpu() <= max(RANKS, 1):
+        assert all(a - b < 48 for a, b in zip(free0, free1)), f"free MiB {free0} -> {free1}"
     assert fd1 - fd0 <= 2, f"open file descriptors grew {fd0} -> {fd1}"
     assert th1 - th0 <= 1, f"threads grew {th0} -> {th1}"

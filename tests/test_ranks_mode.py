@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import _ranks
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -58,3 +61,57 @@ def test_a_fetch_a_rank_skips_is_an_error_naming_it(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "4 passed, 1 skipped" in done.stdout, done.stdout[-3000:]
+
+
+def _fake_tools(tmp_path, monkeypatch) -> str:
+    """nvidia-smi listing a GPU and an nvidia-cuda-mps-control that logs its arguments and
+    input, first on PATH; the log's path."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "mps_calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
+    (bin_dir / "nvidia-cuda-mps-control").write_text(
+        f'#!/bin/sh\necho "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {log}\n'
+        f'[ "$1" = -d ] || cat >> {log}\n'
+    )
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv(_ranks.MPS_ENV, raising=False)
+    monkeypatch.setattr(_ranks, "MPS_DEFAULT_PIPE", str(tmp_path / "no_default_daemon"))
+    return str(log)
+
+
+def test_the_launcher_starts_and_stops_an_mps_daemon_of_its_own(tmp_path, monkeypatch):
+    log = _fake_tools(tmp_path, monkeypatch)
+    folder = tmp_path / "mps"
+    env = _ranks.start_mps(str(folder))
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(folder / "pipe"), env
+    assert os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
+    _ranks.stop_mps(env)
+    calls = open(log).read().splitlines()
+    assert calls == [f"args=-d pipe={folder}/pipe", f"args= pipe={folder}/pipe", "quit"], calls
+    assert not folder.exists()
+
+
+def test_no_daemon_where_one_runs_or_it_is_off(tmp_path, monkeypatch):
+    log = _fake_tools(tmp_path, monkeypatch)
+    for name, value in (("CUDA_MPS_PIPE_DIRECTORY", "/the/callers/daemon"), (_ranks.MPS_ENV, "0")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            folder = tmp_path / f"mps_{name}"
+            folder.mkdir()
+            assert _ranks.start_mps(str(folder)) == {}
+            assert not folder.exists()
+    assert not os.path.exists(log)  # never started
+
+
+def test_mps_required_where_there_is_none_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(_ranks.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setenv(_ranks.MPS_ENV, "1")
+    with pytest.raises(SystemExit, match="JAX_UB_TEST_RANKS_MPS=1, but this machine has no"):
+        _ranks.start_mps(str(tmp_path / "mps"))
+    monkeypatch.setenv(_ranks.MPS_ENV, "yes")
+    with pytest.raises(SystemExit, match="must be auto, 0 or 1, got 'yes'"):
+        _ranks.start_mps(str(tmp_path / "mps"))
