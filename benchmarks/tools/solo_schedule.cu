@@ -8,9 +8,17 @@
 // interleaved loops of `seconds` each, 3 rounds, median: what chunking (and the sums)
 // cost the compute side, with no second GPU. Not part of the library.
 //
-// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows]
+// RS schedules the library does not have can be timed beside its own (the last argument):
+// `ring` sums the partials in the GEMMs' epilogues, a ring's: rank r's step s multiplies block
+// (r - s - 1) mod tp with the partial of that block from rank r - 1 as its addend (C, beta = 1)
+// and sends the sum on to rank r + 1; its last step, its own block, writes the output. No sum
+// pass, but each GEMM after the first reads a partial and the copies chain; `ring2` computes
+// each block in two halves, as a ring would to send one half while computing the other.
+//
+// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|ring2]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
 //   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2 only).
+//   steps: the library's step list (default); ring, ring2: RS only, see above.
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -60,6 +68,30 @@ jax_ub::GemmArgs Args(Run& r, const jax_ub::Step& g) {
   jax_ub::GemmArgs args;
   args.addend = At(r, g.addend);
   return args;
+}
+
+// Rank 0's compute steps of the ring reduce-scatter described above, in `pieces` row pieces
+// a block, in the library's buffer layout: the partial of block b from the previous rank
+// lands at b * chunk, ours of it is staged at (tp + b) * chunk for the next rank.
+std::vector<jax_ub::Step> RingSteps(int tp, const jax_ub::CallShape& c, int pieces) {
+  const int64_t chunk = jax_ub::ChunkBytes(jax_ub::OpKind::kMatmulReduceScatter, c);
+  std::vector<jax_ub::Step> steps;
+  for (int s = 0; s < tp; ++s) {
+    const int b = tp - 1 - s;  // (0 - s - 1) mod tp
+    for (int p = 0; p < pieces; ++p) {
+      const int64_t first = c.m * p / pieces, rows = c.m * (p + 1) / pieces - first;
+      const int64_t at = first * c.n * 2;  // bf16 partials
+      jax_ub::Step g;
+      g.kind = jax_ub::Step::Kind::kGemm;
+      g.rows = rows;
+      g.src = jax_ub::Ref{jax_ub::Region::kX, (b * c.m + first) * c.k * 2, -1};
+      g.dst = s + 1 == tp ? jax_ub::Ref{jax_ub::Region::kOut, at, -1}
+                          : jax_ub::Ref{jax_ub::Region::kBuffer, (tp + b) * chunk + at, -1};
+      if (s > 0) g.addend = jax_ub::Ref{jax_ub::Region::kBuffer, b * chunk + at, -1};
+      steps.push_back(g);
+    }
+  }
+  return steps;
 }
 
 void Setup(Run& r) {
@@ -139,6 +171,13 @@ void Schedule(Run& r) {
   }
 }
 
+// The reduce-scatter's sum pass alone, as the step list runs it: tp partials of m x n in the
+// buffer summed into the output.
+void SumAlone(Run& r) {
+  Check(jax_ub::LaunchSum(r.shape.out, r.buffer, r.shape.m * r.shape.n, r.tp, r.ops.out, r.compute),
+        "LaunchSum");
+}
+
 void Whole(Run& r) {
   Check(r.gemm->Matmul(r.whole, r.whole_x, r.ops.w, r.whole_out, r.compute), "Matmul (whole)");
 }
@@ -161,7 +200,14 @@ int main(int argc, char** argv) {
   long long m = 0, k = 0, n = 0;
   if (argc < 4 || (std::strcmp(argv[1], "ag") != 0 && std::strcmp(argv[1], "rs") != 0) ||
       std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
-    std::fprintf(stderr, "usage: %s ag|rs tp m,k,n [seconds] [fold_rows]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|ring2]\n",
+                 argv[0]);
+    return 2;
+  }
+  const std::string variant = argc > 6 ? argv[6] : "steps";
+  if (variant != "steps" && (argv[1][0] != 'r' || (variant != "ring" && variant != "ring2"))) {
+    std::fprintf(stderr, "the schedule must be steps, or for rs ring or ring2; got %s %s\n",
+                 argv[1], variant.c_str());
     return 2;
   }
   const int tp = std::atoi(argv[2]);
@@ -180,16 +226,18 @@ int main(int argc, char** argv) {
   r.shape.k = k;
   r.shape.n = n;
   r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
-  r.steps = jax_ub::CallSteps(r.op, jax_ub::Schedule{0, tp, fold_rows}, r.shape);
+  r.steps = variant == "steps"
+                ? jax_ub::CallSteps(r.op, jax_ub::Schedule{0, tp, fold_rows}, r.shape)
+                : RingSteps(tp, r.shape, variant == "ring2" ? 2 : 1);
   Check(cudaSetDevice(0), "cudaSetDevice");
   Setup(r);
   int gemms = 0;
   for (const jax_ub::Step& s : r.steps) gemms += s.kind == jax_ub::Step::Kind::kGemm;
   const int iters = std::max(3, int(seconds * 1e3 / Time(r, Whole, 3)));
   std::printf(
-      "%s tp=%d, a rank's m=%lld k=%lld n=%lld: %d GEMMs a call, the bound's GEMM %lldx%lldx%lld; "
-      "%d iterations a loop\n",
-      argv[1], tp, m, k, n, gemms, tp * m, k, n, iters);
+      "%s (%s) tp=%d, a rank's m=%lld k=%lld n=%lld: %d GEMMs a call, the bound's GEMM "
+      "%lldx%lldx%lld; %d iterations a loop\n",
+      argv[1], variant.c_str(), tp, m, k, n, gemms, tp * m, k, n, iters);
   std::vector<double> sched, whole;
   for (int round = 0; round < 3; ++round) {  // interleaved, the order alternating
     if (round % 2 == 0) {
@@ -204,10 +252,18 @@ int main(int argc, char** argv) {
   std::sort(sched.begin(), sched.end());
   std::sort(whole.begin(), whole.end());
   std::printf(
-      "%s tp=%d m=%lld k=%lld n=%lld: schedule %.4f ms / whole GEMM %.4f ms = x%.4f "
+      "%s (%s) tp=%d m=%lld k=%lld n=%lld: schedule %.4f ms / whole GEMM %.4f ms = x%.4f "
       "(rounds: schedule %.4f..%.4f, whole %.4f..%.4f)\n",
-      argv[1], tp, m, k, n, sched[1], whole[1], sched[1] / whole[1], sched.front(), sched.back(),
-      whole.front(), whole.back());
+      argv[1], variant.c_str(), tp, m, k, n, sched[1], whole[1], sched[1] / whole[1],
+      sched.front(), sched.back(), whole.front(), whole.back());
+  bool sums = false;
+  for (const jax_ub::Step& st : r.steps) sums = sums || st.kind == jax_ub::Step::Kind::kSum;
+  if (sums) {  // how near the sum pass runs to the GPU's memory bandwidth
+    const double ms = Time(r, SumAlone, std::max(3, int(seconds * 1e3 / Time(r, SumAlone, 3))));
+    const double bytes = (tp + 1.0) * m * n * 2;  // tp partials read, one written
+    std::printf("sum pass alone: %.4f ms, %.0f GB/s (%d partials of %lldx%lld read, one written)\n",
+                ms, bytes / ms * 1e-6, tp, m, n);
+  }
   delete r.gemm;
   for (cudaStream_t s : r.lanes) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
   Check(cudaStreamDestroy(r.compute), "cudaStreamDestroy");
