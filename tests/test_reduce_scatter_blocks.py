@@ -1,12 +1,15 @@
 """What only matmul_reduce_scatter has: each rank's output block is the sum over ranks of
 that block's partial products, and at 2 devices a block goes in row pieces folded into the
-own product or summed in one pass (reduce_scatter_fold_rows)."""
+own product or summed in one pass (reduce_scatter_fold_rows); above 2, with
+reduce_scatter_ring, folded along a ring."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _op_cases import op_fn
 from conftest import rel_err, to_f32, tol
+from test_gelu_mlp import loss, mlp_fn, operands
 
 import jax_ub
 from jax_ub._src.settings import options
@@ -52,3 +55,73 @@ def test_local_partials_differ_per_rank(mesh1d, rand):
             for j in range(n_dev)
         )
         np.testing.assert_allclose(out[r * m : (r + 1) * m], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_dev", [3, 4, 8])
+@pytest.mark.parametrize(
+    "fold_rows,m", [(0, 1), (0, 3), (0, 8), (-1, 8), (4, 7), (4, 8)], ids=lambda v: str(v)
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_ring_above_two_ranks(mesh1d, rand, n_dev, fold_rows, m, dtype):
+    """With reduce_scatter_ring, groups above 2 fold too: each block's partial sum passes
+    around the ring, each rank's GEMM adding its own partial, its pieces as at 2 devices
+    (fold_rows; -1: never, the sum pass). Each rank's block must be the sum over ranks of
+    that block's partials, checked block by block against float32 math."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    try:
+        with options.experimental_tuning(
+            reduce_scatter_fold_rows=fold_rows, reduce_scatter_ring=True
+        ):
+            k, n = 6, 10
+            x = rand(n_dev * m, n_dev * k, dtype=dtype)
+            w = rand(n_dev * k, n, dtype=dtype, scale=0.5)
+            out = op_fn("rs", mesh1d(n_dev), "ub")(x, w)
+            assert out.shape == (n_dev * m, n) and out.dtype == dtype
+            xs, ws, got = to_f32(x), to_f32(w), to_f32(out)
+            for r in range(n_dev):
+                rows = slice(r * m, (r + 1) * m)
+                want = sum(
+                    xs[rows, j * k : (j + 1) * k] @ ws[j * k : (j + 1) * k] for j in range(n_dev)
+                )
+                # bf16: the ring rounds each rank's running sum to bf16 on its way
+                assert rel_err(got[rows], want) < (1e-5 if dtype == jnp.float32 else 2e-2), r
+    finally:
+        jax_ub.finalize()
+
+
+def test_ring_is_taken_where_set(mesh1d, rand):
+    """The setting reaches the communicator: in bf16 the ring rounds each running sum on its
+    way, so its bits differ from the sum pass's (one rounding), both near the product."""
+    x = rand(4 * 8, 4 * 64, dtype=jnp.bfloat16)
+    w = rand(4 * 64, 32, dtype=jnp.bfloat16)
+    outs = {}
+    for ring in (False, True):
+        jax_ub.finalize()
+        try:
+            with options.experimental_tuning(reduce_scatter_fold_rows=0, reduce_scatter_ring=ring):
+                outs[ring] = np.asarray(op_fn("rs", mesh1d(4), "ub")(x, w))
+        finally:
+            jax_ub.finalize()
+        assert rel_err(outs[ring], to_f32(x) @ to_f32(w)) < tol(jnp.bfloat16), ring
+    assert not np.array_equal(outs[False].view(np.uint16), outs[True].view(np.uint16))
+
+
+def test_ring_repeated_calls_and_gradients(mesh1d, rand):
+    """The ring over many calls (flags by epoch, buffers reused, credits) with new data
+    each time, and in gradients: gelu_mlp's backward has a reduce-scatter that gathers
+    beside it (which takes the sum pass) and one that does not (the ring)."""
+    jax_ub.finalize()
+    try:
+        with options.experimental_tuning(reduce_scatter_fold_rows=0, reduce_scatter_ring=True):
+            mesh = mesh1d(4)
+            f = op_fn("rs", mesh, "ub")
+            for i in range(6):
+                x, w = rand(4 * 4, 4 * 6), rand(4 * 6, 8)
+                assert rel_err(f(x, w), to_f32(x) @ to_f32(w)) < 1e-5, i
+            args = operands(rand, 4)
+            got = jax.grad(loss(mlp_fn(mesh)), argnums=range(5))(*args)
+        want = jax.grad(loss(mlp_fn(mesh, "xla")), argnums=range(5))(*args)
+        for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
+            assert rel_err(g, r) < 1e-5, name
+    finally:
+        jax_ub.finalize()

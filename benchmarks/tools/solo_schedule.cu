@@ -8,17 +8,16 @@
 // interleaved loops of `seconds` each, 3 rounds, median: what chunking (and the sums)
 // cost the compute side, with no second GPU. Not part of the library.
 //
-// RS schedules the library does not have can be timed beside its own (the last argument):
-// `ring` sums the partials in the GEMMs' epilogues, a ring's: rank r's step s multiplies block
-// (r - s - 1) mod tp with the partial of that block from rank r - 1 as its addend (C, beta = 1)
-// and sends the sum on to rank r + 1; its last step, its own block, writes the output. No sum
-// pass, but each GEMM after the first reads a partial and the copies chain; `ring2` computes
-// each block in two halves, as a ring would to send one half while computing the other.
+// `ring` (RS, the last argument) times the library's ring reduce-scatter (Tuning's
+// reduce_scatter_ring, off by default; fold_rows as for tp=2) beside its default: rank r's
+// step s multiplies block (r - s - 1) mod tp with the partial sum of that block from rank
+// r - 1 as its addend (C, beta = 1) and passes it on to rank r + 1; its last step, its own
+// block, writes the output. No sum pass, but each GEMM after the first reads a partial sum.
 //
-// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|ring2]
+// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
-//   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2 only).
-//   steps: the library's step list (default); ring, ring2: RS only, see above.
+//   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2, or ring).
+//   steps: the library's default step list; ring: with reduce_scatter_ring (RS only).
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -68,30 +67,6 @@ jax_ub::GemmArgs Args(Run& r, const jax_ub::Step& g) {
   jax_ub::GemmArgs args;
   args.addend = At(r, g.addend);
   return args;
-}
-
-// Rank 0's compute steps of the ring reduce-scatter described above, in `pieces` row pieces
-// a block, in the library's buffer layout: the partial of block b from the previous rank
-// lands at b * chunk, ours of it is staged at (tp + b) * chunk for the next rank.
-std::vector<jax_ub::Step> RingSteps(int tp, const jax_ub::CallShape& c, int pieces) {
-  const int64_t chunk = jax_ub::ChunkBytes(jax_ub::OpKind::kMatmulReduceScatter, c);
-  std::vector<jax_ub::Step> steps;
-  for (int s = 0; s < tp; ++s) {
-    const int b = tp - 1 - s;  // (0 - s - 1) mod tp
-    for (int p = 0; p < pieces; ++p) {
-      const int64_t first = c.m * p / pieces, rows = c.m * (p + 1) / pieces - first;
-      const int64_t at = first * c.n * 2;  // bf16 partials
-      jax_ub::Step g;
-      g.kind = jax_ub::Step::Kind::kGemm;
-      g.rows = rows;
-      g.src = jax_ub::Ref{jax_ub::Region::kX, (b * c.m + first) * c.k * 2, -1};
-      g.dst = s + 1 == tp ? jax_ub::Ref{jax_ub::Region::kOut, at, -1}
-                          : jax_ub::Ref{jax_ub::Region::kBuffer, (tp + b) * chunk + at, -1};
-      if (s > 0) g.addend = jax_ub::Ref{jax_ub::Region::kBuffer, b * chunk + at, -1};
-      steps.push_back(g);
-    }
-  }
-  return steps;
 }
 
 void Setup(Run& r) {
@@ -258,14 +233,13 @@ int main(int argc, char** argv) {
   long long m = 0, k = 0, n = 0;
   if (argc < 4 || (std::strcmp(argv[1], "ag") != 0 && std::strcmp(argv[1], "rs") != 0) ||
       std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
-    std::fprintf(stderr, "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|ring2]\n",
-                 argv[0]);
+    std::fprintf(stderr, "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring]\n", argv[0]);
     return 2;
   }
   const std::string variant = argc > 6 ? argv[6] : "steps";
-  if (variant != "steps" && (argv[1][0] != 'r' || (variant != "ring" && variant != "ring2"))) {
-    std::fprintf(stderr, "the schedule must be steps, or for rs ring or ring2; got %s %s\n",
-                 argv[1], variant.c_str());
+  if (variant != "steps" && (argv[1][0] != 'r' || variant != "ring")) {
+    std::fprintf(stderr, "the schedule must be steps, or for rs ring; got %s %s\n", argv[1],
+                 variant.c_str());
     return 2;
   }
   const int tp = std::atoi(argv[2]);
@@ -284,9 +258,7 @@ int main(int argc, char** argv) {
   r.shape.k = k;
   r.shape.n = n;
   r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
-  r.steps = variant == "steps"
-                ? jax_ub::CallSteps(r.op, jax_ub::Schedule{0, tp, fold_rows}, r.shape)
-                : RingSteps(tp, r.shape, variant == "ring2" ? 2 : 1);
+  r.steps = jax_ub::CallSteps(r.op, jax_ub::Schedule{0, tp, fold_rows, variant == "ring"}, r.shape);
   Check(cudaSetDevice(0), "cudaSetDevice");
   Setup(r);
   int gemms = 0;

@@ -36,7 +36,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   uint64_t e = 0;
   JAX_UB_RETURN_IF_ERROR(Begin(device, name, RequiredBytes(op, shape, size), &s, &e));
   *began = s;
-  const std::vector<Step> steps = CallSteps(op, Schedule{s->rank, size, fold_rows_}, shape);
+  const std::vector<Step> steps = CallSteps(op, Schedule{s->rank, size, fold_rows_, ring_}, shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);
   // fp8 products are scaled by x_scale and w_scale on the device; others are not.
   const float* scales = IsFp8(shape.in) ? ops.scales : nullptr;
@@ -84,15 +84,16 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
     cudaStream_t stream = lane(step.lane);
+    const int slot = FlagSlot(step, s->rank);  // a wait's or signal's flag word
     if (step.lane != kComputeLane && !started[step.lane]) {
       JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
       started[step.lane] = true;
     }
     switch (step.kind) {
       case Step::Kind::kWait:
-        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, stream, FlagIndex(step.flag, step.peer),
-                                        e - Lag(step.flag), step.peer, step.what, &waits,
-                                        FlagIndex(ProgressFlag(step.flag), step.peer)));
+        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, stream, FlagIndex(step.flag, slot), e - Lag(step.flag),
+                                        step.peer, step.what, &waits,
+                                        FlagIndex(ProgressFlag(step.flag), slot)));
         break;
       case Step::Kind::kPublish:
         JAX_UB_RETURN_IF_ERROR(Publish(*s, stream, step.peer, desc));
@@ -103,7 +104,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         break;
       case Step::Kind::kSignal:
         JAX_UB_RETURN_IF_ERROR(
-            Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, s->rank), e));
+            Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, slot), e));
         break;
       case Step::Kind::kGemm:
         JAX_UB_RETURN_IF_ERROR(

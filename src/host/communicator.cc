@@ -42,6 +42,7 @@ Status HostCommunicator::Create(Topology topology, size_t capacity_bytes,
   c->capacity_ = (capacity_bytes + 63) / 64 * 64;
   c->timeout_s_ = options.timeout_s;
   c->fold_rows_ = options.reduce_scatter_fold_rows;
+  c->ring_ = options.reduce_scatter_ring;
   c->topology_ = std::move(topology);
   c->shared_ = !shm_prefix.empty();
   const int slots = c->topology_.num_slots();
@@ -248,7 +249,7 @@ Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {
 Status HostCommunicator::Call(int device, OpKind op, const CallShape& shape, const Operands& ops) {
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, op, shape, &ctx));
-  return Execute(ctx, CallSteps(op, Schedule{ctx.rank, ctx.size, fold_rows_}, shape), shape, ops);
+  return Execute(ctx, CallSteps(op, Schedule{ctx.rank, ctx.size, fold_rows_, ring_}, shape), shape, ops);
 }
 
 uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {
@@ -278,8 +279,8 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
     Status st = Status::Ok();
     switch (step.kind) {
       case Step::Kind::kWait:
-        st = WaitFlag(ctx, FlagWord(ctx.slot, step.flag, step.peer), ctx.epoch - Lag(step.flag),
-                      step.peer, step.what);
+        st = WaitFlag(ctx, FlagWord(ctx.slot, step.flag, FlagSlot(step, ctx.rank)),
+                      ctx.epoch - Lag(step.flag), step.peer, step.what);
         if (st.ok() && step.flag != Flag::kCredit) st = CheckDescriptor(ctx, step.peer);
         break;
       case Step::Kind::kPublish:
@@ -289,7 +290,8 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         std::memcpy(at(step.dst), at(step.src), step.bytes);
         break;
       case Step::Kind::kSignal:
-        Store(FlagWord(ctx.peer_slot(step.peer), step.flag, ctx.rank), ctx.epoch);
+        Store(FlagWord(ctx.peer_slot(step.peer), step.flag, FlagSlot(step, ctx.rank)),
+              ctx.epoch);
         break;
       case Step::Kind::kGemm: {
         char* dst = at(step.dst);

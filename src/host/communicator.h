@@ -61,8 +61,9 @@ class HostCommunicator {
  public:
   // Allocates the regions of the slots local to this process. `options.timeout_s` bounds
   // every wait on a peer; `options.reduce_scatter_fold_rows` is the smallest piece for
-  // which GEMM+RS folds its reduction (Schedule::fold_rows), the same on every rank of a
-  // group. With a non-empty `shm_prefix` the local regions are POSIX shared memory objects
+  // which GEMM+RS folds its reduction (Schedule::fold_rows) and `reduce_scatter_ring`
+  // whether groups above two fold too (Schedule::ring), the same on every rank of a group.
+  // With a non-empty `shm_prefix` the local regions are POSIX shared memory objects
   // named `<prefix>_<slot>`, which processes holding the other slots map with Connect();
   // otherwise every slot must be local and plain memory is used.
   static Status Create(Topology topology, size_t capacity_bytes, const CommOptions& options,
@@ -146,6 +147,7 @@ class HostCommunicator {
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
   int64_t fold_rows_ = -1;          // see Create
+  bool ring_ = false;               // see Create
   // Per slot: calls begun. Written by the slot's call thread (one call at a time), read
   // by Quiesce.
   std::unique_ptr<std::atomic<uint64_t>[]> epoch_;

@@ -21,8 +21,10 @@ Step Wait(int lane, int peer, Flag flag, const char* what) {
   return s;
 }
 // A peer's data (or its first piece).
-Step WaitData(int lane, int peer, const char* what, Flag flag = Flag::kData) {
-  return Wait(lane, peer, flag, what);
+Step WaitData(int lane, int peer, const char* what, Flag flag = Flag::kData, int slot = -1) {
+  Step s = Wait(lane, peer, flag, what);
+  s.slot = slot;
+  return s;
 }
 // The peer has consumed our previous push into its userbuffer.
 Step WaitCredit(int lane, int peer) {
@@ -42,11 +44,12 @@ Step Copy(int lane, Ref src, Ref dst, int64_t bytes) {
   s.bytes = bytes;
   return s;
 }
-Step Signal(int lane, int peer, Flag flag) {
+Step Signal(int lane, int peer, Flag flag, int slot = -1) {
   Step s = Make(Step::Kind::kSignal);
   s.lane = lane;
   s.peer = peer;
   s.flag = flag;
+  s.slot = slot;
   return s;
 }
 Step Gemm(Ref src, Ref dst, int64_t rows, Ref addend = {}) {
@@ -118,18 +121,20 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   const int rank = sched.rank, size = sched.size;
   const int64_t es = DTypeSize(c.out), in_es = DTypeSize(c.in);
   const int64_t chunk = ChunkBytes(OpKind::kMatmulReduceScatter, c);  // one partial
-  // Our buffer: [size] partials addressed to us, by sender, then [size] partials we
+  // Our buffer: [size] partials addressed to us, by sender (a ring's partial sums by
+  // Schedule::ReduceScatterRingSlot), then [size] partials we
   // computed for each peer, staged for sending, then (where the call also gathers) [size]
   // gathered chunks, by sender.
   auto received = [&](int j) { return j * chunk; };
   auto staged = [&](int d) { return (size + d) * chunk; };
   auto gathered_in = [&](int j) { return (2 * size + j) * chunk; };
   const bool gathers = c.gathered;
-  // Each block goes in row pieces (Schedule::ReduceScatterPieces); where it folds, our own
-  // block's GEMM adds the peer's partial piece as it lands and writes `out`: no sum pass.
-  const std::vector<Schedule::Rows> pieces = sched.ReduceScatterPieces(c.m);
+  // Each block goes in row pieces (Schedule::ReduceScatterPieces); where it folds, each
+  // GEMM adds the partial sum the previous rank passed, piece by piece as it lands, and the
+  // last one, our own block's, writes `out`: no sum pass.
+  const std::vector<Schedule::Rows> pieces = sched.ReduceScatterPieces(c.m, gathers);
   const int num_pieces = static_cast<int>(pieces.size());
-  const bool fold = sched.ReduceScatterFolds(c.m);
+  const bool fold = sched.ReduceScatterFolds(c.m, gathers);
   auto offset = [&](int p) { return pieces[p].first * c.n * es; };  // in a partial
   auto input = [&](int d, int p) {
     return At(Region::kX, (d * c.m + pieces[p].first) * c.k * in_es);
@@ -151,27 +156,45 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   if (gathers)
     steps.push_back(
         Copy(rank, At(Region::kGatherSrc, 0), At(Region::kGathered, rank * chunk), chunk));
-  // Each peer's partial first, each piece sent while the next one is computed; ours last.
-  for (int d : sched.ReduceScatterComputeOrder()) {
-    for (int p = 0; p < num_pieces; ++p) {
-      if (d == rank) {
-        Ref dst = At(Region::kBuffer, received(rank) + offset(p));
+  if (fold) {
+    // The ring (Schedule::ReduceScatterRingBlock): at step s, block b's partial sum from the
+    // previous rank is our GEMM's addend, and ours goes on to the next rank, on its lane;
+    // the last step is our own block, written to `out`.
+    const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    for (int step = 0; step < size; ++step) {
+      const int b = sched.ReduceScatterRingBlock(step), slot = sched.ReduceScatterRingSlot(b);
+      for (int p = 0; p < num_pieces; ++p) {
         Ref addend;
-        if (size == 1 || fold) dst = At(Region::kOut, offset(p));
-        if (fold) {
-          const int peer = 1 - rank;
-          steps.push_back(WaitData(kComputeLane, peer, "deliver its partial sum", piece_flag(p)));
-          addend = At(Region::kBuffer, received(peer) + offset(p));
+        if (step > 0) {
+          steps.push_back(
+              WaitData(kComputeLane, prev, "deliver its partial sum", piece_flag(p), slot));
+          addend = At(Region::kBuffer, received(slot) + offset(p));
         }
-        steps.push_back(Gemm(input(d, p), dst, pieces[p].count, addend));
+        if (b == rank) {
+          steps.push_back(Gemm(input(b, p), At(Region::kOut, offset(p)), pieces[p].count, addend));
+          continue;
+        }
+        const Ref stage = At(Region::kBuffer, staged(b) + offset(p));
+        steps.push_back(Gemm(input(b, p), stage, pieces[p].count, addend));
+        steps.push_back(Join(next, kComputeLane));
+        steps.push_back(Copy(next, stage, At(Region::kPeerBuffer, received(slot) + offset(p), next),
+                             pieces[p].count * c.n * es));
+        steps.push_back(Signal(next, next, piece_flag(p), slot));
+      }
+    }
+  } else {
+    // Each peer's partial first, each sent while the next one is computed; ours last.
+    for (int d : sched.ReduceScatterComputeOrder()) {
+      if (d == rank) {  // alone in its group, ours is the output
+        const Ref dst = size == 1 ? At(Region::kOut, 0) : At(Region::kBuffer, received(rank));
+        steps.push_back(Gemm(input(d, 0), dst, c.m));
         continue;
       }
-      const Ref stage = At(Region::kBuffer, staged(d) + offset(p));
-      steps.push_back(Gemm(input(d, p), stage, pieces[p].count));
+      const Ref stage = At(Region::kBuffer, staged(d));
+      steps.push_back(Gemm(input(d, 0), stage, c.m));
       steps.push_back(Join(d, kComputeLane));
-      steps.push_back(Copy(d, stage, At(Region::kPeerBuffer, received(rank) + offset(p), d),
-                           pieces[p].count * c.n * es));
-      steps.push_back(Signal(d, d, piece_flag(p)));
+      steps.push_back(Copy(d, stage, At(Region::kPeerBuffer, received(rank), d), c.m * c.n * es));
+      steps.push_back(Signal(d, d, Flag::kData));
     }
   }
   if (size > 1 && !fold) {

@@ -20,6 +20,8 @@ struct Schedule {
   // Smallest piece (rows) worth folding a reduce-scatter for; negative: never
   // (CommOptions::reduce_scatter_fold_rows). Not needed by the all-gather's schedule.
   int64_t fold_rows = -1;
+  // Groups above two fold too, in a ring (CommOptions::reduce_scatter_ring).
+  bool ring = false;
 
   // Peers in the order this rank pushes its data to them: nearest first, so every
   // rank's first push goes to a different peer and no link is hit twice at once.
@@ -56,16 +58,27 @@ struct Schedule {
   }
 
   // How many row pieces a reduce-scatter block of `rows` rows is computed and sent in, and
-  // whether this rank's own block folds in the partial it receives instead of a separate
-  // sum pass. At size 2 the one peer partial becomes the accumulator (C, beta = 1) of our
-  // own product, piece by piece: the peer sends its first piece while computing its
-  // second, and its second while computing our first, so no wait is exposed and the sum
-  // pass (~2% of the call on an H200) is gone. Pieces of few rows cost GEMM efficiency
-  // (on 2 H200s the fold was 1% slower with 512-row pieces and tied with 2048), hence
-  // `fold_rows`. With more ranks a fold would need the peers' partials summed first.
-  bool ReduceScatterFolds(int64_t rows) const {
-    return size == 2 && fold_rows >= 0 && rows / 2 >= fold_rows;
+  // whether the reduction folds into the GEMMs (C, beta = 1) instead of a separate sum
+  // pass. At size 2 the one peer partial becomes the accumulator of our own product,
+  // piece by piece: the peer sends its first piece while computing its second, and its
+  // second while computing our first, so no wait is exposed and the sum pass (~2% of the
+  // call on an H200) is gone. Pieces of few rows cost GEMM efficiency (on 2 H200s the fold
+  // was 1% slower with 512-row pieces and tied with 2048), hence `fold_rows`. Above two
+  // ranks the fold is a ring (`ring`; ReduceScatterRingBlock), which size 2 is too, but
+  // not for a call that `gathers` beside it: there a peer's gathered chunk is announced by
+  // the partial it sends after it, and in a ring above two ranks most peers send none.
+  bool ReduceScatterFolds(int64_t rows, bool gathers) const {
+    return (size == 2 || (ring && !gathers)) && fold_rows >= 0 && rows / 2 >= fold_rows;
   }
+
+  // A folding reduce-scatter's step s (0 .. size - 1) multiplies this block: each block's
+  // partial sum travels the ring, rank r passing it to rank r + 1, each adding its own
+  // partial (the GEMM's addend is what the previous rank passed), so that the rank the
+  // block belongs to adds the last one at its last step and writes the output.
+  int ReduceScatterRingBlock(int step) const { return ((rank - step - 1) % size + size) % size; }
+  // Where a ring's partial sum of `block` lands and which flag announces it: the slot of
+  // the rank that computed the block's first partial, which at size 2 is the sender.
+  int ReduceScatterRingSlot(int block) const { return (block + 1) % size; }
 
   // A run of rows of a block.
   struct Rows {
@@ -75,8 +88,8 @@ struct Schedule {
 
   // The row ranges, in order, that each reduce-scatter block of `rows` rows is computed
   // and sent in: its two halves where it folds (the first may be empty), else the block.
-  std::vector<Rows> ReduceScatterPieces(int64_t rows) const {
-    if (!ReduceScatterFolds(rows)) return {{0, rows}};
+  std::vector<Rows> ReduceScatterPieces(int64_t rows, bool gathers) const {
+    if (!ReduceScatterFolds(rows, gathers)) return {{0, rows}};
     return {{0, rows / 2}, {rows / 2, rows - rows / 2}};
   }
 
@@ -127,10 +140,10 @@ constexpr int kComputeLane = -1;
 
 struct Step {
   enum class Kind : uint8_t {
-    kWait,     // the lane waits until this rank's flag[peer] holds epoch - Lag(flag)
+    kWait,     // the lane waits until this rank's flag[FlagSlot] holds epoch - Lag(flag)
     kPublish,  // the lane writes this call's descriptor into `peer`'s slot (for our rank)
     kCopy,     // bytes from src to dst
-    kSignal,   // the lane raises `peer`'s flag[our rank] to this call's epoch
+    kSignal,   // the lane raises `peer`'s flag[FlagSlot] to this call's epoch
     kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
                // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
     kSum,      // out = the group's partials in our buffer (one per rank), in rank order
@@ -140,6 +153,9 @@ struct Step {
   Kind kind = Kind::kWait;
   int lane = kComputeLane;
   int peer = -1;               // kWait, kPublish, kSignal: the rank
+  // kWait, kSignal: the flag's slot where it is not the sender's rank (a ring's partial
+  // sums, several from one sender in a call); negative: the sender's.
+  int slot = -1;
   int on_lane = kComputeLane;  // kJoin: the lane joined
   Flag flag = Flag::kData;
   const char* what = "";  // kWait: what the peer is awaited to do, for errors
@@ -151,6 +167,14 @@ struct Step {
   int64_t src_bytes = 0;
   int64_t rows = 0;  // kGemm, kSum
 };
+
+// The flag word a kWait reads (in our slot) or a kSignal raises (in the peer's): `slot`
+// where the step names one, else the sender's rank: the peer a wait waits for, or `rank`,
+// ours, for a signal.
+inline int FlagSlot(const Step& s, int rank) {
+  if (s.slot >= 0) return s.slot;
+  return s.kind == Step::Kind::kWait ? s.peer : rank;
+}
 
 // One rank's view of one call: out = all_gather(x[m, k]) @ w[k, n] for kAllGatherMatmul,
 // out[m, n] = reduce_scatter(x[size*m, k] @ w) for kMatmulReduceScatter (and, where

@@ -44,6 +44,12 @@ class Tuning:
       reduce_scatter_fold_rows: on groups of 2, the smallest row piece for which
         matmul_reduce_scatter adds the peer's partial in its own GEMM's epilogue instead
         of a sum pass; 0 always, negative never. The same in every process of a group.
+      reduce_scatter_ring: on groups above 2, matmul_reduce_scatter folds too (where its
+        pieces have ``reduce_scatter_fold_rows`` rows and it gathers nothing beside): each
+        row block's partial sum passes around the ring, each rank's GEMM adding its own
+        partial (the epilogue's addend), instead of each rank sending every peer its
+        partial and summing the group's in a pass of its own. Its sums round to the
+        output's type at each rank. Off until measured on GPUs. The same in every process.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
@@ -66,6 +72,7 @@ class Tuning:
     gemm_order: str = "column"
     gemm_trials: int = 3
     reduce_scatter_fold_rows: int = 2048
+    reduce_scatter_ring: bool = False
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
     compute_on_caller_stream: bool = True
@@ -140,6 +147,7 @@ class Options:
     gemm_order: str
     gemm_trials: int
     reduce_scatter_fold_rows: int
+    reduce_scatter_ring: bool
     compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
     gemm_cache: str
@@ -154,6 +162,7 @@ class Options:
     def agreed(self) -> dict[str, object]:
         return {
             "reduce_scatter_fold_rows": self.reduce_scatter_fold_rows,
+            "reduce_scatter_ring": self.reduce_scatter_ring,
             "autotune_gemm": self.autotune_gemm,
         }
 
