@@ -180,34 +180,24 @@ __global__ void SumUnrolled(const uint4* __restrict__ parts, int64_t nvec,
   }
 }
 
+// SumUnrolled<parts> for parts of 2..8 (8: any more).
+template <int kParts>
+void LaunchUnrolled(int parts, int blocks, int threads, cudaStream_t stream, const uint4* in,
+                    int64_t nvec, uint4* out) {
+  if constexpr (kParts < 8) {
+    if (parts != kParts)
+      return LaunchUnrolled<kParts + 1>(parts, blocks, threads, stream, in, nvec, out);
+  }
+  SumUnrolled<kParts><<<blocks, threads, 0, stream>>>(in, nvec, out);
+}
+
 void SumUnrolledAlone(Run& r) {
   const int64_t nvec = r.shape.m * r.shape.n / 8;  // the tool's shapes: n a multiple of 8
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>((nvec + threads - 1) / threads, 132 * 8));
   const uint4* parts = reinterpret_cast<const uint4*>(r.buffer);
   uint4* out = static_cast<uint4*>(r.ops.out);
-  switch (r.tp) {
-    case 2:
-      SumUnrolled<2><<<blocks, threads, 0, r.compute>>>(parts, nvec, out);
-      break;
-    case 3:
-      SumUnrolled<3><<<blocks, threads, 0, r.compute>>>(parts, nvec, out);
-      break;
-    case 4:
-      SumUnrolled<4><<<blocks, threads, 0, r.compute>>>(parts, nvec, out);
-      break;
-    case 5:
-      SumUnrolled<5><<<blocks, threads, 0, r.compute>>>(parts, nvec, out);
-      break;
-    case 6:
-      SumUnrolled<6><<<blocks, threads, 0, r.compute>>>(parts, nvec, out);
-      break;
-    case 7:
-      SumUnrolled<7><<<blocks, threads, 0, r.compute>>>(parts, nvec, out);
-      break;
-    default:
-      SumUnrolled<8><<<blocks, threads, 0, r.compute>>>(parts, nvec, out);
-  }
+  LaunchUnrolled<2>(r.tp, blocks, threads, r.compute, parts, nvec, out);
   Check(cudaGetLastError(), "SumUnrolled launch");
 }
 
