@@ -92,8 +92,9 @@ class CudaCommunicator {
   };
 
  private:
-  // Flag words per slot: data[j] (chunk from rank j landed, by epoch), first_piece[j] (the
-  // first piece of a chunk sent in two, Schedule::ReduceScatterPieces), credit[j] (rank j
+  // Flag words per slot: data[j] (chunk from rank j landed, by epoch; a ring's partial sums
+  // by their slot, Step::slot), first_piece[j] (the first piece of a chunk sent in two,
+  // Schedule::ReduceScatterPieces), credit[j] (rank j
   // consumed what this slot sent it, by epoch), health (nonzero once a wait of this slot
   // timed out or a peer's call differed: every later output of the slot is poisoned with
   // NaN), then the call descriptor each rank sent with its latest chunk.

@@ -46,7 +46,7 @@ struct alignas(64) SlotHeader {
   uint64_t magic;
   uint64_t aborted;  // nonzero once any rank of the group failed
   char abort_reason[512];
-  uint64_t data_epoch[kMaxRanks];         // [j]: chunk from rank j for this epoch is in place
+  uint64_t data_epoch[kMaxRanks];         // [j]: chunk from rank j (or ring slot j) is in place
   uint64_t first_piece_epoch[kMaxRanks];  // [j]: its first piece, if sent in two (Schedule)
   uint64_t credit_epoch[kMaxRanks];       // [j]: rank j consumed my chunks through this epoch
   CallDescriptor desc_from[kMaxRanks];
