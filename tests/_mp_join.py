@@ -7,6 +7,9 @@ import os
 ON_GPU = os.environ.get("JAX_UB_TEST_GPU") == "1"
 # Every process drives GPU 0 (jax_ub.share_gpu says how XLA's collectives then work).
 SHARE_GPU = os.environ.get("JAX_UB_TEST_SHARE_GPU") == "1"
+# The reduce-scatter schedules the "protocol" and "fp8" scenarios run each dtype under, by
+# the key their results are filed by: (reduce_scatter_fold_rows, reduce_scatter_ring).
+RS_SCHEDULES = {"fold_rows=-1": (-1, False), "fold_rows=0": (0, False), "ring": (0, True)}
 
 
 def join(pid: int, nproc: int, port: int, *, gpus: str, cpu_devices: int, timeout_s: str):

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from _mp_join import join
+from _mp_join import RS_SCHEDULES, join
 
 scenario, pid, nproc, port, ndev = sys.argv[1], *map(int, sys.argv[2:6])
 if scenario == "different_hosts":
@@ -291,18 +291,18 @@ try:
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario in ("protocol", "fp8"):
         # Every branch of the ops' step lists across processes: both ops and their grads,
-        # reduce-scatters folded (in uneven pieces) and not, f32 and bf16 (in fp8: as
-        # outputs), the epochs of many calls; bf16's backward gathers x again inside its
-        # reduce-scatter (keep_gathered off). No XLA collective, so processes may share a
-        # GPU.
+        # reduce-scatters folded (in uneven pieces; in a ring above 2) and not, f32 and bf16
+        # (in fp8: as outputs), the epochs of many calls; bf16's backward gathers x again
+        # inside its reduce-scatter (keep_gathered off). No XLA collective, so processes may
+        # share a GPU.
         check = {"protocol": run_ops_without_collectives, "fp8": run_fp8_without_collectives}
         mesh = Mesh(devices, ("tp",))
         result = {}
-        for fold in (-1, 0):
-            options.set_experimental_tuning(reduce_scatter_fold_rows=fold)
+        for name, (fold, ring) in RS_SCHEDULES.items():
+            options.set_experimental_tuning(reduce_scatter_fold_rows=fold, reduce_scatter_ring=ring)
             for dtype in (jnp.float32, jnp.bfloat16):
                 jax_ub.configure(keep_gathered=dtype == jnp.float32)
-                key = f"fold_rows={fold},{jnp.dtype(dtype).name}"
+                key = f"{name},{jnp.dtype(dtype).name}"
                 result[key] = check[scenario](mesh, "tp", 41, 64, 48, dtype)
         if scenario == "protocol":  # the AG's epilogue (bias, GELU) across the spans
             for dtype in (jnp.float32, jnp.bfloat16):

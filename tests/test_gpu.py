@@ -86,6 +86,26 @@ def test_forward_matches_xla(tp, shape, dtype):
     assert gpu_rel_err(_rs(mesh, "ub")(h, v), rs_ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("rows", [1, 129])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_reduce_scatter_ring(tp, rows, dtype):
+    """With reduce_scatter_ring (off by default) groups above 2 fold in a ring: each block's
+    partial sum passes from rank to rank, each GEMM adding its partial in its epilogue;
+    blocks of 129 rows and 1 row make uneven and empty pieces. At tp=2 it is the fold."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(reduce_scatter_fold_rows=0, reduce_scatter_ring=True)
+    try:
+        mesh = _mesh(tp)
+        h, v = _data(jax.random.key(rows + 100 * tp), [(tp * rows, 256), (256, 384)], dtype)
+        with jax.default_matmul_precision("highest"):
+            ref = _rs(mesh, "xla")(h, v)
+        for call in range(3):  # epochs advancing, the buffer's partial sums reused
+            assert gpu_rel_err(_rs(mesh, "ub")(h * (call + 1), v), ref * (call + 1)) < TOL[dtype]
+    finally:
+        jax_ub.finalize()
+
+
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("tp", [1, 2])

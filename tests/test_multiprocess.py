@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from _mp_join import RS_SCHEDULES
 from _mp_launch import results, run
 
 
@@ -24,7 +25,7 @@ def check_protocol(res: dict) -> None:
     the bias; bf16's from x gathered again in the backward's reduce-scatter) against XLA's
     path."""
     dtypes = ("float32", "bfloat16")
-    want = [f"fold_rows={f},{d}" for f in (-1, 0) for d in dtypes]
+    want = [f"{name},{d}" for name in RS_SCHEDULES for d in dtypes]
     assert sorted(res) == sorted(want + [f"epilogue,{d}" for d in dtypes]), res
     for key, errs in res.items():
         assert len(errs) == (7 if key.startswith("epilogue") else 6), (key, errs)
@@ -33,11 +34,12 @@ def check_protocol(res: dict) -> None:
         assert all(0 <= e < tol for e in errs), (key, errs)
 
 
-def test_protocol_across_processes():
-    """Every branch of the step lists across processes, tp=2: folded (uneven pieces) and
-    unfolded reduce-scatters, with and without an all-gather beside them, the gathered
-    copy, the AG's epilogue, f32 and bf16."""
-    for r in results(run("protocol", 2, 1)):
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_protocol_across_processes(nproc):
+    """Every branch of the step lists across processes: folded (uneven pieces; at 3 in a
+    ring) and unfolded reduce-scatters, with and without an all-gather beside them, the
+    gathered copy, the AG's epilogue, f32 and bf16."""
+    for r in results(run("protocol", nproc, 1)):
         check_protocol(r["errs"])
 
 
@@ -46,7 +48,7 @@ def check_fp8(res: dict, f32_tol: float = 1e-5) -> None:
     their VJPs against a float32 reference from the dequantized operands (float32 outputs
     within `f32_tol`)."""
     assert sorted(res) == sorted(
-        f"fold_rows={f},{d}" for f in (-1, 0) for d in ("float32", "bfloat16")
+        f"{name},{d}" for name in RS_SCHEDULES for d in ("float32", "bfloat16")
     ), res
     for key, errs in res.items():
         tol = f32_tol if key.endswith("float32") else 1e-2
