@@ -68,7 +68,8 @@ struct Schedule {
   // not for a call that `gathers` beside it: there a peer's gathered chunk is announced by
   // the partial it sends after it, and in a ring above two ranks most peers send none.
   bool ReduceScatterFolds(int64_t rows, bool gathers) const {
-    return (size == 2 || (ring && !gathers)) && fold_rows >= 0 && rows / 2 >= fold_rows;
+    return (size == 2 || (size > 2 && ring && !gathers)) && fold_rows >= 0 &&
+           rows / 2 >= fold_rows;
   }
 
   // A folding reduce-scatter's step s (0 .. size - 1) multiplies this block: each block's
