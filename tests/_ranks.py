@@ -308,7 +308,8 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
         files.append(path)
         log = open(path, "w")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=log), log))
-    sharing = "under MPS" if "CUDA_MPS_PIPE_DIRECTORY" in env else "taking turns"
+    mps = "CUDA_MPS_PIPE_DIRECTORY" in {**os.environ, **extra}
+    sharing = "under MPS" if mps else "taking turns"
     where = f"{ranks} processes on GPU {shared_gpu()} ({sharing}), logs in {logs}"
     print(f"jax_ub N-ranks mode: {where}", flush=True)
     try:
@@ -363,7 +364,11 @@ def start_mps(folder: str) -> dict[str, str]:
     for path in env.values():
         os.makedirs(path, exist_ok=True)
     # -d: it daemonizes and returns; its server starts with the first client.
-    subprocess.run([control, "-d"], env={**os.environ, **env}, check=True, timeout=30)
+    try:
+        subprocess.run([control, "-d"], env={**os.environ, **env}, check=True, timeout=30)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return env
 
 

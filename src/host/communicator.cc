@@ -249,7 +249,8 @@ Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {
 Status HostCommunicator::Call(int device, OpKind op, const CallShape& shape, const Operands& ops) {
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, op, shape, &ctx));
-  return Execute(ctx, CallSteps(op, Schedule{ctx.rank, ctx.size, fold_rows_, ring_}, shape), shape, ops);
+  const Schedule sched{ctx.rank, ctx.size, fold_rows_, ring_};
+  return Execute(ctx, CallSteps(op, sched, shape), shape, ops);
 }
 
 uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {
