@@ -9,11 +9,16 @@ column-parallel (qkv, gate/up: all-gather then GEMM) ``tokens x hidden x out/tp`
 row-parallel (o, down: GEMM then reduce-scatter) ``tokens x in/tp x hidden``.
 
 Method: per row, every implementation in turn, a loop of async calls lasting at least
-``--seconds`` (ms per call), ``--rounds`` rounds interleaved; the median of the rounds,
-and the spread (max - min over median) of the row's slowest-moving implementation. jax_ub's
-ratio is to the fastest of XLA and torch in the same row.
+``--seconds``, ``--rounds`` rounds interleaved; the median of the rounds (ms per GEMM), and
+the spread (max - min over median) of the row's slowest-moving implementation. jax_ub's
+ratio is to the fastest of XLA and torch in the same row. Each call runs ``--per-call``
+GEMMs of the row on as many distinct inputs (one jitted program for JAX, as a training
+step dispatches its ops; torch launches each): at 1, a loop of small GEMMs also times
+JAX's dispatch of one program per GEMM, and jax_ub's handler (its host time per call is
+printed: where it and the dispatch exceed the GEMM, the GPU waits for the host).
 
 python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--fp8] [--seconds 0.3]
+    [--per-call 8]
 """
 
 from __future__ import annotations
@@ -60,68 +65,96 @@ def _jax_step(f, *args):
     return step, lambda: jax.block_until_ready(last[0])
 
 
-def bf16_impls(m: int, k: int, n: int, torch) -> dict:
-    """name -> (step, sync) for the forward and the forward + backward of each source."""
+def bf16_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
+    """name -> (step, sync) for the forward and the forward + backward of each source, each
+    step ``per_call`` GEMMs (forward) or GEMM triples on distinct inputs."""
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
-    g = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * scale, jnp.bfloat16)
+
+    # Distinct inputs per GEMM: XLA would compute identical dots once (jax_ub's calls have
+    # a side effect and never merge), which is not the work being timed.
+    As = [normal(m, k) for _ in range(per_call)]
+    b = normal(k, n, scale=0.02)
+    Gs = [normal(m, n) for _ in range(per_call)]
+
+    def each(f):
+        return jax.jit(lambda As, b: [f(a, b) for a in As])
 
     def with_grads(f):
-        def run(a, b, g):
-            y, vjp = jax.vjp(f, a, b)
-            return (y, *vjp(g))
+        def run(As, b, Gs):
+            out = []
+            for a, g in zip(As, Gs, strict=True):
+                y, vjp = jax.vjp(f, a, b)
+                out.append((y, *vjp(g)))
+            return out
 
         return jax.jit(run)
 
-    dot, ub = jax.jit(lambda a, b: a @ b), own_gemm()
+    matmul, ub = (lambda a, b: a @ b), own_gemm()
     impls = {
-        "xla fwd": _jax_step(dot, a, b),
-        "ub fwd": _jax_step(ub, a, b),
-        "xla fwd+bwd": _jax_step(with_grads(lambda a, b: a @ b), a, b, g),
-        "ub fwd+bwd": _jax_step(with_grads(ub), a, b, g),
+        "xla fwd": _jax_step(each(matmul), As, b),
+        "ub fwd": _jax_step(each(ub), As, b),
+        "xla fwd+bwd": _jax_step(with_grads(matmul), As, b, Gs),
+        "ub fwd+bwd": _jax_step(with_grads(ub), As, b, Gs),
     }
     for name in ("ub fwd", "ub fwd+bwd"):  # past the op's kernel trials
-        for _ in range(20):
+        for _ in range(-(-40 // per_call)):
             impls[name][0]()
         impls[name][1]()
-    check_close("bf16 fwd", ub(a, b), dot(a, b))
-    check_close("bf16 fwd+bwd", with_grads(ub)(a, b, g), with_grads(lambda a, b: a @ b)(a, b, g))
+    one = ([As[0]], b)
+    check_close("bf16 fwd", each(ub)(*one), each(matmul)(*one))
+    one = ([As[0]], b, [Gs[0]])
+    check_close("bf16 fwd+bwd", with_grads(ub)(*one), with_grads(matmul)(*one))
     if torch is not None:
-        ta, tb, tg = (
-            torch.from_numpy(np.array(x.astype(jnp.float32))).cuda().bfloat16() for x in (a, b, g)
-        )
+
+        def to_torch(x):
+            return torch.from_numpy(np.array(x.astype(jnp.float32))).cuda().bfloat16()
+
+        tAs, tb, tGs = [to_torch(a) for a in As], to_torch(b), [to_torch(g) for g in Gs]
         sync = torch.cuda.synchronize
 
         def t_fwd():
-            return torch.mm(ta, tb)
+            return [torch.mm(ta, tb) for ta in tAs]
 
         def t_all():  # what autograd runs for y = a @ b
-            return torch.mm(ta, tb), torch.mm(tg, tb.t()), torch.mm(ta.t(), tg)
+            return [
+                (torch.mm(ta, tb), torch.mm(tg, tb.t()), torch.mm(ta.t(), tg))
+                for ta, tg in zip(tAs, tGs, strict=True)
+            ]
 
         impls["torch fwd"], impls["torch fwd+bwd"] = (t_fwd, sync), (t_all, sync)
     return impls
 
 
-def fp8_impls(m: int, k: int, n: int, torch) -> dict:
-    """name -> (step, sync): the fp8 forward GEMM (operands already quantized, bf16 out)."""
+def fp8_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
+    """name -> (step, sync): the fp8 forward GEMM (operands already quantized, bf16 out),
+    ``per_call`` of them on distinct inputs per step."""
     from jax_ub import fp8  # noqa: PLC0415
     from jax_ub.bench.impls import _fp8_scales  # noqa: PLC0415
 
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((m, k), np.float32)
+    xs = [rng.standard_normal((m, k), np.float32) for _ in range(per_call)]
     w = rng.standard_normal((k, n), np.float32) * 0.02
-    sx, sw, scales = _fp8_scales(x, w)
-    xq, wq = fp8.quantize(jnp.asarray(x), sx), fp8.quantize(jnp.asarray(w), sw)
+    sx, sw, scales = _fp8_scales(xs[0], w)
+    xqs = [fp8.quantize(jnp.asarray(x), sx) for x in xs]
+    wq = fp8.quantize(jnp.asarray(w), sw)
 
-    ub, xla = own_gemm("ub", fp8=scales), own_gemm("xla", fp8=scales)
-    impls = {"xla fp8": _jax_step(xla, xq, wq), "ub fp8": _jax_step(ub, xq, wq)}
-    check_close("fp8", ub(xq, wq), xla(xq, wq))
-    for _ in range(20):
+    def each(f):
+        return jax.jit(lambda xqs, wq: [f(xq, wq) for xq in xqs])
+
+    ub, xla = each(own_gemm("ub", fp8=scales)), each(own_gemm("xla", fp8=scales))
+    impls = {"xla fp8": _jax_step(xla, xqs, wq), "ub fp8": _jax_step(ub, xqs, wq)}
+    check_close("fp8", ub(xqs[:1], wq), xla(xqs[:1], wq))
+    for _ in range(-(-40 // per_call)):
         impls["ub fp8"][0]()
     impls["ub fp8"][1]()
     if torch is not None:
-        ta = torch.from_numpy(np.array(xq.astype(jnp.float32))).cuda().to(torch.float8_e4m3fn)
+        tas = [
+            torch.from_numpy(np.array(xq.astype(jnp.float32))).cuda().to(torch.float8_e4m3fn)
+            for xq in xqs
+        ]
         # _scaled_mm takes its second operand column-major.
         tb = torch.from_numpy(np.asarray(wq.astype(jnp.float32)).T.copy()).cuda()
         tb = tb.to(torch.float8_e4m3fn).t()
@@ -129,7 +162,7 @@ def fp8_impls(m: int, k: int, n: int, torch) -> dict:
         tsw = torch.tensor(float(sw), device="cuda")
 
         def t_fp8():
-            return torch._scaled_mm(ta, tb, tsx, tsw, out_dtype=torch.bfloat16)
+            return [torch._scaled_mm(ta, tb, tsx, tsw, out_dtype=torch.bfloat16) for ta in tas]
 
         impls["torch fp8"] = (t_fp8, torch.cuda.synchronize)
     return impls
@@ -145,16 +178,29 @@ def check_close(what: str, got, want, most: float = 2e-2) -> None:
             raise AssertionError(f"{what}: jax_ub's output is off XLA's by {err:.3g} (> {most})")
 
 
-def time_row(impls: dict, seconds: float, rounds: int) -> dict[str, list[float]]:
+def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[dict, dict]:
+    """Per implementation: ms per GEMM (per ``per_call``-GEMM step) in each round; and per
+    jax_ub implementation, the host us of its handler per op call (all rounds)."""
+    from jax_ub.bench.timing import host_times  # noqa: PLC0415
+
     times: dict[str, list[float]] = {name: [] for name in impls}
+    host: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, (step, sync) in impls.items():
-            times[name].append(loop_ms(step, sync, seconds))
-    return times
+            before = host_times() if name.startswith("ub") else None
+            times[name].append(loop_ms(step, sync, seconds) / per_call)
+            if before is not None:
+                after = host_times()
+                calls = sum(after[d][0] - before.get(d, (0, 0.0))[0] for d in after)
+                spent = sum(after[d][1] - before.get(d, (0, 0.0, 0.0))[1] for d in after)
+                if calls > 0:  # none without GPUs: the CPU ops keep no such count
+                    host.setdefault(name, []).append(1e6 * spent / calls)
+    return times, host
 
 
-def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...]) -> str:
-    """One table row: per kind, each source's median ms and jax_ub / the fastest peer."""
+def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...], host: dict) -> str:
+    """One table row: per kind, each source's median ms and jax_ub / the fastest peer;
+    then the spread and jax_ub's host us per op call (first kind)."""
     med = {name: statistics.median(ts) for name, ts in times.items()}
     spread = max((max(ts) - min(ts)) / statistics.median(ts) for ts in times.values())
     cells = [label]
@@ -164,6 +210,8 @@ def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...]) ->
         cells += [f"{med.get(f'{s} {kind}', float('nan')):.3f}" for s in ("xla", "torch")]
         cells += [f"{ub:.3f}", f"{ub / min(peers):.3f}"]
     cells.append(f"{100 * spread:.1f}%")
+    us = host.get(f"ub {kinds[0]}")
+    cells.append(f"{statistics.median(us):.0f}" if us else "")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -181,7 +229,15 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="fp8 forward rows instead of bf16")
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--per-call",
+        type=int,
+        default=8,
+        help="GEMMs per timed call, on distinct inputs (1: one dispatch per GEMM)",
+    )
     args = ap.parse_args()
+    if args.per_call < 1:
+        ap.error(f"--per-call must be at least 1, got {args.per_call}")
     try:
         import torch  # noqa: PLC0415
     except ImportError:
@@ -190,16 +246,19 @@ def main() -> None:
     head = ["projection M x K x N (tp)"]
     for kind in kinds:
         head += [f"{kind}: XLA ms", "torch ms", "jax_ub ms", "jax_ub / fastest"]
-    print("| " + " | ".join(head + ["spread"]) + " |")
-    print("|" + " --- |" * (len(head) + 1), flush=True)
+    head += ["spread", "jax_ub host us/op call"]
+    print(f"GEMMs per call: {args.per_call}")
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head), flush=True)
     for model in args.models.split(","):
         for tp in map(int, args.tp.split(",")):
             for name, m, k, n in projections(model, tp, args.tokens):
                 if 2 * m * k * n > args.most_tflop * 1e12:
                     continue
                 make = fp8_impls if args.fp8 else bf16_impls
-                times = time_row(make(m, k, n, torch), args.seconds, args.rounds)
-                print(report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds), flush=True)
+                impls = make(m, k, n, torch, args.per_call)
+                times, host = time_row(impls, args.seconds, args.rounds, args.per_call)
+                print(report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host), flush=True)
 
 
 if __name__ == "__main__":

@@ -231,14 +231,15 @@ def test_every_bench_cli_describes_itself_and_every_option(capsys):
 
 def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
     # benchmarks/gemm_table.py on CPU devices, its "tiny" model: every row printed with
-    # jax_ub's outputs checked against XLA's (torch absent or not, its cells may be nan).
+    # jax_ub's outputs checked against XLA's (torch absent or not, its cells may be nan),
+    # with one GEMM per timed call and with several.
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_table.py")
-    for extra in ([], ["--fp8"]):
+    for extra in (["--per-call", "1"], ["--fp8", "--per-call", "3"]):
         argv = [script, "--models", "tiny", "--tp", "2", "--tokens", "64", "--seconds", "0.01"]
         monkeypatch.setattr(sys, "argv", argv + ["--rounds", "1", *extra])
         runpy.run_path(script, run_name="__main__")
         rows = [line for line in capsys.readouterr().out.splitlines() if "tiny" in line]
         assert [r.split("|")[1].split()[1] for r in rows] == ["qkv", "o", "gate/up", "down"]
         for r in rows:
-            ratios = [float(c) for c in r.split("|")[2:-2] if c.strip() != "nan"]
+            ratios = [float(c) for c in r.split("|")[2:-3] if c.strip() != "nan"]
             assert ratios and all(v > 0 for v in ratios), r
