@@ -190,9 +190,12 @@ def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[d
             before = host_times() if name.startswith("ub") else None
             times[name].append(loop_ms(step, sync, seconds) / per_call)
             if before is not None:
-                after = host_times()
-                calls = sum(after[d][0] - before.get(d, (0, 0.0))[0] for d in after)
-                spent = sum(after[d][1] - before.get(d, (0, 0.0, 0.0))[1] for d in after)
+                calls, spent = 0, 0.0
+                for d, (c, t, _) in host_times().items():
+                    c0, t0, _ = before.get(d, (0, 0.0, 0.0))
+                    if c < c0:  # a communicator made since (a larger buffer): its own
+                        c0, t0 = 0, 0.0
+                    calls, spent = calls + c - c0, spent + t - t0
                 if calls > 0:  # none without GPUs: the CPU ops keep no such count
                     host.setdefault(name, []).append(1e6 * spent / calls)
     return times, host
