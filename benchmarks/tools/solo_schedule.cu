@@ -14,10 +14,16 @@
 // r - 1 as its addend (C, beta = 1) and passes it on to rank r + 1; its last step, its own
 // block, writes the output. No sum pass, but each GEMM after the first reads a partial sum.
 //
-// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring]
+// `merged` (RS) tries fewer, larger GEMMs before the library has them: the default step list
+// with each run of GEMMs over consecutive row blocks (peers' partials whose inputs and staging
+// slots lie back to back) merged into one GEMM of at least `merge_rows` rows where it can.
+// Each partial then leaves after the GEMM of its run, not of its own block.
+//
+// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged] [merge_rows]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
 //   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2, or ring).
-//   steps: the library's default step list; ring: with reduce_scatter_ring (RS only).
+//   steps: the library's default step list; ring: with reduce_scatter_ring (RS only);
+//   merged: see above (RS only; merge_rows, default 2048).
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -25,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/gemm/cublaslt_gemm.h"
@@ -219,19 +226,59 @@ double Time(Run& r, Body body, int iters) {
 
 }  // namespace
 
+// `steps` with each run of GEMMs over consecutive row blocks merged into one GEMM, until it has
+// at least `min_rows` rows: a GEMM joins the one before it on its lane where its input and
+// destination continue that GEMM's, neither adds an addend or an epilogue, and no wait on
+// their lane lies between (a merged GEMM must not start before what it waited for).
+std::vector<jax_ub::Step> MergeGemms(std::vector<jax_ub::Step> steps, const jax_ub::CallShape& s,
+                                     int64_t min_rows) {
+  using jax_ub::Step;
+  auto plain = [](const Step& g) {
+    return g.kind == Step::Kind::kGemm && !g.epilogue &&
+           g.addend.region == jax_ub::Region::kNone;
+  };
+  auto follows = [](const jax_ub::Ref& a, const jax_ub::Ref& b, int64_t bytes) {
+    return a.region == b.region && a.peer == b.peer && b.offset == a.offset + bytes;
+  };
+  const int64_t in_es = jax_ub::DTypeSize(s.in), out_es = jax_ub::DTypeSize(s.out);
+  std::vector<Step> out;
+  int open = -1;  // the GEMM in `out` that later ones may join
+  for (const Step& st : steps) {
+    if (st.kind == Step::Kind::kWait && open >= 0 && st.lane == out[open].lane) open = -1;
+    if (st.kind != Step::Kind::kGemm) {
+      out.push_back(st);
+      continue;
+    }
+    Step* g = open >= 0 ? &out[open] : nullptr;
+    if (g != nullptr && plain(*g) && plain(st) && g->lane == st.lane && g->rows < min_rows &&
+        follows(g->src, st.src, g->rows * s.k * in_es) &&
+        follows(g->dst, st.dst, g->rows * s.n * out_es)) {
+      g->rows += st.rows;
+      continue;
+    }
+    out.push_back(st);
+    open = static_cast<int>(out.size()) - 1;
+  }
+  return out;
+}
+
 int main(int argc, char** argv) {
   long long m = 0, k = 0, n = 0;
   if (argc < 4 || (std::strcmp(argv[1], "ag") != 0 && std::strcmp(argv[1], "rs") != 0) ||
       std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
-    std::fprintf(stderr, "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged] "
+                 "[merge_rows]\n",
+                 argv[0]);
     return 2;
   }
   const std::string variant = argc > 6 ? argv[6] : "steps";
-  if (variant != "steps" && (argv[1][0] != 'r' || variant != "ring")) {
-    std::fprintf(stderr, "the schedule must be steps, or for rs ring; got %s %s\n", argv[1],
-                 variant.c_str());
+  if (variant != "steps" && (argv[1][0] != 'r' || (variant != "ring" && variant != "merged"))) {
+    std::fprintf(stderr, "the schedule must be steps, or for rs ring or merged; got %s %s\n",
+                 argv[1], variant.c_str());
     return 2;
   }
+  const long long merge_rows = argc > 7 ? std::atoll(argv[7]) : 2048;
   const int tp = std::atoi(argv[2]);
   const double seconds = argc > 4 ? std::atof(argv[4]) : 1.0;
   const long long fold_rows = argc > 5 ? std::atoll(argv[5]) : 2048;
@@ -249,6 +296,7 @@ int main(int argc, char** argv) {
   r.shape.n = n;
   r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
   r.steps = jax_ub::CallSteps(r.op, jax_ub::Schedule{0, tp, fold_rows, variant == "ring"}, r.shape);
+  if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
   Check(cudaSetDevice(0), "cudaSetDevice");
   Setup(r);
   int gemms = 0;
