@@ -4,6 +4,7 @@ load), the experimental tuning hook, initialize(), a buffer too small without gr
 the extension's create_communicator."""
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -393,3 +394,26 @@ def test_low_level_create_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _host.create_communicator(**kw)
     assert _host.num_communicators() == before
+
+
+@pytest.mark.parametrize(
+    "changes,named",
+    [
+        (dict(reduce_scatter_ring=True), "reduce_scatter_ring=True there, False here"),
+        (dict(reduce_scatter_fold_rows=0), "reduce_scatter_fold_rows=0 there, 2048 here"),
+    ],
+)
+def test_a_process_configured_otherwise_is_named_with_both_values(changes, named):
+    # bootstrap's check of the settings every process must share (Options.agreed()), as
+    # each process runs it on what its peers sent, without starting processes: the peer's
+    # settings arrive through JSON.
+    from jax_ub._src.runtime.bootstrap import _check_agreed  # noqa: PLC0415
+
+    ours = options.current_options().agreed()
+    with options.experimental_tuning(**changes):
+        theirs = json.loads(json.dumps(options.current_options().agreed()))
+    _check_agreed(1, json.loads(json.dumps(ours)), ours)  # the same: no error
+    with pytest.raises(
+        ValueError, match=re.escape(f"process 1 configured jax_ub differently: {named}")
+    ):
+        _check_agreed(1, theirs, ours)
