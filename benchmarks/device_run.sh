@@ -482,7 +482,7 @@ mode_solo() {
             build/dev/solo_schedule "$op" "$tp" "$m,$k,$n" "${SOLO_S:-0.5}" "$fold" "$sched" \
             "${SOLO_MERGE_ROWS:-2048}"
           grep "x[0-9.]* (rounds" "$OUT/solo.log" | tail -n 1 | sed "s/^/$name, fold_rows=$fold: /"
-          tail -n 3 "$OUT/solo.log" | grep "^sum pass alone" | sed "s/^/  /"
+          tail -n 3 "$OUT/solo.log" | grep -E "^(sum pass alone|floor with)" | sed "s/^/  /"
         done
       done
     done
