@@ -65,7 +65,12 @@ def _jax_step(f, *args):
     return step, lambda: jax.block_until_ready(last[0])
 
 
-def bf16_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
+def _each(f):
+    """``f`` over a list of inputs sharing the second operand, as one jitted program."""
+    return jax.jit(lambda xs, w: [f(x, w) for x in xs])
+
+
+def bf16_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
     """name -> (step, sync) for the forward and the forward + backward of each source, each
     step ``per_call`` GEMMs (forward) or GEMM triples on distinct inputs."""
     rng = np.random.default_rng(0)
@@ -79,9 +84,6 @@ def bf16_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
     b = normal(k, n, scale=0.02)
     Gs = [normal(m, n) for _ in range(per_call)]
 
-    def each(f):
-        return jax.jit(lambda As, b: [f(a, b) for a in As])
-
     def with_grads(f):
         def run(As, b, Gs):
             out = []
@@ -93,7 +95,7 @@ def bf16_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
         return jax.jit(run)
 
     matmul, ub = (lambda a, b: a @ b), own_gemm()
-    fwd = {"xla": each(matmul), "ub": each(ub)}
+    fwd = {"xla": _each(matmul), "ub": _each(ub)}
     grads = {"xla": with_grads(matmul), "ub": with_grads(ub)}
     impls = {}
     for src in ("xla", "ub"):
@@ -127,7 +129,7 @@ def bf16_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
     return impls
 
 
-def fp8_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
+def fp8_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
     """name -> (step, sync): the fp8 forward GEMM (operands already quantized, bf16 out),
     ``per_call`` of them on distinct inputs per step."""
     from jax_ub import fp8  # noqa: PLC0415
@@ -139,11 +141,7 @@ def fp8_impls(m: int, k: int, n: int, torch, per_call: int = 1) -> dict:
     sx, sw, scales = _fp8_scales(xs[0], w)
     xqs = [fp8.quantize(jnp.asarray(x), sx) for x in xs]
     wq = fp8.quantize(jnp.asarray(w), sw)
-
-    def each(f):
-        return jax.jit(lambda xqs, wq: [f(xq, wq) for xq in xqs])
-
-    ub, xla = each(own_gemm("ub", fp8=scales)), each(own_gemm("xla", fp8=scales))
+    ub, xla = _each(own_gemm("ub", fp8=scales)), _each(own_gemm("xla", fp8=scales))
     impls = {"xla fp8": _jax_step(xla, xqs, wq), "ub fp8": _jax_step(ub, xqs, wq)}
     check_close("fp8", ub(xqs, wq), xla(xqs, wq))
     for _ in range(-(-40 // per_call)):
@@ -180,7 +178,7 @@ def check_close(what: str, got, want, most: float = 2e-2) -> None:
 def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[dict, dict]:
     """Per implementation: ms per GEMM (per ``per_call``-GEMM step) in each round; and per
     jax_ub implementation, the host us of its handler per op call (all rounds)."""
-    from jax_ub.bench.timing import host_times  # noqa: PLC0415
+    from jax_ub.bench.timing import _host_ms_per_call, host_times  # noqa: PLC0415
 
     times: dict[str, list[float]] = {name: [] for name in impls}
     host: dict[str, list[float]] = {}
@@ -188,15 +186,10 @@ def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[d
         for name, (step, sync) in impls.items():
             before = host_times() if name.startswith("ub") else None
             times[name].append(loop_ms(step, sync, seconds) / per_call)
-            if before is not None:
-                calls, spent = 0, 0.0
-                for d, (c, t, _) in host_times().items():
-                    c0, t0, _ = before.get(d, (0, 0.0, 0.0))
-                    if c < c0:  # a communicator made since (a larger buffer): its own
-                        c0, t0 = 0, 0.0
-                    calls, spent = calls + c - c0, spent + t - t0
-                if calls > 0:  # none without GPUs: the CPU ops keep no such count
-                    host.setdefault(name, []).append(1e6 * spent / calls)
+            # None without GPUs (the CPU ops keep no such count)
+            per = _host_ms_per_call(before, host_times()) if before is not None else None
+            if per is not None:
+                host.setdefault(name, []).append(1e3 * per[0])
     return times, host
 
 

@@ -397,23 +397,21 @@ def test_low_level_create_rejects(kwargs, match):
 
 
 @pytest.mark.parametrize(
-    "changes,named",
-    [
-        (dict(reduce_scatter_ring=True), "reduce_scatter_ring=True there, False here"),
-        (dict(reduce_scatter_fold_rows=0), "reduce_scatter_fold_rows=0 there, 2048 here"),
-    ],
+    "name,theirs", [("reduce_scatter_ring", True), ("reduce_scatter_fold_rows", 0)]
 )
-def test_a_process_configured_otherwise_is_named_with_both_values(changes, named):
+def test_a_process_configured_otherwise_is_named_with_both_values(name, theirs):
     # bootstrap's check of the settings every process must share (Options.agreed()), as
     # each process runs it on what its peers sent, without starting processes: the peer's
     # settings arrive through JSON.
     from jax_ub._src.runtime.bootstrap import _check_agreed  # noqa: PLC0415
 
     ours = options.current_options().agreed()
-    with options.experimental_tuning(**changes):
-        theirs = json.loads(json.dumps(options.current_options().agreed()))
+    assert ours[name] != theirs, "the test needs this process's own value to differ"
+    with options.experimental_tuning(**{name: theirs}):
+        sent = json.loads(json.dumps(options.current_options().agreed()))
     _check_agreed(1, json.loads(json.dumps(ours)), ours)  # the same: no error
+    named = f"{name}={theirs!r} there, {ours[name]!r} here"
     with pytest.raises(
         ValueError, match=re.escape(f"process 1 configured jax_ub differently: {named}")
     ):
-        _check_agreed(1, theirs, ours)
+        _check_agreed(1, sent, ours)
