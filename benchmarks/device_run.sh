@@ -31,7 +31,7 @@ MODES=(
   stepmemory   "benchmarks/tools/step_memory.py (args: bench.model's; MEM_FRACTION, PROFILE_S, PROFILE_LINES); live ranges and buffer assignment in \$OUT/step_memory.tgz" mode_stepmemory
   power        "benchmarks/tools/power_clocks.py for both ops (args: its own; POWER_S)" mode_power
   gemm         "benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape (args: m,k,n ...; GEMM_S, GEMM_CANDIDATES, GEMM_LINES)" mode_gemm
-  solo         "benchmarks/tools/solo_schedule.cu: one rank's compute schedule of each Llama 3 8B/70B projection at tp 2, 4, 8 on GPU 0, its peers' rows in place, against the GEMM of the rank's whole work (SOLO_TP, SOLO_SHAPES op:name:tokens:in:out, SOLO_S, SOLO_FOLDS: reduce_scatter_fold_rows values, default 2048; SOLO_SCHEDULES: \"steps ring merged\" adds the RS's ring, off by default in the library, and the RS with runs of block GEMMs merged to at least SOLO_MERGE_ROWS rows, default 2048, not in the library)" mode_solo
+  solo         "benchmarks/tools/solo_schedule.cu: one rank's compute schedule of each Llama 3 8B/70B projection at tp 2, 4, 8 on GPU 0, its peers' rows in place, against the GEMM of the rank's whole work (SOLO_TP, SOLO_SHAPES op:name:tokens:in:out, SOLO_S, SOLO_FOLDS: reduce_scatter_fold_rows values, default 2048; SOLO_SCHEDULES: \"steps ring merged\" adds the RS's ring, off by default in the library, and the RS with runs of block GEMMs merged to at least SOLO_MERGE_ROWS rows, default 2048, not in the library; and \"in_turn\" the AG with Tuning.all_gather_in_turn, off by default)" mode_solo
   overlapcost  "benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the whole GEMM (2m rows) in loops as long (args: m,k,n ...; OVERLAP_SECONDS, default 2)" mode_overlapcost
   copyhold     "benchmarks/tools/copy_hold.cu, with the driver's default hardware queues, 32 and 1 (CUDA_DEVICE_MAX_CONNECTIONS)" mode_copyhold
   sanitize     "compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS, SANITIZE_S) on a small 2-GPU run: benchmarks/tools/sanitize_small.py (SANITIZE_TP, SANITIZE_CASE); slow: minutes each" mode_sanitize
@@ -477,7 +477,7 @@ mode_solo() {
       if [ "$op" = ag ]; then k=$in n=$((out / tp)); else k=$((in / tp)) n=$out; fi
       for fold in ${SOLO_FOLDS:-2048}; do
         for sched in ${SOLO_SCHEDULES:-steps}; do
-          [ "$op" = ag ] && [ "$sched" != steps ] && continue  # ring: RS only
+          case $op:$sched in ag:ring | ag:merged | rs:in_turn) continue ;; esac
           step --append -k 5 "solo $name tp=$tp fold_rows=$fold $sched" 120 "$OUT/solo.log" \
             build/dev/solo_schedule "$op" "$tp" "$m,$k,$n" "${SOLO_S:-0.5}" "$fold" "$sched" \
             "${SOLO_MERGE_ROWS:-2048}"

@@ -106,6 +106,25 @@ def test_reduce_scatter_ring(tp, rows, dtype):
         jax_ub.finalize()
 
 
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("rows", [1, 129])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_all_gather_in_turn(tp, rows, dtype):
+    """With all_gather_in_turn (off by default) each rank pushes to one peer at a time, each
+    copy lane waiting for the one before, and multiplies each chunk as it lands."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True)
+    try:
+        mesh = _mesh(tp)
+        x, w = _data(jax.random.key(rows + 100 * tp), [(tp * rows, 256), (256, tp * 128)], dtype)
+        with jax.default_matmul_precision("highest"):
+            ref = _ag(mesh, "xla")(x, w)
+        for call in range(3):  # epochs advancing, the buffer's chunks reused
+            assert gpu_rel_err(_ag(mesh, "ub")(x * (call + 1), w), ref * (call + 1)) < TOL[dtype]
+    finally:
+        jax_ub.finalize()
+
+
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("tp", [1, 2])

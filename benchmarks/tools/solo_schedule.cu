@@ -19,11 +19,15 @@
 // slots lie back to back) merged into one GEMM of at least `merge_rows` rows where it can.
 // Each partial then leaves after the GEMM of its run, not of its own block.
 //
-// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged] [merge_rows]
+// `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, off by
+// default): a GEMM per chunk, in the order chunks land, after the local one.
+//
+// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn]
+//        [merge_rows]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
 //   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2, or ring).
 //   steps: the library's default step list; ring: with reduce_scatter_ring (RS only);
-//   merged: see above (RS only; merge_rows, default 2048).
+//   merged: see above (RS only; merge_rows, default 2048); in_turn: AG only.
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -267,14 +271,17 @@ int main(int argc, char** argv) {
   if (argc < 4 || (std::strcmp(argv[1], "ag") != 0 && std::strcmp(argv[1], "rs") != 0) ||
       std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
     std::fprintf(stderr,
-                 "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged] "
+                 "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn] "
                  "[merge_rows]\n",
                  argv[0]);
     return 2;
   }
   const std::string variant = argc > 6 ? argv[6] : "steps";
-  if (variant != "steps" && (argv[1][0] != 'r' || (variant != "ring" && variant != "merged"))) {
-    std::fprintf(stderr, "the schedule must be steps, or for rs ring or merged; got %s %s\n",
+  const bool rs = argv[1][0] == 'r';
+  if (variant != "steps" && !(rs && (variant == "ring" || variant == "merged")) &&
+      !(!rs && variant == "in_turn")) {
+    std::fprintf(stderr,
+                 "the schedule must be steps, for rs ring or merged, for ag in_turn; got %s %s\n",
                  argv[1], variant.c_str());
     return 2;
   }
@@ -295,7 +302,8 @@ int main(int argc, char** argv) {
   r.shape.k = k;
   r.shape.n = n;
   r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
-  r.steps = jax_ub::CallSteps(r.op, jax_ub::Schedule{0, tp, fold_rows, variant == "ring"}, r.shape);
+  r.steps = jax_ub::CallSteps(
+      r.op, jax_ub::Schedule{0, tp, fold_rows, variant == "ring", variant == "in_turn"}, r.shape);
   if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
   Check(cudaSetDevice(0), "cudaSetDevice");
   Setup(r);

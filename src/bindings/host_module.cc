@@ -81,6 +81,41 @@ NB_MODULE(_host, m) {
     jax_ub::RaiseIfError(c->LeaderOrder(device, &keys));
     return keys;
   });
+  // One rank's step list for a call (protocol/schedule.h), for tests of the protocol's
+  // order: per step (kind, lane, peer, on_lane, rows, src region, src offset), kinds and
+  // regions by their enumerators' names without the k.
+  m.def(
+      "call_steps",
+      [](const std::string& op, int rank, int size, int64_t m, int64_t k, int64_t n, bool gathered,
+         nb::dict options) {
+        jax_ub::OpKind kind;
+        if (!jax_ub::OpKindFromName(op, &kind)) throw nb::value_error(("unknown op " + op).c_str());
+        const std::string got = "rank " + std::to_string(rank) + ", size " + std::to_string(size) +
+                                ", m " + std::to_string(m) + ", k " + std::to_string(k) + ", n " +
+                                std::to_string(n);
+        if (size < 1 || rank < 0 || rank >= size || m < 0 || k < 1 || n < 1)
+          throw nb::value_error(
+              ("call_steps needs 0 <= rank < size, m >= 0 and k, n >= 1; got " + got).c_str());
+        static const char* kKinds[] = {"Wait", "Publish", "Copy", "Signal",
+                                       "Gemm", "Sum",     "Join", "Verify"};
+        static const char* kRegions[] = {"None", "X",         "Out",    "Gathered",
+                                         "Aux",  "GatherSrc", "Buffer", "PeerBuffer"};
+        jax_ub::CallShape shape;
+        shape.m = m;
+        shape.k = k;
+        shape.n = n;
+        shape.gathered = gathered;
+        const jax_ub::Schedule sched =
+            jax_ub::Schedule::Of(jax_ub::OptionsFromDict(options)).For(rank, size);
+        nb::list out;
+        for (const jax_ub::Step& st : jax_ub::CallSteps(kind, sched, shape))
+          out.append(nb::make_tuple(kKinds[static_cast<int>(st.kind)], st.lane, st.peer, st.on_lane,
+                                    st.rows, kRegions[static_cast<int>(st.src.region)],
+                                    st.src.offset));
+        return out;
+      },
+      nb::arg("op"), nb::arg("rank"), nb::arg("size"), nb::arg("m"), nb::arg("k"), nb::arg("n"),
+      nb::arg("gathered"), nb::arg("options"));
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -58,6 +58,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
                                                 "gemm_trials",
                                                 "reduce_scatter_fold_rows",
                                                 "reduce_scatter_ring",
+                                                "all_gather_in_turn",
                                                 "compute_on_caller_stream",
                                                 "fp8_fast_accumulation",
                                                 "gemm_cache"};
@@ -99,6 +100,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
         ("gemm_trials must be >= 0, got " + std::to_string(o.gemm_trials)).c_str());
   o.reduce_scatter_fold_rows = nb::cast<int64_t>(get("reduce_scatter_fold_rows"));
   o.reduce_scatter_ring = nb::cast<bool>(get("reduce_scatter_ring"));
+  o.all_gather_in_turn = nb::cast<bool>(get("all_gather_in_turn"));
   o.gemm_cache = nb::cast<std::string>(get("gemm_cache"));
   if (o.gemm_cache.find('\n') != std::string::npos)
     throw nb::value_error("gemm_cache must be a file path, without newlines");

@@ -19,8 +19,7 @@ Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes,
                                 std::unique_ptr<CudaCommunicator>* out) {
   std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
   c->topology_ = std::move(topology);
-  c->fold_rows_ = options.reduce_scatter_fold_rows;
-  c->ring_ = options.reduce_scatter_ring;
+  c->schedule_ = Schedule::Of(options);
   c->compute_on_caller_stream_ = options.compute_on_caller_stream;
   JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, options.timeout_s, GemmOptions::From(options),
                                      options.autotune_reduce_scatter, multiprocess));

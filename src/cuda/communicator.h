@@ -41,9 +41,7 @@ class CudaCommunicator {
   // With `multiprocess`, slots of other processes are mapped later: ExportHandles() gives
   // this process's CUDA IPC handles, Connect() opens the others' (through jax.distributed's
   // key-value store in between). Otherwise every slot must be local.
-  // `options.reduce_scatter_fold_rows`: the smallest piece for which GEMM+RS folds its
-  // reduction into the GEMM (Schedule::fold_rows), and `reduce_scatter_ring` whether groups
-  // above two fold too (Schedule::ring), the same on every rank of a group.
+  // The options' schedule choices (Schedule::Of) shape every call's steps.
   static Status Create(Topology topology, size_t capacity_bytes, const CommOptions& options,
                        bool multiprocess, std::unique_ptr<CudaCommunicator>* out);
   // By slot: the IPC handles (buffer, flags) of local slots, "" for remote ones.
@@ -217,8 +215,7 @@ class CudaCommunicator {
   Topology topology_;
   size_t capacity_ = 0;
   double timeout_s_ = 0;
-  int64_t fold_rows_ = -1;                    // see Create
-  bool ring_ = false;                         // see Create
+  Schedule schedule_;                         // the options' choices, see Create
   bool compute_on_caller_stream_ = false;     // CommOptions::compute_on_caller_stream
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 

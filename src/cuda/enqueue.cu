@@ -36,7 +36,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   uint64_t e = 0;
   JAX_UB_RETURN_IF_ERROR(Begin(device, name, RequiredBytes(op, shape, size), &s, &e));
   *began = s;
-  const std::vector<Step> steps = CallSteps(op, Schedule{s->rank, size, fold_rows_, ring_}, shape);
+  const std::vector<Step> steps = CallSteps(op, schedule_.For(s->rank, size), shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);
   // fp8 products are scaled by x_scale and w_scale on the device; others are not.
   const float* scales = IsFp8(shape.in) ? ops.scales : nullptr;

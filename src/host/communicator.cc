@@ -41,8 +41,7 @@ Status HostCommunicator::Create(Topology topology, size_t capacity_bytes,
   std::unique_ptr<HostCommunicator> c(new HostCommunicator());
   c->capacity_ = (capacity_bytes + 63) / 64 * 64;
   c->timeout_s_ = options.timeout_s;
-  c->fold_rows_ = options.reduce_scatter_fold_rows;
-  c->ring_ = options.reduce_scatter_ring;
+  c->schedule_ = Schedule::Of(options);
   c->topology_ = std::move(topology);
   c->shared_ = !shm_prefix.empty();
   const int slots = c->topology_.num_slots();
@@ -249,8 +248,7 @@ Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {
 Status HostCommunicator::Call(int device, OpKind op, const CallShape& shape, const Operands& ops) {
   CallContext ctx;
   JAX_UB_RETURN_IF_ERROR(Begin(device, op, shape, &ctx));
-  const Schedule sched{ctx.rank, ctx.size, fold_rows_, ring_};
-  return Execute(ctx, CallSteps(op, sched, shape), shape, ops);
+  return Execute(ctx, CallSteps(op, schedule_.For(ctx.rank, ctx.size), shape), shape, ops);
 }
 
 uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {

@@ -60,9 +60,7 @@ struct alignas(64) SlotHeader {
 class HostCommunicator {
  public:
   // Allocates the regions of the slots local to this process. `options.timeout_s` bounds
-  // every wait on a peer; `options.reduce_scatter_fold_rows` is the smallest piece for
-  // which GEMM+RS folds its reduction (Schedule::fold_rows) and `reduce_scatter_ring`
-  // whether groups above two fold too (Schedule::ring), the same on every rank of a group.
+  // every wait on a peer; its schedule choices (Schedule::Of) shape every call's steps.
   // With a non-empty `shm_prefix` the local regions are POSIX shared memory objects
   // named `<prefix>_<slot>`, which processes holding the other slots map with Connect();
   // otherwise every slot must be local and plain memory is used.
@@ -146,8 +144,7 @@ class HostCommunicator {
   std::vector<char*> regions_;      // every slot's region (local ones owned here)
   std::vector<std::string> names_;  // shared-memory names of local slots, until Unlink()
   bool shared_ = false;             // regions are shared-memory mappings (mmap), else aligned_alloc
-  int64_t fold_rows_ = -1;          // see Create
-  bool ring_ = false;               // see Create
+  Schedule schedule_;               // the options' choices, see Create
   // Per slot: calls begun. Written by the slot's call thread (one call at a time), read
   // by Quiesce.
   std::unique_ptr<std::atomic<uint64_t>[]> epoch_;

@@ -23,6 +23,7 @@ struct CommOptions {
   int gemm_trials;                   // tuning's fastest kernels the op's own calls compare (CUDA)
   int64_t reduce_scatter_fold_rows;  // Schedule::fold_rows; the same on every rank of a group
   bool reduce_scatter_ring;          // Schedule::ring; the same on every rank of a group
+  bool all_gather_in_turn;           // Schedule::in_turn; each rank may choose its own
   bool compute_on_caller_stream;     // the compute lane is XLA's stream, not one of ours (CUDA)
   bool fp8_fast_accumulation;        // e4m3 x e4m3 GEMMs in cuBLASLt's FAST_ACCUM mode (CUDA)
   std::string gemm_cache;            // the kernel choice file, "" none (CUDA, with autotune_gemm)

@@ -81,11 +81,14 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   const int64_t out_rows = c.m * c.n * DTypeSize(c.out);          // one rank's rows of out
   const std::vector<int> peers = sched.PushOrder();
   std::vector<Step> steps;
-  // Push our shard to every peer at once, each on its own lane, once the peer has consumed
-  // our previous push. The descriptor goes first, so a receiver can check what it got.
-  for (int p : peers) {
+  // Push our shard to every peer, each on its own lane, once the peer has consumed our
+  // previous push; the descriptor goes first, so a receiver can check what it got. All at
+  // once, or (Schedule::in_turn) each copy after the one before it has landed.
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const int p = peers[i];
     steps.push_back(WaitCredit(p, p));
     steps.push_back(Publish(p, p));
+    if (sched.in_turn && i > 0) steps.push_back(Join(p, peers[i - 1]));
     steps.push_back(Copy(p, At(Region::kX, 0), At(Region::kPeerBuffer, rank * chunk, p), chunk));
     steps.push_back(Signal(p, p, Flag::kData));
   }

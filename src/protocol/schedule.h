@@ -9,19 +9,39 @@
 #include <vector>
 
 #include "protocol/call_descriptor.h"
+#include "protocol/comm_options.h"
 #include "protocol/epilogue.h"
 
 namespace jax_ub {
 
 // One tensor-parallel group of `size` ranks, seen from `rank`.
 struct Schedule {
-  int rank;
-  int size;
+  int rank = 0;
+  int size = 1;
   // Smallest piece (rows) worth folding a reduce-scatter for; negative: never
   // (CommOptions::reduce_scatter_fold_rows). Not needed by the all-gather's schedule.
   int64_t fold_rows = -1;
   // Groups above two fold too, in a ring (CommOptions::reduce_scatter_ring).
   bool ring = false;
+  // The all-gather pushes to one peer at a time and multiplies each chunk as it lands
+  // (CommOptions::all_gather_in_turn); see AllGatherSpans.
+  bool in_turn = false;
+
+  // The choices of `options`, for rank 0 of a group of one until For() places it.
+  static Schedule Of(const CommOptions& options) {
+    Schedule s;
+    s.fold_rows = options.reduce_scatter_fold_rows;
+    s.ring = options.reduce_scatter_ring;
+    s.in_turn = options.all_gather_in_turn;
+    return s;
+  }
+  // This schedule as seen from `r` in a group of `n`.
+  Schedule For(int r, int n) const {
+    Schedule s = *this;
+    s.rank = r;
+    s.size = n;
+    return s;
+  }
 
   // Peers in the order this rank pushes its data to them: nearest first, so every
   // rank's first push goes to a different peer and no link is hit twice at once.
@@ -38,11 +58,19 @@ struct Schedule {
   };
 
   // GEMMs of the all-gather product, in order: the local chunk first (it needs no
-  // communication and hides the pushes, which all start at once), then the remote chunks
-  // as at most two contiguous row ranges (after and before our own rows). Few large GEMMs
-  // run at full efficiency where one small GEMM per chunk would not.
+  // communication and hides the pushes), then the remote chunks. By default every push
+  // starts at once, so the remote chunks land together, about when the collective ends;
+  // they are multiplied as at most two contiguous row ranges (after and before our own
+  // rows), few large GEMMs at full efficiency where one small GEMM per chunk would not
+  // be. `in_turn`: each rank pushes to one peer at a time in PushOrder, so at step s every
+  // rank receives from rank - s alone, and chunks land one by one, each multiplied as it
+  // lands: the GEMMs overlap the collective beyond the local chunk's.
   std::vector<Span> AllGatherSpans() const {
     std::vector<Span> spans{{rank, 1}};
+    if (in_turn) {
+      for (int s = 1; s < size; ++s) spans.push_back({(rank - s + size) % size, 1});
+      return spans;
+    }
     if (rank + 1 < size) spans.push_back({rank + 1, size - rank - 1});
     if (rank > 0) spans.push_back({0, rank});
     return spans;

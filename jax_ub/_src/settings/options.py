@@ -51,6 +51,15 @@ class Tuning:
         partial and summing the group's in a pass of its own. Its sums round to the
         output's type at each rank. Off: on one H200 its compute side tied the default
         at long k and lost up to 1.96x at short k. The same in every process.
+      all_gather_in_turn: all_gather_matmul pushes its chunk to one peer at a time,
+        nearest first (so each GPU receives one chunk at a time), and multiplies each
+        chunk as it lands; else every push starts at once, the chunks land together
+        when the collective ends, and the remote ones are multiplied in at most two
+        GEMMs. Where the collective outlasts the local chunk's GEMM, the default hides
+        only that GEMM: the op takes about the collective plus (tp - 1) / tp of the GEMM,
+        as on 4 H200s (benchmarks/RESULTS.md: 70B's qkv 1.648 ms, the all-gather 0.727,
+        the GEMM 0.961). Off until measured on 2+ GPUs: one copy at a time must still
+        fill the link, and at tp=8 the GEMMs of one chunk run below full efficiency.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
@@ -74,6 +83,7 @@ class Tuning:
     gemm_trials: int = 3
     reduce_scatter_fold_rows: int = 2048
     reduce_scatter_ring: bool = False
+    all_gather_in_turn: bool = False
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
     compute_on_caller_stream: bool = True
@@ -149,6 +159,7 @@ class Options:
     gemm_trials: int
     reduce_scatter_fold_rows: int
     reduce_scatter_ring: bool
+    all_gather_in_turn: bool
     compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
     gemm_cache: str

@@ -1,0 +1,151 @@
+"""all_gather_matmul with Tuning.all_gather_in_turn: each rank pushes its chunk to one peer at
+a time and multiplies each chunk as it lands. The step lists themselves (every rank's, read
+from the host extension): at each step every rank receives exactly one chunk, and each
+rank multiplies its chunks in the order they land; then the op's values, epilogues, the
+gathered copy and gradients on CPU devices, where the host runs those very lists."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _op_cases import op_fn
+from conftest import comm_options, rel_err, to_f32, tol, use_tuning
+from test_epilogue import ag_epilogue_fn, ag_reference
+from test_gelu_mlp import loss, mlp_fn, operands
+
+import jax_ub
+from jax_ub._src.runtime import extension
+
+SIZES = [2, 3, 4, 8]
+
+
+def steps(rank: int, size: int, in_turn: bool, m: int = 2, gathered: bool = False) -> list:
+    """Rank `rank`'s step list for an all-gather GEMM of a rank's x[m, 3] @ w[3, 5]."""
+    options = comm_options(all_gather_in_turn=in_turn)
+    return extension._host.call_steps("all_gather_matmul", rank, size, m, 3, 5, gathered, options)
+
+
+def pushes(step_list: list, rank: int) -> list[int]:
+    """The peers `rank` copies its chunk to, in list order (a peer's copy lane is its rank;
+    our own lane's copies fill the gathered output)."""
+    return [lane for kind, lane, *_ in step_list if kind == "Copy" and lane not in (-1, rank)]
+
+
+def remote_gemm_chunks(step_list: list, rank: int, m: int = 2) -> list[list[int]]:
+    """The chunks each of the compute lane's GEMMs after the local one multiplies, by the
+    peers its waits named since the GEMM before (a chunk: m rows of k=3 float32)."""
+    chunk_bytes = m * 3 * 4
+    chunks, waited = [], []
+    for kind, lane, peer, _, rows, region, offset in step_list:
+        if lane != -1:
+            continue
+        if kind == "Wait":
+            waited.append(peer)
+        elif kind == "Gemm" and region == "Buffer":
+            first = offset // chunk_bytes
+            chunks.append(list(range(first, first + rows // m)))
+            assert sorted(waited) == chunks[-1], (rank, waited, chunks[-1])
+            waited = []
+    return chunks
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_each_gpu_receives_one_chunk_a_step_and_multiplies_it_as_it_lands(size):
+    """In turn: rank r's s-th copy goes to r + s and waits (a join) for its copy before, so
+    at step s the senders map onto the receivers one to one; and each rank's GEMMs after
+    its own chunk take one chunk each, in the order those steps deliver them."""
+    lists = [steps(r, size, True) for r in range(size)]
+    order = [pushes(s, r) for r, s in enumerate(lists)]
+    for r, s in enumerate(lists):
+        assert order[r] == [(r + i) % size for i in range(1, size)], r
+        for prev, peer in zip(order[r], order[r][1:]):
+            joins = [st for st in s if st[0] == "Join" and st[1] == peer]
+            assert [st[3] for st in joins] == [prev], (r, peer, joins)
+            # the join comes before the lane's copy
+            lane = [st[0] for st in s if st[1] == peer]
+            assert lane.index("Join") < lane.index("Copy"), (r, peer, lane)
+    for step in range(size - 1):
+        receivers = [order[r][step] for r in range(size)]
+        assert sorted(receivers) == list(range(size)), (step, receivers)
+    for r, s in enumerate(lists):
+        landed = [next(q for q in range(size) if order[q][i] == r) for i in range(size - 1)]
+        assert remote_gemm_chunks(s, r) == [[q] for q in landed], r
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_by_default_every_push_starts_at_once(size):
+    """Off (the default): no copy lane waits for another, and the remote chunks are
+    multiplied as at most two runs of contiguous rows, after and before our own."""
+    for r in range(size):
+        s = steps(r, size, False)
+        assert not [st for st in s if st[0] == "Join" and st[1] >= 0 and st[3] >= 0], r
+        runs = remote_gemm_chunks(s, r)
+        assert runs == [c for c in (list(range(r + 1, size)), list(range(r))) if c], r
+
+
+def test_a_gathered_copy_follows_each_chunk():
+    """With the gathered output asked for, our own lane copies each chunk out of the buffer
+    after waiting for it, one chunk at a time in turn."""
+    size, chunk = 4, 2 * 3 * 4
+    s = steps(1, size, True, gathered=True)
+    copies = [st for st in s if st[0] == "Copy" and st[1] == 1 and st[5] == "Buffer"]
+    assert [st[6] // chunk for st in copies] == [0, 3, 2]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_values(mesh1d, rand, size, m, dtype):
+    """The op in turn equals the gathered product, over several calls with new data (flags by
+    epoch, the buffer reused, credits)."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True)
+    try:
+        f = op_fn("ag", mesh1d(size), "ub")
+        for call in range(3):
+            x = rand(size * m, 16, dtype=dtype)
+            w = rand(16, size * 6, dtype=dtype)
+            out = f(x, w)
+            assert out.shape == (size * m, size * 6) and out.dtype == dtype
+            assert rel_err(out, to_f32(x) @ to_f32(w)) < tol(dtype), call
+    finally:
+        jax_ub.finalize()
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_epilogue_in_each_chunks_gemm(mesh1d, rand, activation):
+    """Bias and GELU in every chunk's GEMM, each chunk's rows in their own place."""
+    jax_ub.finalize()
+    use_tuning(all_gather_in_turn=True)
+    try:
+        x, w, b = rand(4 * 3, 16), rand(16, 4 * 6, scale=0.5), rand(4 * 6)
+        out = ag_epilogue_fn(mesh1d(4), activation=activation)(x, w, b)
+        assert rel_err(out, ag_reference(x, w, b, activation)) < 1e-5
+    finally:
+        jax_ub.finalize()
+
+
+@pytest.mark.parametrize("keep_gathered", [False, True])
+def test_gradients(mesh1d, rand, keep_gathered):
+    """gelu_mlp's gradients in turn against impl="xla"'s: its forward all-gather keeps GELU's
+    input (aux) and, with keep_gathered, all_gather(x) for the backward (the gathered copy)."""
+    jax_ub.finalize()
+    use_tuning(all_gather_in_turn=True)
+    jax_ub.configure(keep_gathered=keep_gathered)
+    try:
+        mesh = mesh1d(4)
+        args = operands(rand, 4)
+        got = jax.grad(loss(mlp_fn(mesh)), argnums=range(5))(*args)
+        want = jax.grad(loss(mlp_fn(mesh, "xla")), argnums=range(5))(*args)
+        for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
+            assert not np.isnan(np.asarray(g)).any(), name
+            assert rel_err(g, r) < 1e-5, name
+    finally:
+        jax_ub.finalize()
+
+
+def test_call_steps_names_bad_arguments():
+    with pytest.raises(ValueError, match=r"got rank 4, size 4, m 2, k 3, n 5"):
+        extension._host.call_steps("all_gather_matmul", 4, 4, 2, 3, 5, False, comm_options())
+    with pytest.raises(ValueError, match=r"unknown op gemm"):
+        extension._host.call_steps("gemm", 0, 4, 2, 3, 5, False, comm_options())
