@@ -100,6 +100,9 @@ NB_MODULE(_host, m) {
                                        "Gemm", "Sum",     "Join", "Verify"};
         static const char* kRegions[] = {"None", "X",         "Out",    "Gathered",
                                          "Aux",  "GatherSrc", "Buffer", "PeerBuffer"};
+        static_assert(static_cast<int>(jax_ub::Step::Kind::kVerify) == 7 &&
+                          static_cast<int>(jax_ub::Region::kPeerBuffer) == 7,
+                      "call_steps names every Step::Kind and Region, in their order");
         jax_ub::CallShape shape;
         shape.m = m;
         shape.k = k;
