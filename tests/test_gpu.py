@@ -86,41 +86,37 @@ def test_forward_matches_xla(tp, shape, dtype):
     assert gpu_rel_err(_rs(mesh, "ub")(h, v), rs_ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("tp", TPS)
-@pytest.mark.parametrize("rows", [1, 129])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_reduce_scatter_ring(tp, rows, dtype):
-    """With reduce_scatter_ring (off by default) groups above 2 fold in a ring: each block's
-    partial sum passes from rank to rank, each GEMM adding its partial in its epilogue;
-    blocks of 129 rows and 1 row make uneven and empty pieces. At tp=2 it is the fold."""
-    jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(reduce_scatter_fold_rows=0, reduce_scatter_ring=True)
-    try:
-        mesh = _mesh(tp)
-        h, v = _data(jax.random.key(rows + 100 * tp), [(tp * rows, 256), (256, 384)], dtype)
-        with jax.default_matmul_precision("highest"):
-            ref = _rs(mesh, "xla")(h, v)
-        for call in range(3):  # epochs advancing, the buffer's partial sums reused
-            assert gpu_rel_err(_rs(mesh, "ub")(h * (call + 1), v), ref * (call + 1)) < TOL[dtype]
-    finally:
-        jax_ub.finalize()
+# The schedules off by default, each a Tuning flag, and the op it changes.
+OPTIONAL_SCHEDULES = {"reduce_scatter_ring": "rs", "all_gather_in_turn": "ag"}
 
 
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("rows", [1, 129])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_all_gather_in_turn(tp, rows, dtype):
-    """With all_gather_in_turn (off by default) each rank pushes to one peer at a time, each
-    copy lane waiting for the one before, and multiplies each chunk as it lands."""
+@pytest.mark.parametrize("schedule", sorted(OPTIONAL_SCHEDULES))
+def test_optional_schedule(tp, rows, dtype, schedule):
+    """The schedules off by default, on: reduce_scatter_ring folds groups above 2 in a ring
+    (each block's partial sum passes from rank to rank, each GEMM adding its partial in its
+    epilogue; at tp=2 it is the fold); all_gather_in_turn pushes to one peer at a time, each
+    copy lane waiting for the one before, and multiplies each chunk as it lands. Blocks of
+    129 rows and 1 row make uneven and empty pieces; three calls reuse the buffer as epochs
+    advance."""
     jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True)
+    settings = {schedule: True}
+    if schedule == "reduce_scatter_ring":
+        settings["reduce_scatter_fold_rows"] = 0
+    use_tuning(**settings)
     try:
         mesh = _mesh(tp)
-        x, w = _data(jax.random.key(rows + 100 * tp), [(tp * rows, 256), (256, tp * 128)], dtype)
+        key = jax.random.key(rows + 100 * tp)
+        if OPTIONAL_SCHEDULES[schedule] == "rs":
+            op, (a, b) = _rs, _data(key, [(tp * rows, 256), (256, 384)], dtype)
+        else:
+            op, (a, b) = _ag, _data(key, [(tp * rows, 256), (256, tp * 128)], dtype)
         with jax.default_matmul_precision("highest"):
-            ref = _ag(mesh, "xla")(x, w)
-        for call in range(3):  # epochs advancing, the buffer's chunks reused
-            assert gpu_rel_err(_ag(mesh, "ub")(x * (call + 1), w), ref * (call + 1)) < TOL[dtype]
+            ref = op(mesh, "xla")(a, b)
+        for call in range(3):
+            assert gpu_rel_err(op(mesh, "ub")(a * (call + 1), b), ref * (call + 1)) < TOL[dtype]
     finally:
         jax_ub.finalize()
 
