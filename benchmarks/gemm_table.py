@@ -17,8 +17,8 @@ step dispatches its ops; torch launches each): at 1, a loop of small GEMMs also 
 JAX's dispatch of one program per GEMM, and jax_ub's handler (its host time per call is
 printed: where it and the dispatch exceed the GEMM, the GPU waits for the host).
 
-python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--fp8] [--seconds 0.3]
-    [--per-call 8]
+python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections qkv,o]
+    [--fp8] [--seconds 0.3] [--per-call 8]
 """
 
 from __future__ import annotations
@@ -221,6 +221,11 @@ def main() -> None:
         default=8.0,
         help="skip a row whose forward GEMM is more TFLOP than this",
     )
+    ap.add_argument(
+        "--projections",
+        default="qkv,o,gate/up,down",
+        help="which projections of each model (comma list)",
+    )
     ap.add_argument("--fp8", action="store_true", help="fp8 forward rows instead of bf16")
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--rounds", type=int, default=3)
@@ -237,6 +242,9 @@ def main() -> None:
         import torch  # noqa: PLC0415
     except ImportError:
         torch = None
+    wanted = set(args.projections.split(","))
+    if not wanted <= {"qkv", "o", "gate/up", "down"}:
+        ap.error(f"--projections: qkv, o, gate/up or down, got {args.projections!r}")
     kinds = ("fp8",) if args.fp8 else ("fwd", "fwd+bwd")
     head = ["projection M x K x N (tp)"]
     for kind in kinds:
@@ -248,7 +256,7 @@ def main() -> None:
     for model in args.models.split(","):
         for tp in map(int, args.tp.split(",")):
             for name, m, k, n in projections(model, tp, args.tokens):
-                if 2 * m * k * n > args.most_tflop * 1e12:
+                if name.split(" ")[1] not in wanted or 2 * m * k * n > args.most_tflop * 1e12:
                     continue
                 make = fp8_impls if args.fp8 else bf16_impls
                 impls = make(m, k, n, torch, args.per_call)

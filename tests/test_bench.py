@@ -234,12 +234,16 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
     # jax_ub's outputs checked against XLA's (torch absent or not, its cells may be nan),
     # with one GEMM per timed call and with several.
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_table.py")
-    for extra in (["--per-call", "1"], ["--fp8", "--per-call", "3"]):
+    runs = [
+        (["--per-call", "1"], ["qkv", "o", "gate/up", "down"]),
+        (["--fp8", "--per-call", "3", "--projections", "gate/up,o"], ["o", "gate/up"]),
+    ]
+    for extra, names in runs:
         argv = [script, "--models", "tiny", "--tp", "2", "--tokens", "64", "--seconds", "0.01"]
         monkeypatch.setattr(sys, "argv", argv + ["--rounds", "1", *extra])
         runpy.run_path(script, run_name="__main__")
         rows = [line for line in capsys.readouterr().out.splitlines() if "tiny" in line]
-        assert [r.split("|")[1].split()[1] for r in rows] == ["qkv", "o", "gate/up", "down"]
+        assert [r.split("|")[1].split()[1] for r in rows] == names
         for r in rows:
             ratios = [float(c) for c in r.split("|")[2:-3] if c.strip() != "nan"]
             assert ratios and all(v > 0 for v in ratios), r
