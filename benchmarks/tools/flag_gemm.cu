@@ -1,0 +1,353 @@
+// flag_gemm: the driver (data, checks, timing, main) of the flag-waiting CUTLASS SM90 bf16 GEMM
+// in flag_gemm_kernel.cuh, whose header says how its scheduler waits for the flag of each tile's
+// row block of A. D[M,N] = A[M,K] @ B[K,N] (B: the weight w[k,n]), row-major bf16, fp32 accum.
+// Build (CUTLASS 4.2 headers, e.g. the nvidia-cutlass wheel's cutlass_library/source/include;
+// cuBLASLt; CUDA 13; about 3 minutes on 2 cores; `ninja -C build/dev flag_gemm` where CMake
+// found CUTLASS, as benchmarks/device_run.sh flaggemm does):
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I<cutlass>/include
+//        -I<cublas>/include benchmarks/tools/flag_gemm.cu -o build/flag_gemm
+//        -L<cublas>/lib -lcublasLt   (the pip wheel's library: -l:libcublasLt.so.13)
+// Usage: flag_gemm M,K,N blocks seconds [configs|all] [order]
+//   configs: comma list of coop_128x256_c2, coop_128x128_c1, ping_128x128_c2 (default all);
+//   order: comma list of the row blocks in arrival order (default 0,1,...,blocks-1).
+// Prints correctness (flags set before the call; flags released late by a kernel that copies
+// each row block into a NaN-filled A and then sets its flag; a no-wait control on the same late
+// data), then the median ms per call over 3 interleaved rounds of loops of >= `seconds` s of:
+// cuBLASLt (its heuristic's first pick); per config: flags pre-set, no wait, stock scheduler;
+// and the schedule the library runs today, data in place: cuBLASLt per contiguous span of row
+// blocks (the first block in the order, the blocks after it, those before it).
+// Not modelled here: blocks landing while the GEMM runs. Within one GPU a device-to-device copy
+// runs on SMs, which a persistent GEMM waiting for it holds: that needs peers' copy engines.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flag_gemm_kernel.cuh"
+
+namespace fg {
+__global__ void FillRandom(bf16* p, int64_t count, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+    p[i] = bf16(float(h & 0xffff) / 32768.0f - 1.0f);
+  }
+}
+
+__global__ void SetFlags(int* flags, int n, int value) {
+  if (threadIdx.x < n) flags[threadIdx.x] = value;
+}
+
+// Marks itself started (host-mapped word), waits `delay_ns`, then per slot copies the row block
+// from src to dst and releases its flag; one CTA, so it needs no cross-CTA ordering.
+__global__ void __launch_bounds__(512)
+    ReleaseLate(const uint4* src, uint4* dst, int64_t vec_per_block, int blocks, uint64_t order,
+                int* flags, int target, volatile int* started, uint64_t delay_ns) {
+  if (threadIdx.x == 0) {
+    *started = 1;
+    __threadfence_system();
+  }
+  for (uint64_t t0 = Now(); Now() - t0 < delay_ns;) __nanosleep(1000);
+  for (int s = 0; s < blocks; ++s) {
+    const int64_t base = int64_t((order >> (4 * s)) & 15u) * vec_per_block;
+    constexpr int kUnroll = 8;
+    for (int64_t i = threadIdx.x; i < vec_per_block; i += int64_t(blockDim.x) * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = i + int64_t(u) * blockDim.x;
+        if (j < vec_per_block) v[u] = src[base + j];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = i + int64_t(u) * blockDim.x;
+        if (j < vec_per_block) dst[base + j] = v[u];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      StoreRelease(flags + ((order >> (4 * s)) & 15u), target);
+    }
+  }
+}
+
+// sums[0] += sum (d - r)^2, sums[1] += sum r^2; *nans += NaN/inf count of d.
+__global__ void Compare(const bf16* d, const bf16* r, int64_t n, double* sums,
+                        unsigned long long* nans) {
+  double e = 0, q = 0;
+  unsigned long long bad = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = float(d[i]), y = float(r[i]);
+    if (!isfinite(x)) ++bad;
+    e += double(x - y) * (x - y);
+    q += double(y) * y;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    e += __shfl_down_sync(0xffffffffu, e, o);
+    q += __shfl_down_sync(0xffffffffu, q, o);
+    bad += __shfl_down_sync(0xffffffffu, bad, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(sums, e);
+    atomicAdd(sums + 1, q);
+    atomicAdd(nans, bad);
+  }
+}
+
+struct Buffers {
+  bf16 *a, *a_late, *b, *d, *ref;
+  int *flags, *err;
+  double* sums;
+  unsigned long long* nans;
+  int* started;  // host-mapped
+  void* ws;
+};
+
+// ||d - ref|| / ||ref|| and the count of non-finite d; clears d afterwards.
+double RelError(const Problem& p, Buffers& m, bf16* d, unsigned long long* nans) {
+  const int64_t n = int64_t(p.m) * p.n;
+  CHECK(cudaMemset(m.sums, 0, 2 * sizeof(double)));
+  CHECK(cudaMemset(m.nans, 0, sizeof(unsigned long long)));
+  Compare<<<1024, 256>>>(d, m.ref, n, m.sums, m.nans);
+  CHECK(cudaGetLastError());
+  double s[2];
+  CHECK(cudaMemcpy(s, m.sums, sizeof(s), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(nans, m.nans, sizeof(*nans), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemset(d, 0, n * sizeof(bf16)));
+  return std::sqrt(s[0] / std::max(s[1], 1e-30));
+}
+
+// Prints d's error (and a wait's timeout, if any) and whether that passes; clears d.
+bool Report(const Problem& p, Buffers& m, bf16* d, const char* name, const char* what) {
+  unsigned long long nans = 0;
+  const double rel = RelError(p, m, d, &nans);
+  int err = 0;
+  CHECK(cudaMemcpy(&err, m.err, sizeof(int), cudaMemcpyDeviceToHost));
+  const bool pass = rel < 1e-2 && nans == 0 && err == 0;
+  std::printf("%-16s %-34s rel_err %.2e  nonfinite %llu  %s%s\n", name, what, rel, nans,
+              err ? "TIMEOUT " : "", pass ? "PASS" : "FAIL");
+  return pass;
+}
+
+// Late arrival: A_late all NaN, flags 0; ReleaseLate starts first on s2, then `op` on s1.
+void RunLate(const Problem& p, Buffers& m, Op& op, cudaStream_t s1, cudaStream_t s2) {
+  const int64_t a_elems = int64_t(p.m) * p.k;
+  CHECK(cudaMemset(m.a_late, 0xff, a_elems * sizeof(bf16)));
+  CHECK(cudaMemset(m.flags, 0, 16 * sizeof(int)));
+  CHECK(cudaMemset(m.err, 0, sizeof(int)));
+  CHECK(cudaDeviceSynchronize());
+  *reinterpret_cast<volatile int*>(m.started) = 0;
+  ReleaseLate<<<1, 512, 0, s2>>>(reinterpret_cast<const uint4*>(m.a),
+                                 reinterpret_cast<uint4*>(m.a_late), a_elems / p.blocks / 8,
+                                 p.blocks, p.order, m.flags, 1, m.started, 200000);
+  CHECK(cudaGetLastError());
+  const auto t0 = std::chrono::steady_clock::now();
+  while (*reinterpret_cast<volatile int*>(m.started) == 0) {
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(5))
+      Fail("ReleaseLate", "did not start within 5 s", __FILE__, __LINE__);
+  }
+  op.Run(s1);
+  CHECK(cudaDeviceSynchronize());
+}
+
+// One timed implementation: `call` enqueues one call on stream s.
+struct Timed {
+  std::string name;
+  cudaStream_t s;
+  std::function<void()> call;
+  std::vector<float> ms = {};
+  float Median() const {
+    std::vector<float> v = ms;
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  }
+};
+
+float TimeLoop(Timed& t, double seconds, cudaEvent_t e0, cudaEvent_t e1) {
+  auto loop = [&](int n) {
+    CHECK(cudaEventRecord(e0, t.s));
+    for (int i = 0; i < n; ++i) t.call();
+    CHECK(cudaEventRecord(e1, t.s));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    return ms / n;
+  };
+  t.call();
+  const float ms = loop(3);
+  return loop(std::max(5, int(seconds * 1e3 / std::max(ms, 1e-3f))));
+}
+
+}  // namespace fg
+
+int main(int argc, char** argv) {
+  using namespace fg;
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s M,K,N blocks seconds [configs|all] [order]\n", argv[0]);
+    return 2;
+  }
+  Problem p{};
+  if (std::sscanf(argv[1], "%d,%d,%d", &p.m, &p.k, &p.n) != 3 || p.m <= 0 || p.k <= 0 || p.n <= 0)
+    Fail("M,K,N", argv[1], __FILE__, __LINE__);
+  p.blocks = std::atoi(argv[2]);
+  const double seconds = std::atof(argv[3]);
+  const std::string want = argc > 4 ? argv[4] : "all";
+  if (p.blocks < 1 || p.blocks > 16) Fail("blocks", "must be 1..16", __FILE__, __LINE__);
+  if (p.k % 8 || p.n % 8) Fail("K,N", "must be multiples of 8", __FILE__, __LINE__);
+  std::vector<int> order;
+  for (const char* at = argc > 5 ? argv[5] : ""; *at;) {  // "i,j,...", no empty item
+    char* end = nullptr;
+    order.push_back(int(std::strtol(at, &end, 10)));
+    if (end == at || (*end && (*end != ',' || !end[1]))) Fail("order", argv[5], __FILE__, __LINE__);
+    at = *end ? end + 1 : end;
+  }
+  if (order.empty())
+    for (int i = 0; i < p.blocks; ++i) order.push_back(i);
+  std::vector<int> seen(p.blocks, 0);
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (order.size() != size_t(p.blocks) || order[i] < 0 || order[i] >= p.blocks ||
+        seen[order[i]]++)
+      Fail("order", "must be a permutation of 0..blocks-1", __FILE__, __LINE__);
+    p.order |= uint64_t(order[i]) << (4 * i);
+  }
+  CHECK(cudaSetDevice(0));
+  CHECK(cudaDeviceGetAttribute(&p.sm_count, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs; M,K,N = %d,%d,%d, blocks %d, order %s, CUTLASS %d.%d.%d\n",
+              prop.name, p.sm_count, p.m, p.k, p.n, p.blocks, argc > 5 ? argv[5] : "0..blocks-1",
+              CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH);
+
+  std::vector<ConfigEntry> all = {Entry<128, 256, 2, false>("coop_128x256_c2"),
+                                  Entry<128, 128, 1, false>("coop_128x128_c1"),
+                                  Entry<128, 128, 2, true>("ping_128x128_c2")};
+  std::vector<ConfigEntry> configs;
+  for (auto& c : all) {
+    if (want != "all" &&
+        ("," + want + ",").find(std::string(",") + c.name + ",") == std::string::npos)
+      continue;
+    if (p.m % (p.blocks * c.row_unit)) {
+      std::printf("%s: skipped (M/blocks not a multiple of %d)\n", c.name, c.row_unit);
+      continue;
+    }
+    configs.push_back(c);
+  }
+
+  Buffers m{};
+  const int64_t a_elems = int64_t(p.m) * p.k, b_elems = int64_t(p.k) * p.n,
+                d_elems = int64_t(p.m) * p.n;
+  for (auto [ptr, elems] : {std::pair{&m.a, a_elems},
+                            {&m.a_late, a_elems},
+                            {&m.b, b_elems},
+                            {&m.d, d_elems},
+                            {&m.ref, d_elems}})
+    CHECK(cudaMalloc(ptr, elems * sizeof(bf16)));
+  CHECK(cudaMalloc(&m.flags, 16 * sizeof(int)));
+  CHECK(cudaMalloc(&m.err, sizeof(int)));
+  CHECK(cudaMalloc(&m.sums, 2 * sizeof(double)));
+  CHECK(cudaMalloc(&m.nans, sizeof(unsigned long long)));
+  CHECK(cudaHostAlloc(&m.started, sizeof(int), cudaHostAllocMapped));
+  const size_t ws_size = size_t(32) << 20;
+  CHECK(cudaMalloc(&m.ws, ws_size));
+  FillRandom<<<1024, 256>>>(m.a, a_elems, 0x1234u);
+  FillRandom<<<1024, 256>>>(m.b, b_elems, 0x9876u);
+  CHECK(cudaGetLastError());
+  cudaStream_t s1, s2;
+  CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  Lt lt{p, m.b, m.ws, ws_size};
+  lt.Create();
+  std::vector<LtSpan> spans = {lt.Plan(0, p.m)};  // [0]: the whole GEMM; then the chunks
+  auto cublas = [&](bf16* out) { lt.Run(spans[0], m.a, out, s1); };
+  cublas(m.ref);
+  CHECK(cudaDeviceSynchronize());
+
+  // Correctness.
+  bool all_pass = true;
+  std::vector<std::unique_ptr<Op>> flag_ops, nowait_ops, stock_ops;
+  for (auto& c : configs) {
+    flag_ops.push_back(c.make(p, m.a, m.b, m.d, m.flags, m.err, false));
+    nowait_ops.push_back(c.make(p, m.a, m.b, m.d, nullptr, m.err, false));
+    stock_ops.push_back(c.make(p, m.a, m.b, m.d, nullptr, m.err, true));
+    auto late = c.make(p, m.a_late, m.b, m.d, m.flags, m.err, false);
+    auto late_nowait = c.make(p, m.a_late, m.b, m.d, nullptr, m.err, false);
+    CHECK(cudaMemset(m.err, 0, sizeof(int)));
+    SetFlags<<<1, 32>>>(m.flags, 16, 1);
+    CHECK(cudaGetLastError());
+    flag_ops.back()->Run(s1);
+    CHECK(cudaDeviceSynchronize());
+    all_pass &= Report(p, m, m.d, c.name, "flags set before");
+    stock_ops.back()->Run(s1);
+    CHECK(cudaDeviceSynchronize());
+    all_pass &= Report(p, m, m.d, c.name, "stock scheduler");
+    RunLate(p, m, *late, s1, s2);
+    all_pass &= Report(p, m, m.d, c.name, "flags released late");
+    RunLate(p, m, *late_nowait, s1, s2);
+    unsigned long long nans = 0;
+    const double rel = RelError(p, m, m.d, &nans);
+    std::printf("%-16s %-34s rel_err %.2e  nonfinite %llu  %s\n", c.name,
+                "control: no wait, late data", rel, nans,
+                nans ? "ok (saw unreleased rows, as expected)" : "UNEXPECTED (race not caught)");
+  }
+  std::printf("correctness: %s\n", all_pass ? "PASS" : "FAIL");
+
+  // Timing: flags pre-set to the target for the flag variants.
+  SetFlags<<<1, 32>>>(m.flags, 16, 1);
+  CHECK(cudaMemset(m.err, 0, sizeof(int)));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<Timed> impls;
+  impls.push_back({"cublaslt", s1, [&] { cublas(m.d); }});
+  for (size_t i = 0; i < configs.size(); ++i) {
+    Op* f = flag_ops[i].get();
+    Op* w = nowait_ops[i].get();
+    Op* s = stock_ops[i].get();
+    impls.push_back({std::string(configs[i].name) + ":flags", s1, [f, s1] { f->Run(s1); }});
+    impls.push_back({std::string(configs[i].name) + ":nowait", s1, [w, s1] { w->Run(s1); }});
+    impls.push_back({std::string(configs[i].name) + ":stock", s1, [s, s1] { s->Run(s1); }});
+  }
+  // The library's schedule: block r's GEMM, then the blocks after it, then those before it.
+  const int rb = p.m / p.blocks, r = order[0];
+  spans.push_back(lt.Plan(r * rb, rb));
+  if (r + 1 < p.blocks) spans.push_back(lt.Plan((r + 1) * rb, p.m - (r + 1) * rb));
+  if (r > 0) spans.push_back(lt.Plan(0, r * rb));
+  impls.push_back({"chunked:steps", s1, [&] {
+                     for (size_t i = 1; i < spans.size(); ++i) lt.Run(spans[i], m.a, m.d, s1);
+                   }});
+  for (int round = 0; round < 3; ++round)
+    for (auto& t : impls) t.ms.push_back(TimeLoop(t, seconds, e0, e1));
+  int err = 0;
+  CHECK(cudaMemcpy(&err, m.err, sizeof(int), cudaMemcpyDeviceToHost));
+  if (err) std::printf("TIMEOUT during timing (block %d)\n", err - 1);
+  const double flops = 2.0 * p.m * p.n * double(p.k);
+  std::printf("%-24s %9s %8s %8s %8s\n", "impl", "ms", "vs_cublas", "spread", "TFLOP/s");
+  for (auto& t : impls) {
+    const auto [lo, hi] = std::minmax_element(t.ms.begin(), t.ms.end());
+    const float med = t.Median();
+    std::printf("%-24s %9.4f %8.3f %7.1f%% %8.1f\n", t.name.c_str(), med, med / impls[0].Median(),
+                100.0 * (*hi - *lo) / med, flops / med * 1e-9);
+  }
+  flag_ops.clear(), nowait_ops.clear(), stock_ops.clear();
+  lt.Destroy(spans);
+  for (cudaEvent_t e : {e0, e1}) CHECK(cudaEventDestroy(e));
+  CHECK(cudaStreamDestroy(s1));
+  CHECK(cudaStreamDestroy(s2));
+  for (void* ptr : {(void*)m.a, (void*)m.a_late, (void*)m.b, (void*)m.d, (void*)m.ref,
+                    (void*)m.flags, (void*)m.err, (void*)m.sums, (void*)m.nans, m.ws})
+    CHECK(cudaFree(ptr));
+  CHECK(cudaFreeHost(m.started));
+  return all_pass ? 0 : 1;
+}
