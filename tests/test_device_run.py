@@ -1,5 +1,6 @@
 """benchmarks/device_run.sh's N-ranks mode, dry run (its commands printed, none run): every
-item at every N runs once, in lanes of about equal work; the whole set has every GPU file."""
+item at every N runs once, in lanes of about equal work; the whole set has every GPU file. Also
+the flaggemm mode's shape specs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ITEM = re.compile(r"\[dry run\] ranks=(\d+) tests/(\S+?)(?: -k \"([^\"]+)\")?: timeout -k 10 (\d+)")
 
 
-def _dry_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+def _dry_run(tmp_path, *args: str, mode: str = "ranks", **env: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), **env)
-    cmd = ["bash", str(ROOT / "benchmarks" / "device_run.sh"), "ranks", *args]
+    cmd = ["bash", str(ROOT / "benchmarks" / "device_run.sh"), mode, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -65,3 +66,12 @@ def test_a_lane_count_that_is_not_a_count_is_refused(tmp_path):
     done = _dry_run(tmp_path, RANKS_PARALLEL="two")
     assert done.returncode == 2
     assert "RANKS_PARALLEL must be a count of lanes, got 'two'" in done.stdout
+
+
+def test_flag_gemm_specs_name_shape_blocks_and_order(tmp_path):
+    """flaggemm's M,K,N:blocks[:order] reach the tool as its arguments; no order: none."""
+    specs = ["8192,4096,768:8", "8192,8192,2560:4:1,0,3,2"]
+    done = _dry_run(tmp_path, *specs, mode="flaggemm", FLAG_S="0.2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = re.findall(r"build/dev/flag_gemm (.*?)  >>", done.stdout)
+    assert runs == [r"8192\,4096\,768 8 0.2 all", r"8192\,8192\,2560 4 0.2 all 1\,0\,3\,2"], runs
