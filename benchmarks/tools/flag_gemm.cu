@@ -4,7 +4,7 @@
 // Build (CUTLASS 4.2 headers, e.g. the nvidia-cutlass wheel's cutlass_library/source/include;
 // cuBLASLt; CUDA 13; about 3 minutes on 2 cores; `ninja -C build/dev flag_gemm` where CMake
 // found CUTLASS, as benchmarks/device_run.sh flaggemm does):
-//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I<cutlass>/include
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -Isrc -I<cutlass>/include
 //        -I<cublas>/include benchmarks/tools/flag_gemm.cu -o build/flag_gemm
 //        -L<cublas>/lib -lcublasLt   (the pip wheel's library: -l:libcublasLt.so.13)
 // Usage: flag_gemm M,K,N blocks seconds [configs|all] [order]
@@ -34,15 +34,6 @@
 #include "flag_gemm_kernel.cuh"
 
 namespace fg {
-__global__ void FillRandom(bf16* p, int64_t count, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-    p[i] = bf16(float(h & 0xffff) / 32768.0f - 1.0f);
-  }
-}
-
 __global__ void SetFlags(int* flags, int n, int value) {
   if (threadIdx.x < n) flags[threadIdx.x] = value;
 }
@@ -155,7 +146,7 @@ void RunLate(const Problem& p, Buffers& m, Op& op, cudaStream_t s1, cudaStream_t
   const auto t0 = std::chrono::steady_clock::now();
   while (*reinterpret_cast<volatile int*>(m.started) == 0) {
     if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(5))
-      Fail("ReleaseLate", "did not start within 5 s", __FILE__, __LINE__);
+      Fail("ReleaseLate", "did not start within 5 s");
   }
   op.Run(s1);
   CHECK(cudaDeviceSynchronize());
@@ -199,17 +190,17 @@ int main(int argc, char** argv) {
   }
   Problem p{};
   if (std::sscanf(argv[1], "%d,%d,%d", &p.m, &p.k, &p.n) != 3 || p.m <= 0 || p.k <= 0 || p.n <= 0)
-    Fail("M,K,N", argv[1], __FILE__, __LINE__);
+    Fail("M,K,N", argv[1]);
   p.blocks = std::atoi(argv[2]);
   const double seconds = std::atof(argv[3]);
   const std::string want = argc > 4 ? argv[4] : "all";
-  if (p.blocks < 1 || p.blocks > 16) Fail("blocks", "must be 1..16", __FILE__, __LINE__);
-  if (p.k % 8 || p.n % 8) Fail("K,N", "must be multiples of 8", __FILE__, __LINE__);
+  if (p.blocks < 1 || p.blocks > 16) Fail("blocks", "must be 1..16");
+  if (p.k % 8 || p.n % 8) Fail("K,N", "must be multiples of 8");
   std::vector<int> order;
   for (const char* at = argc > 5 ? argv[5] : ""; *at;) {  // "i,j,...", no empty item
     char* end = nullptr;
     order.push_back(int(std::strtol(at, &end, 10)));
-    if (end == at || (*end && (*end != ',' || !end[1]))) Fail("order", argv[5], __FILE__, __LINE__);
+    if (end == at || (*end && (*end != ',' || !end[1]))) Fail("order", argv[5]);
     at = *end ? end + 1 : end;
   }
   if (order.empty())
@@ -218,7 +209,7 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < order.size(); ++i) {
     if (order.size() != size_t(p.blocks) || order[i] < 0 || order[i] >= p.blocks ||
         seen[order[i]]++)
-      Fail("order", "must be a permutation of 0..blocks-1", __FILE__, __LINE__);
+      Fail("order", "must be a permutation of 0..blocks-1");
     p.order |= uint64_t(order[i]) << (4 * i);
   }
   CHECK(cudaSetDevice(0));
@@ -260,9 +251,8 @@ int main(int argc, char** argv) {
   CHECK(cudaHostAlloc(&m.started, sizeof(int), cudaHostAllocMapped));
   const size_t ws_size = size_t(32) << 20;
   CHECK(cudaMalloc(&m.ws, ws_size));
-  FillRandom<<<1024, 256>>>(m.a, a_elems, 0x1234u);
-  FillRandom<<<1024, 256>>>(m.b, b_elems, 0x9876u);
-  CHECK(cudaGetLastError());
+  jax_ub_tool::FillRandom(reinterpret_cast<__nv_bfloat16*>(m.a), a_elems, 0x1234u, 1.0f, nullptr);
+  jax_ub_tool::FillRandom(reinterpret_cast<__nv_bfloat16*>(m.b), b_elems, 0x9876u, 1.0f, nullptr);
   cudaStream_t s1, s2;
   CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));

@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_tool.h"  // the tools' checks (CUDA, cuBLASLt) and random bf16 operands
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -42,20 +43,21 @@
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/version.h"
 
-inline void Fail(const char* what, const char* msg, const char* file, int line) {
-  std::fprintf(stderr, "%s:%d: %s: %s\n", file, line, what, msg);
+namespace jax_ub_tool {
+inline void Check(cutlass::Status s, const char* what) {
+  if (s != cutlass::Status::kSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cutlass::cutlassGetStatusString(s));
+    std::exit(1);
+  }
+}
+}  // namespace jax_ub_tool
+#define CHECK(x) jax_ub_tool::Check((x), #x)
+
+// A bad argument or an unexpected state: say which and stop.
+[[noreturn]] inline void Fail(const char* what, const char* msg) {
+  std::fprintf(stderr, "%s: %s\n", what, msg);
   std::exit(1);
 }
-inline void Check(cudaError_t e, const char* w, const char* f, int l) {
-  if (e != cudaSuccess) Fail(w, cudaGetErrorString(e), f, l);
-}
-inline void Check(cublasStatus_t s, const char* w, const char* f, int l) {
-  if (s != CUBLAS_STATUS_SUCCESS) Fail(w, cublasLtGetStatusString(s), f, l);
-}
-inline void Check(cutlass::Status s, const char* w, const char* f, int l) {
-  if (s != cutlass::Status::kSuccess) Fail(w, cutlass::cutlassGetStatusString(s), f, l);
-}
-#define CHECK(x) Check((x), #x, __FILE__, __LINE__)
 
 namespace fg {
 
@@ -260,8 +262,7 @@ struct CutlassOp : Op {
       args.scheduler.blocks = p.blocks;
       args.scheduler.order = p.order;
     }
-    if (Cfg::Gemm::get_workspace_size(args) != 0)
-      Fail("workspace", "unexpected", __FILE__, __LINE__);
+    if (Cfg::Gemm::get_workspace_size(args) != 0) Fail("workspace", "unexpected");
     CHECK(gemm.can_implement(args));
     CHECK(gemm.initialize(args, nullptr));
   }
@@ -328,7 +329,7 @@ struct Lt {
     cublasLtMatmulHeuristicResult_t heur{};
     int found = 0;
     CHECK(cublasLtMatmulAlgoGetHeuristic(h, desc, lb, s.la, s.ld, s.ld, pref, 1, &heur, &found));
-    if (found < 1) Fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm", __FILE__, __LINE__);
+    if (found < 1) Fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm");
     CHECK(cublasLtMatmulPreferenceDestroy(pref));
     s.algo = heur.algo;
     return s;
