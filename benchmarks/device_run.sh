@@ -32,7 +32,7 @@ MODES=(
   power        "benchmarks/tools/power_clocks.py for both ops (args: its own; POWER_S)" mode_power
   gemm         "benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape (args: m,k,n ...; GEMM_S, GEMM_CANDIDATES, GEMM_LINES)" mode_gemm
   solo         "benchmarks/tools/solo_schedule.cu: one rank's compute schedule of each Llama 3 8B/70B projection at tp 2, 4, 8 on GPU 0, its peers' rows in place, against the GEMM of the rank's whole work (SOLO_TP, SOLO_SHAPES op:name:tokens:in:out, SOLO_S, SOLO_FOLDS: reduce_scatter_fold_rows values, default 2048; SOLO_SCHEDULES: \"steps ring merged\" adds the RS's ring, off by default in the library, and the RS with runs of block GEMMs merged to at least SOLO_MERGE_ROWS rows, default 2048, not in the library; and \"in_turn\" the AG with Tuning.all_gather_in_turn, off by default)" mode_solo
-  flaggemm     "benchmarks/tools/flag_gemm.cu (Hopper; CUTLASS's headers: pip install nvidia-cutlass, or JAX_UB_CUTLASS_INCLUDE set for the build): one CUTLASS GEMM that waits per row block for its flag, as each row block lands, against cuBLASLt's whole GEMM and the library's span GEMMs; correctness with flags released late (args: M,K,N:blocks[:order] ..., default the Llama 3 8B/70B all-gather projections at tp 4 and 8; FLAG_S seconds a loop)" mode_flaggemm
+  flaggemm     "benchmarks/tools/flag_gemm.cu (Hopper; CUTLASS's headers: pip install nvidia-cutlass, or JAX_UB_CUTLASS_INCLUDE set for the build): one CUTLASS GEMM that waits per row block for its flag, as each row block lands, against cuBLASLt's whole GEMM and the library's span GEMMs; correctness with flags released late (args: M,K,N:blocks[:order] ..., default the all-gather projections of solo's SOLO_PROJECTIONS at FLAG_TP, default \"4 8\"; FLAG_S seconds a loop)" mode_flaggemm
   overlapcost  "benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the whole GEMM (2m rows) in loops as long (args: m,k,n ...; OVERLAP_SECONDS, default 2)" mode_overlapcost
   copyhold     "benchmarks/tools/copy_hold.cu, with the driver's default hardware queues, 32 and 1 (CUDA_DEVICE_MAX_CONNECTIONS)" mode_copyhold
   sanitize     "compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS, SANITIZE_S) on a small 2-GPU run: benchmarks/tools/sanitize_small.py (SANITIZE_TP, SANITIZE_CASE); slow: minutes each" mode_sanitize
@@ -490,17 +490,21 @@ mode_solo() {
   done
 }
 
-# Llama 3 8B/70B's all-gather projections (qkv, gate/up) at tp 4 and 8, 8192 gathered rows:
-# one rank's M,K,N and its row blocks.
-FLAG_SHAPES="8192,4096,1536:4 8192,4096,768:8 8192,4096,7168:4 8192,4096,3584:8 8192,8192,2560:4
-  8192,8192,1280:8 8192,8192,14336:4 8192,8192,7168:8"
-
 mode_flaggemm() {
   build_tool flag_gemm 600  # CUTLASS's kernels: about 3 minutes on 2 cores
   [ "$STEP_RC" -eq 0 ] || { echo "flag_gemm needs CUTLASS's headers at configure time (see help)"; return; }
-  local spec shape blocks order
+  local spec shape blocks order op name tokens in out tp
+  local -a specs=("$@")
+  if [ ${#specs[@]} -eq 0 ]; then  # the all-gather projections of SOLO_PROJECTIONS at FLAG_TP
+    for tp in ${FLAG_TP:-4 8}; do
+      for spec in $SOLO_PROJECTIONS; do
+        IFS=: read -r op name tokens in out <<< "$spec"
+        [ "$op" = ag ] && specs+=("$tokens,$in,$((out / tp)):$tp")
+      done
+    done
+  fi
   : > "$OUT/flag_gemm.log"
-  for spec in ${*:-$FLAG_SHAPES}; do
+  for spec in "${specs[@]}"; do
     IFS=: read -r shape blocks order <<< "$spec"
     step --append -k 5 "flag_gemm $spec" 150 "$OUT/flag_gemm.log" \
       build/dev/flag_gemm "$shape" "$blocks" "${FLAG_S:-0.3}" all ${order:+"$order"}

@@ -75,3 +75,7 @@ def test_flag_gemm_specs_name_shape_blocks_and_order(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     runs = re.findall(r"build/dev/flag_gemm (.*?)  >>", done.stdout)
     assert runs == [r"8192\,4096\,768 8 0.2 all", r"8192\,8192\,2560 4 0.2 all 1\,0\,3\,2"], runs
+    # no specs: the all-gather projections of solo's list, at tp 4 and 8
+    done = _dry_run(tmp_path, mode="flaggemm", FLAG_S="0.2")
+    runs = re.findall(r"build/dev/flag_gemm (.*?)  >>", done.stdout)
+    assert len(runs) == 8 and r"8192\,4096\,768 8 0.2 all" in runs, runs
