@@ -33,6 +33,7 @@ MODES=(
   gemm         "benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape (args: m,k,n ...; GEMM_S, GEMM_CANDIDATES, GEMM_LINES)" mode_gemm
   solo         "benchmarks/tools/solo_schedule.cu: one rank's compute schedule of each Llama 3 8B/70B projection at tp 2, 4, 8 on GPU 0, its peers' rows in place, against the GEMM of the rank's whole work (SOLO_TP, SOLO_SHAPES op:name:tokens:in:out, SOLO_S, SOLO_FOLDS: reduce_scatter_fold_rows values, default 2048; SOLO_SCHEDULES: \"steps ring merged\" adds the RS's ring, off by default in the library, and the RS with runs of block GEMMs merged to at least SOLO_MERGE_ROWS rows, default 2048, not in the library; and \"in_turn\" the AG with Tuning.all_gather_in_turn, off by default)" mode_solo
   flaggemm     "benchmarks/tools/flag_gemm.cu (Hopper; CUTLASS's headers: pip install nvidia-cutlass, or JAX_UB_CUTLASS_INCLUDE set for the build): one CUTLASS GEMM that waits per row block for its flag, as each row block lands, against cuBLASLt's whole GEMM and the library's span GEMMs; correctness with flags released late (args: M,K,N:blocks[:order] ..., default the all-gather projections of solo's SOLO_PROJECTIONS at FLAG_TP, default \"4 8\"; FLAG_S seconds a loop)" mode_flaggemm
+  paced        "benchmarks/tools/paced_gemm.cu (as flaggemm, CUTLASS's headers): one rank's all-gather GEMM schedules on GPU 0 with its peers' row blocks landing at a modelled link's pace (a kernel raises each block's flag at its time): the library's steps (blocks land together), the all-gather in turn (one by one) with a GEMM per block, and flag_gemm's one GEMM taking the blocks in turn, against the whole GEMM (args: M,K,N:tp[:rank] ..., default the all-gather projections of solo's SOLO_PROJECTIONS at PACED_TP, default \"4 8\", rank tp/2; PACED_GBPS, default 270: the link's GB/s, a list runs each; PACED_LATENCY_US per block in turn, default 0; PACED_S seconds a loop)" mode_paced
   overlapcost  "benchmarks/tools/overlap_cost.cu per m,k,n chunk shape, then XLA's dot of the whole GEMM (2m rows) in loops as long (args: m,k,n ...; OVERLAP_SECONDS, default 2)" mode_overlapcost
   copyhold     "benchmarks/tools/copy_hold.cu, with the driver's default hardware queues, 32 and 1 (CUDA_DEVICE_MAX_CONNECTIONS)" mode_copyhold
   sanitize     "compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS, SANITIZE_S) on a small 2-GPU run: benchmarks/tools/sanitize_small.py (SANITIZE_TP, SANITIZE_CASE); slow: minutes each" mode_sanitize
@@ -511,6 +512,31 @@ mode_flaggemm() {
   done
   grep -E "^(device|correctness|impl|cublaslt|chunked|coop|ping)|TIMEOUT" "$OUT/flag_gemm.log" \
     | grep -vE "rel_err.*(PASS|as expected\))$"
+}
+
+mode_paced() {
+  build_tool paced_gemm 600  # CUTLASS's kernels: about 3 minutes on 2 cores
+  [ "$STEP_RC" -eq 0 ] || { echo "paced_gemm needs CUTLASS's headers at configure time (see help)"; return; }
+  local spec shape tp rank gbps op name tokens in out
+  local -a specs=("$@")
+  if [ ${#specs[@]} -eq 0 ]; then  # the all-gather projections of SOLO_PROJECTIONS at PACED_TP
+    for tp in ${PACED_TP:-4 8}; do
+      for spec in $SOLO_PROJECTIONS; do
+        IFS=: read -r op name tokens in out <<< "$spec"
+        [ "$op" = ag ] && specs+=("$tokens,$in,$((out / tp)):$tp")
+      done
+    done
+  fi
+  : > "$OUT/paced_gemm.log"
+  for gbps in ${PACED_GBPS:-270}; do
+    for spec in "${specs[@]}"; do
+      IFS=: read -r shape tp rank <<< "$spec"
+      step --append -k 5 "paced_gemm $spec at $gbps GB/s" 150 "$OUT/paced_gemm.log" \
+        build/dev/paced_gemm "$shape" "$tp" "${rank:-$((tp / 2))}" "$gbps" "${PACED_S:-0.3}" all \
+        "${PACED_LATENCY_US:-0}"
+    done
+  done
+  grep -E "^(device|correctness|harness|impl|whole|paced)|TIMEOUT|FAIL" "$OUT/paced_gemm.log"
 }
 
 mode_overlapcost() {

@@ -1,6 +1,6 @@
 """benchmarks/device_run.sh's N-ranks mode, dry run (its commands printed, none run): every
 item at every N runs once, in lanes of about equal work; the whole set has every GPU file. Also
-the flaggemm mode's shape specs."""
+the flaggemm and paced modes' shape specs."""
 
 from __future__ import annotations
 
@@ -79,3 +79,21 @@ def test_flag_gemm_specs_name_shape_blocks_and_order(tmp_path):
     done = _dry_run(tmp_path, mode="flaggemm", FLAG_S="0.2")
     runs = re.findall(r"build/dev/flag_gemm (.*?)  >>", done.stdout)
     assert len(runs) == 8 and r"8192\,4096\,768 8 0.2 all" in runs, runs
+
+
+def test_paced_gemm_specs_name_shape_tp_rank_and_rates(tmp_path):
+    """paced's M,K,N:tp[:rank] reach the tool at every rate of PACED_GBPS; no rank: tp/2."""
+    specs = ["8192,4096,768:8", "8192,8192,2560:4:1"]
+    done = _dry_run(tmp_path, *specs, mode="paced", PACED_S="0.2", PACED_GBPS="270 400")
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = re.findall(r"build/dev/paced_gemm (.*?)  >>", done.stdout)
+    assert runs == [
+        r"8192\,4096\,768 8 4 270 0.2 all 0",
+        r"8192\,8192\,2560 4 1 270 0.2 all 0",
+        r"8192\,4096\,768 8 4 400 0.2 all 0",
+        r"8192\,8192\,2560 4 1 400 0.2 all 0",
+    ], runs
+    # no specs: the all-gather projections of solo's list, at tp 4 and 8, rank tp/2
+    done = _dry_run(tmp_path, mode="paced", PACED_S="0.2")
+    runs = re.findall(r"build/dev/paced_gemm (.*?)  >>", done.stdout)
+    assert len(runs) == 8 and r"8192\,4096\,768 8 4 270 0.2 all 0" in runs, runs

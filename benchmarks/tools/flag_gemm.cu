@@ -16,8 +16,8 @@
 // cuBLASLt (its heuristic's first pick); per config: flags pre-set, no wait, stock scheduler;
 // and the schedule the library runs today, data in place: cuBLASLt per contiguous span of row
 // blocks (the first block in the order, the blocks after it, those before it).
-// Not modelled here: blocks landing while the GEMM runs. Within one GPU a device-to-device copy
-// runs on SMs, which a persistent GEMM waiting for it holds: that needs peers' copy engines.
+// Blocks landing while the GEMM runs: paced_gemm.cu (a modelled link; within one GPU a
+// device-to-device copy runs on SMs, which a persistent GEMM waiting for it holds).
 #ifndef NDEBUG
 #define NDEBUG
 #endif
@@ -31,13 +31,9 @@
 #include <utility>
 #include <vector>
 
-#include "flag_gemm_kernel.cuh"
+#include "flag_gemm_bench.cuh"
 
 namespace fg {
-__global__ void SetFlags(int* flags, int n, int value) {
-  if (threadIdx.x < n) flags[threadIdx.x] = value;
-}
-
 // Marks itself started (host-mapped word), waits `delay_ns`, then per slot copies the row block
 // from src to dst and releases its flag; one CTA, so it needs no cross-CTA ordering.
 __global__ void __launch_bounds__(512)
@@ -72,51 +68,16 @@ __global__ void __launch_bounds__(512)
   }
 }
 
-// sums[0] += sum (d - r)^2, sums[1] += sum r^2; *nans += NaN/inf count of d.
-__global__ void Compare(const bf16* d, const bf16* r, int64_t n, double* sums,
-                        unsigned long long* nans) {
-  double e = 0, q = 0;
-  unsigned long long bad = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float x = float(d[i]), y = float(r[i]);
-    if (!isfinite(x)) ++bad;
-    e += double(x - y) * (x - y);
-    q += double(y) * y;
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    e += __shfl_down_sync(0xffffffffu, e, o);
-    q += __shfl_down_sync(0xffffffffu, q, o);
-    bad += __shfl_down_sync(0xffffffffu, bad, o);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicAdd(sums, e);
-    atomicAdd(sums + 1, q);
-    atomicAdd(nans, bad);
-  }
-}
-
 struct Buffers {
   bf16 *a, *a_late, *b, *d, *ref;
   int *flags, *err;
-  double* sums;
-  unsigned long long* nans;
+  ErrorCheck check;
   int* started;  // host-mapped
   void* ws;
 };
 
-// ||d - ref|| / ||ref|| and the count of non-finite d; clears d afterwards.
 double RelError(const Problem& p, Buffers& m, bf16* d, unsigned long long* nans) {
-  const int64_t n = int64_t(p.m) * p.n;
-  CHECK(cudaMemset(m.sums, 0, 2 * sizeof(double)));
-  CHECK(cudaMemset(m.nans, 0, sizeof(unsigned long long)));
-  Compare<<<1024, 256>>>(d, m.ref, n, m.sums, m.nans);
-  CHECK(cudaGetLastError());
-  double s[2];
-  CHECK(cudaMemcpy(s, m.sums, sizeof(s), cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(nans, m.nans, sizeof(*nans), cudaMemcpyDeviceToHost));
-  CHECK(cudaMemset(d, 0, n * sizeof(bf16)));
-  return std::sqrt(s[0] / std::max(s[1], 1e-30));
+  return m.check.Rel(d, m.ref, int64_t(p.m) * p.n, nans);
 }
 
 // Prints d's error (and a wait's timeout, if any) and whether that passes; clears d.
@@ -150,34 +111,6 @@ void RunLate(const Problem& p, Buffers& m, Op& op, cudaStream_t s1, cudaStream_t
   }
   op.Run(s1);
   CHECK(cudaDeviceSynchronize());
-}
-
-// One timed implementation: `call` enqueues one call on stream s.
-struct Timed {
-  std::string name;
-  cudaStream_t s;
-  std::function<void()> call;
-  std::vector<float> ms = {};
-  float Median() const {
-    std::vector<float> v = ms;
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  }
-};
-
-float TimeLoop(Timed& t, double seconds, cudaEvent_t e0, cudaEvent_t e1) {
-  auto loop = [&](int n) {
-    CHECK(cudaEventRecord(e0, t.s));
-    for (int i = 0; i < n; ++i) t.call();
-    CHECK(cudaEventRecord(e1, t.s));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    return ms / n;
-  };
-  t.call();
-  const float ms = loop(3);
-  return loop(std::max(5, int(seconds * 1e3 / std::max(ms, 1e-3f))));
 }
 
 }  // namespace fg
@@ -246,8 +179,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(ptr, elems * sizeof(bf16)));
   CHECK(cudaMalloc(&m.flags, 16 * sizeof(int)));
   CHECK(cudaMalloc(&m.err, sizeof(int)));
-  CHECK(cudaMalloc(&m.sums, 2 * sizeof(double)));
-  CHECK(cudaMalloc(&m.nans, sizeof(unsigned long long)));
+  m.check.Create();
   CHECK(cudaHostAlloc(&m.started, sizeof(int), cudaHostAllocMapped));
   const size_t ws_size = size_t(32) << 20;
   CHECK(cudaMalloc(&m.ws, ws_size));
@@ -256,9 +188,6 @@ int main(int argc, char** argv) {
   cudaStream_t s1, s2;
   CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
   Lt lt{p, m.b, m.ws, ws_size};
   lt.Create();
   std::vector<LtSpan> spans = {lt.Plan(0, p.m)};  // [0]: the whole GEMM; then the chunks
@@ -317,27 +246,25 @@ int main(int argc, char** argv) {
   impls.push_back({"chunked:steps", s1, [&] {
                      for (size_t i = 1; i < spans.size(); ++i) lt.Run(spans[i], m.a, m.d, s1);
                    }});
-  for (int round = 0; round < 3; ++round)
-    for (auto& t : impls) t.ms.push_back(TimeLoop(t, seconds, e0, e1));
+  TimeRounds(impls, 3, seconds);
   int err = 0;
   CHECK(cudaMemcpy(&err, m.err, sizeof(int), cudaMemcpyDeviceToHost));
   if (err) std::printf("TIMEOUT during timing (block %d)\n", err - 1);
   const double flops = 2.0 * p.m * p.n * double(p.k);
   std::printf("%-24s %9s %8s %8s %8s\n", "impl", "ms", "vs_cublas", "spread", "TFLOP/s");
   for (auto& t : impls) {
-    const auto [lo, hi] = std::minmax_element(t.ms.begin(), t.ms.end());
     const float med = t.Median();
     std::printf("%-24s %9.4f %8.3f %7.1f%% %8.1f\n", t.name.c_str(), med, med / impls[0].Median(),
-                100.0 * (*hi - *lo) / med, flops / med * 1e-9);
+                100.0 * t.Spread(), flops / med * 1e-9);
   }
   flag_ops.clear(), nowait_ops.clear(), stock_ops.clear();
   lt.Destroy(spans);
-  for (cudaEvent_t e : {e0, e1}) CHECK(cudaEventDestroy(e));
   CHECK(cudaStreamDestroy(s1));
   CHECK(cudaStreamDestroy(s2));
   for (void* ptr : {(void*)m.a, (void*)m.a_late, (void*)m.b, (void*)m.d, (void*)m.ref,
-                    (void*)m.flags, (void*)m.err, (void*)m.sums, (void*)m.nans, m.ws})
+                    (void*)m.flags, (void*)m.err, m.ws})
     CHECK(cudaFree(ptr));
+  m.check.Destroy();
   CHECK(cudaFreeHost(m.started));
   return all_pass ? 0 : 1;
 }

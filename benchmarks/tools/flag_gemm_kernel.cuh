@@ -15,7 +15,7 @@
 // an error word and gives up (the driver then reports TIMEOUT instead of hanging).
 // Also here: Config (the CUTLASS kernel types), CutlassOp (one initialized GEMM), Entry (a named
 // config the driver can build with the flag scheduler or CUTLASS's stock one), and Lt, the
-// cuBLASLt GEMMs the driver compares with: the whole of D, or one contiguous span of its rows.
+// cuBLASLt GEMMs the drivers compare with: the whole of D, or one contiguous span of its rows.
 // CUTLASS's device-side asserts make ptxas serialize the wgmma pipeline (C7510): keep them out.
 #pragma once
 #ifndef NDEBUG
@@ -306,9 +306,13 @@ struct Lt {
   cublasLtHandle_t h = nullptr;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t lb = nullptr;
+  int sm_target = 0;  // > 0: the SMs cuBLASLt may use (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET)
   void Create() {
     CHECK(cublasLtCreate(&h));
     CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    if (sm_target > 0)
+      CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target,
+                                           sizeof(sm_target)));
     CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, p.n, p.k, p.n));
   }
   LtSpan Plan(int row0, int rows) {

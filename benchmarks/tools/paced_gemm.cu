@@ -1,0 +1,296 @@
+// paced_gemm: one rank's all-gather GEMM schedules on ONE GPU with its peers' row blocks
+// arriving as a modelled link delivers them, so that schedules which overlap differently can be
+// compared without a second GPU. solo_schedule and flag_gemm time the compute side with every
+// row already in place; here the rows are in place too, but each block's flag is raised only
+// at its modelled arrival time, by a one-thread kernel that spins on the GPU's global timer
+// (the "link"). It occupies one SM for the arrival window, so every GEMM that runs beside it
+// gets one SM fewer (cuBLASLt's SM count target, CUTLASS's grid); the harness's cost is timed
+// alone (`paced:whole`) and taken out of the ratios.
+//
+// The model: a block of C = (M/tp) * K * 2 bytes takes C / rate (+ latency) to land. The library's
+// default all-gather pushes to every peer at once, so all remote blocks share the link and land
+// together at (tp - 1) * C / rate; the all-gather in turn (Tuning.all_gather_in_turn) receives
+// from one peer at a time, block (rank - s) mod tp landing at s * (C / rate + latency). Not
+// modelled: the cost of the copies themselves (HBM traffic and power: about 3% of GEMM time on
+// an H200, RESULTS' misses), or skew between the GPUs.
+//
+// Timed, each call after the link's kernel has started (the schedule's stream waits for its
+// word), in interleaved loops of >= `seconds`, 3 rounds, median:
+//   whole            cuBLASLt's whole GEMM (heuristic pick, all SMs), back to back: the bound
+//   paced:whole      the same GEMM behind the harness (SMs - 1, no flag waits)
+//   paced:steps      the library's default: the own block's GEMM; then, once they have landed
+//                    (together), the blocks after it and those before it, one GEMM each
+//   paced:in_turn    the all-gather in turn: the own block, then one GEMM per block as it lands
+//   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
+//                    for each row block's flag before loading it
+// Each is first checked against the whole GEMM's output (relative error, non-finite values, the
+// flag GEMM's timeout word).
+//
+// Usage: paced_gemm M,K,N tp rank rate_gbps seconds [configs|all] [latency_us]
+//   M,K,N: the rank's whole GEMM (M: all gathered rows, tp blocks of M/tp); rank: whose schedule;
+//   rate_gbps: GB/s into the GPU (jax_ub's all-gather moved 264-279 GB/s per GPU on 4 H200s).
+// Build: as flag_gemm (CUTLASS's headers; `ninja -C build/dev paced_gemm`).
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+#include <cuda.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flag_gemm_bench.cuh"
+
+namespace fg {
+
+// The driver's cuStreamWaitValue32, resolved through the runtime (no libcuda to link).
+using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+WaitValue32 LoadWaitValue32() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || fn == nullptr) Fail("driver", "no cuStreamWaitValue32");
+  return reinterpret_cast<WaitValue32>(fn);
+}
+
+// When each remote row block lands, in ns after the link starts, in landing order.
+struct Arrivals {
+  int count = 0;
+  int block[16];
+  uint64_t ns[16];
+};
+
+// The link: resets the flags (own block landed, the rest not), raises `go` to `epoch` (the
+// schedule's stream waits for it), then raises each block's flag at its arrival time.
+__global__ void Link(Arrivals a, int* flags, int blocks, int own, int* go, int epoch) {
+  for (int b = 0; b < blocks; ++b) flags[b] = b == own ? 1 : 0;
+  __threadfence();
+  StoreRelease(go, epoch);
+  const uint64_t t0 = Now();
+  for (int s = 0; s < a.count; ++s) {
+    while (Now() - t0 < a.ns[s]) {
+    }
+    StoreRelease(flags + a.block[s], 1);
+  }
+}
+
+struct Harness {
+  cudaStream_t compute, link;
+  cudaEvent_t done;  // the previous call's end: the next link starts after it
+  int *flags, *go;
+  WaitValue32 wait_value;
+  int epoch = 0;
+  // The compute stream waits until `word` >= value.
+  void Wait(const int* word, int value) {
+    const CUresult r =
+        wait_value(compute, CUdeviceptr(word), cuuint32_t(value), CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) Fail("cuStreamWaitValue32", "failed");
+  }
+  // Starts the link for one call and makes `compute` wait until it runs.
+  void Begin(const Arrivals& a, int blocks, int own) {
+    CHECK(cudaStreamWaitEvent(link, done));
+    Link<<<1, 1, 0, link>>>(a, flags, blocks, own, go, ++epoch);
+    CHECK(cudaGetLastError());
+    Wait(go, epoch);
+  }
+  void WaitBlock(int b) { Wait(flags + b, 1); }
+  void End() { CHECK(cudaEventRecord(done, compute)); }
+};
+
+std::vector<int> ParseShape(const char* arg) {
+  int m = 0, k = 0, n = 0;
+  if (std::sscanf(arg, "%d,%d,%d", &m, &k, &n) != 3 || m <= 0 || k <= 0 || n <= 0)
+    Fail("M,K,N", arg);
+  if (k % 8 || n % 8) Fail("K,N", "must be multiples of 8");
+  return {m, k, n};
+}
+
+}  // namespace fg
+
+int main(int argc, char** argv) {
+  using namespace fg;
+  if (argc < 6) {
+    std::fprintf(stderr, "usage: %s M,K,N tp rank rate_gbps seconds [configs|all] [latency_us]\n",
+                 argv[0]);
+    return 2;
+  }
+  const std::vector<int> mkn = ParseShape(argv[1]);
+  const int tp = std::atoi(argv[2]), rank = std::atoi(argv[3]);
+  const double gbps = std::atof(argv[4]), seconds = std::atof(argv[5]);
+  const std::string want = argc > 6 ? argv[6] : "all";
+  const double latency_us = argc > 7 ? std::atof(argv[7]) : 0.0;
+  if (tp < 2 || tp > 16) Fail("tp", "must be 2..16");
+  if (rank < 0 || rank >= tp) Fail("rank", "must be 0..tp-1");
+  if (mkn[0] % tp) Fail("M", "must be a multiple of tp");
+  if (!(gbps > 0) || !(seconds > 0) || latency_us < 0) Fail("rate, seconds, latency", "positive");
+
+  CHECK(cudaSetDevice(0));
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+
+  // The whole GEMM on all SMs; everything behind the link on one fewer.
+  Problem whole{mkn[0], mkn[1], mkn[2], 1, 0, sms};
+  Problem paced = whole;
+  paced.blocks = tp;
+  paced.sm_count = sms - 1;
+  const int rows = whole.m / tp;
+  const double chunk = double(rows) * whole.k * 2;  // bytes of one row block
+  const double step_ns = chunk / gbps;              // GB/s = bytes per ns
+  Arrivals together, in_turn;
+  for (int s = 1; s < tp; ++s) {
+    const int b = (rank - s + tp) % tp;
+    in_turn.block[in_turn.count] = b;
+    in_turn.ns[in_turn.count++] = uint64_t(s * (step_ns + latency_us * 1e3));
+    together.block[together.count] = b;
+    together.ns[together.count++] = uint64_t((tp - 1) * step_ns + latency_us * 1e3);
+  }
+  paced.order = uint64_t(rank);
+  for (int s = 0; s < in_turn.count; ++s)
+    paced.order |= uint64_t(in_turn.block[s]) << (4 * (s + 1));
+  std::printf(
+      "device %s, %d SMs; M,K,N = %d,%d,%d, tp %d, rank %d; link %.0f GB/s, latency %.1f us: a "
+      "block (%.1f MB) every %.1f us in turn, all %d remote blocks at %.1f us together\n",
+      prop.name, sms, whole.m, whole.k, whole.n, tp, rank, gbps, latency_us, chunk / 1e6,
+      in_turn.ns[0] / 1e3, tp - 1, together.ns[0] / 1e3);
+
+  bf16 *a, *b, *d, *ref;
+  int* err;
+  void* ws;
+  const size_t ws_size = size_t(32) << 20;
+  const int64_t a_elems = int64_t(whole.m) * whole.k, d_elems = int64_t(whole.m) * whole.n;
+  CHECK(cudaMalloc(&a, a_elems * sizeof(bf16)));
+  CHECK(cudaMalloc(&b, int64_t(whole.k) * whole.n * sizeof(bf16)));
+  CHECK(cudaMalloc(&d, d_elems * sizeof(bf16)));
+  CHECK(cudaMalloc(&ref, d_elems * sizeof(bf16)));
+  CHECK(cudaMalloc(&err, sizeof(int)));
+  CHECK(cudaMalloc(&ws, ws_size));
+  CHECK(cudaMemset(err, 0, sizeof(int)));
+  jax_ub_tool::FillRandom(reinterpret_cast<__nv_bfloat16*>(a), a_elems, 0x1234u, 1.0f, nullptr);
+  jax_ub_tool::FillRandom(reinterpret_cast<__nv_bfloat16*>(b), int64_t(whole.k) * whole.n, 0x9876u,
+                          1.0f, nullptr);
+  Harness h{};
+  h.wait_value = LoadWaitValue32();
+  CHECK(cudaStreamCreateWithFlags(&h.compute, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&h.link, cudaStreamNonBlocking));
+  CHECK(cudaEventCreateWithFlags(&h.done, cudaEventDisableTiming));
+  CHECK(cudaMalloc(&h.flags, 16 * sizeof(int)));
+  CHECK(cudaMalloc(&h.go, sizeof(int)));
+  CHECK(cudaMemset(h.go, 0, sizeof(int)));
+  CHECK(cudaEventRecord(h.done, h.compute));
+
+  Lt full{whole, b, ws, ws_size}, fewer{whole, b, ws, ws_size};
+  fewer.sm_target = sms - 1;
+  full.Create();
+  fewer.Create();
+  std::vector<LtSpan> full_spans = {full.Plan(0, whole.m)};
+  // fewer's spans: [0] whole, [1] own block, [2] after, [3] before (the library's spans), then
+  // one per block for the all-gather in turn.
+  std::vector<LtSpan> spans = {fewer.Plan(0, whole.m), fewer.Plan(rank * rows, rows)};
+  std::vector<LtSpan> steps_spans = {spans[1]};
+  if (rank + 1 < tp)
+    steps_spans.push_back(fewer.Plan((rank + 1) * rows, whole.m - (rank + 1) * rows));
+  if (rank > 0) steps_spans.push_back(fewer.Plan(0, rank * rows));
+  std::vector<LtSpan> block_spans(tp);
+  for (int blk = 0; blk < tp; ++blk) block_spans[blk] = fewer.Plan(blk * rows, rows);
+  full.Run(full_spans[0], a, ref, h.compute);
+
+  std::vector<Timed> impls;
+  impls.push_back({"whole", h.compute, [&] { full.Run(full_spans[0], a, d, h.compute); }});
+  impls.push_back({"paced:whole", h.compute, [&] {
+                     h.Begin(in_turn, tp, rank);
+                     fewer.Run(spans[0], a, d, h.compute);
+                     h.End();
+                   }});
+  impls.push_back({"paced:steps", h.compute, [&] {
+                     h.Begin(together, tp, rank);
+                     fewer.Run(steps_spans[0], a, d, h.compute);
+                     for (size_t i = 1; i < steps_spans.size(); ++i) {
+                       const LtSpan& s = steps_spans[i];
+                       for (int blk = s.row0 / rows; blk < (s.row0 + s.rows) / rows; ++blk)
+                         h.WaitBlock(blk);
+                       fewer.Run(s, a, d, h.compute);
+                     }
+                     h.End();
+                   }});
+  impls.push_back({"paced:in_turn", h.compute, [&] {
+                     h.Begin(in_turn, tp, rank);
+                     fewer.Run(block_spans[rank], a, d, h.compute);
+                     for (int s = 0; s < in_turn.count; ++s) {
+                       h.WaitBlock(in_turn.block[s]);
+                       fewer.Run(block_spans[in_turn.block[s]], a, d, h.compute);
+                     }
+                     h.End();
+                   }});
+  std::vector<std::unique_ptr<Op>> flag_ops;
+  for (const ConfigEntry& c :
+       {Entry<128, 256, 2, false>("coop_128x256_c2"), Entry<128, 128, 1, false>("coop_128x128_c1"),
+        Entry<128, 128, 2, true>("ping_128x128_c2")}) {
+    if (want != "all" &&
+        ("," + want + ",").find("," + std::string(c.name) + ",") == std::string::npos)
+      continue;
+    if (rows % c.row_unit) {
+      std::printf("%s: skipped (M/tp not a multiple of %d)\n", c.name, c.row_unit);
+      continue;
+    }
+    flag_ops.push_back(c.make(paced, a, b, d, h.flags, err, false));
+    Op* op = flag_ops.back().get();
+    impls.push_back({std::string("paced:flag:") + c.name, h.compute, [&h, op, &in_turn, tp, rank] {
+                       h.Begin(in_turn, tp, rank);
+                       op->Run(h.compute);
+                       h.End();
+                     }});
+  }
+
+  // Correctness: each implementation's output against the whole GEMM's.
+  ErrorCheck check;
+  check.Create();
+  bool pass = true;
+  for (Timed& t : impls) {
+    t.call();
+    unsigned long long nonfinite = 0;
+    const double rel = check.Rel(d, ref, d_elems, &nonfinite);
+    int timeout = 0;
+    CHECK(cudaMemcpy(&timeout, err, sizeof(int), cudaMemcpyDeviceToHost));
+    const bool ok = rel < 1e-2 && nonfinite == 0 && timeout == 0;
+    pass &= ok;
+    std::printf("%-26s rel_err %.2e  nonfinite %llu  %s%s\n", t.name.c_str(), rel, nonfinite,
+                timeout ? "TIMEOUT " : "", ok ? "PASS" : "FAIL");
+  }
+  std::printf("correctness: %s\n", pass ? "PASS" : "FAIL");
+
+  TimeRounds(impls, 3, seconds);
+  int timeout = 0;
+  CHECK(cudaMemcpy(&timeout, err, sizeof(int), cudaMemcpyDeviceToHost));
+  if (timeout) std::printf("TIMEOUT during timing (block %d)\n", timeout - 1);
+  // Ratios to the whole GEMM with the harness's own cost (paced:whole - whole) taken out.
+  const float t_whole = impls[0].Median(), harness = impls[1].Median() - t_whole;
+  std::printf(
+      "harness: %.1f us a call (paced:whole - whole); the last block lands at %.3f of the "
+      "whole GEMM in turn, %.3f together\n",
+      harness * 1e3, in_turn.ns[in_turn.count - 1] * 1e-6 / t_whole,
+      together.ns[0] * 1e-6 / t_whole);
+  std::printf("%-26s %9s %8s %10s\n", "impl", "ms", "spread", "op/whole");
+  for (const Timed& t : impls) {
+    const float med = t.Median(), op = t.name.rfind("paced:", 0) == 0 ? med - harness : med;
+    std::printf("%-26s %9.4f %7.1f%% %10.3f\n", t.name.c_str(), med, 100.0 * t.Spread(),
+                op / t_whole);
+  }
+  flag_ops.clear();
+  std::vector<LtSpan> fewer_all = spans;
+  fewer_all.insert(fewer_all.end(), steps_spans.begin() + 1, steps_spans.end());
+  fewer_all.insert(fewer_all.end(), block_spans.begin(), block_spans.end());
+  full.Destroy(full_spans);
+  fewer.Destroy(fewer_all);
+  check.Destroy();
+  CHECK(cudaEventDestroy(h.done));
+  CHECK(cudaStreamDestroy(h.compute));
+  CHECK(cudaStreamDestroy(h.link));
+  for (void* ptr :
+       {(void*)a, (void*)b, (void*)d, (void*)ref, (void*)err, ws, (void*)h.flags, (void*)h.go})
+    CHECK(cudaFree(ptr));
+  return pass ? 0 : 1;
+}
