@@ -279,19 +279,19 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(&timeout, err, sizeof(int), cudaMemcpyDeviceToHost));
   if (timeout) std::printf("TIMEOUT during timing (block %d)\n", timeout - 1);
   // Ratios to paced:whole and to the floor, the harness's own cost (paced:empty) taken out.
-  const float harness = impls[2].Median(), ref = impls[3].Median() - harness;
-  const double lands = in_turn.ns[in_turn.count - 1] * 1e-6 / ref;
+  const float harness = impls[2].Median(), t_ref = impls[3].Median() - harness;
+  const double lands = in_turn.ns[in_turn.count - 1] * 1e-6 / t_ref;
   const double floor = std::max(1.0, lands + 1.0 / tp);
   std::printf(
       "harness: %.1f us a call; the last block lands at %.3f of paced:whole in turn, "
       "%.3f together; floor %.3f\n",
-      harness * 1e3, lands, together.ns[0] * 1e-6 / ref, floor);
+      harness * 1e3, lands, together.ns[0] * 1e-6 / t_ref, floor);
   std::printf("%-26s %9s %8s %10s %10s\n", "impl", "ms", "spread", "op/ref", "op/floor");
   for (const Timed& t : impls) {
     if (t.name == "paced:empty") continue;
     const float med = t.Median(), op = t.name.rfind("paced:", 0) == 0 ? med - harness : med;
     std::printf("%-26s %9.4f %7.1f%% %10.3f %10.3f\n", t.name.c_str(), med, 100.0 * t.Spread(),
-                op / ref, op / ref / floor);
+                op / t_ref, op / t_ref / floor);
   }
   flag_ops.clear();
   std::vector<LtSpan> fewer_all = spans;
