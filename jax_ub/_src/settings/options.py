@@ -59,7 +59,9 @@ class Tuning:
         only that GEMM: the op takes about the collective plus (tp - 1) / tp of the GEMM,
         as on 4 H200s (benchmarks/RESULTS.md: 70B's qkv 1.648 ms, the all-gather 0.727,
         the GEMM 0.961). Off until measured on 2+ GPUs: one copy at a time must still
-        fill the link, and at tp=8 the GEMMs of one chunk run below full efficiency.
+        fill the link, and at tp=8 the GEMMs of one chunk run below full efficiency. On
+        one GPU with a modelled 270 GB/s link (benchmarks/tools/paced_gemm.cu) it ran
+        1.02-1.15x its floor at tp=8, all pushes at once 1.18-1.54x.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
