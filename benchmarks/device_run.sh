@@ -491,19 +491,24 @@ mode_solo() {
   done
 }
 
+# The all-gather projections of SOLO_PROJECTIONS at each tp of $1, one "M,K,N:tp" a line (M
+# the gathered rows, N a rank's columns): the CUTLASS tools' default shapes.
+ag_projection_specs() {
+  local tp spec op name tokens in out
+  for tp in $1; do
+    for spec in $SOLO_PROJECTIONS; do
+      IFS=: read -r op name tokens in out <<< "$spec"
+      [ "$op" = ag ] && echo "$tokens,$in,$((out / tp)):$tp"
+    done
+  done
+}
+
 mode_flaggemm() {
   build_tool flag_gemm 600  # CUTLASS's kernels: about 3 minutes on 2 cores
   [ "$STEP_RC" -eq 0 ] || { echo "flag_gemm needs CUTLASS's headers at configure time (see help)"; return; }
-  local spec shape blocks order op name tokens in out tp
+  local spec shape blocks order
   local -a specs=("$@")
-  if [ ${#specs[@]} -eq 0 ]; then  # the all-gather projections of SOLO_PROJECTIONS at FLAG_TP
-    for tp in ${FLAG_TP:-4 8}; do
-      for spec in $SOLO_PROJECTIONS; do
-        IFS=: read -r op name tokens in out <<< "$spec"
-        [ "$op" = ag ] && specs+=("$tokens,$in,$((out / tp)):$tp")
-      done
-    done
-  fi
+  [ ${#specs[@]} -gt 0 ] || mapfile -t specs < <(ag_projection_specs "${FLAG_TP:-4 8}")
   : > "$OUT/flag_gemm.log"
   for spec in "${specs[@]}"; do
     IFS=: read -r shape blocks order <<< "$spec"
@@ -517,16 +522,9 @@ mode_flaggemm() {
 mode_paced() {
   build_tool paced_gemm 600  # CUTLASS's kernels: about 3 minutes on 2 cores
   [ "$STEP_RC" -eq 0 ] || { echo "paced_gemm needs CUTLASS's headers at configure time (see help)"; return; }
-  local spec shape tp rank gbps op name tokens in out
+  local spec shape tp rank gbps
   local -a specs=("$@")
-  if [ ${#specs[@]} -eq 0 ]; then  # the all-gather projections of SOLO_PROJECTIONS at PACED_TP
-    for tp in ${PACED_TP:-4 8}; do
-      for spec in $SOLO_PROJECTIONS; do
-        IFS=: read -r op name tokens in out <<< "$spec"
-        [ "$op" = ag ] && specs+=("$tokens,$in,$((out / tp)):$tp")
-      done
-    done
-  fi
+  [ ${#specs[@]} -gt 0 ] || mapfile -t specs < <(ag_projection_specs "${PACED_TP:-4 8}")
   : > "$OUT/paced_gemm.log"
   for gbps in ${PACED_GBPS:-270}; do
     for spec in "${specs[@]}"; do

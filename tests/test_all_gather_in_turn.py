@@ -1,8 +1,9 @@
 """all_gather_matmul with Tuning.all_gather_in_turn: each rank pushes its chunk to one peer at
 a time and multiplies each chunk as it lands. The step lists themselves (every rank's, read
 from the host extension): at each step every rank receives exactly one chunk, and each
-rank multiplies its chunks in the order they land; then the op's values, epilogues, the
-gathered copy and gradients on CPU devices, where the host runs those very lists."""
+rank multiplies its chunks in the order they land; off, every push at once; by default, in
+turn where w's local columns are few. Then the op's values, epilogues, the gathered copy and
+gradients on CPU devices, where the host runs those very lists."""
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,12 @@ from jax_ub._src.runtime import extension
 SIZES = [2, 3, 4, 8]
 
 
-def steps(rank: int, size: int, in_turn: bool, m: int = 2, gathered: bool = False) -> list:
-    """Rank `rank`'s step list for an all-gather GEMM of a rank's x[m, 3] @ w[3, 5]."""
+def steps(
+    rank: int, size: int, in_turn: bool | None, m: int = 2, gathered: bool = False, n: int = 5
+) -> list:
+    """Rank `rank`'s step list for an all-gather GEMM of a rank's x[m, 3] @ w[3, n]."""
     options = comm_options(all_gather_in_turn=in_turn)
-    return extension._host.call_steps("all_gather_matmul", rank, size, m, 3, 5, gathered, options)
+    return extension._host.call_steps("all_gather_matmul", rank, size, m, 3, n, gathered, options)
 
 
 def pushes(step_list: list, rank: int) -> list[int]:
@@ -72,15 +75,32 @@ def test_each_gpu_receives_one_chunk_a_step_and_multiplies_it_as_it_lands(size):
         assert remote_gemm_chunks(s, r) == [[q] for q in landed], r
 
 
+def all_at_once(step_list: list, rank: int, size: int) -> bool:
+    """No copy lane waits for another, and the remote chunks are multiplied as at most two
+    runs of contiguous rows, after and before our own."""
+    joins = [st for st in step_list if st[0] == "Join" and st[1] >= 0 and st[3] >= 0]
+    runs = remote_gemm_chunks(step_list, rank)
+    return not joins and runs == [c for c in (list(range(rank + 1, size)), list(range(rank))) if c]
+
+
 @pytest.mark.parametrize("size", SIZES)
-def test_by_default_every_push_starts_at_once(size):
-    """Off (the default): no copy lane waits for another, and the remote chunks are
-    multiplied as at most two runs of contiguous rows, after and before our own."""
+def test_off_every_push_starts_at_once(size):
     for r in range(size):
-        s = steps(r, size, False)
-        assert not [st for st in s if st[0] == "Join" and st[1] >= 0 and st[3] >= 0], r
-        runs = remote_gemm_chunks(s, r)
-        assert runs == [c for c in (list(range(r + 1, size)), list(range(r))) if c], r
+        assert all_at_once(steps(r, size, False), r, size), r
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_by_default_in_turn_where_w_has_few_local_columns(size):
+    """By default (None) a call goes in turn where w's local columns n < 1280 (size - 1)
+    (Schedule::AllGatherInTurnPays: the transfer outlasts twice the local chunk's GEMM),
+    else every push at once; on two ranks both are one list."""
+    limit = 1280 * (size - 1)
+    for r in range(size):
+        for n in (5, limit - 8, limit, 4 * limit):
+            want = steps(r, size, size > 2 and n < limit, n=n)
+            assert steps(r, size, None, n=n) == want, (r, n)
+        assert all_at_once(steps(r, size, None, n=limit), r, size), r
+    assert steps(0, 2, True) == steps(0, 2, False)
 
 
 def test_a_gathered_copy_follows_each_chunk():

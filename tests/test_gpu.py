@@ -86,8 +86,12 @@ def test_forward_matches_xla(tp, shape, dtype):
     assert gpu_rel_err(_rs(mesh, "ub")(h, v), rs_ref) < TOL[dtype]
 
 
-# The schedules off by default, each a Tuning flag, and the op it changes.
-OPTIONAL_SCHEDULES = {"reduce_scatter_ring": "rs", "all_gather_in_turn": "ag"}
+# The schedules a Tuning choice forces (the defaults' other side), and the op each changes.
+OPTIONAL_SCHEDULES = {
+    "reduce_scatter_ring": ("rs", {"reduce_scatter_ring": True, "reduce_scatter_fold_rows": 0}),
+    "all_gather_in_turn": ("ag", {"all_gather_in_turn": True}),
+    "all_gather_at_once": ("ag", {"all_gather_in_turn": False}),
+}
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -95,21 +99,19 @@ OPTIONAL_SCHEDULES = {"reduce_scatter_ring": "rs", "all_gather_in_turn": "ag"}
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("schedule", sorted(OPTIONAL_SCHEDULES))
 def test_optional_schedule(tp, rows, dtype, schedule):
-    """The schedules off by default, on: reduce_scatter_ring folds groups above 2 in a ring
+    """The schedules a tuning choice forces: reduce_scatter_ring folds groups above 2 in a ring
     (each block's partial sum passes from rank to rank, each GEMM adding its partial in its
     epilogue; at tp=2 it is the fold); all_gather_in_turn pushes to one peer at a time, each
-    copy lane waiting for the one before, and multiplies each chunk as it lands. Blocks of
-    129 rows and 1 row make uneven and empty pieces; three calls reuse the buffer as epochs
-    advance."""
+    copy lane waiting for the one before, and multiplies each chunk as it lands (the default
+    for this test's narrow w above 2 GPUs); off, every push at once. Blocks of 129 rows and
+    1 row make uneven and empty pieces; three calls reuse the buffer as epochs advance."""
     jax_ub.finalize()  # communicators take the setting when they are created
-    settings = {schedule: True}
-    if schedule == "reduce_scatter_ring":
-        settings["reduce_scatter_fold_rows"] = 0
+    op_kind, settings = OPTIONAL_SCHEDULES[schedule]
     use_tuning(**settings)
     try:
         mesh = _mesh(tp)
         key = jax.random.key(rows + 100 * tp)
-        if OPTIONAL_SCHEDULES[schedule] == "rs":
+        if op_kind == "rs":
             op, (a, b) = _rs, _data(key, [(tp * rows, 256), (256, 384)], dtype)
         else:
             op, (a, b) = _ag, _data(key, [(tp * rows, 256), (256, tp * 128)], dtype)

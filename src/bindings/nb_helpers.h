@@ -100,7 +100,10 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
         ("gemm_trials must be >= 0, got " + std::to_string(o.gemm_trials)).c_str());
   o.reduce_scatter_fold_rows = nb::cast<int64_t>(get("reduce_scatter_fold_rows"));
   o.reduce_scatter_ring = nb::cast<bool>(get("reduce_scatter_ring"));
-  o.all_gather_in_turn = nb::cast<bool>(get("all_gather_in_turn"));
+  const nb::object in_turn = get("all_gather_in_turn");  // None: by each call's shape
+  o.all_gather_in_turn = in_turn.is_none()         ? InTurn::kByShape
+                         : nb::cast<bool>(in_turn) ? InTurn::kOn
+                                                   : InTurn::kOff;
   o.gemm_cache = nb::cast<std::string>(get("gemm_cache"));
   if (o.gemm_cache.find('\n') != std::string::npos)
     throw nb::value_error("gemm_cache must be a file path, without newlines");

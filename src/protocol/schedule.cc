@@ -232,9 +232,15 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
 
 }  // namespace
 
+bool Schedule::AllGatherInTurnPays(const CallShape& c) const {
+  return size > 2 && c.n < (size - 1) * kInTurnColumnsPerPeer;
+}
+
 std::vector<Step> CallSteps(OpKind op, const Schedule& sched, const CallShape& shape) {
-  return op == OpKind::kAllGatherMatmul ? AllGatherSteps(sched, shape)
-                                        : ReduceScatterSteps(sched, shape);
+  if (op != OpKind::kAllGatherMatmul) return ReduceScatterSteps(sched, shape);
+  Schedule s = sched;
+  if (s.in_turn_by_shape) s.in_turn = s.AllGatherInTurnPays(shape);
+  return AllGatherSteps(s, shape);
 }
 
 }  // namespace jax_ub

@@ -14,6 +14,8 @@
 
 namespace jax_ub {
 
+struct CallShape;
+
 // One tensor-parallel group of `size` ranks, seen from `rank`.
 struct Schedule {
   int rank = 0;
@@ -26,15 +28,30 @@ struct Schedule {
   // The all-gather pushes to one peer at a time and multiplies each chunk as it lands
   // (CommOptions::all_gather_in_turn); see AllGatherSpans.
   bool in_turn = false;
+  // ... or decides that per call, by AllGatherInTurnPays (CallSteps sets in_turn).
+  bool in_turn_by_shape = false;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
   static Schedule Of(const CommOptions& options) {
     Schedule s;
     s.fold_rows = options.reduce_scatter_fold_rows;
     s.ring = options.reduce_scatter_ring;
-    s.in_turn = options.all_gather_in_turn;
+    s.in_turn = options.all_gather_in_turn == InTurn::kOn;
+    s.in_turn_by_shape = options.all_gather_in_turn == InTurn::kByShape;
     return s;
   }
+
+  // Output columns per peer below which an all-gather of n output columns a rank goes in
+  // turn (in_turn_by_shape): there the transfer takes over twice the local chunk's GEMM.
+  // Pushing all at once lands every chunk after (size - 1) m k b / rate, hidden only by the
+  // local chunk's GEMM, 2 m k n / flops; in turn pays a GEMM per chunk (5-17% on an H200)
+  // but hides the transfer. On an H200 with a modelled 270 GB/s link
+  // (benchmarks/tools/paced_gemm.cu, Llama 3 8B and 70B shapes at tp 4 and 8), in turn won
+  // where the transfer exceeded twice that GEMM, n < (size - 1) b flops / (4 rate); with
+  // 700 TFLOP/s for 2-byte inputs (fp8 twice as fast at half the bytes), 1296 a peer.
+  static constexpr int64_t kInTurnColumnsPerPeer = 1280;
+  bool AllGatherInTurnPays(const CallShape& c) const;
+
   // This schedule as seen from `r` in a group of `n`.
   Schedule For(int r, int n) const {
     Schedule s = *this;
@@ -58,7 +75,7 @@ struct Schedule {
   };
 
   // GEMMs of the all-gather product, in order: the local chunk first (it needs no
-  // communication and hides the pushes), then the remote chunks. By default every push
+  // communication and hides the pushes), then the remote chunks. Not in turn, every push
   // starts at once, so the remote chunks land together, about when the collective ends;
   // they are multiplied as at most two contiguous row ranges (after and before our own
   // rows), few large GEMMs at full efficiency where one small GEMM per chunk would not
@@ -96,8 +113,7 @@ struct Schedule {
   // not for a call that `gathers` beside it: there a peer's gathered chunk is announced by
   // the partial it sends after it, and in a ring above two ranks most peers send none.
   bool ReduceScatterFolds(int64_t rows, bool gathers) const {
-    return (size == 2 || (size > 2 && ring && !gathers)) && fold_rows >= 0 &&
-           rows / 2 >= fold_rows;
+    return (size == 2 || (size > 2 && ring && !gathers)) && fold_rows >= 0 && rows / 2 >= fold_rows;
   }
 
   // A folding reduce-scatter's step s (0 .. size - 1) multiplies this block: each block's
@@ -181,7 +197,7 @@ struct Step {
   };
   Kind kind = Kind::kWait;
   int lane = kComputeLane;
-  int peer = -1;               // kWait, kPublish, kSignal: the rank
+  int peer = -1;  // kWait, kPublish, kSignal: the rank
   // kWait, kSignal: the flag's slot where it is not the sender's rank (a ring's partial
   // sums, several from one sender in a call); negative: the sender's.
   int slot = -1;

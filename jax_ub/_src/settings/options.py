@@ -51,17 +51,19 @@ class Tuning:
         partial and summing the group's in a pass of its own. Its sums round to the
         output's type at each rank. Off: on one H200 its compute side tied the default
         at long k and lost up to 1.96x at short k. The same in every process.
-      all_gather_in_turn: all_gather_matmul pushes its chunk to one peer at a time,
-        nearest first (so each GPU receives one chunk at a time), and multiplies each
-        chunk as it lands; else every push starts at once, the chunks land together
-        when the collective ends, and the remote ones are multiplied in at most two
-        GEMMs. Where the collective outlasts the local chunk's GEMM, the default hides
-        only that GEMM: the op takes about the collective plus (tp - 1) / tp of the GEMM,
-        as on 4 H200s (benchmarks/RESULTS.md: 70B's qkv 1.648 ms, the all-gather 0.727,
-        the GEMM 0.961). Off until measured on 2+ GPUs: one copy at a time must still
-        fill the link, and at tp=8 the GEMMs of one chunk run below full efficiency. On
-        one GPU with a modelled 270 GB/s link (benchmarks/tools/paced_gemm.cu) it ran
-        1.02-1.15x its floor at tp=8, all pushes at once 1.18-1.54x.
+      all_gather_in_turn: True: all_gather_matmul pushes its chunk to one peer at a
+        time, nearest first (so each GPU receives one chunk at a time), and multiplies
+        each chunk as it lands; False: every push starts at once, the chunks land
+        together when the collective ends, and the remote ones are multiplied in at most
+        two GEMMs, which hide behind the local chunk's GEMM only: where the collective
+        outlasts that GEMM the op takes about the collective plus (tp - 1) / tp of the
+        GEMM, as on 4 H200s (benchmarks/RESULTS.md: 70B's qkv 1.648 ms, the all-gather
+        0.727, the GEMM 0.961); in turn pays a GEMM per chunk (5-17% on an H200). None
+        (the default): in turn where the transfer outlasts twice the local chunk's GEMM,
+        for w's local columns n < 1280 (tp - 1) (src/protocol/schedule.h), as on one
+        H200 with a modelled 270 GB/s link (benchmarks/tools/paced_gemm.cu): at tp=8
+        in turn ran 1.02-1.15x its floor, all at once 1.18-1.54x. Not yet measured on
+        2+ GPUs.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
@@ -85,7 +87,7 @@ class Tuning:
     gemm_trials: int = 3
     reduce_scatter_fold_rows: int = 2048
     reduce_scatter_ring: bool = False
-    all_gather_in_turn: bool = False
+    all_gather_in_turn: bool | None = None
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
     compute_on_caller_stream: bool = True
@@ -95,6 +97,10 @@ class Tuning:
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
+        if not (self.all_gather_in_turn is None or isinstance(self.all_gather_in_turn, bool)):
+            raise ValueError(
+                f"all_gather_in_turn must be True, False or None, got {self.all_gather_in_turn!r}"
+            )
         if self.gemm_order not in _GEMM_ORDERS:
             raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {self.gemm_order!r}")
         trials = self.gemm_trials
@@ -161,7 +167,7 @@ class Options:
     gemm_trials: int
     reduce_scatter_fold_rows: int
     reduce_scatter_ring: bool
-    all_gather_in_turn: bool
+    all_gather_in_turn: bool | None
     compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
     gemm_cache: str
