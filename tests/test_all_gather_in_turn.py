@@ -21,11 +21,17 @@ SIZES = [2, 3, 4, 8]
 
 
 def steps(
-    rank: int, size: int, in_turn: bool | None, m: int = 2, gathered: bool = False, n: int = 5
+    rank: int,
+    size: int,
+    in_turn: bool | None,
+    m: int = 2,
+    gathered: bool = False,
+    n: int = 5,
+    k: int = 3,
 ) -> list:
-    """Rank `rank`'s step list for an all-gather GEMM of a rank's x[m, 3] @ w[3, n]."""
+    """Rank `rank`'s step list for an all-gather GEMM of a rank's x[m, k] @ w[k, n]."""
     options = comm_options(all_gather_in_turn=in_turn)
-    return extension._host.call_steps("all_gather_matmul", rank, size, m, 3, n, gathered, options)
+    return extension._host.call_steps("all_gather_matmul", rank, size, m, k, n, gathered, options)
 
 
 def pushes(step_list: list, rank: int) -> list[int]:
@@ -34,10 +40,10 @@ def pushes(step_list: list, rank: int) -> list[int]:
     return [lane for kind, lane, *_ in step_list if kind == "Copy" and lane not in (-1, rank)]
 
 
-def remote_gemm_chunks(step_list: list, rank: int, m: int = 2) -> list[list[int]]:
+def remote_gemm_chunks(step_list: list, rank: int, m: int = 2, k: int = 3) -> list[list[int]]:
     """The chunks each of the compute lane's GEMMs after the local one multiplies, by the
-    peers its waits named since the GEMM before (a chunk: m rows of k=3 float32)."""
-    chunk_bytes = m * 3 * 4
+    peers its waits named since the GEMM before (a chunk: m rows of k float32)."""
+    chunk_bytes = m * k * 4
     chunks, waited = [], []
     for kind, lane, peer, _, rows, region, offset in step_list:
         if lane != -1:
@@ -75,11 +81,11 @@ def test_each_gpu_receives_one_chunk_a_step_and_multiplies_it_as_it_lands(size):
         assert remote_gemm_chunks(s, r) == [[q] for q in landed], r
 
 
-def all_at_once(step_list: list, rank: int, size: int) -> bool:
+def all_at_once(step_list: list, rank: int, size: int, m: int = 2, k: int = 3) -> bool:
     """No copy lane waits for another, and the remote chunks are multiplied as at most two
     runs of contiguous rows, after and before our own."""
     joins = [st for st in step_list if st[0] == "Join" and st[1] >= 0 and st[3] >= 0]
-    runs = remote_gemm_chunks(step_list, rank)
+    runs = remote_gemm_chunks(step_list, rank, m, k)
     return not joins and runs == [c for c in (list(range(rank + 1, size)), list(range(rank))) if c]
 
 
@@ -90,16 +96,20 @@ def test_off_every_push_starts_at_once(size):
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_by_default_in_turn_where_w_has_few_local_columns(size):
-    """By default (None) a call goes in turn where w's local columns n < 1280 (size - 1)
-    (Schedule::AllGatherInTurnPays: the transfer outlasts twice the local chunk's GEMM),
-    else every push at once; on two ranks both are one list."""
+def test_by_default_in_turn_where_w_has_few_local_columns_and_the_gemm_is_long(size):
+    """By default (None) a call goes in turn where w's local columns n < 1280 (size - 1) and
+    m k n > 1.75e9 (size - 1) / (size - 2) (Schedule::AllGatherInTurnPays: the transfer
+    outlasts twice the local chunk's GEMM, which repays in turn's serial copies), else every
+    push at once; on two ranks both are one list."""
     limit = 1280 * (size - 1)
+    k = 4096
     for r in range(size):
-        for n in (5, limit - 8, limit, 4 * limit):
-            want = steps(r, size, size > 2 and n < limit, n=n)
-            assert steps(r, size, None, n=n) == want, (r, n)
-        assert all_at_once(steps(r, size, None, n=limit), r, size), r
+        for m, n in ((2048, 5), (2048, limit - 8), (2048, limit), (2048, 4 * limit), (2, 5)):
+            pays = size > 2 and n < limit and m * k * n * (size - 2) > 1.75e9 * (size - 1)
+            want = steps(r, size, pays, m=m, n=n, k=k)
+            assert steps(r, size, None, m=m, n=n, k=k) == want, (r, m, n)
+            assert pays == (size > 2 and m == 2048 and n < limit and n > 5), (r, m, n)
+        assert all_at_once(steps(r, size, None, m=2048, n=limit, k=k), r, size, 2048, k), r
     assert steps(0, 2, True) == steps(0, 2, False)
 
 

@@ -233,7 +233,8 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
 }  // namespace
 
 bool Schedule::AllGatherInTurnPays(const CallShape& c) const {
-  return size > 2 && c.n < (size - 1) * kInTurnColumnsPerPeer;
+  if (size <= 2 || c.n >= (size - 1) * kInTurnColumnsPerPeer) return false;
+  return double(c.m) * double(c.k) * double(c.n) * (size - 2) > kInTurnMinMkn * (size - 1);
 }
 
 std::vector<Step> CallSteps(OpKind op, const Schedule& sched, const CallShape& shape) {

@@ -41,8 +41,8 @@ struct Schedule {
     return s;
   }
 
-  // Output columns per peer below which an all-gather of n output columns a rank goes in
-  // turn (in_turn_by_shape): there the transfer takes over twice the local chunk's GEMM.
+  // When an all-gather goes in turn by shape (in_turn_by_shape): where its transfer outlasts
+  // twice the local chunk's GEMM and the GEMM is long enough to repay in turn's serial copies.
   // Pushing all at once lands every chunk after (size - 1) m k b / rate, hidden only by the
   // local chunk's GEMM, 2 m k n / flops; in turn pays a GEMM per chunk (5-17% on an H200)
   // but hides the transfer. On an H200 with a modelled 270 GB/s link
@@ -50,6 +50,10 @@ struct Schedule {
   // where the transfer exceeded twice that GEMM, n < (size - 1) b flops / (4 rate); with
   // 700 TFLOP/s for 2-byte inputs (fp8 twice as fast at half the bytes), 1296 a peer.
   static constexpr int64_t kInTurnColumnsPerPeer = 1280;
+  // Each copy in turn waits for the one before: about 5 us each (assumed), (size - 1) in all,
+  // which only the GEMM that in turn hides beyond all at once, (size - 2) / size of the whole
+  // 2 size m k n / flops, repays: m k n > (size - 1) / (size - 2) 5 us flops / 2.
+  static constexpr double kInTurnMinMkn = 1.75e9;
   bool AllGatherInTurnPays(const CallShape& c) const;
 
   // This schedule as seen from `r` in a group of `n`.

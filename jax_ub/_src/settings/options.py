@@ -58,12 +58,13 @@ class Tuning:
         two GEMMs, which hide behind the local chunk's GEMM only: where the collective
         outlasts that GEMM the op takes about the collective plus (tp - 1) / tp of the
         GEMM, as on 4 H200s (benchmarks/RESULTS.md: 70B's qkv 1.648 ms, the all-gather
-        0.727, the GEMM 0.961); in turn pays a GEMM per chunk (5-17% on an H200). None
-        (the default): in turn where the transfer outlasts twice the local chunk's GEMM,
-        for w's local columns n < 1280 (tp - 1) (src/protocol/schedule.h), as on one
-        H200 with a modelled 270 GB/s link (benchmarks/tools/paced_gemm.cu): at tp=8
-        in turn ran 1.02-1.15x its floor, all at once 1.18-1.54x. Not yet measured on
-        2+ GPUs.
+        0.727, the GEMM 0.961); in turn pays a GEMM per chunk (5-17% on an H200) and a
+        copy's start after each copy. None (the default): in turn where the transfer
+        outlasts twice the local chunk's GEMM, w's local columns n < 1280 (tp - 1), and
+        the GEMM repays the serial copies, m k n > 1.75e9 (tp - 1) / (tp - 2) for x's
+        local rows m (src/protocol/schedule.h); as on one H200 with a modelled 270 GB/s
+        link (benchmarks/tools/paced_gemm.cu): at tp=8 in turn ran 1.02-1.15x its floor,
+        all at once 1.18-1.54x. Not yet measured on 2+ GPUs.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
