@@ -5,12 +5,12 @@
 // at its modelled arrival time, by a one-thread kernel that spins on the GPU's global timer
 // (the "link"). It occupies one SM for the arrival window, so every GEMM that runs beside it
 // gets one SM fewer (cuBLASLt's SM count target, CUTLASS's grid); the harness's cost is timed
-// alone (`paced:whole`) and taken out of the ratios.
+// alone (`paced:empty`) and taken out of the ratios.
 //
-// The model: a block of C = (M/tp) * K * 2 bytes takes C / rate (+ latency) to land. The library's
-// default all-gather pushes to every peer at once, so all remote blocks share the link and land
-// together at (tp - 1) * C / rate; the all-gather in turn (Tuning.all_gather_in_turn) receives
-// from one peer at a time, block (rank - s) mod tp landing at s * (C / rate + latency). Not
+// The model: a block of C = (M/tp) * K * 2 bytes takes C / rate (+ latency) to land. Pushing to
+// every peer at once (steps), all remote blocks share the link and land together at
+// (tp - 1) * C / rate; the all-gather in turn (Tuning.all_gather_in_turn) receives from one
+// peer at a time, block (rank - s) mod tp landing at s * (C / rate + latency). Not
 // modelled: the cost of the copies themselves (HBM traffic and power: about 3% of GEMM time on
 // an H200, RESULTS' misses), or skew between the GPUs.
 //
@@ -21,7 +21,7 @@
 //   paced:empty      the harness alone (the link started, nothing landing, no GEMM): its cost a
 //                    call, taken out of the paced rows' ratios
 //   paced:whole      whole:sms-1 behind the harness, nothing to wait for: the reference
-//   paced:steps      the library's default: the own block's GEMM; then, once they have landed
+//   paced:steps      all at once: the own block's GEMM; then, once they have landed
 //                    (together), the blocks after it and those before it, one GEMM each
 //   paced:in_turn    the all-gather in turn: the own block, then one GEMM per block as it lands
 //   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
