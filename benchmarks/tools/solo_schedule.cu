@@ -19,8 +19,8 @@
 // slots lie back to back) merged into one GEMM of at least `merge_rows` rows where it can.
 // Each partial then leaves after the GEMM of its run, not of its own block.
 //
-// `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, off by
-// default): a GEMM per chunk, in the order chunks land, after the local one.
+// `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, chosen by
+// shape; `steps` is all at once): a GEMM per chunk, in the order chunks land, after the local one.
 //
 // Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn]
 //        [merge_rows]
