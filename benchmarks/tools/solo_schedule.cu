@@ -303,7 +303,10 @@ int main(int argc, char** argv) {
   r.shape.n = n;
   r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
   r.steps = jax_ub::CallSteps(
-      r.op, jax_ub::Schedule{0, tp, fold_rows, variant == "ring", variant == "in_turn"}, r.shape);
+      r.op,
+      jax_ub::Schedule{0, tp, fold_rows, variant == "ring",
+                       variant == "in_turn" ? jax_ub::InTurn::kOn : jax_ub::InTurn::kOff},
+      r.shape);
   if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
   Check(cudaSetDevice(0), "cudaSetDevice");
   Setup(r);

@@ -15,7 +15,7 @@ namespace jax_ub {
 enum class GemmOrder { kAuto = 0, kColumn = 1, kRow = 2 };
 
 // Whether the all-gather pushes to one peer at a time (Schedule::in_turn): always, never, or
-// per call, by its shape (Schedule::AllGatherInTurnPays).
+// per call, by its shape (Schedule::AllGatherInTurn).
 enum class InTurn { kByShape = 0, kOff = 1, kOn = 2 };
 
 struct CommOptions {

@@ -80,15 +80,16 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   const int64_t chunk = ChunkBytes(OpKind::kAllGatherMatmul, c);  // one rank's x
   const int64_t out_rows = c.m * c.n * DTypeSize(c.out);          // one rank's rows of out
   const std::vector<int> peers = sched.PushOrder();
+  const bool in_turn = sched.AllGatherInTurn(c);
   std::vector<Step> steps;
   // Push our shard to every peer, each on its own lane, once the peer has consumed our
   // previous push; the descriptor goes first, so a receiver can check what it got. All at
-  // once, or (Schedule::in_turn) each copy after the one before it has landed.
+  // once, or (in turn) each copy after the one before it has landed.
   for (size_t i = 0; i < peers.size(); ++i) {
     const int p = peers[i];
     steps.push_back(WaitCredit(p, p));
     steps.push_back(Publish(p, p));
-    if (sched.in_turn && i > 0) steps.push_back(Join(p, peers[i - 1]));
+    if (in_turn && i > 0) steps.push_back(Join(p, peers[i - 1]));
     steps.push_back(Copy(p, At(Region::kX, 0), At(Region::kPeerBuffer, rank * chunk, p), chunk));
     steps.push_back(Signal(p, p, Flag::kData));
   }
@@ -96,7 +97,7 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   if (c.gathered)
     steps.push_back(Copy(rank, At(Region::kX, 0), At(Region::kGathered, rank * chunk), chunk));
   // Multiply the local chunk, then the remote ones once they have landed.
-  for (const Schedule::Span& span : sched.AllGatherSpans()) {
+  for (const Schedule::Span& span : sched.AllGatherSpans(in_turn)) {
     Ref src = At(Region::kX, 0);
     if (span.first != rank) {
       for (int j = span.first; j < span.first + span.count; ++j) {
@@ -237,11 +238,13 @@ bool Schedule::AllGatherInTurnPays(const CallShape& c) const {
   return double(c.m) * double(c.k) * double(c.n) * (size - 2) > kInTurnMinMkn * (size - 1);
 }
 
+bool Schedule::AllGatherInTurn(const CallShape& c) const {
+  return in_turn == InTurn::kOn || (in_turn == InTurn::kByShape && AllGatherInTurnPays(c));
+}
+
 std::vector<Step> CallSteps(OpKind op, const Schedule& sched, const CallShape& shape) {
-  if (op != OpKind::kAllGatherMatmul) return ReduceScatterSteps(sched, shape);
-  Schedule s = sched;
-  if (s.in_turn_by_shape) s.in_turn = s.AllGatherInTurnPays(shape);
-  return AllGatherSteps(s, shape);
+  return op == OpKind::kAllGatherMatmul ? AllGatherSteps(sched, shape)
+                                        : ReduceScatterSteps(sched, shape);
 }
 
 }  // namespace jax_ub

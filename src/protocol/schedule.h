@@ -25,23 +25,20 @@ struct Schedule {
   int64_t fold_rows = -1;
   // Groups above two fold too, in a ring (CommOptions::reduce_scatter_ring).
   bool ring = false;
-  // The all-gather pushes to one peer at a time and multiplies each chunk as it lands
-  // (CommOptions::all_gather_in_turn); see AllGatherSpans.
-  bool in_turn = false;
-  // ... or decides that per call, by AllGatherInTurnPays (CallSteps sets in_turn).
-  bool in_turn_by_shape = false;
+  // Whether the all-gather pushes to one peer at a time and multiplies each chunk as it
+  // lands (CommOptions::all_gather_in_turn): on, off, or per call (AllGatherInTurn).
+  InTurn in_turn = InTurn::kOff;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
   static Schedule Of(const CommOptions& options) {
     Schedule s;
     s.fold_rows = options.reduce_scatter_fold_rows;
     s.ring = options.reduce_scatter_ring;
-    s.in_turn = options.all_gather_in_turn == InTurn::kOn;
-    s.in_turn_by_shape = options.all_gather_in_turn == InTurn::kByShape;
+    s.in_turn = options.all_gather_in_turn;
     return s;
   }
 
-  // When an all-gather goes in turn by shape (in_turn_by_shape): where its transfer outlasts
+  // When an all-gather goes in turn by shape (InTurn::kByShape): where its transfer outlasts
   // twice the local chunk's GEMM and the GEMM is long enough to repay in turn's serial copies.
   // Pushing all at once lands every chunk after (size - 1) m k b / rate, hidden only by the
   // local chunk's GEMM, 2 m k n / flops; in turn pays a GEMM per chunk (5-17% on an H200)
@@ -55,6 +52,8 @@ struct Schedule {
   // 2 size m k n / flops, repays: m k n > (size - 1) / (size - 2) 5 us flops / 2.
   static constexpr double kInTurnMinMkn = 1.75e9;
   bool AllGatherInTurnPays(const CallShape& c) const;
+  // Whether a call of shape `c` goes in turn: `in_turn` resolved.
+  bool AllGatherInTurn(const CallShape& c) const;
 
   // This schedule as seen from `r` in a group of `n`.
   Schedule For(int r, int n) const {
@@ -83,12 +82,12 @@ struct Schedule {
   // starts at once, so the remote chunks land together, about when the collective ends;
   // they are multiplied as at most two contiguous row ranges (after and before our own
   // rows), few large GEMMs at full efficiency where one small GEMM per chunk would not
-  // be. `in_turn`: each rank pushes to one peer at a time in PushOrder, so at step s every
-  // rank receives from rank - s alone, and chunks land one by one, each multiplied as it
-  // lands: the GEMMs overlap the collective beyond the local chunk's.
-  std::vector<Span> AllGatherSpans() const {
+  // be. In turn (`one_at_a_time`, AllGatherInTurn): each rank pushes to one peer at a time in
+  // PushOrder, so at step s every rank receives from rank - s alone, and chunks land one by
+  // one, each multiplied as it lands: the GEMMs overlap the collective beyond the local chunk's.
+  std::vector<Span> AllGatherSpans(bool one_at_a_time) const {
     std::vector<Span> spans{{rank, 1}};
-    if (in_turn) {
+    if (one_at_a_time) {
       for (int s = 1; s < size; ++s) spans.push_back({(rank - s + size) % size, 1});
       return spans;
     }
@@ -117,7 +116,8 @@ struct Schedule {
   // not for a call that `gathers` beside it: there a peer's gathered chunk is announced by
   // the partial it sends after it, and in a ring above two ranks most peers send none.
   bool ReduceScatterFolds(int64_t rows, bool gathers) const {
-    return (size == 2 || (size > 2 && ring && !gathers)) && fold_rows >= 0 && rows / 2 >= fold_rows;
+    return (size == 2 || (size > 2 && ring && !gathers)) && fold_rows >= 0 &&
+           rows / 2 >= fold_rows;
   }
 
   // A folding reduce-scatter's step s (0 .. size - 1) multiplies this block: each block's
@@ -201,7 +201,7 @@ struct Step {
   };
   Kind kind = Kind::kWait;
   int lane = kComputeLane;
-  int peer = -1;  // kWait, kPublish, kSignal: the rank
+  int peer = -1;               // kWait, kPublish, kSignal: the rank
   // kWait, kSignal: the flag's slot where it is not the sender's rank (a ring's partial
   // sums, several from one sender in a call); negative: the sender's.
   int slot = -1;
