@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import make_mesh, rel_err, use_tuning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -223,6 +223,20 @@ def test_op_gradients_on_a_group_of_one(rand, name, mode):
     all_gather(x) is x itself, not a copy made in the call. (matmul_all_reduce runs XLA's
     dot on a group of one, its product typed as the sum's where shard_map checks types.)"""
     check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (1, "tp")))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_gradients_with_the_all_gather_in_turn(rand, name, mode):
+    """tp = 4 (dp = 2), impl="ub", the all-gather forced in turn (Tuning.all_gather_in_turn,
+    by default only for long GEMMs): the forward's and the backward's all-gathers push to one
+    peer at a time and multiply each chunk as it lands."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True)
+    try:
+        check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (4, "tp")))
+    finally:
+        jax_ub.finalize()
 
 
 @pytest.mark.parametrize("mode", MODES)
