@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import nnx_in_shard_map, rel_err
+from _layer_refs import nnx_in_shard_map
+from conftest import rel_err
 from flax import nnx
 
 import jax_ub

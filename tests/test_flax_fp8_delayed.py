@@ -12,7 +12,8 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from conftest import make_mesh, nnx_in_shard_map, rel_err
+from _layer_refs import nnx_in_shard_map
+from conftest import make_mesh, rel_err
 from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training.train_state import TrainState

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from _layer_refs import (
     assert_matches_reference,
     column_parallel_reference,
     row_parallel_reference,
