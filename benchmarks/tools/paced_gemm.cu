@@ -15,7 +15,7 @@
 // an H200, RESULTS' misses), or skew between the GPUs.
 //
 // Timed, each call after the link's kernel has started (the schedule's stream waits for its
-// word), in interleaved loops of >= `seconds`, 3 rounds, median:
+// word), in interleaved loops of >= `seconds`, 5 rounds in shuffled orders, median:
 //   whole            cuBLASLt's whole GEMM (heuristic pick, all SMs), back to back
 //   whole:sms-1      the same with one SM fewer (cuBLASLt's pick for that), back to back
 //   paced:empty      the harness alone (the link started, nothing landing, no GEMM): its cost a
@@ -24,6 +24,7 @@
 //   paced:steps      all at once: the own block's GEMM; then, once they have landed
 //                    (together), the blocks after it and those before it, one GEMM each
 //   paced:in_turn    the all-gather in turn: the own block, then one GEMM per block as it lands
+//   paced:in_turn:again  the same, timed again: the run's noise between two loops of one thing
 //   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
 //                    for each row block's flag before loading it
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
@@ -236,6 +237,9 @@ int main(int argc, char** argv) {
                      }
                      h.End();
                    }});
+  // The same schedule timed twice: how far two loops of one thing read apart in this run.
+  impls.push_back(impls.back());
+  impls.back().name = "paced:in_turn:again";
   std::vector<std::unique_ptr<Op>> flag_ops;
   for (const ConfigEntry& c :
        {Entry<128, 256, 2, false>("coop_128x256_c2"), Entry<128, 128, 1, false>("coop_128x128_c1"),
@@ -274,7 +278,7 @@ int main(int argc, char** argv) {
   }
   std::printf("correctness: %s\n", pass ? "PASS" : "FAIL");
 
-  TimeRounds(impls, 3, seconds);
+  TimeRounds(impls, 5, seconds);
   int timeout = 0;
   CHECK(cudaMemcpy(&timeout, err, sizeof(int), cudaMemcpyDeviceToHost));
   if (timeout) std::printf("TIMEOUT during timing (block %d)\n", timeout - 1);
