@@ -178,12 +178,13 @@ def check_close(what: str, got, want, most: float = 2e-2) -> None:
 def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[dict, dict]:
     """Per implementation: ms per GEMM (per ``per_call``-GEMM step) in each round; and per
     jax_ub implementation, the host us of its handler per op call (all rounds)."""
-    from jax_ub.bench.timing import _host_ms_per_call, host_times  # noqa: PLC0415
+    from jax_ub.bench.timing import _host_ms_per_call, host_times, round_order  # noqa: PLC0415
 
     times: dict[str, list[float]] = {name: [] for name in impls}
     host: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for name, (step, sync) in impls.items():
+    for r in range(rounds):
+        for name in round_order(impls, r):
+            step, sync = impls[name]
             before = host_times() if name.startswith("ub") else None
             times[name].append(loop_ms(step, sync, seconds) / per_call)
             # None without GPUs (the CPU ops keep no such count)

@@ -83,6 +83,20 @@ def test_bench_epilogue_rows(tmp_path):
     assert r["ub_epilogue_over_ub"] > 0 and r["ub_epilogue_over_gemm"] > 0
 
 
+def test_rounds_take_shuffled_orders_that_every_process_shares():
+    """Each round times the implementations in an order of its own (a loop's time depends on
+    the one before it), the same in every process for a given round (their collectives must
+    match), every name exactly once."""
+    from jax_ub.bench.timing import round_order  # noqa: PLC0415
+
+    names = [f"impl{i}" for i in range(8)]
+    orders = [round_order(names, r) for r in range(5)]
+    assert all(sorted(o) == names for o in orders)
+    assert orders == [round_order(list(names), r) for r in range(5)]
+    assert len({tuple(o) for o in orders}) == 5
+    assert len({o[0] for o in orders}) > 1
+
+
 def test_bench_refuses_loop_seconds_across_processes():
     with pytest.raises(SystemExit):
         bench.main("--processes 2 --loop-seconds 1".split())

@@ -22,6 +22,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from jax_ub.bench.timing import round_order  # noqa: E402
+
 
 def xla_gemm_calls(f, *args) -> list[str]:
     """The compiled HLO's GEMM custom calls: target and backend config (shortened)."""
@@ -122,9 +124,9 @@ def main() -> None:
     for name in ("torch_cublas", "torch_cublaslt"):
         print(f"{name} kernels:", *torch_kernels(impls[name][0]), sep="\n  ")
     times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(args.rounds):
-        for name, (step, sync) in impls.items():
-            times[name].append(loop_ms(step, sync, args.seconds))
+    for r in range(args.rounds):
+        for name in round_order(impls, r):
+            times[name].append(loop_ms(*impls[name], args.seconds))
     base = statistics.median(times["xla_dot"])
     print(f"\n{args.shape}: median of {args.rounds} rounds of >= {args.seconds} s loops, ms")
     for name, ts in times.items():

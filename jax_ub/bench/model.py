@@ -29,6 +29,7 @@ import sys
 import time
 
 from jax_ub.bench.model_processes import over_processes, run_child
+from jax_ub.bench.timing import round_order
 
 DESCRIPTION = (
     "Benchmark one training step of a Llama-style model (GQA with rotary embeddings, SwiGLU, "
@@ -306,7 +307,7 @@ def _run(variants: list[str], args, say) -> dict:
     times: dict[str, list[float]] = {v: [] for v in variants}
     issued: dict[str, list[float]] = {v: [] for v in variants}  # host ms/step to enqueue
     for r in range(args.rounds):
-        for v in variants:
+        for v in round_order(variants, r):
             if park:
                 to_device(v)
             t0 = time.perf_counter()

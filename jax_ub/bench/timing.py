@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
 import time
 
@@ -15,6 +16,16 @@ from jax_ub._src.runtime import extension
 from jax_ub._src.runtime.communicator import live_communicators
 
 WARMUP_CALLS = 20  # per implementation and shape, before anything is timed
+
+
+def round_order(names, round_index: int) -> list:
+    """The order round `round_index` times `names` in: shuffled, since a loop's time depends
+    on what ran before it (on one H200 the same GEMM schedule, timed in one fixed slot every
+    round, read up to 10% slower than in the next), and seeded by the round alone, so every
+    process of a multi-process run takes the same order and their collectives match."""
+    order = list(names)
+    random.Random(round_index).shuffle(order)
+    return order
 
 
 def loop_time_ms(f, args, iters: int, issued: list | None = None) -> float:
@@ -121,9 +132,11 @@ def measure(
     issued = {n: [] for n in live}
     host = []  # jax_ub's host time per call and GPU, each round
     for r in range(rounds):
+        order = round_order(live, r)
         if say is not None:
-            say(f"  round {r + 1}/{rounds}: {', '.join(live)}")
-        for name, (f, args) in live.items():
+            say(f"  round {r + 1}/{rounds}: {', '.join(order)}")
+        for name in order:
+            f, args = live[name]
             before = host_times() if name == "jax_ub" else None
             samples[name].append(loop_time_ms(f, args, calls[name], issued[name]))
             if before is not None:
