@@ -173,8 +173,14 @@ def reference(name, params, x, cot):
     return y, *grads
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("framework", ["nnx", "linen"])
+# impl="auto" runs the host protocol on CPU devices, as "ub" does: its column with NNX only
+# (test_layer_gradients_with_no_mesh_set takes it where no mesh is set).
+FRAMEWORK_IMPLS = [(f, i) for f in ("nnx", "linen") for i in IMPLS if f == "nnx" or i != "auto"]
+
+
+@pytest.mark.parametrize(
+    "framework,impl", FRAMEWORK_IMPLS, ids=[f"{f}-{i}" for f, i in FRAMEWORK_IMPLS]
+)
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_layer_gradients(rand, name, framework, impl):
     """The layer in each (sequence_parallel, sequence length) case of ``CASES``."""
