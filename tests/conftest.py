@@ -5,7 +5,9 @@ ranks; 2x4 and 4x2 meshes) runs in one process. The flag must be in the environm
 jax is imported, hence at the very top of this file.
 """
 
+import importlib.metadata
 import os
+import re
 
 import _ranks
 
@@ -14,13 +16,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 # Without GPUs, XLA's CPU programs here are tiny and compiling them dominates: LLVM at -O0
 # compiles them about a quarter faster, and the element-wise emitters instead of the fusion
-# emitters (MLIR) a third on top (the same HLO passes run; only machine code differs). Left
+# emitters (MLIR) a third on top (the same HLO passes run; only machine code differs; before
+# jaxlib 0.10 those emitters round float8 conversions otherwise: fusion emitters there). Left
 # alone where a GPU is present (its kernels' code is what the GPU tests check); each flag
 # also where XLA_FLAGS already sets it.
-_CPU_COMPILE_FLAGS = {
-    "xla_backend_optimization_level": "0",
-    "xla_cpu_use_fusion_emitters": "false",
-}
+_CPU_COMPILE_FLAGS = {"xla_backend_optimization_level": "0"}
+if tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:2]) >= (0, 10):
+    _CPU_COMPILE_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
 if not os.path.exists("/dev/nvidiactl"):
     for _name, _value in _CPU_COMPILE_FLAGS.items():
         if _name not in os.environ["XLA_FLAGS"]:
