@@ -1,37 +1,17 @@
-"""Shared fixtures for the CPU test suite.
-
-XLA's host platform is split into 8 devices so that every tensor-parallel layout (1, 2, 4, 8
-ranks; 2x4 and 4x2 meshes) runs in one process. The flag must be in the environment before
-jax is imported, hence at the very top of this file.
-"""
-
-import importlib.metadata
-import os
-import re
+"""Shared fixtures for the CPU test suite. XLA_FLAGS (8 CPU devices, faster compiles:
+_xla_cpu_flags.py) must be in the environment before jax is imported, hence at the very top
+of this file."""
 
 import _ranks
+import _xla_cpu_flags
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
-# Without GPUs, XLA's CPU programs here are tiny and compiling them dominates: LLVM at -O0
-# compiles them about a quarter faster, and the element-wise emitters instead of the fusion
-# emitters (MLIR) a third on top (the same HLO passes run; only machine code differs; before
-# jaxlib 0.10 those emitters round float8 conversions otherwise: fusion emitters there). Left
-# alone where a GPU is present (its kernels' code is what the GPU tests check); each flag
-# also where XLA_FLAGS already sets it.
-_CPU_COMPILE_FLAGS = {"xla_backend_optimization_level": "0"}
-if tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:2]) >= (0, 10):
-    _CPU_COMPILE_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
-if not os.path.exists("/dev/nvidiactl"):
-    for _name, _value in _CPU_COMPILE_FLAGS.items():
-        if _name not in os.environ["XLA_FLAGS"]:
-            os.environ["XLA_FLAGS"] += f" --{_name}={_value}"
+_xla_cpu_flags.set_flags()
 if _ranks.rank_count():  # pytest --ranks N: this process is one of N ranks on GPU 0
     _ranks.prepare_environment()
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
 import zlib  # noqa: E402
 
@@ -51,7 +31,7 @@ from jax_ub._src.settings.options import current_options  # noqa: E402
 if _ranks.rank_count():
     _ranks.join()
 
-NUM_DEVICES = 8
+NUM_DEVICES = _xla_cpu_flags.DEVICES
 
 
 def cpu_devices():

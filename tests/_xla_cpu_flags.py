@@ -1,0 +1,55 @@
+"""XLA_FLAGS for the CPU test suite, set by conftest.py before jax is imported.
+
+XLA's host platform is split into 8 devices, so that every tensor-parallel layout (1, 2, 4, 8
+ranks; 2x4 and 4x2 meshes) runs in one process. Without GPUs the programs here are tiny and
+compiling them dominates: LLVM at -O0 compiles them about a quarter faster, and XLA's
+element-wise emitters instead of its fusion emitters (MLIR) a third on top (the same HLO
+passes run; only machine code differs). Those two are left alone where a GPU is present (its
+kernels' code is what the GPU tests check). A flag XLA_FLAGS already sets is kept as set."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+
+DEVICES = 8
+_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+_EMITTERS_ENV = "JAX_UB_TEST_ELEMENT_WISE_EMITTERS"
+
+
+def _element_wise_emitters() -> bool:
+    """Whether to ask for the element-wise emitters: not before jaxlib 0.10 (they round float8
+    conversions otherwise there), nor where this jaxlib lacks the flag (0.12 dropped it, and
+    XLA aborts on an unknown flag). A child process is asked once; the answer is left in the
+    environment for the processes the tests start."""
+    known = os.environ.get(_EMITTERS_ENV)
+    if known is None:
+        version = tuple(
+            int(p) for p in re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:2]
+        )
+        known = "0"
+        if version >= (0, 10):
+            env = dict(os.environ, XLA_FLAGS=_EMITTERS_FLAG, JAX_PLATFORMS="cpu")
+            probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+            known = (
+                "1" if subprocess.run(probe, env=env, capture_output=True).returncode == 0 else "0"
+            )
+        os.environ[_EMITTERS_ENV] = known
+    return known == "1"
+
+
+def set_flags() -> None:
+    """Add the suite's flags to XLA_FLAGS."""
+    flags = {"xla_force_host_platform_device_count": str(DEVICES)}
+    if not os.path.exists("/dev/nvidiactl"):
+        flags["xla_backend_optimization_level"] = "0"
+        if _element_wise_emitters():
+            flags["xla_cpu_use_fusion_emitters"] = "false"
+    current = os.environ.get("XLA_FLAGS", "")
+    for name, value in flags.items():
+        if name not in current:
+            current = f"{current} --{name}={value}".strip()
+    os.environ["XLA_FLAGS"] = current
