@@ -2,8 +2,8 @@
 unsharded JAX, in every way to call it: shard_map over every mesh axis and partial-auto
 (tp manual, dp left to XLA), each with ``check_vma`` True and False, and plain ``jit`` on
 global arrays under ``jax.set_mesh`` and with no mesh set (found from the arrays' shardings);
-with and without biases, ``seq_axis`` 0 and 1,
-impl ``"ub"``, ``"xla"`` and ``"auto"``. A (dp=2, tp=2) mesh of CPU devices, float32.
+with and without biases, ``seq_axis`` 0 and 1, impl ``"ub"`` and ``"xla"`` (and ``"auto"``
+under jit: ``MODE_IMPLS``). A (dp=2, tp=2) mesh of CPU devices, float32.
 
 The oracle shares no code with jax_ub: a wrong scale of any gradient (the 1/tp of a
 replicated output's cotangent under an unchecked shard_map, say) fails here whatever the
