@@ -27,16 +27,13 @@ def _element_wise_emitters() -> bool:
     environment for the processes the tests start."""
     known = os.environ.get(_EMITTERS_ENV)
     if known is None:
-        version = tuple(
-            int(p) for p in re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:2]
-        )
-        known = "0"
-        if version >= (0, 10):
+        jaxlib = importlib.metadata.version("jaxlib")
+        usable = tuple(int(p) for p in re.findall(r"\d+", jaxlib)[:2]) >= (0, 10)
+        if usable:
             env = dict(os.environ, XLA_FLAGS=_EMITTERS_FLAG, JAX_PLATFORMS="cpu")
             probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
-            known = (
-                "1" if subprocess.run(probe, env=env, capture_output=True).returncode == 0 else "0"
-            )
+            usable = subprocess.run(probe, env=env, capture_output=True).returncode == 0
+        known = "1" if usable else "0"
         os.environ[_EMITTERS_ENV] = known
     return known == "1"
 
