@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from _mp_join import RS_SCHEDULES, join
+from _mp_join import RS_SCHEDULES, join, rs_schedules
 
 scenario, pid, nproc, port, ndev = sys.argv[1], *map(int, sys.argv[2:6])
 if scenario == "different_hosts":
@@ -298,7 +298,8 @@ try:
         check = {"protocol": run_ops_without_collectives, "fp8": run_fp8_without_collectives}
         mesh = Mesh(devices, ("tp",))
         result = {}
-        for name, (fold, ring) in RS_SCHEDULES.items():
+        for name in rs_schedules(nproc):
+            fold, ring = RS_SCHEDULES[name]
             options.set_experimental_tuning(reduce_scatter_fold_rows=fold, reduce_scatter_ring=ring)
             for dtype in (jnp.float32, jnp.bfloat16):
                 jax_ub.configure(keep_gathered=dtype == jnp.float32)

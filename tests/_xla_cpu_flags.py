@@ -5,19 +5,29 @@ ranks; 2x4 and 4x2 meshes) runs in one process. Without GPUs the programs here a
 compiling them dominates: LLVM at -O0 compiles them about a quarter faster, and XLA's
 element-wise emitters instead of its fusion emitters (MLIR) a third on top (the same HLO
 passes run; only machine code differs). Those two are left alone where a GPU is present (its
-kernels' code is what the GPU tests check). A flag XLA_FLAGS already sets is kept as set."""
+kernels' code is what the GPU tests check). A flag XLA_FLAGS already sets is kept as set.
+
+Without GPUs the suite also shares one persistent compilation cache among all its processes
+(pytest-xdist's workers and the processes tests start): many tests compile the same small
+programs, and a process of a multi-process test often compiles what another has. The cache
+is a fresh folder per run, removed at its end (remove_cache), so every run compiles each
+program once; a JAX_COMPILATION_CACHE_DIR set outside is used as it is."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 DEVICES = 8
 _EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _EMITTERS_ENV = "JAX_UB_TEST_ELEMENT_WISE_EMITTERS"
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_made_caches: list[str] = []  # the cache folders this process made (remove_cache)
 
 
 def _element_wise_emitters() -> bool:
@@ -45,8 +55,20 @@ def set_flags() -> None:
         flags["xla_backend_optimization_level"] = "0"
         if _element_wise_emitters():
             flags["xla_cpu_use_fusion_emitters"] = "false"
+        if _CACHE_ENV not in os.environ:
+            _made_caches.append(tempfile.mkdtemp(prefix="jax_ub_tests_xla_cache_"))
+            os.environ[_CACHE_ENV] = _made_caches[-1]
+            # Every program, however small or quick to compile (JAX's defaults skip those).
+            os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+            os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     current = os.environ.get("XLA_FLAGS", "")
     for name, value in flags.items():
         if name not in current:
             current = f"{current} --{name}={value}".strip()
     os.environ["XLA_FLAGS"] = current
+
+
+def remove_cache() -> None:
+    """Remove the compilation cache folder set_flags made in this process, if it made one."""
+    while _made_caches:
+        shutil.rmtree(_made_caches.pop(), ignore_errors=True)

@@ -246,7 +246,8 @@ def test_every_bench_cli_describes_itself_and_every_option(capsys):
 def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
     # benchmarks/gemm_table.py on CPU devices, its "tiny" model: every row printed with
     # jax_ub's outputs checked against XLA's (torch absent or not, its cells may be nan),
-    # with one GEMM per timed call and with several.
+    # with one GEMM per timed call and with several; per kind five cells, the last the
+    # noise gauge (XLA's program timed again, over the same fastest).
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_table.py")
     runs = [
         (["--per-call", "1"], ["qkv", "o", "gate/up", "down"]),
@@ -258,6 +259,8 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
         runpy.run_path(script, run_name="__main__")
         rows = [line for line in capsys.readouterr().out.splitlines() if "tiny" in line]
         assert [r.split("|")[1].split()[1] for r in rows] == names
+        kinds = 1 if "--fp8" in extra else 2
         for r in rows:
+            assert len(r.split("|")) == 1 + 5 * kinds + 4, r
             ratios = [float(c) for c in r.split("|")[2:-3] if c.strip() != "nan"]
             assert ratios and all(v > 0 for v in ratios), r

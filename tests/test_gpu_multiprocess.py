@@ -45,7 +45,7 @@ def test_protocol_on_one_shared_gpu(nproc):
     if GPUS < 1:
         pytest.skip("needs a GPU")
     for r in results(run("protocol", nproc, 1, timeout=400, gpu=True, share_gpu=True)):
-        check_protocol(r["errs"])
+        check_protocol(r["errs"], nproc)
 
 
 def test_fp8_on_one_shared_gpu():

@@ -8,24 +8,27 @@ from __future__ import annotations
 import re
 
 import pytest
-from _mp_join import RS_SCHEDULES
+from _mp_join import rs_schedules
 from _mp_launch import results, run
 
 
-@pytest.mark.parametrize("nproc,ndev", [(2, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("nproc,ndev", [(4, 1), (2, 2)])
 def test_tp_group_across_processes(nproc, ndev):
+    """One tp group over every device of nproc processes of ndev devices each: more than
+    two processes, and processes of several devices (two processes of one device each are
+    the protocol tests' groups)."""
     for r in results(run("tp_across_processes", nproc, ndev)):
         assert len(r["errs"]) == 7
         assert all(e < 1e-5 for e in r["errs"]), r["errs"]
 
 
-def check_protocol(res: dict) -> None:
-    """The "protocol" scenario's errors: per fold setting and dtype, and with the AG's
-    epilogue per dtype, the gathered x (exact), both ops and the grads (three, or four with
-    the bias; bf16's from x gathered again in the backward's reduce-scatter) against XLA's
-    path."""
+def check_protocol(res: dict, nproc: int) -> None:
+    """The "protocol" scenario's errors in a group of ``nproc``: per fold setting that
+    differs there and dtype, and with the AG's epilogue per dtype, the gathered x (exact),
+    both ops and the grads (three, or four with the bias; bf16's from x gathered again in the
+    backward's reduce-scatter) against XLA's path."""
     dtypes = ("float32", "bfloat16")
-    want = [f"{name},{d}" for name in RS_SCHEDULES for d in dtypes]
+    want = [f"{name},{d}" for name in rs_schedules(nproc) for d in dtypes]
     assert sorted(res) == sorted(want + [f"epilogue,{d}" for d in dtypes]), res
     for key, errs in res.items():
         assert len(errs) == (7 if key.startswith("epilogue") else 6), (key, errs)
@@ -40,15 +43,15 @@ def test_protocol_across_processes(nproc):
     ring) and unfolded reduce-scatters, with and without an all-gather beside them, the
     gathered copy, the AG's epilogue, f32 and bf16."""
     for r in results(run("protocol", nproc, 1)):
-        check_protocol(r["errs"])
+        check_protocol(r["errs"], nproc)
 
 
 def check_fp8(res: dict, f32_tol: float = 1e-5) -> None:
-    """The "fp8" scenario's errors: per fold setting and output dtype, both ops in fp8 and
-    their VJPs against a float32 reference from the dequantized operands (float32 outputs
-    within `f32_tol`)."""
+    """The "fp8" scenario's errors (2 processes): per fold setting that differs there and
+    output dtype, both ops in fp8 and their VJPs against a float32 reference from the
+    dequantized operands (float32 outputs within `f32_tol`)."""
     assert sorted(res) == sorted(
-        f"{name},{d}" for name in RS_SCHEDULES for d in ("float32", "bfloat16")
+        f"{name},{d}" for name in rs_schedules(2) for d in ("float32", "bfloat16")
     ), res
     for key, errs in res.items():
         tol = f32_tol if key.endswith("float32") else 1e-2
