@@ -10,11 +10,12 @@ kernels' code is what the GPU tests check). A flag XLA_FLAGS already sets is kep
 Without GPUs the suite also shares one persistent compilation cache among all its processes
 (pytest-xdist's workers and the processes tests start): many tests compile the same small
 programs, and a process of a multi-process test often compiles what another has. The cache
-is a fresh folder per run, removed at its end (remove_cache), so every run compiles each
-program once; a JAX_COMPILATION_CACHE_DIR set outside is used as it is."""
+is a fresh folder per run, removed when the process that made it exits, so every run
+compiles each program once; a JAX_COMPILATION_CACHE_DIR set outside is used as it is."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import os
 import re
@@ -27,7 +28,6 @@ DEVICES = 8
 _EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _EMITTERS_ENV = "JAX_UB_TEST_ELEMENT_WISE_EMITTERS"
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-_made_caches: list[str] = []  # the cache folders this process made (remove_cache)
 
 
 def _element_wise_emitters() -> bool:
@@ -56,8 +56,8 @@ def set_flags() -> None:
         if _element_wise_emitters():
             flags["xla_cpu_use_fusion_emitters"] = "false"
         if _CACHE_ENV not in os.environ:
-            _made_caches.append(tempfile.mkdtemp(prefix="jax_ub_tests_xla_cache_"))
-            os.environ[_CACHE_ENV] = _made_caches[-1]
+            os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jax_ub_tests_xla_cache_")
+            atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
             # Every program, however small or quick to compile (JAX's defaults skip those).
             os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
             os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -66,9 +66,3 @@ def set_flags() -> None:
         if name not in current:
             current = f"{current} --{name}={value}".strip()
     os.environ["XLA_FLAGS"] = current
-
-
-def remove_cache() -> None:
-    """Remove the compilation cache folder set_flags made in this process, if it made one."""
-    while _made_caches:
-        shutil.rmtree(_made_caches.pop(), ignore_errors=True)

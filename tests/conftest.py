@@ -393,10 +393,6 @@ def pytest_configure(config):
     )
 
 
-def pytest_unconfigure(config):
-    _xla_cpu_flags.remove_cache()
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_FILES:
