@@ -30,7 +30,7 @@ MODES=(
   stepprofile  "benchmarks/tools/profile_train_step.py (args: its own; PROFILE_S)"     mode_stepprofile
   stepmemory   "benchmarks/tools/step_memory.py (args: bench.model's; MEM_FRACTION, PROFILE_S, PROFILE_LINES); live ranges and buffer assignment in \$OUT/step_memory.tgz" mode_stepmemory
   power        "benchmarks/tools/power_clocks.py for both ops (args: its own; POWER_S)" mode_power
-  gemm         "benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape (args: m,k,n ...; GEMM_S, GEMM_CANDIDATES, GEMM_LINES)" mode_gemm
+  gemm         "benchmarks/tools/gemm_candidates.cu and XLA's dot per m,k,n shape (args: m,k,n ...; GEMM_S, GEMM_CANDIDATES, GEMM_LINES; GEMM_WINDOWS: its --windows)" mode_gemm
   solo         "benchmarks/tools/solo_schedule.cu: one rank's compute schedule of each Llama 3 8B/70B projection at tp 2, 4, 8 on GPU 0, its peers' rows in place, against the GEMM of the rank's whole work (SOLO_TP, SOLO_SHAPES op:name:tokens:in:out, SOLO_S, SOLO_FOLDS: reduce_scatter_fold_rows values, default 2048; SOLO_SCHEDULES: \"steps ring merged\" adds the RS's ring, off by default in the library, and the RS with runs of block GEMMs merged to at least SOLO_MERGE_ROWS rows, default 2048, not in the library; and \"in_turn\" the AG in turn (Tuning.all_gather_in_turn, chosen by shape); \"steps\" is the AG all at once)" mode_solo
   flaggemm     "benchmarks/tools/flag_gemm.cu (Hopper; CUTLASS's headers: pip install nvidia-cutlass, or JAX_UB_CUTLASS_INCLUDE set for the build): one CUTLASS GEMM that waits per row block for its flag, as each row block lands, against cuBLASLt's whole GEMM and the library's span GEMMs; correctness with flags released late (args: M,K,N:blocks[:order] ..., default the all-gather projections of solo's SOLO_PROJECTIONS at FLAG_TP, default \"4 8\"; FLAG_S seconds a loop)" mode_flaggemm
   paced        "benchmarks/tools/paced_gemm.cu (as flaggemm, CUTLASS's headers): one rank's all-gather GEMM schedules on GPU 0 with its peers' row blocks landing at a modelled link's pace (a kernel raises each block's flag at its time): the library's steps (blocks land together), the all-gather in turn (one by one) with a GEMM per block, and flag_gemm's one GEMM taking the blocks in turn, against the whole GEMM (args: M,K,N:tp[:rank] ..., default the all-gather projections of solo's SOLO_PROJECTIONS at PACED_TP, default \"4 8\", rank tp/2; PACED_GBPS, default 270: the link's GB/s, a list runs each; PACED_LATENCY_US per block in turn, default 0; PACED_S seconds a loop)" mode_paced
@@ -456,7 +456,7 @@ mode_gemm() {
   # cuBLASLt's candidates per shape in both formulations, then XLA's dot at the same shapes.
   build_tool gemm_candidates
   step -k 5 gemm_candidates "${GEMM_S:-240}" "$OUT/gemm_candidates.log" \
-    build/dev/gemm_candidates --candidates "${GEMM_CANDIDATES:-24}" "$@"
+    build/dev/gemm_candidates --candidates "${GEMM_CANDIDATES:-24}" ${GEMM_WINDOWS:+--windows "$GEMM_WINDOWS"} "$@"
   grep -E "^==|best|#" "$OUT/gemm_candidates.log" | head -n "${GEMM_LINES:-150}"
   step -k 5 "xla dot" 120 "$SCRATCH/xla_dot.log" python3 benchmarks/tools/xla_dot_times.py "$@"
   grep "xla dot" "$SCRATCH/xla_dot.log"

@@ -1,7 +1,8 @@
 """One process of test_gpu_gemm_cache.py: both ops on a group of one GPU, called until
 their kernel trials are over, with the kernel choice file named by JAX_UB_GEMM_CACHE.
 
-python _gemm_cache_worker.py OUT.npz  (JAX_UB_TRACE=1 prints each GEMM's kernel choice)
+python _gemm_cache_worker.py OUT.npz [M,K,N CALLS]  (JAX_UB_TRACE=1 prints each GEMM's kernel
+choice; the default shape's GEMMs are short: tuned in bursts, then trials)
 """
 
 import os
@@ -21,11 +22,12 @@ M, K, N = 1024, 512, 2048
 CALLS = 40  # past the trials: 3 candidates x (1 warm-up + 4 timed rounds)
 
 
-def main(out: str) -> None:
+def main(out: str, shape: tuple[int, int, int] = (M, K, N), calls: int = CALLS) -> None:
+    m, k, n = shape
     mesh = Mesh(np.array(jax.devices("gpu")[:1]), ("tp",))
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
 
     def both(x, w):
         h = jax_ub.all_gather_matmul(x, w, "tp", impl="ub")
@@ -39,11 +41,20 @@ def main(out: str) -> None:
             out_specs=(P(None, "tp"), P("tp")),
         )
     )
-    for _ in range(CALLS):
+    for _ in range(calls):
         h, y = jax.block_until_ready(f(x, w))
-    np.savez(out, h=np.asarray(h.astype(jnp.float32)), y=np.asarray(y.astype(jnp.float32)))
+    np.savez(
+        out,
+        h=np.asarray(h.astype(jnp.float32)),
+        y=np.asarray(y.astype(jnp.float32)),
+        x=np.asarray(x.astype(jnp.float32)),
+        w=np.asarray(w.astype(jnp.float32)),
+    )
     jax_ub.finalize()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2:
+        main(sys.argv[1], tuple(int(v) for v in sys.argv[2].split(",")), int(sys.argv[3]))
+    else:
+        main(sys.argv[1])

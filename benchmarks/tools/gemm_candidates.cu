@@ -4,13 +4,20 @@
 // Each candidate runs back to back (as a training loop runs GEMMs), so power-limited
 // clocks are part of its time. Used to find why jax_ub's chunk GEMMs ran slower than
 // XLA's dot at some shapes (profile: a different kernel). Not part of the library.
+// --windows W,W,...: instead, the swap formulation's candidates timed in rounds (shuffled
+// orders, no host wait within a round) of blocks W ms long, each block's second half timed
+// (W = 0: tuning's way, 3 runs a block, all timed): which block length ranks the
+// candidates as long loops of each do.
 //
-// Usage: gemm_candidates [--candidates N] [--runs R] m,k,n [m,k,n ...]
+// Usage: gemm_candidates [--candidates N] [--runs R] [--windows W,... [--rounds N]]
+//                        m,k,n [m,k,n ...]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -59,16 +66,78 @@ Problem Describe(bool row, int64_t m, int64_t k, int64_t n, const void* a, const
   return p;
 }
 
+// Each candidate's median ms a run, per block length in `windows` (see the header).
+void TimeWindows(const std::vector<int>& windows, int rounds, const std::vector<float>& est_ms,
+                 const std::vector<int>& tiles, cudaStream_t stream,
+                 const std::function<void(int)>& run) {
+  const int count = static_cast<int>(est_ms.size());
+  std::vector<cudaEvent_t> events(2 * count);
+  for (cudaEvent_t& e : events) Check(cudaEventCreate(&e), "event");
+  std::vector<std::vector<float>> medians(count);
+  for (int w : windows) {
+    std::vector<std::vector<float>> ms(count);
+    std::vector<int> warm(count), timed(count);
+    for (int i = 0; i < count; ++i) {
+      const int half = std::max(1, static_cast<int>(0.5 * w / est_ms[i] + 0.5));
+      warm[i] = w == 0 ? 0 : half;
+      timed[i] = w == 0 ? 3 : half;
+    }
+    for (int r = 0; r < rounds; ++r) {
+      std::vector<int> order(count);
+      for (int i = 0; i < count; ++i) order[i] = i;
+      std::shuffle(order.begin(), order.end(), std::mt19937(r + 1000 * w));
+      for (int i : order) {
+        for (int j = 0; j < warm[i]; ++j) run(i);
+        Check(cudaEventRecord(events[2 * i], stream), "record");
+        for (int j = 0; j < timed[i]; ++j) run(i);
+        Check(cudaEventRecord(events[2 * i + 1], stream), "record");
+      }
+      Check(cudaStreamSynchronize(stream), "sync");
+      for (int i = 0; i < count; ++i) {
+        float t = 0;
+        Check(cudaEventElapsedTime(&t, events[2 * i], events[2 * i + 1]), "elapsed");
+        ms[i].push_back(t / timed[i]);
+      }
+    }
+    for (int i = 0; i < count; ++i) {
+      std::sort(ms[i].begin(), ms[i].end());
+      medians[i].push_back(ms[i][ms[i].size() / 2]);
+    }
+  }
+  std::printf("windows: candidate tile, then median ms a run (rank) per block of");
+  for (int w : windows) std::printf(" %d ms", w);
+  std::printf(", %d rounds\n", rounds);
+  for (int i = 0; i < count; ++i) {
+    std::printf("#%2d tile %3d:", i, tiles[i]);
+    for (size_t c = 0; c < windows.size(); ++c) {
+      int rank = 1;
+      for (int j = 0; j < count; ++j) rank += medians[j][c] < medians[i][c];
+      std::printf("  %8.4f (%d)", medians[i][c], rank);
+    }
+    std::printf("\n");
+  }
+  for (cudaEvent_t e : events) cudaEventDestroy(e);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int candidates = 32, runs = 10;
+  int candidates = 32, runs = 10, rounds = 5;
+  std::vector<int> windows;
   std::vector<std::string> shapes;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--candidates") && i + 1 < argc) {
       candidates = std::atoi(argv[++i]);
     } else if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) {
       runs = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) {
+      rounds = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--windows") && i + 1 < argc) {
+      for (const char* w = argv[++i]; *w != '\0';) {
+        char* end = nullptr;
+        windows.push_back(static_cast<int>(std::strtol(w, &end, 10)));
+        w = *end == ',' ? end + 1 : end;
+      }
     } else {
       shapes.push_back(argv[i]);
     }
@@ -98,6 +167,7 @@ int main(int argc, char** argv) {
     const double tflop = 2.0 * m * k * n / 1e12;
     std::printf("\n== m=%lld k=%lld n=%lld (%.3f TFLOP per GEMM)\n", m, k, n, tflop);
     for (bool row : {false, true}) {
+      if (row && !windows.empty()) break;  // the windows time the swap formulation only
       Problem p = Describe(row, m, k, n, a, b);
       cublasLtMatmulPreference_t pref;
       Check(cublasLtMatmulPreferenceCreate(&pref), "pref");
@@ -119,6 +189,7 @@ int main(int argc, char** argv) {
       const float alpha = 1.0f, beta = 0.0f;
       float best = 1e30f;
       int best_i = -1;
+      std::vector<float> timed_ms(found, 1.0f);  // each candidate's sequential time
       for (int i = 0; i < found; ++i) {
         auto run = [&] {
           return cublasLtMatmul(handle, p.desc, &alpha, p.first_ptr, p.first, p.second_ptr,
@@ -127,6 +198,7 @@ int main(int argc, char** argv) {
         };
         if (run() != CUBLAS_STATUS_SUCCESS) {
           std::printf("%s #%2d: cannot run\n", name, i);
+          timed_ms[i] = -1.0f;  // left out of the windows
           continue;
         }
         std::vector<float> per_run;
@@ -141,6 +213,7 @@ int main(int argc, char** argv) {
         }
         std::sort(per_run.begin(), per_run.end());
         const float med = per_run[1];
+        timed_ms[i] = med;
         if (med < best) best = med, best_i = i;
         std::printf(
             "%s #%2d: %8.4f ms %6.1f TFLOP/s  algo %d tile %d stages %d cluster %d "
@@ -154,6 +227,23 @@ int main(int argc, char** argv) {
             jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
       }
       std::printf("%s best: #%d %.4f ms of %d candidates\n", name, best_i, best, found);
+      if (!windows.empty()) {
+        std::vector<int> runnable;  // the candidates' places in `results`
+        std::vector<float> est;
+        std::vector<int> tiles;
+        for (int i = 0; i < found; ++i) {
+          if (timed_ms[i] < 0) continue;
+          runnable.push_back(i);
+          est.push_back(timed_ms[i]);
+          tiles.push_back(jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
+        }
+        TimeWindows(windows, rounds, est, tiles, stream, [&](int i) {
+          Check(cublasLtMatmul(handle, p.desc, &alpha, p.first_ptr, p.first, p.second_ptr, p.second,
+                               &beta, c, p.out, c, p.out, &results[runnable[i]].algo, ws, ws_bytes,
+                               stream),
+                "matmul");
+        });
+      }
       cublasLtMatrixLayoutDestroy(p.first);
       cublasLtMatrixLayoutDestroy(p.second);
       cublasLtMatrixLayoutDestroy(p.out);

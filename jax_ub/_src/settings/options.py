@@ -27,7 +27,9 @@ class Tuning:
     Attributes:
       autotune_gemm: on GPUs, time cuBLASLt's candidate kernels the first time each GEMM
         shape runs (a first call of a shape blocks its device's thread for up to about two
-        seconds) and keep the fastest; else the heuristic's first pick.
+        seconds) and keep the fastest; else the heuristic's first pick. A GEMM of 0.05 ms
+        or more is timed in sustained blocks of runs (~1.5 s a shape), the clock its own
+        power leaves, as in a training loop; shorter ones in bursts of 3 runs.
       autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
         f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick untimed (its fp8
         GEMMs are tuned either way). Tuned GEMMs' trials compare the heuristic's pick
@@ -40,7 +42,9 @@ class Tuning:
       gemm_trials: how many kernels a shape's first op calls compare, beside the op's
         copies, before keeping one (a warm-up and 4 timed calls each): tuning's fastest,
         with cuBLASLt's heuristic pick in the last place if tuning ranked it lower.
-        Until they end, results may differ from later calls' in the last bits.
+        Until they end, results may differ from later calls' in the last bits. GEMMs
+        tuned in sustained blocks have none: single calls in turn rank kernels by the
+        clock the others left, as bursts do.
       reduce_scatter_fold_rows: on groups of 2, the smallest row piece for which
         matmul_reduce_scatter adds the peer's partial in its own GEMM's epilogue instead
         of a sum pass; 0 always, negative never. The same in every process of a group.

@@ -12,6 +12,21 @@ namespace gemm_internal {
 constexpr int kCandidates = 8;    // heuristic results timed per description
 constexpr int kTimedRounds = 3;   // a candidate's time: median of the rounds,
 constexpr int kRunsPerRound = 3;  // each this many runs back to back
+// GEMMs of at least kSustainMinMs are timed as they run in a training loop instead: a
+// power-capped GPU's clock follows the power of the last tens of ms, so a candidate timed
+// in a short burst after others runs at the clock they left, and kernels that draw more
+// power read faster than they run for good. On one H200 3-run bursts ranked first a kernel
+// 0.3-4.8% slower in 250 ms loops, at 6 LLM shapes; blocks of 40 ms run untimed and 40 ms
+// timed put first the 250 ms loops' fastest at all 6 (benchmarks/tools/gemm_candidates.cu
+// --windows). Shorter GEMMs keep the bursts: blocks take ~1.3 s a shape (8 candidates).
+constexpr double kSustainMinMs = 0.05;
+constexpr double kSustainWarmMs = 40;   // untimed, a candidate's block in each round
+constexpr double kSustainTimedMs = 40;  // then timed
+constexpr int kSustainRounds = 2;       // a candidate's time: the mean of the rounds
+// Untimed, before the first round: a GPU that idled (compiling, the host's own work) ran
+// a whole first block above its sustained clock (5-7% fast, on the H200). A guess at
+// what covers that, not measured yet.
+constexpr double kSustainHeatMs = 250;
 // Tuning a shape takes about this long at most (a GPU's peers wait for it, under the op's
 // deadline, while its first call of a shape tunes): candidates beyond what three rounds
 // can time in it are dropped, the slowest first, and rounds stop once it is spent.

@@ -246,10 +246,11 @@ class CublasLtGemm {
   Status ChoosePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b, void* c,
                     const GemmArgs& args, cudaStream_t stream, Plan** plan);
   // Times `candidates` on `stream` (see kernel_choice.cc) and sets `best` to the fastest
-  // one's index, or -1 if none can run here.
+  // one's index, or -1 if none can run here, and `sustained` to whether they were timed in
+  // sustained blocks (long GEMMs, kSustainMinMs) or in bursts.
   Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
               const GemmArgs& args, cudaStream_t stream, std::vector<Candidate>* candidates,
-              int* best);
+              int* best, bool* sustained);
   // The choice file's key for `key` on this GPU and cuBLASLt, or "" when it is not used.
   std::string ChoiceKey(const PlanKey& key) const;
   // A plan for `key` from the choice file's kernel, run once; null where the file has none

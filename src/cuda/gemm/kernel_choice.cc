@@ -3,6 +3,7 @@
 // description, timed here (Tune) when autotuning; and the choice recorded once final.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -184,8 +185,9 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
   int best = candidates.empty() ? -1 : 0;
   GemmArgs tune_args = args;  // tuning runs without an addend
   tune_args.addend = nullptr;
+  bool sustained = false;
   if (tune && !candidates.empty())
-    st = Tune(described, a, b, c, tune_args, stream, &candidates, &best);
+    st = Tune(described, a, b, c, tune_args, stream, &candidates, &best, &sustained);
   if (st.ok() && best < 0)
     st = Internal("cuBLASLt has no algorithm for m=" + std::to_string(key.m) +
                   " k=" + std::to_string(key.k) + " n=" + std::to_string(key.n) +
@@ -212,14 +214,15 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
   // cuBLASLt's own first pick always takes part: tuning times kernels alone, and beside
   // the op's copies the heuristic's kernel was at times the faster one (a reduce-scatter
   // at some shapes, benchmarks/RESULTS.md "Kernel choice"); the trials decide from the
-  // time beside the copies.
+  // time beside the copies. Not where tuning timed sustained blocks: the trials time
+  // single calls in turn, the bursts that rank kernels by a clock others left.
   const Candidate* heuristic = nullptr;
   for (const Candidate& cand : candidates)
     if (cand.description == chosen.description) {
       heuristic = &cand;
       break;
     }
-  if (options_.trials >= 2 && timed.size() >= 2) {
+  if (options_.trials >= 2 && timed.size() >= 2 && !sustained) {
     // An agreement's message holds kMaxAgreed candidates at most.
     const int most = Agrees() ? std::min(options_.trials, kMaxAgreed) : options_.trials;
     const size_t count = std::min(timed.size(), static_cast<size_t>(most));
@@ -252,8 +255,8 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
 
 Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
                           const GemmArgs& args, cudaStream_t stream,
-                          std::vector<Candidate>* candidates, int* best) {
-  // Events bracket each candidate's runs of a round: 2 per candidate, made once.
+                          std::vector<Candidate>* candidates, int* best, bool* sustained) {
+  // Events bracket each candidate's timed runs of a round: 2 per candidate, made once.
   const size_t count = candidates->size();
   std::vector<cudaEvent_t> events(2 * count, nullptr);
   Status st;
@@ -266,15 +269,19 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   // Timed rounds of runs back to back over every candidate that still counts, without the
   // host stopping the GPU in between: each round is timed at the clock a busy GPU holds
   // (a power-capped H200 runs long GEMMs ~25% below its boost clock, and candidates differ
-  // in power as well as in speed), and every candidate at the same one, instead of the
-  // first ones cooler than the last. Round 0 is one run each: it tells which candidates
-  // can run here, loads their kernels and warms the GPU up. The later rounds keep the
-  // candidates the time budget allows, fastest first.
+  // in power as well as in speed). Round 0 is one run each: it tells which candidates can
+  // run here, loads their kernels, warms the GPU up and sizes the later rounds. In those,
+  // a short GEMM's candidates run kRunsPerRound times each; a long one's (kSustainMinMs) a
+  // block each, kSustainWarmMs untimed, then kSustainTimedMs timed, so that each is timed
+  // at the clock its own power leaves. The later rounds keep the candidates the time
+  // budget allows, fastest first.
   std::vector<size_t> order(count);
   for (size_t i = 0; i < count; ++i) order[i] = i;
   std::vector<float> first_ms(count, -1.0f);
-  for (int round = 0; round <= kTimedRounds && st.ok(); ++round) {
-    const int runs = round == 0 ? 1 : kRunsPerRound;
+  std::vector<int> warm_runs(count, 0), timed_runs(count, kRunsPerRound);
+  *sustained = false;
+  int rounds = kTimedRounds;
+  for (int round = 0; round <= rounds && st.ok(); ++round) {
     std::vector<bool> ran(count, false);
     // Alternate directions, as the op's trials do (TrialMatmul), so a drifting clock does
     // not favour whichever candidate runs first in every round.
@@ -283,11 +290,19 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     for (size_t i : visit) {
       const Candidate& cand = (*candidates)[i];
       const Plan& p = described[cand.description];
-      st = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
-      for (int r = 0; r < runs && st.ok(); ++r) {
+      // Round 0 times its second run: the first loads the kernel.
+      const int warm = round == 0 ? 1 : warm_runs[i];
+      const int runs = round == 0 ? 1 : timed_runs[i];
+      bool can_run = true;
+      for (int r = 0; r < warm && st.ok() && can_run; ++r) {
         Status run = Run(p, cand.algo, a, b, c, stream, args);
-        if (!run.ok() && round == 0) break;  // cannot run here: skipped from now on
-        st = run;
+        can_run = run.ok() || round > 0;  // else it cannot run here: skipped from now on
+        if (round > 0) st = run;
+      }
+      if (!can_run) continue;
+      if (st.ok()) st = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
+      for (int r = 0; r < runs && st.ok(); ++r) {
+        st = Run(p, cand.algo, a, b, c, stream, args);
         ran[i] = true;
       }
       if (st.ok()) st = CudaStatus(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
@@ -303,22 +318,40 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       if (round == 0) {
         first_ms[i] = ms;
       } else {
-        (*candidates)[i].ms.push_back(ms / runs);
+        (*candidates)[i].ms.push_back(ms / timed_runs[i]);
       }
       next.push_back(i);
     }
-    if (round == 0) {
-      // Fastest first; keep as many as three timed rounds fit in the budget left.
+    if (round == 0 && !next.empty()) {
+      // Fastest first; the shape's time (its fastest run) sets how rounds time it; keep as
+      // many candidates as the rounds fit in the budget left.
       std::sort(next.begin(), next.end(),
                 [&](size_t x, size_t y) { return first_ms[x] < first_ms[y]; });
-      const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
+      *sustained = first_ms[next[0]] >= kSustainMinMs;
+      if (*sustained) {
+        rounds = kSustainRounds;
+        // A GPU that idled before (compiling, the host's own work) holds a clock above
+        // the one it sustains for longer than a block: run it hot first, untimed.
+        const size_t i = next[0];
+        const Plan& p = described[(*candidates)[i].description];
+        const int runs = static_cast<int>(std::ceil(kSustainHeatMs / first_ms[i]));
+        for (int r = 0; r < runs && st.ok(); ++r)
+          st = Run(p, (*candidates)[i].algo, a, b, c, stream, args);
+      }
+      const double heat_ms = *sustained ? kSustainHeatMs : 0.0;  // enqueued, not yet run
+      const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3 - heat_ms;
       double planned_ms = 0;
       size_t keep = 0;
-      while (keep < next.size() &&
-             (keep < 1 ||
-              planned_ms + first_ms[next[keep]] * kRunsPerRound * kTimedRounds <= left_ms)) {
-        planned_ms += first_ms[next[keep]] * kRunsPerRound * kTimedRounds;
-        ++keep;
+      for (; keep < next.size(); ++keep) {
+        const size_t i = next[keep];
+        const double run_ms = std::max(first_ms[i], 1e-3f);
+        if (*sustained) {
+          warm_runs[i] = static_cast<int>(std::ceil(kSustainWarmMs / run_ms));
+          timed_runs[i] = static_cast<int>(std::ceil(kSustainTimedMs / run_ms));
+        }
+        const double cost_ms = run_ms * (warm_runs[i] + timed_runs[i]) * rounds;
+        if (keep >= 1 && planned_ms + cost_ms > left_ms) break;
+        planned_ms += cost_ms;
       }
       next.resize(keep);
     }
@@ -329,11 +362,24 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     if (e != nullptr) cudaEventDestroy(e);
   JAX_UB_RETURN_IF_ERROR(st);
   *best = -1;
+  std::string times;  // for the trace: each timed candidate's time
   for (size_t i : order) {
-    const Candidate& cand = (*candidates)[i];
+    Candidate& cand = (*candidates)[i];
     if (cand.ms.empty()) continue;
+    if (*sustained) {  // few rounds, each of many runs: their mean
+      float sum = 0;
+      for (float ms : cand.ms) sum += ms;
+      cand.ms = {sum / cand.ms.size()};
+    }
     if (*best < 0 || Median(cand.ms) < Median((*candidates)[*best].ms)) *best = static_cast<int>(i);
+    char text[96];
+    std::snprintf(text, sizeof(text), "%s%s%d tile %d: %.4f", times.empty() ? "" : ", ",
+                  described[cand.description].row ? "row" : "col", cand.index,
+                  AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms));
+    times += text;
   }
+  JAX_UB_TRACE("GPU %d tuning, ms a run (%s): %s", device_,
+               *sustained ? "sustained blocks" : "bursts", times.c_str());
   if (*best < 0 && !order.empty()) *best = static_cast<int>(order[0]);
   return Status::Ok();
 }
