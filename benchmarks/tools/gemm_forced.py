@@ -1,0 +1,97 @@
+"""jax_ub's own GEMM (a group of one GPU) with each of cuBLASLt's candidate kernels forced
+through a kernel choice file, timed in the op beside XLA's dot and jax_ub's tuned pick, in
+shuffled rounds of loops: which kernel the op runs fastest for good, and how far tuning's pick
+is from it. A device investigation tool, not part of the library.
+
+JAX_UB_TRACE=1 python benchmarks/tools/gemm_forced.py 8192,8192,8192 [m,k,n ...]
+  [--rounds 5 --seconds 0.2 --pick-only]
+(the trace shows tuning's times per candidate and each forced kernel taken from its file)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from gemm_sources import loop_ms, own_gemm  # noqa: E402
+
+import jax_ub  # noqa: E402
+from jax_ub.bench.timing import round_order  # noqa: E402
+
+CANDIDATES = 8  # the column description's heuristic list that tuning times (kCandidates)
+
+
+def forced_gemms(a, b, folder: str, pick_only: bool) -> dict:
+    """{"pick": the tuned op, "colI": the op forced to candidate I}, each run a few times."""
+    tuned = os.path.join(folder, "tuned.txt")
+    jax_ub.configure(gemm_cache=tuned)
+    fns = {"pick": own_gemm()}
+    for _ in range(30):  # past tuning and any trials
+        fns["pick"](a, b).block_until_ready()
+    key, choice = open(tuned).read().strip().split(" | ")
+    print(f"tuned pick (row, index): {choice}", flush=True)
+    for index in [] if pick_only else range(CANDIDATES):
+        path = os.path.join(folder, f"col{index}.txt")
+        with open(path, "w") as f:
+            f.write(f"{key} | 0 {index}\n")
+        jax_ub.configure(gemm_cache=path)  # new settings: a new communicator reads it
+        fns[f"col{index}"] = own_gemm()
+        for _ in range(3):
+            fns[f"col{index}"](a, b).block_until_ready()
+    jax_ub.configure(gemm_cache="")
+    return fns
+
+
+def async_loop(fn, *args):
+    """(step, sync) for loop_ms: step calls fn without waiting; sync waits for the last."""
+    last: list = []
+
+    def step():
+        last[:] = [fn(*args)]
+
+    return step, lambda: last[0].block_until_ready()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="+", help="m,k,n")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=0.2)
+    ap.add_argument("--pick-only", action="store_true", help="the tuned pick and XLA only")
+    args = ap.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit("gemm_forced.py times cuBLASLt's kernels: it needs a GPU")
+    for shape in args.shapes:
+        m, k, n = map(int, shape.split(","))
+        rng = np.random.default_rng(0)
+        a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        b = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.01, jnp.bfloat16)
+        print(f"== {shape}", flush=True)
+        fns = {"xla": jax.jit(lambda a, b: a @ b)}
+        fns.update(forced_gemms(a, b, tempfile.mkdtemp(), args.pick_only))
+        want = np.asarray(fns["xla"](a, b).astype(jnp.float32))
+        for name, fn in fns.items():  # every kernel computes the product
+            got = np.asarray(fn(a, b).astype(jnp.float32))
+            err = np.abs(got - want).max() / np.abs(want).max()
+            assert np.isfinite(err) and err < 2e-2, (name, err)
+        impls = {name: async_loop(fn, a, b) for name, fn in fns.items()}
+        times: dict[str, list[float]] = {name: [] for name in impls}
+        for r in range(args.rounds):
+            for name in round_order(impls, r):
+                times[name].append(loop_ms(*impls[name], args.seconds))
+        base = statistics.median(times["xla"])
+        for name, ts in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
+            med = statistics.median(ts)
+            spread = 100 * (max(ts) - min(ts)) / med
+            print(f"  {name:5s} {med:7.3f} ms  x{med / base:.3f} of XLA  spread {spread:4.1f}%")
+
+
+if __name__ == "__main__":
+    main()
