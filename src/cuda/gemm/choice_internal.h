@@ -28,8 +28,8 @@ constexpr int kSustainRounds = 2;       // a candidate's time: the mean of the r
 // what covers that, not measured yet.
 constexpr double kSustainHeatMs = 250;
 // Tuning a shape takes about this long at most (a GPU's peers wait for it, under the op's
-// deadline, while its first call of a shape tunes): candidates beyond what three rounds
-// can time in it are dropped, the slowest first, and rounds stop once it is spent.
+// deadline, while its first call of a shape tunes): candidates beyond what the rounds can
+// time in it are dropped, the slowest first, and rounds stop once it is spent.
 constexpr double kTuneBudgetS = 2.0;
 // In-op trials (CublasLtGemm::Matmul): after one untimed round over the candidates (the
 // first calls run while the GPU and the peers settle), each candidate is timed in this
