@@ -269,8 +269,8 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   // Timed rounds of runs back to back over every candidate that still counts, without the
   // host stopping the GPU in between: each round is timed at the clock a busy GPU holds
   // (a power-capped H200 runs long GEMMs ~25% below its boost clock, and candidates differ
-  // in power as well as in speed). Round 0 is one run each: it tells which candidates can
-  // run here, loads their kernels, warms the GPU up and sizes the later rounds. In those,
+  // in power as well as in speed). Round 0 is two runs each, the second timed: it tells
+  // which candidates can run here, loads their kernels and sizes the later rounds. In those,
   // a short GEMM's candidates run kRunsPerRound times each; a long one's (kSustainMinMs) a
   // block each, kSustainWarmMs untimed, then kSustainTimedMs timed, so that each is timed
   // at the clock its own power leaves. The later rounds keep the candidates the time
