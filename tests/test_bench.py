@@ -7,6 +7,8 @@ import os
 import runpy
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jax_ub import bench
@@ -264,3 +266,16 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
             assert len(r.split("|")) == 1 + 5 * kinds + 4, r
             ratios = [float(c) for c in r.split("|")[2:-3] if c.strip() != "nan"]
             assert ratios and all(v > 0 for v in ratios), r
+
+
+def test_gemm_table_refuses_outputs_off_xlas():
+    """gemm_table.py's check of jax_ub's outputs (on the device): close ones pass; one off
+    by 5%, or NaN, stops the row."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_table.py")
+    check_close = runpy.run_path(script)["check_close"]
+    want = jax.random.normal(jax.random.key(0), (64, 48), jnp.bfloat16)
+    noise = jax.random.normal(jax.random.key(1), want.shape, jnp.float32)
+    check_close("close", [want + 1e-3 * noise.astype(want.dtype)], [want])
+    for bad in (want + 0.05 * jnp.abs(want), want.at[3, 4].set(jnp.nan)):
+        with pytest.raises(AssertionError, match="jax_ub's output is off XLA's"):
+            check_close("bad", [want, bad], [want, want])
