@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "too
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from gemm_sources import loop_ms, own_gemm  # noqa: E402
+from gemm_sources import check_close, jax_loop, loop_ms, own_gemm  # noqa: E402
 
 # name: (hidden, qkv out, ffn); Llama 3's (head dim 128, 8 kv heads).
 MODELS = {
@@ -57,15 +57,6 @@ def projections(model: str, tp: int, tokens: int) -> list[tuple[str, int, int, i
         (f"{model} gate/up", tokens, h, 2 * ffn // tp),
         (f"{model} down", tokens, ffn // tp, h),
     ]
-
-
-def _jax_step(f, *args):
-    last: list = []
-
-    def step():
-        last[:] = [f(*args)]
-
-    return step, lambda: jax.block_until_ready(last[0])
 
 
 def _each(f):
@@ -103,8 +94,8 @@ def bf16_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
     fwd["again"], grads["again"] = fwd["xla"], grads["xla"]  # timed twice: the noise gauge
     impls = {}
     for src in ("xla", "ub", "again"):
-        impls[f"{src} fwd"] = _jax_step(fwd[src], As, b)
-        impls[f"{src} fwd+bwd"] = _jax_step(grads[src], As, b, Gs)
+        impls[f"{src} fwd"] = jax_loop(fwd[src], As, b)
+        impls[f"{src} fwd+bwd"] = jax_loop(grads[src], As, b, Gs)
     for name in ("ub fwd", "ub fwd+bwd"):  # past the op's kernel trials
         for _ in range(-(-40 // per_call)):
             impls[name][0]()
@@ -146,8 +137,8 @@ def fp8_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
     xqs = [fp8.quantize(jnp.asarray(x), sx) for x in xs]
     wq = fp8.quantize(jnp.asarray(w), sw)
     ub, xla = _each(own_gemm("ub", fp8=scales)), _each(own_gemm("xla", fp8=scales))
-    impls = {"xla fp8": _jax_step(xla, xqs, wq), "ub fp8": _jax_step(ub, xqs, wq)}
-    impls["again fp8"] = _jax_step(xla, xqs, wq)  # the noise gauge
+    impls = {"xla fp8": jax_loop(xla, xqs, wq), "ub fp8": jax_loop(ub, xqs, wq)}
+    impls["again fp8"] = jax_loop(xla, xqs, wq)  # the noise gauge
     check_close("fp8", ub(xqs, wq), xla(xqs, wq))
     for _ in range(-(-40 // per_call)):
         impls["ub fp8"][0]()
@@ -168,23 +159,6 @@ def fp8_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
 
         impls["torch fp8"] = (t_fp8, torch.cuda.synchronize)
     return impls
-
-
-@jax.jit
-def _rel_err(got, want):
-    """||got - want|| / ||want|| in float32, on the arrays' device: a row's outputs are
-    gigabytes at 70B and 405B, too many to fetch and sum on the host for every row."""
-    got, want = got.astype(jnp.float32).ravel(), want.astype(jnp.float32).ravel()
-    return jnp.linalg.norm(got - want) / jnp.linalg.norm(want)
-
-
-def check_close(what: str, got, want, most: float = 2e-2) -> None:
-    """jax_ub's outputs against XLA's on the same random data (relative Frobenius error):
-    a timing of wrong numbers is no result."""
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        err = float(_rel_err(g, w))
-        if not err <= most:  # NaN fails too
-            raise AssertionError(f"{what}: jax_ub's output is off XLA's by {err:.3g} (> {most})")
 
 
 def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[dict, dict]:

@@ -68,6 +68,34 @@ def loop_ms(step, sync, seconds: float) -> float:
             return 1e3 * elapsed / calls
 
 
+def jax_loop(f, *args):
+    """(step, sync) for loop_ms: step calls jitted ``f`` without waiting, sync waits for the
+    last call's outputs."""
+    last: list = []
+
+    def step():
+        last[:] = [f(*args)]
+
+    return step, lambda: jax.block_until_ready(last[0])
+
+
+@jax.jit
+def _rel_err(got, want):
+    """||got - want|| / ||want|| in float32, on the arrays' device: a big row's outputs are
+    gigabytes, too many to fetch and sum on the host."""
+    got, want = got.astype(jnp.float32).ravel(), want.astype(jnp.float32).ravel()
+    return jnp.linalg.norm(got - want) / jnp.linalg.norm(want)
+
+
+def check_close(what: str, got, want, most: float = 2e-2) -> None:
+    """jax_ub's outputs against XLA's on the same random data (relative Frobenius error per
+    leaf): a timing of wrong numbers is no result."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        err = float(_rel_err(g, w))
+        if not err <= most:  # NaN fails too
+            raise AssertionError(f"{what}: jax_ub's output is off XLA's by {err:.3g} (> {most})")
+
+
 def torch_kernels(step) -> list[str]:
     import torch  # noqa: PLC0415
 
@@ -107,17 +135,9 @@ def main() -> None:
 
         return step
 
-    def jax_sync(f):
-        last = []
-
-        def step():
-            last[:] = [f(a, b)]
-
-        return step, lambda: last[0].block_until_ready()
-
     impls = {
-        "xla_dot": jax_sync(dot),
-        "jax_ub": jax_sync(ub),
+        "xla_dot": jax_loop(dot, a, b),
+        "jax_ub": jax_loop(ub, a, b),
         "torch_cublas": (torch_step("cublas"), torch.cuda.synchronize),
         "torch_cublaslt": (torch_step("cublaslt"), torch.cuda.synchronize),
     }
