@@ -293,13 +293,11 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       // Round 0 times its second run: the first loads the kernel.
       const int warm = round == 0 ? 1 : warm_runs[i];
       const int runs = round == 0 ? 1 : timed_runs[i];
-      bool can_run = true;
-      for (int r = 0; r < warm && st.ok() && can_run; ++r) {
-        Status run = Run(p, cand.algo, a, b, c, stream, args);
-        can_run = run.ok() || round > 0;  // else it cannot run here: skipped from now on
-        if (round > 0) st = run;
+      for (int r = 0; r < warm && st.ok(); ++r) st = Run(p, cand.algo, a, b, c, stream, args);
+      if (!st.ok() && round == 0) {  // cannot run here: skipped from now on
+        st = Status::Ok();
+        continue;
       }
-      if (!can_run) continue;
       if (st.ok()) st = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
       for (int r = 0; r < runs && st.ok(); ++r) {
         st = Run(p, cand.algo, a, b, c, stream, args);
@@ -328,6 +326,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       std::sort(next.begin(), next.end(),
                 [&](size_t x, size_t y) { return first_ms[x] < first_ms[y]; });
       *sustained = first_ms[next[0]] >= kSustainMinMs;
+      double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
       if (*sustained) {
         rounds = kSustainRounds;
         // A GPU that idled before (compiling, the host's own work) holds a clock above
@@ -337,9 +336,8 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
         const int runs = static_cast<int>(std::ceil(kSustainHeatMs / first_ms[i]));
         for (int r = 0; r < runs && st.ok(); ++r)
           st = Run(p, (*candidates)[i].algo, a, b, c, stream, args);
+        left_ms -= kSustainHeatMs;  // enqueued, not yet run
       }
-      const double heat_ms = *sustained ? kSustainHeatMs : 0.0;  // enqueued, not yet run
-      const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3 - heat_ms;
       double planned_ms = 0;
       size_t keep = 0;
       for (; keep < next.size(); ++keep) {
