@@ -354,7 +354,7 @@ def start_mps(folder: str) -> dict[str, str]:
     running = "CUDA_MPS_PIPE_DIRECTORY" in os.environ or os.path.exists(
         os.path.join(MPS_DEFAULT_PIPE, "control")
     )
-    gpu = control is not None and _has_gpu()
+    gpu = control is not None and has_gpu()
     if want == "0" or running or not gpu:
         shutil.rmtree(folder, ignore_errors=True)
         if want == "1" and not running:
@@ -392,7 +392,8 @@ def _mps_env(folder: str) -> dict[str, str]:
     }
 
 
-def _has_gpu() -> bool:
+def has_gpu() -> bool:
+    """Whether nvidia-smi lists a GPU on this machine."""
     try:
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):

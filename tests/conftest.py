@@ -56,6 +56,14 @@ def need_gpus(count: int) -> list:
     test module is skipped (at import) where there are fewer than ``count``. A GPU that is
     there but fails to start (out of memory, a driver error) says so in the skip's reason."""
     found, why = _gpus_and_why()
+    if not found and RANKS and _ranks.has_gpu():
+        # The N-ranks mode on a GPU machine exists to run these: a rank whose GPU did not
+        # start (a broken MPS daemon, a driver error) fails instead of skipping them.
+        pytest.fail(
+            f"rank {_ranks.rank()} of {RANKS}: the machine has a GPU, but JAX found none "
+            f"(jax.devices('gpu') raised: {why or 'nothing'})",
+            pytrace=False,
+        )
     if len(found) < count:
         need = "a GPU" if count == 1 else f"at least {count} GPUs"
         reason = f"needs {need}"

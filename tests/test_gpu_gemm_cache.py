@@ -26,7 +26,8 @@ WORKER = str(Path(__file__).with_name("_gemm_cache_worker.py"))
 CHOSEN = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+) in the op, .* keeping candidate")
 FROM_FILE = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, tile \d+, from the choice")
 TUNED = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, algo")
-TIMED_IN = re.compile(r"tuning, ms a run \((sustained blocks|bursts)\)")
+TIMED_IN = re.compile(r"tuning, ms a run \((sustained blocks|bursts), [0-9.]+ s\)")
+TUNING_S = re.compile(r"tuning, ms a run \(sustained blocks, ([0-9.]+) s\)")
 
 
 def _run(cache: Path, out: Path, *worker_args: str) -> str:
@@ -101,6 +102,8 @@ def test_a_long_gemm_is_timed_in_sustained_blocks_and_kept_at_once(tmp_path):
     log = _run(cache, tmp_path / "long.npz", "4096,2048,8192", "1")
     assert "sustained blocks" in TIMED_IN.findall(log), log[-3000:]
     assert "bursts" not in TIMED_IN.findall(log), log[-3000:]
+    # the budget (2 s a shape) holds: no block starts once it is spent
+    assert all(float(s) < 2.5 for s in TUNING_S.findall(log)), log[-3000:]
     assert not _shapes(CHOSEN, log), log[-3000:]  # no trial decided anything
     assert len(_lines(cache)) == len(_shapes(TUNED, log)) == 2, log[-3000:]
     got = np.load(tmp_path / "long.npz")

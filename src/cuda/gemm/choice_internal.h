@@ -27,9 +27,11 @@ constexpr int kSustainRounds = 2;       // a candidate's time: the mean of the r
 // a whole first block above its sustained clock (5-7% fast, on the H200). A guess at
 // what covers that, not measured yet.
 constexpr double kSustainHeatMs = 250;
+constexpr double kSustainHeatChunkMs = 25;  // the heat's runs a host wait
 // Tuning a shape takes about this long at most (a GPU's peers wait for it, under the op's
 // deadline, while its first call of a shape tunes): candidates beyond what the rounds can
-// time in it are dropped, the slowest first, and rounds stop once it is spent.
+// time in it are dropped, the slowest first, and rounds (a long GEMM's blocks) stop once it
+// is spent.
 constexpr double kTuneBudgetS = 2.0;
 // In-op trials (CublasLtGemm::Matmul): after one untimed round over the candidates (the
 // first calls run while the GPU and the peers settle), each candidate is timed in this

@@ -274,20 +274,25 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   // a short GEMM's candidates run kRunsPerRound times each; a long one's (kSustainMinMs) a
   // block each, kSustainWarmMs untimed, then kSustainTimedMs timed, so that each is timed
   // at the clock its own power leaves. The later rounds keep the candidates the time
-  // budget allows, fastest first.
+  // budget allows, fastest first. The host waits for each block and starts no block once
+  // the budget is spent: planned from round 0's times, blocks on a GPU that other processes
+  // share (MPS, the tests' N-ranks mode) would run several times as long.
   std::vector<size_t> order(count);
   for (size_t i = 0; i < count; ++i) order[i] = i;
   std::vector<float> first_ms(count, -1.0f);
   std::vector<int> warm_runs(count, 0), timed_runs(count, kRunsPerRound);
   *sustained = false;
   int rounds = kTimedRounds;
+  bool timed = false;  // some candidate has a time from a later round
   for (int round = 0; round <= rounds && st.ok(); ++round) {
     std::vector<bool> ran(count, false);
     // Alternate directions, as the op's trials do (TrialMatmul), so a drifting clock does
     // not favour whichever candidate runs first in every round.
     std::vector<size_t> visit = order;
     if (round > 0 && round % 2 == 0) std::reverse(visit.begin(), visit.end());
+    const bool blockwise = *sustained && round > 0;
     for (size_t i : visit) {
+      if (blockwise && timed && seconds() > kTuneBudgetS) break;
       const Candidate& cand = (*candidates)[i];
       const Plan& p = described[cand.description];
       // Round 0 times its second run: the first loads the kernel.
@@ -304,21 +309,27 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
         ran[i] = true;
       }
       if (st.ok()) st = CudaStatus(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
+      if (blockwise && st.ok())
+        st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       if (!st.ok()) break;
+      timed = timed || round > 0;
     }
     if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     std::vector<size_t> next;
     for (size_t i : order) {
-      if (!st.ok() || !ran[i]) continue;
-      float ms = 0;
-      st = CudaStatus(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]),
-                      "cudaEventElapsedTime");
-      if (round == 0) {
-        first_ms[i] = ms;
-      } else {
-        (*candidates)[i].ms.push_back(ms / timed_runs[i]);
+      if (!st.ok()) break;
+      if (ran[i]) {
+        float ms = 0;
+        st = CudaStatus(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]),
+                        "cudaEventElapsedTime");
+        if (round == 0) {
+          first_ms[i] = ms;
+        } else {
+          (*candidates)[i].ms.push_back(ms / timed_runs[i]);
+        }
       }
-      next.push_back(i);
+      // A candidate the budget left out of this round keeps its earlier rounds' times.
+      if (ran[i] || !(*candidates)[i].ms.empty()) next.push_back(i);
     }
     if (round == 0 && !next.empty()) {
       // Fastest first; the shape's time (its fastest run) sets how rounds time it; keep as
@@ -326,18 +337,22 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       std::sort(next.begin(), next.end(),
                 [&](size_t x, size_t y) { return first_ms[x] < first_ms[y]; });
       *sustained = first_ms[next[0]] >= kSustainMinMs;
-      double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
       if (*sustained) {
         rounds = kSustainRounds;
         // A GPU that idled before (compiling, the host's own work) holds a clock above
-        // the one it sustains for longer than a block: run it hot first, untimed.
+        // the one it sustains for longer than a block: run it hot first, untimed, for
+        // kSustainHeatMs of the host's time, in chunks the host waits for.
         const size_t i = next[0];
         const Plan& p = described[(*candidates)[i].description];
-        const int runs = static_cast<int>(std::ceil(kSustainHeatMs / first_ms[i]));
-        for (int r = 0; r < runs && st.ok(); ++r)
-          st = Run(p, (*candidates)[i].algo, a, b, c, stream, args);
-        left_ms -= kSustainHeatMs;  // enqueued, not yet run
+        const int chunk = static_cast<int>(std::ceil(kSustainHeatChunkMs / first_ms[i]));
+        const double heat_end_s = seconds() + kSustainHeatMs * 1e-3;
+        while (st.ok() && seconds() < std::min(heat_end_s, kTuneBudgetS)) {
+          for (int r = 0; r < chunk && st.ok(); ++r)
+            st = Run(p, (*candidates)[i].algo, a, b, c, stream, args);
+          if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        }
       }
+      const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
       double planned_ms = 0;
       size_t keep = 0;
       for (; keep < next.size(); ++keep) {
@@ -376,8 +391,8 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
                   AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms));
     times += text;
   }
-  JAX_UB_TRACE("GPU %d tuning, ms a run (%s): %s", device_,
-               *sustained ? "sustained blocks" : "bursts", times.c_str());
+  JAX_UB_TRACE("GPU %d tuning, ms a run (%s, %.2f s): %s", device_,
+               *sustained ? "sustained blocks" : "bursts", seconds(), times.c_str());
   if (*best < 0 && !order.empty()) *best = static_cast<int>(order[0]);
   return Status::Ok();
 }
