@@ -1,5 +1,5 @@
-// What choosing a kernel (kernel_choice.cc) and comparing candidates in the op (trials.cc)
-// share: how many candidates are timed, and for how long.
+// What choosing and timing a kernel (kernel_choice.cc, tune.cc) and comparing candidates in
+// the op (trials.cc) share: how many candidates are timed, and for how long.
 #pragma once
 
 #include <algorithm>

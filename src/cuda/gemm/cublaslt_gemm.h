@@ -245,7 +245,7 @@ class CublasLtGemm {
   // the fastest candidate, timed on `stream`), stored in plans_.
   Status ChoosePlan(const PlanKey& key, const Epilogue& ep, const void* a, const void* b, void* c,
                     const GemmArgs& args, cudaStream_t stream, Plan** plan);
-  // Times `candidates` on `stream` (see kernel_choice.cc) and sets `best` to the fastest
+  // Times `candidates` on `stream` (see tune.cc) and sets `best` to the fastest
   // one's index, or -1 if none can run here, and `sustained` to whether they were timed in
   // sustained blocks (long GEMMs, kSustainMinMs) or in bursts.
   Status Tune(const std::vector<Plan>& described, const void* a, const void* b, void* c,
