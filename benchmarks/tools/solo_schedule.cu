@@ -238,8 +238,7 @@ std::vector<jax_ub::Step> MergeGemms(std::vector<jax_ub::Step> steps, const jax_
                                      int64_t min_rows) {
   using jax_ub::Step;
   auto plain = [](const Step& g) {
-    return g.kind == Step::Kind::kGemm && !g.epilogue &&
-           g.addend.region == jax_ub::Region::kNone;
+    return g.kind == Step::Kind::kGemm && !g.epilogue && g.addend.region == jax_ub::Region::kNone;
   };
   auto follows = [](const jax_ub::Ref& a, const jax_ub::Ref& b, int64_t bytes) {
     return a.region == b.region && a.peer == b.peer && b.offset == a.offset + bytes;
@@ -333,8 +332,8 @@ int main(int argc, char** argv) {
   std::printf(
       "%s (%s) tp=%d m=%lld k=%lld n=%lld: schedule %.4f ms / whole GEMM %.4f ms = x%.4f "
       "(rounds: schedule %.4f..%.4f, whole %.4f..%.4f)\n",
-      argv[1], variant.c_str(), tp, m, k, n, sched[1], whole[1], sched[1] / whole[1],
-      sched.front(), sched.back(), whole.front(), whole.back());
+      argv[1], variant.c_str(), tp, m, k, n, sched[1], whole[1], sched[1] / whole[1], sched.front(),
+      sched.back(), whole.front(), whole.back());
   bool sums = false;
   for (const jax_ub::Step& st : r.steps) sums = sums || st.kind == jax_ub::Step::Kind::kSum;
   if (sums && n % 8 == 0) {  // how near the sum pass runs to the GPU's memory bandwidth

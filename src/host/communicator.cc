@@ -289,8 +289,7 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         std::memcpy(at(step.dst), at(step.src), step.bytes);
         break;
       case Step::Kind::kSignal:
-        Store(FlagWord(ctx.peer_slot(step.peer), step.flag, FlagSlot(step, ctx.rank)),
-              ctx.epoch);
+        Store(FlagWord(ctx.peer_slot(step.peer), step.flag, FlagSlot(step, ctx.rank)), ctx.epoch);
         break;
       case Step::Kind::kGemm: {
         char* dst = at(step.dst);

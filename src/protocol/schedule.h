@@ -116,8 +116,7 @@ struct Schedule {
   // not for a call that `gathers` beside it: there a peer's gathered chunk is announced by
   // the partial it sends after it, and in a ring above two ranks most peers send none.
   bool ReduceScatterFolds(int64_t rows, bool gathers) const {
-    return (size == 2 || (size > 2 && ring && !gathers)) && fold_rows >= 0 &&
-           rows / 2 >= fold_rows;
+    return (size == 2 || (size > 2 && ring && !gathers)) && fold_rows >= 0 && rows / 2 >= fold_rows;
   }
 
   // A folding reduce-scatter's step s (0 .. size - 1) multiplies this block: each block's
@@ -201,7 +200,7 @@ struct Step {
   };
   Kind kind = Kind::kWait;
   int lane = kComputeLane;
-  int peer = -1;               // kWait, kPublish, kSignal: the rank
+  int peer = -1;  // kWait, kPublish, kSignal: the rank
   // kWait, kSignal: the flag's slot where it is not the sender's rank (a ring's partial
   // sums, several from one sender in a call); negative: the sender's.
   int slot = -1;
