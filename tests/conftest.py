@@ -48,7 +48,14 @@ def _gpus_and_why() -> tuple[list, str]:
     try:
         return jax.devices("gpu"), ""
     except RuntimeError as e:
-        return [], str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    # JAX logs a GPU plugin's failure to start and then knows no such backend; why it
+    # failed is kept (privately) among its backends' errors.
+    from jax._src import xla_bridge
+
+    failed = getattr(xla_bridge, "_backend_errors", {})
+    errors = [f"{name}: {err}" for name, err in failed.items() if name in ("cuda", "rocm", "gpu")]
+    return [], "; ".join(errors) or why
 
 
 def need_gpus(count: int) -> list:

@@ -108,3 +108,18 @@ def test_mps_required_where_there_is_none_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv(_ranks.MPS_ENV, "yes")
     with pytest.raises(SystemExit, match="must be auto, 0 or 1, got 'yes'"):
         _ranks.start_mps(str(tmp_path / "mps"))
+
+
+def test_a_rank_whose_gpu_did_not_start_fails(monkeypatch):
+    """On a machine with a GPU, a rank that finds none (its GPU plugin failed to start)
+    fails the file, with JAX's reason, instead of skipping every GPU test in it."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "RANKS", 2)
+    monkeypatch.setattr(_ranks, "has_gpu", lambda: True)
+    monkeypatch.setattr(conftest, "_gpus_and_why", lambda: ([], "cuda: the plugin failed"))
+    with pytest.raises(pytest.fail.Exception, match="JAX found none.*the plugin failed"):
+        conftest.need_gpus(1)
+    monkeypatch.setattr(_ranks, "has_gpu", lambda: False)  # no GPU here: skipped as ever
+    with pytest.raises(pytest.skip.Exception, match="needs a GPU"):
+        conftest.need_gpus(1)
