@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The N-ranks mode of benchmarks/device_run.sh (sourced by it; uses its step, OUT, SCRATCH,
+# FAILED): GPU test files run as N ranks sharing a GPU, in lanes.
+
+# The N-ranks mode's test sets: items file[@k]:seconds[:N0], each run at every N (from N0 on,
+# where given: below it the selection holds no test), under a limit of about 1.5x the
+# longest time seen at N = 2-8 on one H200 with 3 or 4 lanes on it (rank 0 compiling for
+# all; the most is at N = 8), scaled by lanes/3 above 3 lanes a GPU. Without MPS, 6 lanes of
+# N = 8 saturated the host's 16 cores and items ran past their limits; under MPS 4 lanes of
+# N = 8 kept 5 to 14 cores busy and the GPU was often idle, each group's rank 0 (compiling
+# for all) its busiest thread. @k: only pytest -k k's tests, a "+" in k standing for a
+# space; the long files are split so that parallel lanes balance. quick: about 3 minutes at
+# N = 8 with 3 lanes.
+RANKS_QUICK="test_gpu.py:250 test_gpu_fp8.py:210 test_gpu_epilogue.py:110"
+RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:200
+  test_gpu_grad_matrix.py@op_gradients+and+not+dp1x:180:4 test_gpu_grad_matrix.py@layer_gradients+and+dp1x:220
+  test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:230:4 test_gpu_layouts.py:200 test_gpu_flax.py:60
+  test_gpu_reliability.py:150 test_gpu_models.py@trains_as:380 test_gpu_models.py@not+trains_as:510
+  test_gpu_general_lm.py:310 test_gpu_ported_lm.py:280"
+# Items of the whole set run once, not per N (N shown as 0; RANKS_ONCE="" for none): tests
+# that start processes of their own on GPU 0, the fault tests among them.
+RANKS_ONCE=${RANKS_ONCE-"test_gpu_multiprocess.py@one_gpu+or+one_shared_gpu:400"}
+# Files whose ranks each need several GiB (test_gpu.py's largest case makes its global
+# arrays whole on every rank): with several lanes, all their items run one after another in
+# lane 0, so that no two of them hold that memory at once.
+RANKS_HEAVY="test_gpu.py"
+
+# The MPS daemon of the N-ranks mode (mode_ranks), stopped at its end or at the script's.
+RANKS_MPS_DIR=""
+RANKS_MPS_VARS=()
+stop_ranks_mps() {
+  if [ -n "$RANKS_MPS_DIR" ]; then python3 tests/_ranks.py mps-stop "$RANKS_MPS_DIR"; fi
+  RANKS_MPS_DIR=""
+  RANKS_MPS_VARS=()
+}
+
+# One item of the N-ranks mode at one N: ranks_item N FILE K LIMIT LOG (K: pytest's -k, or
+# empty), the test run appended to LOG; pytest's own args follow in RANKS_ARGS.
+ranks_item() {
+  local n=$1 file=$2 k=$3 limit=$4 log=$5 start tag=${file%.py}
+  local -a sel=()
+  if [ -n "$k" ]; then
+    sel=(-k "$k")
+    tag+=_$(tr -c 'A-Za-z0-9_\n' _ <<< "$k")
+  fi
+  start=$(wc -l < "$log")
+  if [ "$n" -eq 0 ]; then  # an item of RANKS_ONCE: its tests start their own processes
+    step --append --ok "0 5" -k 10 "processes on GPU 0: tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
+      python3 -m pytest -q -rfEs -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
+  else
+    step --append --ok "0 5" -k 10 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
+      env "${RANKS_MPS_VARS[@]}" python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag" -q -rfEs \
+      -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
+  fi
+  tail -n "+$((start + 1))" "$log" \
+    | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4
+}
+
+# Every item at every N from its N0 on (and RANKS_ONCE_SPECS' at N = 0), as lines
+# "seconds n file k" (k: "-" for none), longest first.
+ranks_work() {
+  local n spec file k secs from
+  for n in "$@"; do
+    local -a specs=("${RANKS_SPECS[@]}")
+    [ "$n" -eq 0 ] && specs=("${RANKS_ONCE_SPECS[@]}")
+    for spec in "${specs[@]}"; do
+      IFS=: read -r file secs from <<< "$spec"
+      [ "$n" -gt 0 ] && [ "$n" -lt "${from:-0}" ] && continue
+      k=-
+      if [[ $file == *@* ]]; then
+        k=${file#*@}
+        file=${file%%@*}
+      fi
+      echo "$secs $n $file $k"
+    done
+  done | sort -rn -k1,1
+}
+
+mode_ranks() {
+  local set=quick
+  case ${1:-} in quick | all) set=$1; shift ;; esac
+  RANKS_ARGS=("$@")
+  if [ -n "${RANKS_FILES:-}" ]; then read -ra RANKS_SPECS <<< "$RANKS_FILES"
+  elif [ "$set" = all ]; then read -ra RANKS_SPECS <<< "${RANKS_ALL//$'\n'/ }"; else read -ra RANKS_SPECS <<< "$RANKS_QUICK"; fi
+  local -a ranks once=()
+  read -ra ranks <<< "${RANKS:-4}"
+  RANKS_ONCE_SPECS=()
+  if [ "$set" = all ] && [ -z "${RANKS_FILES:-}" ]; then read -ra RANKS_ONCE_SPECS <<< "$RANKS_ONCE"; once=(0); fi
+  local lanes=${RANKS_PARALLEL:-1} gpus secs n file k lane i
+  [[ $lanes =~ ^[1-9][0-9]*$ ]] || { echo "RANKS_PARALLEL must be a count of lanes, got '$lanes'"; exit 2; }
+  # The GPUs the lanes share: RANKS_GPUS (e.g. "1"), else every GPU nvidia-smi lists.
+  local -a gpu_ids
+  if [ -n "${RANKS_GPUS:-}" ]; then read -ra gpu_ids <<< "$RANKS_GPUS"
+  else read -ra gpu_ids <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader 2> /dev/null | tr '\n' ' ')"; fi
+  [ ${#gpu_ids[@]} -ge 1 ] || gpu_ids=(0)
+  gpus=${#gpu_ids[@]}
+  # The heavy files' items to lane 0; then each other item to the lane with the least work
+  # so far, longest first; lane L shares GPU L % gpus of that list. Each GPU's ranks in all
+  # (its lanes' largest N summed) size their memory shares (tests/_ranks.py).
+  local -a load=() items=() most=() on_gpu=() lane_pids=()
+  for ((lane = 0; lane < lanes; lane++)); do load[lane]=0; items[lane]=""; most[lane]=0; done
+  local heavy pass
+  for pass in heavy rest; do
+    while read -r secs n file k; do
+      [[ " $RANKS_HEAVY " == *" $file "* ]] && heavy=heavy || heavy=rest
+      [ "$heavy" = "$pass" ] || continue
+      lane=0
+      if [ "$pass" = rest ]; then
+        for ((i = 1; i < lanes; i++)); do [ "${load[i]}" -lt "${load[lane]}" ] && lane=$i; done
+      fi
+      load[lane]=$((load[lane] + secs))
+      items[lane]+="$n $file $k $secs;"
+      [ "$n" -gt "${most[lane]}" ] && most[lane]=$n
+    done < <(ranks_work "${ranks[@]}" "${once[@]}")
+  done
+  for ((lane = 0; lane < lanes; lane++)); do
+    on_gpu[lane % gpus]=$((${on_gpu[lane % gpus]:-0} + most[lane]))
+  done
+  # One MPS daemon for every lane's ranks (tests/_ranks.py start_mps; none where the machine
+  # has none, or JAX_UB_TEST_RANKS_MPS=0), so that their kernels run side by side instead of
+  # taking turns on the GPU; RANKS_ONCE's processes run without it.
+  if ! dry_run; then
+    RANKS_MPS_DIR=$SCRATCH/mps
+    read -ra RANKS_MPS_VARS <<< "$(python3 tests/_ranks.py mps-start "$RANKS_MPS_DIR")"
+    echo "ranks share the GPU: ${RANKS_MPS_VARS[*]:-taking turns (no MPS daemon)}"
+  fi
+  # RANKS_THREADS=1: where the host's CPU time goes meanwhile, every 30 s
+  local sampler=""
+  if [ -n "${RANKS_THREADS:-}" ] && ! dry_run; then
+    python3 benchmarks/tools/hot_threads.py --seconds 100000 --every 30 --top 16 \
+      > "$OUT/ranks_threads.log" 2>&1 &
+    sampler=$!
+  fi
+  for ((lane = 0; lane < lanes; lane++)); do
+    (
+      export JAX_UB_TEST_RANKS_GPU=${gpu_ids[lane % gpus]} JAX_UB_TEST_RANKS_ON_GPU=${on_gpu[lane % gpus]}
+      # lanes sharing this lane's GPU (and its host's cores with the others)
+      sharing=$(((lanes + gpus - 1 - lane % gpus) / gpus))
+      FAILED=()
+      log="$OUT/ranks_lane$lane.log"
+      : > "$log"
+      IFS=';' read -ra work <<< "${items[lane]}"
+      for item in "${work[@]}"; do
+        read -r n file k secs <<< "$item"
+        [ "$k" = - ] && k="" || k=${k//+/ }
+        ranks_item "$n" "$file" "$k" "$((sharing > 3 ? secs * sharing / 3 : secs))" "$log"
+      done > "$SCRATCH/lane_$lane.out"
+      printf '%s\n' "${FAILED[@]}" > "$SCRATCH/lane_$lane.failed"
+    ) &
+    lane_pids[lane]=$!
+  done
+  for ((lane = 0; lane < lanes; lane++)); do wait "${lane_pids[lane]}"; done
+  [ -n "$sampler" ] && kill "$sampler" 2> /dev/null
+  stop_ranks_mps
+  for ((lane = 0; lane < lanes; lane++)); do
+    echo "-- lane $lane (GPU ${gpu_ids[lane % gpus]}, about ${load[lane]} s of limits; log: ranks_lane$lane.log):"
+    cat "$SCRATCH/lane_$lane.out"
+    while IFS= read -r f; do [ -n "$f" ] && FAILED+=("$f"); done < "$SCRATCH/lane_$lane.failed"
+  done
+}
