@@ -62,14 +62,16 @@ The rules behind the options (each function's docstring has its shapes and shard
     call) raises it. JAX_UB_TRACE=1 prints on stderr which call each GPU's handler thread
     has reached, for diagnosing a hang. Guarantees and their tests: tests/RELIABILITY.md.
   GPU kernel choice: a GEMM shape's first call on a GPU drains that GPU once, times
-    cuBLASLt's best candidate kernels (up to about 2 s per shape) and loads them before
-    anything waits on a peer (CUDA's lazy kernel loading could otherwise hang a group); the
-    shape's next 15 calls compare the 3 fastest beside the op's copies and keep the
-    fastest. From then on results are bitwise reproducible, though the kernel kept may
-    differ between processes. configure(gemm_cache=path) keeps each shape's kernel in a
-    file (keyed by GPU model, cuBLASLt version and shape) that later processes, and other
-    GPUs of the same model, run from their first call, with no tuning and no trials.
-    The tuning choices themselves are internal (jax_ub._src.settings.options.Tuning).
+    cuBLASLt's best candidate kernels (up to about 2 s per shape, so a model's first step
+    takes seconds per distinct GEMM shape) and loads them before anything waits on a peer
+    (CUDA's lazy kernel loading could otherwise hang a group). A GEMM of 0.05 ms or more
+    keeps the fastest at once; a shorter one's next 15 calls compare the 3 fastest beside
+    the op's copies and keep the fastest. From then on results are bitwise reproducible,
+    though the kernel kept may differ between processes. configure(gemm_cache=path) keeps
+    each shape's kernel in a file (keyed by GPU model, cuBLASLt version and shape) that
+    later processes, and other GPUs of the same model, run from their first call, with no
+    tuning and no trials. The tuning choices themselves are internal
+    (jax_ub._src.settings.options.Tuning).
 """
 
 # The public names are re-exported ("name as name") and there is no __all__: pydoc would print
