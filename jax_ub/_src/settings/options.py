@@ -32,10 +32,11 @@ class Tuning:
         power leaves, as in a training loop; shorter ones in bursts of 3 runs.
       autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
         f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick untimed (its fp8
-        GEMMs are tuned either way). Tuned GEMMs' trials compare the heuristic's pick
-        beside the op's copies too (``gemm_trials``), and on 2 H200s (K=8192, N=28672)
-        that made the tuned reduce-scatter as fast as the heuristic's at M=8192 and 4.3%
-        faster at M=32768 (benchmarks/RESULTS.md, "Kernel choice").
+        GEMMs are tuned either way). Short GEMMs' trials compare the heuristic's pick
+        beside the op's copies too (``gemm_trials``); on 2 H200s (K=8192, N=28672), when
+        every shape had trials, that made the tuned reduce-scatter as fast as the
+        heuristic's at M=8192 and 4.3% faster at M=32768. Those GEMMs are now tuned in
+        sustained blocks, without trials: not measured on 2+ GPUs since.
       gemm_order: how GPU GEMMs are described to cuBLASLt, which offers different kernels
         for each: "column" (the transposed column-major product), "row", or "auto" (time
         both). Tuning times kernels alone, not beside the op's copies, hence "column".
