@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ub  # noqa: E402
 from jax_ub._src import _host as _host_module  # noqa: E402
+from jax_ub._src import jax_compat  # noqa: E402
 from jax_ub._src.settings import options as _options  # noqa: E402
 from jax_ub._src.settings.config import config as _config  # noqa: E402
 from jax_ub._src.settings.options import current_options  # noqa: E402
@@ -49,11 +50,8 @@ def _gpus_and_why() -> tuple[list, str]:
         return jax.devices("gpu"), ""
     except RuntimeError as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-    # JAX logs a GPU plugin's failure to start and then knows no such backend; why it
-    # failed is kept (privately) among its backends' errors.
-    from jax._src import xla_bridge
-
-    failed = getattr(xla_bridge, "_backend_errors", {})
+    # JAX logs a GPU plugin's failure to start and then knows no such backend: its reason.
+    failed = jax_compat.backend_errors()
     errors = [f"{name}: {err}" for name, err in failed.items() if name in ("cuda", "rocm", "gpu")]
     return [], "; ".join(errors) or why
 

@@ -68,6 +68,14 @@ def backend_registry() -> tuple[dict, dict]:
     return getattr(_xla_bridge, "_backends", {}), getattr(_xla_bridge, "_backend_factories", {})
 
 
+def backend_errors() -> dict[str, str]:
+    """Why each backend that failed to start did so, by platform (e.g. ``{"cuda": ...}``).
+
+    No public replacement: JAX logs a plugin's failure and then only knows no such
+    backend ("Unknown backend"); the tests' N-ranks mode reports the reason."""
+    return dict(getattr(_xla_bridge, "_backend_errors", {}))
+
+
 _ENCLOSING_MANUAL: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
     "jax_ub_enclosing_manual_axes", default=frozenset()
 )

@@ -48,7 +48,6 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   std::vector<int> warm_runs(count, 0), timed_runs(count, kRunsPerRound);
   *sustained = false;
   int rounds = kTimedRounds;
-  bool timed = false;  // some candidate has a time from a later round
   for (int round = 0; round <= rounds && st.ok(); ++round) {
     std::vector<bool> ran(count, false);
     // Alternate directions, as the op's trials do (TrialMatmul), so a drifting clock does
@@ -57,7 +56,8 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     if (round > 0 && round % 2 == 0) std::reverse(visit.begin(), visit.end());
     const bool blockwise = *sustained && round > 0;
     for (size_t i : visit) {
-      if (blockwise && timed && seconds() > kTuneBudgetS) break;
+      // A round starts within the budget (the check after each round): its first block runs.
+      if (blockwise && i != visit.front() && seconds() > kTuneBudgetS) break;
       const Candidate& cand = (*candidates)[i];
       const Plan& p = described[cand.description];
       // Round 0 times its second run: the first loads the kernel.
@@ -77,7 +77,6 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       if (blockwise && st.ok())
         st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       if (!st.ok()) break;
-      timed = timed || round > 0;
     }
     if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     std::vector<size_t> next;
