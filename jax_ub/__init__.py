@@ -62,7 +62,7 @@ The rules behind the options (each function's docstring has its shapes and shard
     call) raises it. JAX_UB_TRACE=1 prints on stderr which call each GPU's handler thread
     has reached, for diagnosing a hang. Guarantees and their tests: tests/RELIABILITY.md.
   GPU kernel choice: a GEMM shape's first call on a GPU drains that GPU once, times
-    cuBLASLt's best candidate kernels (up to about 2 s per shape, so a model's first step
+    cuBLASLt's best candidate kernels (about 1 s per shape, 2 s at most: a model's first step
     takes seconds per distinct GEMM shape) and loads them before anything waits on a peer
     (CUDA's lazy kernel loading could otherwise hang a group). A GEMM of 0.05 ms or more
     keeps the fastest at once; a shorter one's next 15 calls compare the 3 fastest beside

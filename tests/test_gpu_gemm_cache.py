@@ -28,6 +28,8 @@ FROM_FILE = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, tile \d+
 TUNED = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, algo")
 TIMED_IN = re.compile(r"tuning, ms a run \((sustained blocks|bursts), [0-9.]+ s\)")
 TUNING_S = re.compile(r"tuning, ms a run \(sustained blocks, ([0-9.]+) s\)")
+# a sustained tuning's line: "... s): col1 tile 24: 1.6205, col2 tile 23: 1.6042"
+SUSTAINED_TIMES = re.compile(r"tuning, ms a run \(sustained blocks, [0-9.]+ s\): (.*)")
 
 
 def _run(cache: Path, out: Path, *worker_args: str) -> str:
@@ -45,6 +47,11 @@ def _run(cache: Path, out: Path, *worker_args: str) -> str:
 
 def _shapes(pattern: re.Pattern, log: str) -> set[tuple[int, ...]]:
     return {tuple(int(v) for v in m.groups()) for m in pattern.finditer(log)}
+
+
+def _timed_counts(log: str) -> list[int]:
+    """How many candidates each sustained tuning timed."""
+    return [len(m.group(1).split(", ")) for m in SUSTAINED_TIMES.finditer(log)]
 
 
 def _lines(cache: Path) -> list[str]:
@@ -104,6 +111,8 @@ def test_a_long_gemm_is_timed_in_sustained_blocks_and_kept_at_once(tmp_path):
     assert "bursts" not in TIMED_IN.findall(log), log[-3000:]
     # the budget (2 s a shape) holds: no block starts once it is spent
     assert all(float(s) < 2.5 for s in TUNING_S.findall(log)), log[-3000:]
+    # blocks time round 0's fastest 4 (kSustainKept), not every candidate
+    assert all(1 <= n <= 4 for n in _timed_counts(log)), log[-3000:]
     assert not _shapes(CHOSEN, log), log[-3000:]  # no trial decided anything
     assert len(_lines(cache)) == len(_shapes(TUNED, log)) == 2, log[-3000:]
     got = np.load(tmp_path / "long.npz")

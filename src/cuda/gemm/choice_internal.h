@@ -18,11 +18,16 @@ constexpr int kRunsPerRound = 3;  // each this many runs back to back
 // power read faster than they run for good. On one H200 3-run bursts ranked first a kernel
 // 0.3-4.8% slower in 250 ms loops, at 6 LLM shapes; blocks of 40 ms run untimed and 40 ms
 // timed put first the 250 ms loops' fastest at all 6 (benchmarks/tools/gemm_candidates.cu
-// --windows). Shorter GEMMs keep the bursts: blocks take ~1.3 s a shape (8 candidates).
+// --windows). Shorter GEMMs keep the bursts: blocks take ~1 s a shape (4 candidates).
 constexpr double kSustainMinMs = 0.05;
 constexpr double kSustainWarmMs = 40;   // untimed, a candidate's block in each round
 constexpr double kSustainTimedMs = 40;  // then timed
 constexpr int kSustainRounds = 2;       // a candidate's time: the mean of the rounds
+// Of a long GEMM's candidates, the blocks time round 0's fastest few only. In 21 tunings on
+// one H200 (the GEMMs of Llama 3 8B's step at 8192 rows and 8192^3; 7-8 candidates each,
+// ranked by round 0's one run apiece), the blocks' fastest was always among round 0's
+// first 4, and the best of the rest ran 0.6-7.6% slower: timing 4 halves a shape's tuning.
+constexpr int kSustainKept = 4;
 // Untimed, before the first round: a GPU that idled (compiling, the host's own work) ran
 // a whole first block above its sustained clock (5-7% fast, on the H200). A guess at
 // what covers that, not measured yet.

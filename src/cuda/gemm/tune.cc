@@ -38,10 +38,10 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   // a short GEMM's candidates run kRunsPerRound times each; a long one's (kSustainMinMs) a
   // block each, kSustainWarmMs untimed, then kSustainTimedMs timed, so that each is timed
   // at the clock its own power leaves. The later rounds keep the candidates the time
-  // budget allows, fastest first. The host waits for each block (a pause of microseconds
-  // before the next block's 40 ms warm-up) and starts no block once the budget is spent:
-  // planned from round 0's times, blocks on a GPU that other processes share (MPS, the
-  // tests' N-ranks mode) would run several times as long.
+  // budget allows, fastest first (a long GEMM's: kSustainKept at most). The host waits for
+  // each block (a pause of microseconds before the next block's 40 ms warm-up) and starts
+  // no block once the budget is spent: planned from round 0's times, blocks on a GPU that
+  // other processes share (MPS, the tests' N-ranks mode) would run several times as long.
   std::vector<size_t> order(count);
   for (size_t i = 0; i < count; ++i) order[i] = i;
   std::vector<float> first_ms(count, -1.0f);
@@ -127,6 +127,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
           timed_runs[i] = static_cast<int>(std::ceil(kSustainTimedMs / run_ms));
         }
         const double cost_ms = run_ms * (warm_runs[i] + timed_runs[i]) * rounds;
+        if (*sustained && keep >= static_cast<size_t>(kSustainKept)) break;
         if (keep >= 1 && planned_ms + cost_ms > left_ms) break;
         planned_ms += cost_ms;
       }
