@@ -112,9 +112,9 @@ def check_killed_peer(nproc: int, gpu: bool = False, share_gpu: bool = False) ->
     process SIGKILLs itself (_mp_fault_worker.py "killed_peer"). The survivors must fail
     their next op within JAX_UB_TIMEOUT_S with an error naming the op and the dead rank (and
     the call numbers: expected #4, observed #3), fail the op after that at once (broken),
-    and after finalize() run both ops correctly on a mesh of the survivors. Nothing may be
-    left in /dev/shm by any of them. (On GPUs the first failed op returns NaN and
-    check_health() gives the error.)"""
+    finalize() at once (the dead process is not waited for), and then run both ops
+    correctly on a mesh of the survivors. Nothing may be left in /dev/shm by any of them.
+    (On GPUs the first failed op returns NaN and check_health() gives the error.)"""
     timeout_s = 5
     out = _start(
         FAULT_WORKER,
@@ -146,7 +146,9 @@ def check_killed_peer(nproc: int, gpu: bool = False, share_gpu: bool = False) ->
             r["broken_error"],
         ), r["broken_error"]
         assert r["broken_seconds"] < 1.0, r["broken_seconds"]
-        assert r["finalize_seconds"] < timeout_s + 5, r["finalize_seconds"]
+        # The dead process is seen to have exited: no wait for its teardown, no warning.
+        assert r["finalize_seconds"] < timeout_s / 2, r["finalize_seconds"]
+        assert not any("did not finalize" in w for w in r["finalize_warnings"]), r
         assert len(r["rerun_errs"]) == 4 and max(r["rerun_errs"]) < 1e-5, r["rerun_errs"]
         assert r["comms"] == [nproc - 1], r  # the re-run's communicator: the survivors
     for pid, _, _ in out:

@@ -23,6 +23,7 @@ from types import ModuleType
 import jax
 
 from jax_ub._src.jax_compat import distributed_client
+from jax_ub._src.runtime import process_identity
 from jax_ub._src.settings.options import Options
 
 # Communicators are created in program order, which is the same in every process of an
@@ -143,7 +144,7 @@ def create_across_processes(
     device_ids: list[int],
     capacity: int,
     options: Options,
-) -> tuple[int, str, list[int]]:
+) -> tuple[int, str, dict[int, object]]:
     """Create a communicator over slots held by several processes, with `options`.
 
     `options.agreed()` are the settings every process must share because the protocol
@@ -152,8 +153,9 @@ def create_across_processes(
     its handles, and a difference is a ValueError naming the setting and both values, in
     every process.
 
-    Returns (communicator id, key namespace, peer process indices); the last two are what
-    teardown() needs. Raises PeersUnreachable, in every process alike, where a group spans
+    Returns (communicator id, key namespace, each peer process's index and identity
+    (process_identity.identity(), as it published it)); the last two are what teardown()
+    needs. Raises PeersUnreachable, in every process alike, where a group spans
     hosts: each process publishes its host with its handles and checks all of them before
     mapping any.
     """
@@ -178,9 +180,16 @@ def create_across_processes(
         names = list(module.region_names(comm_id))
         mine = {s: n for s, n in enumerate(names) if n}
         host = host_identity()
-        info = {"names": mine, "capacity": capacity, "host": host, "agreed": agreed}
+        info = {
+            "names": mine,
+            "capacity": capacity,
+            "host": host,
+            "agreed": agreed,
+            "identity": process_identity.identity(),
+        }
         client.key_value_set(f"{ns}/p{me}", json.dumps(info))
         host_of_process = {me: host}
+        identities: dict[int, object] = {}
         for p in peers:
             info = json.loads(_get(client, f"{ns}/p{p}", timeout_ms, p, "publish its userbuffers"))
             if info["capacity"] != capacity:
@@ -190,6 +199,7 @@ def create_across_processes(
                 )
             _check_agreed(p, info["agreed"], agreed)
             host_of_process[p] = info["host"]
+            identities[p] = info.get("identity")
             for slot, name in info["names"].items():
                 names[int(slot)] = name
         _check_hosts(group_size, device_ids, process_of_slot, host_of_process)
@@ -201,28 +211,44 @@ def create_across_processes(
     except BaseException:
         module.destroy_communicator(comm_id)
         raise
-    return comm_id, ns, peers
+    return comm_id, ns, identities
 
 
-def teardown(ns: str, peers: list[int], timeout_s: float) -> None:
-    """Wait until every peer process is done with communicator `ns` before it is freed (a
-    peer may still read or write our buffers). A peer that never arrives costs the deadline
-    and a warning, not a hang."""
+# How often teardown looks whether a peer it waits for has exited.
+_EXIT_POLL_S = 0.2
+
+
+def teardown(ns: str, peers: dict[int, object], timeout_s: float) -> None:
+    """Wait until every peer process (index: identity, as create_across_processes returns
+    them) is done with communicator `ns` before it is freed (a peer may still read or write
+    our buffers). A peer on this machine that has exited is not waited for (it never will
+    be done, and touches nothing any more: process_identity); one that never arrives costs
+    the deadline and a warning, not a hang."""
     client = kv_client()
     client.key_value_set(f"{ns}/done/p{jax.process_index()}", "1")
-    timeout_ms = max(1, int(timeout_s * 1000))
-    for p in peers:
-        try:
-            client.blocking_key_value_get(f"{ns}/done/p{p}", timeout_ms)
-        except Exception:  # noqa: BLE001
-            import warnings  # noqa: PLC0415
+    deadline = time.monotonic() + timeout_s
+    for p, peer in peers.items():
+        while True:
+            begun = time.monotonic()
+            wait_s = min(_EXIT_POLL_S, max(0.0, deadline - begun))
+            try:
+                client.blocking_key_value_get(f"{ns}/done/p{p}", max(1, int(wait_s * 1000)))
+                break
+            except Exception:  # noqa: BLE001  (the KV client raises its own error types)
+                pass
+            if process_identity.has_exited(peer):
+                break
+            if time.monotonic() >= deadline:
+                import warnings  # noqa: PLC0415
 
-            warnings.warn(
-                f"jax_ub: process {p} did not finalize communicator {ns} within {timeout_s} s; "
-                "freeing it anyway",
-                stacklevel=3,
-            )
-            return
+                warnings.warn(
+                    f"jax_ub: process {p} did not finalize communicator {ns} within "
+                    f"{timeout_s} s; freeing it anyway",
+                    stacklevel=3,
+                )
+                return
+            # A get that failed at once (not by its timeout) must not spin.
+            time.sleep(max(0.0, wait_s - (time.monotonic() - begun)))
 
 
 def _get(client, key: str, timeout_ms: int, process: int, what: str) -> str:

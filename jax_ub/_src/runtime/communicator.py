@@ -52,7 +52,8 @@ class Communicator:
     timeout_s: float
     devices: tuple[jax.Device, ...]
     bootstrap_namespace: str | None = None  # set when the groups span processes
-    peer_processes: tuple[int, ...] = ()
+    # Each peer process's index: its identity (bootstrap), for teardown.
+    peer_processes: dict[int, object] = dataclasses.field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (
@@ -104,7 +105,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
     ordinals = [_device_ordinal(d) for d in devices]
     options = key.options.to_dict()
     timeout_s = key.options.timeout_s
-    ns, peers = None, []
+    ns, peers = None, {}
     if all(o >= 0 for o in ordinals):
         _check_peer_access(module, key, devices, ordinals)
         comm_id = module.create_communicator(key.group_size, ordinals, capacity, options)
@@ -131,7 +132,7 @@ def _create(key: _Key, devices: list[jax.Device], capacity: int) -> Communicator
         timeout_s=timeout_s,
         devices=tuple(devices),
         bootstrap_namespace=ns,
-        peer_processes=tuple(peers),
+        peer_processes=peers,
     )
 
 

@@ -49,9 +49,7 @@ def _destroy(comms: list[Communicator]) -> None:
             )
         try:
             if comm.bootstrap_namespace is not None:
-                bootstrap.teardown(
-                    comm.bootstrap_namespace, list(comm.peer_processes), comm.timeout_s
-                )
+                bootstrap.teardown(comm.bootstrap_namespace, comm.peer_processes, comm.timeout_s)
         finally:
             if module is not None:
                 module.destroy_communicator(comm.id)

@@ -1,0 +1,81 @@
+"""Telling that a peer process on this machine has exited, for teardown: a process that died
+will never say it is done with a communicator, and it no longer touches its peers' memory,
+so waiting out the deadline for it only delays the survivors' finalize().
+
+Each process publishes its identity with its userbuffers (bootstrap). A peer's pid alone
+proves nothing: another machine's, another PID namespace's, or a reused one would mislead.
+So a peer counts as exited only where it shares this process's kernel boot and PID namespace
+and its pid now names no process, a zombie, or a process started at another time. Where
+anything is unknown (an unreadable /proc, a field missing), it does not count as exited:
+the caller waits as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _state_and_start(pid: int) -> tuple[str, str] | None:
+    """pid's state letter and start time (clock ticks after boot, /proc/PID/stat's 3rd and
+    22nd fields); None where no process has that pid. Raises OSError where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')': the fields
+    # after its last ')' start at the state.
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0], fields[19]
+
+
+def identity() -> dict[str, object]:
+    """This process's identity, as JSON-ready values: kernel boot id, PID namespace, pid and
+    its start time ("" where unknown)."""
+    try:
+        found = _state_and_start(os.getpid())
+    except (OSError, IndexError):
+        found = None
+    return {
+        "boot": _read("/proc/sys/kernel/random/boot_id"),
+        "pid_namespace": _pid_namespace(),
+        "pid": os.getpid(),
+        "start": found[1] if found else "",
+    }
+
+
+def has_exited(peer: object) -> bool:
+    """Whether the process that published `peer` (an identity()) has certainly exited."""
+    if not isinstance(peer, dict):
+        return False
+    mine = identity()
+    pid, start = peer.get("pid"), peer.get("start")
+    if not isinstance(pid, int) or pid <= 0 or not start or not mine["boot"]:
+        return False
+    if peer.get("boot") != mine["boot"] or peer.get("pid_namespace") != mine["pid_namespace"]:
+        return False
+    if not mine["pid_namespace"]:
+        return False
+    try:
+        found = _state_and_start(pid)
+    except (OSError, IndexError):
+        return False
+    if found is None:
+        return True
+    state, now_start = found
+    return state in ("Z", "X") or now_start != start
