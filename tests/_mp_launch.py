@@ -82,9 +82,10 @@ def run(
     timeout: float = 150,
     gpu: bool = False,
     share_gpu: bool = False,
-) -> list[tuple[int, str]]:
+    pids: bool = False,
+) -> list[tuple]:
     """(exit code, output) of each of nproc processes of _mp_worker.py, ndev devices each
-    (with `share_gpu`, one device each, all on GPU 0)."""
+    (with `share_gpu`, one device each, all on GPU 0); with `pids`, (pid, exit code, output)."""
     out = _start(
         WORKER,
         [scenario, str(ndev)],
@@ -93,7 +94,7 @@ def run(
         timeout,
         f"{scenario}: processes hung past {timeout} s",
     )
-    return [(code, text) for _, code, text in out]
+    return out if pids else [(code, text) for _, code, text in out]
 
 
 def results(out):

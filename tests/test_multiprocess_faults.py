@@ -7,27 +7,28 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import time
 
 from _mp_launch import check_killed_peer, run
+from _op_cases import shm_names
 
 
 def test_peer_killed_during_bootstrap_fails_clearly():
     """A process dies after publishing its userbuffers and before mapping its peers': the
-    other fails within the deadline (JAX_UB_TIMEOUT_S=8), naming it, instead of hanging."""
-    shm = "/dev/shm"
-    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
+    other fails within the deadline (JAX_UB_TIMEOUT_S=8), naming it, instead of hanging.
+    The dead process could not unlink its shared-memory names: the next bootstrap on this
+    machine (here, its clean-up alone) removes them at once, its pid being gone."""
+    from jax_ub._src.runtime import bootstrap
+
     t0 = time.time()
-    out = run("killed_in_bootstrap", 2, 1)
+    out = run("killed_in_bootstrap", 2, 1, pids=True)
     elapsed = time.time() - t0
-    # The dead process could not unlink its shared-memory names: remove them here (files
-    # only: a test running beside this one may hold a folder there, as the N-ranks mode does).
-    for name in (set(os.listdir(shm)) if os.path.isdir(shm) else set()) - before:
-        if name.startswith("jax_ub_") and os.path.isfile(os.path.join(shm, name)):
-            os.unlink(os.path.join(shm, name))
-    (code0, text0), (code1, _) = out
+    left = [n for pid, _, _ in out for n in shm_names(f"jax_ub_{pid}_")]
+    assert left, "the process killed in its bootstrap left no shared-memory names"
+    assert set(left) <= set(bootstrap.remove_stale_regions(timeout_s=8.0)), left
+    assert [n for pid, _, _ in out for n in shm_names(f"jax_ub_{pid}_")] == []
+    (_, code0, text0), (_, code1, _) = out
     assert code1 == 9, "the process meant to die did not"
     assert code0 != 0, text0[-2000:]
     assert "process 1 did not map this process's userbuffers" in text0, text0[-2000:]

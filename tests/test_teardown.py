@@ -136,6 +136,31 @@ def test_stale_shared_memory_names_are_removed(tmp_path, monkeypatch):
     assert fresh.exists()
 
 
+def test_a_dead_process_s_shared_memory_names_are_removed_at_once(tmp_path, monkeypatch):
+    """A fresh name (jax_ub_<pid>_<seq>_n<PID namespace>_<slot>) goes at once where its process
+    is of this PID namespace and has exited; a live process's stays, and so does a name
+    of another namespace, whose pid says nothing here (until it is old: the test above)."""
+    from jax_ub._src.runtime import bootstrap, process_identity
+
+    namespace = process_identity.pid_namespace_id()
+    if not namespace:
+        pytest.skip("no /proc/self/ns/pid here")
+    monkeypatch.setattr(bootstrap, "_SHM_DIR", str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process
+    dead, live = child.pid, os.getpid()
+    names = {
+        "dead": f"jax_ub_{dead}_0_n{namespace}_1",
+        "live": bootstrap.shm_prefix(7)[1:] + "_0",
+        "elsewhere": f"jax_ub_{dead}_0_n{int(namespace) + 1}_1",
+    }
+    assert names["live"] == f"jax_ub_{live}_7_n{namespace}_0"
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"\0" * 64)
+    assert bootstrap.remove_stale_regions(timeout_s=30.0) == [names["dead"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], names["elsewhere"]])
+
+
 # --------------------------------------------------------------------------- work in flight
 
 

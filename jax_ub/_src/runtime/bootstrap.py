@@ -33,19 +33,29 @@ _sequence = itertools.count()
 
 
 _SHM_DIR = "/dev/shm"
-_REGION_NAME = re.compile(r"jax_ub_\d+_\d+_\d+")
+# jax_ub_<pid>_<sequence>_n<PID namespace>_<slot> (before the namespace was in it, without).
+_REGION_NAME = re.compile(r"jax_ub_(\d+)_\d+(?:_n(\d+))?_\d+")
 # A region's name lives only while its bootstrap runs, and every wait of a bootstrap has a
 # deadline; a name older than this outlived its bootstrap: its process died in between.
 _STALE_AFTER_S = 600.0
 
 
+def shm_prefix(sequence: int) -> str:
+    """The shared-memory names of this process's regions for its `sequence`-th communicator
+    (a slot's name adds _<slot>): they name the process, so that remove_stale_regions can
+    tell when it is gone."""
+    return f"/jax_ub_{os.getpid()}_{sequence}_n{process_identity.pid_namespace_id() or 0}"
+
+
 def remove_stale_regions(timeout_s: float, now: float | None = None) -> list[str]:
     """Unlink shared-memory names that crashed bootstraps left behind; returns them.
 
-    A name is stale once it is older than any bootstrap can run (the larger of 10 minutes
-    and 4 timeouts). Age, not the owner's pid, decides: a process in another PID namespace
-    that shares /dev/shm would look dead while its bootstrap runs. Unlinking removes only the
-    name; memory still mapped by a live process stays valid.
+    A name is stale once the process that made it has exited, where that can be told: the
+    name is of this process's PID namespace and its pid names no process or a zombie
+    (process_identity; another namespace's pid, sharing /dev/shm, would look dead while its
+    bootstrap runs). Any other name is stale once older than any bootstrap can run (the
+    larger of 10 minutes and 4 timeouts). Unlinking removes only the name; memory still
+    mapped by a live process stays valid.
     """
     try:
         entries = list(os.scandir(_SHM_DIR))
@@ -53,12 +63,17 @@ def remove_stale_regions(timeout_s: float, now: float | None = None) -> list[str
         return []
     limit = max(_STALE_AFTER_S, 4 * timeout_s)
     now = time.time() if now is None else now
+    namespace = process_identity.pid_namespace_id()
     removed = []
     for entry in entries:
-        if not _REGION_NAME.fullmatch(entry.name):
+        name = _REGION_NAME.fullmatch(entry.name)
+        if not name:
             continue
+        pid, pid_namespace = name.groups()
         try:
-            if now - entry.stat().st_mtime > limit:
+            if (
+                namespace and pid_namespace == namespace and process_identity.pid_is_gone(int(pid))
+            ) or (now - entry.stat().st_mtime > limit):
                 os.unlink(entry.path)
                 removed.append(entry.name)
         except OSError:  # gone meanwhile, or not ours to remove
@@ -169,7 +184,7 @@ def create_across_processes(
     create_kwargs: dict[str, object] = {}
     if platform == "cpu":
         remove_stale_regions(timeout_s)
-        create_kwargs["shm_prefix"] = f"/jax_ub_{os.getpid()}_{seq}"
+        create_kwargs["shm_prefix"] = shm_prefix(seq)
     else:
         create_kwargs["multiprocess"] = True
     comm_id = module.create_communicator(

@@ -1,6 +1,7 @@
-"""Telling that a peer process on this machine has exited, for teardown: a process that died
-will never say it is done with a communicator, and it no longer touches its peers' memory,
-so waiting out the deadline for it only delays the survivors' finalize().
+"""Telling that a process on this machine has exited: for teardown (a peer that died will
+never say it is done with a communicator, and it no longer touches its peers' memory, so
+waiting out the deadline for it only delays the survivors' finalize()), and for removing
+the shared-memory names a bootstrap that died left behind.
 
 Each process publishes its identity with its userbuffers (bootstrap). A peer's pid alone
 proves nothing: another machine's, another PID namespace's, or a reused one would mislead.
@@ -30,6 +31,11 @@ def _pid_namespace() -> str:
         return ""
 
 
+def pid_namespace_id() -> str:
+    """This process's PID namespace as a number (its inode), "" where unknown."""
+    return "".join(ch for ch in _pid_namespace() if ch.isdigit())
+
+
 def _state_and_start(pid: int) -> tuple[str, str] | None:
     """pid's state letter and start time (clock ticks after boot, /proc/PID/stat's 3rd and
     22nd fields); None where no process has that pid. Raises OSError where unreadable."""
@@ -42,6 +48,16 @@ def _state_and_start(pid: int) -> tuple[str, str] | None:
     # after its last ')' start at the state.
     fields = stat.rsplit(")", 1)[1].split()
     return fields[0], fields[19]
+
+
+def pid_is_gone(pid: int) -> bool:
+    """Whether `pid` (of this PID namespace) names no process, or a zombie; False where
+    /proc cannot tell."""
+    try:
+        found = _state_and_start(pid)
+    except (OSError, IndexError):
+        return False
+    return found is None or found[0] in ("Z", "X")
 
 
 def identity() -> dict[str, object]:
