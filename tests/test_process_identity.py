@@ -1,11 +1,13 @@
-"""Teardown's test of whether a peer process on this machine has exited
-(jax_ub/_src/runtime/process_identity.py): true for a process that is gone, a zombie, or a
-pid reused by a later process; never true where it cannot know (another boot or PID
-namespace, an unreadable /proc, an identity that lacks a field)."""
+"""Whether a peer process on this machine has exited (jax_ub/_src/runtime/process_identity.py):
+true for a process that is gone, a zombie, or a pid reused by a later process; never true
+where it cannot know (another boot or PID namespace, an unreadable /proc, an identity that
+lacks a field). And teardown's wait for its peers, which stops at a peer's exit."""
 
 import os
 import subprocess
 import sys
+import time
+import warnings
 
 import pytest
 
@@ -90,3 +92,62 @@ def test_an_unreadable_proc_is_not_an_exit(monkeypatch):
 
     monkeypatch.setattr(pi, "_state_and_start", unreadable)
     assert not pi.has_exited(peer)
+
+
+class _Store:
+    """A stand-in for jax.distributed's key-value client: `done` keys present, `fail`: every
+    get fails at once (the store's host process gone), else a get waits out its timeout."""
+
+    def __init__(self, done=(), fail=False):
+        self.done, self.fail = set(done), fail
+
+    def key_value_set(self, key, value):
+        pass
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if self.fail:
+            raise RuntimeError("UNAVAILABLE")
+        if key in self.done:
+            return "1"
+        time.sleep(timeout_ms / 1000)
+        raise RuntimeError("DEADLINE_EXCEEDED")
+
+
+@pytest.mark.parametrize(
+    "case, store, peer, most_s, warns",
+    [
+        ("finalized", _Store(done={"ns/done/p1"}), "live", 0.5, None),
+        ("exited", _Store(), "dead", 0.5, None),
+        ("never", _Store(), "live", 3.0, "not within 1.0 s"),
+        ("store gone", _Store(fail=True), "live", 0.5, "key-value store failed"),
+    ],
+)
+def test_teardown_waits_for_a_live_peer_only(monkeypatch, case, store, peer, most_s, warns):
+    """bootstrap.teardown: a peer's done key ends the wait; so does the peer's exit (found
+    while waiting); a live peer that never finalizes costs the deadline (1 s) and a warning;
+    a failed store, a warning at once."""
+    from jax_ub._src.runtime import bootstrap
+
+    child = subprocess.Popen(SLEEPER)
+    identity = _identity_of(child.pid)
+    if peer == "dead":
+        child.kill()
+        child.wait()
+    monkeypatch.setattr(bootstrap, "kv_client", lambda: store)
+    t0 = time.monotonic()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bootstrap.teardown("ns", {1: identity}, timeout_s=1.0)
+    finally:
+        child.kill()
+        child.wait()
+    elapsed = time.monotonic() - t0
+    messages = [str(w.message) for w in caught]
+    assert elapsed < most_s, (case, elapsed)
+    if warns is None:
+        assert messages == [], messages
+    else:
+        assert len(messages) == 1 and warns in messages[0] and "process 1" in messages[0], messages
+        if case == "never":
+            assert elapsed >= 1.0, elapsed
