@@ -18,15 +18,16 @@ def test_peer_killed_during_bootstrap_fails_clearly():
     """A process dies after publishing its userbuffers and before mapping its peers': the
     other fails within the deadline (JAX_UB_TIMEOUT_S=8), naming it, instead of hanging.
     The dead process could not unlink its shared-memory names: the next bootstrap on this
-    machine (here, its clean-up alone) removes them at once, its pid being gone."""
+    machine (here, its clean-up alone, or a test's beside it) removes them at once, its pid
+    being gone."""
     from jax_ub._src.runtime import bootstrap
 
     t0 = time.time()
     out = run("killed_in_bootstrap", 2, 1, pids=True)
     elapsed = time.time() - t0
-    left = [n for pid, _, _ in out for n in shm_names(f"jax_ub_{pid}_")]
-    assert left, "the process killed in its bootstrap left no shared-memory names"
-    assert set(left) <= set(bootstrap.remove_stale_regions(timeout_s=8.0)), left
+    # (A test beside this one that bootstraps may have removed some already. Without the
+    # dead pid's rule they would stay 10 minutes: fresh names outlive this clean-up.)
+    bootstrap.remove_stale_regions(timeout_s=8.0)
     assert [n for pid, _, _ in out for n in shm_names(f"jax_ub_{pid}_")] == []
     (_, code0, text0), (_, code1, _) = out
     assert code1 == 9, "the process meant to die did not"
