@@ -160,6 +160,12 @@ def killed_peer():
     # 2. The communicator is broken: the next op fails at once.
     name, f, args, _ = ops[(KILL_AT + 1) % 2]
     result.update(broken_op=name, **_run_expecting_failure(f, args, "broken"))
+    # check_health() says so too, and that the dead process has exited.
+    try:
+        jax_ub.check_health()
+        result.update(health_error="")
+    except RuntimeError as e:
+        result.update(health_error=str(e))
 
     # 3. finalize() and start afresh on the surviving processes.
     # The dead process will never say it is done with the communicator; finalize() sees

@@ -147,6 +147,7 @@ def check_killed_peer(nproc: int, gpu: bool = False, share_gpu: bool = False) ->
             r["broken_error"],
         ), r["broken_error"]
         assert r["broken_seconds"] < 1.0, r["broken_seconds"]
+        assert rf"process {dead} of this job, on this machine, exited)" in r["health_error"], r
         # The dead process is seen to have exited: no wait for its teardown, no warning.
         assert r["finalize_seconds"] < timeout_s / 2, r["finalize_seconds"]
         assert not any("did not finalize" in w for w in r["finalize_warnings"]), r

@@ -8,7 +8,7 @@ import warnings
 
 import jax
 
-from jax_ub._src.runtime import bootstrap, communicator, extension
+from jax_ub._src.runtime import bootstrap, communicator, extension, process_identity
 from jax_ub._src.runtime.communicator import Communicator
 
 
@@ -80,9 +80,19 @@ def check_health() -> None:
         module.quiesce(comm.id)  # returns early once broken
         reason = module.broken_reason(comm.id)
         if reason:
-            problems.append(f"{comm}: {reason}")
+            problems.append(f"{comm}: {reason}{_exited_peers(comm)}")
     if problems:
         raise RuntimeError("jax_ub: " + "\n".join(problems))
+
+
+def _exited_peers(comm: Communicator) -> str:
+    """The peer processes of `comm` on this machine that have exited, as a note for a
+    failure's reason (most likely its cause); "" for none."""
+    gone = [p for p, peer in comm.peer_processes.items() if process_identity.has_exited(peer)]
+    if not gone:
+        return ""
+    names = ", ".join(f"process {p}" for p in gone)
+    return f" ({names} of this job, on this machine, exited)"
 
 
 def _finalize_at_exit() -> None:
