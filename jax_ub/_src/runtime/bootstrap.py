@@ -94,12 +94,7 @@ def host_identity() -> str:
     override = os.environ.get("JAX_UB_HOST_ID")
     if override:
         return override
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{process_identity.boot_id()}"
 
 
 def _check_hosts(group_size, device_ids, process_of_slot, host_of_process) -> None:

@@ -16,24 +16,21 @@ from __future__ import annotations
 import os
 
 
-def _read(path: str) -> str:
+def boot_id() -> str:
+    """The running kernel's boot id (different on every machine and boot), "" where unknown."""
     try:
-        with open(path) as fh:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
             return fh.read().strip()
-    except OSError:
-        return ""
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
 
 
 def pid_namespace_id() -> str:
     """This process's PID namespace as a number (its inode), "" where unknown."""
-    return "".join(ch for ch in _pid_namespace() if ch.isdigit())
+    try:
+        return "".join(ch for ch in os.readlink("/proc/self/ns/pid") if ch.isdigit())
+    except OSError:
+        return ""
 
 
 def _state_and_start(pid: int) -> tuple[str, str] | None:
@@ -50,14 +47,15 @@ def _state_and_start(pid: int) -> tuple[str, str] | None:
     return fields[0], fields[19]
 
 
-def pid_is_gone(pid: int) -> bool:
-    """Whether `pid` (of this PID namespace) names no process, or a zombie; False where
-    /proc cannot tell."""
+def pid_is_gone(pid: int, start: str = "") -> bool:
+    """Whether `pid` (of this PID namespace) names no process, a zombie, or, given the
+    `start` of the process it named, one started at another time; False where /proc cannot
+    tell."""
     try:
         found = _state_and_start(pid)
     except (OSError, IndexError):
         return False
-    return found is None or found[0] in ("Z", "X")
+    return found is None or found[0] in ("Z", "X") or (bool(start) and found[1] != start)
 
 
 def identity() -> dict[str, object]:
@@ -68,8 +66,8 @@ def identity() -> dict[str, object]:
     except (OSError, IndexError):
         found = None
     return {
-        "boot": _read("/proc/sys/kernel/random/boot_id"),
-        "pid_namespace": _pid_namespace(),
+        "boot": boot_id(),
+        "pid_namespace": pid_namespace_id(),
         "pid": os.getpid(),
         "start": found[1] if found else "",
     }
@@ -79,19 +77,12 @@ def has_exited(peer: object) -> bool:
     """Whether the process that published `peer` (an identity()) has certainly exited."""
     if not isinstance(peer, dict):
         return False
-    mine = identity()
     pid, start = peer.get("pid"), peer.get("start")
-    if not isinstance(pid, int) or pid <= 0 or not start or not mine["boot"]:
+    if not isinstance(pid, int) or pid <= 0 or not isinstance(start, str) or not start:
         return False
-    if peer.get("boot") != mine["boot"] or peer.get("pid_namespace") != mine["pid_namespace"]:
+    boot, namespace = boot_id(), pid_namespace_id()
+    if not boot or not namespace:
         return False
-    if not mine["pid_namespace"]:
+    if peer.get("boot") != boot or peer.get("pid_namespace") != namespace:
         return False
-    try:
-        found = _state_and_start(pid)
-    except (OSError, IndexError):
-        return False
-    if found is None:
-        return True
-    state, now_start = found
-    return state in ("Z", "X") or now_start != start
+    return pid_is_gone(pid, start)
