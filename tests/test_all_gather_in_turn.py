@@ -1,9 +1,12 @@
 """all_gather_matmul with Tuning.all_gather_in_turn: each rank pushes its chunk to one peer at
 a time and multiplies each chunk as it lands. The step lists themselves (every rank's, read
 from the host extension): at each step every rank receives exactly one chunk, and each
-rank multiplies its chunks in the order they land; off, every push at once; by default, in
-turn where w's local columns are few. Then the op's values, epilogues, the gathered copy and
+rank multiplies its chunks in the order they land, each GEMM taking every chunk landed by its
+start where w is wide; off, every push at once; by default, in turn where w's local columns are
+few. Then the op's values, epilogues, the gathered copy and
 gradients on CPU devices, where the host runs those very lists."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +84,39 @@ def test_each_gpu_receives_one_chunk_a_step_and_multiplies_it_as_it_lands(size):
         assert remote_gemm_chunks(s, r) == [[q] for q in landed], r
 
 
+def landed_runs(rank: int, size: int, n: int) -> list[list[int]]:
+    """The model's GEMMs after the local one (Schedule::InTurnSpans): chunk (rank - s) % size
+    lands at time s, a chunk's GEMM takes n / 2560 of that; a GEMM starts once the one before
+    has ended and its first chunk has landed, and takes every chunk landed by then, up to
+    chunk 0 (rows stay contiguous)."""
+    gemm, free, s, runs = n / 2560, n / 2560, 1, []
+    while s < size:
+        start = max(free, s)
+        run = [(rank - t) % size for t in range(s, min(size - 1, math.floor(start)) + 1)]
+        run = run[: run.index(0) + 1] if 0 in run else run
+        runs.append(sorted(run))
+        free, s = start + len(run) * gemm, s + len(run)
+    return runs
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_in_turn_a_gemm_takes_every_chunk_landed_by_its_start(size):
+    """Where a chunk's GEMM outlasts its landing (n >= 2560), chunks pile up and one GEMM
+    takes each run of them: fewer, larger GEMMs, in landing order, each chunk once."""
+    for n in (1280, 2559, 2560, 3584, 7168, 20000):
+        for r in range(size):
+            runs = remote_gemm_chunks(steps(r, size, True, n=n), r)
+            assert runs == landed_runs(r, size, n), (n, r, runs)
+            order = [(r - s) % size for s in range(1, size)]
+            assert [q for run in runs for q in sorted(run, reverse=True)] == order, (n, r)
+            assert all(run == list(range(run[0], run[-1] + 1)) for run in runs), (n, r)
+            if n < 2560 or size == 2:
+                assert all(len(run) == 1 for run in runs), (n, r)
+    # Llama 3 70B's gate/up at tp=8 (n = 7168): 3 or 4 GEMMs, not 8.
+    assert remote_gemm_chunks(steps(0, 8, True, n=7168), 0) == [[6, 7], [1, 2, 3, 4, 5]]
+    assert remote_gemm_chunks(steps(4, 8, True, n=7168), 4) == [[2, 3], [0, 1], [5, 6, 7]]
+
+
 def all_at_once(step_list: list, rank: int, size: int, m: int = 2, k: int = 3) -> bool:
     """No copy lane waits for another, and the remote chunks are multiplied as at most two
     runs of contiguous rows, after and before our own."""
@@ -138,6 +174,23 @@ def test_values(mesh1d, rand, size, m, dtype):
             out = f(x, w)
             assert out.shape == (size * m, size * 6) and out.dtype == dtype
             assert rel_err(out, to_f32(x) @ to_f32(w)) < tol(dtype), call
+    finally:
+        jax_ub.finalize()
+
+
+@pytest.mark.parametrize("size", [4, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_values_with_gemms_over_runs_of_chunks(mesh1d, rand, size, dtype):
+    """Wide w (7168 local columns): the GEMMs in turn take runs of chunks (see above); the
+    product is still the gathered one, over calls with new data."""
+    jax_ub.finalize()
+    use_tuning(all_gather_in_turn=True)
+    try:
+        f = op_fn("ag", mesh1d(size), "ub")
+        for call in range(2):
+            x = rand(size * 2, 16, dtype=dtype)
+            w = rand(16, size * 7168, dtype=dtype)
+            assert rel_err(f(x, w), to_f32(x) @ to_f32(w)) < tol(dtype), call
     finally:
         jax_ub.finalize()
 

@@ -90,6 +90,7 @@ def test_forward_matches_xla(tp, shape, dtype):
 OPTIONAL_SCHEDULES = {
     "reduce_scatter_ring": ("rs", {"reduce_scatter_ring": True, "reduce_scatter_fold_rows": 0}),
     "all_gather_in_turn": ("ag", {"all_gather_in_turn": True}),
+    "all_gather_in_turn_wide": ("ag", {"all_gather_in_turn": True}),
     "all_gather_at_once": ("ag", {"all_gather_in_turn": False}),
 }
 
@@ -103,7 +104,8 @@ def test_optional_schedule(tp, rows, dtype, schedule):
     (each block's partial sum passes from rank to rank, each GEMM adding its partial in its
     epilogue; at tp=2 it is the fold); all_gather_in_turn pushes to one peer at a time, each
     copy lane waiting for the one before, and multiplies each chunk as it lands (the default
-    for this test's narrow w above 2 GPUs); off, every push at once. Blocks of 129 rows and
+    for this test's narrow w above 2 GPUs), or with a wide w (3584 local columns) runs of
+    chunks a GEMM (Schedule::InTurnSpans); off, every push at once. Blocks of 129 rows and
     1 row make uneven and empty pieces; three calls reuse the buffer as epochs advance."""
     jax_ub.finalize()  # communicators take the setting when they are created
     op_kind, settings = OPTIONAL_SCHEDULES[schedule]
@@ -114,7 +116,8 @@ def test_optional_schedule(tp, rows, dtype, schedule):
         if op_kind == "rs":
             op, (a, b) = _rs, _data(key, [(tp * rows, 256), (256, 384)], dtype)
         else:
-            op, (a, b) = _ag, _data(key, [(tp * rows, 256), (256, tp * 128)], dtype)
+            cols = 3584 if schedule.endswith("_wide") else 128
+            op, (a, b) = _ag, _data(key, [(tp * rows, 256), (256, tp * cols)], dtype)
         with jax.default_matmul_precision("highest"):
             ref = op(mesh, "xla")(a, b)
         for call in range(3):

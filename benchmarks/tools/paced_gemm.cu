@@ -23,8 +23,11 @@
 //   paced:whole      whole:sms-1 behind the harness, nothing to wait for: the reference
 //   paced:steps      all at once: the own block's GEMM; then, once they have landed
 //                    (together), the blocks after it and those before it, one GEMM each
-//   paced:in_turn    the all-gather in turn: the own block, then one GEMM per block as it lands
+//   paced:in_turn    the all-gather in turn as the library runs it (Schedule::InTurnSpans): the
+//                    own block, then GEMMs over the blocks as they land, each taking all that
+//                    the library's model has landed by its start
 //   paced:in_turn:again  the same, timed again: the run's noise between two loops of one thing
+//   paced:in_turn:blocks  in turn with one GEMM per block as it lands
 //   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
 //                    for each row block's flag before loading it
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
@@ -49,6 +52,7 @@
 #include <vector>
 
 #include "flag_gemm_bench.cuh"
+#include "protocol/schedule.h"
 
 namespace fg {
 
@@ -228,7 +232,31 @@ int main(int argc, char** argv) {
                      }
                      h.End();
                    }});
+  // The library's GEMMs in turn: each over a run of blocks, waiting for all of them.
+  jax_ub::Schedule sched;
+  sched.rank = rank;
+  sched.size = tp;
+  std::vector<jax_ub::Schedule::Span> turn = sched.AllGatherSpans(true, whole.n);
+  std::vector<LtSpan> turn_spans;
+  std::printf("in turn, the library's GEMMs (first block, blocks):");
+  for (const jax_ub::Schedule::Span& t : turn) {
+    turn_spans.push_back(fewer.Plan(t.first * rows, t.count * rows));
+    std::printf(" %d,%d", t.first, t.count);
+  }
+  std::printf("\n");
   impls.push_back({"paced:in_turn", h.compute, [&] {
+                     h.Begin(in_turn, tp, rank);
+                     for (size_t i = 0; i < turn.size(); ++i) {
+                       for (int blk = turn[i].first; blk < turn[i].first + turn[i].count; ++blk)
+                         if (blk != rank) h.WaitBlock(blk);
+                       fewer.Run(turn_spans[i], a, d, h.compute);
+                     }
+                     h.End();
+                   }});
+  // The same schedule timed twice: how far two loops of one thing read apart in this run.
+  impls.push_back(impls.back());
+  impls.back().name = "paced:in_turn:again";
+  impls.push_back({"paced:in_turn:blocks", h.compute, [&] {
                      h.Begin(in_turn, tp, rank);
                      fewer.Run(block_spans[rank], a, d, h.compute);
                      for (int s = 0; s < in_turn.count; ++s) {
@@ -237,9 +265,6 @@ int main(int argc, char** argv) {
                      }
                      h.End();
                    }});
-  // The same schedule timed twice: how far two loops of one thing read apart in this run.
-  impls.push_back(impls.back());
-  impls.back().name = "paced:in_turn:again";
   std::vector<std::unique_ptr<Op>> flag_ops;
   for (const ConfigEntry& c :
        {Entry<128, 256, 2, false>("coop_128x256_c2"), Entry<128, 128, 1, false>("coop_128x128_c1"),
@@ -301,6 +326,7 @@ int main(int argc, char** argv) {
   std::vector<LtSpan> fewer_all = spans;
   fewer_all.insert(fewer_all.end(), steps_spans.begin() + 1, steps_spans.end());
   fewer_all.insert(fewer_all.end(), block_spans.begin(), block_spans.end());
+  fewer_all.insert(fewer_all.end(), turn_spans.begin(), turn_spans.end());
   full.Destroy(full_spans);
   fewer.Destroy(fewer_all);
   check.Destroy();

@@ -20,7 +20,8 @@
 // Each partial then leaves after the GEMM of its run, not of its own block.
 //
 // `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, chosen by
-// shape; `steps` is all at once): a GEMM per chunk, in the order chunks land, after the local one.
+// shape; `steps` is all at once): after the local chunk, GEMMs over the chunks in the order they
+// land, each taking those the library's model has landed by its start (Schedule::InTurnSpans).
 //
 // Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn]
 //        [merge_rows]

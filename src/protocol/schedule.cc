@@ -97,7 +97,7 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   if (c.gathered)
     steps.push_back(Copy(rank, At(Region::kX, 0), At(Region::kGathered, rank * chunk), chunk));
   // Multiply the local chunk, then the remote ones once they have landed.
-  for (const Schedule::Span& span : sched.AllGatherSpans(in_turn)) {
+  for (const Schedule::Span& span : sched.AllGatherSpans(in_turn, c.n)) {
     Ref src = At(Region::kX, 0);
     if (span.first != rank) {
       for (int j = span.first; j < span.first + span.count; ++j) {

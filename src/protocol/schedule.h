@@ -84,15 +84,39 @@ struct Schedule {
   // rows), few large GEMMs at full efficiency where one small GEMM per chunk would not
   // be. In turn (`one_at_a_time`, AllGatherInTurn): each rank pushes to one peer at a time in
   // PushOrder, so at step s every rank receives from rank - s alone, and chunks land one by
-  // one, each multiplied as it lands: the GEMMs overlap the collective beyond the local chunk's.
-  std::vector<Span> AllGatherSpans(bool one_at_a_time) const {
+  // one; each GEMM takes every chunk that has landed by the time it can start
+  // (InTurnSpans), so the GEMMs overlap the collective beyond the local chunk's.
+  // `n`: the call's columns (w's local ones), which set a chunk's GEMM time against its
+  // landing time.
+  std::vector<Span> AllGatherSpans(bool one_at_a_time, int64_t n) const {
+    if (one_at_a_time) return InTurnSpans(n);
     std::vector<Span> spans{{rank, 1}};
-    if (one_at_a_time) {
-      for (int s = 1; s < size; ++s) spans.push_back({(rank - s + size) % size, 1});
-      return spans;
-    }
     if (rank + 1 < size) spans.push_back({rank + 1, size - rank - 1});
     if (rank > 0) spans.push_back({0, rank});
+    return spans;
+  }
+
+  // The all-gather in turn's GEMMs. Where a chunk's GEMM outlasts its landing (wide w),
+  // chunks pile up while a GEMM runs, and one GEMM per chunk would run many small GEMMs,
+  // each a partial wave of tiles (on an H200, 8 GEMMs of 1024 rows took 1.14x one of 8192);
+  // so each GEMM takes all the chunks that have landed by then, in the model of
+  // AllGatherInTurnPays: a chunk lands every m k b / rate and its GEMM takes 2 m k n / flops,
+  // n / (2 kInTurnColumnsPerPeer) landings. A GEMM's chunks are contiguous rows: chunks land
+  // in descending order, so a span stops at chunk 0 (the next to land is size - 1).
+  std::vector<Span> InTurnSpans(int64_t n) const {
+    const double gemm = double(n) / (2.0 * kInTurnColumnsPerPeer);  // a chunk's, in landings
+    std::vector<Span> spans{{rank, 1}};
+    double free_at = gemm;  // when the GEMMs so far end; chunk at step s lands at s
+    for (int s = 1; s < size;) {
+      const int first = (rank - s + size) % size;  // the chunk landing at step s
+      const double start = free_at > s ? free_at : s;
+      const int landed = start >= size - 1 ? size - 1 : static_cast<int>(start);
+      int take = landed - s + 1;
+      if (take > first + 1) take = first + 1;
+      spans.push_back({first - take + 1, take});
+      free_at = (free_at > s + take - 1 ? free_at : s + take - 1) + take * gemm;
+      s += take;
+    }
     return spans;
   }
 
