@@ -238,7 +238,7 @@ def teardown(ns: str, peers: dict[int, object], timeout_s: float) -> None:
     client.key_value_set(f"{ns}/done/p{jax.process_index()}", "1")
     deadline = time.monotonic() + timeout_s
     for p, peer in peers.items():
-        while True:
+        while not process_identity.has_exited(peer):
             begun = time.monotonic()
             wait_s = min(_EXIT_POLL_S, max(0.0, deadline - begun))
             try:
@@ -247,8 +247,6 @@ def teardown(ns: str, peers: dict[int, object], timeout_s: float) -> None:
             except Exception:  # noqa: BLE001  (the KV client raises its own error types)
                 # Not by its timeout: the store itself failed (its host process is gone).
                 store_failed = time.monotonic() - begun < wait_s / 2
-            if process_identity.has_exited(peer):
-                break
             if store_failed or time.monotonic() >= deadline:
                 import warnings  # noqa: PLC0415
 

@@ -120,6 +120,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       double planned_ms = 0;
       size_t keep = 0;
       for (; keep < next.size(); ++keep) {
+        if (*sustained && keep >= static_cast<size_t>(kSustainKept)) break;
         const size_t i = next[keep];
         const double run_ms = std::max(first_ms[i], 1e-3f);
         if (*sustained) {
@@ -127,7 +128,6 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
           timed_runs[i] = static_cast<int>(std::ceil(kSustainTimedMs / run_ms));
         }
         const double cost_ms = run_ms * (warm_runs[i] + timed_runs[i]) * rounds;
-        if (*sustained && keep >= static_cast<size_t>(kSustainKept)) break;
         if (keep >= 1 && planned_ms + cost_ms > left_ms) break;
         planned_ms += cost_ms;
       }
