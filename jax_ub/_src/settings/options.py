@@ -58,17 +58,18 @@ class Tuning:
         at long k and lost up to 1.96x at short k. The same in every process.
       all_gather_in_turn: True: all_gather_matmul pushes its chunk to one peer at a
         time, nearest first (so each GPU receives one chunk at a time), and multiplies
-        each chunk as it lands; False: every push starts at once, the chunks land
+        the chunks as they land (each GEMM takes those landed by its start, one or, where
+        w is wide and chunks pile up, several); False: every push starts at once, the chunks land
         together when the collective ends, and the remote ones are multiplied in at most
         two GEMMs, which hide behind the local chunk's GEMM only: where the collective
         outlasts that GEMM the op takes about the collective plus (tp - 1) / tp of the
         GEMM, as on 4 H200s (benchmarks/RESULTS.md: 70B's qkv 1.648 ms, the all-gather
-        0.727, the GEMM 0.961); in turn pays a GEMM per chunk (5-17% on an H200) and a
-        copy's start after each copy. None (the default): in turn where the transfer
+        0.727, the GEMM 0.961); in turn pays its smaller GEMMs (a GEMM per chunk: 5-17% on
+        an H200) and a copy's start after each copy. None (the default): in turn where the transfer
         outlasts twice the local chunk's GEMM, w's local columns n < 1280 (tp - 1), and
         the GEMM repays the serial copies, m k n > 1.75e9 (tp - 1) / (tp - 2) for x's
         local rows m (src/protocol/schedule.h); as on one H200 with a modelled 270 GB/s
-        link (benchmarks/tools/paced_gemm.cu): at tp=8 in turn ran 1.01-1.14x its floor,
+        link (benchmarks/tools/paced_gemm.cu): at tp=8 in turn ran 1.01-1.10x its floor,
         all at once 1.15-1.49x. Not yet measured on 2+ GPUs.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
