@@ -70,7 +70,8 @@ The rules behind the options (each function's docstring has its shapes and shard
     though the kernel kept may differ between processes. configure(gemm_cache=path) keeps
     each shape's kernel in a file (keyed by GPU model, cuBLASLt version and shape) that
     later processes, and other GPUs of the same model, run from their first call, with no
-    tuning and no trials. The tuning choices themselves are internal
+    tuning and no trials; by default that file lies in JAX's persistent compilation cache
+    folder where that cache is on (jax_compilation_cache_dir), else there is none. The tuning choices themselves are internal
     (jax_ub._src.settings.options.Tuning).
 """
 

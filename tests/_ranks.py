@@ -303,6 +303,10 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
     procs, files = [], []
     for i in range(ranks):
         env = dict(os.environ, **{RANK_ENV: str(i), RANKS_ENV: str(ranks), PORT_ENV: str(port)})
+        # Each rank's compilation cache (_share_compiled_programs) would otherwise keep its
+        # GEMM choices (gemm_cache "auto") from test to test: every test tunes, as it would
+        # alone, unless the run names a file.
+        env.setdefault("JAX_UB_GEMM_CACHE", "")
         env.update(extra)
         path = os.path.join(logs, f"rank{i}.log")
         files.append(path)

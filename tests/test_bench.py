@@ -144,7 +144,7 @@ def test_bench_variants_may_set_the_gemm_choice_file(tmp_path):
         with_file = bench.options.current_options()
     assert communicator.live_communicators(with_file), "the variant has no communicator"
     assert communicator.live_communicators(bench.options.current_options())  # jax_ub's row
-    assert jax_ub.config.gemm_cache == ""
+    assert jax_ub.config.gemm_cache == "auto"
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,14 @@ TUNING_S = re.compile(r"tuning, ms a run \(sustained blocks, ([0-9.]+) s\)")
 SUSTAINED_TIMES = re.compile(r"tuning, ms a run \(sustained blocks, [0-9.]+ s\): (.*)")
 
 
-def _run(cache: Path, out: Path, *worker_args: str) -> str:
-    env = dict(os.environ, JAX_UB_GEMM_CACHE=str(cache), JAX_UB_TRACE="1", CUDA_VISIBLE_DEVICES="0")
+def _run(cache: Path | None, out: Path, *worker_args: str, **env_vars: str) -> str:
+    """A worker process; cache None: no JAX_UB_GEMM_CACHE (the default, "auto")."""
+    env = dict(os.environ, JAX_UB_TRACE="1", CUDA_VISIBLE_DEVICES="0")
+    env.pop("JAX_UB_GEMM_CACHE", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.update(env_vars)
+    if cache is not None:
+        env["JAX_UB_GEMM_CACHE"] = str(cache)
     p = subprocess.run(
         [sys.executable, WORKER, str(out), *worker_args],
         env=env,
@@ -76,6 +82,21 @@ def test_second_process_runs_the_first_ones_kernels(tmp_path):
     for name in ("h", "y"):
         assert np.isfinite(a[name]).all()
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_by_default_the_choices_live_in_jax_compilation_cache(tmp_path):
+    """With JAX's persistent compilation cache on (JAX_COMPILATION_CACHE_DIR) and no file
+    named, the choices go to jax_ub_gemm_choices.txt in its folder: a restart runs them from
+    its first call, as it runs XLA's cached programs. Without the cache, nothing is kept."""
+    folder = tmp_path / "xla_cache"
+    first = _run(None, tmp_path / "first.npz", JAX_COMPILATION_CACHE_DIR=str(folder))
+    tuned = _shapes(TUNED, first)
+    cache = folder / "jax_ub_gemm_choices.txt"
+    assert tuned and len(_lines(cache)) == len(tuned), first[-3000:]
+    second = _run(None, tmp_path / "second.npz", JAX_COMPILATION_CACHE_DIR=str(folder))
+    assert _shapes(FROM_FILE, second) == tuned and not _shapes(TUNED, second), second[-3000:]
+    plain = _run(None, tmp_path / "plain.npz")
+    assert _shapes(TUNED, plain) == tuned and not _shapes(FROM_FILE, plain), plain[-3000:]
 
 
 def test_damaged_lines_are_skipped(tmp_path):

@@ -97,3 +97,40 @@ def test_trace_variable_is_exported_before_the_cuda_extension_loads():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "0"
+
+
+@pytest.fixture
+def compilation_cache():
+    """Sets JAX's compilation cache folder for a test, and puts it back."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    yield lambda folder: jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_gemm_cache_auto_is_the_file_in_jax_compilation_cache(
+    tmp_path, compilation_cache, monkeypatch
+):
+    """gemm_cache "auto" (the default unless JAX_UB_GEMM_CACHE says otherwise): the choice
+    file in JAX's persistent compilation cache where that is on in a local folder (made, as
+    JAX makes it), else none; "" is none and a path is itself, the cache on or off. Read
+    when a communicator is created: the options' value."""
+    from jax_ub._src.settings.options import current_options
+
+    monkeypatch.delenv("JAX_UB_GEMM_CACHE", raising=False)
+    assert config_module.Config().gemm_cache == "auto"
+    folder = tmp_path / "xla_cache"
+    compilation_cache(None)
+    assert config_module.gemm_cache_path("auto") == ""
+    compilation_cache(str(folder))
+    assert config_module.gemm_cache_path("auto") == str(folder / "jax_ub_gemm_choices.txt")
+    assert folder.is_dir()
+    assert config_module.gemm_cache_path("") == ""
+    assert config_module.gemm_cache_path(str(tmp_path / "mine.txt")) == str(tmp_path / "mine.txt")
+    jax_ub.configure(gemm_cache="auto")
+    assert current_options().gemm_cache == str(folder / "jax_ub_gemm_choices.txt")
+    jax_ub.configure(gemm_cache="")
+    assert current_options().gemm_cache == ""
+    compilation_cache("gs://some-bucket/xla")  # not a local folder: none
+    assert config_module.gemm_cache_path("auto") == ""

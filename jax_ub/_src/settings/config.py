@@ -64,10 +64,15 @@ def _check_bool(name: str):
     return check
 
 
+# gemm_cache's default: the file below in JAX's persistent compilation cache, where that is on.
+GEMM_CACHE_AUTO = "auto"
+GEMM_CACHE_FILE = "jax_ub_gemm_choices.txt"
+
+
 def _check_gemm_cache(value: object, source: str) -> None:
     if not isinstance(value, str):
         raise ValueError(f"gemm_cache must be a file path (str), got {value!r} ({source})")
-    if not value:
+    if value in ("", GEMM_CACHE_AUTO):
         return
     if "\n" in value:
         raise ValueError(f"gemm_cache must be a path without newlines, got {value!r} ({source})")
@@ -130,7 +135,7 @@ _SETTINGS = {
         _check_auto_min_bytes,
         DEFAULT_AUTO_MIN_BYTES,
     ),
-    "gemm_cache": ("JAX_UB_GEMM_CACHE", str, "a file path", _check_gemm_cache, ""),
+    "gemm_cache": ("JAX_UB_GEMM_CACHE", str, "a file path", _check_gemm_cache, GEMM_CACHE_AUTO),
     "keep_gathered": (
         "JAX_UB_KEEP_GATHERED",
         _parse_bool,
@@ -248,12 +253,16 @@ class Config:
         calibration: ``jax_ub._src.settings.auto_rule``, :func:`jax_ub.explain_impl`). CPU devices
         and ``impl="ub"`` ignore it. Every process of a group needs the same value.
       gemm_cache: a file that keeps the GPU kernel each GEMM shape's tuning and trials
-        chose (env ``JAX_UB_GEMM_CACHE``; default ``""``: none). A shape the file holds
-        runs its kernel from the first call, with no tuning and no trials, so processes
-        that share the file run the same kernels: the same speed and the same bits from
-        run to run. Lines are keyed by GPU model, cuBLASLt version and shape, and new
-        choices are appended; processes may share it on a local file system. Delete it
-        to choose again (after a driver, library or clock change). CPU devices ignore it.
+        chose (env ``JAX_UB_GEMM_CACHE``; ``""``: none). A shape the file holds runs its
+        kernel from the first call, with no tuning and no trials, so processes that share
+        the file run the same kernels: the same speed and the same bits from run to run.
+        Lines are keyed by GPU model, cuBLASLt version and shape, and new choices are
+        appended; processes may share it on a local file system. Delete it to choose
+        again (after a driver, library or clock change). CPU devices ignore it. Default
+        ``"auto"``: where JAX's persistent compilation cache is on in a local folder
+        (``jax_compilation_cache_dir``), the file ``jax_ub_gemm_choices.txt`` there, so
+        a restart skips jax_ub's tuning as it skips XLA's compiles (and the autotuning
+        in them); else none.
       keep_gathered: whether an all-gathered op (``all_gather_matmul`` and the MLPs and
         layers built on it) keeps ``all_gather(x)`` from its forward for its weight
         gradient: ``tp`` times ``x``'s shard of memory per call until the backward. Off
@@ -314,6 +323,24 @@ class Config:
 
 
 config = Config()
+
+
+def gemm_cache_path(value: str) -> str:
+    """The kernel choice file a communicator created now uses for gemm_cache ``value``:
+    ``"auto"`` resolved (see Config), read when the communicator is created, so a
+    compilation cache folder set after ``import jax_ub`` counts."""
+    if value != GEMM_CACHE_AUTO:
+        return value
+    import jax  # noqa: PLC0415  (this module stays free of jax at import)
+
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder or not jax.config.jax_enable_compilation_cache or "://" in str(folder):
+        return ""  # off, or not a local folder (a bucket): appends there need not be whole
+    try:
+        os.makedirs(folder, exist_ok=True)  # as JAX makes it at its first entry
+    except OSError:
+        return ""
+    return os.path.join(os.path.abspath(folder), GEMM_CACHE_FILE)
 
 
 def configure(**changes: object) -> Config:

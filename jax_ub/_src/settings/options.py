@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from jax_ub._src.settings import trace_key
-from jax_ub._src.settings.config import TRACE_TIME, config
+from jax_ub._src.settings.config import TRACE_TIME, config, gemm_cache_path
 
 _GEMM_ORDERS = ("auto", "column", "row")
 
@@ -218,7 +218,7 @@ def current_options() -> Options:
     return Options(
         timeout_s=config.timeout_s,
         allow_tf32=config.allow_tf32,
-        gemm_cache=config.gemm_cache,
+        gemm_cache=gemm_cache_path(config.gemm_cache),
         **tuned,
     )
 
