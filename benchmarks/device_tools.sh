@@ -21,7 +21,7 @@ mode_solo() {
   # One rank's compute schedule per projection and tp on GPU 0, its peers' rows in place,
   # against the GEMM of the rank's whole work (SOLO_TP, default "2 4 8"; SOLO_S seconds a loop).
   build_tool solo_schedule
-  local spec op name tokens in out tp m k n
+  local spec op name tokens in out tp m k n gbps
   : > "$OUT/solo.log"
   for tp in ${SOLO_TP:-2 4 8}; do
     for spec in ${SOLO_SHAPES:-$SOLO_PROJECTIONS}; do
@@ -31,11 +31,13 @@ mode_solo() {
       for fold in ${SOLO_FOLDS:-2048}; do
         for sched in ${SOLO_SCHEDULES:-steps}; do
           case $op:$sched in ag:ring | ag:merged | rs:in_turn) continue ;; esac
+          gbps=0  # the modelled link paces the RS's partials only
+          [ "$op" = rs ] && gbps=${SOLO_GBPS:-0}
           step --append -k 5 "solo $name tp=$tp fold_rows=$fold $sched" 120 "$OUT/solo.log" \
             build/dev/solo_schedule "$op" "$tp" "$m,$k,$n" "${SOLO_S:-0.5}" "$fold" "$sched" \
-            "${SOLO_MERGE_ROWS:-2048}"
+            "${SOLO_MERGE_ROWS:-2048}" "$gbps"
           grep "x[0-9.]* (rounds" "$OUT/solo.log" | tail -n 1 | sed "s/^/$name, fold_rows=$fold: /"
-          tail -n 3 "$OUT/solo.log" | grep -E "^(sum pass alone|floor with)" | sed "s/^/  /"
+          tail -n 4 "$OUT/solo.log" | grep -E "^(sum pass alone|floor with|paced at)" | sed "s/^/  /"
         done
       done
     done

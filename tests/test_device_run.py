@@ -97,3 +97,16 @@ def test_paced_gemm_specs_name_shape_tp_rank_and_rates(tmp_path):
     done = _dry_run(tmp_path, mode="paced", PACED_S="0.2")
     runs = re.findall(r"build/dev/paced_gemm (.*?)  >>", done.stdout)
     assert len(runs) == 8 and r"8192\,4096\,768 8 4 270 0.2 all 0" in runs, runs
+
+
+def test_solo_paces_the_reduce_scatters_partials_only(tmp_path):
+    """SOLO_GBPS reaches the tool as its link rate for the RS projections; the AG ones get 0
+    (the tool refuses a rate for them)."""
+    done = _dry_run(
+        tmp_path, mode="solo", SOLO_TP="8", SOLO_S="0.2", SOLO_FOLDS="-1", SOLO_GBPS="270"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = re.findall(r"build/dev/solo_schedule (.*?)  >>", done.stdout)
+    assert r"rs 8 1024\,512\,4096 0.2 -1 steps 2048 270" in runs, runs
+    assert r"ag 8 1024\,4096\,768 0.2 -1 steps 2048 0" in runs, runs
+    assert len(runs) == 8, runs

@@ -19,16 +19,23 @@
 // slots lie back to back) merged into one GEMM of at least `merge_rows` rows where it can.
 // Each partial then leaves after the GEMM of its run, not of its own block.
 //
+// With a link rate (`gbps`, RS steps or merged), the partials addressed to this rank land as a
+// modelled link would deliver them (solo_link.h): the list's waits for them run, and the op is
+// timed against its floor, the later of the whole GEMM and the last landing had its GEMMs run
+// at the whole GEMM's pace, plus the sum pass.
+//
 // `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, chosen by
 // shape; `steps` is all at once): after the local chunk, GEMMs over the chunks in the order they
 // land, each taking those the library's model has landed by its start (Schedule::InTurnSpans).
 //
 // Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn]
-//        [merge_rows]
+//        [merge_rows] [gbps]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
 //   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2, or ring).
 //   steps: the library's default step list; ring: with reduce_scatter_ring (RS only);
 //   merged: see above (RS only; merge_rows, default 2048); in_turn: AG only.
+//   gbps: RS steps or merged only, the modelled link's GB/s into a GPU (0: none, every partial
+//   in place from the start).
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -39,15 +46,24 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/driver_api.h"
 #include "cuda/gemm/cublaslt_gemm.h"
 #include "cuda/sum.h"
 #include "cuda_tool.h"
 #include "protocol/schedule.h"
+#include "solo_link.h"
 
 namespace {
 
 using jax_ub_tool::Check;
 using jax_ub_tool::FillRandom;
+
+void CheckCu(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "%s failed (CUresult %d)\n", what, static_cast<int>(r));
+    std::exit(1);
+  }
+}
 
 struct Run {
   jax_ub::OpKind op;
@@ -65,6 +81,9 @@ struct Run {
   std::vector<cudaStream_t> lanes;  // a copy lane per rank: only joins run there
   cudaEvent_t join = nullptr;       // a lane's work so far, for another lane to wait on
   cudaEvent_t begin = nullptr, end = nullptr;
+  solo::HostLink* link = nullptr;  // paced: the partials land as it raises their flags
+  const jax_ub::DriverOps* driver = nullptr;
+  uint64_t epoch = 0;  // calls so far: the link's flags and our Done words carry it
 };
 
 char* At(Run& r, const jax_ub::Ref& ref) {
@@ -127,8 +146,21 @@ void Setup(Run& r) {
   Check(jax_ub::PreloadSumKernels(), "PreloadSumKernels");
 }
 
+// Paced: after a GEMM of partials for peers, tell the link which of our steps have ended (the
+// partial for peer d, staged at slot tp + d of the buffer, is rank 0's step d).
+void MarkDone(Run& r, const jax_ub::Step& g, cudaStream_t stream, uint64_t epoch) {
+  const int64_t partial = jax_ub::ChunkBytes(r.op, r.shape);
+  if (g.dst.region != jax_ub::Region::kBuffer || g.dst.offset / partial < r.tp) return;
+  const int64_t first = g.dst.offset / partial - r.tp;
+  for (int64_t d = first; d < first + g.rows / r.shape.m; ++d)
+    CheckCu(r.driver->write(reinterpret_cast<CUstream>(stream), r.link->Done(static_cast<int>(d)),
+                            epoch, CU_STREAM_WRITE_VALUE_DEFAULT),
+            "cuStreamWriteValue64 of a Done word");
+}
+
 // One call of the schedule: its compute-side steps, on their lanes.
 void Schedule(Run& r) {
+  const uint64_t epoch = ++r.epoch;
   for (size_t i = 0; i < r.steps.size(); ++i) {
     const jax_ub::Step& step = r.steps[i];
     cudaStream_t stream = Lane(r, step.lane);
@@ -137,6 +169,13 @@ void Schedule(Run& r) {
         Check(r.gemm->Matmul(r.plans[i], At(r, step.src), r.ops.w, At(r, step.dst), stream,
                              Args(r, step)),
               "Matmul");
+        if (r.link != nullptr) MarkDone(r, step, stream, epoch);
+        break;
+      case jax_ub::Step::Kind::kWait:
+        if (r.link != nullptr && step.flag == jax_ub::Flag::kData)
+          CheckCu(r.driver->wait(reinterpret_cast<CUstream>(stream), r.link->Flag(step.peer), epoch,
+                                 CU_STREAM_WAIT_VALUE_GEQ),
+                  "cuStreamWaitValue64 on the link's flag");
         break;
       case jax_ub::Step::Kind::kSum:
         Check(jax_ub::LaunchSum(r.shape.out, At(r, step.src), step.rows * r.shape.n, r.tp,
@@ -148,7 +187,7 @@ void Schedule(Run& r) {
         Check(cudaEventRecord(r.join, Lane(r, step.on_lane)), "record");
         Check(cudaStreamWaitEvent(stream, r.join), "wait");
         break;
-      default:  // waits, descriptors, signals, copies and the check: the peers' side
+      default:  // descriptors, signals, copies and the check: the peers' side (unpaced: waits)
         break;
     }
   }
@@ -272,7 +311,7 @@ int main(int argc, char** argv) {
       std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
     std::fprintf(stderr,
                  "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn] "
-                 "[merge_rows]\n",
+                 "[merge_rows] [gbps]\n",
                  argv[0]);
     return 2;
   }
@@ -286,6 +325,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const long long merge_rows = argc > 7 ? std::atoll(argv[7]) : 2048;
+  const double gbps = argc > 8 ? std::atof(argv[8]) : 0.0;
   const int tp = std::atoi(argv[2]);
   const double seconds = argc > 4 ? std::atof(argv[4]) : 1.0;
   const long long fold_rows = argc > 5 ? std::atoll(argv[5]) : 2048;
@@ -308,8 +348,23 @@ int main(int argc, char** argv) {
                        variant == "in_turn" ? jax_ub::InTurn::kOn : jax_ub::InTurn::kOff},
       r.shape);
   if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
+  bool sums = false;
+  for (const jax_ub::Step& st : r.steps) sums = sums || st.kind == jax_ub::Step::Kind::kSum;
+  if (gbps < 0 || (gbps > 0 && !(rs && sums))) {
+    std::fprintf(stderr,
+                 "a link rate (gbps %g) needs rs with a sum pass: steps or merged, and "
+                 "at tp=2 fold_rows -1\n",
+                 gbps);
+    return 2;
+  }
   Check(cudaSetDevice(0), "cudaSetDevice");
   Setup(r);
+  // A partial's time on the link: bytes / (GB/s) is ns.
+  const double transfer_us = gbps > 0 ? m * n * 2 / gbps * 1e-3 : 0.0;
+  if (gbps > 0) {
+    Check(jax_ub::LoadDriverOps(&r.driver), "LoadDriverOps");
+    r.link = new solo::HostLink(tp, transfer_us);
+  }
   int gemms = 0;
   for (const jax_ub::Step& s : r.steps) gemms += s.kind == jax_ub::Step::Kind::kGemm;
   const int iters = std::max(3, int(seconds * 1e3 / Time(r, Whole, 3)));
@@ -335,8 +390,6 @@ int main(int argc, char** argv) {
       "(rounds: schedule %.4f..%.4f, whole %.4f..%.4f)\n",
       argv[1], variant.c_str(), tp, m, k, n, sched[1], whole[1], sched[1] / whole[1], sched.front(),
       sched.back(), whole.front(), whole.back());
-  bool sums = false;
-  for (const jax_ub::Step& st : r.steps) sums = sums || st.kind == jax_ub::Step::Kind::kSum;
   if (sums && n % 8 == 0) {  // how near the sum pass runs to the GPU's memory bandwidth
     const double bytes = (tp + 1.0) * m * n * 2;  // tp partials read, one written
     const int loop = std::max(3, int(seconds * 1e3 / Time(r, SumAlone, 3)));
@@ -354,7 +407,20 @@ int main(int argc, char** argv) {
     // Any schedule that sums the partials in a pass of its own takes at least this long.
     std::printf("floor with one sum pass: whole GEMM + sum = x%.4f of the whole GEMM\n",
                 (whole[1] + lib[1]) / whole[1]);
+    if (r.link != nullptr) {
+      // The last partial's landing had every GEMM run at the whole GEMM's pace (model of
+      // solo_link.h), the sum pass after the later of it and our own GEMMs.
+      const double g = whole[1] / tp, t = transfer_us * 1e-3;
+      double lands = 0;
+      for (int step = 1; step < tp; ++step) lands = std::max(step * g, lands) + t;
+      const double floor = std::max(whole[1], lands) + lib[1];
+      std::printf(
+          "paced at %.0f GB/s: a partial %.1f us on the link, the last lands at %.4f ms "
+          "(x%.3f of the whole GEMM); floor %.4f ms; the schedule x%.4f of its floor\n",
+          gbps, transfer_us, lands, lands / whole[1], floor, sched[1] / floor);
+    }
   }
+  delete r.link;
   delete r.gemm;
   for (cudaStream_t s : r.lanes) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
   Check(cudaStreamDestroy(r.compute), "cudaStreamDestroy");
