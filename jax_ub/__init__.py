@@ -71,8 +71,8 @@ The rules behind the options (each function's docstring has its shapes and shard
     each shape's kernel in a file (keyed by GPU model, cuBLASLt version and shape) that
     later processes, and other GPUs of the same model, run from their first call, with no
     tuning and no trials; by default that file lies in JAX's persistent compilation cache
-    folder where that cache is on (jax_compilation_cache_dir), else there is none. The tuning choices themselves are internal
-    (jax_ub._src.settings.options.Tuning).
+    folder where that cache is on (jax_compilation_cache_dir), else there is none. The
+    tuning choices themselves are internal (jax_ub._src.settings.options.Tuning).
 """
 
 # The public names are re-exported ("name as name") and there is no __all__: pydoc would print

@@ -333,8 +333,9 @@ def gemm_cache_path(value: str) -> str:
         return value
     import jax  # noqa: PLC0415  (this module stays free of jax at import)
 
-    folder = jax.config.jax_compilation_cache_dir
-    if not folder or not jax.config.jax_enable_compilation_cache or "://" in str(folder):
+    folder = getattr(jax.config, "jax_compilation_cache_dir", None)
+    on = getattr(jax.config, "jax_enable_compilation_cache", True)
+    if not folder or not on or "://" in str(folder):
         return ""  # off, or not a local folder (a bucket): appends there need not be whole
     try:
         os.makedirs(folder, exist_ok=True)  # as JAX makes it at its first entry
