@@ -239,7 +239,7 @@ def test_op_gradients_on_a_group_of_one(rand, name, mode):
 def test_op_gradients_with_the_all_gather_in_turn(rand, name, mode):
     """tp = 4 (dp = 2), impl="ub", the all-gather forced in turn (Tuning.all_gather_in_turn,
     by default only for long GEMMs): the forward's and the backward's all-gathers push to one
-    peer at a time and multiply each chunk as it lands."""
+    peer at a time and multiply the chunks as they land."""
     jax_ub.finalize()  # communicators take the setting when they are created
     use_tuning(all_gather_in_turn=True)
     try:

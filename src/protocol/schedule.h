@@ -25,8 +25,8 @@ struct Schedule {
   int64_t fold_rows = -1;
   // Groups above two fold too, in a ring (CommOptions::reduce_scatter_ring).
   bool ring = false;
-  // Whether the all-gather pushes to one peer at a time and multiplies each chunk as it
-  // lands (CommOptions::all_gather_in_turn): on, off, or per call (AllGatherInTurn).
+  // Whether the all-gather pushes to one peer at a time and multiplies the chunks as they
+  // land (CommOptions::all_gather_in_turn): on, off, or per call (AllGatherInTurn).
   InTurn in_turn = InTurn::kOff;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
