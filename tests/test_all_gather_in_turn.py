@@ -48,7 +48,7 @@ def remote_gemm_chunks(step_list: list, rank: int, m: int = 2, k: int = 3) -> li
     peers its waits named since the GEMM before (a chunk: m rows of k float32)."""
     chunk_bytes = m * k * 4
     chunks, waited = [], []
-    for kind, lane, peer, _, rows, region, offset in step_list:
+    for kind, lane, peer, _, rows, region, offset, *_ in step_list:
         if lane != -1:
             continue
         if kind == "Wait":

@@ -287,6 +287,10 @@ def test_invalid_env_vars_let_jax_ub_import_and_info_report_them():
         ),
         (dict(timeout_s=1.0), r"unknown tuning choice \['timeout_s'\]"),
         (dict(all_gather_in_turn=1), r"all_gather_in_turn must be True, False or None, got 1"),
+        (
+            dict(reduce_scatter_early_sum="yes"),
+            r"reduce_scatter_early_sum must be True, False or None, got 'yes'",
+        ),
     ],
 )
 def test_experimental_tuning_rejects_bad_values(kwargs, match):

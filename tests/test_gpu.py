@@ -89,6 +89,7 @@ def test_forward_matches_xla(tp, shape, dtype):
 # The schedules a Tuning choice forces (the defaults' other side), and the op each changes.
 OPTIONAL_SCHEDULES = {
     "reduce_scatter_ring": ("rs", {"reduce_scatter_ring": True, "reduce_scatter_fold_rows": 0}),
+    "reduce_scatter_one_pass": ("rs", {"reduce_scatter_early_sum": False}),
     "all_gather_in_turn": ("ag", {"all_gather_in_turn": True}),
     "all_gather_in_turn_wide": ("ag", {"all_gather_in_turn": True}),
     "all_gather_at_once": ("ag", {"all_gather_in_turn": False}),
@@ -102,11 +103,13 @@ OPTIONAL_SCHEDULES = {
 def test_optional_schedule(tp, rows, dtype, schedule):
     """The schedules a tuning choice forces: reduce_scatter_ring folds groups above 2 in a ring
     (each block's partial sum passes from rank to rank, each GEMM adding its partial in its
-    epilogue; at tp=2 it is the fold); all_gather_in_turn pushes to one peer at a time, each
-    copy lane waiting for the one before, and multiplies each chunk as it lands (the default
-    for this test's narrow w above 2 GPUs), or with a wide w (3584 local columns) runs of
-    chunks a GEMM (Schedule::InTurnSpans); off, every push at once. Blocks of 129 rows and
-    1 row make uneven and empty pieces; three calls reuse the buffer as epochs advance."""
+    epilogue; at tp=2 it is the fold); reduce_scatter_early_sum off sums every partial after
+    the GEMMs (this test's short k sums the early ones beside them by default from tp=4);
+    all_gather_in_turn pushes to one peer at a time, each copy lane waiting for the one
+    before, and multiplies each chunk as it lands (the default for this test's narrow w
+    above 2 GPUs), or with a wide w (3584 local columns) runs of chunks a GEMM
+    (Schedule::InTurnSpans); off, every push at once. Blocks of 129 rows and 1 row make
+    uneven and empty pieces; three calls reuse the buffer as epochs advance."""
     jax_ub.finalize()  # communicators take the setting when they are created
     op_kind, settings = OPTIONAL_SCHEDULES[schedule]
     use_tuning(**settings)
@@ -164,6 +167,47 @@ def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold, gather):
             want = np.asarray(g + call).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
             for copy in np.asarray(gathered):
                 assert (copy.view(want.dtype) == want).all(), call
+    finally:
+        jax_ub.finalize()
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_odd_sizes(tp, rows, dtype):
+    """Shapes whose chunks are not multiples of 16 bytes (n = 10 or 5 columns, k = 6 or 3):
+    each rank's chunk and partial then starts mid-word in the userbuffer, where the GEMMs
+    and the reduce-scatter's sum must still read and write the right bytes. Both ops and the
+    reduce-scatter that gathers beside it, with and without the fold, three calls each."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    try:
+        mesh = _mesh(tp)
+        for fold_rows in (-1, 0):
+            use_tuning(reduce_scatter_fold_rows=fold_rows)
+            jax_ub.finalize()
+            key = jax.random.key(rows + 10 * tp)
+            x, w = _data(key, [(tp * rows, 6), (6, tp * 5)], dtype)
+            h, v, g = _data(key, [(tp * rows, tp * 3), (tp * 3, 10), (tp * rows, 10)], dtype)
+            with jax.default_matmul_precision("highest"):
+                ag_ref, rs_ref = _ag(mesh, "xla")(x, w), _rs(mesh, "xla")(h, v)
+
+            def body(h, v, g):
+                out, gathered = bind_matmul_reduce_scatter(h, v, "tp", tp, gather=g)
+                return out, gathered[None]
+
+            specs = (P(None, "tp"), P("tp", None), P("tp", None))
+            rs_gather = jax.jit(
+                jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P("tp")))
+            )
+            for call in range(3):
+                c = call + 1
+                assert gpu_rel_err(_ag(mesh, "ub")(x * c, w), ag_ref * c) < TOL[dtype], call
+                assert gpu_rel_err(_rs(mesh, "ub")(h * c, v), rs_ref * c) < TOL[dtype], call
+                out, gathered = rs_gather(h * c, v, g + call)
+                assert gpu_rel_err(out, rs_ref * c) < TOL[dtype], call
+                want = np.asarray(g + call).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
+                for copy in np.asarray(gathered):
+                    assert (copy.view(want.dtype) == want).all(), call
     finally:
         jax_ub.finalize()
 

@@ -14,28 +14,33 @@
 // r - 1 as its addend (C, beta = 1) and passes it on to rank r + 1; its last step, its own
 // block, writes the output. No sum pass, but each GEMM after the first reads a partial sum.
 //
+// `one_pass` and `early` (RS) time the library's reduce-scatter with Tuning's
+// reduce_scatter_early_sum off and on: at tp >= 4 every partial summed after the GEMMs in one
+// pass, or the early ones beside them on a copy lane (`steps`: chosen by shape, the default).
+//
 // `merged` (RS) tries fewer, larger GEMMs before the library has them: the default step list
 // with each run of GEMMs over consecutive row blocks (peers' partials whose inputs and staging
 // slots lie back to back) merged into one GEMM of at least `merge_rows` rows where it can.
 // Each partial then leaves after the GEMM of its run, not of its own block.
 //
-// With a link rate (`gbps`, RS steps or merged), the partials addressed to this rank land as a
-// modelled link would deliver them (solo_link.h): the list's waits for them run, and the op is
-// timed against its floor, the later of the whole GEMM and the last landing had its GEMMs run
-// at the whole GEMM's pace, plus the sum pass.
+// With a link rate (`gbps`, RS steps, one_pass, early or merged), the partials addressed to this
+// rank land as a modelled link would deliver them (solo_link.h): the list's waits for them run, and
+// the op is timed against its floor, the later of the whole GEMM and the last landing had its GEMMs
+// run at the whole GEMM's pace, plus the sum pass.
 //
 // `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, chosen by
 // shape; `steps` is all at once): after the local chunk, GEMMs over the chunks in the order they
 // land, each taking those the library's model has landed by its start (Schedule::InTurnSpans).
 //
-// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn]
-//        [merge_rows] [gbps]
+// Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows]
+//        [steps|one_pass|early|ring|merged|in_turn] [merge_rows] [gbps]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
 //   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2, or ring).
-//   steps: the library's default step list; ring: with reduce_scatter_ring (RS only);
-//   merged: see above (RS only; merge_rows, default 2048); in_turn: AG only.
-//   gbps: RS steps or merged only, the modelled link's GB/s into a GPU (0: none, every partial
-//   in place from the start).
+//   steps: the library's default step list; one_pass, early: early sums off, on (RS only); ring:
+//   with reduce_scatter_ring (RS only); merged: see above (RS only; merge_rows, default 2048);
+//   in_turn: AG only.
+//   gbps: RS steps, one_pass, early or merged only, the modelled link's GB/s into a GPU (0: none,
+//   every partial in place from the start).
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -161,6 +166,9 @@ void MarkDone(Run& r, const jax_ub::Step& g, cudaStream_t stream, uint64_t epoch
 // One call of the schedule: its compute-side steps, on their lanes.
 void Schedule(Run& r) {
   const uint64_t epoch = ++r.epoch;
+  // Each copy lane starts after the call's start, as the library's lanes do.
+  Check(cudaEventRecord(r.join, r.compute), "record");
+  for (cudaStream_t lane : r.lanes) Check(cudaStreamWaitEvent(lane, r.join), "wait");
   for (size_t i = 0; i < r.steps.size(); ++i) {
     const jax_ub::Step& step = r.steps[i];
     cudaStream_t stream = Lane(r, step.lane);
@@ -178,8 +186,10 @@ void Schedule(Run& r) {
                   "cuStreamWaitValue64 on the link's flag");
         break;
       case jax_ub::Step::Kind::kSum:
-        Check(jax_ub::LaunchSum(r.shape.out, At(r, step.src), step.rows * r.shape.n, r.tp,
-                                At(r, step.dst), stream),
+        Check(jax_ub::LaunchSum(r.shape.out, At(r, step.src),
+                                step.bytes / jax_ub::DTypeSize(r.shape.out), step.parts,
+                                reinterpret_cast<const float*>(At(r, step.addend)),
+                                step.rows * r.shape.n, At(r, step.dst), step.to_float, stream),
               "LaunchSum");
         break;
       case jax_ub::Step::Kind::kJoin:
@@ -309,19 +319,24 @@ int main(int argc, char** argv) {
   long long m = 0, k = 0, n = 0;
   if (argc < 4 || (std::strcmp(argv[1], "ag") != 0 && std::strcmp(argv[1], "rs") != 0) ||
       std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
-    std::fprintf(stderr,
-                 "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|ring|merged|in_turn] "
-                 "[merge_rows] [gbps]\n",
-                 argv[0]);
+    std::fprintf(
+        stderr,
+        "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|one_pass|early|ring|merged|in_turn] "
+        "[merge_rows] [gbps]\n",
+        argv[0]);
     return 2;
   }
   const std::string variant = argc > 6 ? argv[6] : "steps";
   const bool rs = argv[1][0] == 'r';
-  if (variant != "steps" && !(rs && (variant == "ring" || variant == "merged")) &&
+  if (variant != "steps" &&
+      !(rs && (variant == "ring" || variant == "merged" || variant == "one_pass" ||
+               variant == "early")) &&
       !(!rs && variant == "in_turn")) {
-    std::fprintf(stderr,
-                 "the schedule must be steps, for rs ring or merged, for ag in_turn; got %s %s\n",
-                 argv[1], variant.c_str());
+    std::fprintf(
+        stderr,
+        "the schedule must be steps, for rs one_pass, early, ring or merged, for ag in_turn; "
+        "got %s %s\n",
+        argv[1], variant.c_str());
     return 2;
   }
   const long long merge_rows = argc > 7 ? std::atoll(argv[7]) : 2048;
@@ -342,19 +357,24 @@ int main(int argc, char** argv) {
   r.shape.k = k;
   r.shape.n = n;
   r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
-  r.steps = jax_ub::CallSteps(
-      r.op,
-      jax_ub::Schedule{0, tp, fold_rows, variant == "ring",
-                       variant == "in_turn" ? jax_ub::InTurn::kOn : jax_ub::InTurn::kOff},
-      r.shape);
+  r.steps =
+      jax_ub::CallSteps(r.op,
+                        jax_ub::Schedule{0, tp, fold_rows, variant == "ring",
+                                         variant == "in_turn" ? jax_ub::ScheduleChoice::kOn
+                                                              : jax_ub::ScheduleChoice::kOff,
+                                         variant == "one_pass" ? jax_ub::ScheduleChoice::kOff
+                                         : variant == "early"  ? jax_ub::ScheduleChoice::kOn
+                                                               : jax_ub::ScheduleChoice::kByShape},
+                        r.shape);
   if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
   bool sums = false;
   for (const jax_ub::Step& st : r.steps) sums = sums || st.kind == jax_ub::Step::Kind::kSum;
   if (gbps < 0 || (gbps > 0 && !(rs && sums))) {
-    std::fprintf(stderr,
-                 "a link rate (gbps %g) needs rs with a sum pass: steps or merged, and "
-                 "at tp=2 fold_rows -1\n",
-                 gbps);
+    std::fprintf(
+        stderr,
+        "a link rate (gbps %g) needs rs with a sum pass: steps, one_pass, early or merged, and "
+        "at tp=2 fold_rows -1\n",
+        gbps);
     return 2;
   }
   Check(cudaSetDevice(0), "cudaSetDevice");

@@ -82,8 +82,8 @@ NB_MODULE(_host, m) {
     return keys;
   });
   // One rank's step list for a call (protocol/schedule.h), for tests of the protocol's
-  // order: per step (kind, lane, peer, on_lane, rows, src region, src offset), kinds and
-  // regions by their enumerators' names without the k.
+  // order: per step (kind, lane, peer, on_lane, rows, src region, src offset, parts, addend
+  // region), kinds and regions by their enumerators' names without the k.
   m.def(
       "call_steps",
       [](const std::string& op, int rank, int size, int64_t m, int64_t k, int64_t n, bool gathered,
@@ -114,7 +114,8 @@ NB_MODULE(_host, m) {
         for (const jax_ub::Step& st : jax_ub::CallSteps(kind, sched, shape))
           out.append(nb::make_tuple(kKinds[static_cast<int>(st.kind)], st.lane, st.peer, st.on_lane,
                                     st.rows, kRegions[static_cast<int>(st.src.region)],
-                                    st.src.offset));
+                                    st.src.offset, st.parts,
+                                    kRegions[static_cast<int>(st.addend.region)]));
         return out;
       },
       nb::arg("op"), nb::arg("rank"), nb::arg("size"), nb::arg("m"), nb::arg("k"), nb::arg("n"),

@@ -58,6 +58,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
                                                 "gemm_trials",
                                                 "reduce_scatter_fold_rows",
                                                 "reduce_scatter_ring",
+                                                "reduce_scatter_early_sum",
                                                 "all_gather_in_turn",
                                                 "compute_on_caller_stream",
                                                 "fp8_fast_accumulation",
@@ -100,10 +101,14 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
         ("gemm_trials must be >= 0, got " + std::to_string(o.gemm_trials)).c_str());
   o.reduce_scatter_fold_rows = nb::cast<int64_t>(get("reduce_scatter_fold_rows"));
   o.reduce_scatter_ring = nb::cast<bool>(get("reduce_scatter_ring"));
-  const nb::object in_turn = get("all_gather_in_turn");  // None: by each call's shape
-  o.all_gather_in_turn = in_turn.is_none()         ? InTurn::kByShape
-                         : nb::cast<bool>(in_turn) ? InTurn::kOn
-                                                   : InTurn::kOff;
+  auto choice = [&](const char* name) {  // None: by each call's shape
+    const nb::object v = get(name);
+    return v.is_none()         ? ScheduleChoice::kByShape
+           : nb::cast<bool>(v) ? ScheduleChoice::kOn
+                               : ScheduleChoice::kOff;
+  };
+  o.reduce_scatter_early_sum = choice("reduce_scatter_early_sum");
+  o.all_gather_in_turn = choice("all_gather_in_turn");
   o.gemm_cache = nb::cast<std::string>(get("gemm_cache"));
   if (o.gemm_cache.find('\n') != std::string::npos)
     throw nb::value_error("gemm_cache must be a file path, without newlines");

@@ -11,9 +11,15 @@
 
 namespace jax_ub {
 
-// out[i] = sum over j = 0..nparts-1 of parts[j * count + i] (type `t`), accumulated in
-// float32 in that order, so results do not depend on which partial landed first.
+// out[i] = addend[i] (float32, where not null) + the sum over the partials j set in `which`
+// (bit j, in ascending order) of parts[j * stride + i] (type `t`), accumulated in float32 in
+// that order, so results do not depend on which partial landed first; `out` of type `t`, or
+// float32 with `out_f32` (a partial sum, added to later). Partials at any alignment (one of
+// an odd number of elements starts the next mid-word); float32 arrays 4-byte aligned.
 // Enqueued on `stream`.
+Status LaunchSum(DType t, const void* parts, int64_t stride, uint64_t which, const float* addend,
+                 int64_t count, void* out, bool out_f32, cudaStream_t stream);
+// The same over partials 0..nparts-1 (1 to 64) laid end to end: stride `count`, no addend.
 Status LaunchSum(DType t, const void* parts, int64_t count, int nparts, void* out,
                  cudaStream_t stream);
 

@@ -302,10 +302,13 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         }
         break;
       }
-      case Step::Kind::kSum: {
+      case Step::Kind::kSum: {  // from the float32 addend, the partials in rank order
         const void* parts[kMaxRanks];
-        for (int j = 0; j < ctx.size; ++j) parts[j] = at(step.src) + j * step.bytes;
-        HostSum(shape.out, parts, ctx.size, at(step.dst), step.rows * shape.n);
+        int count = 0;
+        for (int j = 0; j < ctx.size; ++j)
+          if (step.parts >> j & 1) parts[count++] = at(step.src) + j * step.bytes;
+        HostSum(shape.out, parts, count, at(step.dst), step.rows * shape.n,
+                reinterpret_cast<const float*>(at(step.addend)), step.to_float);
         break;
       }
       case Step::Kind::kJoin:    // lanes run in list order here

@@ -132,15 +132,21 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
   }
 }
 
-void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count) {
+void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count,
+             const float* addend, bool c_f32) {
   thread_local std::vector<float> acc, tmp;
   acc.assign(count, 0.0f);
+  if (addend != nullptr) std::memcpy(acc.data(), addend, count * sizeof(float));
   tmp.resize(count);
   for (int j = 0; j < num_parts; ++j) {
     ToFloat(t, parts[j], tmp.data(), count);
     for (int64_t i = 0; i < count; ++i) acc[i] += tmp[i];
   }
-  FromFloat(t, acc.data(), c, count);
+  if (c_f32) {
+    std::memcpy(c, acc.data(), count * sizeof(float));
+  } else {
+    FromFloat(t, acc.data(), c, count);
+  }
 }
 
 }  // namespace jax_ub

@@ -19,7 +19,9 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
               const void* bias = nullptr, void* aux = nullptr);
 
 // c[m, n] (type t) = sum over j of parts[j][m, n] (type t), accumulated in float in the
-// order given, rounded once.
-void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count);
+// order given, rounded once. With `addend` (float32) the sum starts from it; with `c_f32`, c
+// is float32 (a partial sum, added to later) and nothing is rounded.
+void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count,
+             const float* addend = nullptr, bool c_f32 = false);
 
 }  // namespace jax_ub

@@ -14,9 +14,11 @@ namespace jax_ub {
 // kAuto: with autotuning, time both descriptions' candidates; without, kColumn.
 enum class GemmOrder { kAuto = 0, kColumn = 1, kRow = 2 };
 
-// Whether the all-gather pushes to one peer at a time (Schedule::in_turn): always, never, or
-// per call, by its shape (Schedule::AllGatherInTurn).
-enum class InTurn { kByShape = 0, kOff = 1, kOn = 2 };
+// A choice of schedule that is on, off, or made per call by its shape: whether the
+// all-gather pushes to one peer at a time (Schedule::in_turn, AllGatherInTurn), whether the
+// reduce-scatter sums early partials beside its GEMMs (Schedule::early_sum,
+// ReduceScatterSumsEarly).
+enum class ScheduleChoice { kByShape = 0, kOff = 1, kOn = 2 };
 
 struct CommOptions {
   double timeout_s;                  // every wait on a peer ends in an error after this
@@ -27,10 +29,11 @@ struct CommOptions {
   int gemm_trials;                   // tuning's fastest kernels the op's own calls compare (CUDA)
   int64_t reduce_scatter_fold_rows;  // Schedule::fold_rows; the same on every rank of a group
   bool reduce_scatter_ring;          // Schedule::ring; the same on every rank of a group
-  InTurn all_gather_in_turn;         // Schedule::in_turn; each rank may choose its own
-  bool compute_on_caller_stream;     // the compute lane is XLA's stream, not one of ours (CUDA)
-  bool fp8_fast_accumulation;        // e4m3 x e4m3 GEMMs in cuBLASLt's FAST_ACCUM mode (CUDA)
-  std::string gemm_cache;            // the kernel choice file, "" none (CUDA, with autotune_gemm)
+  ScheduleChoice reduce_scatter_early_sum;  // Schedule::early_sum; each rank may choose its own
+  ScheduleChoice all_gather_in_turn;        // Schedule::in_turn; each rank may choose its own
+  bool compute_on_caller_stream;  // the compute lane is XLA's stream, not one of ours (CUDA)
+  bool fp8_fast_accumulation;     // e4m3 x e4m3 GEMMs in cuBLASLt's FAST_ACCUM mode (CUDA)
+  std::string gemm_cache;         // the kernel choice file, "" none (CUDA, with autotune_gemm)
 };
 
 }  // namespace jax_ub

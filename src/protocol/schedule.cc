@@ -202,13 +202,34 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
     }
   }
   if (size > 1 && !fold) {
-    for (int j : sched.ReductionOrder())
-      if (j != rank) steps.push_back(WaitData(kComputeLane, j, "deliver its partial sum"));
+    // Every partial addressed to us: its own GEMM's (received(rank)) and each peer's.
     Step sum = Make(Step::Kind::kSum);
     sum.src = At(Region::kBuffer, received(0));
     sum.dst = At(Region::kOut, 0);
     sum.bytes = chunk;
     sum.rows = c.m;
+    uint64_t late = ~uint64_t{0} >> (64 - size);  // summed after our GEMMs
+    if (sched.ReduceScatterSumsEarly(c)) {
+      // The early ones into a float32 partial sum on our own lane, beside the GEMMs; then
+      // the rest added to it.
+      const int last = sched.ReduceScatterLastSender();
+      late = (uint64_t{1} << rank) | (uint64_t{1} << last);
+      const Ref partial_sum = At(Region::kBuffer, EarlySumOffset(chunk, size, gathers));
+      Step early = sum;
+      early.lane = rank;
+      early.parts = ~late & (~uint64_t{0} >> (64 - size));
+      early.dst = partial_sum;
+      early.to_float = true;
+      for (int j : sched.ReductionOrder())
+        if (early.parts >> j & 1) steps.push_back(WaitData(rank, j, "deliver its partial sum"));
+      steps.push_back(early);
+      steps.push_back(Join(kComputeLane, rank));
+      sum.addend = partial_sum;
+    }
+    for (int j : sched.ReductionOrder())
+      if (j != rank && late >> j & 1)
+        steps.push_back(WaitData(kComputeLane, j, "deliver its partial sum"));
+    sum.parts = late;
     steps.push_back(sum);
   }
   if (gathers) {
@@ -239,7 +260,14 @@ bool Schedule::AllGatherInTurnPays(const CallShape& c) const {
 }
 
 bool Schedule::AllGatherInTurn(const CallShape& c) const {
-  return in_turn == InTurn::kOn || (in_turn == InTurn::kByShape && AllGatherInTurnPays(c));
+  return in_turn == ScheduleChoice::kOn ||
+         (in_turn == ScheduleChoice::kByShape && AllGatherInTurnPays(c));
+}
+
+bool Schedule::ReduceScatterSumsEarly(const CallShape& c) const {
+  if (size < 4) return false;
+  return early_sum == ScheduleChoice::kOn ||
+         (early_sum == ScheduleChoice::kByShape && c.k < kEarlySumMaxK);
 }
 
 std::vector<Step> CallSteps(OpKind op, const Schedule& sched, const CallShape& shape) {

@@ -27,7 +27,11 @@ struct Schedule {
   bool ring = false;
   // Whether the all-gather pushes to one peer at a time and multiplies the chunks as they
   // land (CommOptions::all_gather_in_turn): on, off, or per call (AllGatherInTurn).
-  InTurn in_turn = InTurn::kOff;
+  ScheduleChoice in_turn = ScheduleChoice::kOff;
+  // Whether a reduce-scatter of four or more ranks that sums its partials in a pass of its own
+  // sums those that land early beside its GEMMs: on, off, or per call (ReduceScatterSumsEarly;
+  // CommOptions::reduce_scatter_early_sum).
+  ScheduleChoice early_sum = ScheduleChoice::kOff;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
   static Schedule Of(const CommOptions& options) {
@@ -35,12 +39,13 @@ struct Schedule {
     s.fold_rows = options.reduce_scatter_fold_rows;
     s.ring = options.reduce_scatter_ring;
     s.in_turn = options.all_gather_in_turn;
+    s.early_sum = options.reduce_scatter_early_sum;
     return s;
   }
 
-  // When an all-gather goes in turn by shape (InTurn::kByShape): where its transfer outlasts
-  // twice the local chunk's GEMM and the GEMM is long enough to repay in turn's serial copies.
-  // Pushing all at once lands every chunk after (size - 1) m k b / rate, hidden only by the
+  // When an all-gather goes in turn by shape (ScheduleChoice::kByShape): where its transfer
+  // outlasts twice the local chunk's GEMM and the GEMM is long enough to repay in turn's serial
+  // copies. Pushing all at once lands every chunk after (size - 1) m k b / rate, hidden only by the
   // local chunk's GEMM, 2 m k n / flops; in turn pays a GEMM per chunk (5-17% on an H200)
   // but hides the transfer. On an H200 with a modelled 270 GB/s link
   // (benchmarks/tools/paced_gemm.cu, Llama 3 8B and 70B shapes at tp 4 and 8), in turn won
@@ -168,6 +173,28 @@ struct Schedule {
     return {{0, rows / 2}, {rows / 2, rows - rows / 2}};
   }
 
+  // Whether the sum pass of a call `c` of a reduce-scatter that does not fold goes in two:
+  // the partials that land before the last peer's (every peer's but rank + 1's, which sends
+  // ours last in its PushOrder) are summed in float32 (EarlySumOffset) on our own copy lane
+  // while the GEMMs run, and after our own GEMM the output is that sum plus our partial and
+  // the last peer's, rounded once. Only three operands are then read after the GEMMs, not
+  // size: the one pass read all size partials and cost 3-9% of the op at tp=8 on an H200.
+  // From four ranks: at three, the early sum would be one partial's copy.
+  // By shape: where a partial's transfer, m n b / rate, outlasts its GEMM, 2 m k n / flops,
+  // that is k < b flops / (2 rate), 2592 with 700 TFLOP/s for 2-byte inputs (fp8 twice as
+  // fast at half the bytes) and a 270 GB/s link: there the GEMMs wait for the link and the
+  // early sum fills their idle time. Where the GEMMs are the longer, it runs beside them and
+  // slows them. On an H200 with partials landing at a modelled 270 GB/s
+  // (benchmarks/tools/solo_schedule.cu), op / floor of one sum pass, early; one pass, two
+  // runs: at tp=8 Llama 3 8B's o (k=512) 1.016-1.019; 1.102-1.106, its down (k=1792)
+  // 1.002-1.005; 1.079-1.085; at tp=4 8B's o (k=1024) 1.039-1.044; 1.067-1.068, 70B's o
+  // (k=2048) 1.014-1.018; 1.021-1.029. At k=3584 (70B's down at tp=8; a bfloat16 partial
+  // sum then) 1.058; 1.059, and at tp=4 with n=8192 1.027; 1.008.
+  static constexpr int64_t kEarlySumMaxK = 2560;
+  bool ReduceScatterSumsEarly(const CallShape& c) const;
+  // The peer whose partial lands last: rank + 1 sends ours at its last step.
+  int ReduceScatterLastSender() const { return (rank + 1) % size; }
+
   // Partials are summed in rank order, independent of arrival, so results are
   // bitwise reproducible run to run.
   std::vector<int> ReductionOrder() const {
@@ -221,7 +248,8 @@ struct Step {
     kSignal,   // the lane raises `peer`'s flag[FlagSlot] to this call's epoch
     kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
                // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
-    kSum,      // out = the group's partials in our buffer (one per rank), in rank order
+    kSum,      // dst = addend (float32, where it has one) + the partials `parts` names, in
+               // rank order, as the output's type or (`to_float`) float32
     kJoin,     // the lane waits for all work enqueued so far on lane `on_lane`
     kVerify,   // every peer's descriptor matches ours; else the outputs are poisoned
   };
@@ -239,6 +267,8 @@ struct Step {
   // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
   // of dst (and src_bytes those of src) that a failed check poisons.
   int64_t bytes = 0;
+  uint64_t parts = 0;     // kSum: bit j for the partial at src + j * bytes
+  bool to_float = false;  // kSum: dst is float32 (a partial sum, added to later)
   int64_t src_bytes = 0;
   int64_t rows = 0;  // kGemm, kSum
 };
@@ -324,14 +354,24 @@ inline CallDescriptor DescribeCall(OpKind op, const CallShape& c, uint64_t epoch
   return CallDescriptor{kind, PackTypes(c.in, c.w_type, c.out), c.m, c.k, c.n, epoch};
 }
 
+// Where in the userbuffer a reduce-scatter's early sum (Schedule::ReduceScatterSumsEarly)
+// keeps its float32 partial sum: after the received, staged and gathered chunks, 256-byte
+// aligned (a chunk of an odd size would leave it mid-word). It takes at most two chunks: a
+// partial's elements as float32, for outputs of 2 bytes or more.
+inline int64_t EarlySumOffset(int64_t chunk_bytes, int group_size, bool also_gathers) {
+  const int64_t chunks = (also_gathers ? 3 : 2) * chunk_bytes * group_size;
+  return (chunks + 255) / 256 * 256;
+}
+
 // Userbuffer bytes per rank that a call needs, `chunk_bytes` being ChunkBytes. AG: a chunk
 // per rank. RS: a received partial per rank, plus as many staged for sending (a peer may
-// still be reading our last push), plus, where it `also_gathers`, a gathered chunk per rank.
+// still be reading our last push), plus, where it `also_gathers`, a gathered chunk per rank,
+// and from four ranks the early sum's float32 partial sum (EarlySumOffset).
 inline int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size,
                              bool also_gathers = false) {
-  int64_t per_rank = chunk_bytes;
-  if (op == OpKind::kMatmulReduceScatter) per_rank = (also_gathers ? 3 : 2) * chunk_bytes;
-  return per_rank * group_size;
+  if (op != OpKind::kMatmulReduceScatter) return chunk_bytes * group_size;
+  if (group_size < 4) return (also_gathers ? 3 : 2) * chunk_bytes * group_size;
+  return EarlySumOffset(chunk_bytes, group_size, also_gathers) + 2 * chunk_bytes;
 }
 inline int64_t RequiredBytes(OpKind op, const CallShape& c, int group_size) {
   return RequiredBytes(op, ChunkBytes(op, c), group_size, AlsoGathers(op, c));

@@ -56,6 +56,18 @@ class Tuning:
         partial and summing the group's in a pass of its own. Its sums round to the
         output's type at each rank. Off: on one H200 its compute side tied the default
         at long k and lost up to 1.96x at short k. The same in every process.
+      reduce_scatter_early_sum: on groups of 4 or more, where matmul_reduce_scatter sums its
+        partials in a pass of its own (it does not fold). True: the partials that land
+        before the last peer's are summed in float32 on a copy stream while its GEMMs run,
+        and after them it adds only its own partial and the last peer's (three operands
+        read after the GEMMs, not tp; its buffer holds that float32 sum too). False: one
+        pass over all tp partials after the GEMMs. None
+        (the default): early where a partial's transfer outlasts its GEMM, x's local
+        columns k < 2560 (src/protocol/schedule.h): on one H200 with partials landing at a
+        modelled 270 GB/s, Llama 3 8B's o and down at tp=8 ran 1.00-1.02x the one-pass
+        floor early, 1.08-1.11x in one pass (k 512-1792), 8B's and 70B's o at tp=4
+        1.01-1.04x against 1.02-1.07x; at k=3584 early tied at tp=8 and lost 2% at tp=4.
+        It changes no transfer: processes may differ.
       all_gather_in_turn: True: all_gather_matmul pushes its chunk to one peer at a
         time, nearest first (so each GPU receives one chunk at a time), and multiplies
         the chunks as they land (each GEMM takes those landed by its start, one or, where
@@ -94,6 +106,7 @@ class Tuning:
     gemm_trials: int = 3
     reduce_scatter_fold_rows: int = 2048
     reduce_scatter_ring: bool = False
+    reduce_scatter_early_sum: bool | None = None
     all_gather_in_turn: bool | None = None
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
@@ -104,10 +117,10 @@ class Tuning:
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
-        if not (self.all_gather_in_turn is None or isinstance(self.all_gather_in_turn, bool)):
-            raise ValueError(
-                f"all_gather_in_turn must be True, False or None, got {self.all_gather_in_turn!r}"
-            )
+        for name in ("all_gather_in_turn", "reduce_scatter_early_sum"):
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, bool)):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
         if self.gemm_order not in _GEMM_ORDERS:
             raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {self.gemm_order!r}")
         trials = self.gemm_trials
@@ -174,6 +187,7 @@ class Options:
     gemm_trials: int
     reduce_scatter_fold_rows: int
     reduce_scatter_ring: bool
+    reduce_scatter_early_sum: bool | None
     all_gather_in_turn: bool | None
     compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
