@@ -26,11 +26,11 @@ EPILOGUES = [(True, None), (False, "gelu"), (True, "gelu")]  # (bias, activation
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
 
-def _operands(dtype, seed=0):
+def _operands(dtype, seed=0, m=M, k=K, nc=NC):
     keys = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(keys[0], (N * M, K), jnp.float32)
-    w = jax.random.normal(keys[1], (K, N * NC), jnp.float32) / np.sqrt(K)
-    b = jax.random.normal(keys[2], (N * NC,), jnp.float32)
+    x = jax.random.normal(keys[0], (N * m, k), jnp.float32)
+    w = jax.random.normal(keys[1], (k, N * nc), jnp.float32) / np.sqrt(k)
+    b = jax.random.normal(keys[2], (N * nc,), jnp.float32)
     return [a.astype(dtype) for a in (x, w, b)]
 
 
@@ -62,8 +62,11 @@ def _loss(f):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("with_bias,activation", EPILOGUES)
-def test_epilogue_forward_and_grads(dtype, with_bias, activation):
-    x, w, b = _operands(dtype)
+@pytest.mark.parametrize("m,k,nc", [(M, K, NC), (3, 6, 5), (129, 64, 12)], ids=str)
+def test_epilogue_forward_and_grads(dtype, with_bias, activation, m, k, nc):
+    """Also at odd sizes: 5 or 12 local columns (rows of 10 or 24 bytes in bf16; GELU's
+    kept input with such a leading dimension), 3 or 129 rows a rank."""
+    x, w, b = _operands(dtype, m=m, k=k, nc=nc)
     ub = _fn("ub", with_bias, activation)
     y = ub(x, w, b)
     assert y.dtype == dtype
@@ -109,13 +112,15 @@ def test_fp8_epilogue(out_dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gelu_mlp_dgelu_epilogue(dtype):
+@pytest.mark.parametrize("m,k,nc", [(M, K, NC), (3, 6, 5)], ids=str)
+def test_gelu_mlp_dgelu_epilogue(dtype, m, k, nc):
     """gelu_mlp's backward runs GELU's gradient in cuBLASLt's DGELU epilogue: forward and
-    every gradient against the two ops through XLA at full precision."""
+    every gradient against the two ops through XLA at full precision; also with odd sizes
+    (5 hidden columns a rank, 6 model columns, 3 rows a rank)."""
     mesh = gpu_mesh(GPUS, (N,), ("tp",))
     keys = jax.random.split(jax.random.key(7), 5)
-    shapes = ((N * M, K), (K, N * NC), (N * NC,), (N * NC, K), (K,))
-    scale = (1.0, 1 / np.sqrt(K), 1.0, 1 / np.sqrt(N * NC), 1.0)
+    shapes = ((N * m, k), (k, N * nc), (N * nc,), (N * nc, k), (k,))
+    scale = (1.0, 1 / np.sqrt(k), 1.0, 1 / np.sqrt(N * nc), 1.0)
     args = [
         (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
         for k, shape, s in zip(keys, shapes, scale)
