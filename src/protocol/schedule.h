@@ -188,8 +188,9 @@ struct Schedule {
   // (benchmarks/tools/solo_schedule.cu), op / floor of one sum pass, early; one pass, two
   // runs: at tp=8 Llama 3 8B's o (k=512) 1.016-1.019; 1.102-1.106, its down (k=1792)
   // 1.002-1.005; 1.079-1.085; at tp=4 8B's o (k=1024) 1.039-1.044; 1.067-1.068, 70B's o
-  // (k=2048) 1.014-1.018; 1.021-1.029. At k=3584 (70B's down at tp=8; a bfloat16 partial
-  // sum then) 1.058; 1.059, and at tp=4 with n=8192 1.027; 1.008.
+  // (k=2048) 1.014-1.018; 1.021-1.029; 405B's o at tp=8 (k=2048) 0.981-0.984; 1.021-1.024.
+  // Above: 405B's o at tp=4 (k=4096) 1.049-1.050; 0.992-1.018, 8B's down at tp=4 (k=3584)
+  // 1.070-1.091; 1.020-1.032, 405B's down at tp=8 (k=6656) 0.989-0.998; 0.971-0.998.
   static constexpr int64_t kEarlySumMaxK = 2560;
   bool ReduceScatterSumsEarly(const CallShape& c) const;
   // The peer whose partial lands last: rank + 1 sends ours at its last step.

@@ -66,8 +66,9 @@ class Tuning:
         columns k < 2560 (src/protocol/schedule.h): on one H200 with partials landing at a
         modelled 270 GB/s, Llama 3 8B's o and down at tp=8 ran 1.00-1.02x the one-pass
         floor early, 1.08-1.11x in one pass (k 512-1792), 8B's and 70B's o at tp=4
-        1.01-1.04x against 1.02-1.07x; at k=3584 early tied at tp=8 and lost 2% at tp=4.
-        It changes no transfer: processes may differ.
+        1.01-1.04x against 1.02-1.07x, 405B's o at tp=8 (k=2048) 0.98x against 1.02x; at
+        k >= 3584 early lost up to 7% at tp=4 and tied at tp=8. It changes no transfer:
+        processes may differ.
       all_gather_in_turn: True: all_gather_matmul pushes its chunk to one peer at a
         time, nearest first (so each GPU receives one chunk at a time), and multiplies
         the chunks as they land (each GEMM takes those landed by its start, one or, where
