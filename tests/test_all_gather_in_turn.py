@@ -8,14 +8,12 @@ gradients on CPU devices, where the host runs those very lists."""
 
 import math
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from _op_cases import op_fn
 from conftest import comm_options, rel_err, to_f32, tol, use_tuning
 from test_epilogue import ag_epilogue_fn, ag_reference
-from test_gelu_mlp import loss, mlp_fn, operands
+from test_gelu_mlp import assert_grads_match_xla, operands
 
 import jax_ub
 from jax_ub._src.runtime import extension
@@ -216,13 +214,7 @@ def test_gradients(mesh1d, rand, keep_gathered):
     use_tuning(all_gather_in_turn=True)
     jax_ub.configure(keep_gathered=keep_gathered)
     try:
-        mesh = mesh1d(4)
-        args = operands(rand, 4)
-        got = jax.grad(loss(mlp_fn(mesh)), argnums=range(5))(*args)
-        want = jax.grad(loss(mlp_fn(mesh, "xla")), argnums=range(5))(*args)
-        for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
-            assert not np.isnan(np.asarray(g)).any(), name
-            assert rel_err(g, r) < 1e-5, name
+        assert_grads_match_xla(mesh1d(4), operands(rand, 4))
     finally:
         jax_ub.finalize()
 

@@ -3,13 +3,12 @@ that block's partial products, and at 2 devices a block goes in row pieces folde
 own product or summed in one pass (reduce_scatter_fold_rows); above 2, with
 reduce_scatter_ring, folded along a ring."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _op_cases import op_fn
 from conftest import rel_err, to_f32, tol
-from test_gelu_mlp import loss, mlp_fn, operands
+from test_gelu_mlp import assert_grads_match_xla, operands
 
 import jax_ub
 from jax_ub._src.settings import options
@@ -118,10 +117,6 @@ def test_ring_repeated_calls_and_gradients(mesh1d, rand):
             for i in range(6):
                 x, w = rand(4 * 4, 4 * 6), rand(4 * 6, 8)
                 assert rel_err(f(x, w), to_f32(x) @ to_f32(w)) < 1e-5, i
-            args = operands(rand, 4)
-            got = jax.grad(loss(mlp_fn(mesh)), argnums=range(5))(*args)
-        want = jax.grad(loss(mlp_fn(mesh, "xla")), argnums=range(5))(*args)
-        for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
-            assert rel_err(g, r) < 1e-5, name
+            assert_grads_match_xla(mesh, operands(rand, 4))
     finally:
         jax_ub.finalize()

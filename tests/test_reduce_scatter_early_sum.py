@@ -6,13 +6,12 @@ and after them adds only its own partial and the last peer's. The step lists the
 pushes; then the op's values and gradients on CPU devices, where the host runs those very
 lists."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _op_cases import op_fn
 from conftest import comm_options, rel_err, to_f32, tol, use_tuning
-from test_gelu_mlp import loss, mlp_fn, operands
+from test_gelu_mlp import assert_grads_match_xla, operands
 
 import jax_ub
 from jax_ub._src.runtime import extension
@@ -147,11 +146,6 @@ def test_gradients_with_gathers_beside(mesh1d, rand):
     them all-gathering x beside it on the same own lane, against XLA's."""
     jax_ub.finalize()
     try:
-        mesh = mesh1d(8)
-        args = operands(rand, 8)
-        got = jax.grad(loss(mlp_fn(mesh)), argnums=range(5))(*args)
-        want = jax.grad(loss(mlp_fn(mesh, "xla")), argnums=range(5))(*args)
-        for name, g, r in zip(("dx", "dw_up", "db_up", "dw_down", "db_down"), got, want):
-            assert rel_err(g, r) < 1e-5, name
+        assert_grads_match_xla(mesh1d(8), operands(rand, 8))
     finally:
         jax_ub.finalize()
