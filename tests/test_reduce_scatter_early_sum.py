@@ -14,7 +14,8 @@ from conftest import comm_options, rel_err, to_f32, tol, use_tuning
 from test_gelu_mlp import assert_grads_match_xla, operands
 
 import jax_ub
-from jax_ub._src.runtime import extension
+from jax_ub._src.runtime import communicator, extension
+from jax_ub._src.settings import options
 
 SIZES = [2, 3, 4, 5, 8]
 M, K, N = 2, 3, 5  # a rank's output rows, x's local columns, w's columns: float32 partials
@@ -147,5 +148,55 @@ def test_gradients_with_gathers_beside(mesh1d, rand):
     jax_ub.finalize()
     try:
         assert_grads_match_xla(mesh1d(8), operands(rand, 8))
+    finally:
+        jax_ub.finalize()
+
+
+@pytest.mark.parametrize("gathers", [False, True])
+def test_buffer_holds_the_float32_sum_only_where_it_sums_early(gathers):
+    """The buffer a call needs: received and staged partials (and gathered chunks), plus,
+    where the call sums early, two chunks for the float32 sum after them, 256-byte aligned.
+    One pass (k >= 2560, three ranks, the choice off, or a fold) needs none."""
+    chunk, rows = 1000, 10
+    base = (3 if gathers else 2) * chunk
+
+    def need(size, k, **tuning):
+        with options.experimental_tuning(**tuning):
+            return communicator.required_bytes(
+                "cpu", "matmul_reduce_scatter", chunk, size, gathers, rows, k
+            )
+
+    for size in (2, 3, 4, 8):
+        one_pass = base * size
+        early = -(-one_pass // 256) * 256 + 2 * chunk
+        assert need(size, 6) == (early if size >= 4 else one_pass), size
+        assert need(size, 2560) == one_pass
+        assert need(size, 6, reduce_scatter_early_sum=False) == one_pass
+        assert need(size, 9999, reduce_scatter_early_sum=True) == (early if size >= 4 else one_pass)
+        if size >= 4 and not gathers:  # the ring folds these rows: no sum pass
+            assert need(size, 6, reduce_scatter_ring=True, reduce_scatter_fold_rows=0) == one_pass
+    all_gather = communicator.required_bytes("cpu", "all_gather_matmul", chunk, 4, False, rows, 6)
+    assert all_gather == 4 * chunk
+
+
+def test_an_exact_buffer_runs_both_ways(mesh1d, rand):
+    """A communicator of exactly the bytes a one-pass call needs runs it (k = 2560); a
+    call that sums early needs its float32 sum too: without growth it is refused at trace
+    time, naming the bytes; with the bytes it needs it runs."""
+    mesh = mesh1d(4)
+    x, w = rand(4 * 2, 4 * 2560), rand(4 * 2560, 8, scale=0.02)
+    small_x, small_w = rand(4 * 2, 4 * 6), rand(4 * 6, 8)
+    one_pass = 2 * 4 * (2 * 8 * 4)  # received and staged: 4 ranks' float32 [2, 8] partials
+    early = -(-one_pass // 256) * 256 + 2 * (2 * 8 * 4)
+    jax_ub.finalize()
+    try:
+        jax_ub.configure(buffer_bytes=one_pass, allow_grow=False)
+        assert rel_err(op_fn("rs", mesh, "ub")(x, w), to_f32(x) @ to_f32(w)) < 1e-5
+        with pytest.raises(ValueError, match=rf"userbuffer too small.* needs {early} bytes"):
+            op_fn("rs", mesh, "ub")(small_x, small_w)
+        jax_ub.finalize()
+        jax_ub.configure(buffer_bytes=early, allow_grow=False)
+        out = op_fn("rs", mesh, "ub")(small_x, small_w)
+        assert rel_err(out, to_f32(small_x) @ to_f32(small_w)) < 1e-5
     finally:
         jax_ub.finalize()

@@ -74,6 +74,7 @@ struct Run {
   jax_ub::OpKind op;
   jax_ub::CallShape shape;
   int tp;
+  jax_ub::Schedule sched;  // rank 0's, in a group of tp
   std::vector<jax_ub::Step> steps;
   jax_ub::Operands ops;
   char* buffer = nullptr;        // this rank's userbuffer, the peers' rows in place
@@ -113,7 +114,7 @@ void Setup(Run& r) {
   Check(cudaMalloc(&x, x_rows * s.k * 2), "x");
   Check(cudaMalloc(&w, s.k * s.n * 2), "w");
   Check(cudaMalloc(&out, out_rows * s.n * 2), "out");
-  const int64_t bytes = jax_ub::RequiredBytes(r.op, s, r.tp);
+  const int64_t bytes = jax_ub::RequiredBytes(r.op, s, r.sched);
   Check(cudaMalloc(&r.buffer, bytes), "userbuffer");
   Check(cudaMalloc(&r.peer_scratch, bytes), "peer scratch");
   Check(cudaMalloc(&r.whole_x, r.tp * s.m * s.k * 2), "whole x");
@@ -357,15 +358,16 @@ int main(int argc, char** argv) {
   r.shape.k = k;
   r.shape.n = n;
   r.shape.in = r.shape.w_type = r.shape.out = jax_ub::DType::kBF16;
-  r.steps =
-      jax_ub::CallSteps(r.op,
-                        jax_ub::Schedule{0, tp, fold_rows, variant == "ring",
-                                         variant == "in_turn" ? jax_ub::ScheduleChoice::kOn
-                                                              : jax_ub::ScheduleChoice::kOff,
-                                         variant == "one_pass" ? jax_ub::ScheduleChoice::kOff
-                                         : variant == "early"  ? jax_ub::ScheduleChoice::kOn
-                                                               : jax_ub::ScheduleChoice::kByShape},
-                        r.shape);
+  r.sched = jax_ub::Schedule{
+      0,
+      tp,
+      fold_rows,
+      variant == "ring",
+      variant == "in_turn" ? jax_ub::ScheduleChoice::kOn : jax_ub::ScheduleChoice::kOff,
+      variant == "one_pass" ? jax_ub::ScheduleChoice::kOff
+      : variant == "early"  ? jax_ub::ScheduleChoice::kOn
+                            : jax_ub::ScheduleChoice::kByShape};
+  r.steps = jax_ub::CallSteps(r.op, r.sched, r.shape);
   if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
   bool sums = false;
   for (const jax_ub::Step& st : r.steps) sums = sums || st.kind == jax_ub::Step::Kind::kSum;

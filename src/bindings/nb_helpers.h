@@ -118,7 +118,8 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
 // The bindings both platform modules share, with the same names, so the Python side
 // (bootstrap, finalize, check_health, buffer sizing) serves either:
 // broken_reason, quiesce, destroy_communicator, num_communicators, and
-// `required_bytes(op, chunk_bytes, group_size)`, the schedule's buffer sizing
+// `required_bytes(op, chunk_bytes, group_size, also_gathers, rows, k, options)`, the
+// schedule's buffer sizing
 // (protocol/schedule.h).
 template <typename Communicator>
 void DefCommonBindings(nanobind::module_& m) {
@@ -142,15 +143,27 @@ void DefCommonBindings(nanobind::module_& m) {
     return Registry<Communicator>::Remove(id);
   });
   m.def("num_communicators", []() { return Registry<Communicator>::Size(); });
+  // The call's rows (a rank's: x's for AG, the output's for RS) and k, with the options the
+  // communicator is created with, choose its schedule (Schedule::ReduceScatterSumsEarly).
   m.def(
       "required_bytes",
-      [](const std::string& op, int64_t chunk_bytes, int group_size, bool also_gathers) {
+      [](const std::string& op, int64_t chunk_bytes, int group_size, bool also_gathers,
+         int64_t rows, int64_t k, nanobind::dict options) {
         OpKind kind;
         if (!OpKindFromName(op, &kind)) throw nanobind::value_error(("unknown op " + op).c_str());
-        return RequiredBytes(kind, chunk_bytes, group_size, also_gathers);
+        if (group_size < 1) throw nanobind::value_error("group_size must be positive");
+        CallShape shape;
+        shape.m = rows;
+        shape.k = k;
+        shape.gathered = also_gathers;
+        const Schedule sched = Schedule::Of(OptionsFromDict(options)).For(0, group_size);
+        return RequiredBytes(
+            kind, chunk_bytes, group_size, also_gathers,
+            kind == OpKind::kMatmulReduceScatter && sched.ReduceScatterSumsEarly(shape));
       },
       nanobind::arg("op"), nanobind::arg("chunk_bytes"), nanobind::arg("group_size"),
-      nanobind::arg("also_gathers") = false);
+      nanobind::arg("also_gathers"), nanobind::arg("rows"), nanobind::arg("k"),
+      nanobind::arg("options"));
 }
 
 }  // namespace jax_ub

@@ -34,7 +34,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   const int size = topology_.group_size();
   Slot* s = nullptr;
   uint64_t e = 0;
-  JAX_UB_RETURN_IF_ERROR(Begin(device, name, RequiredBytes(op, shape, size), &s, &e));
+  JAX_UB_RETURN_IF_ERROR(
+      Begin(device, name, RequiredBytes(op, shape, schedule_.For(0, size)), &s, &e));
   *began = s;
   const std::vector<Step> steps = CallSteps(op, schedule_.For(s->rank, size), shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);

@@ -182,13 +182,12 @@ Status HostCommunicator::Begin(int device, OpKind op, const CallShape& shape, Ca
   JAX_UB_RETURN_IF_ERROR(topology_.SlotOfDevice(device, &slot));
   const int size = topology_.group_size();
   const int64_t chunk_bytes = ChunkBytes(op, shape);
-  const int64_t need = RequiredBytes(op, shape, size);
+  const int64_t need = RequiredBytes(op, shape, schedule_.For(0, size));
   if (static_cast<size_t>(need) > capacity_)
-    return InvalidArgument(
-        Fmt("%s: userbuffer too small: the op needs %lld bytes per device (%lld chunks of "
-            "%lld), the communicator has %zu; raise jax_ub.configure(buffer_bytes=...)",
-            OpName(op), static_cast<long long>(need), static_cast<long long>(need / chunk_bytes),
-            static_cast<long long>(chunk_bytes), capacity_));
+    return InvalidArgument(Fmt(
+        "%s: userbuffer too small: the op needs %lld bytes per device (chunks of %lld), "
+        "the communicator has %zu; raise jax_ub.configure(buffer_bytes=...)",
+        OpName(op), static_cast<long long>(need), static_cast<long long>(chunk_bytes), capacity_));
   ctx->op = op;
   ctx->slot = slot;
   ctx->group = topology_.group_of(slot);

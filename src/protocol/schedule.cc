@@ -265,7 +265,7 @@ bool Schedule::AllGatherInTurn(const CallShape& c) const {
 }
 
 bool Schedule::ReduceScatterSumsEarly(const CallShape& c) const {
-  if (size < 4) return false;
+  if (size < 4 || ReduceScatterFolds(c.m, c.gathered)) return false;
   return early_sum == ScheduleChoice::kOn ||
          (early_sum == ScheduleChoice::kByShape && c.k < kEarlySumMaxK);
 }

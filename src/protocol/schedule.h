@@ -192,6 +192,7 @@ struct Schedule {
   // Above: 405B's o at tp=4 (k=4096) 1.049-1.050; 0.992-1.018, 8B's down at tp=4 (k=3584)
   // 1.070-1.091; 1.020-1.032, 405B's down at tp=8 (k=6656) 0.989-0.998; 0.971-0.998.
   static constexpr int64_t kEarlySumMaxK = 2560;
+  // False for a call that folds (ReduceScatterFolds): it has no sum pass.
   bool ReduceScatterSumsEarly(const CallShape& c) const;
   // The peer whose partial lands last: rank + 1 sends ours at its last step.
   int ReduceScatterLastSender() const { return (rank + 1) % size; }
@@ -358,7 +359,8 @@ inline CallDescriptor DescribeCall(OpKind op, const CallShape& c, uint64_t epoch
 // Where in the userbuffer a reduce-scatter's early sum (Schedule::ReduceScatterSumsEarly)
 // keeps its float32 partial sum: after the received, staged and gathered chunks, 256-byte
 // aligned (a chunk of an odd size would leave it mid-word). It takes at most two chunks: a
-// partial's elements as float32, for outputs of 2 bytes or more.
+// partial's elements as float32, for outputs of 2 bytes or more. Only calls that sum early
+// have it.
 inline int64_t EarlySumOffset(int64_t chunk_bytes, int group_size, bool also_gathers) {
   const int64_t chunks = (also_gathers ? 3 : 2) * chunk_bytes * group_size;
   return (chunks + 255) / 256 * 256;
@@ -367,15 +369,17 @@ inline int64_t EarlySumOffset(int64_t chunk_bytes, int group_size, bool also_gat
 // Userbuffer bytes per rank that a call needs, `chunk_bytes` being ChunkBytes. AG: a chunk
 // per rank. RS: a received partial per rank, plus as many staged for sending (a peer may
 // still be reading our last push), plus, where it `also_gathers`, a gathered chunk per rank,
-// and from four ranks the early sum's float32 partial sum (EarlySumOffset).
+// and where it `sums_early` (Schedule::ReduceScatterSumsEarly) the float32 partial sum.
 inline int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size,
-                             bool also_gathers = false) {
+                             bool also_gathers = false, bool sums_early = false) {
   if (op != OpKind::kMatmulReduceScatter) return chunk_bytes * group_size;
-  if (group_size < 4) return (also_gathers ? 3 : 2) * chunk_bytes * group_size;
+  if (!sums_early) return (also_gathers ? 3 : 2) * chunk_bytes * group_size;
   return EarlySumOffset(chunk_bytes, group_size, also_gathers) + 2 * chunk_bytes;
 }
-inline int64_t RequiredBytes(OpKind op, const CallShape& c, int group_size) {
-  return RequiredBytes(op, ChunkBytes(op, c), group_size, AlsoGathers(op, c));
+// The same for a call of shape `c` in `sched`'s group.
+inline int64_t RequiredBytes(OpKind op, const CallShape& c, const Schedule& sched) {
+  return RequiredBytes(op, ChunkBytes(op, c), sched.size, AlsoGathers(op, c),
+                       op == OpKind::kMatmulReduceScatter && sched.ReduceScatterSumsEarly(c));
 }
 
 // The step list of one call of `op`, for `sched`'s rank.

@@ -193,7 +193,7 @@ def lowering_rule(
     automatic (see the module docstring); else the custom call on the communicator for
     the mesh, or `unfused` (XLA's collectives) where impl="auto" finds the group's devices
     cannot share memory. `chunk_aval(ctx)` is one rank's chunk and `also_gathers(ctx)`
-    whether the call all-gathers a second input beside it, which together size the buffer;
+    whether the call all-gathers a second input beside it, which with x's k size the buffer;
     `batched` are the operands laid out like x's batch dims, which a nested shard_map keeps
     split over the automatic axes; `attrs` names the params the custom call gets besides
     comm_id and transpose_w."""
@@ -208,8 +208,10 @@ def lowering_rule(
         platform = _platform(ctx)
         aval = chunk_aval(ctx)
         chunk = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        rows = int(np.prod(aval.shape[:-1]))  # a rank's: its chunk's (x's or the output's)
+        k = int(ctx.avals_in[0].shape[-1])  # x [..., k]
         needed = communicator.required_bytes(
-            platform, op, chunk, params["axis_size"], also_gathers(ctx)
+            platform, op, chunk, params["axis_size"], also_gathers(ctx), rows, k
         )
         comm = communicator.for_lowering(op, mesh, axis_name, platform, needed, params["fallback"])
         if comm is None:

@@ -268,12 +268,24 @@ def take_all() -> list[Communicator]:
 
 
 def required_bytes(
-    platform: str, op: str, chunk_bytes: int, group_size: int, also_gathers: bool = False
+    platform: str,
+    op: str,
+    chunk_bytes: int,
+    group_size: int,
+    also_gathers: bool = False,
+    rows: int = 0,
+    k: int = 0,
 ) -> int:
-    """Symmetric buffer bytes one call of ``op`` needs per device (``also_gathers``: a
-    reduce-scatter that all-gathers a second input beside it), as the C++ side sizes it."""
+    """Symmetric buffer bytes one call of ``op`` needs per device, as the C++ side sizes it:
+    ``chunk_bytes`` one rank's chunk (AG: x; RS: the output block of ``rows`` rows),
+    ``also_gathers`` a reduce-scatter that all-gathers a second input beside it, ``k`` the
+    contraction; the schedule is the one a communicator created now takes."""
     module = extension.module_for(platform)
-    return int(module.required_bytes(op, chunk_bytes, group_size, also_gathers))
+    return int(
+        module.required_bytes(
+            op, chunk_bytes, group_size, also_gathers, rows, k, current_options().to_dict()
+        )
+    )
 
 
 def for_lowering(
