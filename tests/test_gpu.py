@@ -60,6 +60,24 @@ def _rs(mesh, impl):
     )
 
 
+def _rs_gathering(mesh, tp):
+    """matmul_reduce_scatter(h, v) that all-gathers g beside it: (out, each rank's gathered g)."""
+
+    def body(h, v, g):
+        out, gathered = bind_matmul_reduce_scatter(h, v, "tp", tp, gather=g)
+        return out, gathered[None]
+
+    specs = (P(None, "tp"), P("tp", None), P("tp", None))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P("tp"))))
+
+
+def _assert_copies_exact(gathered, g, call):
+    """Every rank's gathered copy equals g bit for bit."""
+    want = np.asarray(g).view(np.uint16 if g.dtype == jnp.bfloat16 else np.uint32)
+    for copy in np.asarray(gathered):
+        assert (copy.view(want.dtype) == want).all(), call
+
+
 SHAPES = [  # (M, K, N) global
     (1024, 1024, 1024),
     (256, 512, 768),
@@ -154,19 +172,11 @@ def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold, gather):
             assert gpu_rel_err(_rs(mesh, "ub")(h, v), ref) < TOL[dtype]
             return
         (g,) = _data(jax.random.key(rows + 10 * tp + 1), [(tp * rows, 384)], dtype)
-
-        def body(h, v, g):
-            out, gathered = bind_matmul_reduce_scatter(h, v, "tp", tp, gather=g)
-            return out, gathered[None]
-
-        specs = (P(None, "tp"), P("tp", None), P("tp", None))
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P("tp"))))
+        f = _rs_gathering(mesh, tp)
         for call in range(3):  # the buffer's gathered chunks reused, epochs advancing
             out, gathered = f(h, v, g + call)
             assert gpu_rel_err(out, ref) < TOL[dtype]
-            want = np.asarray(g + call).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
-            for copy in np.asarray(gathered):
-                assert (copy.view(want.dtype) == want).all(), call
+            _assert_copies_exact(gathered, g + call, call)
     finally:
         jax_ub.finalize()
 
@@ -190,24 +200,14 @@ def test_odd_sizes(tp, rows, dtype):
             h, v, g = _data(key, [(tp * rows, tp * 3), (tp * 3, 10), (tp * rows, 10)], dtype)
             with jax.default_matmul_precision("highest"):
                 ag_ref, rs_ref = _ag(mesh, "xla")(x, w), _rs(mesh, "xla")(h, v)
-
-            def body(h, v, g):
-                out, gathered = bind_matmul_reduce_scatter(h, v, "tp", tp, gather=g)
-                return out, gathered[None]
-
-            specs = (P(None, "tp"), P("tp", None), P("tp", None))
-            rs_gather = jax.jit(
-                jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P("tp")))
-            )
+            rs_gather = _rs_gathering(mesh, tp)
             for call in range(3):
                 c = call + 1
                 assert gpu_rel_err(_ag(mesh, "ub")(x * c, w), ag_ref * c) < TOL[dtype], call
                 assert gpu_rel_err(_rs(mesh, "ub")(h * c, v), rs_ref * c) < TOL[dtype], call
                 out, gathered = rs_gather(h * c, v, g + call)
                 assert gpu_rel_err(out, rs_ref * c) < TOL[dtype], call
-                want = np.asarray(g + call).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32)
-                for copy in np.asarray(gathered):
-                    assert (copy.view(want.dtype) == want).all(), call
+                _assert_copies_exact(gathered, g + call, call)
     finally:
         jax_ub.finalize()
 

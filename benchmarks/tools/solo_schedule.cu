@@ -187,11 +187,9 @@ void Schedule(Run& r) {
                   "cuStreamWaitValue64 on the link's flag");
         break;
       case jax_ub::Step::Kind::kSum:
-        Check(jax_ub::LaunchSum(r.shape.out, At(r, step.src),
-                                step.bytes / jax_ub::DTypeSize(r.shape.out), step.parts,
-                                reinterpret_cast<const float*>(At(r, step.addend)),
-                                step.rows * r.shape.n, At(r, step.dst), step.to_float, stream),
-              "LaunchSum");
+        Check(jax_ub::LaunchSumStep(r.shape.out, step, r.shape.n, At(r, step.src),
+                                    At(r, step.addend), At(r, step.dst), stream),
+              "LaunchSumStep");
         break;
       case jax_ub::Step::Kind::kJoin:
         // Recorded and waited for at once: the wait takes the event as it stands now.

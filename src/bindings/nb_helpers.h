@@ -119,8 +119,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
 // (bootstrap, finalize, check_health, buffer sizing) serves either:
 // broken_reason, quiesce, destroy_communicator, num_communicators, and
 // `required_bytes(op, chunk_bytes, group_size, also_gathers, rows, k, options)`, the
-// schedule's buffer sizing
-// (protocol/schedule.h).
+// schedule's buffer sizing (protocol/schedule.h).
 template <typename Communicator>
 void DefCommonBindings(nanobind::module_& m) {
   // The XLA FFI API the handlers were compiled against, and the jaxlib whose headers those
@@ -157,9 +156,8 @@ void DefCommonBindings(nanobind::module_& m) {
         shape.k = k;
         shape.gathered = also_gathers;
         const Schedule sched = Schedule::Of(OptionsFromDict(options)).For(0, group_size);
-        return RequiredBytes(
-            kind, chunk_bytes, group_size, also_gathers,
-            kind == OpKind::kMatmulReduceScatter && sched.ReduceScatterSumsEarly(shape));
+        return RequiredBytes(kind, chunk_bytes, group_size, also_gathers,
+                             SumsEarly(kind, shape, sched));
       },
       nanobind::arg("op"), nanobind::arg("chunk_bytes"), nanobind::arg("group_size"),
       nanobind::arg("also_gathers"), nanobind::arg("rows"), nanobind::arg("k"),

@@ -112,10 +112,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
             gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream, gemm_args(step)));
         break;
       case Step::Kind::kSum:
-        JAX_UB_RETURN_IF_ERROR(LaunchSum(shape.out, at(step.src), step.bytes / DTypeSize(shape.out),
-                                         step.parts,
-                                         reinterpret_cast<const float*>(at(step.addend)),
-                                         step.rows * shape.n, at(step.dst), step.to_float, stream));
+        JAX_UB_RETURN_IF_ERROR(LaunchSumStep(shape.out, step, shape.n, at(step.src),
+                                             at(step.addend), at(step.dst), stream));
         break;
       case Step::Kind::kJoin: {
         // A copy lane's event is its own; the compute lane's, one per lane it releases.

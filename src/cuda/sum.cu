@@ -115,6 +115,12 @@ Status LaunchSum(DType t, const void* parts, int64_t stride, uint64_t which, con
   }
 }
 
+Status LaunchSumStep(DType t, const Step& step, int64_t n, const void* src, const void* addend,
+                     void* dst, cudaStream_t stream) {
+  return LaunchSum(t, src, step.bytes / DTypeSize(t), step.parts, static_cast<const float*>(addend),
+                   step.rows * n, dst, step.to_float, stream);
+}
+
 Status LaunchSum(DType t, const void* parts, int64_t count, int nparts, void* out,
                  cudaStream_t stream) {
   if (nparts < 1 || nparts > 64) return Internal("LaunchSum: nparts must be 1..64");

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "protocol/dtype.h"
+#include "protocol/schedule.h"
 #include "protocol/status.h"
 
 namespace jax_ub {
@@ -19,6 +20,10 @@ namespace jax_ub {
 // Enqueued on `stream`.
 Status LaunchSum(DType t, const void* parts, int64_t stride, uint64_t which, const float* addend,
                  int64_t count, void* out, bool out_f32, cudaStream_t stream);
+// A kSum step (protocol/schedule.h) of a call with `n` output columns and outputs of type
+// `t`, its refs resolved to `src`, `addend` (null where it has none) and `dst`.
+Status LaunchSumStep(DType t, const Step& step, int64_t n, const void* src, const void* addend,
+                     void* dst, cudaStream_t stream);
 // The same over partials 0..nparts-1 (1 to 64) laid end to end: stride `count`, no addend.
 Status LaunchSum(DType t, const void* parts, int64_t count, int nparts, void* out,
                  cudaStream_t stream);

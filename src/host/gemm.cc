@@ -135,8 +135,11 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
 void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count,
              const float* addend, bool c_f32) {
   thread_local std::vector<float> acc, tmp;
-  acc.assign(count, 0.0f);
-  if (addend != nullptr) std::memcpy(acc.data(), addend, count * sizeof(float));
+  if (addend != nullptr) {
+    acc.assign(addend, addend + count);
+  } else {
+    acc.assign(count, 0.0f);
+  }
   tmp.resize(count);
   for (int j = 0; j < num_parts; ++j) {
     ToFloat(t, parts[j], tmp.data(), count);

@@ -208,7 +208,8 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
     sum.dst = At(Region::kOut, 0);
     sum.bytes = chunk;
     sum.rows = c.m;
-    uint64_t late = ~uint64_t{0} >> (64 - size);  // summed after our GEMMs
+    const uint64_t everyone = ~uint64_t{0} >> (64 - size);
+    uint64_t late = everyone;  // summed after our GEMMs
     if (sched.ReduceScatterSumsEarly(c)) {
       // The early ones into a float32 partial sum on our own lane, beside the GEMMs; then
       // the rest added to it.
@@ -217,7 +218,7 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
       const Ref partial_sum = At(Region::kBuffer, EarlySumOffset(chunk, size, gathers));
       Step early = sum;
       early.lane = rank;
-      early.parts = ~late & (~uint64_t{0} >> (64 - size));
+      early.parts = everyone & ~late;
       early.dst = partial_sum;
       early.to_float = true;
       for (int j : sched.ReductionOrder())

@@ -361,9 +361,13 @@ inline CallDescriptor DescribeCall(OpKind op, const CallShape& c, uint64_t epoch
 // aligned (a chunk of an odd size would leave it mid-word). It takes at most two chunks: a
 // partial's elements as float32, for outputs of 2 bytes or more. Only calls that sum early
 // have it.
+// The reduce-scatter's chunks per rank: received, staged and (where it `also_gathers`)
+// gathered, `group_size` of each.
+inline int64_t ReduceScatterChunkArea(int64_t chunk_bytes, int group_size, bool also_gathers) {
+  return (also_gathers ? 3 : 2) * chunk_bytes * group_size;
+}
 inline int64_t EarlySumOffset(int64_t chunk_bytes, int group_size, bool also_gathers) {
-  const int64_t chunks = (also_gathers ? 3 : 2) * chunk_bytes * group_size;
-  return (chunks + 255) / 256 * 256;
+  return (ReduceScatterChunkArea(chunk_bytes, group_size, also_gathers) + 255) / 256 * 256;
 }
 
 // Userbuffer bytes per rank that a call needs, `chunk_bytes` being ChunkBytes. AG: a chunk
@@ -373,13 +377,17 @@ inline int64_t EarlySumOffset(int64_t chunk_bytes, int group_size, bool also_gat
 inline int64_t RequiredBytes(OpKind op, int64_t chunk_bytes, int group_size,
                              bool also_gathers = false, bool sums_early = false) {
   if (op != OpKind::kMatmulReduceScatter) return chunk_bytes * group_size;
-  if (!sums_early) return (also_gathers ? 3 : 2) * chunk_bytes * group_size;
+  if (!sums_early) return ReduceScatterChunkArea(chunk_bytes, group_size, also_gathers);
   return EarlySumOffset(chunk_bytes, group_size, also_gathers) + 2 * chunk_bytes;
+}
+// Whether a call of `op` and shape `c` sums early in `sched`'s group (only a reduce-scatter).
+inline bool SumsEarly(OpKind op, const CallShape& c, const Schedule& sched) {
+  return op == OpKind::kMatmulReduceScatter && sched.ReduceScatterSumsEarly(c);
 }
 // The same for a call of shape `c` in `sched`'s group.
 inline int64_t RequiredBytes(OpKind op, const CallShape& c, const Schedule& sched) {
   return RequiredBytes(op, ChunkBytes(op, c), sched.size, AlsoGathers(op, c),
-                       op == OpKind::kMatmulReduceScatter && sched.ReduceScatterSumsEarly(c));
+                       SumsEarly(op, c, sched));
 }
 
 // The step list of one call of `op`, for `sched`'s rank.

@@ -272,9 +272,9 @@ def required_bytes(
     op: str,
     chunk_bytes: int,
     group_size: int,
-    also_gathers: bool = False,
-    rows: int = 0,
-    k: int = 0,
+    also_gathers: bool,
+    rows: int,
+    k: int,
 ) -> int:
     """Symmetric buffer bytes one call of ``op`` needs per device, as the C++ side sizes it:
     ``chunk_bytes`` one rank's chunk (AG: x; RS: the output block of ``rows`` rows),
