@@ -248,6 +248,16 @@ def test_op_gradients_with_the_all_gather_in_turn(rand, name, mode):
         jax_ub.finalize()
 
 
+@pytest.mark.parametrize("mode", ["smap_vma", "partial_novma", "jit"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_gradients_with_the_early_sum(rand, name, mode):
+    """tp = 4 (dp = 2), impl="ub", by default: the reduce-scatters (forward's or backward's)
+    sum the partials landed before the last peer's beside their GEMMs
+    (Tuning.reduce_scatter_early_sum, at these short k); with the in-turn test's three modes,
+    every way to call."""
+    check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (4, "tp")))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_xla_all_reduce_gradients_on_a_group_of_one(rand, mode):
     """tp = 1 (dp = 2), matmul_all_reduce with impl="xla": its all-reduce over the size-1
