@@ -28,6 +28,9 @@
 //                    the library's model has landed by its start
 //   paced:in_turn:again  the same, timed again: the run's noise between two loops of one thing
 //   paced:in_turn:blocks  in turn with one GEMM per block as it lands
+//   paced:in_turn:2streams, paced:in_turn:blocks:2streams  the same two, the GEMMs taking turns
+//                    on two streams (each with its own workspace), so that a GEMM's tiles can
+//                    start on the SMs that the one before leaves idle in its last wave
 //   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
 //                    for each row block's flag before loading it
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
@@ -93,10 +96,10 @@ struct Harness {
   int *flags, *go;
   WaitValue32 wait_value;
   int epoch = 0;
-  // The compute stream waits until `word` >= value.
-  void Wait(const int* word, int value) {
-    const CUresult r =
-        wait_value(compute, CUdeviceptr(word), cuuint32_t(value), CU_STREAM_WAIT_VALUE_GEQ);
+  // `st` (default: the compute stream) waits until `word` >= value.
+  void Wait(const int* word, int value, cudaStream_t st = nullptr) {
+    const CUresult r = wait_value(st ? st : compute, CUdeviceptr(word), cuuint32_t(value),
+                                  CU_STREAM_WAIT_VALUE_GEQ);
     if (r != CUDA_SUCCESS) Fail("cuStreamWaitValue32", "failed");
   }
   // Starts the link for one call and makes `compute` wait until it runs.
@@ -106,7 +109,7 @@ struct Harness {
     CHECK(cudaGetLastError());
     Wait(go, epoch);
   }
-  void WaitBlock(int b) { Wait(flags + b, 1); }
+  void WaitBlock(int b, cudaStream_t st = nullptr) { Wait(flags + b, 1, st); }
   void End() { CHECK(cudaEventRecord(done, compute)); }
 };
 
@@ -190,13 +193,23 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreateWithFlags(&h.done, cudaEventDisableTiming));
   CHECK(cudaMalloc(&h.flags, 16 * sizeof(int)));
   CHECK(cudaMalloc(&h.go, sizeof(int)));
+  // A second GEMM stream (its own cuBLASLt workspace): GEMMs alternate between the two, so the
+  // next one's tiles can take the SMs that a short GEMM's last wave leaves idle.
+  cudaStream_t second;
+  cudaEvent_t forked, joined;
+  void* ws2;
+  CHECK(cudaStreamCreateWithFlags(&second, cudaStreamNonBlocking));
+  CHECK(cudaEventCreateWithFlags(&forked, cudaEventDisableTiming));
+  CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+  CHECK(cudaMalloc(&ws2, ws_size));
   CHECK(cudaMemset(h.go, 0, sizeof(int)));
   CHECK(cudaEventRecord(h.done, h.compute));
 
-  Lt full{whole, b, ws, ws_size}, fewer{whole, b, ws, ws_size};
-  fewer.sm_target = sms - 1;
+  Lt full{whole, b, ws, ws_size}, fewer{whole, b, ws, ws_size}, fewer2{whole, b, ws2, ws_size};
+  fewer.sm_target = fewer2.sm_target = sms - 1;
   full.Create();
   fewer.Create();
+  fewer2.Create();
   std::vector<LtSpan> full_spans = {full.Plan(0, whole.m)};
   // fewer's spans: [0] whole, [1] own block, [2] after, [3] before (the library's spans), then
   // one per block for the all-gather in turn.
@@ -265,6 +278,34 @@ int main(int argc, char** argv) {
                      }
                      h.End();
                    }});
+  // GEMMs over `spans` (each waiting for its blocks but the own), alternating between the
+  // compute stream and the second one; the call ends when both have.
+  std::vector<LtSpan> turn_spans2, block_spans2;
+  for (const LtSpan& t : turn_spans) turn_spans2.push_back(fewer2.Plan(t.row0, t.rows));
+  for (const LtSpan& t : block_spans) block_spans2.push_back(fewer2.Plan(t.row0, t.rows));
+  auto two_streams = [&](const Arrivals& arr, const std::vector<LtSpan>& one,
+                         const std::vector<LtSpan>& two, const std::vector<int>& order) {
+    h.Begin(arr, tp, rank);
+    CHECK(cudaEventRecord(forked, h.compute));
+    CHECK(cudaStreamWaitEvent(second, forked));
+    for (size_t i = 0; i < order.size(); ++i) {
+      const LtSpan& sp = (i % 2 ? two : one)[order[i]];
+      cudaStream_t st = i % 2 ? second : h.compute;
+      for (int blk = sp.row0 / rows; blk < (sp.row0 + sp.rows) / rows; ++blk)
+        if (blk != rank) h.WaitBlock(blk, st);
+      (i % 2 ? fewer2 : fewer).Run(sp, a, d, st);
+    }
+    CHECK(cudaEventRecord(joined, second));
+    CHECK(cudaStreamWaitEvent(h.compute, joined));
+    h.End();
+  };
+  std::vector<int> turn_order, block_order{rank};
+  for (size_t i = 0; i < turn_spans.size(); ++i) turn_order.push_back(int(i));
+  for (int s = 0; s < in_turn.count; ++s) block_order.push_back(in_turn.block[s]);
+  impls.push_back({"paced:in_turn:2streams", h.compute,
+                   [&] { two_streams(in_turn, turn_spans, turn_spans2, turn_order); }});
+  impls.push_back({"paced:in_turn:blocks:2streams", h.compute,
+                   [&] { two_streams(in_turn, block_spans, block_spans2, block_order); }});
   std::vector<std::unique_ptr<Op>> flag_ops;
   for (const ConfigEntry& c :
        {Entry<128, 256, 2, false>("coop_128x256_c2"), Entry<128, 128, 1, false>("coop_128x128_c1"),
@@ -329,6 +370,12 @@ int main(int argc, char** argv) {
   fewer_all.insert(fewer_all.end(), turn_spans.begin(), turn_spans.end());
   full.Destroy(full_spans);
   fewer.Destroy(fewer_all);
+  turn_spans2.insert(turn_spans2.end(), block_spans2.begin(), block_spans2.end());
+  fewer2.Destroy(turn_spans2);
+  CHECK(cudaStreamDestroy(second));
+  CHECK(cudaEventDestroy(forked));
+  CHECK(cudaEventDestroy(joined));
+  CHECK(cudaFree(ws2));
   check.Destroy();
   CHECK(cudaEventDestroy(h.done));
   CHECK(cudaStreamDestroy(h.compute));
