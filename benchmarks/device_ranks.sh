@@ -48,9 +48,15 @@ ranks_item() {
     step --append --ok "0 5" -k 10 "processes on GPU 0: tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
       python3 -m pytest -q -rfEs -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
   else
+    local logs="${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag"
     step --append --ok "0 5" -k 10 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
-      env "${RANKS_MPS_VARS[@]}" python3 -m pytest --ranks "$n" --ranks-logs "${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag" -q -rfEs \
+      env "${RANKS_MPS_VARS[@]}" python3 -m pytest --ranks "$n" --ranks-logs "$logs" -q -rfEs \
       -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
+    # A failed item's rank logs (the launcher prints rank 0's alone), as one file in $OUT.
+    if [ "$STEP_RC" -ne 0 ] && [ "$STEP_RC" -ne 5 ] && [ -d "$logs" ]; then
+      tar czf "$OUT/ranks_failed_${n}_$tag.tgz" -C "$(dirname "$logs")" "$(basename "$logs")" &&
+        echo "  rank logs: ranks_failed_${n}_$tag.tgz"
+    fi
   fi
   tail -n "+$((start + 1))" "$log" \
     | grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|rank [0-9]+ (ended|had not)" | tail -n 4

@@ -67,6 +67,15 @@ NOISE='^[WI][0-9]{4} |GRPC|grpc_util|Source Location|^:'
 
 dry_run() { [ -n "${DRY_RUN:-}" ]; }
 
+# The kernel log's GPU lines (NVRM, Xid: the engine that faulted, the address, the process)
+# that appeared since this script started, where dmesg can be read. A fault in one of the
+# processes that share a GPU under MPS reaches them all as an illegal address; only these
+# lines say which engine (a copy engine, or the SMs) and process it was.
+KMSG_START=0
+new_gpu_kernel_lines() {
+  dmesg 2> /dev/null | tail -n "+$((KMSG_START + 1))" | grep -E "NVRM|Xid" | tail -n 20
+}
+
 STEP_PGID=""  # the process group of the step running now (killed on exit, too)
 STEP_RC=0     # the exit status of the last step
 FAILED=()     # the steps that failed, with their status
@@ -123,6 +132,7 @@ step() {
   echo "$name: rc=$STEP_RC$timed_out ($((SECONDS - started)) s)"
   if [ "$ok" != any ] && [[ " $ok " != *" $STEP_RC "* ]]; then
     FAILED+=("$name (rc=$STEP_RC$timed_out)")
+    new_gpu_kernel_lines | sed 's/^/  kernel log: /'
   fi
 }
 
@@ -319,6 +329,7 @@ if [ "$what" = help ]; then
 fi
 
 mkdir -p "$OUT"
+KMSG_START=$(dmesg 2> /dev/null | wc -l)
 SCRATCH=$(mktemp -d)
 trap 'end_step_group; stop_ranks_mps; rm -rf "$SCRATCH"' EXIT
 trap 'echo "device_run.sh: interrupted" >&2; exit 130' INT
