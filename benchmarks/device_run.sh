@@ -181,7 +181,7 @@ mode_all() {
 
 mode_tests() {
   local -a specs k=()
-  read -ra specs <<< "${TEST_SPECS:-test_gpu.py:300 test_gpu_layouts.py:360 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200 test_gpu_fp8.py:150 test_gpu_epilogue.py:200 test_gpu_gemm_cache.py:200 test_gpu_models.py:300}"
+  read -ra specs <<< "${TEST_SPECS:-test_gpu.py:300 test_gpu_schedules.py:200 test_gpu_layouts.py:360 test_gpu_flax.py:150 test_gpu_multiprocess.py:260 test_gpu_reliability.py:200 test_gpu_fp8.py:150 test_gpu_epilogue.py:200 test_gpu_gemm_cache.py:200 test_gpu_models.py:300}"
   [ -n "${TEST_K:-}" ] && k=(-k "$TEST_K")
   local spec file limit
   : > "$OUT/gpu_tests.log"

@@ -1,0 +1,140 @@
+"""GPU tier: the schedules a tuning choice forces, blocks of uneven and empty pieces, and
+chunks of any byte size, against the XLA reference at tp 2 and every GPU of the process, or
+at tp=N in the N-ranks mode (``pytest --ranks N``). Skipped without at least 2 GPUs.
+
+Each test forces the GPU to settle after ``finalize()`` and after XLA's references, so a
+device fault surfaces at the phase that caused it (teardown, XLA's collectives, jax_ub's
+calls), not at whatever CUDA call comes next.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import gpu_rel_err, use_tuning
+from test_gpu import TOL, TPS, _ag, _assert_copies_exact, _data, _mesh, _rs, _rs_gathering
+
+import jax_ub
+
+pytestmark = pytest.mark.gpu
+
+
+def _settle() -> None:
+    """Run one small computation on this process's first GPU to its end: an earlier fault
+    (CUDA's errors are sticky) raises here."""
+    jnp.zeros((), device=jax.local_devices()[0]).block_until_ready()
+
+
+def _finalize() -> None:
+    jax_ub.finalize()
+    _settle()  # a fault of the teardown before, not of what follows
+
+
+# The schedules a Tuning choice forces (the defaults' other side), and the op each changes.
+OPTIONAL_SCHEDULES = {
+    "reduce_scatter_ring": ("rs", {"reduce_scatter_ring": True, "reduce_scatter_fold_rows": 0}),
+    "reduce_scatter_one_pass": ("rs", {"reduce_scatter_early_sum": False}),
+    "all_gather_in_turn": ("ag", {"all_gather_in_turn": True}),
+    "all_gather_in_turn_wide": ("ag", {"all_gather_in_turn": True}),
+    "all_gather_at_once": ("ag", {"all_gather_in_turn": False}),
+}
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("rows", [1, 129])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("schedule", sorted(OPTIONAL_SCHEDULES))
+def test_optional_schedule(tp, rows, dtype, schedule):
+    """The schedules a tuning choice forces: reduce_scatter_ring folds groups above 2 in a ring
+    (each block's partial sum passes from rank to rank, each GEMM adding its partial in its
+    epilogue; at tp=2 it is the fold); reduce_scatter_early_sum off sums every partial after
+    the GEMMs (this test's short k sums the early ones beside them by default from tp=4);
+    all_gather_in_turn pushes to one peer at a time, each copy lane waiting for the one
+    before, and multiplies each chunk as it lands (the default for this test's narrow w
+    above 2 GPUs), or with a wide w (3584 local columns) runs of chunks a GEMM
+    (Schedule::InTurnSpans); off, every push at once. Blocks of 129 rows and 1 row make
+    uneven and empty pieces; three calls reuse the buffer as epochs advance."""
+    _finalize()  # communicators take the setting when they are created
+    op_kind, settings = OPTIONAL_SCHEDULES[schedule]
+    use_tuning(**settings)
+    try:
+        mesh = _mesh(tp)
+        key = jax.random.key(rows + 100 * tp)
+        if op_kind == "rs":
+            op, (a, b) = _rs, _data(key, [(tp * rows, 256), (256, 384)], dtype)
+        else:
+            cols = 3584 if schedule.endswith("_wide") else 128
+            op, (a, b) = _ag, _data(key, [(tp * rows, 256), (256, tp * cols)], dtype)
+        with jax.default_matmul_precision("highest"):
+            ref = jax.block_until_ready(op(mesh, "xla")(a, b))
+        for call in range(3):
+            assert gpu_rel_err(op(mesh, "ub")(a * (call + 1), b), ref * (call + 1)) < TOL[dtype]
+    finally:
+        _finalize()
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("rows", [1, 129])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_reduce_scatter_pieces_of_uneven_rows(tp, rows, dtype, fold, gather):
+    """At tp=2 each block is sent in two row pieces and our own block's product adds the
+    peer's partial in its epilogue (Schedule::ReduceScatterFolds, forced here for any
+    size), or with the fold off in one piece and a sum pass; blocks of 129 rows and 1 row
+    make uneven and empty pieces. On a group of one the GEMM writes the output itself.
+    With ``gather`` the call also all-gathers a second input beside it (a backward's x,
+    gathered again), whose every copy must match bit for bit."""
+    if tp == 1 and not fold:
+        pytest.skip("a group of one has nothing to fold")
+    _finalize()  # communicators take the setting when they are created
+    use_tuning(reduce_scatter_fold_rows=0 if fold else -1)
+    try:
+        mesh = _mesh(tp)
+        h, v = _data(jax.random.key(rows + 10 * tp), [(tp * rows, 256), (256, 384)], dtype)
+        with jax.default_matmul_precision("highest"):
+            ref = jax.block_until_ready(_rs(mesh, "xla")(h, v))
+        if not gather:
+            assert gpu_rel_err(_rs(mesh, "ub")(h, v), ref) < TOL[dtype]
+            return
+        (g,) = _data(jax.random.key(rows + 10 * tp + 1), [(tp * rows, 384)], dtype)
+        f = _rs_gathering(mesh, tp)
+        for call in range(3):  # the buffer's gathered chunks reused, epochs advancing
+            out, gathered = f(h, v, g + call)
+            assert gpu_rel_err(out, ref) < TOL[dtype]
+            _assert_copies_exact(gathered, g + call, call)
+    finally:
+        _finalize()
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_odd_sizes(tp, rows, dtype):
+    """Shapes whose chunks are not multiples of 16 bytes (n = 10 or 5 columns, k = 6 or 3):
+    each rank's chunk and partial then starts mid-word in the userbuffer, where the GEMMs
+    and the reduce-scatter's sum must still read and write the right bytes. Both ops and the
+    reduce-scatter that gathers beside it, with and without the fold, three calls each."""
+    _finalize()  # communicators take the setting when they are created
+    try:
+        mesh = _mesh(tp)
+        for fold_rows in (-1, 0):
+            use_tuning(reduce_scatter_fold_rows=fold_rows)
+            _finalize()
+            key = jax.random.key(rows + 10 * tp)
+            x, w = _data(key, [(tp * rows, 6), (6, tp * 5)], dtype)
+            h, v, g = _data(key, [(tp * rows, tp * 3), (tp * 3, 10), (tp * rows, 10)], dtype)
+            with jax.default_matmul_precision("highest"):
+                refs = _ag(mesh, "xla")(x, w), _rs(mesh, "xla")(h, v)
+                ag_ref, rs_ref = jax.block_until_ready(refs)
+            rs_gather = _rs_gathering(mesh, tp)
+            for call in range(3):
+                c = call + 1
+                assert gpu_rel_err(_ag(mesh, "ub")(x * c, w), ag_ref * c) < TOL[dtype], call
+                assert gpu_rel_err(_rs(mesh, "ub")(h * c, v), rs_ref * c) < TOL[dtype], call
+                out, gathered = rs_gather(h * c, v, g + call)
+                assert gpu_rel_err(out, rs_ref * c) < TOL[dtype], call
+                _assert_copies_exact(gathered, g + call, call)
+    finally:
+        _finalize()
