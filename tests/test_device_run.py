@@ -1,13 +1,16 @@
 """benchmarks/device_run.sh's N-ranks mode, dry run (its commands printed, none run): every
 item at every N runs once, in lanes of about equal work; the whole set has every GPU file. Also
-the flaggemm and paced modes' shape specs."""
+the flaggemm and paced modes' shape specs; and, run for real, what a failed item leaves."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import tarfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ITEM = re.compile(r"\[dry run\] ranks=(\d+) tests/(\S+?)(?: -k \"([^\"]+)\")?: timeout -k 10 (\d+)")
@@ -110,3 +113,40 @@ def test_solo_paces_the_reduce_scatters_partials_only(tmp_path):
     assert r"rs 8 1024\,512\,4096 0.2 -1 steps 2048 270" in runs, runs
     assert r"ag 8 1024\,4096\,768 0.2 -1 steps 2048 0" in runs, runs
     assert len(runs) == 8, runs
+
+
+@pytest.mark.slow
+def test_a_failed_item_keeps_its_rank_logs_and_the_kernels_gpu_lines(tmp_path):
+    """Run for real (no GPU needed): an item whose file does not exist fails at both ranks.
+    Every rank's log comes back as one archive in $OUT, and the failed step prints the kernel
+    log's GPU lines that appeared since the script started (a fake dmesg: one line at the
+    start, then an Xid among others), which say which engine and process faulted."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    seen = tmp_path / "dmesg_seen"
+    xid = "NVRM: Xid (PCI:0000:19:00): 31, pid=7, name=python3, MMU Fault: ENGINE CE3"
+    (fake / "dmesg").write_text(
+        f'#!/bin/sh\necho "boot line"\n[ -f "{seen}" ] && printf "%s\\nunrelated\\n" "{xid}"\n'
+        f'touch "{seen}"\n'
+    )
+    (fake / "dmesg").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        OUT=str(out),
+        PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
+        NO_BUILD="1",
+        RANKS="2",
+        RANKS_FILES="test_no_such_file.py:60",
+        JAX_UB_TEST_RANKS_MPS="0",
+    )
+    cmd = ["bash", str(ROOT / "benchmarks" / "device_run.sh"), "ranks"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"kernel log: {xid}" in done.stdout, done.stdout
+    assert "kernel log: boot line" not in done.stdout and "unrelated" not in done.stdout
+    with tarfile.open(out / "ranks_failed_2_test_no_such_file.tgz") as archive:
+        names = archive.getnames()
+    assert {"ranks_2_test_no_such_file/rank0.log", "ranks_2_test_no_such_file/rank1.log"} <= set(
+        names
+    ), names
