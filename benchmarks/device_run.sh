@@ -71,9 +71,12 @@ dry_run() { [ -n "${DRY_RUN:-}" ]; }
 # that appeared since this script started, where dmesg can be read. A fault in one of the
 # processes that share a GPU under MPS reaches them all as an illegal address; only these
 # lines say which engine (a copy engine, or the SMs) and process it was.
+# Steps print their wall-clock span, and these lines their time (dmesg -T), so that a fault
+# can be placed in the step (of several lanes) that ran then.
 KMSG_START=0
+kernel_log() { dmesg -T 2> /dev/null || dmesg 2> /dev/null; }
 new_gpu_kernel_lines() {
-  dmesg 2> /dev/null | tail -n "+$((KMSG_START + 1))" | grep -E "NVRM|Xid" | tail -n 20
+  kernel_log | tail -n "+$((KMSG_START + 1))" | grep -E "NVRM|Xid" | tail -n 20
 }
 
 STEP_PGID=""  # the process group of the step running now (killed on exit, too)
@@ -117,7 +120,8 @@ step() {
     return 0
   fi
   [ -n "$append" ] || : > "$log"
-  local started=$SECONDS
+  local started=$SECONDS since
+  since=$(date +%T)  # wall clock: to place a fault of the kernel log (dmesg -T) in a step
   set -m
   "${run[@]}" < /dev/null >> "$log" 2>&1 &
   STEP_PGID=$!
@@ -129,7 +133,7 @@ step() {
   if [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ]; then
     timed_out=", TIMED OUT after $limit s"
   fi
-  echo "$name: rc=$STEP_RC$timed_out ($((SECONDS - started)) s)"
+  echo "$name: rc=$STEP_RC$timed_out ($((SECONDS - started)) s, $since-$(date +%T))"
   if [ "$ok" != any ] && [[ " $ok " != *" $STEP_RC "* ]]; then
     FAILED+=("$name (rc=$STEP_RC$timed_out)")
     new_gpu_kernel_lines | sed 's/^/  kernel log: /'
@@ -329,7 +333,7 @@ if [ "$what" = help ]; then
 fi
 
 mkdir -p "$OUT"
-KMSG_START=$(dmesg 2> /dev/null | wc -l)
+KMSG_START=$(kernel_log | wc -l)
 SCRATCH=$(mktemp -d)
 trap 'end_step_group; stop_ranks_mps; rm -rf "$SCRATCH"' EXIT
 trap 'echo "device_run.sh: interrupted" >&2; exit 130' INT
