@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cublasLt.h>
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -24,6 +25,14 @@ inline void Check(cudaError_t e, const char* what) {
 inline void Check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "%s: %s\n", what, cublasLtGetStatusName(s));
+    std::exit(1);
+  }
+}
+
+// The driver API's (stream memory operations, through jax_ub's DriverOps).
+inline void Check(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "%s failed (CUresult %d)\n", what, static_cast<int>(r));
     std::exit(1);
   }
 }

@@ -63,13 +63,6 @@ namespace {
 using jax_ub_tool::Check;
 using jax_ub_tool::FillRandom;
 
-void CheckCu(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "%s failed (CUresult %d)\n", what, static_cast<int>(r));
-    std::exit(1);
-  }
-}
-
 struct Run {
   jax_ub::OpKind op;
   jax_ub::CallShape shape;
@@ -159,9 +152,9 @@ void MarkDone(Run& r, const jax_ub::Step& g, cudaStream_t stream, uint64_t epoch
   if (g.dst.region != jax_ub::Region::kBuffer || g.dst.offset / partial < r.tp) return;
   const int64_t first = g.dst.offset / partial - r.tp;
   for (int64_t d = first; d < first + g.rows / r.shape.m; ++d)
-    CheckCu(r.driver->write(reinterpret_cast<CUstream>(stream), r.link->Done(static_cast<int>(d)),
-                            epoch, CU_STREAM_WRITE_VALUE_DEFAULT),
-            "cuStreamWriteValue64 of a Done word");
+    Check(r.driver->write(reinterpret_cast<CUstream>(stream), r.link->Done(static_cast<int>(d)),
+                          epoch, CU_STREAM_WRITE_VALUE_DEFAULT),
+          "cuStreamWriteValue64 of a Done word");
 }
 
 // One call of the schedule: its compute-side steps, on their lanes.
@@ -182,9 +175,9 @@ void Schedule(Run& r) {
         break;
       case jax_ub::Step::Kind::kWait:
         if (r.link != nullptr && step.flag == jax_ub::Flag::kData)
-          CheckCu(r.driver->wait(reinterpret_cast<CUstream>(stream), r.link->Flag(step.peer), epoch,
-                                 CU_STREAM_WAIT_VALUE_GEQ),
-                  "cuStreamWaitValue64 on the link's flag");
+          Check(r.driver->wait(reinterpret_cast<CUstream>(stream), r.link->Flag(step.peer), epoch,
+                               CU_STREAM_WAIT_VALUE_GEQ),
+                "cuStreamWaitValue64 on the link's flag");
         break;
       case jax_ub::Step::Kind::kSum:
         Check(jax_ub::LaunchSumStep(r.shape.out, step, r.shape.n, At(r, step.src),
