@@ -70,9 +70,8 @@ dry_run() { [ -n "${DRY_RUN:-}" ]; }
 # The kernel log's GPU lines (NVRM, Xid: the engine that faulted, the address, the process)
 # that appeared since this script started, where dmesg can be read. A fault in one of the
 # processes that share a GPU under MPS reaches them all as an illegal address; only these
-# lines say which engine (a copy engine, or the SMs) and process it was.
-# Steps print their wall-clock span, and these lines their time (dmesg -T), so that a fault
-# can be placed in the step (of several lanes) that ran then.
+# lines say which engine (a copy engine, or the SMs) it was, and their times (dmesg -T)
+# against the steps' wall-clock spans which step, of several lanes, ran then.
 KMSG_START=0
 kernel_log() { dmesg -T 2> /dev/null || dmesg 2> /dev/null; }
 new_gpu_kernel_lines() {
