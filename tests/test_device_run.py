@@ -16,10 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent
 ITEM = re.compile(r"\[dry run\] ranks=(\d+) tests/(\S+?)(?: -k \"([^\"]+)\")?: timeout -k 10 (\d+)")
 
 
-def _dry_run(tmp_path, *args: str, mode: str = "ranks", **env: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), **env)
+def _device_run(
+    out, *args: str, mode: str = "ranks", dry: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    """device_run.sh MODE ARGS with $OUT at `out`: a dry run (commands printed), or for real."""
+    env = dict(os.environ, OUT=str(out), **({"DRY_RUN": "1"} if dry else {}), **env)
     cmd = ["bash", str(ROOT / "benchmarks" / "device_run.sh"), mode, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _dry_run(tmp_path, *args: str, mode: str = "ranks", **env: str) -> subprocess.CompletedProcess:
+    return _device_run(tmp_path, *args, mode=mode, **env)
 
 
 def test_every_item_at_every_n_once_in_balanced_lanes(tmp_path):
@@ -131,17 +138,15 @@ def test_a_failed_item_keeps_its_rank_logs_and_the_kernels_gpu_lines(tmp_path):
     )
     (fake / "dmesg").chmod(0o755)
     out = tmp_path / "out"
-    env = dict(
-        os.environ,
-        OUT=str(out),
+    done = _device_run(
+        out,
+        dry=False,
         PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
         NO_BUILD="1",
         RANKS="2",
         RANKS_FILES="test_no_such_file.py:60",
         JAX_UB_TEST_RANKS_MPS="0",
     )
-    cmd = ["bash", str(ROOT / "benchmarks" / "device_run.sh"), "ranks"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"kernel log: {xid}" in done.stdout, done.stdout
     assert "kernel log: boot line" not in done.stdout and "unrelated" not in done.stdout

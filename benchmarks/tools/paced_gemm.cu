@@ -98,9 +98,8 @@ struct Harness {
   int epoch = 0;
   // `st` (default: the compute stream) waits until `word` >= value.
   void Wait(const int* word, int value, cudaStream_t st = nullptr) {
-    const CUresult r = wait_value(st ? st : compute, CUdeviceptr(word), cuuint32_t(value),
-                                  CU_STREAM_WAIT_VALUE_GEQ);
-    if (r != CUDA_SUCCESS) Fail("cuStreamWaitValue32", "failed");
+    CHECK(wait_value(st ? st : compute, CUdeviceptr(word), cuuint32_t(value),
+                     CU_STREAM_WAIT_VALUE_GEQ));
   }
   // Starts the link for one call and makes `compute` wait until it runs.
   void Begin(const Arrivals& a, int blocks, int own) {

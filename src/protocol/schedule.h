@@ -356,16 +356,16 @@ inline CallDescriptor DescribeCall(OpKind op, const CallShape& c, uint64_t epoch
   return CallDescriptor{kind, PackTypes(c.in, c.w_type, c.out), c.m, c.k, c.n, epoch};
 }
 
-// Where in the userbuffer a reduce-scatter's early sum (Schedule::ReduceScatterSumsEarly)
-// keeps its float32 partial sum: after the received, staged and gathered chunks, 256-byte
-// aligned (a chunk of an odd size would leave it mid-word). It takes at most two chunks: a
-// partial's elements as float32, for outputs of 2 bytes or more. Only calls that sum early
-// have it.
 // The reduce-scatter's chunks per rank: received, staged and (where it `also_gathers`)
 // gathered, `group_size` of each.
 inline int64_t ReduceScatterChunkArea(int64_t chunk_bytes, int group_size, bool also_gathers) {
   return (also_gathers ? 3 : 2) * chunk_bytes * group_size;
 }
+// Where in the userbuffer a reduce-scatter's early sum (Schedule::ReduceScatterSumsEarly)
+// keeps its float32 partial sum: after the received, staged and gathered chunks, 256-byte
+// aligned (a chunk of an odd size would leave it mid-word). It takes at most two chunks: a
+// partial's elements as float32, for outputs of 2 bytes or more. Only calls that sum early
+// have it.
 inline int64_t EarlySumOffset(int64_t chunk_bytes, int group_size, bool also_gathers) {
   return (ReduceScatterChunkArea(chunk_bytes, group_size, also_gathers) + 255) / 256 * 256;
 }
