@@ -12,8 +12,8 @@
 //   order: comma list of the row blocks in arrival order (default 0,1,...,blocks-1).
 // Prints correctness (flags set before the call; flags released late by a kernel that copies
 // each row block into a NaN-filled A and then sets its flag; a no-wait control on the same late
-// data), then the median ms per call over 3 rounds, each in a shuffled order, of loops of
-// >= `seconds` s of:
+// data), then the median ms per call over 3 rounds of >= `seconds` s per implementation, calls
+// interleaved one by one (TimeRounds), of:
 // cuBLASLt (its heuristic's first pick); per config: flags pre-set, no wait, stock scheduler;
 // and the schedule the library runs today, data in place: cuBLASLt per contiguous span of row
 // blocks (the first block in the order, the blocks after it, those before it).

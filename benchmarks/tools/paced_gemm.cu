@@ -15,9 +15,9 @@
 // an H200, RESULTS' misses), or skew between the GPUs.
 //
 // Timed, each call after the link's kernel has started (the schedule's stream waits for its
-// word), in interleaved loops of >= `seconds`, 5 rounds in shuffled orders, median:
-//   whole            cuBLASLt's whole GEMM (heuristic pick, all SMs), back to back
-//   whole:sms-1      the same with one SM fewer (cuBLASLt's pick for that), back to back
+// word), interleaved call by call (TimeRounds), 5 rounds of >= `seconds` each, median:
+//   whole            cuBLASLt's whole GEMM (heuristic pick, all SMs)
+//   whole:sms-1      the same with one SM fewer (cuBLASLt's pick for that)
 //   paced:empty      the harness alone (the link started, nothing landing, no GEMM): its cost a
 //                    call, taken out of the paced rows' ratios
 //   paced:whole      whole:sms-1 behind the harness, nothing to wait for: the reference
@@ -92,7 +92,7 @@ __global__ void Link(Arrivals a, int* flags, int blocks, int own, int* go, int e
 
 struct Harness {
   cudaStream_t compute, link;
-  cudaEvent_t done;  // the previous call's end: the next link starts after it
+  cudaEvent_t done;  // what the compute stream holds before a call: its link starts after it
   int *flags, *go;
   WaitValue32 wait_value;
   int epoch = 0;
@@ -101,15 +101,16 @@ struct Harness {
     CHECK(wait_value(st ? st : compute, CUdeviceptr(word), cuuint32_t(value),
                      CU_STREAM_WAIT_VALUE_GEQ));
   }
-  // Starts the link for one call and makes `compute` wait until it runs.
+  // Starts the link for one call once the compute stream's earlier work (any call's) is done,
+  // and makes `compute` wait until it runs: no block lands before the call can take it.
   void Begin(const Arrivals& a, int blocks, int own) {
+    CHECK(cudaEventRecord(done, compute));
     CHECK(cudaStreamWaitEvent(link, done));
     Link<<<1, 1, 0, link>>>(a, flags, blocks, own, go, ++epoch);
     CHECK(cudaGetLastError());
     Wait(go, epoch);
   }
   void WaitBlock(int b, cudaStream_t st = nullptr) { Wait(flags + b, 1, st); }
-  void End() { CHECK(cudaEventRecord(done, compute)); }
 };
 
 std::vector<int> ParseShape(const char* arg) {
@@ -202,7 +203,6 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
   CHECK(cudaMalloc(&ws2, ws_size));
   CHECK(cudaMemset(h.go, 0, sizeof(int)));
-  CHECK(cudaEventRecord(h.done, h.compute));
 
   Lt full{whole, b, ws, ws_size}, fewer{whole, b, ws, ws_size}, fewer2{whole, b, ws2, ws_size};
   fewer.sm_target = fewer2.sm_target = sms - 1;
@@ -226,12 +226,10 @@ int main(int argc, char** argv) {
   impls.push_back({"whole:sms-1", h.compute, [&] { fewer.Run(spans[0], a, d, h.compute); }});
   impls.push_back({"paced:empty", h.compute, [&] {
                      h.Begin(none, tp, rank);
-                     h.End();
                    }});
   impls.push_back({"paced:whole", h.compute, [&] {
                      h.Begin(none, tp, rank);
                      fewer.Run(spans[0], a, d, h.compute);
-                     h.End();
                    }});
   impls.push_back({"paced:steps", h.compute, [&] {
                      h.Begin(together, tp, rank);
@@ -242,7 +240,6 @@ int main(int argc, char** argv) {
                          h.WaitBlock(blk);
                        fewer.Run(s, a, d, h.compute);
                      }
-                     h.End();
                    }});
   // The library's GEMMs in turn: each over a run of blocks, waiting for all of them.
   jax_ub::Schedule sched;
@@ -263,7 +260,6 @@ int main(int argc, char** argv) {
                          if (blk != rank) h.WaitBlock(blk);
                        fewer.Run(turn_spans[i], a, d, h.compute);
                      }
-                     h.End();
                    }});
   // The same schedule timed twice: how far two loops of one thing read apart in this run.
   impls.push_back(impls.back());
@@ -275,7 +271,6 @@ int main(int argc, char** argv) {
                        h.WaitBlock(in_turn.block[s]);
                        fewer.Run(block_spans[in_turn.block[s]], a, d, h.compute);
                      }
-                     h.End();
                    }});
   // GEMMs over `spans` (each waiting for its blocks but the own), alternating between the
   // compute stream and the second one; the call ends when both have.
@@ -296,7 +291,6 @@ int main(int argc, char** argv) {
     }
     CHECK(cudaEventRecord(joined, second));
     CHECK(cudaStreamWaitEvent(h.compute, joined));
-    h.End();
   };
   std::vector<int> turn_order, block_order{rank};
   for (size_t i = 0; i < turn_spans.size(); ++i) turn_order.push_back(int(i));
@@ -321,7 +315,6 @@ int main(int argc, char** argv) {
     impls.push_back({std::string("paced:flag:") + c.name, h.compute, [&h, op, &in_turn, tp, rank] {
                        h.Begin(in_turn, tp, rank);
                        op->Run(h.compute);
-                       h.End();
                      }});
   }
 
