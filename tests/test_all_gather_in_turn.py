@@ -41,21 +41,25 @@ def pushes(step_list: list, rank: int) -> list[int]:
     return [lane for kind, lane, *_ in step_list if kind == "Copy" and lane not in (-1, rank)]
 
 
+COMPUTE, SECOND_GEMM = -1, -2  # the compute lane and the second GEMM lane (schedule.h)
+
+
 def remote_gemm_chunks(step_list: list, rank: int, m: int = 2, k: int = 3) -> list[list[int]]:
-    """The chunks each of the compute lane's GEMMs after the local one multiplies, by the
-    peers its waits named since the GEMM before (a chunk: m rows of k float32)."""
+    """The chunks each GEMM after the local one multiplies, in list order, by the peers
+    that the waits on its lane named since that lane's GEMM before (a chunk: m rows of k
+    float32)."""
     chunk_bytes = m * k * 4
-    chunks, waited = [], []
+    chunks, waited = [], {COMPUTE: [], SECOND_GEMM: []}
     for kind, lane, peer, _, rows, region, offset, *_ in step_list:
-        if lane != -1:
+        if lane not in waited:
             continue
         if kind == "Wait":
-            waited.append(peer)
+            waited[lane].append(peer)
         elif kind == "Gemm" and region == "Buffer":
             first = offset // chunk_bytes
             chunks.append(list(range(first, first + rows // m)))
-            assert sorted(waited) == chunks[-1], (rank, waited, chunks[-1])
-            waited = []
+            assert sorted(waited[lane]) == chunks[-1], (rank, lane, waited, chunks[-1])
+            waited[lane] = []
     return chunks
 
 
@@ -113,6 +117,39 @@ def test_in_turn_a_gemm_takes_every_chunk_landed_by_its_start(size):
     # Llama 3 70B's gate/up at tp=8 (n = 7168): 3 or 4 GEMMs, not 8.
     assert remote_gemm_chunks(steps(0, 8, True, n=7168), 0) == [[6, 7], [1, 2, 3, 4, 5]]
     assert remote_gemm_chunks(steps(4, 8, True, n=7168), 4) == [[2, 3], [0, 1], [5, 6, 7]]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_in_turn_long_gemms_take_turns_on_two_lanes(size):
+    """Where a chunk's GEMM outlasts its landing (n >= 2560) above two ranks, the remote
+    GEMMs in turn alternate between the second GEMM lane and the compute lane, the second
+    first, each after its own chunks' waits on its lane; the compute lane joins the second
+    after the last GEMM, before the check and the credits that free the buffer. Elsewhere
+    nothing runs on the second lane."""
+    two_lane_lists = 0
+    for n in (1280, 2559, 2560, 7168):
+        for in_turn in (True, False, None):
+            for r in range(size):
+                s = steps(r, size, in_turn, n=n, m=2048, k=4096)
+                gemms = [st for st in s if st[0] == "Gemm"]
+                two = size > 2 and n >= 2560 and s == steps(r, size, True, n=n, m=2048, k=4096)
+                if not two:
+                    assert all(st[1] != SECOND_GEMM for st in s), (n, in_turn, r)
+                    continue
+                assert gemms[0][1] == COMPUTE and gemms[0][5] == "X", (n, r)
+                lanes = [st[1] for st in gemms[1:]]
+                assert lanes == [(SECOND_GEMM, COMPUTE)[i % 2] for i in range(len(lanes))], r
+                (join,) = [i for i, st in enumerate(s) if st[0] == "Join" and st[3] == SECOND_GEMM]
+                assert s[join][1] == COMPUTE, (n, r)
+                last_gemm = max(i for i, st in enumerate(s) if st[0] == "Gemm")
+                verify = next(i for i, st in enumerate(s) if st[0] == "Verify")
+                credits = [i for i, st in enumerate(s) if st[0] == "Signal" and st[1] == COMPUTE]
+                assert last_gemm < join < verify < min(credits), (n, r)
+                assert remote_gemm_chunks(s, r, m=2048, k=4096), (n, r)  # waits on each lane
+                two_lane_lists += 1
+    # forced in turn at n >= 2560, and by shape (None) where n < 1280 (size - 1) too
+    by_shape = sum(n < 1280 * (size - 1) for n in (2560, 7168))
+    assert two_lane_lists == (0 if size == 2 else (2 + by_shape) * size)
 
 
 def all_at_once(step_list: list, rank: int, size: int, m: int = 2, k: int = 3) -> bool:

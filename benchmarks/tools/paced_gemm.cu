@@ -224,9 +224,7 @@ int main(int argc, char** argv) {
   std::vector<Timed> impls;
   impls.push_back({"whole", h.compute, [&] { full.Run(full_spans[0], a, d, h.compute); }});
   impls.push_back({"whole:sms-1", h.compute, [&] { fewer.Run(spans[0], a, d, h.compute); }});
-  impls.push_back({"paced:empty", h.compute, [&] {
-                     h.Begin(none, tp, rank);
-                   }});
+  impls.push_back({"paced:empty", h.compute, [&] { h.Begin(none, tp, rank); }});
   impls.push_back({"paced:whole", h.compute, [&] {
                      h.Begin(none, tp, rank);
                      fewer.Run(spans[0], a, d, h.compute);

@@ -78,6 +78,7 @@ struct Run {
   __nv_bfloat16 *whole_x = nullptr, *whole_out = nullptr;
   cudaStream_t compute = nullptr;
   std::vector<cudaStream_t> lanes;  // a copy lane per rank: only joins run there
+  cudaStream_t second = nullptr;    // the second GEMM lane (jax_ub::kSecondGemmLane)
   cudaEvent_t join = nullptr;       // a lane's work so far, for another lane to wait on
   cudaEvent_t begin = nullptr, end = nullptr;
   solo::HostLink* link = nullptr;  // paced: the partials land as it raises their flags
@@ -90,12 +91,14 @@ char* At(Run& r, const jax_ub::Ref& ref) {
 }
 
 cudaStream_t Lane(Run& r, int lane) {
-  return lane == jax_ub::kComputeLane ? r.compute : r.lanes[lane];
+  if (lane == jax_ub::kComputeLane) return r.compute;
+  return lane == jax_ub::kSecondGemmLane ? r.second : r.lanes[lane];
 }
 
 jax_ub::GemmArgs Args(Run& r, const jax_ub::Step& g) {
   jax_ub::GemmArgs args;
   args.addend = At(r, g.addend);
+  args.second_workspace = g.lane == jax_ub::kSecondGemmLane;
   return args;
 }
 
@@ -116,6 +119,7 @@ void Setup(Run& r) {
   r.lanes.resize(r.tp);
   for (cudaStream_t& lane : r.lanes)
     Check(cudaStreamCreateWithFlags(&lane, cudaStreamNonBlocking), "stream");
+  Check(cudaStreamCreateWithFlags(&r.second, cudaStreamNonBlocking), "stream");
   Check(cudaEventCreateWithFlags(&r.join, cudaEventDisableTiming), "event");
   Check(cudaEventCreate(&r.begin), "event");
   Check(cudaEventCreate(&r.end), "event");
@@ -135,6 +139,8 @@ void Setup(Run& r) {
   for (size_t i = 0; i < r.steps.size(); ++i) {
     const jax_ub::Step& g = r.steps[i];
     if (g.kind != jax_ub::Step::Kind::kGemm) continue;
+    if (g.lane == jax_ub::kSecondGemmLane)
+      Check(r.gemm->AddSecondWorkspace(), "AddSecondWorkspace");
     Check(r.gemm->Prepare(s.in, s.w_type, s.out, At(r, g.src), w, false, At(r, g.dst), g.rows, s.k,
                           s.n, jax_ub::Epilogue{}, Args(r, g), r.compute, &r.plans[i]),
           "Prepare (step)");
@@ -163,6 +169,7 @@ void Schedule(Run& r) {
   // Each copy lane starts after the call's start, as the library's lanes do.
   Check(cudaEventRecord(r.join, r.compute), "record");
   for (cudaStream_t lane : r.lanes) Check(cudaStreamWaitEvent(lane, r.join), "wait");
+  Check(cudaStreamWaitEvent(r.second, r.join), "wait");
   for (size_t i = 0; i < r.steps.size(); ++i) {
     const jax_ub::Step& step = r.steps[i];
     cudaStream_t stream = Lane(r, step.lane);
@@ -436,6 +443,7 @@ int main(int argc, char** argv) {
   delete r.link;
   delete r.gemm;
   for (cudaStream_t s : r.lanes) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
+  Check(cudaStreamDestroy(r.second), "cudaStreamDestroy");
   Check(cudaStreamDestroy(r.compute), "cudaStreamDestroy");
   for (cudaEvent_t e : {r.join, r.begin, r.end}) Check(cudaEventDestroy(e), "cudaEventDestroy");
   for (const void* p :

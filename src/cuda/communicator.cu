@@ -108,6 +108,8 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     JAX_UB_CUDA(cudaMalloc(&s->flags, kNumFlags * sizeof(uint64_t)));
     JAX_UB_CUDA(cudaMemset(s->flags, 0, kNumFlags * sizeof(uint64_t)));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->compute, cudaStreamNonBlocking));
+    JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->second_gemm, cudaStreamNonBlocking));
+    JAX_UB_CUDA(cudaEventCreateWithFlags(&s->second_gemm_done, cudaEventDisableTiming));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->watchdog_stream, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->tune, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaEventCreateWithFlags(&s->start, cudaEventDisableTiming));
@@ -244,6 +246,8 @@ CudaCommunicator::~CudaCommunicator() {
     cudaEventDestroy(s.start);
     cudaEventDestroy(s.compute_done);
     cudaStreamDestroy(s.compute);
+    cudaStreamDestroy(s.second_gemm);
+    cudaEventDestroy(s.second_gemm_done);
     cudaStreamDestroy(s.watchdog_stream);
     cudaStreamDestroy(s.tune);
     cudaFree(s.buffer);

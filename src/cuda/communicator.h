@@ -143,6 +143,9 @@ class CudaCommunicator {
     std::vector<char*> peer_buffer;     // by rank
     std::vector<uint64_t*> peer_flags;  // by rank
     cudaStream_t compute = nullptr;
+    // kSecondGemmLane's stream, and its work's end for the compute lane's join.
+    cudaStream_t second_gemm = nullptr;
+    cudaEvent_t second_gemm_done = nullptr;
     std::vector<cudaStream_t> comm;  // by peer rank
     cudaEvent_t start = nullptr, compute_done = nullptr;
     std::vector<cudaEvent_t> comm_done;  // by peer rank

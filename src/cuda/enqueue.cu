@@ -52,6 +52,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
     GemmArgs args;
     args.addend = at(g.addend);
     args.scales = scales;
+    args.second_workspace = g.lane == kSecondGemmLane;
     if (g.epilogue) {
       args.bias = ops.bias;
       args.aux = at(g.aux);
@@ -67,6 +68,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& g = steps[i];
     if (g.kind != Step::Kind::kGemm) continue;
+    if (g.lane == kSecondGemmLane) JAX_UB_RETURN_IF_ERROR(gemm->AddSecondWorkspace());
     JAX_UB_RETURN_IF_ERROR(gemm->Prepare(shape.in, shape.w_type, shape.out, at(g.src), ops.w,
                                          ops.w_transposed, at(g.dst), g.rows, shape.k, shape.n,
                                          g.epilogue ? shape.epilogue : Epilogue{}, gemm_args(g),
@@ -74,21 +76,28 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   }
   gemm->BeginCall();
   JAX_UB_CUDA(cudaEventRecord(s->start, xs));
-  // Lanes: the compute stream and one copy-engine stream per rank, each starting after
-  // the caller's work (on its first step).
+  // Lanes: the compute stream, the second GEMM lane's and one copy-engine stream per rank,
+  // each starting after the caller's work (on its first step).
   std::vector<bool> started(size, false);
+  bool second_started = false;
   // The compute lane: XLA's stream itself, or ours after XLA's work.
   cudaStream_t compute = compute_on_caller_stream_ ? xs : s->compute;
-  auto lane = [&](int l) -> cudaStream_t { return l == kComputeLane ? compute : s->comm[l]; };
+  auto lane = [&](int l) -> cudaStream_t {
+    if (l == kComputeLane) return compute;
+    return l == kSecondGemmLane ? s->second_gemm : s->comm[l];
+  };
   if (compute != xs) JAX_UB_CUDA(cudaStreamWaitEvent(compute, s->start));
   std::vector<Wait> waits;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
     cudaStream_t stream = lane(step.lane);
     const int slot = FlagSlot(step, s->rank);  // a wait's or signal's flag word
-    if (step.lane != kComputeLane && !started[step.lane]) {
+    if (step.lane >= 0 && !started[step.lane]) {
       JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
       started[step.lane] = true;
+    } else if (step.lane == kSecondGemmLane && !second_started) {
+      JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
+      second_started = true;
     }
     switch (step.kind) {
       case Step::Kind::kWait:
@@ -116,9 +125,11 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
                                              at(step.addend), at(step.dst), stream));
         break;
       case Step::Kind::kJoin: {
-        // A copy lane's event is its own; the compute lane's, one per lane it releases.
-        cudaEvent_t ev =
-            step.on_lane == kComputeLane ? s->ready[step.lane] : s->comm_done[step.on_lane];
+        // A copy lane's event is its own, as the second GEMM lane's; the compute lane's, one
+        // per lane it releases.
+        cudaEvent_t ev = step.on_lane == kComputeLane      ? s->ready[step.lane]
+                         : step.on_lane == kSecondGemmLane ? s->second_gemm_done
+                                                           : s->comm_done[step.on_lane];
         JAX_UB_CUDA(cudaEventRecord(ev, lane(step.on_lane)));
         JAX_UB_CUDA(cudaStreamWaitEvent(stream, ev));
         break;

@@ -96,12 +96,17 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   // The gathered copy, when asked for, runs on our own lane beside the GEMMs.
   if (c.gathered)
     steps.push_back(Copy(rank, At(Region::kX, 0), At(Region::kGathered, rank * chunk), chunk));
-  // Multiply the local chunk, then the remote ones once they have landed.
+  // Multiply the local chunk, then the remote ones once they have landed; with two GEMM
+  // lanes, the remote GEMMs alternate between them, the second lane's first.
+  const bool two_lanes = sched.AllGatherTwoGemmLanes(c);
+  int remote_gemms = 0;
   for (const Schedule::Span& span : sched.AllGatherSpans(in_turn, c.n)) {
     Ref src = At(Region::kX, 0);
+    int lane = kComputeLane;
     if (span.first != rank) {
+      if (two_lanes && remote_gemms++ % 2 == 0) lane = kSecondGemmLane;
       for (int j = span.first; j < span.first + span.count; ++j) {
-        steps.push_back(WaitData(kComputeLane, j, "deliver its chunk"));
+        steps.push_back(WaitData(lane, j, "deliver its chunk"));
         if (c.gathered) steps.push_back(WaitData(rank, j, "deliver its chunk"));
       }
       src = At(Region::kBuffer, span.first * chunk);
@@ -110,10 +115,13 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
             Copy(rank, src, At(Region::kGathered, span.first * chunk), span.count * chunk));
     }
     Step gemm = Gemm(src, At(Region::kOut, span.first * out_rows), span.count * c.m);
+    gemm.lane = lane;
     gemm.epilogue = c.epilogue.Any();
     if (c.epilogue.UsesAux()) gemm.aux = At(Region::kAux, span.first * out_rows);
     steps.push_back(gemm);
   }
+  // The check reads every GEMM's rows, and the credits free the buffer the GEMMs read.
+  if (remote_gemms > 0 && two_lanes) steps.push_back(Join(kComputeLane, kSecondGemmLane));
   if (c.gathered) steps.push_back(Join(kComputeLane, rank));
   steps.push_back(Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0));
   // Our buffer is free again: tell every sender.
@@ -263,6 +271,10 @@ bool Schedule::AllGatherInTurnPays(const CallShape& c) const {
 bool Schedule::AllGatherInTurn(const CallShape& c) const {
   return in_turn == ScheduleChoice::kOn ||
          (in_turn == ScheduleChoice::kByShape && AllGatherInTurnPays(c));
+}
+
+bool Schedule::AllGatherTwoGemmLanes(const CallShape& c) const {
+  return size > 2 && AllGatherInTurn(c) && c.n >= 2 * kInTurnColumnsPerPeer;
 }
 
 bool Schedule::ReduceScatterSumsEarly(const CallShape& c) const {

@@ -102,6 +102,7 @@ Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
 CublasLtGemm::~CublasLtGemm() {
   for (auto& [key, p] : plans_) Destroy(p);
   if (workspace_ != nullptr) cudaFree(workspace_);
+  if (second_workspace_ != nullptr) cudaFree(second_workspace_);
   if (ones_ != nullptr) cudaFree(ones_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
@@ -207,9 +208,11 @@ Status CublasLtGemm::Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const 
   if (p.epilogue.UsesAux() && args.aux == nullptr)
     return Internal("epilogue GEMM without GELU's input");
   JAX_UB_RETURN_IF_ERROR(SetEpilogueOperands(p, args));
+  void* workspace = args.second_workspace ? second_workspace_ : workspace_;
+  if (workspace == nullptr) return Internal("a GEMM in the second workspace before it was added");
   return CublasStatus(cublasLtMatmul(handle_, p.desc, &alpha, p.row ? a : b, p.first, p.row ? b : a,
                                      p.second, &beta, addend == nullptr ? c : addend, p.out, c,
-                                     p.out, &algo, workspace_, workspace_bytes_, stream),
+                                     p.out, &algo, workspace, workspace_bytes_, stream),
                       "cublasLtMatmul");
 }
 
@@ -255,6 +258,11 @@ Status CublasLtGemm::Prepare(DType ta, DType tb, DType out, const void* a, const
   JAX_UB_CUDA(cudaStreamSynchronize(tune_stream));
   *plan = p;
   return Status::Ok();
+}
+
+Status CublasLtGemm::AddSecondWorkspace() {
+  if (second_workspace_ != nullptr) return Status::Ok();
+  return CudaStatus(cudaMalloc(&second_workspace_, workspace_bytes_), "cudaMalloc(workspace)");
 }
 
 Status CublasLtGemm::Matmul(Plan* p, const void* a, const void* b, void* c, cudaStream_t stream,

@@ -65,6 +65,9 @@ struct GemmArgs {
   const float* scales = nullptr;
   const void* bias = nullptr;
   void* aux = nullptr;
+  // Run in the second workspace (AddSecondWorkspace): a GEMM on a second stream, beside one
+  // that may be running in the first.
+  bool second_workspace = false;
 };
 
 // How the GPUs of a tensor-parallel group run the same kernel for each GEMM shape. Tuning
@@ -178,6 +181,9 @@ class CublasLtGemm {
   // Marks the start of an op call: a shape's GEMMs within one call run the same trial
   // candidate, so every candidate is timed in every position of the op's schedule.
   void BeginCall() { ++call_; }
+
+  // Allocates the second workspace (GemmArgs::second_workspace) once; a no-op after that.
+  Status AddSecondWorkspace();
 
   // Enqueues `plan`'s GEMM on `stream` for operands laid out as the shape it was made for:
   // c = a @ b, or with an `addend` (laid out as c) c = a @ b + addend, added in the
@@ -304,6 +310,7 @@ class CublasLtGemm {
   GemmChoiceFile choices_;
   bool choices_failed_ = false;  // a failed write was reported
   void* workspace_ = nullptr;
+  void* second_workspace_ = nullptr;  // AddSecondWorkspace's, workspace_bytes_ too
   // Device floats of 1 laid out as Matmul's scales: fp8 plans' scales wherever a run has none
   // (heuristics and tuning included, as cuBLASLt may pick kernels that cannot scale when none is
   // set).
