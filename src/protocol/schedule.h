@@ -51,9 +51,11 @@ struct Schedule {
   // (benchmarks/tools/paced_gemm.cu, Llama 3 8B and 70B shapes at tp 4 and 8), in turn won
   // where the transfer exceeded twice that GEMM, n < (size - 1) b flops / (4 rate); with
   // 700 TFLOP/s for 2-byte inputs (fp8 twice as fast at half the bytes), 1296 a peer.
-  // Measured with a GEMM per chunk; with InTurnSpans' fewer GEMMs, above the bound in turn
-  // was within the spreads (to 6.5%) of all at once: 405B's gate/up at tp=8 0.993-1.007x the
-  // floor against 1.008-1.028, 70B's at tp=4 0.995 against 0.992. So the bound stands.
+  // Measured with a GEMM per chunk. Above the bound, with InTurnSpans' fewer GEMMs on two
+  // lanes (AllGatherTwoGemmLanes) and calls interleaved, in turn led in the model by 1-4%
+  // (405B's gate/up at tp=8 1.003x the floor against 1.040, 8B's at tp=4 1.045 against 1.069),
+  // about what in turn's serial copies (kInTurnMinMkn) cost at tp=4, which the model leaves
+  // out; unmeasured on 2+ GPUs, so the bound stands.
   static constexpr int64_t kInTurnColumnsPerPeer = 1280;
   // Each copy in turn waits for the one before: about 5 us each (assumed), (size - 1) in all,
   // which only the GEMM that in turn hides beyond all at once, (size - 2) / size of the whole

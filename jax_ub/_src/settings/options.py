@@ -81,9 +81,10 @@ class Tuning:
         an H200) and a copy's start after each copy. None (the default): in turn where the transfer
         outlasts twice the local chunk's GEMM, w's local columns n < 1280 (tp - 1), and
         the GEMM repays the serial copies, m k n > 1.75e9 (tp - 1) / (tp - 2) for x's
-        local rows m (src/protocol/schedule.h); as on one H200 with a modelled 270 GB/s
-        link (benchmarks/tools/paced_gemm.cu): at tp=8 in turn ran 1.01-1.10x its floor,
-        all at once 1.15-1.49x. Not yet measured on 2+ GPUs.
+        local rows m (src/protocol/schedule.h); where a chunk's GEMM outlasts its landing
+        (n >= 2560), its GEMMs take turns on two streams. On one H200 with a modelled 270 GB/s
+        link (benchmarks/tools/paced_gemm.cu), at tp=8 in turn ran 1.03-1.17x its floor, all
+        at once 1.24-1.70x. Not yet measured on 2+ GPUs.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
