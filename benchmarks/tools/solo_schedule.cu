@@ -4,9 +4,9 @@
 // reduce-scatter's sums and the joins between lanes, while the flag waits, descriptors,
 // signals, copies and the check are left out: the peers' rows (AG) and partials (RS) are
 // in this GPU's userbuffer from the start. Timed against the GEMM of the whole per-rank
-// work (the no-communication bound's: AG [tp*m, k] @ [k, n], RS [tp*m, k] @ [k, n]), in
-// interleaved loops of `seconds` each, 3 rounds, median: what chunking (and the sums)
-// cost the compute side, with no second GPU. Not part of the library.
+// work (the no-communication bound's: AG [tp*m, k] @ [k, n], RS [tp*m, k] @ [k, n]), calls of
+// the two interleaved one by one for `seconds` each, 3 rounds, median: what chunking (and the
+// sums) cost the compute side, with no second GPU. Not part of the library.
 //
 // `ring` (RS, the last argument) times the library's ring reduce-scatter (Tuning's
 // reduce_scatter_ring, off by default; fold_rows as for tp=2) beside its default: rank r's
@@ -38,7 +38,8 @@
 //   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2, or ring).
 //   steps: the library's default step list; one_pass, early: early sums off, on (RS only); ring:
 //   with reduce_scatter_ring (RS only); merged: see above (RS only; merge_rows, default 2048);
-//   in_turn: AG only.
+//   in_turn: AG only. Each may end in :1lane or :2lanes: its GEMMs on one lane or taking turns
+//   on two (Schedule::gemm_lanes; default: the library's choice by shape).
 //   gbps: RS steps, one_pass, early or merged only, the modelled link's GB/s into a GPU (0: none,
 //   every partial in place from the start).
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
@@ -57,6 +58,7 @@
 #include "cuda_tool.h"
 #include "protocol/schedule.h"
 #include "solo_link.h"
+#include "sum_unrolled.cuh"
 
 namespace {
 
@@ -213,44 +215,6 @@ void SumAlone(Run& r) {
         "LaunchSum");
 }
 
-// The same sum with the partials' count known when compiled, so that each thread has all
-// its loads in flight at once (the library's loop over a runtime count issues them one by
-// one): whether the library's pass leaves memory bandwidth unused. bf16, 8 per 16 bytes.
-template <int kParts>
-__global__ void SumUnrolled(const uint4* __restrict__ parts, int64_t nvec,
-                            uint4* __restrict__ out) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < nvec;
-       v += stride) {
-    uint4 raw[kParts];
-#pragma unroll
-    for (int j = 0; j < kParts; ++j) raw[j] = parts[j * nvec + v];
-    float acc[8] = {};
-#pragma unroll
-    for (int j = 0; j < kParts; ++j) {
-      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw[j]);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(e[q]);
-    }
-    uint4 packed;
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&packed);
-#pragma unroll
-    for (int q = 0; q < 8; ++q) o[q] = __float2bfloat16_rn(acc[q]);
-    out[v] = packed;
-  }
-}
-
-// SumUnrolled<parts> for parts of 2..8 (8: any more).
-template <int kParts>
-void LaunchUnrolled(int parts, int blocks, int threads, cudaStream_t stream, const uint4* in,
-                    int64_t nvec, uint4* out) {
-  if constexpr (kParts < 8) {
-    if (parts != kParts)
-      return LaunchUnrolled<kParts + 1>(parts, blocks, threads, stream, in, nvec, out);
-  }
-  SumUnrolled<kParts><<<blocks, threads, 0, stream>>>(in, nvec, out);
-}
-
 void SumUnrolledAlone(Run& r) {
   const int64_t nvec = r.shape.m * r.shape.n / 8;  // the tool's shapes: n a multiple of 8
   const int threads = 256;
@@ -275,6 +239,28 @@ double Time(Run& r, Body body, int iters) {
   float ms = 0;
   Check(cudaEventElapsedTime(&ms, r.begin, r.end), "elapsed");
   return ms / iters;
+}
+
+// ms per call of the whole GEMM and of the schedule, `iters` calls of each interleaved one by
+// one (the order alternating), an event between calls: both at the same clocks (loops of one
+// at a time read one schedule up to 7% apart by what ran before, under the power cap).
+std::pair<double, double> TimeInterleaved(Run& r, int iters) {
+  std::vector<cudaEvent_t> marks(2 * iters + 1);
+  for (cudaEvent_t& e : marks) Check(cudaEventCreate(&e), "event");
+  Check(cudaEventRecord(marks[0], r.compute), "record");
+  for (int i = 0; i < 2 * iters; ++i) {
+    (i % 4 == 0 || i % 4 == 3 ? Whole : Schedule)(r);
+    Check(cudaEventRecord(marks[i + 1], r.compute), "record");
+  }
+  Check(cudaEventSynchronize(marks.back()), "sync");
+  double whole = 0, sched = 0;
+  for (int i = 0; i < 2 * iters; ++i) {
+    float ms = 0;
+    Check(cudaEventElapsedTime(&ms, marks[i], marks[i + 1]), "elapsed");
+    (i % 4 == 0 || i % 4 == 3 ? whole : sched) += ms;
+  }
+  for (cudaEvent_t e : marks) Check(cudaEventDestroy(e), "cudaEventDestroy");
+  return {whole / iters, sched / iters};
 }
 
 }  // namespace
@@ -325,7 +311,15 @@ int main(int argc, char** argv) {
         argv[0]);
     return 2;
   }
-  const std::string variant = argc > 6 ? argv[6] : "steps";
+  // A variant's ":1lane" or ":2lanes" forces its GEMM lanes (Schedule::gemm_lanes).
+  std::string variant = argc > 6 ? argv[6] : "steps";
+  const size_t colon = variant.find(':');
+  const std::string lanes = colon == std::string::npos ? "" : variant.substr(colon + 1);
+  variant = variant.substr(0, colon);
+  if (lanes != "" && lanes != "1lane" && lanes != "2lanes") {
+    std::fprintf(stderr, "a schedule's lanes must be :1lane or :2lanes; got %s\n", argv[6]);
+    return 2;
+  }
   const bool rs = argv[1][0] == 'r';
   if (variant != "steps" &&
       !(rs && (variant == "ring" || variant == "merged" || variant == "one_pass" ||
@@ -365,6 +359,9 @@ int main(int argc, char** argv) {
       variant == "one_pass" ? jax_ub::ScheduleChoice::kOff
       : variant == "early"  ? jax_ub::ScheduleChoice::kOn
                             : jax_ub::ScheduleChoice::kByShape};
+  if (lanes != "")
+    r.sched.gemm_lanes =
+        lanes == "2lanes" ? jax_ub::ScheduleChoice::kOn : jax_ub::ScheduleChoice::kOff;
   r.steps = jax_ub::CallSteps(r.op, r.sched, r.shape);
   if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
   bool sums = false;
@@ -393,15 +390,11 @@ int main(int argc, char** argv) {
       "%lldx%lldx%lld; %d iterations a loop\n",
       argv[1], variant.c_str(), tp, m, k, n, gemms, tp * m, k, n, iters);
   std::vector<double> sched, whole;
-  for (int round = 0; round < 3; ++round) {  // interleaved, the order alternating
-    if (round % 2 == 0) {
-      whole.push_back(Time(r, Whole, iters));
-      sched.push_back(Time(r, Schedule, iters));
-    } else {
-      sched.push_back(Time(r, Schedule, iters));
-      whole.push_back(Time(r, Whole, iters));
-    }
-    std::printf("round %d: whole %.4f ms, schedule %.4f ms\n", round, whole.back(), sched.back());
+  for (int round = 0; round < 3; ++round) {
+    const auto [w, s] = TimeInterleaved(r, iters);
+    whole.push_back(w);
+    sched.push_back(s);
+    std::printf("round %d: whole %.4f ms, schedule %.4f ms\n", round, w, s);
   }
   std::sort(sched.begin(), sched.end());
   std::sort(whole.begin(), whole.end());

@@ -195,19 +195,27 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
       }
     }
   } else {
-    // Each peer's partial first, each sent while the next one is computed; ours last.
+    // Each peer's partial first, each sent while the next one is computed; ours last. With
+    // two GEMM lanes, every second GEMM runs on the second, and each push follows its GEMM's.
+    const bool two_lanes = sched.ReduceScatterTwoGemmLanes(c);
+    int gemms = 0;
     for (int d : sched.ReduceScatterComputeOrder()) {
+      const int lane = two_lanes && gemms++ % 2 == 1 ? kSecondGemmLane : kComputeLane;
       if (d == rank) {  // alone in its group, ours is the output
         const Ref dst = size == 1 ? At(Region::kOut, 0) : At(Region::kBuffer, received(rank));
         steps.push_back(Gemm(input(d, 0), dst, c.m));
+        steps.back().lane = lane;
         continue;
       }
       const Ref stage = At(Region::kBuffer, staged(d));
       steps.push_back(Gemm(input(d, 0), stage, c.m));
-      steps.push_back(Join(d, kComputeLane));
+      steps.back().lane = lane;
+      steps.push_back(Join(d, lane));
       steps.push_back(Copy(d, stage, At(Region::kPeerBuffer, received(rank), d), c.m * c.n * es));
       steps.push_back(Signal(d, d, Flag::kData));
     }
+    // The sum reads our own partial, which either lane may have written.
+    if (two_lanes) steps.push_back(Join(kComputeLane, kSecondGemmLane));
   }
   if (size > 1 && !fold) {
     // Every partial addressed to us: its own GEMM's (received(rank)) and each peer's.
@@ -274,7 +282,13 @@ bool Schedule::AllGatherInTurn(const CallShape& c) const {
 }
 
 bool Schedule::AllGatherTwoGemmLanes(const CallShape& c) const {
-  return size > 2 && AllGatherInTurn(c) && c.n >= 2 * kInTurnColumnsPerPeer;
+  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff || !AllGatherInTurn(c)) return false;
+  return gemm_lanes == ScheduleChoice::kOn || c.n >= 2 * kInTurnColumnsPerPeer;
+}
+
+bool Schedule::ReduceScatterTwoGemmLanes(const CallShape& c) const {
+  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff) return false;
+  return !ReduceScatterFolds(c.m, c.gathered);
 }
 
 bool Schedule::ReduceScatterSumsEarly(const CallShape& c) const {

@@ -32,6 +32,9 @@ struct Schedule {
   // sums those that land early beside its GEMMs: on, off, or per call (ReduceScatterSumsEarly;
   // CommOptions::reduce_scatter_early_sum).
   ScheduleChoice early_sum = ScheduleChoice::kOff;
+  // Whether GEMMs take turns on two lanes (kSecondGemmLane; AllGatherTwoGemmLanes,
+  // ReduceScatterTwoGemmLanes): by shape, no option; the tools force it on or off.
+  ScheduleChoice gemm_lanes = ScheduleChoice::kByShape;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
   static Schedule Of(const CommOptions& options) {
@@ -73,6 +76,11 @@ struct Schedule {
   // 1.020x; where chunks land slower than their GEMMs (qkv at tp=8), a GEMM a chunk, the
   // second lane only adds its fork and join (1.025x to 1.028x).
   bool AllGatherTwoGemmLanes(const CallShape& c) const;
+  // Whether a reduce-scatter that sums its partials in a pass (it does not fold) above two
+  // ranks computes them on two GEMM lanes taking turns: its GEMMs never wait for data, so
+  // each runs right after the one before, and the next one's tiles fill the SMs its last
+  // wave leaves idle.
+  bool ReduceScatterTwoGemmLanes(const CallShape& c) const;
 
   // This schedule as seen from `r` in a group of `n`.
   Schedule For(int r, int n) const {
