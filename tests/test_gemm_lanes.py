@@ -5,19 +5,23 @@ each push of a partial waits for the lane of the GEMM that wrote it, and that th
 joins the second lane before anything reads what its GEMMs wrote or frees what they read. The
 values on CPU devices, where the host runs these very lists, are in the ops' own tests."""
 
+import jax.numpy as jnp
 import pytest
-from conftest import comm_options
+from _op_cases import op_fn
+from conftest import comm_options, rel_err, to_f32, tol, use_tuning
 
+import jax_ub
 from jax_ub._src.runtime import extension
 
 COMPUTE, SECOND = -1, -2
 SIZES = [2, 3, 4, 5, 8]
+LONG_K = 2560  # from here a partial's GEMM outlasts its transfer (Schedule::kEarlySumMaxK)
 
 
-def rs_steps(rank: int, size: int, fold_rows: int = -1, gathered: bool = False) -> list:
-    options = comm_options(reduce_scatter_fold_rows=fold_rows)
+def rs_steps(rank: int, size: int, k: int = LONG_K, gathered: bool = False) -> list:
+    options = comm_options(reduce_scatter_fold_rows=-1)
     return extension._host.call_steps(
-        "matmul_reduce_scatter", rank, size, 2, 3, 5, gathered, options
+        "matmul_reduce_scatter", rank, size, 2, k, 5, gathered, options
     )
 
 
@@ -28,11 +32,13 @@ def gemm_lanes(step_list: list) -> list[int]:
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("size", SIZES)
 def test_reduce_scatter_gemms_take_turns_on_two_lanes(size, gathered):
-    """Above two ranks, without folding, the partials' GEMMs alternate between the compute
-    lane and the second, the compute lane's first (the first peer's partial); each push of a
-    partial joins the lane whose GEMM wrote it, after that GEMM; the compute lane joins the
-    second after the last GEMM and before the sum that reads our own partial."""
+    """Above two ranks, without folding, where a partial's GEMM outlasts its transfer
+    (k >= 2560), the partials' GEMMs alternate between the compute lane and the second, the
+    compute lane's first (the first peer's partial); each push of a partial joins the lane
+    whose GEMM wrote it, after that GEMM; the compute lane joins the second after the last
+    GEMM and before the sum that reads our own partial. Below, or at two ranks, one lane."""
     for r in range(size):
+        assert gemm_lanes(rs_steps(r, size, k=LONG_K - 1, gathered=gathered)) == [COMPUTE] * size
         s = rs_steps(r, size, gathered=gathered)
         lanes = gemm_lanes(s)
         assert len(lanes) == size, r
@@ -84,3 +90,21 @@ def test_the_second_lane_is_joined_before_the_check_and_the_credits(op, size):
         verify = next(i for i, st in enumerate(s) if st[0] == "Verify")
         credits = [i for i, st in enumerate(s) if st[0] == "Signal" and st[1] == COMPUTE]
         assert max(on_second) < join < verify < min(credits), r
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_values_on_two_lanes(mesh1d, rand, op, size):
+    """The ops whose GEMMs take two lanes by shape (the all-gather in turn with w's local
+    columns n >= 2560, the reduce-scatter with x's local columns k >= 2560) equal the
+    unsharded product, over calls with new data."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True)
+    try:
+        f = op_fn(op, mesh1d(size), "ub")
+        k, n = (16, size * LONG_K) if op == "ag" else (size * LONG_K, 8)
+        for call in range(2):
+            x, w = rand(size * 2, k, dtype=jnp.float32), rand(k, n, dtype=jnp.float32)
+            assert rel_err(f(x, w), to_f32(x) @ to_f32(w)) < tol(jnp.float32), call
+    finally:
+        jax_ub.finalize()

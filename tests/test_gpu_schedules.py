@@ -35,6 +35,7 @@ def _finalize() -> None:
 OPTIONAL_SCHEDULES = {
     "reduce_scatter_ring": ("rs", {"reduce_scatter_ring": True, "reduce_scatter_fold_rows": 0}),
     "reduce_scatter_one_pass": ("rs", {"reduce_scatter_early_sum": False}),
+    "reduce_scatter_long_k": ("rs", {}),
     "all_gather_in_turn": ("ag", {"all_gather_in_turn": True}),
     "all_gather_in_turn_wide": ("ag", {"all_gather_in_turn": True}),
     "all_gather_at_once": ("ag", {"all_gather_in_turn": False}),
@@ -50,11 +51,12 @@ def test_optional_schedule(tp, rows, dtype, schedule):
     (each block's partial sum passes from rank to rank, each GEMM adding its partial in its
     epilogue; at tp=2 it is the fold); reduce_scatter_early_sum off sums every partial after
     the GEMMs (this test's short k sums the early ones beside them by default from tp=4);
+    with a long k (2560 local columns) the reduce-scatter's GEMMs take turns on two lanes;
     all_gather_in_turn pushes to one peer at a time, each copy lane waiting for the one
     before, and multiplies each chunk as it lands (the default for this test's narrow w
     above 2 GPUs), or with a wide w (3584 local columns) runs of chunks a GEMM
-    (Schedule::InTurnSpans); off, every push at once. Blocks of 129 rows and 1 row make
-    uneven and empty pieces; three calls reuse the buffer as epochs advance."""
+    (Schedule::InTurnSpans) on two GEMM lanes; off, every push at once. Blocks of 129 rows
+    and 1 row make uneven and empty pieces; three calls reuse the buffer as epochs advance."""
     _finalize()  # communicators take the setting when they are created
     op_kind, settings = OPTIONAL_SCHEDULES[schedule]
     use_tuning(**settings)
@@ -62,7 +64,8 @@ def test_optional_schedule(tp, rows, dtype, schedule):
         mesh = _mesh(tp)
         key = jax.random.key(rows + 100 * tp)
         if op_kind == "rs":
-            op, (a, b) = _rs, _data(key, [(tp * rows, 256), (256, 384)], dtype)
+            k = tp * 2560 if schedule.endswith("_long_k") else 256
+            op, (a, b) = _rs, _data(key, [(tp * rows, k), (k, 384)], dtype)
         else:
             cols = 3584 if schedule.endswith("_wide") else 128
             op, (a, b) = _ag, _data(key, [(tp * rows, 256), (256, tp * cols)], dtype)

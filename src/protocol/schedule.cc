@@ -287,8 +287,9 @@ bool Schedule::AllGatherTwoGemmLanes(const CallShape& c) const {
 }
 
 bool Schedule::ReduceScatterTwoGemmLanes(const CallShape& c) const {
-  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff) return false;
-  return !ReduceScatterFolds(c.m, c.gathered);
+  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff || ReduceScatterFolds(c.m, c.gathered))
+    return false;
+  return gemm_lanes == ScheduleChoice::kOn || c.k >= kEarlySumMaxK;
 }
 
 bool Schedule::ReduceScatterSumsEarly(const CallShape& c) const {

@@ -79,7 +79,13 @@ struct Schedule {
   // Whether a reduce-scatter that sums its partials in a pass (it does not fold) above two
   // ranks computes them on two GEMM lanes taking turns: its GEMMs never wait for data, so
   // each runs right after the one before, and the next one's tiles fill the SMs its last
-  // wave leaves idle.
+  // wave leaves idle. By shape where a partial's GEMM outlasts its transfer, k >=
+  // kEarlySumMaxK: where the link is the longer, overlapping GEMMs only finish the first
+  // partials later, and their transfers start later. On an H200 with partials landing at a
+  // modelled 270 GB/s (solo_schedule, calls interleaved, one run), op / floor, one lane; two:
+  // Llama 3 70B's down at tp=8 (k=3584) 1.083; 1.045, at tp=4 (k=7168) 1.037; 1.016, 8B's
+  // down at tp=4 (k=3584) 1.077; 1.038; below: 8B's down at tp=8 (k=1792) 1.009; 1.040, 8B's
+  // o at tp=8 (k=512) 1.013; 1.045, 70B's o at tp=8 (k=1024) 0.995; 1.005.
   bool ReduceScatterTwoGemmLanes(const CallShape& c) const;
 
   // This schedule as seen from `r` in a group of `n`.
