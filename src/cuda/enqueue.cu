@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "cuda/check.h"
 #include "cuda/communicator.h"
@@ -126,7 +127,11 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         break;
       case Step::Kind::kJoin: {
         // A copy lane's event is its own, as the second GEMM lane's; the compute lane's, one
-        // per lane it releases.
+        // per copy lane it releases (the second GEMM lane starts after the caller's work and
+        // never waits for the compute lane's).
+        if (step.on_lane == kComputeLane && step.lane < 0)
+          return Internal("a step list joins the compute lane into lane " +
+                          std::to_string(step.lane) + ", which has no event for it");
         cudaEvent_t ev = step.on_lane == kComputeLane      ? s->ready[step.lane]
                          : step.on_lane == kSecondGemmLane ? s->second_gemm_done
                                                            : s->comm_done[step.on_lane];
