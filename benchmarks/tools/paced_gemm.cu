@@ -23,14 +23,15 @@
 //   paced:whole      whole:sms-1 behind the harness, nothing to wait for: the reference
 //   paced:steps      all at once: the own block's GEMM; then, once they have landed
 //                    (together), the blocks after it and those before it, one GEMM each
-//   paced:in_turn    the all-gather in turn as the library runs it (Schedule::InTurnSpans): the
+//   paced:in_turn    the all-gather in turn's GEMMs (Schedule::InTurnSpans) on one stream: the
 //                    own block, then GEMMs over the blocks as they land, each taking all that
 //                    the library's model has landed by its start
-//   paced:in_turn:again  the same, timed again: the run's noise between two loops of one thing
+//   paced:in_turn:again  the same, timed again: the run's noise between two timings of one thing
 //   paced:in_turn:blocks  in turn with one GEMM per block as it lands
 //   paced:in_turn:2streams, paced:in_turn:blocks:2streams  the same two, the GEMMs taking turns
 //                    on two streams (each with its own workspace), so that a GEMM's tiles can
-//                    start on the SMs that the one before leaves idle in its last wave
+//                    start on the SMs that the one before leaves idle in its last wave; the
+//                    library runs in_turn:2streams where n >= 2560 (AllGatherTwoGemmLanes)
 //   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
 //                    for each row block's flag before loading it
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
