@@ -59,6 +59,7 @@
 #include "protocol/schedule.h"
 #include "solo_link.h"
 #include "sum_unrolled.cuh"
+#include "timed_calls.h"
 
 namespace {
 
@@ -241,28 +242,6 @@ double Time(Run& r, Body body, int iters) {
   return ms / iters;
 }
 
-// ms per call of the whole GEMM and of the schedule, `iters` calls of each interleaved one by
-// one (the order alternating), an event between calls: both at the same clocks (loops of one
-// at a time read one schedule up to 7% apart by what ran before, under the power cap).
-std::pair<double, double> TimeInterleaved(Run& r, int iters) {
-  std::vector<cudaEvent_t> marks(2 * iters + 1);
-  for (cudaEvent_t& e : marks) Check(cudaEventCreate(&e), "event");
-  Check(cudaEventRecord(marks[0], r.compute), "record");
-  for (int i = 0; i < 2 * iters; ++i) {
-    (i % 4 == 0 || i % 4 == 3 ? Whole : Schedule)(r);
-    Check(cudaEventRecord(marks[i + 1], r.compute), "record");
-  }
-  Check(cudaEventSynchronize(marks.back()), "sync");
-  double whole = 0, sched = 0;
-  for (int i = 0; i < 2 * iters; ++i) {
-    float ms = 0;
-    Check(cudaEventElapsedTime(&ms, marks[i], marks[i + 1]), "elapsed");
-    (i % 4 == 0 || i % 4 == 3 ? whole : sched) += ms;
-  }
-  for (cudaEvent_t e : marks) Check(cudaEventDestroy(e), "cudaEventDestroy");
-  return {whole / iters, sched / iters};
-}
-
 }  // namespace
 
 // `steps` with each run of GEMMs over consecutive row blocks merged into one GEMM, until it has
@@ -384,18 +363,18 @@ int main(int argc, char** argv) {
   }
   int gemms = 0;
   for (const jax_ub::Step& s : r.steps) gemms += s.kind == jax_ub::Step::Kind::kGemm;
-  const int iters = std::max(3, int(seconds * 1e3 / Time(r, Whole, 3)));
   std::printf(
       "%s (%s) tp=%d, a rank's m=%lld k=%lld n=%lld: %d GEMMs a call, the bound's GEMM "
-      "%lldx%lldx%lld; %d iterations a loop\n",
-      argv[1], variant.c_str(), tp, m, k, n, gemms, tp * m, k, n, iters);
-  std::vector<double> sched, whole;
-  for (int round = 0; round < 3; ++round) {
-    const auto [w, s] = TimeInterleaved(r, iters);
-    whole.push_back(w);
-    sched.push_back(s);
-    std::printf("round %d: whole %.4f ms, schedule %.4f ms\n", round, w, s);
-  }
+      "%lldx%lldx%lld\n",
+      argv[1], variant.c_str(), tp, m, k, n, gemms, tp * m, k, n);
+  // Calls of the two interleaved one by one (timed_calls.h): both at the same clocks.
+  std::vector<jax_ub_tool::Timed> timed = {{"whole", r.compute, [&] { Whole(r); }},
+                                           {"schedule", r.compute, [&] { Schedule(r); }}};
+  jax_ub_tool::TimeRounds(timed, 3, seconds);
+  std::vector<double> whole(timed[0].ms.begin(), timed[0].ms.end()),
+      sched(timed[1].ms.begin(), timed[1].ms.end());
+  for (int round = 0; round < 3; ++round)
+    std::printf("round %d: whole %.4f ms, schedule %.4f ms\n", round, whole[round], sched[round]);
   std::sort(sched.begin(), sched.end());
   std::sort(whole.begin(), whole.end());
   std::printf(
