@@ -14,6 +14,7 @@ from _op_cases import op_fn
 from conftest import comm_options, rel_err, to_f32, tol, use_tuning
 from test_epilogue import ag_epilogue_fn, ag_reference
 from test_gelu_mlp import assert_grads_match_xla, operands
+from test_gemm_lanes import COMPUTE, SECOND_GEMM
 
 import jax_ub
 from jax_ub._src.runtime import extension
@@ -39,9 +40,6 @@ def pushes(step_list: list, rank: int) -> list[int]:
     """The peers `rank` copies its chunk to, in list order (a peer's copy lane is its rank;
     our own lane's copies fill the gathered output)."""
     return [lane for kind, lane, *_ in step_list if kind == "Copy" and lane not in (-1, rank)]
-
-
-COMPUTE, SECOND_GEMM = -1, -2  # the compute lane and the second GEMM lane (schedule.h)
 
 
 def remote_gemm_chunks(step_list: list, rank: int, m: int = 2, k: int = 3) -> list[list[int]]:

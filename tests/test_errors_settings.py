@@ -287,6 +287,7 @@ def test_invalid_env_vars_let_jax_ub_import_and_info_report_them():
         ),
         (dict(timeout_s=1.0), r"unknown tuning choice \['timeout_s'\]"),
         (dict(all_gather_in_turn=1), r"all_gather_in_turn must be True, False or None, got 1"),
+        (dict(two_gemm_lanes="on"), r"two_gemm_lanes must be True, False or None, got 'on'"),
         (
             dict(reduce_scatter_early_sum="yes"),
             r"reduce_scatter_early_sum must be True, False or None, got 'yes'",

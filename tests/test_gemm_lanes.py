@@ -13,7 +13,7 @@ from conftest import comm_options, rel_err, to_f32, tol, use_tuning
 import jax_ub
 from jax_ub._src.runtime import extension
 
-COMPUTE, SECOND = -1, -2
+COMPUTE, SECOND_GEMM = -1, -2  # the compute lane and the second GEMM lane (schedule.h)
 SIZES = [2, 3, 4, 5, 8]
 LONG_K = 2560  # from here a partial's GEMM outlasts its transfer (Schedule::kEarlySumMaxK)
 
@@ -45,7 +45,7 @@ def test_reduce_scatter_gemms_take_turns_on_two_lanes(size, gathered):
         if size == 2:
             assert lanes == [COMPUTE, COMPUTE], r
             continue
-        assert lanes == [(COMPUTE, SECOND)[i % 2] for i in range(size)], r
+        assert lanes == [(COMPUTE, SECOND_GEMM)[i % 2] for i in range(size)], r
         gemm = None
         for i, st in enumerate(s):
             if st[0] == "Gemm":
@@ -55,7 +55,7 @@ def test_reduce_scatter_gemms_take_turns_on_two_lanes(size, gathered):
                 assert gemm is not None and join[3] == gemm[1], (r, i, join, gemm)
                 assert s.index(join) > s.index(gemm), (r, i)
         last_gemm = max(i for i, st in enumerate(s) if st[0] == "Gemm")
-        joins = [i for i, st in enumerate(s) if st[0] == "Join" and st[3] == SECOND]
+        joins = [i for i, st in enumerate(s) if st[0] == "Join" and st[3] == SECOND_GEMM]
         summed = next(i for i, st in enumerate(s) if st[0] == "Sum" and st[1] == COMPUTE)
         assert any(last_gemm < j < summed and s[j][1] == COMPUTE for j in joins), r
 
@@ -67,7 +67,7 @@ def test_a_folding_reduce_scatter_keeps_one_lane(size):
     for r in range(size):
         options = comm_options(reduce_scatter_fold_rows=0, reduce_scatter_ring=True)
         s = extension._host.call_steps("matmul_reduce_scatter", r, size, 2, 3, 5, False, options)
-        assert all(st[1] != SECOND for st in s), r
+        assert all(st[1] != SECOND_GEMM for st in s), r
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
@@ -80,13 +80,12 @@ def test_the_second_lane_is_joined_before_the_check_and_the_credits(op, size):
     for r in range(size):
         options = comm_options(all_gather_in_turn=True, reduce_scatter_fold_rows=-1)
         s = extension._host.call_steps(op, r, size, 2048, 4096, n, False, options)
-        on_second = [i for i, st in enumerate(s) if st[1] == SECOND]
+        on_second = [i for i, st in enumerate(s) if st[1] == SECOND_GEMM]
         assert bool(on_second) == (size > 2), r
         if not on_second:
             continue
-        (join,) = [
-            i for i, st in enumerate(s) if st[0] == "Join" and st[1] == COMPUTE and st[3] == SECOND
-        ]
+        joins = [i for i, st in enumerate(s) if st[0] == "Join" and st[3] == SECOND_GEMM]
+        (join,) = [i for i in joins if s[i][1] == COMPUTE]
         verify = next(i for i, st in enumerate(s) if st[0] == "Verify")
         credits = [i for i, st in enumerate(s) if st[0] == "Signal" and st[1] == COMPUTE]
         assert max(on_second) < join < verify < min(credits), r

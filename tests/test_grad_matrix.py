@@ -248,6 +248,20 @@ def test_op_gradients_with_the_all_gather_in_turn(rand, name, mode):
         jax_ub.finalize()
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_gradients_on_two_gemm_lanes(rand, name, mode):
+    """tp = 4 (dp = 2), impl="ub", GEMMs forced onto two lanes (Tuning.two_gemm_lanes, by
+    default only for long GEMMs) with the all-gather in turn: the forward's and the backward's
+    all-gather GEMMs and reduce-scatter partials take turns on the second lane."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True, two_gemm_lanes=True)
+    try:
+        check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (4, "tp")))
+    finally:
+        jax_ub.finalize()
+
+
 @pytest.mark.parametrize("mode", ["smap_vma", "partial_novma", "jit"])
 @pytest.mark.parametrize("name", list(OPS))
 def test_op_gradients_with_the_early_sum(rand, name, mode):

@@ -19,11 +19,11 @@ import itertools
 
 import pytest
 from conftest import comm_options
+from test_gemm_lanes import COMPUTE, SECOND_GEMM
 
 from jax_ub._src.runtime import extension
 
 ES = 4  # call_steps' calls are float32
-COMPUTE, SECOND = -1, -2
 END = float("inf")
 LOCAL = ("X", "Out", "Gathered", "Buffer")  # this rank's memory; PeerBuffer is another's
 
@@ -115,17 +115,25 @@ def check(step_list: list, rank: int, size: int, m: int, k: int, n: int, peer_sl
     for i, (reads_i, _) in enumerate(eff):
         if any(r[0] == "Buffer" for r in reads_i):
             assert all(before(order[i], order[c]) for c in credits), (rank, i, step_list[i])
-    on_second = [i for i, o in enumerate(order) if o["lane"] == SECOND]
+    on_second = [i for i, o in enumerate(order) if o["lane"] == SECOND_GEMM]
     if on_second:
         last_compute = max(i for i, o in enumerate(order) if o["lane"] == COMPUTE)
         assert before(order[on_second[-1]], order[last_compute]), rank
 
 
 SHAPES = [(2, 3, 5), (1, 4096, 7168), (2048, 4096, 1280), (3, 2560, 2560)]
-AG_OPTIONS = [{"all_gather_in_turn": t} for t in (True, False, None)]
+CHOICES = (True, False, None)
+AG_OPTIONS = [
+    {"all_gather_in_turn": t, "two_gemm_lanes": g} for t, g in itertools.product(CHOICES, CHOICES)
+]
 RS_OPTIONS = [
-    {"reduce_scatter_fold_rows": f, "reduce_scatter_early_sum": e, "reduce_scatter_ring": r}
-    for f, e, r in itertools.product((-1, 0, 2048), (True, False, None), (False, True))
+    {
+        "reduce_scatter_fold_rows": f,
+        "reduce_scatter_early_sum": e,
+        "reduce_scatter_ring": r,
+        "two_gemm_lanes": g,
+    }
+    for f, e, r, g in itertools.product((-1, 0, 2048), CHOICES, (False, True), CHOICES)
 ]
 
 

@@ -33,7 +33,7 @@ struct Schedule {
   // CommOptions::reduce_scatter_early_sum).
   ScheduleChoice early_sum = ScheduleChoice::kOff;
   // Whether GEMMs take turns on two lanes (kSecondGemmLane; AllGatherTwoGemmLanes,
-  // ReduceScatterTwoGemmLanes): by shape, no option; the tools force it on or off.
+  // ReduceScatterTwoGemmLanes): on, off, or per call (CommOptions::two_gemm_lanes).
   ScheduleChoice gemm_lanes = ScheduleChoice::kByShape;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
@@ -43,6 +43,7 @@ struct Schedule {
     s.ring = options.reduce_scatter_ring;
     s.in_turn = options.all_gather_in_turn;
     s.early_sum = options.reduce_scatter_early_sum;
+    s.gemm_lanes = options.two_gemm_lanes;
     return s;
   }
 

@@ -85,6 +85,16 @@ class Tuning:
         (n >= 2560), its GEMMs take turns on two streams. On one H200 with a modelled 270 GB/s
         link (benchmarks/tools/paced_gemm.cu), at tp=8 in turn ran 1.03-1.17x its floor, all
         at once 1.24-1.70x. Not yet measured on 2+ GPUs.
+      two_gemm_lanes: on groups above 2, GPU GEMMs that would run back to back on one stream
+        take turns with a second stream (and cuBLASLt workspace), so that each one's tiles
+        start on the SMs the one before leaves idle in its last wave: the all-gather in turn's
+        GEMMs, and a reduce-scatter's partials where it does not fold. True: wherever there
+        are such GEMMs; False: never. None (the default): where a GEMM outlasts its data's
+        transfer, w's local columns n >= 2560 (all-gather in turn), x's local columns k >=
+        2560 (reduce-scatter) (src/protocol/schedule.h): on one H200 with a modelled 270 GB/s
+        link, Llama 3 8B's gate/up all-gather at tp=8 1.25x -> 1.17x its floor, 70B's down
+        reduce-scatter 1.083x -> 1.045x; where the link is the longer, two lanes lost up to 3%.
+        It changes no transfer: processes may differ.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
@@ -110,6 +120,7 @@ class Tuning:
     reduce_scatter_ring: bool = False
     reduce_scatter_early_sum: bool | None = None
     all_gather_in_turn: bool | None = None
+    two_gemm_lanes: bool | None = None
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
     compute_on_caller_stream: bool = True
@@ -119,7 +130,7 @@ class Tuning:
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
-        for name in ("all_gather_in_turn", "reduce_scatter_early_sum"):
+        for name in ("all_gather_in_turn", "reduce_scatter_early_sum", "two_gemm_lanes"):
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be True, False or None, got {value!r}")
@@ -191,6 +202,7 @@ class Options:
     reduce_scatter_ring: bool
     reduce_scatter_early_sum: bool | None
     all_gather_in_turn: bool | None
+    two_gemm_lanes: bool | None
     compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
     gemm_cache: str
