@@ -27,6 +27,9 @@ from scikit_build_core import build as _skb
 from scikit_build_core.build import *  # noqa: F403  (re-export the PEP 517 hooks)
 
 _CUBLAS = "nvidia-cublas>=13; sys_platform == 'linux'"
+# CUTLASS's headers, for the flag GEMM (src/cuda/gemm/flag_gemm.h): its scheduler derives from
+# CUTLASS 4.2's. Without them the extension builds without that kernel.
+_CUTLASS = "nvidia-cutlass==4.2.*"
 # CUDA 13.0: a driver cannot JIT PTX made by a newer toolkit than its own, and the oldest
 # driver that JAX's CUDA 13 plugin runs on is 580 (CUDA 13.0). nvidia-cuda-nvcc requires the
 # other wheels unpinned: pin each, so that cicc (nvidia-nvvm) and ptxas agree.
@@ -104,9 +107,9 @@ def _extra() -> list[str]:
     if _flag("JAX_UB_DISABLE_CUDA"):
         return []
     if not _flag("JAX_UB_CUDA_FROM_WHEELS") and _toolkit_nvcc():
-        return [_CUBLAS]
+        return [_CUBLAS, _CUTLASS]
     if _wheels_possible():
-        return [_CUBLAS, *_CUDA_WHEELS]
+        return [_CUBLAS, _CUTLASS, *_CUDA_WHEELS]
     return []
 
 

@@ -83,7 +83,7 @@ mode_paced() {
     for spec in "${specs[@]}"; do
       IFS=: read -r shape tp rank <<< "$spec"
       step --append -k 5 "paced_gemm $spec at $gbps GB/s" 150 "$OUT/paced_gemm.log" \
-        build/dev/paced_gemm "$shape" "$tp" "${rank:-$((tp / 2))}" "$gbps" "${PACED_S:-0.3}" all \
+        build/dev/paced_gemm "$shape" "$tp" "${rank:-$((tp / 2))}" "$gbps" "${PACED_S:-0.3}" "${PACED_CONFIGS:-all}" \
         "${PACED_LATENCY_US:-0}"
     done
   done

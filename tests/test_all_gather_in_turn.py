@@ -30,9 +30,11 @@ def steps(
     gathered: bool = False,
     n: int = 5,
     k: int = 3,
+    flag_gemm: bool | None = False,
 ) -> list:
-    """Rank `rank`'s step list for an all-gather GEMM of a rank's x[m, k] @ w[k, n]."""
-    options = comm_options(all_gather_in_turn=in_turn)
+    """Rank `rank`'s step list for an all-gather GEMM of a rank's x[m, k] @ w[k, n] (the GEMMs
+    of spans: the flag GEMM, test_flag_gemm.py's, off unless asked for)."""
+    options = comm_options(all_gather_in_turn=in_turn, all_gather_flag_gemm=flag_gemm)
     return extension._host.call_steps("all_gather_matmul", rank, size, m, k, n, gathered, options)
 
 
@@ -214,10 +216,10 @@ def test_values(mesh1d, rand, size, m, dtype):
 @pytest.mark.parametrize("size", [4, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_values_with_gemms_over_runs_of_chunks(mesh1d, rand, size, dtype):
-    """Wide w (7168 local columns): the GEMMs in turn take runs of chunks (see above); the
-    product is still the gathered one, over calls with new data."""
+    """Wide w (7168 local columns), the flag GEMM off: the GEMMs in turn take runs of chunks
+    (see above); the product is still the gathered one, over calls with new data."""
     jax_ub.finalize()
-    use_tuning(all_gather_in_turn=True)
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=False)
     try:
         f = op_fn("ag", mesh1d(size), "ub")
         for call in range(2):

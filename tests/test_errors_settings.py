@@ -289,6 +289,10 @@ def test_invalid_env_vars_let_jax_ub_import_and_info_report_them():
         (dict(all_gather_in_turn=1), r"all_gather_in_turn must be True, False or None, got 1"),
         (dict(two_gemm_lanes="on"), r"two_gemm_lanes must be True, False or None, got 'on'"),
         (
+            dict(all_gather_flag_gemm=0),
+            r"all_gather_flag_gemm must be True, False or None, got 0",
+        ),
+        (
             dict(reduce_scatter_early_sum="yes"),
             r"reduce_scatter_early_sum must be True, False or None, got 'yes'",
         ),

@@ -78,7 +78,9 @@ def test_the_second_lane_is_joined_before_the_check_and_the_credits(op, size):
     before the check (it reads the output) and the credits (they free the buffer)."""
     n = 7168  # wide: the all-gather in turn takes two lanes
     for r in range(size):
-        options = comm_options(all_gather_in_turn=True, reduce_scatter_fold_rows=-1)
+        options = comm_options(
+            all_gather_in_turn=True, all_gather_flag_gemm=False, reduce_scatter_fold_rows=-1
+        )
         s = extension._host.call_steps(op, r, size, 2048, 4096, n, False, options)
         on_second = [i for i, st in enumerate(s) if st[1] == SECOND_GEMM]
         assert bool(on_second) == (size > 2), r
@@ -95,10 +97,10 @@ def test_the_second_lane_is_joined_before_the_check_and_the_credits(op, size):
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_values_on_two_lanes(mesh1d, rand, op, size):
     """The ops whose GEMMs take two lanes by shape (the all-gather in turn with w's local
-    columns n >= 2560, the reduce-scatter with x's local columns k >= 2560) equal the
-    unsharded product, over calls with new data."""
+    columns n >= 2560, its flag GEMM off, the reduce-scatter with x's local columns k >= 2560)
+    equal the unsharded product, over calls with new data."""
     jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True)
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=False)
     try:
         f = op_fn(op, mesh1d(size), "ub")
         k, n = (16, size * LONG_K) if op == "ag" else (size * LONG_K, 8)

@@ -16,6 +16,8 @@ from conftest import gpu_rel_err, use_tuning
 from test_gpu import TOL, TPS, _ag, _assert_copies_exact, _data, _mesh, _rs, _rs_gathering
 
 import jax_ub
+from jax_ub._src.runtime import extension
+from jax_ub._src.runtime.communicator import live_communicators
 
 pytestmark = pytest.mark.gpu
 
@@ -139,5 +141,62 @@ def test_odd_sizes(tp, rows, dtype):
                 out, gathered = rs_gather(h * c, v, g + call)
                 assert gpu_rel_err(out, rs_ref * c) < TOL[dtype], call
                 _assert_copies_exact(gathered, g + call, call)
+    finally:
+        _finalize()
+
+
+def _flag_gemm_calls() -> int:
+    """FlagGemm kernels launched by this process's live CUDA communicators."""
+    module = extension.module_for("cuda")
+    return sum(
+        n
+        for c in live_communicators()
+        if c.platform == "cuda"
+        for _, n in module.flag_gemm_calls(c.id)
+    )
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_flag_gemm_kernel(tp):
+    """The all-gather in turn's flag GEMM in its kernel (FlagGemm: bf16, x's local rows a
+    multiple of 256, a Hopper GPU): the forward's (w as [k, n]) and, in matmul_reduce_scatter's
+    gradient, the backward's all-gather of dy (w read transposed), against XLA's, over calls
+    with new data; each call must have launched the kernel (its count rises)."""
+    if tp < 3:
+        pytest.skip("the flag GEMM runs from 3 ranks")
+    if not extension.module_for("cuda").flag_gemm_built():
+        pytest.skip("this build has no flag GEMM (CUTLASS's headers were not found)")
+    if jax.local_devices()[0].compute_capability != "9.0":
+        pytest.skip("FlagGemm is Hopper's (compute capability 9.0)")
+    _finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
+    try:
+        mesh = _mesh(tp)
+        key = jax.random.key(7 + tp)
+        x, w, h, v, g = _data(
+            key,
+            [
+                (tp * 256, 512),
+                (512, tp * 384),
+                (tp * 256, tp * 256),
+                (tp * 256, 384),
+                (tp * 256, 384),
+            ],
+            jnp.bfloat16,
+        )
+
+        def rs_grad(impl):
+            loss = lambda h, v: jnp.sum(_rs(mesh, impl)(h, v).astype(jnp.float32) * g)  # noqa: E731
+            return jax.jit(jax.grad(loss))
+
+        ag_ref = jax.block_until_ready(_ag(mesh, "xla")(x, w))
+        dh_ref = jax.block_until_ready(rs_grad("xla")(h, v))
+        for call in range(3):
+            before = _flag_gemm_calls()
+            assert gpu_rel_err(_ag(mesh, "ub")(x * (call + 1), w), ag_ref * (call + 1)) < 2e-2
+            assert _flag_gemm_calls() > before, call
+            before = _flag_gemm_calls()
+            assert gpu_rel_err(rs_grad("ub")(h * (call + 1), v), dh_ref) < 2e-2
+            assert _flag_gemm_calls() > before, call
     finally:
         _finalize()

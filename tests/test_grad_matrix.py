@@ -262,6 +262,20 @@ def test_op_gradients_on_two_gemm_lanes(rand, name, mode):
         jax_ub.finalize()
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_gradients_with_the_flag_gemm(rand, name, mode):
+    """tp = 4 (dp = 2), impl="ub", the all-gather in turn with its flag GEMM forced on
+    (Tuning.all_gather_flag_gemm, by default only for wide w): the forward's and the backward's
+    all-gathers multiply every remote chunk in one GEMM that waits for each chunk itself."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
+    try:
+        check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (4, "tp")))
+    finally:
+        jax_ub.finalize()
+
+
 @pytest.mark.parametrize("mode", ["smap_vma", "partial_novma", "jit"])
 @pytest.mark.parametrize("name", list(OPS))
 def test_op_gradients_with_the_early_sum(rand, name, mode):

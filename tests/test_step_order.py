@@ -10,6 +10,7 @@ every rank of both ops over sizes, options and shapes:
   wait for that peer's data on the reading lane, or on one it joined;
 - the credits (signals on the compute lane), which let peers write the buffer again, come
   after every read of it;
+- a GEMM that waits for its blocks itself (Step::parts) counts as a wait for each;
 - the second GEMM lane's last step is joined into the compute lane (a call ends on the
   compute lane; Finish joins only the copy lanes).
 
@@ -32,7 +33,12 @@ def effects(st: tuple, m: int, k: int, n: int) -> tuple[list, list]:
     """(reads, writes) of one step as (region, first byte, end)."""
     kind, _, _, _, rows, src, src_off, parts, add, add_off, dst, dst_off, nbytes = st
     reads, writes = [], []
-    if kind == "Gemm":
+    if kind == "Gemm" and parts:  # the blocks it waits for itself, each of m rows
+        for j in range(64):
+            if parts >> j & 1:
+                reads.append((src, src_off + j * m * k * ES, src_off + (j + 1) * m * k * ES))
+                writes.append((dst, dst_off + j * m * n * ES, dst_off + (j + 1) * m * n * ES))
+    elif kind == "Gemm":
         reads.append((src, src_off, src_off + rows * k * ES))
         if add != "None":
             reads.append((add, add_off, add_off + rows * n * ES))
@@ -76,6 +82,8 @@ def replay(step_list: list) -> list[dict]:
             seen |= landed.get(on_lane, set())
         if kind == "Wait" and peer != lane:  # a data wait (a credit's waits on the peer's lane)
             seen.add(peer)
+        if kind == "Gemm" and st[7]:  # a GEMM that waits for its blocks' data itself
+            seen |= {j for j in range(64) if st[7] >> j & 1}
         count[lane] = count.get(lane, 0) + 1
         mine[lane] = count[lane]
         out.append({"lane": lane, "place": count[lane], "clock": dict(mine), "landed": set(seen)})
@@ -124,7 +132,8 @@ def check(step_list: list, rank: int, size: int, m: int, k: int, n: int, peer_sl
 SHAPES = [(2, 3, 5), (1, 4096, 7168), (2048, 4096, 1280), (3, 2560, 2560)]
 CHOICES = (True, False, None)
 AG_OPTIONS = [
-    {"all_gather_in_turn": t, "two_gemm_lanes": g} for t, g in itertools.product(CHOICES, CHOICES)
+    {"all_gather_in_turn": t, "two_gemm_lanes": g, "all_gather_flag_gemm": f}
+    for t, g, f in itertools.product(CHOICES, CHOICES, CHOICES)
 ]
 RS_OPTIONS = [
     {

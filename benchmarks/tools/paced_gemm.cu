@@ -34,6 +34,9 @@
 //                    library runs in_turn:2streams where n >= 2560 (AllGatherTwoGemmLanes)
 //   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
 //                    for each row block's flag before loading it
+//   paced:flag_after_own:CFG  the library's (Schedule::AllGatherFlagGemm, FlagGemm: CFG
+//                    ping_128x128_c2): the own block's cuBLASLt GEMM, then the flag GEMM over
+//                    the remote blocks
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
 // conditions), and to the model's floor: no schedule ends before that GEMM would, nor before
 // the last block lands (in turn) plus its share of the GEMM (1/tp).
@@ -314,6 +317,18 @@ int main(int argc, char** argv) {
     impls.push_back({std::string("paced:flag:") + c.name, h.compute, [&h, op, &in_turn, tp, rank] {
                        h.Begin(in_turn, tp, rank);
                        op->Run(h.compute);
+                     }});
+    // The library's (Schedule::AllGatherFlagGemm): the own block's GEMM first, then the flag
+    // GEMM over the remote blocks alone.
+    Problem remote = paced;
+    remote.order = paced.order >> 4;
+    remote.slots = tp - 1;
+    flag_ops.push_back(c.make(remote, a, b, d, h.flags, err, false));
+    Op* rest = flag_ops.back().get();
+    impls.push_back({std::string("paced:flag_after_own:") + c.name, h.compute, [&, rest] {
+                       h.Begin(in_turn, tp, rank);
+                       fewer.Run(block_spans[rank], a, d, h.compute);
+                       rest->Run(h.compute);
                      }});
   }
 

@@ -16,6 +16,7 @@
 #include "bindings/registry.h"
 #include "cuda/check.h"
 #include "cuda/communicator.h"
+#include "cuda/gemm/flag_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -94,6 +95,11 @@ NB_MODULE(_cuda, m) {
       out.emplace_back(t.device, t.calls, t.total_ns, t.await_ns);
     return out;
   });
+  // [(device, FlagGemm launches)], and whether this build has FlagGemm at all.
+  m.def("flag_gemm_calls", [](int64_t id) {
+    return jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id)->FlagGemmCalls();
+  });
+  m.def("flag_gemm_built", [] { return jax_ub::FlagGemmBuilt(); });
   // [(device, m, k, n, row description, place in cuBLASLt's heuristic list, trials still
   // comparing)]: each local GPU's kernel per GEMM shape.
   m.def("kernel_choices", [](int64_t id) {

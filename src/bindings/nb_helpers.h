@@ -61,6 +61,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
                                                 "reduce_scatter_early_sum",
                                                 "all_gather_in_turn",
                                                 "two_gemm_lanes",
+                                                "all_gather_flag_gemm",
                                                 "compute_on_caller_stream",
                                                 "fp8_fast_accumulation",
                                                 "gemm_cache"};
@@ -111,6 +112,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   o.reduce_scatter_early_sum = choice("reduce_scatter_early_sum");
   o.all_gather_in_turn = choice("all_gather_in_turn");
   o.two_gemm_lanes = choice("two_gemm_lanes");
+  o.all_gather_flag_gemm = choice("all_gather_flag_gemm");
   o.gemm_cache = nb::cast<std::string>(get("gemm_cache"));
   if (o.gemm_cache.find('\n') != std::string::npos)
     throw nb::value_error("gemm_cache must be a file path, without newlines");

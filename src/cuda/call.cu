@@ -163,6 +163,13 @@ std::vector<CudaCommunicator::HostTime> CudaCommunicator::HostTimes() const {
   return out;
 }
 
+std::vector<std::pair<int, int64_t>> CudaCommunicator::FlagGemmCalls() const {
+  std::vector<std::pair<int, int64_t>> out;
+  for (const auto& sp : slots_)
+    if (sp && sp->local) out.emplace_back(sp->device, sp->flag_gemm_calls.load());
+  return out;
+}
+
 Status CudaCommunicator::EndCall(Slot* s, const char* op, Clock::time_point since, Status st) {
   if (s == nullptr) return st;
   s->host_calls.fetch_add(1, std::memory_order_relaxed);

@@ -7,6 +7,7 @@
 #include "cuda/communicator.h"
 #include "cuda/communicator_internal.h"
 #include "cuda/driver_api.h"
+#include "cuda/gemm/flag_gemm.h"
 #include "cuda/sum.h"
 #include "cuda/trace.h"
 #include "cuda/verify.h"
@@ -38,8 +39,13 @@ Status CudaCommunicator::ExportHandles(std::vector<std::string>* handles) const 
     cudaIpcMemHandle_t hb, hf;
     JAX_UB_CUDA(cudaIpcGetMemHandle(&hb, s.buffer));
     JAX_UB_CUDA(cudaIpcGetMemHandle(&hf, s.flags));
+    // Then the GPU's UUID: a peer on the same GPU (the N-ranks mode) shares its SMs.
+    cudaDeviceProp prop;
+    JAX_UB_CUDA(cudaGetDeviceProperties(&prop, s.device));
+    const cudaUUID_t uuid = prop.uuid;
     (*handles)[sl] = std::string(reinterpret_cast<const char*>(&hb), sizeof(hb)) +
-                     std::string(reinterpret_cast<const char*>(&hf), sizeof(hf));
+                     std::string(reinterpret_cast<const char*>(&hf), sizeof(hf)) +
+                     std::string(reinterpret_cast<const char*>(&uuid), sizeof(uuid));
   }
   return Status::Ok();
 }
@@ -56,7 +62,7 @@ Status CudaCommunicator::Connect(const std::vector<std::string>& handles) {
     for (int r = 0; r < topology_.group_size(); ++r) {
       const Slot& q = *slots_[topology_.slot(s.group, r)];
       if (!q.local) continue;
-      if (handles[sl].size() != 2 * kHandle)
+      if (handles[sl].size() != 2 * kHandle + sizeof(cudaUUID_t))
         return FailedPrecondition("no CUDA IPC handle arrived for slot " + std::to_string(sl));
       cudaIpcMemHandle_t hb, hf;
       std::memcpy(&hb, handles[sl].data(), kHandle);
@@ -76,6 +82,10 @@ Status CudaCommunicator::Connect(const std::vector<std::string>& handles) {
             "group: keep the tensor-parallel axis inside one NVLink host, or use impl='xla'");
       }
       s.mappings.push_back({q.device, static_cast<char*>(b), static_cast<uint64_t*>(f)});
+      cudaDeviceProp prop;
+      JAX_UB_CUDA(cudaGetDeviceProperties(&prop, q.device));
+      if (std::memcmp(&prop.uuid, handles[sl].data() + 2 * kHandle, sizeof(prop.uuid)) == 0)
+        slots_[topology_.slot(s.group, r)]->shares_gpu = true;
     }
   }
   return Wire();
@@ -143,6 +153,11 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
       s->agreement = MakeAgreement(s.get());
       s->gemm->SetAgreement(s->agreement.get());
     }
+    JAX_UB_CUDA(cudaDeviceGetAttribute(&s->sm_count, cudaDevAttrMultiProcessorCount, s->device));
+    int major = 0, minor = 0;
+    JAX_UB_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, s->device));
+    JAX_UB_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, s->device));
+    s->flag_gemm_runs = FlagGemmBuilt() && major == 9 && minor == 0;  // its SASS is sm_90a's
     JAX_UB_RETURN_IF_ERROR(PreloadKernels());
     slots_[sl] = std::move(s);
   }

@@ -69,6 +69,9 @@ class CudaCommunicator {
   };
   std::vector<HostTime> HostTimes() const;
 
+  // How many FlagGemm kernels each local GPU has launched: (device, launches).
+  std::vector<std::pair<int, int64_t>> FlagGemmCalls() const;
+
   // Every local GPU's GEMM kernel per shape (CublasLtGemm::Choices), for tests and tools.
   struct KernelChoice {
     int device;
@@ -160,7 +163,8 @@ class CudaCommunicator {
     std::atomic<uint64_t> enqueued{0};  // the last call whose work is fully enqueued
     // HostTimes(); written by this device's handler thread only.
     std::atomic<int64_t> host_calls{0}, host_ns{0}, await_ns{0};
-    std::mutex mu;  // pending and free_events: shared with the watchdog
+    std::atomic<int64_t> flag_gemm_calls{0};  // FlagGemm launches (FlagGemmCalls)
+    std::mutex mu;                            // pending and free_events: shared with the watchdog
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;
@@ -168,6 +172,13 @@ class CudaCommunicator {
     DeviceReport* report = nullptr;         // host-mapped, written by VerifyCall
     DeviceReport* report_device = nullptr;  // the same memory, as the device sees it
     bool reported = false;                  // watchdog only
+    int sm_count = 0;
+    // Whether FlagGemm runs here: built with it, on a GPU of compute capability 9.0.
+    bool flag_gemm_runs = false;
+    // Whether a rank of another process drives this slot's GPU too (the N-ranks mode of
+    // share_gpu): its kernels need this GPU's SMs, so no kernel here may hold them all while
+    // it waits for that rank's data (FlagGemm waits for its flags before it starts instead).
+    bool shares_gpu = false;
   };
 
   class SlotAgreement;
@@ -182,6 +193,11 @@ class CudaCommunicator {
   // `stream`; `began` is set once Begin has succeeded.
   Status Enqueue(int device, cudaStream_t stream, OpKind op, const CallShape& shape,
                  const Operands& ops, Slot** began);
+  // A kGemm step that waits for its blocks itself (Step::parts): FlagGemm on `stream`, over
+  // `src` into `dst`, its flags those of call `epoch`, its waits added to `waits`.
+  Status EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched, const Step& step,
+                         const CallShape& shape, const void* w, bool w_transposed, const void* src,
+                         void* dst, uint64_t epoch, std::vector<Wait>* waits);
   // The index in a slot's flag words of `flag` for `rank`.
   static int FlagIndex(Flag flag, int rank);
   // Marks the communicator broken when a call that has begun (`s` not null) fails, and

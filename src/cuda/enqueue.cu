@@ -10,6 +10,7 @@
 #include "cuda/communicator.h"
 #include "cuda/communicator_internal.h"
 #include "cuda/driver_api.h"
+#include "cuda/gemm/flag_gemm.h"
 #include "cuda/sum.h"
 #include "cuda/trace.h"
 #include "cuda/verify.h"
@@ -29,6 +30,38 @@ int CudaCommunicator::FlagIndex(Flag flag, int rank) {
   return kCreditFlag + rank;
 }
 
+Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
+                                         const Step& step, const CallShape& shape, const void* w,
+                                         bool w_transposed, const void* src, void* dst,
+                                         uint64_t epoch, std::vector<Wait>* waits) {
+  FlagGemmCall c;
+  c.a = src;
+  c.w = w;
+  c.w_transposed = w_transposed;
+  c.d = dst;
+  c.blocks = sched.size;
+  c.block_rows = step.rows / sched.size;
+  c.k = shape.k;
+  c.n = shape.n;
+  c.flags = s.flags + FlagIndex(Flag::kData, 0);
+  c.target = epoch;
+  for (int j : sched.FlagGemmOrder(step.parts)) {
+    c.order |= uint64_t(j) << (4 * c.count++);
+    const int index = FlagIndex(Flag::kData, j);
+    // The kernel's waits, for the watchdog, which names an overdue one and releases it by
+    // raising its flag. Where a peer shares this GPU, the stream waits instead, before the
+    // kernel takes every SM: the peer's own kernels may need some to send its chunk.
+    if (s.shares_gpu) {
+      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, stream, index, epoch, j, "deliver its chunk", waits));
+    } else if (epoch > 0) {
+      waits->push_back(Wait{j, s.flags + index, epoch, "deliver its chunk", s.flags + index});
+    }
+  }
+  JAX_UB_RETURN_IF_ERROR(LaunchFlagGemm(c, s.device, s.sm_count, stream));
+  s.flag_gemm_calls.fetch_add(1, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
 Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const CallShape& shape,
                                  const Operands& ops, Slot** began) {
   const char* name = OpName(op);
@@ -38,7 +71,16 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, name, RequiredBytes(op, shape, schedule_.For(0, size)), &s, &e));
   *began = s;
-  const std::vector<Step> steps = CallSteps(op, schedule_.For(s->rank, size), shape);
+  // The flag GEMM where this GPU and the call allow it (FlagGemmFits; TMA reads 16-byte
+  // aligned operands); else the call keeps its library GEMMs.
+  Schedule sched = schedule_.For(s->rank, size);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (op != OpKind::kAllGatherMatmul || !s->flag_gemm_runs ||
+      !FlagGemmFits(shape.in, shape.w_type, shape.out, shape.epilogue.Any(), shape.m, shape.k,
+                    shape.n, size) ||
+      !aligned(ops.x) || !aligned(ops.w) || !aligned(ops.out))
+    sched.flag_gemm = ScheduleChoice::kOff;
+  const std::vector<Step> steps = CallSteps(op, sched, shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);
   // fp8 products are scaled by x_scale and w_scale on the device; others are not.
   const float* scales = IsFp8(shape.in) ? ops.scales : nullptr;
@@ -68,7 +110,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   std::vector<CublasLtGemm::Plan*> plans(steps.size(), nullptr);
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& g = steps[i];
-    if (g.kind != Step::Kind::kGemm) continue;
+    if (g.kind != Step::Kind::kGemm || g.parts != 0) continue;  // FlagGemm has no plan
     if (g.lane == kSecondGemmLane) JAX_UB_RETURN_IF_ERROR(gemm->AddSecondWorkspace());
     JAX_UB_RETURN_IF_ERROR(gemm->Prepare(shape.in, shape.w_type, shape.out, at(g.src), ops.w,
                                          ops.w_transposed, at(g.dst), g.rows, shape.k, shape.n,
@@ -118,6 +160,12 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
             Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, slot), e));
         break;
       case Step::Kind::kGemm:
+        if (step.parts != 0) {
+          JAX_UB_RETURN_IF_ERROR(EnqueueFlagGemm(*s, stream, sched, step, shape, ops.w,
+                                                 ops.w_transposed, at(step.src), at(step.dst), e,
+                                                 &waits));
+          break;
+        }
         JAX_UB_RETURN_IF_ERROR(
             gemm->Matmul(plans[i], at(step.src), ops.w, at(step.dst), stream, gemm_args(step)));
         break;

@@ -292,6 +292,24 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         break;
       case Step::Kind::kGemm: {
         char* dst = at(step.dst);
+        if (step.parts != 0) {  // a GEMM that waits for each block itself: block by block here
+          const int64_t rows = step.rows / ctx.size;
+          const int64_t in_rows = rows * shape.k * DTypeSize(shape.in);
+          const int64_t out_rows = rows * shape.n * DTypeSize(shape.out);
+          const Schedule sched = schedule_.For(ctx.rank, ctx.size);
+          for (int j : sched.FlagGemmOrder(step.parts)) {
+            st = WaitFlag(ctx, FlagWord(ctx.slot, Flag::kData, j), ctx.epoch, j,
+                          "deliver its chunk");
+            if (st.ok()) st = CheckDescriptor(ctx, j);
+            if (!st.ok()) break;
+            char* aux = at(step.aux);
+            HostGemm(shape.in, shape.w_type, shape.out, at(step.src) + j * in_rows, ops.w,
+                     ops.w_transposed, scale, dst + j * out_rows, rows, shape.k, shape.n,
+                     step.epilogue ? shape.epilogue : Epilogue{}, ops.bias,
+                     aux == nullptr ? nullptr : aux + j * out_rows);
+          }
+          break;
+        }
         HostGemm(shape.in, shape.w_type, shape.out, at(step.src), ops.w, ops.w_transposed, scale,
                  dst, step.rows, shape.k, shape.n, step.epilogue ? shape.epilogue : Epilogue{},
                  ops.bias, at(step.aux));

@@ -96,8 +96,31 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   // The gathered copy, when asked for, runs on our own lane beside the GEMMs.
   if (c.gathered)
     steps.push_back(Copy(rank, At(Region::kX, 0), At(Region::kGathered, rank * chunk), chunk));
-  // Multiply the local chunk, then the remote ones once they have landed; with two GEMM
-  // lanes, the remote GEMMs alternate between them, the second lane's first.
+  // Multiply the local chunk, then the remote ones once they have landed: in one GEMM that
+  // waits for each chunk itself (the gathered copies wait on our own lane), or in GEMMs of
+  // spans after their waits; with two GEMM lanes, the remote GEMMs alternate between them,
+  // the second lane's first.
+  if (sched.AllGatherFlagGemm(c)) {
+    Step own = Gemm(At(Region::kX, 0), At(Region::kOut, rank * out_rows), c.m);
+    Step rest = Gemm(At(Region::kBuffer, 0), At(Region::kOut, 0), sched.size * c.m);
+    for (Step* g : {&own, &rest}) {
+      g->epilogue = c.epilogue.Any();
+      if (c.epilogue.UsesAux()) g->aux = At(Region::kAux, g->dst.offset);
+    }
+    for (int p : peers) rest.parts |= uint64_t{1} << p;
+    steps.push_back(own);
+    if (c.gathered)
+      for (int j : sched.FlagGemmOrder(rest.parts)) {
+        steps.push_back(WaitData(rank, j, "deliver its chunk"));
+        steps.push_back(
+            Copy(rank, At(Region::kBuffer, j * chunk), At(Region::kGathered, j * chunk), chunk));
+      }
+    steps.push_back(rest);
+    if (c.gathered) steps.push_back(Join(kComputeLane, rank));
+    steps.push_back(Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0));
+    for (int p : peers) steps.push_back(Signal(kComputeLane, p, Flag::kCredit));
+    return steps;
+  }
   const bool two_lanes = sched.AllGatherTwoGemmLanes(c);
   int remote_gemms = 0;
   for (const Schedule::Span& span : sched.AllGatherSpans(in_turn, c.n)) {
@@ -282,8 +305,17 @@ bool Schedule::AllGatherInTurn(const CallShape& c) const {
 }
 
 bool Schedule::AllGatherTwoGemmLanes(const CallShape& c) const {
-  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff || !AllGatherInTurn(c)) return false;
+  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff || !AllGatherInTurn(c) ||
+      AllGatherFlagGemm(c))
+    return false;
   return gemm_lanes == ScheduleChoice::kOn || c.n >= 2 * kInTurnColumnsPerPeer;
+}
+
+bool Schedule::AllGatherFlagGemm(const CallShape& c) const {
+  if (size <= 2 || size > kFlagGemmMaxRanks || flag_gemm == ScheduleChoice::kOff ||
+      !AllGatherInTurn(c))
+    return false;
+  return flag_gemm == ScheduleChoice::kOn || c.n >= 2 * kInTurnColumnsPerPeer;
 }
 
 bool Schedule::ReduceScatterTwoGemmLanes(const CallShape& c) const {

@@ -35,6 +35,10 @@ struct Schedule {
   // Whether GEMMs take turns on two lanes (kSecondGemmLane; AllGatherTwoGemmLanes,
   // ReduceScatterTwoGemmLanes): on, off, or per call (CommOptions::two_gemm_lanes).
   ScheduleChoice gemm_lanes = ScheduleChoice::kByShape;
+  // Whether an all-gather in turn multiplies its remote chunks in one GEMM that waits for each
+  // chunk's flag itself (AllGatherFlagGemm; CommOptions::all_gather_flag_gemm): on, off, or per
+  // call. A backend that cannot run such a GEMM for a call turns it off for that call.
+  ScheduleChoice flag_gemm = ScheduleChoice::kByShape;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
   static Schedule Of(const CommOptions& options) {
@@ -44,6 +48,7 @@ struct Schedule {
     s.in_turn = options.all_gather_in_turn;
     s.early_sum = options.reduce_scatter_early_sum;
     s.gemm_lanes = options.two_gemm_lanes;
+    s.flag_gemm = options.all_gather_flag_gemm;
     return s;
   }
 
@@ -88,6 +93,27 @@ struct Schedule {
   // down at tp=4 (k=3584) 1.077; 1.038; below: 8B's down at tp=8 (k=1792) 1.009; 1.040, 8B's
   // o at tp=8 (k=512) 1.013; 1.045, 70B's o at tp=8 (k=1024) 0.995; 1.005.
   bool ReduceScatterTwoGemmLanes(const CallShape& c) const;
+  // Whether an all-gather in turn multiplies its remote chunks in one GEMM that takes each chunk
+  // as its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent
+  // kernel): after our own chunk's GEMM, every SM moves on to the next landed chunk's tiles, with
+  // no GEMM boundary and no partial last wave per span. By shape where two GEMM lanes would
+  // run (n >= 2 kInTurnColumnsPerPeer), from three ranks to kFlagGemmMaxRanks. On an H200 with
+  // a modelled 270 GB/s link (paced_gemm, calls interleaved), such a GEMM took Llama 3 8B's
+  // gate/up at tp=8 to 1.015-1.021x the floor (two lanes: 1.165-1.169x), 70B's to
+  // 1.003-1.009x (1.038-1.058x).
+  static constexpr int kFlagGemmMaxRanks = 16;
+  bool AllGatherFlagGemm(const CallShape& c) const;
+  // The order in which a GEMM that waits for its blocks' flags (Step::parts) takes them: as
+  // they land in turn, from rank - 1 down (PushOrder: at step s every rank receives from
+  // rank - s), our own block first where it is one of them.
+  std::vector<int> FlagGemmOrder(uint64_t parts) const {
+    std::vector<int> order;
+    for (int s = 0; s < size; ++s) {
+      const int j = ((rank - s) % size + size) % size;
+      if (parts >> j & 1) order.push_back(j);
+    }
+    return order;
+  }
 
   // This schedule as seen from `r` in a group of `n`.
   Schedule For(int r, int n) const {
@@ -299,7 +325,12 @@ struct Step {
   // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
   // of dst (and src_bytes those of src) that a failed check poisons.
   int64_t bytes = 0;
-  uint64_t parts = 0;     // kSum: bit j for the partial at src + j * bytes
+  // kSum: bit j for the partial at src + j * bytes. kGemm: where not 0, src and dst are the
+  // group's size row blocks of rows / size rows each, and the GEMM multiplies the blocks whose
+  // bit is set, in Schedule::FlagGemmOrder, each once its sender's (rank j's) data flag holds
+  // this call's epoch: the waits are the GEMM's own (on GPUs inside its kernel, FlagGemm), and
+  // the blocks not set are left as they are.
+  uint64_t parts = 0;
   bool to_float = false;  // kSum: dst is float32 (a partial sum, added to later)
   int64_t src_bytes = 0;
   int64_t rows = 0;  // kGemm, kSum

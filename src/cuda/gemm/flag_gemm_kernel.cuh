@@ -1,0 +1,255 @@
+// The kernel of FlagGemm (flag_gemm.h), CUTLASS-only, included by flag_gemm.cu and by the tools
+// that measure it (benchmarks/tools/flag_gemm_kernel.cuh). A CUTLASS SM90 bf16 GEMM, D[M,N] =
+// A[M,K] @ B[K,N] (A and D row-major; B row-major, or column-major: w stored transposed; fp32
+// accumulation) whose persistent tile scheduler waits, before each output tile, until the
+// flag of the tile's row block of A reaches a target: the GEMM side of an all-gather GEMM,
+// where A arrives as `blocks` row blocks of M / blocks rows, taken in a given order.
+//
+// FlagTileScheduler derives from CUTLASS's PersistentTileSchedulerSm90 and keeps its own
+// cluster-level work index: work unit u of the grid-stride walk belongs to slot
+// u / units_per_block, whose row block is order[slot]; inside a row block the walk goes down M
+// first (the cluster rows of the block), then across N. The slots may be fewer than the
+// blocks: the blocks in no slot are not computed (the library's own block, which a GEMM of its
+// own multiplies before). Every warp role asks the scheduler through get_current_work /
+// fetch_next_work, so every role sees the same tile. The producer warp group waits there
+// (an acquire load at system scope, polled with __nanosleep, then fence.proxy.async so that
+// the TMA loads of A come after it) before it loads anything of the tile; the math warps only
+// read what those loads put in shared memory. A wait never gives up on its own unless given a
+// timeout (the tools): the library's watchdog releases an overdue call by raising its flags
+// (and the call's outputs become NaN).
+// CUTLASS's device-side asserts make ptxas serialize the wgmma pipeline (C7510): keep them out.
+#pragma once
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+
+namespace jax_ub::flag_gemm {
+
+// Flags are 32-bit (the tools) or 64-bit words (the library's epoch flags), raised by another
+// GPU's stream memory operation or a kernel; read at system scope.
+__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int LoadAcquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t Now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The tag GemmUniversal is given; TileSchedulerSelector maps it to FlagTileScheduler below.
+template <class Word>
+struct FlagScheduler {};
+
+template <class ClusterShape, class Word>
+class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  static constexpr int kCM = cute::size<0>(ClusterShape{});
+  static constexpr int kCN = cute::size<1>(ClusterShape{});
+
+ public:
+  using WorkTileInfo = typename Base::WorkTileInfo;
+  struct Arguments : Base::Arguments {
+    const Word* flags = nullptr;  // flags[block]; nullptr: no wait (same tile order)
+    int* error = nullptr;         // with a timeout: set to 1 + block when a wait gives up
+    Word target = 1;              // a block has landed once its flag holds at least this
+    int blocks = 1;               // row blocks of A and D
+    int slots = 0;                // how many are computed (0: all), the first `slots` of order
+    uint64_t order = 0;           // slot s's row block in bits [4s, 4s+4)
+    uint64_t timeout_ns = 0;      // 0: wait until the flag rises
+  };
+  struct Extra {
+    const Word* flags;
+    int* error;
+    uint64_t order, timeout_ns;
+    Word target;
+    uint32_t units, units_per_block, rows_per_block;  // in clusters
+  };
+  struct Params : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params {
+    Extra x;
+  };
+
+  template <class ProblemMNKL, class TileShape, class CS>
+  static Params to_underlying_arguments(ProblemMNKL problem, TileShape tile, CS cluster,
+                                        cutlass::KernelHardwareInfo const& hw, Arguments const& a,
+                                        void* ws = nullptr, const uint32_t epi_subtile = 1,
+                                        uint32_t k_align = 1u) {
+    Params p;
+    static_cast<cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params&>(p) =
+        Base::to_underlying_arguments(problem, tile, cluster, hw, a, ws, epi_subtile, k_align);
+    const int tm = cute::size<0>(tile), tn = cute::size<1>(tile);
+    const uint32_t rows = (int(cute::get<0>(problem)) + tm * kCM - 1) / (tm * kCM);
+    const uint32_t cols = (int(cute::get<1>(problem)) + tn * kCN - 1) / (tn * kCN);
+    const uint32_t blocks = a.blocks > 0 ? uint32_t(a.blocks) : 1u;  // callers: rows % blocks == 0
+    const uint32_t slots = a.slots > 0 ? uint32_t(a.slots) : blocks;
+    p.x = {a.flags,
+           a.error,
+           a.order,
+           a.timeout_ns,
+           a.target,
+           rows / blocks * cols * slots,
+           rows / blocks * cols,
+           rows / blocks};
+    return p;
+  }
+
+  CUTLASS_DEVICE explicit FlagTileScheduler(Params const& p) : Base(p), x_(p.x) {
+    const dim3 grid = cute::cluster_grid_dims(), id = cute::cluster_id_in_grid();
+    unit_ = id.x + grid.x * (id.y + grid.y * id.z);
+    stride_ = grid.x * grid.y * grid.z;
+    const dim3 in_cluster = cute::block_id_in_cluster();
+    cta_m_ = int(in_cluster.x);
+    cta_n_ = int(in_cluster.y);
+  }
+
+  template <class CS>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(CS) {
+    return get_current_work();
+  }
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    if (unit_ >= x_.units) return WorkTileInfo::invalid_work_tile();
+    const uint32_t slot = unit_ / x_.units_per_block;
+    const uint32_t within = unit_ - slot * x_.units_per_block;
+    const int block = int((x_.order >> (4 * slot)) & 15u);
+    const uint32_t row = block * x_.rows_per_block + within % x_.rows_per_block;
+    const uint32_t col = within / x_.rows_per_block;
+    Wait(block);
+    return {int(row) * kCM + cta_m_, int(col) * kCN + cta_n_, 0, true};
+  }
+
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { unit_ += stride_ * count; }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+    advance_to_next_work();
+    return cute::make_tuple(get_current_work(), true);
+  }
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, Pipeline&, PipelineState) {
+    return fetch_next_work(w);
+  }
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
+    return unit_ + stride_ * count >= x_.units;
+  }
+
+ private:
+  // Only the producer warp group (0 in both kernels) waits: it issues the TMA loads, and the
+  // consumers read A only from the shared memory those loads fill, so nothing of a tile is
+  // read or written before its flag; the math warps skip the flag's load latency per tile.
+  CUTLASS_DEVICE void Wait(int block) const {
+    if (x_.flags == nullptr || threadIdx.x >= cutlass::NumThreadsPerWarpGroup) return;
+    const Word* flag = x_.flags + block;
+    if (LoadAcquire(flag) < x_.target) {
+      const uint64_t start = Now();
+      while (LoadAcquire(flag) < x_.target) {
+        __nanosleep(256);
+        if (x_.timeout_ns == 0) continue;
+        volatile int* error = x_.error;
+        if (error != nullptr && *error != 0) break;  // another wait gave up
+        if (Now() - start > x_.timeout_ns) {
+          if (error != nullptr) *error = 1 + block;
+          break;
+        }
+      }
+    }
+    // The data was written through the generic proxy; TMA reads through the async proxy.
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+
+  Extra x_;
+  uint32_t unit_, stride_;
+  int cta_m_, cta_n_;
+};
+
+}  // namespace jax_ub::flag_gemm
+
+namespace cutlass::gemm::kernel::detail {
+template <class Word, class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<jax_ub::flag_gemm::FlagScheduler<Word>, ArchTag, TileShape,
+                             ClusterShape, Stages> {
+  using Scheduler = jax_ub::flag_gemm::FlagTileScheduler<ClusterShape, Word>;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace jax_ub::flag_gemm {
+
+using bf16 = cutlass::bfloat16_t;
+
+// One kernel: a TM x TN x 64 tile, clusters of CM x 1, the ping-pong or cooperative warp
+// schedule, B of layout LayoutB, tiles from SchedTag's scheduler.
+template <int TM, int TN, int CM, bool Pingpong, class SchedTag,
+          class LayoutB = cutlass::layout::RowMajor>
+struct Config {
+  using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<CM>, cute::_1, cute::_1>;
+  using KernelSchedule =
+      std::conditional_t<Pingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpiSchedule = std::conditional_t<Pingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                         cutlass::epilogue::TmaWarpSpecializedCooperative>;
+  using RowMajor = cutlass::layout::RowMajor;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, 8, bf16,
+      RowMajor, 8, EpiSchedule>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RowMajor, 8, bf16, LayoutB, 8,
+      float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<int(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
+                                                      Epilogue, SchedTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kRowUnit = TM * CM;  // a row block must be a multiple of it
+  static constexpr bool kRowMajorB = std::is_same_v<LayoutB, RowMajor>;
+};
+
+// The arguments of one call of Cfg's GEMM, D[m, n] = A[m, k] @ B on `sm_count` SMs of
+// `device`; with FlagScheduler, `sched` the scheduler's (flags, blocks, order...).
+template <class Cfg>
+typename Cfg::Gemm::Arguments MakeArguments(int m, int k, int n, const bf16* a, const bf16* b,
+                                            bf16* d, int device, int sm_count) {
+  using K = typename Cfg::Kernel;
+  // CUTLASS's B is N x K: w[k, n] row-major is its column-major, w stored as [n, k] its row-major.
+  typename K::StrideA sa = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(m) * k);
+  typename K::StrideB sb{};
+  if constexpr (Cfg::kRowMajorB) {
+    cute::get<1>(sb) = int64_t(n);
+  } else {
+    cute::get<0>(sb) = int64_t(k);
+  }
+  cute::get<2>(sb) = int64_t(n) * k;
+  typename K::StrideD sd = cute::make_stride(int64_t(n), cute::Int<1>{}, int64_t(m) * n);
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  typename Cfg::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                     {m, n, k, 1},
+                                     {a, sa, b, sb},
+                                     {{}, nullptr, sd, d, sd},
+                                     hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  return args;
+}
+
+}  // namespace jax_ub::flag_gemm

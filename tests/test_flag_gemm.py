@@ -1,0 +1,111 @@
+"""The all-gather's flag GEMM (Schedule::AllGatherFlagGemm, Tuning.all_gather_flag_gemm): in
+turn, after our own chunk's GEMM, one GEMM multiplies every remote chunk, waiting for each
+chunk's data flag itself (on Hopper GPUs inside one persistent kernel, FlagGemm). The step lists
+themselves (every rank's, read from the host extension): where it runs, what it reads and
+waits for, and that nothing else waits for its chunks on its lane; then the values on CPU
+devices, where the host runs these very lists, taking the chunks in the kernel's order and
+waiting for each. Gradients with it forced on: test_grad_matrix. On GPUs: test_gpu_schedules."""
+
+import jax.numpy as jnp
+import pytest
+from _op_cases import op_fn
+from conftest import comm_options, rel_err, to_f32, tol, use_tuning
+from test_epilogue import ag_epilogue_fn, ag_reference
+from test_gemm_lanes import COMPUTE
+
+import jax_ub
+from jax_ub._src.runtime import extension
+
+WIDE = 2560  # from here a chunk's GEMM outlasts its landing (2 Schedule::kInTurnColumnsPerPeer)
+
+
+def steps(rank: int, size: int, n: int, flag: bool | None = None, **options) -> list:
+    """Rank `rank`'s step list, in turn, for x[2, 3] @ w[3, n] a rank (float32)."""
+    opts = comm_options(all_gather_in_turn=True, all_gather_flag_gemm=flag, **options)
+    return extension._host.call_steps("all_gather_matmul", rank, size, 2, 3, n, False, opts)
+
+
+def flag_gemms(step_list: list) -> list:
+    return [st for st in step_list if st[0] == "Gemm" and st[7]]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 17])
+def test_where_the_flag_gemm_runs(size):
+    """By shape where w's local columns are wide (n >= 2560), from 3 ranks to 16 (the kernel's
+    order holds 16 blocks); forced on, at any n; off, never; never at two ranks, where in turn
+    has one remote chunk, nor beside a second GEMM lane."""
+    for r in (0, size - 1):
+        expect = 2 < size <= 16
+        assert bool(flag_gemms(steps(r, size, WIDE))) == expect, r
+        assert not flag_gemms(steps(r, size, WIDE - 1)), r
+        assert bool(flag_gemms(steps(r, size, 5, flag=True))) == expect, r
+        assert not flag_gemms(steps(r, size, WIDE, flag=False)), r
+        if expect:
+            assert all(st[1] == COMPUTE for st in steps(r, size, WIDE) if st[0] == "Gemm"), r
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+def test_the_flag_gemm_takes_every_remote_chunk_after_our_own(size):
+    """Our chunk's GEMM first (x into our rows of the output), then one GEMM over the buffer
+    and the whole output whose parts name every peer and not us; no wait for a peer's data on
+    the compute lane (the GEMM's own waits replace them); the credits after it."""
+    m, n, es = 2, WIDE, 4
+    for r in range(size):
+        s = steps(r, size, n)
+        gemms = [st for st in s if st[0] == "Gemm"]
+        assert len(gemms) == 2, r
+        own, rest = gemms
+        assert (own[4], own[5], own[6], own[10], own[11]) == (m, "X", 0, "Out", r * m * n * es)
+        assert (rest[4], rest[5], rest[6], rest[10], rest[11]) == (size * m, "Buffer", 0, "Out", 0)
+        assert rest[7] == sum(1 << j for j in range(size) if j != r), r
+        assert not [st for st in s if st[0] == "Wait" and st[1] == COMPUTE], r
+        credits = [i for i, st in enumerate(s) if st[0] == "Signal" and st[1] == COMPUTE]
+        assert len(credits) == size - 1 and min(credits) > s.index(rest), r
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+def test_the_gathered_copies_wait_on_our_own_lane(size):
+    """Where the caller keeps all_gather(x), each remote chunk's copy into it waits for that
+    chunk on our own lane, which the compute lane joins before the check."""
+    opts = comm_options(all_gather_in_turn=True)
+    for r in range(size):
+        s = extension._host.call_steps("all_gather_matmul", r, size, 2, 3, WIDE, True, opts)
+        assert flag_gemms(s), r
+        waited = [st[2] for st in s if st[0] == "Wait" and st[1] == r]
+        assert sorted(waited) == [j for j in range(size) if j != r], r
+        verify = next(i for i, st in enumerate(s) if st[0] == "Verify")
+        assert any(st[0] == "Join" and st[1] == COMPUTE and st[3] == r for st in s[:verify]), r
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_values(mesh1d, rand, size, m, dtype):
+    """The op with the flag GEMM forced on equals the gathered product, over calls with new
+    data (flags by epoch, the buffer reused, credits)."""
+    jax_ub.finalize()  # communicators take the setting when they are created
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
+    try:
+        f = op_fn("ag", mesh1d(size), "ub")
+        for call in range(3):
+            x = rand(size * m, 16, dtype=dtype)
+            w = rand(16, size * 6, dtype=dtype)
+            out = f(x, w)
+            assert out.shape == (size * m, size * 6) and out.dtype == dtype
+            assert rel_err(out, to_f32(x) @ to_f32(w)) < tol(dtype), call
+    finally:
+        jax_ub.finalize()
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_epilogue_in_each_block(mesh1d, rand, activation):
+    """Bias and GELU (its input kept) in the flag GEMM's every block, each in its own rows
+    (the host runs them; GPUs keep their library GEMMs for epilogues)."""
+    jax_ub.finalize()
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
+    try:
+        x, w, b = rand(4 * 3, 16), rand(16, 4 * 6, scale=0.5), rand(4 * 6)
+        out = ag_epilogue_fn(mesh1d(4), activation=activation)(x, w, b)
+        assert rel_err(out, ag_reference(x, w, b, activation)) < 1e-5
+    finally:
+        jax_ub.finalize()
