@@ -1,8 +1,8 @@
 """The all-gather's flag GEMM (Schedule::AllGatherFlagGemm, Tuning.all_gather_flag_gemm): in
-turn, after our own chunk's GEMM, one GEMM multiplies every remote chunk, waiting for each
-chunk's data flag itself (on Hopper GPUs inside one persistent kernel, FlagGemm). The step lists
-themselves (every rank's, read from the host extension): where it runs, what it reads and
-waits for, and that nothing else waits for its chunks on its lane; then the values on CPU
+turn, one GEMM multiplies every chunk (ours first, copied into our slot of the buffer), waiting
+for each chunk's data flag itself (on Hopper GPUs inside one persistent kernel, FlagGemm). The
+step lists themselves (every rank's, read from the host extension): where it runs, what it reads
+and waits for, and that nothing else waits for its chunks on its lane; then the values on CPU
 devices, where the host runs these very lists, taking the chunks in the kernel's order and
 waiting for each. Gradients with it forced on: test_grad_matrix. On GPUs: test_gpu_schedules."""
 
@@ -45,22 +45,31 @@ def test_where_the_flag_gemm_runs(size):
 
 
 @pytest.mark.parametrize("size", [3, 4, 8])
-def test_the_flag_gemm_takes_every_remote_chunk_after_our_own(size):
-    """Our chunk's GEMM first (x into our rows of the output), then one GEMM over the buffer
-    and the whole output whose parts name every peer and not us; no wait for a peer's data on
-    the compute lane (the GEMM's own waits replace them); the credits after it."""
+def test_the_flag_gemm_takes_every_chunk_ours_first(size):
+    """Our own lane first copies x into our slot of the buffer and raises our own data flag;
+    then one GEMM over the buffer and the whole output, its parts every rank's chunk, ours
+    included; no other GEMM, and no wait for data on the compute lane (the GEMM's own waits
+    replace them); the credits after it."""
     m, n, es = 2, WIDE, 4
     for r in range(size):
         s = steps(r, size, n)
-        gemms = [st for st in s if st[0] == "Gemm"]
-        assert len(gemms) == 2, r
-        own, rest = gemms
-        assert (own[4], own[5], own[6], own[10], own[11]) == (m, "X", 0, "Out", r * m * n * es)
-        assert (rest[4], rest[5], rest[6], rest[10], rest[11]) == (size * m, "Buffer", 0, "Out", 0)
-        assert rest[7] == sum(1 << j for j in range(size) if j != r), r
+        own = [st for st in s if st[1] == r]
+        assert own[0][0] == "Copy" and (own[0][5], own[0][10]) == ("X", "Buffer"), r
+        assert (own[0][11], own[0][12]) == (r * m * 3 * es, m * 3 * es), r
+        assert own[1][0] == "Signal" and own[1][2] == r, r
+        (gemm,) = [st for st in s if st[0] == "Gemm"]
+        assert (gemm[1], gemm[4], gemm[5], gemm[6], gemm[10], gemm[11]) == (
+            COMPUTE,
+            size * m,
+            "Buffer",
+            0,
+            "Out",
+            0,
+        ), r
+        assert gemm[7] == (1 << size) - 1, r
         assert not [st for st in s if st[0] == "Wait" and st[1] == COMPUTE], r
         credits = [i for i, st in enumerate(s) if st[0] == "Signal" and st[1] == COMPUTE]
-        assert len(credits) == size - 1 and min(credits) > s.index(rest), r
+        assert len(credits) == size - 1 and min(credits) > s.index(gemm), r
 
 
 @pytest.mark.parametrize("size", [3, 4, 8])

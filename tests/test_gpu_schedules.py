@@ -66,7 +66,7 @@ def test_optional_schedule(tp, rows, dtype, schedule):
         mesh = _mesh(tp)
         key = jax.random.key(rows + 100 * tp)
         if op_kind == "rs":
-            k = tp * 2560 if schedule.endswith("_long_k") else 256
+            k = tp * (2560 if schedule.endswith("_long_k") else 128)
             op, (a, b) = _rs, _data(key, [(tp * rows, k), (k, 384)], dtype)
         else:
             cols = 3584 if schedule.endswith("_wide") else 128

@@ -34,9 +34,11 @@
 //                    library runs in_turn:2streams where n >= 2560 (AllGatherTwoGemmLanes)
 //   paced:flag:CFG   flag_gemm's CUTLASS GEMM, blocks in turn: one persistent GEMM that waits
 //                    for each row block's flag before loading it
-//   paced:flag_after_own:CFG  the library's (Schedule::AllGatherFlagGemm, FlagGemm: CFG
-//                    ping_128x128_c2): the own block's cuBLASLt GEMM, then the flag GEMM over
-//                    the remote blocks
+//   paced:flag_own_copied:CFG  the library's (Schedule::AllGatherFlagGemm, FlagGemm: CFG
+//                    ping_128x128_c2): the flag GEMM over every block, the own one copied into
+//                    its rows on another stream meanwhile (its flag raised after the copy)
+//   paced:flag_after_own:CFG  the own block's cuBLASLt GEMM, then the flag GEMM over the remote
+//                    blocks
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
 // conditions), and to the model's floor: no schedule ends before that GEMM would, nor before
 // the last block lands (in turn) plus its share of the GEMM (1/tp).
@@ -73,6 +75,17 @@ WaitValue32 LoadWaitValue32() {
   return reinterpret_cast<WaitValue32>(fn);
 }
 
+// The driver's cuStreamWriteValue32 (the library raises a flag with its 64-bit sibling).
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+WriteValue32 LoadWriteValue32() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CHECK(
+      cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || fn == nullptr) Fail("driver", "no cuStreamWriteValue32");
+  return reinterpret_cast<WriteValue32>(fn);
+}
+
 // When each remote row block lands, in ns after the link starts, in landing order.
 struct Arrivals {
   int count = 0;
@@ -107,10 +120,11 @@ struct Harness {
   }
   // Starts the link for one call once the compute stream's earlier work (any call's) is done,
   // and makes `compute` wait until it runs: no block lands before the call can take it.
-  void Begin(const Arrivals& a, int blocks, int own) {
+  // `own_landed` false: the own block's flag stays down too (the call raises it).
+  void Begin(const Arrivals& a, int blocks, int own, bool own_landed = true) {
     CHECK(cudaEventRecord(done, compute));
     CHECK(cudaStreamWaitEvent(link, done));
-    Link<<<1, 1, 0, link>>>(a, flags, blocks, own, go, ++epoch);
+    Link<<<1, 1, 0, link>>>(a, flags, blocks, own_landed ? own : -1, go, ++epoch);
     CHECK(cudaGetLastError());
     Wait(go, epoch);
   }
@@ -190,6 +204,11 @@ int main(int argc, char** argv) {
   jax_ub_tool::FillRandom(reinterpret_cast<__nv_bfloat16*>(a), a_elems, 0x1234u, 1.0f, nullptr);
   jax_ub_tool::FillRandom(reinterpret_cast<__nv_bfloat16*>(b), int64_t(whole.k) * whole.n, 0x9876u,
                           1.0f, nullptr);
+  bf16* own_rows;  // the own block's rows again, for paced:flag_own_copied to copy in
+  CHECK(cudaMalloc(&own_rows, size_t(chunk)));
+  CHECK(cudaMemcpy(own_rows, a + int64_t(rank) * rows * whole.k, size_t(chunk),
+                   cudaMemcpyDeviceToDevice));
+  const WriteValue32 write_value = LoadWriteValue32();
   Harness h{};
   h.wait_value = LoadWaitValue32();
   CHECK(cudaStreamCreateWithFlags(&h.compute, cudaStreamNonBlocking));
@@ -318,8 +337,21 @@ int main(int argc, char** argv) {
                        h.Begin(in_turn, tp, rank);
                        op->Run(h.compute);
                      }});
-    // The library's (Schedule::AllGatherFlagGemm): the own block's GEMM first, then the flag
-    // GEMM over the remote blocks alone.
+    // The library's (Schedule::AllGatherFlagGemm): the own block copied into its rows (from a
+    // copy of them) on the second stream, its flag raised after the copy, while the flag GEMM
+    // over every block starts.
+    impls.push_back({std::string("paced:flag_own_copied:") + c.name, h.compute, [&, op] {
+                       h.Begin(in_turn, tp, rank, false);
+                       CHECK(cudaEventRecord(forked, h.compute));
+                       CHECK(cudaStreamWaitEvent(second, forked));
+                       CHECK(cudaMemcpyAsync(a + int64_t(rank) * rows * whole.k, own_rows,
+                                             size_t(chunk), cudaMemcpyDeviceToDevice, second));
+                       CHECK(write_value(second, CUdeviceptr(h.flags + rank), 1, 0));
+                       op->Run(h.compute);
+                       CHECK(cudaEventRecord(joined, second));
+                       CHECK(cudaStreamWaitEvent(h.compute, joined));
+                     }});
+    // The own block's GEMM first, then the flag GEMM over the remote blocks alone.
     Problem remote = paced;
     remote.order = paced.order >> 4;
     remote.slots = tp - 1;
@@ -386,8 +418,8 @@ int main(int argc, char** argv) {
   CHECK(cudaEventDestroy(h.done));
   CHECK(cudaStreamDestroy(h.compute));
   CHECK(cudaStreamDestroy(h.link));
-  for (void* ptr :
-       {(void*)a, (void*)b, (void*)d, (void*)ref, (void*)err, ws, (void*)h.flags, (void*)h.go})
+  for (void* ptr : {(void*)a, (void*)b, (void*)d, (void*)ref, (void*)err, ws, (void*)h.flags,
+                    (void*)h.go, (void*)own_rows})
     CHECK(cudaFree(ptr));
   return pass ? 0 : 1;
 }

@@ -93,10 +93,11 @@ struct Schedule {
   // down at tp=4 (k=3584) 1.077; 1.038; below: 8B's down at tp=8 (k=1792) 1.009; 1.040, 8B's
   // o at tp=8 (k=512) 1.013; 1.045, 70B's o at tp=8 (k=1024) 0.995; 1.005.
   bool ReduceScatterTwoGemmLanes(const CallShape& c) const;
-  // Whether an all-gather in turn multiplies its remote chunks in one GEMM that takes each chunk
-  // as its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent
-  // kernel): after our own chunk's GEMM, every SM moves on to the next landed chunk's tiles, with
-  // no GEMM boundary and no partial last wave per span. By shape where two GEMM lanes would
+  // Whether an all-gather in turn multiplies every chunk in one GEMM that takes each chunk as
+  // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
+  // our own first (copied into our slot of the buffer, our own data flag raised after it), then
+  // every SM moves on to the next landed chunk's tiles, with no GEMM boundary and no partial
+  // last wave per span. By shape where two GEMM lanes would
   // run (n >= 2 kInTurnColumnsPerPeer), from three ranks to kFlagGemmMaxRanks. On an H200 with
   // a modelled 270 GB/s link (paced_gemm, calls interleaved), such a GEMM took Llama 3 8B's
   // gate/up at tp=8 to 1.015-1.021x the floor (two lanes: 1.165-1.169x), 70B's to
