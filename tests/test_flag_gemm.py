@@ -1,6 +1,6 @@
 """The all-gather's flag GEMM (Schedule::AllGatherFlagGemm, Tuning.all_gather_flag_gemm): in
 turn, one GEMM multiplies every chunk (ours first, copied into our slot of the buffer), waiting
-for each chunk's data flag itself (on Hopper GPUs inside one persistent kernel, FlagGemm). The
+for each other chunk's data flag itself (on Hopper GPUs inside one persistent kernel, FlagGemm). The
 step lists themselves (every rank's, read from the host extension): where it runs, what it reads
 and waits for, and that nothing else waits for its chunks on its lane; then the values on CPU
 devices, where the host runs these very lists, taking the chunks in the kernel's order and
@@ -46,17 +46,17 @@ def test_where_the_flag_gemm_runs(size):
 
 @pytest.mark.parametrize("size", [3, 4, 8])
 def test_the_flag_gemm_takes_every_chunk_ours_first(size):
-    """Our own lane first copies x into our slot of the buffer and raises our own data flag;
-    then one GEMM over the buffer and the whole output, its parts every rank's chunk, ours
-    included; no other GEMM, and no wait for data on the compute lane (the GEMM's own waits
-    replace them); the credits after it."""
+    """The compute lane first copies x into our slot of the buffer (a copy on another lane
+    could need SMs the waiting kernel holds); then one GEMM over the buffer and the whole
+    output, its parts every rank's chunk, ours included; no other GEMM, and no wait for data
+    on the compute lane (the GEMM's own waits replace them); the credits after it."""
     m, n, es = 2, WIDE, 4
     for r in range(size):
         s = steps(r, size, n)
-        own = [st for st in s if st[1] == r]
-        assert own[0][0] == "Copy" and (own[0][5], own[0][10]) == ("X", "Buffer"), r
-        assert (own[0][11], own[0][12]) == (r * m * 3 * es, m * 3 * es), r
-        assert own[1][0] == "Signal" and own[1][2] == r, r
+        first = next(st for st in s if st[1] == COMPUTE)
+        assert first[0] == "Copy" and (first[5], first[10]) == ("X", "Buffer"), r
+        assert (first[11], first[12]) == (r * m * 3 * es, m * 3 * es), r
+        assert not [st for st in s if st[0] == "Signal" and st[2] == r], r
         (gemm,) = [st for st in s if st[0] == "Gemm"]
         assert (gemm[1], gemm[4], gemm[5], gemm[6], gemm[10], gemm[11]) == (
             COMPUTE,

@@ -65,21 +65,16 @@ def overlap(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
-def replay(step_list: list, rank: int) -> list[dict]:
+def replay(step_list: list) -> list[dict]:
     """Each step's lane, place on it, and vector clock (steps of each lane ordered before it,
-    itself included) and the peers whose data waits are ordered before it. A wait for our own
-    data flag (a flag GEMM's, Step::parts) is ordered after our own signal of it."""
+    itself included) and the peers whose data waits are ordered before it."""
     clock: dict[int, dict[int, int]] = {}
     landed: dict[int, set] = {}
     count: dict[int, int] = {}
-    own_signal: dict[int, int] = {}
     out = []
     for st in step_list:
         kind, lane, peer, on_lane = st[:4]
         mine, seen = clock.setdefault(lane, {}), landed.setdefault(lane, set())
-        if kind == "Gemm" and st[7] >> rank & 1:
-            for other, c in own_signal.items():
-                mine[other] = max(mine.get(other, 0), c)
         if kind == "Join":  # everything enqueued on on_lane so far, and what it had seen
             for other, c in clock.get(on_lane, {}).items():
                 mine[other] = max(mine.get(other, 0), c)
@@ -91,8 +86,6 @@ def replay(step_list: list, rank: int) -> list[dict]:
             seen |= {j for j in range(64) if st[7] >> j & 1}
         count[lane] = count.get(lane, 0) + 1
         mine[lane] = count[lane]
-        if kind == "Signal" and peer == rank and lane != COMPUTE:
-            own_signal = dict(mine)
         out.append({"lane": lane, "place": count[lane], "clock": dict(mine), "landed": set(seen)})
     return out
 
@@ -104,7 +97,7 @@ def before(a: dict, b: dict) -> bool:
 def check(step_list: list, rank: int, size: int, m: int, k: int, n: int, peer_slots: str):
     """The module's checks for one rank's list; `peer_slots` (the op, or "" for none) checks
     that reads of a peer's slot of the buffer follow a wait for that peer."""
-    order = replay(step_list, rank)
+    order = replay(step_list)
     eff = [effects(st, m, k, n) for st in step_list]
     local_writes = [w for _, ws in eff for w in ws if w[0] == "Buffer"]
     chunk_of = {"all_gather_matmul": m * k * ES, "matmul_reduce_scatter": m * n * ES}

@@ -48,6 +48,10 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
   for (int j : sched.FlagGemmOrder(step.parts)) {
     c.order |= uint64_t(j) << (4 * c.count++);
     const int index = FlagIndex(Flag::kData, j);
+    if (j == sched.rank) {  // ours, copied on this stream before: its flag goes up behind it
+      JAX_UB_RETURN_IF_ERROR(Signal(stream, s.flags + index, epoch));
+      continue;
+    }
     // The kernel's waits, for the watchdog, which names an overdue one and releases it by
     // raising its flag. Where a peer shares this GPU, the stream waits instead, before the
     // kernel takes every SM: the peer's own kernels may need some to send its chunk.

@@ -298,9 +298,11 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
           const int64_t out_rows = rows * shape.n * DTypeSize(shape.out);
           const Schedule sched = schedule_.For(ctx.rank, ctx.size);
           for (int j : sched.FlagGemmOrder(step.parts)) {
-            st = WaitFlag(ctx, FlagWord(ctx.slot, Flag::kData, j), ctx.epoch, j,
-                          "deliver its chunk");
-            if (st.ok() && j != ctx.rank) st = CheckDescriptor(ctx, j);  // ours: a local copy
+            if (j != ctx.rank) {  // ours was copied before, on the GEMM's lane
+              st = WaitFlag(ctx, FlagWord(ctx.slot, Flag::kData, j), ctx.epoch, j,
+                            "deliver its chunk");
+              if (st.ok()) st = CheckDescriptor(ctx, j);
+            }
             if (!st.ok()) break;
             char* aux = at(step.aux);
             HostGemm(shape.in, shape.w_type, shape.out, at(step.src) + j * in_rows, ops.w,

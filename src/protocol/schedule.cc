@@ -93,14 +93,7 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
     steps.push_back(Copy(p, At(Region::kX, 0), At(Region::kPeerBuffer, rank * chunk, p), chunk));
     steps.push_back(Signal(p, p, Flag::kData));
   }
-  // With the flag GEMM our own chunk joins the remote ones in the buffer, so that one kernel
-  // takes them all, ours first (a GEMM of its own before it cost 3-6% on an H200: its last
-  // wave and the kernel's start): a copy on our own lane, announced by our own data flag.
   const bool flag_gemm = sched.AllGatherFlagGemm(c);
-  if (flag_gemm) {
-    steps.push_back(Copy(rank, At(Region::kX, 0), At(Region::kBuffer, rank * chunk), chunk));
-    steps.push_back(Signal(rank, rank, Flag::kData));
-  }
   // The gathered copy, when asked for, runs on our own lane beside the GEMMs.
   if (c.gathered)
     steps.push_back(Copy(rank, At(Region::kX, 0), At(Region::kGathered, rank * chunk), chunk));
@@ -109,6 +102,12 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   // spans after their waits; with two GEMM lanes, the remote GEMMs alternate between them,
   // the second lane's first.
   if (flag_gemm) {
+    // Our own chunk joins the remote ones in the buffer, so that one kernel takes them all, ours
+    // first (a GEMM of its own before the kernel cost 3-6% on an H200: its last wave and the
+    // kernel's start). The copy goes on the compute lane, before the GEMM: on a GPU, a copy on
+    // another stream may need SMs that the waiting kernel holds.
+    steps.push_back(
+        Copy(kComputeLane, At(Region::kX, 0), At(Region::kBuffer, rank * chunk), chunk));
     Step all = Gemm(At(Region::kBuffer, 0), At(Region::kOut, 0), sched.size * c.m);
     all.epilogue = c.epilogue.Any();
     if (c.epilogue.UsesAux()) all.aux = At(Region::kAux, 0);

@@ -95,7 +95,7 @@ struct Schedule {
   bool ReduceScatterTwoGemmLanes(const CallShape& c) const;
   // Whether an all-gather in turn multiplies every chunk in one GEMM that takes each chunk as
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
-  // our own first (copied into our slot of the buffer, our own data flag raised after it), then
+  // our own first (copied into our slot of the buffer on the compute lane before it), then
   // every SM moves on to the next landed chunk's tiles, with no GEMM boundary and no partial
   // last wave per span. By shape where two GEMM lanes would
   // run (n >= 2 kInTurnColumnsPerPeer), from three ranks to kFlagGemmMaxRanks. On an H200 with
@@ -328,9 +328,9 @@ struct Step {
   int64_t bytes = 0;
   // kSum: bit j for the partial at src + j * bytes. kGemm: where not 0, src and dst are the
   // group's size row blocks of rows / size rows each, and the GEMM multiplies the blocks whose
-  // bit is set, in Schedule::FlagGemmOrder, each once its sender's (rank j's) data flag holds
-  // this call's epoch: the waits are the GEMM's own (on GPUs inside its kernel, FlagGemm), and
-  // the blocks not set are left as they are.
+  // bit is set, in Schedule::FlagGemmOrder, each but our own (written on its lane before) once
+  // its sender's (rank j's) data flag holds this call's epoch: the waits are the GEMM's own (on
+  // GPUs inside its kernel, FlagGemm), and the blocks not set are left as they are.
   uint64_t parts = 0;
   bool to_float = false;  // kSum: dst is float32 (a partial sum, added to later)
   int64_t src_bytes = 0;
