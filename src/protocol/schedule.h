@@ -97,11 +97,12 @@ struct Schedule {
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
   // our own first (copied into our slot of the buffer on the compute lane before it), then
   // every SM moves on to the next landed chunk's tiles, with no GEMM boundary and no partial
-  // last wave per span. By shape where two GEMM lanes would
-  // run (n >= 2 kInTurnColumnsPerPeer), from three ranks to kFlagGemmMaxRanks. On an H200 with
-  // a modelled 270 GB/s link (paced_gemm, calls interleaved), such a GEMM took Llama 3 8B's
-  // gate/up at tp=8 to 1.015-1.021x the floor (two lanes: 1.165-1.169x), 70B's to
-  // 1.003-1.009x (1.038-1.058x).
+  // last wave per span. By shape where two GEMM lanes would run (n >= 2 kInTurnColumnsPerPeer),
+  // from three ranks to kFlagGemmMaxRanks. On an H200 with a modelled 270 GB/s link
+  // (paced_gemm's flag_own_copied, calls interleaved) it took Llama 3 8B's gate/up at tp=8 to
+  // 1.047x the floor (two lanes: 1.165-1.170x), 70B's to 1.015x (1.038-1.058x); reading our
+  // chunk in place instead of copying it would give 1.015-1.030x and 1.003-1.009x. Where
+  // chunks land slower than their GEMMs (narrow n), it lost up to 5% to a GEMM a chunk.
   static constexpr int kFlagGemmMaxRanks = 16;
   bool AllGatherFlagGemm(const CallShape& c) const;
   // The order in which a GEMM that waits for its blocks' flags (Step::parts) takes them: as
