@@ -194,13 +194,17 @@ def test_a_gathered_copy_follows_each_chunk():
 
 
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("flag_gemm", [None, True], ids=["spans", "flag_gemm"])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_values(mesh1d, rand, size, m, dtype):
+def test_values(mesh1d, rand, size, m, dtype, flag_gemm):
     """The op in turn equals the gathered product, over several calls with new data (flags by
-    epoch, the buffer reused, credits)."""
+    epoch, the buffer reused, credits): with GEMMs of spans, and (above 2 ranks) with the flag
+    GEMM forced on (test_flag_gemm.py), which the host runs block by block in its order."""
+    if flag_gemm and size == 2:
+        pytest.skip("two ranks never take the flag GEMM")
     jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True)
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=flag_gemm)
     try:
         f = op_fn("ag", mesh1d(size), "ub")
         for call in range(3):
@@ -230,11 +234,13 @@ def test_values_with_gemms_over_runs_of_chunks(mesh1d, rand, size, dtype):
         jax_ub.finalize()
 
 
+@pytest.mark.parametrize("flag_gemm", [None, True], ids=["spans", "flag_gemm"])
 @pytest.mark.parametrize("activation", [None, "gelu"])
-def test_epilogue_in_each_chunks_gemm(mesh1d, rand, activation):
-    """Bias and GELU in every chunk's GEMM, each chunk's rows in their own place."""
+def test_epilogue_in_each_chunks_gemm(mesh1d, rand, activation, flag_gemm):
+    """Bias and GELU in every chunk's GEMM (or every block of the flag GEMM, on the host: GPUs
+    keep their library GEMMs for epilogues), each chunk's rows in their own place."""
     jax_ub.finalize()
-    use_tuning(all_gather_in_turn=True)
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=flag_gemm)
     try:
         x, w, b = rand(4 * 3, 16), rand(16, 4 * 6, scale=0.5), rand(4 * 6)
         out = ag_epilogue_fn(mesh1d(4), activation=activation)(x, w, b)
@@ -243,12 +249,14 @@ def test_epilogue_in_each_chunks_gemm(mesh1d, rand, activation):
         jax_ub.finalize()
 
 
+@pytest.mark.parametrize("flag_gemm", [None, True], ids=["spans", "flag_gemm"])
 @pytest.mark.parametrize("keep_gathered", [False, True])
-def test_gradients(mesh1d, rand, keep_gathered):
+def test_gradients(mesh1d, rand, keep_gathered, flag_gemm):
     """gelu_mlp's gradients in turn against impl="xla"'s: its forward all-gather keeps GELU's
-    input (aux) and, with keep_gathered, all_gather(x) for the backward (the gathered copy)."""
+    input (aux) and, with keep_gathered, all_gather(x) for the backward (the gathered copy,
+    which with the flag GEMM waits for each chunk on our own lane)."""
     jax_ub.finalize()
-    use_tuning(all_gather_in_turn=True)
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=flag_gemm)
     jax_ub.configure(keep_gathered=keep_gathered)
     try:
         assert_grads_match_xla(mesh1d(4), operands(rand, 4))

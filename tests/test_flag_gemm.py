@@ -2,18 +2,15 @@
 turn, one GEMM multiplies every chunk (ours first, copied into our slot of the buffer), waiting
 for each other chunk's data flag itself (on Hopper GPUs inside one persistent kernel, FlagGemm). The
 step lists themselves (every rank's, read from the host extension): where it runs, what it reads
-and waits for, and that nothing else waits for its chunks on its lane; then the values on CPU
-devices, where the host runs these very lists, taking the chunks in the kernel's order and
-waiting for each. Gradients with it forced on: test_grad_matrix. On GPUs: test_gpu_schedules."""
+and waits for, and that nothing else waits for its chunks on its lane. The values on CPU devices,
+where the host runs these very lists (taking the chunks in the kernel's order and waiting for
+each), epilogues and the gathered copy: test_all_gather_in_turn.py; gradients in every way to
+call: test_grad_matrix.py; on GPUs, the kernel: test_gpu_schedules.py."""
 
-import jax.numpy as jnp
 import pytest
-from _op_cases import op_fn
-from conftest import comm_options, rel_err, to_f32, tol, use_tuning
-from test_epilogue import ag_epilogue_fn, ag_reference
+from conftest import comm_options
 from test_gemm_lanes import COMPUTE
 
-import jax_ub
 from jax_ub._src.runtime import extension
 
 WIDE = 2560  # from here a chunk's GEMM outlasts its landing (2 Schedule::kInTurnColumnsPerPeer)
@@ -84,37 +81,3 @@ def test_the_gathered_copies_wait_on_our_own_lane(size):
         assert sorted(waited) == [j for j in range(size) if j != r], r
         verify = next(i for i, st in enumerate(s) if st[0] == "Verify")
         assert any(st[0] == "Join" and st[1] == COMPUTE and st[3] == r for st in s[:verify]), r
-
-
-@pytest.mark.parametrize("size", [3, 4, 8])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_values(mesh1d, rand, size, m, dtype):
-    """The op with the flag GEMM forced on equals the gathered product, over calls with new
-    data (flags by epoch, the buffer reused, credits)."""
-    jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
-    try:
-        f = op_fn("ag", mesh1d(size), "ub")
-        for call in range(3):
-            x = rand(size * m, 16, dtype=dtype)
-            w = rand(16, size * 6, dtype=dtype)
-            out = f(x, w)
-            assert out.shape == (size * m, size * 6) and out.dtype == dtype
-            assert rel_err(out, to_f32(x) @ to_f32(w)) < tol(dtype), call
-    finally:
-        jax_ub.finalize()
-
-
-@pytest.mark.parametrize("activation", [None, "gelu"])
-def test_epilogue_in_each_block(mesh1d, rand, activation):
-    """Bias and GELU (its input kept) in the flag GEMM's every block, each in its own rows
-    (the host runs them; GPUs keep their library GEMMs for epilogues)."""
-    jax_ub.finalize()
-    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
-    try:
-        x, w, b = rand(4 * 3, 16), rand(16, 4 * 6, scale=0.5), rand(4 * 6)
-        out = ag_epilogue_fn(mesh1d(4), activation=activation)(x, w, b)
-        assert rel_err(out, ag_reference(x, w, b, activation)) < 1e-5
-    finally:
-        jax_ub.finalize()

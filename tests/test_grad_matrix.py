@@ -248,28 +248,24 @@ def test_op_gradients_with_the_all_gather_in_turn(rand, name, mode):
         jax_ub.finalize()
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(OPS))
-def test_op_gradients_on_two_gemm_lanes(rand, name, mode):
-    """tp = 4 (dp = 2), impl="ub", GEMMs forced onto two lanes (Tuning.two_gemm_lanes, by
-    default only for long GEMMs) with the all-gather in turn: the forward's and the backward's
-    all-gather GEMMs and reduce-scatter partials take turns on the second lane."""
-    jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True, two_gemm_lanes=True)
-    try:
-        check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (4, "tp")))
-    finally:
-        jax_ub.finalize()
+# Schedules a tuning choice forces where the defaults take them only for long GEMMs, each with
+# the all-gather in turn: GEMMs taking turns on two lanes (Tuning.two_gemm_lanes: the forward's
+# and the backward's all-gather GEMMs and reduce-scatter partials), and the all-gather's flag GEMM
+# (Tuning.all_gather_flag_gemm: every chunk in one GEMM that waits for each chunk itself).
+FORCED_SCHEDULES = {
+    "two_gemm_lanes": {"all_gather_in_turn": True, "two_gemm_lanes": True},
+    "flag_gemm": {"all_gather_in_turn": True, "all_gather_flag_gemm": True},
+}
 
 
+@pytest.mark.parametrize("schedule", list(FORCED_SCHEDULES))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(OPS))
-def test_op_gradients_with_the_flag_gemm(rand, name, mode):
-    """tp = 4 (dp = 2), impl="ub", the all-gather in turn with its flag GEMM forced on
-    (Tuning.all_gather_flag_gemm, by default only for wide w): the forward's and the backward's
-    all-gathers multiply every remote chunk in one GEMM that waits for each chunk itself."""
+def test_op_gradients_with_forced_schedules(rand, name, mode, schedule):
+    """tp = 4 (dp = 2), impl="ub", a schedule of FORCED_SCHEDULES forced on, in every way to
+    call."""
     jax_ub.finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
+    use_tuning(**FORCED_SCHEDULES[schedule])
     try:
         check_op(rand, name, mode, "ub", mesh=make_mesh((2, "dp"), (4, "tp")))
     finally:
