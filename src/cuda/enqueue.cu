@@ -2,6 +2,7 @@
 // runs) enqueued on this slot's streams: lanes become streams, flags stream memory
 // operations, copies copy-engine transfers, GEMMs cuBLASLt.
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -52,12 +53,21 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
       JAX_UB_RETURN_IF_ERROR(Signal(stream, s.flags + index, epoch));
       continue;
     }
-    // The kernel's waits, for the watchdog, which names an overdue one and releases it by
-    // raising its flag. Where a peer shares this GPU, the stream waits instead, before the
-    // kernel takes every SM: the peer's own kernels may need some to send its chunk.
+    // The kernel holds every SM while it waits, so nothing its peers' chunks depend on may
+    // need this GPU's SMs then. Where a peer shares this GPU, its kernels and copies do: the
+    // stream waits for every chunk before the kernel. Elsewhere the stream waits until every
+    // peer has begun the call (its descriptor, which each push lane publishes before its copy
+    // once the call's inputs are ready), so that what is left are copy-engine transfers: not
+    // on work of this GPU's other streams (a collective of another axis) that a peer's inputs
+    // may wait for. The kernel's own waits are listed for the watchdog, which names an
+    // overdue one and releases it by raising its flag.
     if (s.shares_gpu) {
       JAX_UB_RETURN_IF_ERROR(WaitFlag(s, stream, index, epoch, j, "deliver its chunk", waits));
     } else if (epoch > 0) {
+      constexpr int kEpochWord = offsetof(CallDescriptor, epoch) / sizeof(uint64_t);
+      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, stream,
+                                      kDescFlag + j * CallDescriptor::kWords + kEpochWord, epoch, j,
+                                      "begin the call (publish its descriptor)", waits));
       waits->push_back(Wait{j, s.flags + index, epoch, "deliver its chunk", s.flags + index});
     }
   }
