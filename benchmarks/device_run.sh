@@ -163,7 +163,9 @@ build_and_install() {
   step --append "build: import" 120 "$OUT/build.log" python3 -c '
 from jax_ub._src.runtime import extension as e
 print("host extension:", e._host.__file__)
-print("CUDA extension:", e.cuda_import_error() or "loaded")'
+print("CUDA extension:", e.cuda_import_error() or "loaded")
+m = e.module_for("cuda")
+print("FlagGemm:", "built" if m is not None and m.flag_gemm_built() else "not built (no CUTLASS)")'
   if [ "$STEP_RC" -ne 0 ]; then
     echo "BUILD FAILED: the installed jax_ub does not import"
     tail -n 40 "$OUT/build.log"
