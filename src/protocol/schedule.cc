@@ -298,6 +298,32 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
 
 }  // namespace
 
+std::vector<Schedule::Span> Schedule::InTurnSpans(int64_t n) const {
+  const double gemm = double(n) / (2.0 * kInTurnColumnsPerPeer);  // a chunk's, in landings
+  std::vector<Span> spans{{rank, 1}};
+  double free_at = gemm;  // when the GEMMs so far end; chunk at step s lands at s
+  for (int s = 1; s < size;) {
+    const int first = (rank - s + size) % size;  // the chunk landing at step s
+    const double start = free_at > s ? free_at : s;
+    const int landed = start >= size - 1 ? size - 1 : static_cast<int>(start);
+    int take = landed - s + 1;
+    if (take > first + 1) take = first + 1;
+    spans.push_back({first - take + 1, take});
+    free_at = (free_at > s + take - 1 ? free_at : s + take - 1) + take * gemm;
+    s += take;
+  }
+  return spans;
+}
+
+std::vector<int> Schedule::FlagGemmOrder(uint64_t parts) const {
+  std::vector<int> order;
+  for (int s = 0; s < size; ++s) {
+    const int j = ((rank - s) % size + size) % size;
+    if (parts >> j & 1) order.push_back(j);
+  }
+  return order;
+}
+
 bool Schedule::AllGatherInTurnPays(const CallShape& c) const {
   if (size <= 2 || c.n >= (size - 1) * kInTurnColumnsPerPeer) return false;
   return double(c.m) * double(c.k) * double(c.n) * (size - 2) > kInTurnMinMkn * (size - 1);

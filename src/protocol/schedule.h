@@ -108,14 +108,7 @@ struct Schedule {
   // The order in which a GEMM that waits for its blocks' flags (Step::parts) takes them: as
   // they land in turn, from rank - 1 down (PushOrder: at step s every rank receives from
   // rank - s), our own block first where it is one of them.
-  std::vector<int> FlagGemmOrder(uint64_t parts) const {
-    std::vector<int> order;
-    for (int s = 0; s < size; ++s) {
-      const int j = ((rank - s) % size + size) % size;
-      if (parts >> j & 1) order.push_back(j);
-    }
-    return order;
-  }
+  std::vector<int> FlagGemmOrder(uint64_t parts) const;
 
   // This schedule as seen from `r` in a group of `n`.
   Schedule For(int r, int n) const {
@@ -165,22 +158,7 @@ struct Schedule {
   // AllGatherInTurnPays: a chunk lands every m k b / rate and its GEMM takes 2 m k n / flops,
   // n / (2 kInTurnColumnsPerPeer) landings. A GEMM's chunks are contiguous rows: chunks land
   // in descending order, so a span stops at chunk 0 (the next to land is size - 1).
-  std::vector<Span> InTurnSpans(int64_t n) const {
-    const double gemm = double(n) / (2.0 * kInTurnColumnsPerPeer);  // a chunk's, in landings
-    std::vector<Span> spans{{rank, 1}};
-    double free_at = gemm;  // when the GEMMs so far end; chunk at step s lands at s
-    for (int s = 1; s < size;) {
-      const int first = (rank - s + size) % size;  // the chunk landing at step s
-      const double start = free_at > s ? free_at : s;
-      const int landed = start >= size - 1 ? size - 1 : static_cast<int>(start);
-      int take = landed - s + 1;
-      if (take > first + 1) take = first + 1;
-      spans.push_back({first - take + 1, take});
-      free_at = (free_at > s + take - 1 ? free_at : s + take - 1) + take * gemm;
-      s += take;
-    }
-    return spans;
-  }
+  std::vector<Span> InTurnSpans(int64_t n) const;
 
   // Row blocks of the reduce-scatter input in the order their partial products are
   // computed: the block each peer needs first (so its transfer overlaps the next
