@@ -82,28 +82,30 @@ class Tuning:
         outlasts twice the local chunk's GEMM, w's local columns n < 1280 (tp - 1), and
         the GEMM repays the serial copies, m k n > 1.75e9 (tp - 1) / (tp - 2) for x's
         local rows m (src/protocol/schedule.h); where a chunk's GEMM outlasts its landing
-        (n >= 2560), its GEMMs take turns on two streams. On one H200 with a modelled 270 GB/s
-        link (benchmarks/tools/paced_gemm.cu), at tp=8 in turn ran 1.03-1.17x its floor, all
-        at once 1.24-1.70x. Not yet measured on 2+ GPUs.
+        (n >= 2560), one GEMM takes every chunk as it lands (all_gather_flag_gemm), or where
+        that cannot run its GEMMs take turns on two streams. On one H200 with a modelled
+        270 GB/s link (benchmarks/tools/paced_gemm.cu), at tp=8 in turn ran 1.03-1.05x its
+        floor (1.03-1.17x on two streams), all at once 1.24-1.70x. Not yet measured on 2+ GPUs.
       two_gemm_lanes: on groups above 2, GPU GEMMs that would run back to back on one stream
         take turns with a second stream (and cuBLASLt workspace), so that each one's tiles
         start on the SMs the one before leaves idle in its last wave: the all-gather in turn's
-        GEMMs, and a reduce-scatter's partials where it does not fold. True: wherever there
+        GEMMs (where its flag GEMM does not run), and a reduce-scatter's partials where it
+        does not fold. True: wherever there
         are such GEMMs; False: never. None (the default): where a GEMM outlasts its data's
         transfer, w's local columns n >= 2560 (all-gather in turn), x's local columns k >=
         2560 (reduce-scatter) (src/protocol/schedule.h): on one H200 with a modelled 270 GB/s
         link, Llama 3 8B's gate/up all-gather at tp=8 1.25x -> 1.17x its floor, 70B's down
         reduce-scatter 1.083x -> 1.045x; where the link is the longer, two lanes lost up to 3%.
         It changes no transfer: processes may differ.
-      all_gather_flag_gemm: on groups of 3 to 16, an all-gather in turn multiplies its
-        remote chunks in one GEMM that waits for each chunk's flag inside its kernel, taking
-        the chunks as they land (after the local chunk's own GEMM): no GEMM boundary, no
-        partial last wave per GEMM. GPUs: Hopper (sm_90) builds with CUTLASS's headers,
-        bf16 without an epilogue, x's local rows a multiple of 256, k and n of 8; elsewhere
-        the call keeps its GEMMs. True: wherever the all-gather goes in turn; False: never.
-        None (the default): where two_gemm_lanes would run by shape (n >= 2560). On one H200
-        with a modelled 270 GB/s link, Llama 3 8B's gate/up at tp=8 1.17x -> 1.05x its
-        floor, 70B's 1.04x -> 1.015x. It changes no transfer: processes may differ.
+      all_gather_flag_gemm: on groups of 3 to 16, an all-gather in turn multiplies every chunk in
+        one GEMM that waits for each remote chunk's flag inside its kernel, taking the chunks as
+        they land, its own first (copied into the userbuffer before): no GEMM boundary, no partial
+        last wave per GEMM. GPUs: Hopper (sm_90) builds with CUTLASS's headers, bf16 without an
+        epilogue, x's local rows a multiple of 256, k and n of 8; elsewhere the call keeps its
+        GEMMs. True: wherever the all-gather goes in turn; False: never. None (the default): where
+        two_gemm_lanes would run by shape (n >= 2560). On one H200 with a modelled 270 GB/s link,
+        Llama 3 8B's gate/up at tp=8 1.17x -> 1.05x its floor, 70B's 1.04x -> 1.015x. It changes no
+        transfer: processes may differ.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
