@@ -14,6 +14,7 @@ from test_gemm_lanes import COMPUTE
 from jax_ub._src.runtime import extension
 
 WIDE = 2560  # from here a chunk's GEMM outlasts its landing (2 Schedule::kInTurnColumnsPerPeer)
+MIN_SIZE_N = 24576  # below, copying our chunk costs too much of the op (kFlagGemmMinSizeN)
 
 
 def steps(rank: int, size: int, n: int, flag: bool | None = None, **options) -> list:
@@ -28,17 +29,20 @@ def flag_gemms(step_list: list) -> list:
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 17])
 def test_where_the_flag_gemm_runs(size):
-    """By shape where w's local columns are wide (n >= 2560), from 3 ranks to 16 (the kernel's
-    order holds 16 blocks); forced on, at any n; off, never; never at two ranks, where in turn
-    has one remote chunk, nor beside a second GEMM lane."""
+    """By shape where w's local columns are wide (n >= 2560) and copying our chunk is cheap
+    against the op (size n >= 24576: Llama 3 8B's gate/up at tp=8 is 8 x 3584), from 3 ranks to
+    16 (the kernel's order holds 16 blocks); forced on, at any n; off, never; never at two ranks,
+    where in turn has one remote chunk, nor beside a second GEMM lane."""
+    expect = 2 < size <= 16
+    least = max(WIDE, -(-MIN_SIZE_N // size))  # the least n that takes it by shape here
     for r in (0, size - 1):
-        expect = 2 < size <= 16
-        assert bool(flag_gemms(steps(r, size, WIDE))) == expect, r
-        assert not flag_gemms(steps(r, size, WIDE - 1)), r
+        s = steps(r, size, least)
+        assert bool(flag_gemms(s)) == expect, r
+        assert not flag_gemms(steps(r, size, least - 1)), r
         assert bool(flag_gemms(steps(r, size, 5, flag=True))) == expect, r
-        assert not flag_gemms(steps(r, size, WIDE, flag=False)), r
+        assert not flag_gemms(steps(r, size, least, flag=False)), r
         if expect:
-            assert all(st[1] == COMPUTE for st in steps(r, size, WIDE) if st[0] == "Gemm"), r
+            assert all(st[1] == COMPUTE for st in s if st[0] == "Gemm"), r
 
 
 @pytest.mark.parametrize("size", [3, 4, 8])
@@ -49,7 +53,7 @@ def test_the_flag_gemm_takes_every_chunk_ours_first(size):
     on the compute lane (the GEMM's own waits replace them); the credits after it."""
     m, n, es = 2, WIDE, 4
     for r in range(size):
-        s = steps(r, size, n)
+        s = steps(r, size, n, flag=True)
         first = next(st for st in s if st[1] == COMPUTE)
         assert first[0] == "Copy" and (first[5], first[10]) == ("X", "Buffer"), r
         assert (first[11], first[12]) == (r * m * 3 * es, m * 3 * es), r
@@ -73,7 +77,7 @@ def test_the_flag_gemm_takes_every_chunk_ours_first(size):
 def test_the_gathered_copies_wait_on_our_own_lane(size):
     """Where the caller keeps all_gather(x), each remote chunk's copy into it waits for that
     chunk on our own lane, which the compute lane joins before the check."""
-    opts = comm_options(all_gather_in_turn=True)
+    opts = comm_options(all_gather_in_turn=True, all_gather_flag_gemm=True)
     for r in range(size):
         s = extension._host.call_steps("all_gather_matmul", r, size, 2, 3, WIDE, True, opts)
         assert flag_gemms(s), r

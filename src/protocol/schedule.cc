@@ -345,7 +345,8 @@ bool Schedule::AllGatherFlagGemm(const CallShape& c) const {
   if (size <= 2 || size > kFlagGemmMaxRanks || flag_gemm == ScheduleChoice::kOff ||
       !AllGatherInTurn(c))
     return false;
-  return flag_gemm == ScheduleChoice::kOn || c.n >= 2 * kInTurnColumnsPerPeer;
+  return flag_gemm == ScheduleChoice::kOn ||
+         (c.n >= 2 * kInTurnColumnsPerPeer && size * c.n >= kFlagGemmMinSizeN);
 }
 
 bool Schedule::ReduceScatterTwoGemmLanes(const CallShape& c) const {

@@ -97,13 +97,19 @@ struct Schedule {
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
   // our own first (copied into our slot of the buffer on the compute lane before it), then
   // every SM moves on to the next landed chunk's tiles, with no GEMM boundary and no partial
-  // last wave per span. By shape where two GEMM lanes would run (n >= 2 kInTurnColumnsPerPeer),
-  // from three ranks to kFlagGemmMaxRanks. On an H200 with a modelled 270 GB/s link
-  // (paced_gemm's flag_own_copied, calls interleaved) it took Llama 3 8B's gate/up at tp=8 to
-  // 1.047x the floor (two lanes: 1.165-1.170x), 70B's to 1.015x (1.038-1.058x); reading our
-  // chunk in place instead of copying it would give 1.015-1.030x and 1.003-1.009x. Where
-  // chunks land slower than their GEMMs (narrow n), it lost up to 5% to a GEMM a chunk.
+  // last wave per span. On an H200 with a modelled 270 GB/s link (paced_gemm's
+  // flag_own_copied, calls interleaved) it took Llama 3 8B's gate/up at tp=8 to 1.047x the floor
+  // (two lanes: 1.165-1.170x), 70B's to 1.015x (1.038-1.058x); reading our chunk in place
+  // instead of copying it would give 1.015-1.030x and 1.003-1.009x. Where chunks land slower
+  // than their GEMMs (narrow n), it lost up to 5% to a GEMM a chunk; where chunks are long
+  // (m = 4096 rows at 70B's qkv, tp=4) it gained 0.2% over two lanes in place. By shape, from
+  // three ranks to kFlagGemmMaxRanks, where two GEMM lanes would run (n >= 2
+  // kInTurnColumnsPerPeer) and the copy of our chunk is cheap: it moves m k b bytes twice, the
+  // op multiplies size m k n, so it costs in proportion to 1 / (size n): measured 2.9% of the
+  // op at size n = 28672 (8B's gate/up, tp=8), 1.1% at 57344 (70B's); kFlagGemmMinSizeN keeps
+  // it under about 3.5% (70B's qkv at tp=4, size n = 10240, would pay some 8%).
   static constexpr int kFlagGemmMaxRanks = 16;
+  static constexpr int64_t kFlagGemmMinSizeN = 24576;
   bool AllGatherFlagGemm(const CallShape& c) const;
   // The order in which a GEMM that waits for its blocks' flags (Step::parts) takes them: as
   // they land in turn, from rank - 1 down (PushOrder: at step s every rank receives from

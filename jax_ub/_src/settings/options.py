@@ -103,9 +103,10 @@ class Tuning:
         last wave per GEMM. GPUs: Hopper (sm_90) builds with CUTLASS's headers, bf16 without an
         epilogue, x's local rows a multiple of 256, k and n of 8; elsewhere the call keeps its
         GEMMs. True: wherever the all-gather goes in turn; False: never. None (the default): where
-        two_gemm_lanes would run by shape (n >= 2560). On one H200 with a modelled 270 GB/s link,
-        Llama 3 8B's gate/up at tp=8 1.17x -> 1.05x its floor, 70B's 1.04x -> 1.015x. It changes no
-        transfer: processes may differ.
+        two_gemm_lanes would run by shape (n >= 2560) and copying the local chunk is cheap against
+        the op (tp n >= 24576; at 70B's qkv, tp=4, it would cost some 8%). On one H200 with a
+        modelled 270 GB/s link, Llama 3 8B's gate/up at tp=8 1.17x -> 1.05x its floor, 70B's 1.04x
+        -> 1.015x. It changes no transfer: processes may differ.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
