@@ -39,6 +39,8 @@
 //                    over every block
 //   paced:flag_after_own:CFG  the own block's cuBLASLt GEMM, then the flag GEMM over the remote
 //                    blocks
+//   paced:flag_array:ping_128x128_c2  a prototype (flag_gemm_array.cuh): every block a batch of
+//                    a ptr-array GEMM, the own block read in place from another allocation
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
 // conditions), and to the model's floor: no schedule ends before that GEMM would, nor before
 // the last block lands (in turn) plus its share of the GEMM (1/tp).
@@ -60,6 +62,7 @@
 #include <string>
 #include <vector>
 
+#include "flag_gemm_array.cuh"
 #include "flag_gemm_bench.cuh"
 #include "protocol/schedule.h"
 
@@ -361,6 +364,38 @@ int main(int argc, char** argv) {
                      }});
   }
 
+  // The prototype that reads the own block in place (flag_gemm_array.cuh): batch 0 the own block
+  // from its copy (another allocation, as x is in the library), batch s the block landing at s.
+  std::unique_ptr<ArrayOp> array_op;
+  void* array_words = nullptr;  // A, B and D pointers per batch, then each batch's flag index
+  if (rows % 256 == 0 && (want == "all" || want.find("ping_128x128_c2") != std::string::npos)) {
+    std::vector<const bf16*> pa(tp), pb(tp, b);
+    std::vector<bf16*> pd(tp);
+    std::vector<int> block_of(tp);
+    for (int l = 0; l < tp; ++l) {
+      const int blk = l == 0 ? rank : in_turn.block[l - 1];
+      pa[l] = l == 0 ? own_rows : a + int64_t(blk) * rows * whole.k;
+      pd[l] = d + int64_t(blk) * rows * whole.n;
+      block_of[l] = blk;
+    }
+    const size_t ptr_bytes = tp * sizeof(void*);
+    CHECK(cudaMalloc(&array_words, 3 * ptr_bytes + tp * sizeof(int)));
+    char* w = static_cast<char*>(array_words);
+    CHECK(cudaMemcpy(w, pa.data(), ptr_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(w + ptr_bytes, pb.data(), ptr_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(w + 2 * ptr_bytes, pd.data(), ptr_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(w + 3 * ptr_bytes, block_of.data(), tp * sizeof(int), cudaMemcpyHostToDevice));
+    array_op = std::make_unique<ArrayOp>(
+        rows, whole.k, whole.n, tp, paced.sm_count, reinterpret_cast<const bf16**>(w),
+        reinterpret_cast<const bf16**>(w + ptr_bytes), reinterpret_cast<bf16**>(w + 2 * ptr_bytes),
+        h.flags, reinterpret_cast<const int*>(w + 3 * ptr_bytes), err);
+    Op* op = array_op.get();
+    impls.push_back({"paced:flag_array:ping_128x128_c2", h.compute, [&h, op, &in_turn, tp, rank] {
+                       h.Begin(in_turn, tp, rank);
+                       op->Run(h.compute);
+                     }});
+  }
+
   // Correctness: each implementation's output against the whole GEMM's.
   ErrorCheck check;
   check.Create();
@@ -418,5 +453,7 @@ int main(int argc, char** argv) {
   for (void* ptr : {(void*)a, (void*)b, (void*)d, (void*)ref, (void*)err, ws, (void*)h.flags,
                     (void*)h.go, (void*)own_rows})
     CHECK(cudaFree(ptr));
+  array_op.reset();
+  if (array_words) CHECK(cudaFree(array_words));
   return pass ? 0 : 1;
 }

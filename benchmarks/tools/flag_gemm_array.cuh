@@ -1,0 +1,136 @@
+// flag_gemm_array.cuh: a prototype of the flag GEMM that reads the own block in place (not in the
+// library). FlagGemm (src/cuda/gemm/flag_gemm_kernel.cuh) reads one A tensor, so the library
+// copies its own chunk into the userbuffer first (2-3% of the op at Llama 3 8B's gate/up,
+// tp=8). Here each row block is a batch of CUTLASS's ptr-array GEMM, with A and D pointers of its
+// own (the own block anywhere, the others in the buffer), in the order they land: the default
+// persistent scheduler walks the batches in order, and the mainloop's producer waits for batch
+// l's flag before its TMA loads (FlagArrayMainloop). Its grouped sibling would take a custom
+// scheduler, which CUTLASS 4.2's ptr-array kernels refuse. Timed by paced_gemm (flag_array).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "flag_gemm_kernel.cuh"
+
+namespace fg {
+
+// CUTLASS's ptr-array mainloop whose producer waits, before loading a tile of batch l, until
+// flags[block_of[l]] >= target (at most timeout_ns, then 1 + the flag's index into *error).
+template <class Base>
+struct FlagArrayMainloop : Base {
+  struct Arguments : Base::Arguments {
+    const int* flags = nullptr;     // nullptr: no wait
+    const int* block_of = nullptr;  // device: batch -> flag index
+    int* error = nullptr;
+    int target = 1;
+    uint64_t timeout_ns = 2000000000ull;
+  };
+  struct Params : Base::Params {
+    const int* flags;
+    const int* block_of;
+    int* error;
+    int target;
+    uint64_t timeout_ns;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape shape, Arguments const& a, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, a, workspace);
+    p.flags = a.flags;
+    p.block_of = a.block_of;
+    p.error = a.error;
+    p.target = a.target;
+    p.timeout_ns = a.timeout_ns;
+    return p;
+  }
+
+  // The kernel's producer warp calls this per tile; its TMA loads come after the wait.
+  template <class Pipeline, class State, class Inputs, class Maps, class BlockCoord, class... Rest>
+  CUTLASS_DEVICE void load(Params const& p, Pipeline pipeline, State state, Inputs const& inputs,
+                           Maps const& maps, BlockCoord const& blk, Rest&&... rest) {
+    if (p.flags != nullptr) {
+      const int index = p.block_of[int(cute::get<3>(blk))];
+      const int* flag = p.flags + index;
+      if (LoadAcquire(flag) < p.target) {
+        const uint64_t start = Now();
+        while (LoadAcquire(flag) < p.target) {
+          __nanosleep(256);
+          volatile int* error = p.error;
+          if (*error != 0) break;
+          if (Now() - start > p.timeout_ns) {
+            *error = 1 + index;
+            break;
+          }
+        }
+      }
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads after the flag
+    }
+    Base::load(p, pipeline, state, inputs, maps, blk, static_cast<Rest&&>(rest)...);
+  }
+};
+
+// 128 x 128 x 64 tiles, clusters of 2 x 1, the ping-pong schedule (the library's FlagGemm's).
+struct ArrayConfig {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using RowMajor = cutlass::layout::RowMajor;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, 8, bf16,
+      RowMajor, 8, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>::CollectiveOp;
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RowMajor, 8, bf16, RowMajor, 8,
+      float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<int(
+          sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Mainloop = FlagArrayMainloop<BaseMainloop>;
+  using Shape = cutlass::gemm::ArrayProblemShape<cute::Shape<int, int, int, int>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// One initialized GEMM of `batches` row blocks of `rows` rows: batch l reads a_ptrs[l] and
+// writes d_ptrs[l] (device arrays), waiting for flags[block_of[l]].
+struct ArrayOp : Op {
+  ArrayConfig::Gemm gemm;
+  void* workspace = nullptr;
+  ArrayOp(int rows, int k, int n, int batches, int sm_count, const bf16** a_ptrs,
+          const bf16** b_ptrs, bf16** d_ptrs, const int* flags, const int* block_of, int* err) {
+    using K = ArrayConfig::Kernel;
+    typename K::StrideA sa = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(0));
+    typename K::StrideB sb = cute::make_stride(cute::Int<1>{}, int64_t(n), int64_t(0));
+    typename K::StrideD sd = cute::make_stride(int64_t(n), cute::Int<1>{}, int64_t(0));
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = 0;
+    hw.sm_count = sm_count;
+    typename ArrayConfig::Mainloop::Arguments mainloop;
+    mainloop.ptr_A = a_ptrs;
+    mainloop.dA = sa;
+    mainloop.ptr_B = b_ptrs;
+    mainloop.dB = sb;
+    mainloop.flags = flags;
+    mainloop.block_of = block_of;
+    mainloop.error = err;
+    typename ArrayConfig::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kArray,
+                                               {{rows, n, k, batches}},
+                                               mainloop,
+                                               {{}, nullptr, sd, d_ptrs, sd},
+                                               hw};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    const size_t ws = ArrayConfig::Gemm::get_workspace_size(args);
+    if (ws) CHECK(cudaMalloc(&workspace, ws));
+    CHECK(gemm.can_implement(args));
+    CHECK(gemm.initialize(args, workspace));
+  }
+  ~ArrayOp() override {
+    if (workspace) cudaFree(workspace);
+  }
+  void Run(cudaStream_t s) override { CHECK(gemm.run(s)); }
+};
+
+}  // namespace fg
