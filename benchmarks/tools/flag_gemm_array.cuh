@@ -53,20 +53,7 @@ struct FlagArrayMainloop : Base {
                            Maps const& maps, BlockCoord const& blk, Rest&&... rest) {
     if (p.flags != nullptr) {
       const int index = p.block_of[int(cute::get<3>(blk))];
-      const int* flag = p.flags + index;
-      if (LoadAcquire(flag) < p.target) {
-        const uint64_t start = Now();
-        while (LoadAcquire(flag) < p.target) {
-          __nanosleep(256);
-          volatile int* error = p.error;
-          if (*error != 0) break;
-          if (Now() - start > p.timeout_ns) {
-            *error = 1 + index;
-            break;
-          }
-        }
-      }
-      asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads after the flag
+      jax_ub::flag_gemm::AwaitFlag(p.flags + index, p.target, p.error, p.timeout_ns, 1 + index);
     }
     Base::load(p, pipeline, state, inputs, maps, blk, static_cast<Rest&&>(rest)...);
   }

@@ -85,14 +85,15 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, name, RequiredBytes(op, shape, schedule_.For(0, size)), &s, &e));
   *began = s;
-  // The flag GEMM where this GPU and the call allow it (FlagGemmFits; TMA reads 16-byte
-  // aligned operands); else the call keeps its library GEMMs.
+  // The flag GEMM where this GPU and the call allow it (FlagGemmFits; TMA reads w and writes
+  // out 16-byte aligned; x reaches it through a copy into the buffer); else the call keeps its
+  // library GEMMs.
   Schedule sched = schedule_.For(s->rank, size);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (op != OpKind::kAllGatherMatmul || !s->flag_gemm_runs ||
       !FlagGemmFits(shape.in, shape.w_type, shape.out, shape.epilogue.Any(), shape.m, shape.k,
                     shape.n, size) ||
-      !aligned(ops.x) || !aligned(ops.w) || !aligned(ops.out))
+      !aligned(ops.w) || !aligned(ops.out))
     sched.flag_gemm = ScheduleChoice::kOff;
   const std::vector<Step> steps = CallSteps(op, sched, shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);

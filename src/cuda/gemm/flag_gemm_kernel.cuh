@@ -55,6 +55,28 @@ __device__ __forceinline__ uint64_t Now() {
   return t;
 }
 
+// Polls until *flag >= target, then orders the caller's TMA loads after it (the data was written
+// through the generic proxy, TMA reads through the async proxy). With a timeout (the tools) it
+// gives up after timeout_ns, writing error_value to *error, or once another wait has given up.
+template <class Word>
+__device__ __forceinline__ void AwaitFlag(const Word* flag, Word target, int* error,
+                                          uint64_t timeout_ns, int error_value) {
+  if (LoadAcquire(flag) < target) {
+    const uint64_t start = Now();
+    while (LoadAcquire(flag) < target) {
+      __nanosleep(256);
+      if (timeout_ns == 0) continue;
+      volatile int* err = error;
+      if (err != nullptr && *err != 0) break;  // another wait gave up
+      if (Now() - start > timeout_ns) {
+        if (err != nullptr) *err = error_value;
+        break;
+      }
+    }
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // The tag GemmUniversal is given; TileSchedulerSelector maps it to FlagTileScheduler below.
 template <class Word>
 struct FlagScheduler {};
@@ -156,22 +178,7 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
   // read or written before its flag; the math warps skip the flag's load latency per tile.
   CUTLASS_DEVICE void Wait(int block) const {
     if (x_.flags == nullptr || threadIdx.x >= cutlass::NumThreadsPerWarpGroup) return;
-    const Word* flag = x_.flags + block;
-    if (LoadAcquire(flag) < x_.target) {
-      const uint64_t start = Now();
-      while (LoadAcquire(flag) < x_.target) {
-        __nanosleep(256);
-        if (x_.timeout_ns == 0) continue;
-        volatile int* error = x_.error;
-        if (error != nullptr && *error != 0) break;  // another wait gave up
-        if (Now() - start > x_.timeout_ns) {
-          if (error != nullptr) *error = 1 + block;
-          break;
-        }
-      }
-    }
-    // The data was written through the generic proxy; TMA reads through the async proxy.
-    asm volatile("fence.proxy.async.global;" ::: "memory");
+    AwaitFlag(x_.flags + block, x_.target, x_.error, x_.timeout_ns, 1 + block);
   }
 
   Extra x_;
