@@ -20,30 +20,25 @@ namespace fg {
 // flags[block_of[l]] >= target (at most timeout_ns, then 1 + the flag's index into *error).
 template <class Base>
 struct FlagArrayMainloop : Base {
-  struct Arguments : Base::Arguments {
+  struct FlagWait {
     const int* flags = nullptr;     // nullptr: no wait
     const int* block_of = nullptr;  // device: batch -> flag index
     int* error = nullptr;
     int target = 1;
     uint64_t timeout_ns = 2000000000ull;
   };
+  struct Arguments : Base::Arguments {
+    FlagWait wait;
+  };
   struct Params : Base::Params {
-    const int* flags;
-    const int* block_of;
-    int* error;
-    int target;
-    uint64_t timeout_ns;
+    FlagWait wait;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape shape, Arguments const& a, void* workspace) {
     Params p;
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, a, workspace);
-    p.flags = a.flags;
-    p.block_of = a.block_of;
-    p.error = a.error;
-    p.target = a.target;
-    p.timeout_ns = a.timeout_ns;
+    p.wait = a.wait;
     return p;
   }
 
@@ -51,9 +46,10 @@ struct FlagArrayMainloop : Base {
   template <class Pipeline, class State, class Inputs, class Maps, class BlockCoord, class... Rest>
   CUTLASS_DEVICE void load(Params const& p, Pipeline pipeline, State state, Inputs const& inputs,
                            Maps const& maps, BlockCoord const& blk, Rest&&... rest) {
-    if (p.flags != nullptr) {
-      const int index = p.block_of[int(cute::get<3>(blk))];
-      jax_ub::flag_gemm::AwaitFlag(p.flags + index, p.target, p.error, p.timeout_ns, 1 + index);
+    const FlagWait& w = p.wait;
+    if (w.flags != nullptr) {
+      const int index = w.block_of[int(cute::get<3>(blk))];
+      jax_ub::flag_gemm::AwaitFlag(w.flags + index, w.target, w.error, w.timeout_ns, 1 + index);
     }
     Base::load(p, pipeline, state, inputs, maps, blk, static_cast<Rest&&>(rest)...);
   }
@@ -99,9 +95,9 @@ struct ArrayOp : Op {
     mainloop.dA = sa;
     mainloop.ptr_B = b_ptrs;
     mainloop.dB = sb;
-    mainloop.flags = flags;
-    mainloop.block_of = block_of;
-    mainloop.error = err;
+    mainloop.wait.flags = flags;
+    mainloop.wait.block_of = block_of;
+    mainloop.wait.error = err;
     typename ArrayConfig::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kArray,
                                                {{rows, n, k, batches}},
                                                mainloop,
