@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "flag_gemm_kernel.cuh"
@@ -114,6 +115,41 @@ struct ArrayOp : Op {
     if (workspace) cudaFree(workspace);
   }
   void Run(cudaStream_t s) override { CHECK(gemm.run(s)); }
+};
+
+// paced_gemm's ArrayOp: `blocks` row blocks of `rows` rows, batch 0 the own block read from
+// `own`, batch l > 0 block landing[l - 1] of a; d's blocks in place. Owns its pointer arrays.
+struct PacedArray {
+  std::unique_ptr<ArrayOp> op;
+  void* words = nullptr;  // A, B and D pointers per batch, then each batch's flag index
+  PacedArray(int rows, int k, int n, int blocks, int sm_count, const bf16* a, const bf16* own,
+             const bf16* b, bf16* d, int rank, const int* landing, const int* flags, int* err) {
+    std::vector<const bf16*> pa(blocks), pb(blocks, b);
+    std::vector<bf16*> pd(blocks);
+    std::vector<int> block_of(blocks);
+    for (int l = 0; l < blocks; ++l) {
+      const int blk = l == 0 ? rank : landing[l - 1];
+      pa[l] = l == 0 ? own : a + int64_t(blk) * rows * k;
+      pd[l] = d + int64_t(blk) * rows * n;
+      block_of[l] = blk;
+    }
+    const size_t ptr_bytes = blocks * sizeof(void*);
+    CHECK(cudaMalloc(&words, 3 * ptr_bytes + blocks * sizeof(int)));
+    char* w = static_cast<char*>(words);
+    CHECK(cudaMemcpy(w, pa.data(), ptr_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(w + ptr_bytes, pb.data(), ptr_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(w + 2 * ptr_bytes, pd.data(), ptr_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(w + 3 * ptr_bytes, block_of.data(), blocks * sizeof(int),
+                     cudaMemcpyHostToDevice));
+    op = std::make_unique<ArrayOp>(rows, k, n, blocks, sm_count, reinterpret_cast<const bf16**>(w),
+                                   reinterpret_cast<const bf16**>(w + ptr_bytes),
+                                   reinterpret_cast<bf16**>(w + 2 * ptr_bytes), flags,
+                                   reinterpret_cast<const int*>(w + 3 * ptr_bytes), err);
+  }
+  ~PacedArray() {
+    op.reset();
+    if (words) CHECK(cudaFree(words));
+  }
 };
 
 }  // namespace fg

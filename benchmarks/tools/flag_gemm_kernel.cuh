@@ -68,12 +68,23 @@ struct Op {  // one initialized GEMM (fixed pointers); run() enqueues one call
   virtual void Run(cudaStream_t s) = 0;
 };
 
+// With an OwnBlock config and `own`, block `own_block`'s rows of A are read from `own`.
 template <class Cfg>
 struct CutlassOp : Op {
   typename Cfg::Gemm gemm;
-  CutlassOp(const Problem& p, const bf16* a, const bf16* b, bf16* d, const int* flags, int* err) {
+  CutlassOp(const Problem& p, const bf16* a, const bf16* b, bf16* d, const int* flags, int* err,
+            const bf16* own = nullptr, int own_block = -1) {
     using K = typename Cfg::Kernel;
     auto args = jax_ub::flag_gemm::MakeArguments<Cfg>(p.m, p.k, p.n, a, b, d, 0, p.sm_count);
+    if constexpr (!std::is_same_v<typename Cfg::Mainloop, typename Cfg::BuiltMainloop>) {
+      if (own != nullptr) {
+        args.mainloop.own = own;
+        args.mainloop.own_rows = p.m / p.blocks;
+        args.mainloop.own_first_row = own_block * args.mainloop.own_rows;
+      }
+    } else if (own != nullptr) {
+      Fail("CutlassOp", "own rows given to a config that reads A alone");
+    }
     if constexpr (std::is_same_v<typename K::TileSchedulerTag, FlagScheduler>) {
       args.scheduler.flags = flags;
       args.scheduler.error = err;

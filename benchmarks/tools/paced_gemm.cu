@@ -39,6 +39,8 @@
 //                    over every block
 //   paced:flag_after_own:CFG  the own block's cuBLASLt GEMM, then the flag GEMM over the remote
 //                    blocks
+//   paced:flag_own_tensor:ping_128x128_c2  the flag GEMM reading the own block where it lies,
+//                    another allocation, through a TMA descriptor of its own (OwnBlockMainloop)
 //   paced:flag_array:ping_128x128_c2  a prototype (flag_gemm_array.cuh): every block a batch of
 //                    a ptr-array GEMM, the own block read in place from another allocation
 // Ratios, the harness's cost taken out: to paced:whole (the same GEMM work under the same
@@ -68,25 +70,16 @@
 
 namespace fg {
 
-// The driver's cuStreamWaitValue32, resolved through the runtime (no libcuda to link).
+// The driver's stream memory operations (the library raises a flag with cuStreamWriteValue64),
+// resolved through the runtime: no libcuda to link.
 using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-WaitValue32 LoadWaitValue32() {
+using WriteValue32 = WaitValue32;
+WaitValue32 LoadDriverEntry(const char* name) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult q;
-  CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || fn == nullptr) Fail("driver", "no cuStreamWaitValue32");
+  CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || fn == nullptr) Fail("driver: no such entry point", name);
   return reinterpret_cast<WaitValue32>(fn);
-}
-
-// The driver's cuStreamWriteValue32 (the library raises a flag with its 64-bit sibling).
-using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-WriteValue32 LoadWriteValue32() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CHECK(
-      cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || fn == nullptr) Fail("driver", "no cuStreamWriteValue32");
-  return reinterpret_cast<WriteValue32>(fn);
 }
 
 // When each remote row block lands, in ns after the link starts, in landing order.
@@ -211,9 +204,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&own_rows, size_t(chunk)));
   CHECK(cudaMemcpy(own_rows, a + int64_t(rank) * rows * whole.k, size_t(chunk),
                    cudaMemcpyDeviceToDevice));
-  const WriteValue32 write_value = LoadWriteValue32();
+  const WriteValue32 write_value = LoadDriverEntry("cuStreamWriteValue32");
   Harness h{};
-  h.wait_value = LoadWaitValue32();
+  h.wait_value = LoadDriverEntry("cuStreamWaitValue32");
   CHECK(cudaStreamCreateWithFlags(&h.compute, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&h.link, cudaStreamNonBlocking));
   CHECK(cudaEventCreateWithFlags(&h.done, cudaEventDisableTiming));
@@ -364,32 +357,29 @@ int main(int argc, char** argv) {
                      }});
   }
 
-  // The prototype that reads the own block in place (flag_gemm_array.cuh): batch 0 the own block
-  // from its copy (another allocation, as x is in the library), batch s the block landing at s.
-  std::unique_ptr<ArrayOp> array_op;
-  void* array_words = nullptr;  // A, B and D pointers per batch, then each batch's flag index
+  // The flag GEMMs that read the own block where it lies, in another allocation (as x is in
+  // the library), run on a copy of a whose own block is NaN: a read of it there fails the check.
+  // The library's kernel with a TMA descriptor of the own block's (OwnBlockMainloop); the
+  // ptr-array prototype (flag_gemm_array.cuh), batch 0 the own block, batch s the one landing at s.
+  bf16* a_holed = nullptr;
+  std::unique_ptr<PacedArray> array;
   if (rows % 256 == 0 && (want == "all" || want.find("ping_128x128_c2") != std::string::npos)) {
-    std::vector<const bf16*> pa(tp), pb(tp, b);
-    std::vector<bf16*> pd(tp);
-    std::vector<int> block_of(tp);
-    for (int l = 0; l < tp; ++l) {
-      const int blk = l == 0 ? rank : in_turn.block[l - 1];
-      pa[l] = l == 0 ? own_rows : a + int64_t(blk) * rows * whole.k;
-      pd[l] = d + int64_t(blk) * rows * whole.n;
-      block_of[l] = blk;
-    }
-    const size_t ptr_bytes = tp * sizeof(void*);
-    CHECK(cudaMalloc(&array_words, 3 * ptr_bytes + tp * sizeof(int)));
-    char* w = static_cast<char*>(array_words);
-    CHECK(cudaMemcpy(w, pa.data(), ptr_bytes, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(w + ptr_bytes, pb.data(), ptr_bytes, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(w + 2 * ptr_bytes, pd.data(), ptr_bytes, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(w + 3 * ptr_bytes, block_of.data(), tp * sizeof(int), cudaMemcpyHostToDevice));
-    array_op = std::make_unique<ArrayOp>(
-        rows, whole.k, whole.n, tp, paced.sm_count, reinterpret_cast<const bf16**>(w),
-        reinterpret_cast<const bf16**>(w + ptr_bytes), reinterpret_cast<bf16**>(w + 2 * ptr_bytes),
-        h.flags, reinterpret_cast<const int*>(w + 3 * ptr_bytes), err);
-    Op* op = array_op.get();
+    CHECK(cudaMalloc(&a_holed, a_elems * sizeof(bf16)));
+    CHECK(cudaMemcpy(a_holed, a, a_elems * sizeof(bf16), cudaMemcpyDeviceToDevice));
+    CHECK(cudaMemset(a_holed + int64_t(rank) * rows * whole.k, 0xff, size_t(chunk)));  // NaN
+    using OwnCfg = jax_ub::flag_gemm::Config<128, 128, 2, true, FlagScheduler,
+                                             cutlass::layout::RowMajor, true>;
+    flag_ops.push_back(
+        std::make_unique<CutlassOp<OwnCfg>>(paced, a_holed, b, d, h.flags, err, own_rows, rank));
+    Op* own_op = flag_ops.back().get();
+    impls.push_back(
+        {"paced:flag_own_tensor:ping_128x128_c2", h.compute, [&h, own_op, &in_turn, tp, rank] {
+           h.Begin(in_turn, tp, rank);
+           own_op->Run(h.compute);
+         }});
+    array = std::make_unique<PacedArray>(rows, whole.k, whole.n, tp, paced.sm_count, a_holed,
+                                         own_rows, b, d, rank, in_turn.block, h.flags, err);
+    Op* op = array->op.get();
     impls.push_back({"paced:flag_array:ping_128x128_c2", h.compute, [&h, op, &in_turn, tp, rank] {
                        h.Begin(in_turn, tp, rank);
                        op->Run(h.compute);
@@ -453,7 +443,7 @@ int main(int argc, char** argv) {
   for (void* ptr : {(void*)a, (void*)b, (void*)d, (void*)ref, (void*)err, ws, (void*)h.flags,
                     (void*)h.go, (void*)own_rows})
     CHECK(cudaFree(ptr));
-  array_op.reset();
-  if (array_words) CHECK(cudaFree(array_words));
+  array.reset();
+  if (a_holed) CHECK(cudaFree(a_holed));
   return pass ? 0 : 1;
 }

@@ -198,12 +198,85 @@ struct TileSchedulerSelector<jax_ub::flag_gemm::FlagScheduler<Word>, ArchTag, Ti
 
 namespace jax_ub::flag_gemm {
 
+// A mainloop that reads one row block of A from a tensor of its own: the all-gather's own chunk,
+// left where the op's input holds it instead of copied into the userbuffer first (the copy cost
+// 2-3% of the op at Llama 3 8B's gate/up, tp=8). Its Params carry a second set of the base
+// mainloop's, made for that block alone (own_rows x K at `own`, row-major like A): TMA reads its
+// descriptor from the kernel's parameter space, so a tile of the block is loaded by the base
+// mainloop itself, given that second set and the block's tiles counted from 0. With `own` null
+// every tile reads A. Only where A's rows come from, nothing else, differs from the base.
+template <class Base>
+struct OwnBlockMainloop : Base {
+  using BaseParams = typename Base::Params;
+  static constexpr int kTileM = cute::size<0>(typename Base::TileShape{});
+  struct Arguments : Base::Arguments {
+    typename Base::ElementA const* own = nullptr;
+    int own_first_row = 0;  // where the block starts in A and D: a multiple of kTileM
+    int own_rows = 0;       // likewise a multiple of kTileM
+  };
+  struct Params : BaseParams {
+    BaseParams own;
+    int own_first_tile = 0, own_tiles = 0;  // in tiles of kTileM rows; 0 tiles: no such block
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a, void* ws) {
+    Params p;
+    static_cast<BaseParams&>(p) = Base::to_underlying_arguments(shape, a, ws);
+    p.own = static_cast<BaseParams const&>(p);
+    if (a.own != nullptr && a.own_rows > 0) {
+      typename Base::Arguments own_args = a;
+      own_args.ptr_A = a.own;
+      const auto mnkl = cute::append<4>(shape, 1);
+      p.own = Base::to_underlying_arguments(
+          cute::make_shape(a.own_rows, cute::get<1>(mnkl), cute::get<2>(mnkl), cute::get<3>(mnkl)),
+          own_args, ws);
+      p.own_first_tile = a.own_first_row / kTileM;
+      p.own_tiles = a.own_rows / kTileM;
+    }
+    return p;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
+    Base::prefetch_tma_descriptors(p);
+    if (p.own_tiles > 0) Base::prefetch_tma_descriptors(p.own);
+  }
+
+  // The base's (A's and B's tiled TMA tensors), then the block's A.
+  template <class ProblemShapeMNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const& shape, Params const& p) const {
+    auto whole = Base::load_init(shape, p);
+    auto own = Base::load_init(cute::make_shape(p.own_tiles * kTileM, cute::get<1>(shape),
+                                                cute::get<2>(shape), cute::get<3>(shape)),
+                               p.own);
+    return cute::make_tuple(cute::get<0>(whole), cute::get<1>(whole), cute::get<0>(own));
+  }
+
+  // The producer's loads of one output tile: from the block's tensor where the tile is in it.
+  template <class TensorA, class TensorB, class TensorOwn, class BlockCoord, class... Rest>
+  CUTLASS_DEVICE void load(Params const& p, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState state,
+                           cute::tuple<TensorA, TensorB, TensorOwn> const& in,
+                           BlockCoord const& blk, Rest&&... rest) {
+    const int tile = int(cute::get<0>(blk)) - p.own_first_tile;
+    if (tile >= 0 && tile < p.own_tiles) {
+      Base::load(p.own, pipeline, state, cute::make_tuple(cute::get<2>(in), cute::get<1>(in)),
+                 cute::make_coord(tile, cute::get<1>(blk), cute::get<2>(blk), cute::get<3>(blk)),
+                 static_cast<Rest&&>(rest)...);
+    } else {
+      Base::load(p, pipeline, state, cute::make_tuple(cute::get<0>(in), cute::get<1>(in)), blk,
+                 static_cast<Rest&&>(rest)...);
+    }
+  }
+};
+
 using bf16 = cutlass::bfloat16_t;
 
 // One kernel: a TM x TN x 64 tile, clusters of CM x 1, the ping-pong or cooperative warp
-// schedule, B of layout LayoutB, tiles from SchedTag's scheduler.
+// schedule, B of layout LayoutB, tiles from SchedTag's scheduler; with OwnBlock, one row block
+// of A may be read from a tensor of its own (OwnBlockMainloop).
 template <int TM, int TN, int CM, bool Pingpong, class SchedTag,
-          class LayoutB = cutlass::layout::RowMajor>
+          class LayoutB = cutlass::layout::RowMajor, bool OwnBlock = false>
 struct Config {
   using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<CM>, cute::_1, cute::_1>;
@@ -217,12 +290,13 @@ struct Config {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, 8, bf16,
       RowMajor, 8, EpiSchedule>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RowMajor, 8, bf16, LayoutB, 8,
       float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<int(
           sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<OwnBlock, OwnBlockMainloop<BuiltMainloop>, BuiltMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, SchedTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
