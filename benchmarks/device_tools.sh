@@ -90,6 +90,31 @@ mode_paced() {
   grep -E "^(device|correctness|harness|impl|whole|paced)|TIMEOUT|FAIL" "$OUT/paced_gemm.log"
 }
 
+mode_signalgemm() {
+  # The reduce-scatter's partials from one GEMM raising each row block's flag as it is written
+  # (args: tp:m,k,n ..., a rank's; default the RS projections of SOLO_PROJECTIONS at SIGNAL_TP,
+  # default "4 8"; SIGNAL_GBPS, default 270: the modelled link; SIGNAL_S seconds a loop).
+  build_tool signal_gemm 600
+  [ "$STEP_RC" -eq 0 ] || { echo "signal_gemm needs CUTLASS's headers at configure time (see help)"; return; }
+  local spec tp shape op name tokens in out
+  local -a specs=("$@")
+  if [ ${#specs[@]} -eq 0 ]; then
+    for tp in ${SIGNAL_TP:-4 8}; do
+      for spec in $SOLO_PROJECTIONS; do
+        IFS=: read -r op name tokens in out <<< "$spec"
+        [ "$op" = rs ] && specs+=("$tp:$((tokens / tp)),$((in / tp)),$out")
+      done
+    done
+  fi
+  : > "$OUT/signal_gemm.log"
+  for spec in "${specs[@]}"; do
+    IFS=: read -r tp shape <<< "$spec"
+    step --append -k 5 "signal_gemm $spec" 150 "$OUT/signal_gemm.log" \
+      build/dev/signal_gemm "$tp" "$shape" "${SIGNAL_S:-0.25}" "${SIGNAL_GBPS:-270}"
+  done
+  grep -E "^(block|correctness|tp=|impl|whole|stock|signal|sum|link)|FAIL" "$OUT/signal_gemm.log"
+}
+
 mode_overlapcost() {
   # tp=2's overlapped schedules rebuilt from the library's GEMM and copies, phase by phase
   # (args: m,k,n ...: one rank's chunk), then XLA's dot of the same whole GEMMs.
