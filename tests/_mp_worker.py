@@ -312,6 +312,12 @@ try:
                 result[key] = run_ops_without_collectives(
                     mesh, "tp", 41, 64, 48, dtype, epilogue=True
                 )
+        if scenario == "protocol" and nproc > 2:  # the AG in turn, one GEMM waiting per chunk
+            options.set_experimental_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                jax_ub.configure(keep_gathered=dtype == jnp.float32)
+                key = f"flag_gemm,{jnp.dtype(dtype).name}"
+                result[key] = run_ops_without_collectives(mesh, "tp", 41, 64, 48, dtype)
     elif scenario == "dp_across_tp_inside":
         result = run_ops(Mesh(devices.reshape(nproc, ndev), ("dp", "tp")), "tp", ("dp",))
     elif scenario == "mismatched_shape":

@@ -24,11 +24,13 @@ def test_tp_group_across_processes(nproc, ndev):
 
 def check_protocol(res: dict, nproc: int) -> None:
     """The "protocol" scenario's errors in a group of ``nproc``: per fold setting that
-    differs there and dtype, and with the AG's epilogue per dtype, the gathered x (exact),
-    both ops and the grads (three, or four with the bias; bf16's from x gathered again in the
-    backward's reduce-scatter) against XLA's path."""
+    differs there and dtype, with the AG's epilogue per dtype, and above 2 with the AG in turn
+    through its flag GEMM per dtype: the gathered x (exact), both ops and the grads (three,
+    or four with the bias; bf16's from x gathered again in the backward's reduce-scatter)
+    against XLA's path."""
     dtypes = ("float32", "bfloat16")
-    want = [f"{name},{d}" for name in rs_schedules(nproc) for d in dtypes]
+    flag = ["flag_gemm"] if nproc > 2 else []
+    want = [f"{name},{d}" for name in rs_schedules(nproc) + flag for d in dtypes]
     assert sorted(res) == sorted(want + [f"epilogue,{d}" for d in dtypes]), res
     for key, errs in res.items():
         assert len(errs) == (7 if key.startswith("epilogue") else 6), (key, errs)
@@ -41,7 +43,8 @@ def check_protocol(res: dict, nproc: int) -> None:
 def test_protocol_across_processes(nproc):
     """Every branch of the step lists across processes: folded (uneven pieces; at 3 in a
     ring) and unfolded reduce-scatters, with and without an all-gather beside them, the
-    gathered copy, the AG's epilogue, f32 and bf16."""
+    gathered copy, the AG's epilogue, at 3 the AG in turn through its flag GEMM (each remote
+    chunk awaited inside the GEMM step), f32 and bf16."""
     for r in results(run("protocol", nproc, 1)):
         check_protocol(r["errs"], nproc)
 
