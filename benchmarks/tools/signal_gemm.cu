@@ -8,7 +8,8 @@
 // (timed_calls.h), 5 rounds of >= `seconds` each, median:
 //   whole          cuBLASLt's whole GEMM (the no-communication bound's)
 //   stock          the same CUTLASS kernel with CUTLASS's scheduler and epilogue
-//   signal         SignalGemm, flags in device memory, nothing waiting: what order and signals cost
+//   ordered        with FlagTileScheduler's block order (no flags): what the order costs
+//   signal         SignalGemm, flags in device memory, nothing waiting: what signals cost on top
 //   sum            the sum pass alone (the library's LaunchSum over tp partials)
 //   signal+link    with gbps > 0: SignalGemm raising each partial's "done" word of solo_link.h's
 //                  modelled link (a host thread: the peer's partial for us lands a transfer after
@@ -162,10 +163,15 @@ int main(int argc, char** argv) {
   // Timing.
   CutlassOp<Config<128, 128, 2, true, cutlass::gemm::PersistentScheduler>> stock(whole, a, b, d,
                                                                                  nullptr, nullptr);
+  Problem in_order = whole;
+  in_order.blocks = tp;
+  in_order.order = order;
+  CutlassOp<Config<128, 128, 2, true, FlagScheduler>> ordered(in_order, a, b, d, nullptr, nullptr);
   sg::SignalOp alone(rows, int(k), int(n), tp, order, sms, a, b, d, signals(1, words + 16));
   std::vector<Timed> impls;
   impls.push_back({"whole", compute, [&] { lt.Run(spans[0], a, d, compute); }});
   impls.push_back({"stock", compute, [&] { stock.Run(compute); }});
+  impls.push_back({"ordered", compute, [&] { ordered.Run(compute); }});
   impls.push_back({"signal", compute, [&] { alone.Run(compute); }});
   impls.push_back({"sum", compute, [&] {
                      jax_ub_tool::Check(
@@ -192,7 +198,7 @@ int main(int argc, char** argv) {
          }});
   }
   TimeRounds(impls, 5, seconds);
-  const double t_whole = impls[0].Median(), t_sum = impls[3].Median();
+  const double t_whole = impls[0].Median(), t_sum = impls[4].Median();
   std::printf("tp=%d, a rank's m=%lld k=%lld n=%lld: the GEMM %dx%lldx%lld, %u tiles a block\n", tp,
               m, k, n, rows, k, n, tiles_per_block);
   std::printf("%-12s %9s %8s %10s\n", "impl", "ms", "spread", "/whole");
