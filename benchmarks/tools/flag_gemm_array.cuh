@@ -60,17 +60,12 @@ struct FlagArrayMainloop : Base {
 struct ArrayConfig {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using RowMajor = cutlass::layout::RowMajor;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, 8, bf16,
-      RowMajor, 8, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>::CollectiveOp;
-  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RowMajor, 8, bf16, RowMajor, 8,
-      float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<int(
-          sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Epilogue =
+      jax_ub::flag_gemm::Sm90Epilogue<Tile, Cluster,
+                                      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+  using BaseMainloop =
+      jax_ub::flag_gemm::Sm90Mainloop<Tile, Cluster, cutlass::layout::RowMajor, Epilogue,
+                                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>;
   using Mainloop = FlagArrayMainloop<BaseMainloop>;
   using Shape = cutlass::gemm::ArrayProblemShape<cute::Shape<int, int, int, int>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape, Mainloop, Epilogue>;

@@ -113,18 +113,11 @@ struct SignalEpilogue : Base {
 struct SignalConfig {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using RowMajor = cutlass::layout::RowMajor;
-  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, 8, bf16,
-      RowMajor, 8, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
-  using Epilogue = SignalEpilogue<BaseEpilogue, 128>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RowMajor, 8, bf16, RowMajor, 8,
-      float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<int(
-          sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Epilogue = SignalEpilogue<
+      jax_ub::flag_gemm::Sm90Epilogue<Tile, Cluster, cutlass::epilogue::TmaWarpSpecialized>, 128>;
+  using Mainloop =
+      jax_ub::flag_gemm::Sm90Mainloop<Tile, Cluster, cutlass::layout::RowMajor, Epilogue,
+                                      cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, fg::FlagScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

@@ -272,6 +272,22 @@ struct OwnBlockMainloop : Base {
 
 using bf16 = cutlass::bfloat16_t;
 
+// CUTLASS's SM90 collectives for bf16 row-major A and D, fp32 accumulation, 16-byte alignment:
+// the epilogue of schedule EpiSchedule (no C), and the mainloop of KernelSchedule with B of
+// layout LayoutB, its stages what shared memory leaves beside Epilogue's.
+template <class Tile, class Cluster, class EpiSchedule>
+using Sm90Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor,
+    8, bf16, cutlass::layout::RowMajor, 8, EpiSchedule>::CollectiveOp;
+template <class Tile, class Cluster, class LayoutB, class Epilogue, class KernelSchedule>
+using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, cutlass::layout::RowMajor, 8, bf16,
+    LayoutB, 8, float, Tile, Cluster,
+    cutlass::gemm::collective::StageCountAutoCarveout<int(
+        sizeof(typename Epilogue::SharedStorage))>,
+    KernelSchedule>::CollectiveOp;
+
 // One kernel: a TM x TN x 64 tile, clusters of CM x 1, the ping-pong or cooperative warp
 // schedule, B of layout LayoutB, tiles from SchedTag's scheduler; with OwnBlock, one row block
 // of A may be read from a tensor of its own (OwnBlockMainloop).
@@ -285,23 +301,14 @@ struct Config {
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using EpiSchedule = std::conditional_t<Pingpong, cutlass::epilogue::TmaWarpSpecialized,
                                          cutlass::epilogue::TmaWarpSpecializedCooperative>;
-  using RowMajor = cutlass::layout::RowMajor;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, 8, bf16,
-      RowMajor, 8, EpiSchedule>::CollectiveOp;
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RowMajor, 8, bf16, LayoutB, 8,
-      float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<int(
-          sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+  using Epilogue = Sm90Epilogue<Tile, Cluster, EpiSchedule>;
+  using BuiltMainloop = Sm90Mainloop<Tile, Cluster, LayoutB, Epilogue, KernelSchedule>;
   using Mainloop = std::conditional_t<OwnBlock, OwnBlockMainloop<BuiltMainloop>, BuiltMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, SchedTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kRowUnit = TM * CM;  // a row block must be a multiple of it
-  static constexpr bool kRowMajorB = std::is_same_v<LayoutB, RowMajor>;
+  static constexpr bool kRowMajorB = std::is_same_v<LayoutB, cutlass::layout::RowMajor>;
 };
 
 // The arguments of one call of Cfg's GEMM, D[m, n] = A[m, k] @ B on `sm_count` SMs of
