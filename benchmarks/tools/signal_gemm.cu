@@ -206,9 +206,7 @@ int main(int argc, char** argv) {
     std::printf("%-12s %9.4f %7.1f%% %10.3f\n", t.name.c_str(), t.Median(), 100.0 * t.Spread(),
                 t.Median() / t_whole);
   if (gbps > 0) {
-    const double g = t_whole / tp, t = transfer_us * 1e-3;
-    double lands = 0;
-    for (int step = 1; step < tp; ++step) lands = std::max(step * g, lands) + t;
+    const double lands = solo::LastLanding(tp, t_whole, transfer_us);
     const double floor = std::max(t_whole, lands) + t_sum;
     std::printf(
         "link %.0f GB/s: a partial %.1f us, the last lands at %.4f ms at the whole GEMM's pace; "

@@ -28,6 +28,17 @@
 
 namespace solo {
 
+// When the last partial lands (ms) had every GEMM of the schedule run at the whole GEMM's pace
+// (`whole_ms` / tp a step), each partial `transfer_us` on the link after its GEMM and the one
+// before it: the model below. The op's floor is the later of it and the whole GEMM, plus the
+// sum pass.
+inline double LastLanding(int tp, double whole_ms, double transfer_us) {
+  const double g = whole_ms / tp, t = transfer_us * 1e-3;
+  double lands = 0;
+  for (int step = 1; step < tp; ++step) lands = std::max(step * g, lands) + t;
+  return lands;
+}
+
 class HostLink {
  public:
   HostLink(int tp, double transfer_us)

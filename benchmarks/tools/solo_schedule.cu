@@ -400,11 +400,8 @@ int main(int argc, char** argv) {
     std::printf("floor with one sum pass: whole GEMM + sum = x%.4f of the whole GEMM\n",
                 (whole[1] + lib[1]) / whole[1]);
     if (r.link != nullptr) {
-      // The last partial's landing had every GEMM run at the whole GEMM's pace (model of
-      // solo_link.h), the sum pass after the later of it and our own GEMMs.
-      const double g = whole[1] / tp, t = transfer_us * 1e-3;
-      double lands = 0;
-      for (int step = 1; step < tp; ++step) lands = std::max(step * g, lands) + t;
+      // The sum pass after the later of the last landing and our own GEMMs.
+      const double lands = solo::LastLanding(tp, whole[1], transfer_us);
       const double floor = std::max(whole[1], lands) + lib[1];
       std::printf(
           "paced at %.0f GB/s: a partial %.1f us on the link, the last lands at %.4f ms "
