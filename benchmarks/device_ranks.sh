@@ -157,6 +157,16 @@ mode_ranks() {
   done
   for ((lane = 0; lane < lanes; lane++)); do wait "${lane_pids[lane]}"; done
   [ -n "$sampler" ] && kill "$sampler" 2> /dev/null
+  # Where an item failed, what the GPU's side saw: under MPS one client's fatal fault reaches
+  # every client on the GPU, so the rank that reports an error may not be the one that made
+  # it; the daemon's logs and the kernel's Xid lines name the faulting process.
+  if cat "$SCRATCH"/lane_*.failed 2> /dev/null | grep -q .; then
+    if [ -n "$RANKS_MPS_DIR" ] && [ -d "$RANKS_MPS_DIR/log" ]; then
+      tar czf "$OUT/ranks_mps_logs.tgz" -C "$RANKS_MPS_DIR" log && echo "MPS logs: ranks_mps_logs.tgz"
+    fi
+    { dmesg 2> /dev/null || journalctl -k --no-pager 2> /dev/null; } | grep -iE "xid|nvrm" \
+      | tail -n 200 > "$OUT/ranks_xid.log" || true
+  fi
   stop_ranks_mps
   for ((lane = 0; lane < lanes; lane++)); do
     echo "-- lane $lane (GPU ${gpu_ids[lane % gpus]}, about ${load[lane]} s of limits; log: ranks_lane$lane.log):"
