@@ -285,8 +285,8 @@ def global_call(
       With other mesh axes, all ``Auto``, the shard_map is then manual over every axis,
       those axes splitting a row dim of the first arg and the outputs that none of the
       specs splits (the first such dim they divide), as data parallelism splits a batch:
-      no op inside needs lowering's nested shard_map over them (XLA's Shardy mis-assigns
-      the manual axes of many such nested calls: "Side-effect ops cannot be replicated").
+      no op inside needs lowering's nested shard_map over them (XLA's Shardy export drops
+      the outer manual axes of the 24th, 48th, ... such nested call: RELIABILITY's gap 14).
     - On a mesh found from the arrays' types (an ``AbstractMesh``, none set), the first
       arg is marked for the calls' lowering to find the program's devices (device_probe).
     - On CPU devices, where the shard_map leaves other mesh axes automatic, ``widening``
