@@ -15,6 +15,7 @@ import pytest
 from _op_cases import OPS, op_fn, op_operands
 from conftest import rel_err
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src.ops import impl_choice
@@ -278,6 +279,27 @@ def test_explain_impl_on_cpu():
 def test_explain_impl_rejects_bad_arguments(op, w_shape, impl, match):
     with pytest.raises(ValueError, match=match):
         jax_ub.explain_impl(op, (8, 4), w_shape, BF16, 2, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["auto", "ub", "xla"])
+def test_explain_impl_refuses_what_the_op_refuses(mesh1d, impl):
+    """A reduce-scatter whose rows the axis does not divide: explain_impl raises what the op
+    raises, with any impl; an axis size below 1 is refused, never counted as bytes."""
+    with pytest.raises(ValueError, match=r"rows of x \(7\) are not divisible by the size of"):
+        jax_ub.explain_impl(RS, (7, 16), (16, 8), jnp.float32, 2, impl=impl)
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.matmul_reduce_scatter(x, w, "tp", impl=impl),
+            mesh=mesh1d(2),
+            in_specs=(P(None, "tp"), P("tp")),
+            out_specs=P("tp"),
+        )
+    )
+    with pytest.raises(ValueError, match=r"rows of x \(7\) are not divisible by the size of"):
+        f(jnp.ones((7, 32)), jnp.ones((32, 8)))
+    for size in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match=r"axis_size must be an integer >= 1"):
+            jax_ub.explain_impl(AG, (8, 16), (16, 8), jnp.float32, size, impl=impl)
 
 
 @pytest.mark.usefixtures("simulated_gpu")

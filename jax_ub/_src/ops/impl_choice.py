@@ -182,7 +182,9 @@ def explain_impl(
       ``comm_bytes``.
 
     Raises:
-      ValueError: where ``impl="ub"`` cannot run this call (the op raises the same).
+      ValueError: where ``impl="ub"`` cannot run this call (the op raises the same), for a
+        call the op refuses with any impl (matmul_reduce_scatter's rows not divisible by
+        ``axis_size``), or for an ``axis_size`` below 1.
 
     Example (on CPU devices, where the host protocol runs wherever it can; on GPUs this
     call would run XLA's op, its 1.5 MiB per rank being below the default 8 MiB)::
@@ -196,9 +198,16 @@ def explain_impl(
     """
     auto_rule.check_op(op)
     checks.check_impl(op, impl)
+    if isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1:
+        raise ValueError(f"{op}: axis_size must be an integer >= 1, got {axis_size=}")
     x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), jnp.dtype(dtype))
     checks.check_matmul_shapes(op, x, w)
+    if op == "matmul_reduce_scatter" and x.shape[0] % axis_size:  # the op's check, as it says it
+        raise ValueError(
+            f"{op}: rows of x ({x.shape[0]}) are not divisible by the size of the axis "
+            f"({axis_size=}); {x.shape=}"
+        )
     choice = choose_impl(op, impl, x, w, fp8, axis_size)
     moved = auto_rule.comm_bytes(op, x_shape, w_shape, dtype, axis_size, fp8=fp8)
     return dataclasses.replace(choice, comm_bytes=moved)
