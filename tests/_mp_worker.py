@@ -318,6 +318,17 @@ try:
                 jax_ub.configure(keep_gathered=dtype == jnp.float32)
                 key = f"flag_gemm,{jnp.dtype(dtype).name}"
                 result[key] = run_ops_without_collectives(mesh, "tp", 41, 64, 48, dtype)
+        if scenario == "protocol":  # the RS's partials in one GEMM signalling each block
+            options.set_experimental_tuning(
+                all_gather_in_turn=None,
+                all_gather_flag_gemm=None,
+                reduce_scatter_fold_rows=-1,
+                reduce_scatter_signal_gemm=True,
+            )
+            for dtype in (jnp.float32, jnp.bfloat16):
+                jax_ub.configure(keep_gathered=dtype == jnp.float32)
+                key = f"signal_gemm,{jnp.dtype(dtype).name}"
+                result[key] = run_ops_without_collectives(mesh, "tp", 41, 64, 48, dtype)
     elif scenario == "dp_across_tp_inside":
         result = run_ops(Mesh(devices.reshape(nproc, ndev), ("dp", "tp")), "tp", ("dp",))
     elif scenario == "mismatched_shape":

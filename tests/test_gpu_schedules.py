@@ -145,15 +145,12 @@ def test_odd_sizes(tp, rows, dtype):
         _finalize()
 
 
-def _flag_gemm_calls() -> int:
-    """FlagGemm kernels launched by this process's live CUDA communicators."""
+def _flag_gemm_calls(signals: bool = False) -> int:
+    """FlagGemm (with `signals`: SignalGemm) kernels launched by this process's live CUDA
+    communicators."""
     module = extension.module_for("cuda")
-    return sum(
-        n
-        for c in live_communicators()
-        if c.platform == "cuda"
-        for _, n in module.flag_gemm_calls(c.id)
-    )
+    count = module.signal_gemm_calls if signals else module.flag_gemm_calls
+    return sum(n for c in live_communicators() if c.platform == "cuda" for _, n in count(c.id))
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -198,5 +195,51 @@ def test_flag_gemm_kernel(tp):
             before = _flag_gemm_calls()
             assert gpu_rel_err(rs_grad("ub")(h * (call + 1), v), dh_ref) < 2e-2
             assert _flag_gemm_calls() > before, call
+    finally:
+        _finalize()
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_signal_gemm_kernel(tp):
+    """The reduce-scatter's signal GEMM in its kernel (SignalGemm: bf16, a rank's output rows a
+    multiple of 256, a Hopper GPU), the fold off: the forward's (w as [k, n]), and in
+    all_gather_matmul's gradient the backward's reduce-scatter of dy (w read transposed), against
+    XLA's, over calls with new data (the blocks' tile counters start each call at 0); each call
+    must have launched the kernel (its count rises)."""
+    if not extension.module_for("cuda").flag_gemm_built():
+        pytest.skip("this build has no signal GEMM (CUTLASS's headers were not found)")
+    if jax.local_devices()[0].compute_capability != "9.0":
+        pytest.skip("SignalGemm is Hopper's (compute capability 9.0)")
+    _finalize()  # communicators take the setting when they are created
+    use_tuning(reduce_scatter_signal_gemm=True, reduce_scatter_fold_rows=-1)
+    try:
+        mesh = _mesh(tp)
+        key = jax.random.key(11 + tp)
+        h, v, x, w, g = _data(
+            key,
+            [
+                (tp * 256, tp * 256),
+                (tp * 256, 384),
+                (tp * 256, 512),
+                (512, tp * 384),
+                (tp * 256, tp * 384),
+            ],
+            jnp.bfloat16,
+        )
+
+        def ag_grad(impl):  # dx = dy @ w.T: new data each call through dy
+            loss = lambda x, w, dy: jnp.sum(_ag(mesh, impl)(x, w).astype(jnp.float32) * dy)  # noqa: E731
+            return jax.jit(jax.grad(loss))
+
+        rs_ref = jax.block_until_ready(_rs(mesh, "xla")(h, v))
+        dx_ref = jax.block_until_ready(ag_grad("xla")(x, w, g))
+        for call in range(3):
+            before = _flag_gemm_calls(signals=True)
+            assert gpu_rel_err(_rs(mesh, "ub")(h * (call + 1), v), rs_ref * (call + 1)) < 2e-2
+            assert _flag_gemm_calls(signals=True) > before, call
+            before = _flag_gemm_calls(signals=True)
+            dx = ag_grad("ub")(x, w, g * (call + 1))
+            assert gpu_rel_err(dx, dx_ref * (call + 1)) < 2e-2
+            assert _flag_gemm_calls(signals=True) > before, call
     finally:
         _finalize()

@@ -250,11 +250,14 @@ def test_op_gradients_with_the_all_gather_in_turn(rand, name, mode):
 
 # Schedules a tuning choice forces where the defaults take them only for long GEMMs, each with
 # the all-gather in turn: GEMMs taking turns on two lanes (Tuning.two_gemm_lanes: the forward's
-# and the backward's all-gather GEMMs and reduce-scatter partials), and the all-gather's flag GEMM
-# (Tuning.all_gather_flag_gemm: every chunk in one GEMM that waits for each chunk itself).
+# and the backward's all-gather GEMMs and reduce-scatter partials), the all-gather's flag GEMM
+# (Tuning.all_gather_flag_gemm: every chunk in one GEMM that waits for each chunk itself), and
+# the reduce-scatter's signal GEMM (Tuning.reduce_scatter_signal_gemm: every partial in one GEMM
+# that raises each block's flag, the forward's and the backward's reduce-scatters).
 FORCED_SCHEDULES = {
     "two_gemm_lanes": {"all_gather_in_turn": True, "two_gemm_lanes": True},
     "flag_gemm": {"all_gather_in_turn": True, "all_gather_flag_gemm": True},
+    "signal_gemm": {"reduce_scatter_signal_gemm": True},
 }
 
 

@@ -11,6 +11,8 @@ every rank of both ops over sizes, options and shapes:
 - the credits (signals on the compute lane), which let peers write the buffer again, come
   after every read of it;
 - a GEMM that waits for its blocks itself (Step::parts) counts as a wait for each;
+- a GEMM that signals its blocks (Step::signals) is a GEMM a block, side by side, and a
+  lane's wait for a block's flag orders it after that block's GEMM alone;
 - the second GEMM lane's last step is joined into the compute lane (a call ends on the
   compute lane; Finish joins only the copy lanes).
 
@@ -27,11 +29,12 @@ from jax_ub._src.runtime import extension
 ES = 4  # call_steps' calls are float32
 END = float("inf")
 LOCAL = ("X", "Out", "Gathered", "Buffer")  # this rank's memory; PeerBuffer is another's
+BLOCK_LANE = 1000  # expand's lane of a signalled GEMM's block j: BLOCK_LANE + j
 
 
 def effects(st: tuple, m: int, k: int, n: int) -> tuple[list, list]:
     """(reads, writes) of one step as (region, first byte, end)."""
-    kind, _, _, _, rows, src, src_off, parts, add, add_off, dst, dst_off, nbytes = st
+    kind, _, _, _, rows, src, src_off, parts, add, add_off, dst, dst_off, nbytes = st[:13]
     reads, writes = [], []
     if kind == "Gemm" and parts:  # the blocks it waits for itself, each of m rows
         for j in range(64):
@@ -65,12 +68,34 @@ def overlap(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
+def expand(step_list: list, rank: int, size: int, m: int, k: int, n: int) -> list:
+    """The list with each GEMM that signals its blocks as a GEMM of m rows a block, each on a
+    lane of its own (BLOCK_LANE + j) that starts after the GEMM's lane so far and that lane
+    joins after all of them: one kernel's blocks end in no set order. Each block's tuple ends
+    in its block."""
+    out = []
+    for st in step_list:
+        if not (st[0] == "Gemm" and st[15]):
+            out.append(st)
+            continue
+        blocks = [j for j in range(size) if st[7] >> j & 1]
+        for j in blocks:
+            block = list(st)
+            block[1], block[4], block[7] = BLOCK_LANE + j, m, 0
+            block[6], block[11] = st[6] + j * m * k * ES, st[11] + j * m * n * ES
+            out.append(("Join", BLOCK_LANE + j, -1, st[1], *st[4:]))
+            out.append((*block, j))
+        out += [("Join", st[1], -1, BLOCK_LANE + j, *st[4:]) for j in blocks]
+    return out
+
+
 def replay(step_list: list) -> list[dict]:
     """Each step's lane, place on it, and vector clock (steps of each lane ordered before it,
-    itself included) and the peers whose data waits are ordered before it."""
+    itself included) and the peers whose data waits are ordered before it; a list `expand`ed."""
     clock: dict[int, dict[int, int]] = {}
     landed: dict[int, set] = {}
     count: dict[int, int] = {}
+    block_clock: dict[int, dict[int, int]] = {}  # a signalled block's GEMM's clock
     out = []
     for st in step_list:
         kind, lane, peer, on_lane = st[:4]
@@ -80,12 +105,18 @@ def replay(step_list: list) -> list[dict]:
                 mine[other] = max(mine.get(other, 0), c)
             mine[on_lane] = max(mine.get(on_lane, 0), count.get(on_lane, 0))
             seen |= landed.get(on_lane, set())
-        if kind == "Wait" and peer != lane:  # a data wait (a credit's waits on the peer's lane)
+        if kind == "Wait" and st[13] == "Block":  # our own GEMM's block, enqueued before it
+            assert st[14] in block_clock, ("a wait for a block no GEMM before it signals", st)
+            for other, c in block_clock[st[14]].items():
+                mine[other] = max(mine.get(other, 0), c)
+        elif kind == "Wait" and peer != lane:  # a data wait (a credit's waits on the peer's lane)
             seen.add(peer)
         if kind == "Gemm" and st[7]:  # a GEMM that waits for its blocks' data itself
             seen |= {j for j in range(64) if st[7] >> j & 1}
         count[lane] = count.get(lane, 0) + 1
         mine[lane] = count[lane]
+        if len(st) > 16:  # one block of a GEMM that signals them
+            block_clock[st[16]] = dict(mine)
         out.append({"lane": lane, "place": count[lane], "clock": dict(mine), "landed": set(seen)})
     return out
 
@@ -97,6 +128,7 @@ def before(a: dict, b: dict) -> bool:
 def check(step_list: list, rank: int, size: int, m: int, k: int, n: int, peer_slots: str):
     """The module's checks for one rank's list; `peer_slots` (the op, or "" for none) checks
     that reads of a peer's slot of the buffer follow a wait for that peer."""
+    step_list = expand(step_list, rank, size, m, k, n)
     order = replay(step_list)
     eff = [effects(st, m, k, n) for st in step_list]
     local_writes = [w for _, ws in eff for w in ws if w[0] == "Buffer"]
@@ -141,8 +173,9 @@ RS_OPTIONS = [
         "reduce_scatter_early_sum": e,
         "reduce_scatter_ring": r,
         "two_gemm_lanes": g,
+        "reduce_scatter_signal_gemm": sg,
     }
-    for f, e, r, g in itertools.product((-1, 0, 2048), CHOICES, (False, True), CHOICES)
+    for f, e, r, g, sg in itertools.product((-1, 0, 2048), CHOICES, (False, True), CHOICES, CHOICES)
 ]
 
 

@@ -1,6 +1,6 @@
 // signal_gemm: the reduce-scatter's compute side with one persistent GEMM that raises each
-// row block's flag as the block is written (signal_gemm.cuh), on ONE GPU, for rank 0 of tp.
-// Not part of the library.
+// row block's flag as the block is written (the library's SignalGemm, signal_gemm.cuh), on ONE
+// GPU, for rank 0 of tp.
 //
 // First a check that a flag never rises before its block is written: D is filled with NaN, a
 // watcher stream waits on each block's flag and copies the block to the host right then (copy
@@ -10,6 +10,7 @@
 //   stock          the same CUTLASS kernel with CUTLASS's scheduler and epilogue
 //   ordered        with FlagTileScheduler's block order (no flags): what the order costs
 //   signal         SignalGemm, flags in device memory, nothing waiting: what signals cost on top
+//                  (and its initialization at every call, as in the library)
 //   sum            the sum pass alone (the library's LaunchSum over tp partials)
 //   signal+link    with gbps > 0: SignalGemm raising each partial's "done" word of solo_link.h's
 //                  modelled link (a host thread: the peer's partial for us lands a transfer after
@@ -81,15 +82,13 @@ int main(int argc, char** argv) {
   CHECK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&watcher, cudaStreamNonBlocking));
 
-  // Push order: slot s - 1 is block s (s = 1..tp-1), the own block 0 the last slot, unsignalled.
-  uint64_t order = 0, slot_of_block = uint64_t(tp - 1);
-  for (int s = 1; s < tp; ++s) {
-    order |= uint64_t(s) << (4 * (s - 1));
-    slot_of_block |= uint64_t(s - 1) << (4 * s);
-  }
+  // Push order: block s at step s (s = 1..tp-1), the own block 0 last and unsignalled.
+  uint64_t order = 0;
+  for (int s = 1; s < tp; ++s) order |= uint64_t(s) << (4 * (s - 1));
   const uint32_t tiles_per_block = uint32_t(m / 128) * uint32_t((n + 127) / 128);
-  // Three sets of flags and counters, each only ever used by one implementation (a set's flags
-  // count its calls): the check, `signal`, and `signal+link` (flags: the link's done words).
+  // Three sets of flags (block s's at s) and counters, each only ever used by one
+  // implementation (a set's flags count its calls): the check, `signal`, and `signal+link`
+  // (flags: the link's done words, Done(s) for block s).
   uint64_t* words;             // [3][16] flags, device
   unsigned long long* counts;  // [3][16]
   CHECK(cudaMalloc(&words, 3 * 16 * sizeof(uint64_t)));
@@ -100,8 +99,7 @@ int main(int argc, char** argv) {
     sg::Signals s;
     s.flags = flags;
     s.counts = counts + 16 * set;
-    s.slot_of_block = slot_of_block;
-    s.signalled = tp - 1;
+    s.signalled = ((1u << tp) - 1) & ~1u;  // every block but the own block 0
     s.block_rows = int(m);
     s.tiles_per_block = tiles_per_block;
     return s;
@@ -112,19 +110,20 @@ int main(int argc, char** argv) {
   std::vector<LtSpan> spans = {lt.Plan(0, rows)};
   lt.Run(spans[0], a, ref, compute);
 
-  // The check: a NaN D; each signalled block copied to the host as soon as its flag rises.
+  // The check, twice (the second call finds the counters the first reset): a NaN D; each
+  // signalled block copied to the host as soon as its flag rises to the call's number.
   bool pass = true;
-  {
-    sg::SignalOp op(rows, int(k), int(n), tp, order, sms, a, b, d, signals(0, words));
+  sg::SignalOp checked(rows, int(k), int(n), tp, order, sms, a, b, d, signals(0, words));
+  for (uint64_t call = 1; call <= 2; ++call) {
     bf16 *host, *expect;
     CHECK(cudaMallocHost(&host, d_elems * sizeof(bf16)));
     CHECK(cudaMallocHost(&expect, d_elems * sizeof(bf16)));
     CHECK(cudaMemcpy(expect, ref, d_elems * sizeof(bf16), cudaMemcpyDeviceToHost));
     CHECK(cudaMemset(d, 0xff, d_elems * sizeof(bf16)));
     CHECK(cudaDeviceSynchronize());
-    op.Run(compute);
+    checked.Run(compute);
     for (int s = 1; s < tp; ++s) {
-      CHECK(driver->wait(watcher, CUdeviceptr(words + s - 1), 1, CU_STREAM_WAIT_VALUE_GEQ));
+      CHECK(driver->wait(watcher, CUdeviceptr(words + s), call, CU_STREAM_WAIT_VALUE_GEQ));
       CHECK(cudaMemcpyAsync(host + s * block, d + s * block, block * sizeof(bf16),
                             cudaMemcpyDeviceToHost, watcher));
     }
@@ -134,10 +133,9 @@ int main(int argc, char** argv) {
     // and is raised here so that the watcher's wait ends.
     uint64_t flags[16];
     CHECK(cudaMemcpy(flags, words, sizeof(flags), cudaMemcpyDeviceToHost));
-    const uint64_t one = 1;
     for (int s = 1; s < tp; ++s)
-      if (flags[s - 1] != 1)
-        CHECK(cudaMemcpy(words + s - 1, &one, sizeof(one), cudaMemcpyHostToDevice));
+      if (flags[s] != call)
+        CHECK(cudaMemcpy(words + s, &call, sizeof(call), cudaMemcpyHostToDevice));
     CHECK(cudaStreamSynchronize(watcher));
     for (int blk = 0; blk < tp; ++blk) {
       double e = 0, q = 0;
@@ -149,11 +147,12 @@ int main(int argc, char** argv) {
         q += double(y) * y;
       }
       const double rel = std::sqrt(e / std::max(q, 1e-30));
-      const bool ok = rel < 1e-2 && bad == 0 && (blk == 0 || flags[blk - 1] == 1);
+      const bool ok = rel < 1e-2 && bad == 0 && (blk == 0 || flags[blk] == call);
       pass &= ok;
-      std::printf("block %d (%s): rel_err %.2e, nonfinite %lld, flag %llu: %s\n", blk,
+      std::printf("call %llu, block %d (%s): rel_err %.2e, nonfinite %lld, flag %llu: %s\n",
+                  (unsigned long long)call, blk,
                   blk ? "copied at its flag" : "own, after the kernel", rel, bad,
-                  blk ? (unsigned long long)flags[blk - 1] : 0ull, ok ? "PASS" : "FAIL");
+                  blk ? (unsigned long long)flags[blk] : 0ull, ok ? "PASS" : "FAIL");
     }
     std::printf("correctness: %s\n", pass ? "PASS" : "FAIL");
     CHECK(cudaFreeHost(host));
@@ -184,9 +183,9 @@ int main(int argc, char** argv) {
   uint64_t epoch = 0;
   if (gbps > 0) {
     link = std::make_unique<solo::HostLink>(tp, transfer_us);
-    // The kernel's slot s - 1 raises the link's Done(s): consecutive words from Done(1).
+    // The kernel's block s raises the link's Done(s): consecutive words from Done(0).
     linked = std::make_unique<sg::SignalOp>(rows, int(k), int(n), tp, order, sms, a, b, d,
-                                            signals(2, reinterpret_cast<uint64_t*>(link->Done(1))));
+                                            signals(2, reinterpret_cast<uint64_t*>(link->Done(0))));
     impls.push_back(
         {"signal+link", compute, [&] {
            ++epoch;

@@ -95,9 +95,13 @@ NB_MODULE(_cuda, m) {
       out.emplace_back(t.device, t.calls, t.total_ns, t.await_ns);
     return out;
   });
-  // [(device, FlagGemm launches)], and whether this build has FlagGemm at all.
+  // [(device, FlagGemm launches)], [(device, SignalGemm launches)], and whether this build has
+  // them at all.
   m.def("flag_gemm_calls", [](int64_t id) {
     return jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id)->FlagGemmCalls();
+  });
+  m.def("signal_gemm_calls", [](int64_t id) {
+    return jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id)->FlagGemmCalls(true);
   });
   m.def("flag_gemm_built", [] { return jax_ub::FlagGemmBuilt(); });
   // [(device, m, k, n, row description, place in cuBLASLt's heuristic list, trials still

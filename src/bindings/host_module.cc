@@ -101,9 +101,11 @@ NB_MODULE(_host, m) {
                                        "Gemm", "Sum",     "Join", "Verify"};
         static const char* kRegions[] = {"None", "X",         "Out",    "Gathered",
                                          "Aux",  "GatherSrc", "Buffer", "PeerBuffer"};
+        static const char* kFlags[] = {"Data", "FirstPiece", "Credit", "Block"};
         static_assert(static_cast<int>(jax_ub::Step::Kind::kVerify) == 7 &&
-                          static_cast<int>(jax_ub::Region::kPeerBuffer) == 7,
-                      "call_steps names every Step::Kind and Region, in their order");
+                          static_cast<int>(jax_ub::Region::kPeerBuffer) == 7 &&
+                          static_cast<int>(jax_ub::Flag::kBlock) == 3,
+                      "call_steps names every Step::Kind, Region and Flag, in their order");
         jax_ub::CallShape shape;
         shape.m = m;
         shape.k = k;
@@ -117,7 +119,8 @@ NB_MODULE(_host, m) {
               kKinds[static_cast<int>(st.kind)], st.lane, st.peer, st.on_lane, st.rows,
               kRegions[static_cast<int>(st.src.region)], st.src.offset, st.parts,
               kRegions[static_cast<int>(st.addend.region)], st.addend.offset,
-              kRegions[static_cast<int>(st.dst.region)], st.dst.offset, st.bytes));
+              kRegions[static_cast<int>(st.dst.region)], st.dst.offset, st.bytes,
+              kFlags[static_cast<int>(st.flag)], st.slot, st.signals));
         return out;
       },
       nb::arg("op"), nb::arg("rank"), nb::arg("size"), nb::arg("m"), nb::arg("k"), nb::arg("n"),

@@ -62,6 +62,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
                                                 "all_gather_in_turn",
                                                 "two_gemm_lanes",
                                                 "all_gather_flag_gemm",
+                                                "reduce_scatter_signal_gemm",
                                                 "compute_on_caller_stream",
                                                 "fp8_fast_accumulation",
                                                 "gemm_cache"};
@@ -113,6 +114,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   o.all_gather_in_turn = choice("all_gather_in_turn");
   o.two_gemm_lanes = choice("two_gemm_lanes");
   o.all_gather_flag_gemm = choice("all_gather_flag_gemm");
+  o.reduce_scatter_signal_gemm = choice("reduce_scatter_signal_gemm");
   o.gemm_cache = nb::cast<std::string>(get("gemm_cache"));
   if (o.gemm_cache.find('\n') != std::string::npos)
     throw nb::value_error("gemm_cache must be a file path, without newlines");

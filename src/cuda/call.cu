@@ -163,10 +163,12 @@ std::vector<CudaCommunicator::HostTime> CudaCommunicator::HostTimes() const {
   return out;
 }
 
-std::vector<std::pair<int, int64_t>> CudaCommunicator::FlagGemmCalls() const {
+std::vector<std::pair<int, int64_t>> CudaCommunicator::FlagGemmCalls(bool signals) const {
   std::vector<std::pair<int, int64_t>> out;
   for (const auto& sp : slots_)
-    if (sp && sp->local) out.emplace_back(sp->device, sp->flag_gemm_calls.load());
+    if (sp && sp->local)
+      out.emplace_back(sp->device,
+                       signals ? sp->signal_gemm_calls.load() : sp->flag_gemm_calls.load());
   return out;
 }
 

@@ -159,6 +159,16 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     JAX_UB_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, s->device));
     s->flag_gemm_runs = FlagGemmBuilt() && major == 9 && minor == 0;  // its SASS is sm_90a's
     JAX_UB_RETURN_IF_ERROR(PreloadKernels());
+    // A GPU whose driver cannot load the CUTLASS kernels keeps its library GEMMs, and says so.
+    if (s->flag_gemm_runs) {
+      const Status loaded = PreloadFlagGemms();
+      if (!loaded.ok()) {
+        cudaGetLastError();  // not sticky: a kernel image that did not load
+        s->flag_gemm_runs = false;
+        std::fprintf(stderr, "jax_ub: GPU %d keeps library GEMMs, the flag GEMM's kernels: %s\n",
+                     s->device, loaded.message().c_str());
+      }
+    }
     slots_[sl] = std::move(s);
   }
   return Status::Ok();

@@ -69,8 +69,9 @@ class CudaCommunicator {
   };
   std::vector<HostTime> HostTimes() const;
 
-  // How many FlagGemm kernels each local GPU has launched: (device, launches).
-  std::vector<std::pair<int, int64_t>> FlagGemmCalls() const;
+  // How many FlagGemm (with `signals`: SignalGemm) kernels each local GPU has launched:
+  // (device, launches).
+  std::vector<std::pair<int, int64_t>> FlagGemmCalls(bool signals = false) const;
 
   // Every local GPU's GEMM kernel per shape (CublasLtGemm::Choices), for tests and tools.
   struct KernelChoice {
@@ -109,7 +110,11 @@ class CudaCommunicator {
   static constexpr int kChoiceFlag = kDescFlag + kMaxRanks * CallDescriptor::kWords;
   static constexpr int kChoiceRing = 16;
   static constexpr int kChoiceReadFlag = kChoiceFlag + kChoiceRing;
-  static constexpr int kNumFlags = kChoiceReadFlag + kMaxRanks;
+  // Then block[j] (this slot's own GEMM wrote block j for the call, by epoch: SignalGemm's flags)
+  // and block_count[j] (its tiles of block j written so far, 0 between calls).
+  static constexpr int kBlockFlag = kChoiceReadFlag + kMaxRanks;
+  static constexpr int kBlockCountFlag = kBlockFlag + kMaxRanks;
+  static constexpr int kNumFlags = kBlockCountFlag + kMaxRanks;
 
   struct Wait {
     int peer;
@@ -163,8 +168,9 @@ class CudaCommunicator {
     std::atomic<uint64_t> enqueued{0};  // the last call whose work is fully enqueued
     // HostTimes(); written by this device's handler thread only.
     std::atomic<int64_t> host_calls{0}, host_ns{0}, await_ns{0};
-    std::atomic<int64_t> flag_gemm_calls{0};  // FlagGemm launches (FlagGemmCalls)
-    std::mutex mu;                            // pending and free_events: shared with the watchdog
+    std::atomic<int64_t> flag_gemm_calls{0};    // FlagGemm launches (FlagGemmCalls)
+    std::atomic<int64_t> signal_gemm_calls{0};  // SignalGemm launches (FlagGemmCalls)
+    std::mutex mu;                              // pending and free_events: shared with the watchdog
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;
@@ -198,6 +204,11 @@ class CudaCommunicator {
   Status EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched, const Step& step,
                          const CallShape& shape, const void* w, bool w_transposed, const void* src,
                          void* dst, uint64_t epoch, std::vector<Wait>* waits);
+  // A kGemm step that signals its blocks (Step::signals): SignalGemm on `stream`, over `src`
+  // into `dst`, raising this slot's block flags to `epoch`.
+  Status EnqueueSignalGemm(Slot& s, cudaStream_t stream, const Schedule& sched, const Step& step,
+                           const CallShape& shape, const void* w, bool w_transposed,
+                           const void* src, void* dst, uint64_t epoch);
   // The index in a slot's flag words of `flag` for `rank`.
   static int FlagIndex(Flag flag, int rank);
   // Marks the communicator broken when a call that has begun (`s` not null) fails, and

@@ -25,6 +25,8 @@ int CudaCommunicator::FlagIndex(Flag flag, int rank) {
       return kDataFlag + rank;
     case Flag::kFirstPiece:
       return kFirstPieceFlag + rank;
+    case Flag::kBlock:
+      return kBlockFlag + rank;
     case Flag::kCredit:
       break;
   }
@@ -76,6 +78,31 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
   return Status::Ok();
 }
 
+Status CudaCommunicator::EnqueueSignalGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
+                                           const Step& step, const CallShape& shape, const void* w,
+                                           bool w_transposed, const void* src, void* dst,
+                                           uint64_t epoch) {
+  SignalGemmCall c;
+  c.a = src;
+  c.w = w;
+  c.w_transposed = w_transposed;
+  c.d = dst;
+  c.blocks = sched.size;
+  c.block_rows = step.rows / sched.size;
+  c.k = shape.k;
+  c.n = shape.n;
+  c.flags = s.flags + FlagIndex(Flag::kBlock, 0);
+  c.counts = reinterpret_cast<unsigned long long*>(s.flags + kBlockCountFlag);
+  c.target = epoch;
+  for (int j : sched.SignalGemmOrder(step.parts)) {
+    c.order |= uint64_t(j) << (4 * c.count++);
+    if (j != sched.rank) c.signalled |= 1u << j;  // our own block is summed here, not pushed
+  }
+  JAX_UB_RETURN_IF_ERROR(LaunchSignalGemm(c, s.device, s.sm_count, stream));
+  s.signal_gemm_calls.fetch_add(1, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
 Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const CallShape& shape,
                                  const Operands& ops, Slot** began) {
   const char* name = OpName(op);
@@ -85,16 +112,20 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   JAX_UB_RETURN_IF_ERROR(
       Begin(device, name, RequiredBytes(op, shape, schedule_.For(0, size)), &s, &e));
   *began = s;
-  // The flag GEMM where this GPU and the call allow it (FlagGemmFits; TMA reads w and writes
-  // out 16-byte aligned; x reaches it through a copy into the buffer); else the call keeps its
-  // library GEMMs.
+  // The flag GEMM (all-gather) or the signal GEMM (reduce-scatter) where this GPU and the call
+  // allow it (FlagGemmFits; TMA reads w, and x or the buffer, and writes out or the buffer,
+  // 16-byte aligned; the all-gather's x reaches it through a copy into the buffer); else the
+  // call keeps its library GEMMs.
   Schedule sched = schedule_.For(s->rank, size);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (op != OpKind::kAllGatherMatmul || !s->flag_gemm_runs ||
-      !FlagGemmFits(shape.in, shape.w_type, shape.out, shape.epilogue.Any(), shape.m, shape.k,
-                    shape.n, size) ||
-      !aligned(ops.w) || !aligned(ops.out))
+  const bool fits = s->flag_gemm_runs &&
+                    FlagGemmFits(shape.in, shape.w_type, shape.out, shape.epilogue.Any(), shape.m,
+                                 shape.k, shape.n, size) &&
+                    aligned(ops.w);
+  if (op != OpKind::kAllGatherMatmul || !fits || !aligned(ops.out))
     sched.flag_gemm = ScheduleChoice::kOff;
+  if (op != OpKind::kMatmulReduceScatter || !fits || !aligned(ops.x))
+    sched.signal_gemm = ScheduleChoice::kOff;
   const std::vector<Step> steps = CallSteps(op, sched, shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);
   // fp8 products are scaled by x_scale and w_scale on the device; others are not.
@@ -175,6 +206,12 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
             Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, slot), e));
         break;
       case Step::Kind::kGemm:
+        if (step.signals) {
+          JAX_UB_RETURN_IF_ERROR(EnqueueSignalGemm(*s, stream, sched, step, shape, ops.w,
+                                                   ops.w_transposed, at(step.src), at(step.dst),
+                                                   e));
+          break;
+        }
         if (step.parts != 0) {
           JAX_UB_RETURN_IF_ERROR(EnqueueFlagGemm(*s, stream, sched, step, shape, ops.w,
                                                  ops.w_transposed, at(step.src), at(step.dst), e,

@@ -257,6 +257,8 @@ uint64_t* HostCommunicator::FlagWord(int slot, Flag flag, int rank) const {
       return &h->data_epoch[rank];
     case Flag::kFirstPiece:
       return &h->first_piece_epoch[rank];
+    case Flag::kBlock:
+      return &h->block_epoch[rank];
     case Flag::kCredit:
       break;
   }
@@ -279,7 +281,9 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
       case Step::Kind::kWait:
         st = WaitFlag(ctx, FlagWord(ctx.slot, step.flag, FlagSlot(step, ctx.rank)),
                       ctx.epoch - Lag(step.flag), step.peer, step.what);
-        if (st.ok() && step.flag != Flag::kCredit) st = CheckDescriptor(ctx, step.peer);
+        // A credit is the peer's previous call's; our own GEMM's block flag carries no descriptor.
+        if (st.ok() && step.flag != Flag::kCredit && step.flag != Flag::kBlock)
+          st = CheckDescriptor(ctx, step.peer);
         break;
       case Step::Kind::kPublish:
         header(ctx.peer_slot(step.peer))->desc_from[ctx.rank] = ctx.desc;
@@ -292,13 +296,16 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         break;
       case Step::Kind::kGemm: {
         char* dst = at(step.dst);
-        if (step.parts != 0) {  // a GEMM that waits for each block itself: block by block here
+        // A GEMM that waits for each block itself, or that signals each: block by block here.
+        if (step.parts != 0) {
           const int64_t rows = step.rows / ctx.size;
           const int64_t in_rows = rows * shape.k * DTypeSize(shape.in);
           const int64_t out_rows = rows * shape.n * DTypeSize(shape.out);
           const Schedule sched = schedule_.For(ctx.rank, ctx.size);
-          for (int j : sched.FlagGemmOrder(step.parts)) {
-            if (j != ctx.rank) {  // ours was copied before, on the GEMM's lane
+          const std::vector<int> order =
+              step.signals ? sched.SignalGemmOrder(step.parts) : sched.FlagGemmOrder(step.parts);
+          for (int j : order) {
+            if (!step.signals && j != ctx.rank) {  // ours was copied before, on the GEMM's lane
               st = WaitFlag(ctx, FlagWord(ctx.slot, Flag::kData, j), ctx.epoch, j,
                             "deliver its chunk");
               if (st.ok()) st = CheckDescriptor(ctx, j);
@@ -309,6 +316,8 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
                      ops.w_transposed, scale, dst + j * out_rows, rows, shape.k, shape.n,
                      step.epilogue ? shape.epilogue : Epilogue{}, ops.bias,
                      aux == nullptr ? nullptr : aux + j * out_rows);
+            if (step.signals && j != ctx.rank)
+              Store(FlagWord(ctx.slot, Flag::kBlock, j), ctx.epoch);
           }
           break;
         }
@@ -321,10 +330,10 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         }
         break;
       }
-      case Step::Kind::kSum: {  // from the float32 addend, the partials in rank order
-        const void* parts[kMaxRanks];
+      case Step::Kind::kSum: {  // from the float32 addend, the partials in bit order
+        const void* parts[64];
         int count = 0;
-        for (int j = 0; j < ctx.size; ++j)
+        for (int j = 0; j < 64; ++j)
           if (step.parts >> j & 1) parts[count++] = at(step.src) + j * step.bytes;
         HostSum(shape.out, parts, count, at(step.dst), step.rows * shape.n,
                 reinterpret_cast<const float*>(at(step.addend)), step.to_float);

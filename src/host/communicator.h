@@ -49,6 +49,7 @@ struct alignas(64) SlotHeader {
   uint64_t data_epoch[kMaxRanks];         // [j]: chunk from rank j (or ring slot j) is in place
   uint64_t first_piece_epoch[kMaxRanks];  // [j]: its first piece, if sent in two (Schedule)
   uint64_t credit_epoch[kMaxRanks];       // [j]: rank j consumed my chunks through this epoch
+  uint64_t block_epoch[kMaxRanks];        // [j]: my own GEMM wrote block j (Step::signals)
   CallDescriptor desc_from[kMaxRanks];
   // A group leader's order log: its call #n had key order_key[n % kOrderLog] once
   // order_n[n % kOrderLog] holds n.

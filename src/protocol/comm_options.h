@@ -29,10 +29,11 @@ struct CommOptions {
   int gemm_trials;                   // tuning's fastest kernels the op's own calls compare (CUDA)
   int64_t reduce_scatter_fold_rows;  // Schedule::fold_rows; the same on every rank of a group
   bool reduce_scatter_ring;          // Schedule::ring; the same on every rank of a group
-  ScheduleChoice reduce_scatter_early_sum;  // Schedule::early_sum; each rank may choose its own
-  ScheduleChoice all_gather_in_turn;        // Schedule::in_turn; each rank may choose its own
-  ScheduleChoice two_gemm_lanes;            // Schedule::gemm_lanes; each rank may choose its own
-  ScheduleChoice all_gather_flag_gemm;      // Schedule::flag_gemm; each rank may choose its own
+  ScheduleChoice reduce_scatter_early_sum;    // Schedule::early_sum; each rank may choose its own
+  ScheduleChoice all_gather_in_turn;          // Schedule::in_turn; each rank may choose its own
+  ScheduleChoice two_gemm_lanes;              // Schedule::gemm_lanes; each rank may choose its own
+  ScheduleChoice all_gather_flag_gemm;        // Schedule::flag_gemm; each rank may choose its own
+  ScheduleChoice reduce_scatter_signal_gemm;  // Schedule::signal_gemm; each rank may choose its own
   bool compute_on_caller_stream;  // the compute lane is XLA's stream, not one of ours (CUDA)
   bool fp8_fast_accumulation;     // e4m3 x e4m3 GEMMs in cuBLASLt's FAST_ACCUM mode (CUDA)
   std::string gemm_cache;         // the kernel choice file, "" none (CUDA, with autotune_gemm)

@@ -174,6 +174,11 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
   const std::vector<Schedule::Rows> pieces = sched.ReduceScatterPieces(c.m, gathers);
   const int num_pieces = static_cast<int>(pieces.size());
   const bool fold = sched.ReduceScatterFolds(c.m, gathers);
+  const bool signal_gemm = sched.ReduceScatterSignalGemm(c);
+  const uint64_t everyone = ~uint64_t{0} >> (64 - size);
+  // Where the sum finds our own partial: its rank's slot of the received ones, or (written by
+  // the signal GEMM with the staged ones) its slot of the staging area, size slots further.
+  const int own_part = signal_gemm ? size + rank : rank;
   auto offset = [&](int p) { return pieces[p].first * c.n * es; };  // in a partial
   auto input = [&](int d, int p) {
     return At(Region::kX, (d * c.m + pieces[p].first) * c.k * in_es);
@@ -221,6 +226,20 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
         steps.push_back(Signal(next, next, piece_flag(p), slot));
       }
     }
+  } else if (signal_gemm) {
+    // Every partial in one GEMM, in push order, ours last (into the staging area, where the
+    // sum reads it: bit size + rank of its parts); each push waits for the GEMM's flag of its
+    // block, on its lane.
+    Step all = Gemm(input(0, 0), At(Region::kBuffer, staged(0)), size * c.m);
+    all.parts = everyone;
+    all.signals = true;
+    steps.push_back(all);
+    for (int d : sched.PushOrder()) {
+      steps.push_back(WaitData(d, rank, "finish its partial GEMM", Flag::kBlock, d));
+      steps.push_back(Copy(d, At(Region::kBuffer, staged(d)),
+                           At(Region::kPeerBuffer, received(rank), d), c.m * c.n * es));
+      steps.push_back(Signal(d, d, Flag::kData));
+    }
   } else {
     // Each peer's partial first, each sent while the next one is computed; ours last. With
     // two GEMM lanes, every second GEMM runs on the second, and each push follows its GEMM's.
@@ -251,17 +270,17 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
     sum.dst = At(Region::kOut, 0);
     sum.bytes = chunk;
     sum.rows = c.m;
-    const uint64_t everyone = ~uint64_t{0} >> (64 - size);
-    uint64_t late = everyone;  // summed after our GEMMs
+    const uint64_t own = uint64_t{1} << own_part;
+    uint64_t late = (everyone & ~(uint64_t{1} << rank)) | own;  // summed after our GEMMs
     if (sched.ReduceScatterSumsEarly(c)) {
       // The early ones into a float32 partial sum on our own lane, beside the GEMMs; then
       // the rest added to it.
       const int last = sched.ReduceScatterLastSender();
-      late = (uint64_t{1} << rank) | (uint64_t{1} << last);
+      late = own | (uint64_t{1} << last);
       const Ref partial_sum = At(Region::kBuffer, EarlySumOffset(chunk, size, gathers));
       Step early = sum;
       early.lane = rank;
-      early.parts = everyone & ~late;
+      early.parts = everyone & ~late & ~(uint64_t{1} << rank);
       early.dst = partial_sum;
       early.to_float = true;
       for (int j : sched.ReductionOrder())
@@ -271,7 +290,7 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
       sum.addend = partial_sum;
     }
     for (int j : sched.ReductionOrder())
-      if (j != rank && late >> j & 1)
+      if (j != rank && j != own_part && late >> j & 1)
         steps.push_back(WaitData(kComputeLane, j, "deliver its partial sum"));
     sum.parts = late;
     steps.push_back(sum);
@@ -315,6 +334,13 @@ std::vector<Schedule::Span> Schedule::InTurnSpans(int64_t n) const {
   return spans;
 }
 
+std::vector<int> Schedule::SignalGemmOrder(uint64_t parts) const {
+  std::vector<int> order;
+  for (int j : ReduceScatterComputeOrder())
+    if (parts >> j & 1) order.push_back(j);
+  return order;
+}
+
 std::vector<int> Schedule::FlagGemmOrder(uint64_t parts) const {
   std::vector<int> order;
   for (int s = 0; s < size; ++s) {
@@ -350,9 +376,15 @@ bool Schedule::AllGatherFlagGemm(const CallShape& c) const {
 }
 
 bool Schedule::ReduceScatterTwoGemmLanes(const CallShape& c) const {
-  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff || ReduceScatterFolds(c.m, c.gathered))
+  if (size <= 2 || gemm_lanes == ScheduleChoice::kOff || ReduceScatterFolds(c.m, c.gathered) ||
+      ReduceScatterSignalGemm(c))
     return false;
   return gemm_lanes == ScheduleChoice::kOn || c.k >= kEarlySumMaxK;
+}
+
+bool Schedule::ReduceScatterSignalGemm(const CallShape& c) const {
+  if (size < 2 || size > kFlagGemmMaxRanks || ReduceScatterFolds(c.m, c.gathered)) return false;
+  return signal_gemm == ScheduleChoice::kOn;  // by shape: off, until it is timed on a GPU
 }
 
 bool Schedule::ReduceScatterSumsEarly(const CallShape& c) const {

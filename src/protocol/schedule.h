@@ -39,6 +39,11 @@ struct Schedule {
   // chunk's flag itself (AllGatherFlagGemm; CommOptions::all_gather_flag_gemm): on, off, or per
   // call. A backend that cannot run such a GEMM for a call turns it off for that call.
   ScheduleChoice flag_gemm = ScheduleChoice::kByShape;
+  // Whether a reduce-scatter that sums its partials in a pass computes them all in one GEMM that
+  // raises each block's flag once written, each push waiting on its block's flag
+  // (ReduceScatterSignalGemm; CommOptions::reduce_scatter_signal_gemm): on, off, or per call. A
+  // backend that cannot run such a GEMM for a call turns it off for that call.
+  ScheduleChoice signal_gemm = ScheduleChoice::kByShape;
 
   // The choices of `options`, for rank 0 of a group of one until For() places it.
   static Schedule Of(const CommOptions& options) {
@@ -49,6 +54,7 @@ struct Schedule {
     s.early_sum = options.reduce_scatter_early_sum;
     s.gemm_lanes = options.two_gemm_lanes;
     s.flag_gemm = options.all_gather_flag_gemm;
+    s.signal_gemm = options.reduce_scatter_signal_gemm;
     return s;
   }
 
@@ -93,6 +99,16 @@ struct Schedule {
   // down at tp=4 (k=3584) 1.077; 1.038; below: 8B's down at tp=8 (k=1792) 1.009; 1.040, 8B's
   // o at tp=8 (k=512) 1.013; 1.045, 70B's o at tp=8 (k=1024) 0.995; 1.005.
   bool ReduceScatterTwoGemmLanes(const CallShape& c) const;
+  // Whether a reduce-scatter that sums its partials in a pass (it does not fold) computes every
+  // partial in one GEMM (a kGemm whose `parts` and `signals` name them; on GPUs SignalGemm, one
+  // persistent kernel) that takes the blocks in ReduceScatterComputeOrder and raises each
+  // block's kBlock flag, on this rank, once its tiles are written; the push of a block waits for
+  // that flag instead of a GEMM's end. A GEMM a block (or two lanes of them) ends each block in
+  // a partial wave of tiles and, at short k, pays each GEMM's start; one GEMM keeps every SM on
+  // the next block's tiles. Our own partial is the last block, in the staging area (the sum
+  // reads it there). From two ranks (where the call does not fold) to kFlagGemmMaxRanks. By
+  // shape: off, until it is timed on a GPU (benchmarks/tools/signal_gemm.cu).
+  bool ReduceScatterSignalGemm(const CallShape& c) const;
   // Whether an all-gather in turn multiplies every chunk in one GEMM that takes each chunk as
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
   // our own first (copied into our slot of the buffer on the compute lane before it), then
@@ -115,6 +131,9 @@ struct Schedule {
   // they land in turn, from rank - 1 down (PushOrder: at step s every rank receives from
   // rank - s), our own block first where it is one of them.
   std::vector<int> FlagGemmOrder(uint64_t parts) const;
+  // The order in which a GEMM that signals its blocks (Step::signals) computes them:
+  // ReduceScatterComputeOrder's, each peer's block in the order pushes go out, our own last.
+  std::vector<int> SignalGemmOrder(uint64_t parts) const;
 
   // This schedule as seen from `r` in a group of `n`.
   Schedule For(int r, int n) const {
@@ -264,8 +283,9 @@ struct Ref {
 // Epoch flags, one word per (flag, rank) in every rank's slot. kData[j]: rank j's chunk (or
 // its last piece) for this call has landed here; kFirstPiece[j]: the first piece of a
 // chunk sent in two (Schedule::ReduceScatterPieces); kCredit[j]: rank j has consumed what
-// this rank sent it, through that call.
-enum class Flag : uint8_t { kData, kFirstPiece, kCredit };
+// this rank sent it, through that call; kBlock[j]: this rank's own GEMM has written block j of
+// its output for this call (Step::signals), never written by a peer.
+enum class Flag : uint8_t { kData, kFirstPiece, kCredit, kBlock };
 
 // How many calls behind this one a wait on `flag` waits for: a credit is for the peer's
 // previous call, data for this one.
@@ -315,8 +335,12 @@ struct Step {
   // group's size row blocks of rows / size rows each, and the GEMM multiplies the blocks whose
   // bit is set, in Schedule::FlagGemmOrder, each but our own (written on its lane before) once
   // its sender's (rank j's) data flag holds this call's epoch: the waits are the GEMM's own (on
-  // GPUs inside its kernel, FlagGemm), and the blocks not set are left as they are.
+  // GPUs inside its kernel, FlagGemm), and the blocks not set are left as they are. With
+  // `signals`, it waits for nothing: it multiplies them in Schedule::SignalGemmOrder and raises
+  // this rank's kBlock[j] to the call's epoch once block j is written (on GPUs from inside its
+  // kernel, SignalGemm), but our own block's.
   uint64_t parts = 0;
+  bool signals = false;   // kGemm with parts: see `parts`
   bool to_float = false;  // kSum: dst is float32 (a partial sum, added to later)
   int64_t src_bytes = 0;
   int64_t rows = 0;  // kGemm, kSum

@@ -107,6 +107,14 @@ class Tuning:
         the op (tp n >= 24576; at 70B's qkv, tp=4, it would cost some 8%). On one H200 with a
         modelled 270 GB/s link, Llama 3 8B's gate/up at tp=8 1.17x -> 1.05x its floor, 70B's 1.04x
         -> 1.015x. It changes no transfer: processes may differ.
+      reduce_scatter_signal_gemm: on groups of 2 to 16, a reduce-scatter that sums its partials
+        in a pass (it does not fold) computes every partial in one GEMM, the blocks in push order,
+        which raises each block's flag from inside its kernel once the block is written; each
+        push waits for its block's flag, not for a GEMM's end: no GEMM boundary, no partial last
+        wave per partial. GPUs: Hopper (sm_90) builds with CUTLASS's headers, bf16, x's rows per
+        rank a multiple of 256, k and n of 8; elsewhere the call keeps its GEMMs. True: wherever
+        the reduce-scatter does not fold; False and None (the default): never, until it is timed
+        on a GPU. It changes no transfer: processes may differ.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.
@@ -134,6 +142,7 @@ class Tuning:
     all_gather_in_turn: bool | None = None
     two_gemm_lanes: bool | None = None
     all_gather_flag_gemm: bool | None = None
+    reduce_scatter_signal_gemm: bool | None = None
     transpose_w_in_place: bool = True
     dgelu_epilogue: bool = True
     compute_on_caller_stream: bool = True
@@ -148,6 +157,7 @@ class Tuning:
             "reduce_scatter_early_sum",
             "two_gemm_lanes",
             "all_gather_flag_gemm",
+            "reduce_scatter_signal_gemm",
         ):
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
@@ -222,6 +232,7 @@ class Options:
     all_gather_in_turn: bool | None
     two_gemm_lanes: bool | None
     all_gather_flag_gemm: bool | None
+    reduce_scatter_signal_gemm: bool | None
     compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
     gemm_cache: str

@@ -33,6 +33,26 @@ struct FlagGemmCall {
   uint64_t target = 0;
 };
 
+// SignalGemm: d[blocks * block_rows, n] = a @ w for the row blocks `order` names, in that order
+// (as FlagGemmCall's), waiting for nothing, raising flags[block] to `target` once a block whose
+// bit is set in `signalled` is written: the reduce-scatter's partials in one GEMM, each pushed
+// as its flag rises (Schedule::ReduceScatterSignalGemm). counts: one word per block, zero
+// between calls (each block's last tile resets its own).
+struct SignalGemmCall {
+  const void* a = nullptr;
+  const void* w = nullptr;
+  bool w_transposed = false;
+  void* d = nullptr;
+  int64_t block_rows = 0, k = 0, n = 0;
+  int blocks = 0;
+  uint64_t order = 0;
+  int count = 0;
+  uint64_t* flags = nullptr;             // device memory, one word per block
+  unsigned long long* counts = nullptr;  // device memory, one word per block
+  uint32_t signalled = 0;
+  uint64_t target = 0;
+};
+
 // A row block must be a multiple of a cluster's rows (no tile spans two blocks); at most 16
 // blocks (the order's 4-bit fields).
 constexpr int64_t kFlagGemmRowUnit = 256;
@@ -57,5 +77,11 @@ inline bool FlagGemmFits(DType in, DType w, DType out, bool epilogue, int64_t bl
 // `sm_count` SMs. Invalid arguments (a shape FlagGemmFits refuses, a build without the
 // kernel) are an error, never a launch.
 Status LaunchFlagGemm(const FlagGemmCall& c, int device, int sm_count, cudaStream_t stream);
+// The same for `c`, under the same conditions.
+Status LaunchSignalGemm(const SignalGemmCall& c, int device, int sm_count, cudaStream_t stream);
+
+// Loads both kernels' code on the current device now (see CudaCommunicator: no lazy loading
+// at a first launch while a stream spins on a peer); nothing where the build has none.
+Status PreloadFlagGemms();
 
 }  // namespace jax_ub

@@ -34,6 +34,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "signal_epilogue.cuh"
 
 namespace jax_ub::flag_gemm {
 
@@ -290,10 +291,12 @@ using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
 
 // One kernel: a TM x TN x 64 tile, clusters of CM x 1, the ping-pong or cooperative warp
 // schedule, B of layout LayoutB, tiles from SchedTag's scheduler; with OwnBlock, one row block
-// of A may be read from a tensor of its own (OwnBlockMainloop).
+// of A may be read from a tensor of its own (OwnBlockMainloop); with Signals, the epilogue raises
+// each row block's flag once the block is written (SignalEpilogue; ping-pong only).
 template <int TM, int TN, int CM, bool Pingpong, class SchedTag,
-          class LayoutB = cutlass::layout::RowMajor, bool OwnBlock = false>
+          class LayoutB = cutlass::layout::RowMajor, bool OwnBlock = false, bool Signals = false>
 struct Config {
+  static_assert(Pingpong || !Signals, "SignalEpilogue counts a tile per warp group: ping-pong");
   using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<CM>, cute::_1, cute::_1>;
   using KernelSchedule =
@@ -301,7 +304,9 @@ struct Config {
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using EpiSchedule = std::conditional_t<Pingpong, cutlass::epilogue::TmaWarpSpecialized,
                                          cutlass::epilogue::TmaWarpSpecializedCooperative>;
-  using Epilogue = Sm90Epilogue<Tile, Cluster, EpiSchedule>;
+  using Epilogue =
+      std::conditional_t<Signals, SignalEpilogue<Sm90Epilogue<Tile, Cluster, EpiSchedule>, TM>,
+                         Sm90Epilogue<Tile, Cluster, EpiSchedule>>;
   using BuiltMainloop = Sm90Mainloop<Tile, Cluster, LayoutB, Epilogue, KernelSchedule>;
   using Mainloop = std::conditional_t<OwnBlock, OwnBlockMainloop<BuiltMainloop>, BuiltMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
@@ -330,11 +335,13 @@ typename Cfg::Gemm::Arguments MakeArguments(int m, int k, int n, const bf16* a, 
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count;
-  typename Cfg::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                     {m, n, k, 1},
-                                     {a, sa, b, sb},
-                                     {{}, nullptr, sd, d, sd},
-                                     hw};
+  typename Cfg::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm, {m, n, k, 1}, {a, sa, b, sb}, {}, hw};
+  // Field by field: a SignalEpilogue's arguments add a member to the base's.
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = sd;
+  args.epilogue.ptr_D = d;
+  args.epilogue.dD = sd;
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   return args;
