@@ -33,11 +33,13 @@ int CudaCommunicator::FlagIndex(Flag flag, int rank) {
   return kCreditFlag + rank;
 }
 
-Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
-                                         const Step& step, const CallShape& shape, const void* w,
-                                         bool w_transposed, const void* src, void* dst,
-                                         uint64_t epoch, std::vector<Wait>* waits) {
-  FlagGemmCall c;
+namespace {
+
+// A kGemm step over the group's row blocks (Step::parts) as a call of one GEMM: every block
+// of src into dst, its order filled in by the caller.
+BlockGemmCall BlockCall(const Schedule& sched, const Step& step, const CallShape& shape,
+                        const void* w, bool w_transposed, const void* src, void* dst) {
+  BlockGemmCall c;
   c.a = src;
   c.w = w;
   c.w_transposed = w_transposed;
@@ -46,6 +48,17 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
   c.block_rows = step.rows / sched.size;
   c.k = shape.k;
   c.n = shape.n;
+  return c;
+}
+
+}  // namespace
+
+Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
+                                         const Step& step, const CallShape& shape, const void* w,
+                                         bool w_transposed, const void* src, void* dst,
+                                         uint64_t epoch, std::vector<Wait>* waits) {
+  FlagGemmCall c;
+  static_cast<BlockGemmCall&>(c) = BlockCall(sched, step, shape, w, w_transposed, src, dst);
   c.flags = s.flags + FlagIndex(Flag::kData, 0);
   c.target = epoch;
   for (int j : sched.FlagGemmOrder(step.parts)) {
@@ -83,14 +96,7 @@ Status CudaCommunicator::EnqueueSignalGemm(Slot& s, cudaStream_t stream, const S
                                            bool w_transposed, const void* src, void* dst,
                                            uint64_t epoch) {
   SignalGemmCall c;
-  c.a = src;
-  c.w = w;
-  c.w_transposed = w_transposed;
-  c.d = dst;
-  c.blocks = sched.size;
-  c.block_rows = step.rows / sched.size;
-  c.k = shape.k;
-  c.n = shape.n;
+  static_cast<BlockGemmCall&>(c) = BlockCall(sched, step, shape, w, w_transposed, src, dst);
   c.flags = s.flags + FlagIndex(Flag::kBlock, 0);
   c.counts = reinterpret_cast<unsigned long long*>(s.flags + kBlockCountFlag);
   c.target = epoch;

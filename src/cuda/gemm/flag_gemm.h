@@ -17,10 +17,10 @@
 namespace jax_ub {
 
 // d[blocks * block_rows, n] = a[blocks * block_rows, k] @ w for the row blocks `order` names,
-// in that order (block order[s] in bits [4s, 4s + 4), `count` of them), each once flags[block]
-// holds at least `target`; blocks in no slot are left as they are. a, d row-major bf16; w
-// [k, n] row-major bf16, or its transpose [n, k] where `w_transposed`.
-struct FlagGemmCall {
+// in that order (block order[s] in bits [4s, 4s + 4), `count` of them); blocks in no slot are
+// left as they are. a, d row-major bf16; w [k, n] row-major bf16, or its transpose [n, k] where
+// `w_transposed`.
+struct BlockGemmCall {
   const void* a = nullptr;
   const void* w = nullptr;
   bool w_transposed = false;
@@ -29,24 +29,19 @@ struct FlagGemmCall {
   int blocks = 0;
   uint64_t order = 0;
   int count = 0;
+};
+
+// FlagGemm: each block once flags[block] holds at least `target`.
+struct FlagGemmCall : BlockGemmCall {
   const uint64_t* flags = nullptr;  // device memory, one word per block
   uint64_t target = 0;
 };
 
-// SignalGemm: d[blocks * block_rows, n] = a @ w for the row blocks `order` names, in that order
-// (as FlagGemmCall's), waiting for nothing, raising flags[block] to `target` once a block whose
-// bit is set in `signalled` is written: the reduce-scatter's partials in one GEMM, each pushed
-// as its flag rises (Schedule::ReduceScatterSignalGemm). counts: one word per block, zero
-// between calls (each block's last tile resets its own).
-struct SignalGemmCall {
-  const void* a = nullptr;
-  const void* w = nullptr;
-  bool w_transposed = false;
-  void* d = nullptr;
-  int64_t block_rows = 0, k = 0, n = 0;
-  int blocks = 0;
-  uint64_t order = 0;
-  int count = 0;
+// SignalGemm: waiting for nothing, raising flags[block] to `target` once a block whose bit is
+// set in `signalled` is written: the reduce-scatter's partials in one GEMM, each pushed as its
+// flag rises (Schedule::ReduceScatterSignalGemm). counts: one word per block, zero between calls
+// (each block's last tile resets its own).
+struct SignalGemmCall : BlockGemmCall {
   uint64_t* flags = nullptr;             // device memory, one word per block
   unsigned long long* counts = nullptr;  // device memory, one word per block
   uint32_t signalled = 0;
