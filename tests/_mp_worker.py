@@ -318,7 +318,7 @@ try:
                 jax_ub.configure(keep_gathered=dtype == jnp.float32)
                 key = f"flag_gemm,{jnp.dtype(dtype).name}"
                 result[key] = run_ops_without_collectives(mesh, "tp", 41, 64, 48, dtype)
-        if scenario == "protocol":  # the RS's partials in one GEMM signalling each block
+        if scenario == "protocol" and nproc > 2:  # the RS's partials in one GEMM signalling each
             options.set_experimental_tuning(
                 all_gather_in_turn=None,
                 all_gather_flag_gemm=None,

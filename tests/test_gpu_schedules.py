@@ -206,6 +206,8 @@ def test_signal_gemm_kernel(tp):
     all_gather_matmul's gradient the backward's reduce-scatter of dy (w read transposed), against
     XLA's, over calls with new data (the blocks' tile counters start each call at 0); each call
     must have launched the kernel (its count rises)."""
+    if tp < 3:
+        pytest.skip("the signal GEMM runs from 3 ranks")
     if not extension.module_for("cuda").flag_gemm_built():
         pytest.skip("this build has no signal GEMM (CUTLASS's headers were not found)")
     if jax.local_devices()[0].compute_capability != "9.0":

@@ -25,13 +25,12 @@ def test_tp_group_across_processes(nproc, ndev):
 def check_protocol(res: dict, nproc: int) -> None:
     """The "protocol" scenario's errors in a group of ``nproc``: per fold setting that
     differs there and dtype, with the AG's epilogue per dtype, and above 2 with the AG in turn
-    through its flag GEMM per dtype, and the RS's signal GEMM per dtype: the gathered x
+    through its flag GEMM and the RS through its signal GEMM per dtype: the gathered x
     (exact), both ops and the grads (three,
     or four with the bias; bf16's from x gathered again in the backward's reduce-scatter)
     against XLA's path."""
     dtypes = ("float32", "bfloat16")
-    flag = ["flag_gemm"] if nproc > 2 else []
-    flag.append("signal_gemm")
+    flag = ["flag_gemm", "signal_gemm"] if nproc > 2 else []
     want = [f"{name},{d}" for name in rs_schedules(nproc) + flag for d in dtypes]
     assert sorted(res) == sorted(want + [f"epilogue,{d}" for d in dtypes]), res
     for key, errs in res.items():

@@ -195,11 +195,16 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
       second_started = true;
     }
     switch (step.kind) {
-      case Step::Kind::kWait:
+      case Step::Kind::kWait: {
+        // Our own GEMM's block flag is not the watchdog's to release (its push would send a
+        // partial not yet written): a call stuck there is named as a whole.
+        std::vector<Wait> own_gemm;
         JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, stream, FlagIndex(step.flag, slot), e - Lag(step.flag),
-                                        step.peer, step.what, &waits,
+                                        step.peer, step.what,
+                                        step.flag == Flag::kBlock ? &own_gemm : &waits,
                                         FlagIndex(ProgressFlag(step.flag), slot)));
         break;
+      }
       case Step::Kind::kPublish:
         JAX_UB_RETURN_IF_ERROR(Publish(*s, stream, step.peer, desc));
         break;

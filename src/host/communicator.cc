@@ -20,7 +20,7 @@
 namespace jax_ub {
 namespace {
 
-constexpr uint64_t kMagic = 0x6a61785f75622e31ULL;  // "jax_ub.1"
+constexpr uint64_t kMagic = 0x6a61785f75622e32ULL;  // "jax_ub.2": SlotHeader's layout
 
 }  // namespace
 

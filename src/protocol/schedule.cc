@@ -383,7 +383,7 @@ bool Schedule::ReduceScatterTwoGemmLanes(const CallShape& c) const {
 }
 
 bool Schedule::ReduceScatterSignalGemm(const CallShape& c) const {
-  if (size < 2 || size > kFlagGemmMaxRanks || ReduceScatterFolds(c.m, c.gathered)) return false;
+  if (size <= 2 || size > kFlagGemmMaxRanks || ReduceScatterFolds(c.m, c.gathered)) return false;
   return signal_gemm == ScheduleChoice::kOn;  // by shape: off, until it is timed on a GPU
 }
 

@@ -106,8 +106,10 @@ struct Schedule {
   // that flag instead of a GEMM's end. A GEMM a block (or two lanes of them) ends each block in
   // a partial wave of tiles and, at short k, pays each GEMM's start; one GEMM keeps every SM on
   // the next block's tiles. Our own partial is the last block, in the staging area (the sum
-  // reads it there). From two ranks (where the call does not fold) to kFlagGemmMaxRanks. By
-  // shape: off, until it is timed on a GPU (benchmarks/tools/signal_gemm.cu).
+  // reads it there). From three ranks (where the call does not fold) to kFlagGemmMaxRanks: at
+  // two, the GPUs agree on each GEMM shape's kernels (KernelAgreement) by the GEMMs they plan,
+  // so both ranks must plan the same ones, and either may find the kernel unfit for its
+  // operands. By shape: off, until it is timed on a GPU (benchmarks/tools/signal_gemm.cu).
   bool ReduceScatterSignalGemm(const CallShape& c) const;
   // Whether an all-gather in turn multiplies every chunk in one GEMM that takes each chunk as
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
@@ -254,8 +256,9 @@ struct Schedule {
   // The peer whose partial lands last: rank + 1 sends ours at its last step.
   int ReduceScatterLastSender() const { return (rank + 1) % size; }
 
-  // Partials are summed in rank order, independent of arrival, so results are
-  // bitwise reproducible run to run.
+  // Partials are summed in rank order, independent of arrival, so results are bitwise
+  // reproducible run to run (with the signal GEMM our own partial comes last: its bit in the
+  // sum is size + rank).
   std::vector<int> ReductionOrder() const {
     std::vector<int> order;
     for (int j = 0; j < size; ++j) order.push_back(j);
@@ -313,7 +316,7 @@ struct Step {
     kGemm,     // dst[rows, n] = src[rows, k] @ w (+ addend[rows, n]), then with `epilogue`
                // the call's (CallShape::epilogue; its pre-GELU value to `aux`)
     kSum,      // dst = addend (float32, where it has one) + the partials `parts` names, in
-               // rank order, as the output's type or (`to_float`) float32
+               // bit order, as the output's type or (`to_float`) float32
     kJoin,     // the lane waits for all work enqueued so far on lane `on_lane`
     kVerify,   // every peer's descriptor matches ours; else the outputs are poisoned
   };

@@ -107,14 +107,15 @@ class Tuning:
         the op (tp n >= 24576; at 70B's qkv, tp=4, it would cost some 8%). On one H200 with a
         modelled 270 GB/s link, Llama 3 8B's gate/up at tp=8 1.17x -> 1.05x its floor, 70B's 1.04x
         -> 1.015x. It changes no transfer: processes may differ.
-      reduce_scatter_signal_gemm: on groups of 2 to 16, a reduce-scatter that sums its partials
+      reduce_scatter_signal_gemm: on groups of 3 to 16, a reduce-scatter that sums its partials
         in a pass (it does not fold) computes every partial in one GEMM, the blocks in push order,
         which raises each block's flag from inside its kernel once the block is written; each
         push waits for its block's flag, not for a GEMM's end: no GEMM boundary, no partial last
         wave per partial. GPUs: Hopper (sm_90) builds with CUTLASS's headers, bf16, x's rows per
         rank a multiple of 256, k and n of 8; elsewhere the call keeps its GEMMs. True: wherever
         the reduce-scatter does not fold; False and None (the default): never, until it is timed
-        on a GPU. It changes no transfer: processes may differ.
+        on a GPU. It changes no transfer, and our own partial joins the sum last (other last
+        bits than without it): processes may differ.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
         (the GEMM's transposed operand); else XLA materialises ``w.T`` first. Read when
         a backward pass is traced.

@@ -17,8 +17,9 @@
 
 #include <cstdint>
 
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
 
 namespace jax_ub::flag_gemm {
 
@@ -78,8 +79,12 @@ struct SignalEpilogue : Base {
     // Warp 0 of the group issued the tile's TMA stores: wait until they have written.
     if (t < cutlass::NumThreadsPerWarp) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    const int group = int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup;  // 1, 2: consumers
-    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, uint32_t(group - 1));
+    // Each consumer warp group (1, 2) its own barrier, its id a constant.
+    if (int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup == 1) {
+      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, 0);
+    } else {
+      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, 1);
+    }
     if (t == 0 && (signals_.signalled >> block_ & 1u)) {
       unsigned long long old;
       asm volatile("fence.acq_rel.sys;\n\tatom.acq_rel.gpu.global.add.u64 %0, [%1], 1;"
