@@ -153,18 +153,23 @@ def _flag_gemm_calls(signals: bool = False) -> int:
     return sum(n for c in live_communicators() if c.platform == "cuda" for _, n in count(c.id))
 
 
+def _skip_where_the_kernel_cannot_run(what: str, tp: int) -> None:
+    """The flag and signal GEMMs' kernels run from 3 ranks, on Hopper, in builds with them."""
+    if tp < 3:
+        pytest.skip(f"the {what} runs from 3 ranks")
+    if not extension.module_for("cuda").flag_gemm_built():
+        pytest.skip(f"this build has no {what} (CUTLASS's headers were not found)")
+    if jax.local_devices()[0].compute_capability != "9.0":
+        pytest.skip(f"the {what}'s kernel is Hopper's (compute capability 9.0)")
+
+
 @pytest.mark.parametrize("tp", TPS)
 def test_flag_gemm_kernel(tp):
     """The all-gather in turn's flag GEMM in its kernel (FlagGemm: bf16, x's local rows a
     multiple of 256, a Hopper GPU): the forward's (w as [k, n]) and, in matmul_reduce_scatter's
     gradient, the backward's all-gather of dy (w read transposed), against XLA's, over calls
     with new data; each call must have launched the kernel (its count rises)."""
-    if tp < 3:
-        pytest.skip("the flag GEMM runs from 3 ranks")
-    if not extension.module_for("cuda").flag_gemm_built():
-        pytest.skip("this build has no flag GEMM (CUTLASS's headers were not found)")
-    if jax.local_devices()[0].compute_capability != "9.0":
-        pytest.skip("FlagGemm is Hopper's (compute capability 9.0)")
+    _skip_where_the_kernel_cannot_run("flag GEMM", tp)
     _finalize()  # communicators take the setting when they are created
     use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
     try:
@@ -206,12 +211,7 @@ def test_signal_gemm_kernel(tp):
     all_gather_matmul's gradient the backward's reduce-scatter of dy (w read transposed), against
     XLA's, over calls with new data (the blocks' tile counters start each call at 0); each call
     must have launched the kernel (its count rises)."""
-    if tp < 3:
-        pytest.skip("the signal GEMM runs from 3 ranks")
-    if not extension.module_for("cuda").flag_gemm_built():
-        pytest.skip("this build has no signal GEMM (CUTLASS's headers were not found)")
-    if jax.local_devices()[0].compute_capability != "9.0":
-        pytest.skip("SignalGemm is Hopper's (compute capability 9.0)")
+    _skip_where_the_kernel_cannot_run("signal GEMM", tp)
     _finalize()  # communicators take the setting when they are created
     use_tuning(reduce_scatter_signal_gemm=True, reduce_scatter_fold_rows=-1)
     try:
