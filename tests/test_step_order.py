@@ -10,7 +10,8 @@ every rank of both ops over sizes, options and shapes:
   wait for that peer's data on the reading lane, or on one it joined;
 - the credits (signals on the compute lane), which let peers write the buffer again, come
   after every read of it;
-- a GEMM that waits for its blocks itself (Step::parts) counts as a wait for each;
+- a GEMM that waits for its blocks itself (Step::parts) counts as a wait for each, and
+  reads our own block where the step says (x);
 - a GEMM that signals its blocks (Step::signals) is a GEMM a block, side by side, and a
   lane's wait for a block's flag orders it after that block's GEMM alone;
 - the second GEMM lane's last step is joined into the compute lane (a call ends on the
@@ -32,14 +33,19 @@ LOCAL = ("X", "Out", "Gathered", "Buffer")  # this rank's memory; PeerBuffer is 
 BLOCK_LANE = 1000  # expand's lane of a signalled GEMM's block j: BLOCK_LANE + j
 
 
-def effects(st: tuple, m: int, k: int, n: int) -> tuple[list, list]:
-    """(reads, writes) of one step as (region, first byte, end)."""
+def effects(st: tuple, rank: int, m: int, k: int, n: int) -> tuple[list, list]:
+    """(reads, writes) of one step of `rank`'s as (region, first byte, end)."""
     kind, _, _, _, rows, src, src_off, parts, add, add_off, dst, dst_off, nbytes = st[:13]
+    own, own_off = st[16:18]
     reads, writes = [], []
     if kind == "Gemm" and parts:  # the blocks it waits for itself, each of m rows
         for j in range(64):
             if parts >> j & 1:
-                reads.append((src, src_off + j * m * k * ES, src_off + (j + 1) * m * k * ES))
+                if j == rank:  # our own block, read where `own` says
+                    assert own != "None", st
+                    reads.append((own, own_off, own_off + m * k * ES))
+                else:
+                    reads.append((src, src_off + j * m * k * ES, src_off + (j + 1) * m * k * ES))
                 writes.append((dst, dst_off + j * m * n * ES, dst_off + (j + 1) * m * n * ES))
     elif kind == "Gemm":
         reads.append((src, src_off, src_off + rows * k * ES))
@@ -115,8 +121,8 @@ def replay(step_list: list) -> list[dict]:
             seen |= {j for j in range(64) if st[7] >> j & 1}
         count[lane] = count.get(lane, 0) + 1
         mine[lane] = count[lane]
-        if len(st) > 16:  # one block of a GEMM that signals them
-            block_clock[st[16]] = dict(mine)
+        if len(st) > 18:  # one block of a GEMM that signals them (expand)
+            block_clock[st[18]] = dict(mine)
         out.append({"lane": lane, "place": count[lane], "clock": dict(mine), "landed": set(seen)})
     return out
 
@@ -130,7 +136,7 @@ def check(step_list: list, rank: int, size: int, m: int, k: int, n: int, peer_sl
     that reads of a peer's slot of the buffer follow a wait for that peer."""
     step_list = expand(step_list, rank, size, m, k, n)
     order = replay(step_list)
-    eff = [effects(st, m, k, n) for st in step_list]
+    eff = [effects(st, rank, m, k, n) for st in step_list]
     local_writes = [w for _, ws in eff for w in ws if w[0] == "Buffer"]
     chunk_of = {"all_gather_matmul": m * k * ES, "matmul_reduce_scatter": m * n * ES}
     for j, (reads_j, writes_j) in enumerate(eff):

@@ -83,8 +83,8 @@ NB_MODULE(_host, m) {
   });
   // One rank's step list for a call (protocol/schedule.h), for tests of the protocol's
   // order: per step (kind, lane, peer, on_lane, rows, src region, src offset, parts, addend
-  // region, addend offset, dst region, dst offset, bytes), kinds and regions by their
-  // enumerators' names without the k.
+  // region, addend offset, dst region, dst offset, bytes, own region, own offset), kinds and
+  // regions by their enumerators' names without the k.
   m.def(
       "call_steps",
       [](const std::string& op, int rank, int size, int64_t m, int64_t k, int64_t n, bool gathered,
@@ -115,12 +115,13 @@ NB_MODULE(_host, m) {
             jax_ub::Schedule::Of(jax_ub::OptionsFromDict(options)).For(rank, size);
         nb::list out;
         for (const jax_ub::Step& st : jax_ub::CallSteps(kind, sched, shape))
-          out.append(nb::make_tuple(
-              kKinds[static_cast<int>(st.kind)], st.lane, st.peer, st.on_lane, st.rows,
-              kRegions[static_cast<int>(st.src.region)], st.src.offset, st.parts,
-              kRegions[static_cast<int>(st.addend.region)], st.addend.offset,
-              kRegions[static_cast<int>(st.dst.region)], st.dst.offset, st.bytes,
-              kFlags[static_cast<int>(st.flag)], st.slot, st.signals));
+          out.append(
+              nb::make_tuple(kKinds[static_cast<int>(st.kind)], st.lane, st.peer, st.on_lane,
+                             st.rows, kRegions[static_cast<int>(st.src.region)], st.src.offset,
+                             st.parts, kRegions[static_cast<int>(st.addend.region)],
+                             st.addend.offset, kRegions[static_cast<int>(st.dst.region)],
+                             st.dst.offset, st.bytes, kFlags[static_cast<int>(st.flag)], st.slot,
+                             st.signals, kRegions[static_cast<int>(st.own.region)], st.own.offset));
         return out;
       },
       nb::arg("op"), nb::arg("rank"), nb::arg("size"), nb::arg("m"), nb::arg("k"), nb::arg("n"),

@@ -200,10 +200,11 @@ class CudaCommunicator {
   Status Enqueue(int device, cudaStream_t stream, OpKind op, const CallShape& shape,
                  const Operands& ops, Slot** began);
   // A kGemm step that waits for its blocks itself (Step::parts): FlagGemm on `stream`, over
-  // `src` into `dst`, its flags those of call `epoch`, its waits added to `waits`.
+  // `src` (our own block from `own`) into `dst`, its flags those of call `epoch`, its waits
+  // added to `waits`.
   Status EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched, const Step& step,
                          const CallShape& shape, const void* w, bool w_transposed, const void* src,
-                         void* dst, uint64_t epoch, std::vector<Wait>* waits);
+                         const void* own, void* dst, uint64_t epoch, std::vector<Wait>* waits);
   // A kGemm step that signals its blocks (Step::signals): SignalGemm on `stream`, over `src`
   // into `dst`, raising this slot's block flags to `epoch`.
   Status EnqueueSignalGemm(Slot& s, cudaStream_t stream, const Schedule& sched, const Step& step,

@@ -55,16 +55,19 @@ BlockGemmCall BlockCall(const Schedule& sched, const Step& step, const CallShape
 
 Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
                                          const Step& step, const CallShape& shape, const void* w,
-                                         bool w_transposed, const void* src, void* dst,
-                                         uint64_t epoch, std::vector<Wait>* waits) {
+                                         bool w_transposed, const void* src, const void* own,
+                                         void* dst, uint64_t epoch, std::vector<Wait>* waits) {
+  if (own == nullptr) return Internal("FlagGemm: a call without its own block's place (x)");
   FlagGemmCall c;
   static_cast<BlockGemmCall&>(c) = BlockCall(sched, step, shape, w, w_transposed, src, dst);
+  c.own = own;
+  c.own_block = sched.rank;
   c.flags = s.flags + FlagIndex(Flag::kData, 0);
   c.target = epoch;
   for (int j : sched.FlagGemmOrder(step.parts)) {
     c.order |= uint64_t(j) << (4 * c.count++);
     const int index = FlagIndex(Flag::kData, j);
-    if (j == sched.rank) {  // ours, copied on this stream before: its flag goes up behind it
+    if (j == sched.rank) {  // ours is the op's input (c.own): its flag goes up on this stream
       JAX_UB_RETURN_IF_ERROR(Signal(stream, s.flags + index, epoch));
       continue;
     }
@@ -119,19 +122,17 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
       Begin(device, name, RequiredBytes(op, shape, schedule_.For(0, size)), &s, &e));
   *began = s;
   // The flag GEMM (all-gather) or the signal GEMM (reduce-scatter) where this GPU and the call
-  // allow it (FlagGemmFits; TMA reads w, and x or the buffer, and writes out or the buffer,
-  // 16-byte aligned; the all-gather's x reaches it through a copy into the buffer); else the
-  // call keeps its library GEMMs.
+  // allow it (FlagGemmFits; TMA reads x and w, and writes out or the buffer, 16-byte aligned);
+  // else the call keeps its library GEMMs.
   Schedule sched = schedule_.For(s->rank, size);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool fits = s->flag_gemm_runs &&
                     FlagGemmFits(shape.in, shape.w_type, shape.out, shape.epilogue.Any(), shape.m,
                                  shape.k, shape.n, size) &&
-                    aligned(ops.w);
+                    aligned(ops.x) && aligned(ops.w);
   if (op != OpKind::kAllGatherMatmul || !fits || !aligned(ops.out))
     sched.flag_gemm = ScheduleChoice::kOff;
-  if (op != OpKind::kMatmulReduceScatter || !fits || !aligned(ops.x))
-    sched.signal_gemm = ScheduleChoice::kOff;
+  if (op != OpKind::kMatmulReduceScatter || !fits) sched.signal_gemm = ScheduleChoice::kOff;
   const std::vector<Step> steps = CallSteps(op, sched, shape);
   const CallDescriptor desc = DescribeCall(op, shape, e);
   // fp8 products are scaled by x_scale and w_scale on the device; others are not.
@@ -225,8 +226,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         }
         if (step.parts != 0) {
           JAX_UB_RETURN_IF_ERROR(EnqueueFlagGemm(*s, stream, sched, step, shape, ops.w,
-                                                 ops.w_transposed, at(step.src), at(step.dst), e,
-                                                 &waits));
+                                                 ops.w_transposed, at(step.src), at(step.own),
+                                                 at(step.dst), e, &waits));
           break;
         }
         JAX_UB_RETURN_IF_ERROR(

@@ -305,15 +305,18 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
           const std::vector<int> order =
               step.signals ? sched.SignalGemmOrder(step.parts) : sched.FlagGemmOrder(step.parts);
           for (int j : order) {
-            if (!step.signals && j != ctx.rank) {  // ours was copied before, on the GEMM's lane
+            const bool own = !step.signals && j == ctx.rank;  // the op's own input, where it lies
+            const char* a = own ? at(step.own) : at(step.src) + j * in_rows;
+            if (own && a == nullptr) st = Internal("a flag GEMM without its own block's place");
+            if (!step.signals && j != ctx.rank) {  // ours: nothing to wait for
               st = WaitFlag(ctx, FlagWord(ctx.slot, Flag::kData, j), ctx.epoch, j,
                             "deliver its chunk");
               if (st.ok()) st = CheckDescriptor(ctx, j);
             }
             if (!st.ok()) break;
             char* aux = at(step.aux);
-            HostGemm(shape.in, shape.w_type, shape.out, at(step.src) + j * in_rows, ops.w,
-                     ops.w_transposed, scale, dst + j * out_rows, rows, shape.k, shape.n,
+            HostGemm(shape.in, shape.w_type, shape.out, a, ops.w, ops.w_transposed, scale,
+                     dst + j * out_rows, rows, shape.k, shape.n,
                      step.epilogue ? shape.epilogue : Epilogue{}, ops.bias,
                      aux == nullptr ? nullptr : aux + j * out_rows);
             if (step.signals && j != ctx.rank)

@@ -102,13 +102,12 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   // spans after their waits; with two GEMM lanes, the remote GEMMs alternate between them,
   // the second lane's first.
   if (flag_gemm) {
-    // Our own chunk joins the remote ones in the buffer, so that one kernel takes them all, ours
-    // first (a GEMM of its own before the kernel cost 3-6% on an H200: its last wave and the
-    // kernel's start). The copy goes on the compute lane, before the GEMM: on a GPU, a copy on
-    // another stream may need SMs that the waiting kernel holds.
-    steps.push_back(
-        Copy(kComputeLane, At(Region::kX, 0), At(Region::kBuffer, rank * chunk), chunk));
+    // One kernel takes every chunk, ours first, read from x where it lies: a GEMM of its own
+    // before the kernel cost 3-6% on an H200 (its last wave and the kernel's start), copying it
+    // into our slot of the buffer first 1-3% (on another stream, the copy needed SMs that the
+    // waiting kernel held).
     Step all = Gemm(At(Region::kBuffer, 0), At(Region::kOut, 0), sched.size * c.m);
+    all.own = At(Region::kX, 0);
     all.epilogue = c.epilogue.Any();
     if (c.epilogue.UsesAux()) all.aux = At(Region::kAux, 0);
     all.parts = (sched.size == 64 ? 0 : uint64_t{1} << sched.size) - 1;  // every block

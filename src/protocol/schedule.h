@@ -330,18 +330,21 @@ struct Step {
   Flag flag = Flag::kData;
   const char* what = "";  // kWait: what the peer is awaited to do, for errors
   Ref src, dst, addend, aux;
+  // kGemm with parts: where our own block is read, not from src (the op's x, where it already
+  // lies: nothing is copied into our slot of the buffer first).
+  Ref own;
   bool epilogue = false;  // kGemm
   // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
   // of dst (and src_bytes those of src) that a failed check poisons.
   int64_t bytes = 0;
   // kSum: bit j for the partial at src + j * bytes. kGemm: where not 0, src and dst are the
   // group's size row blocks of rows / size rows each, and the GEMM multiplies the blocks whose
-  // bit is set, in Schedule::FlagGemmOrder, each but our own (written on its lane before) once
-  // its sender's (rank j's) data flag holds this call's epoch: the waits are the GEMM's own (on
+  // bit is set, in Schedule::FlagGemmOrder, our own from `own`, each other once its
+  // sender's (rank j's) data flag holds this call's epoch: the waits are the GEMM's own (on
   // GPUs inside its kernel, FlagGemm), and the blocks not set are left as they are. With
-  // `signals`, it waits for nothing: it multiplies them in Schedule::SignalGemmOrder and raises
-  // this rank's kBlock[j] to the call's epoch once block j is written (on GPUs from inside its
-  // kernel, SignalGemm), but our own block's.
+  // `signals`, it waits for nothing: it multiplies them (our own from src too) in
+  // Schedule::SignalGemmOrder and raises this rank's kBlock[j] to the call's epoch once block j
+  // is written (on GPUs from inside its kernel, SignalGemm), but our own block's.
   uint64_t parts = 0;
   bool signals = false;   // kGemm with parts: see `parts`
   bool to_float = false;  // kSum: dst is float32 (a partial sum, added to later)

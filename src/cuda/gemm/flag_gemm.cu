@@ -14,9 +14,11 @@
 namespace jax_ub {
 namespace {
 
+// FlagGemm's kernels read our own row block from a tensor of its own (OwnBlockMainloop);
+// SignalGemm's signal their blocks instead.
 template <class LayoutB, bool Signals = false>
 using LibraryConfig = flag_gemm::Config<128, 128, 2, true, flag_gemm::FlagScheduler<uint64_t>,
-                                        LayoutB, false, Signals>;
+                                        LayoutB, !Signals, Signals>;
 static_assert(LibraryConfig<cutlass::layout::RowMajor>::kRowUnit == kFlagGemmRowUnit);
 constexpr int kTileRows = 128;  // the configurations' TM
 
@@ -55,6 +57,9 @@ Status Launch(const FlagGemmCall& c, int device, int sm_count, cudaStream_t stre
   auto args = Arguments<Cfg>(c, device, sm_count);
   args.scheduler.flags = c.flags;
   args.scheduler.target = c.target;
+  args.mainloop.own = static_cast<const flag_gemm::bf16*>(c.own);
+  args.mainloop.own_first_row = static_cast<int>(c.own_block * c.block_rows);
+  args.mainloop.own_rows = static_cast<int>(c.block_rows);
   return Run<Cfg>(args, stream);
 }
 
@@ -100,7 +105,9 @@ Status Preload() {
 bool FlagGemmBuilt() { return true; }
 
 Status LaunchFlagGemm(const FlagGemmCall& c, int device, int sm_count, cudaStream_t stream) {
-  JAX_UB_RETURN_IF_ERROR(Unsupported(c, sm_count < 1));
+  JAX_UB_RETURN_IF_ERROR(Unsupported(c, sm_count < 1 || c.own == nullptr || c.own_block < 0 ||
+                                            c.own_block >= c.blocks ||
+                                            reinterpret_cast<uintptr_t>(c.own) % 16 != 0));
   if (c.w_transposed)
     return Launch<LibraryConfig<cutlass::layout::ColumnMajor>>(c, device, sm_count, stream);
   return Launch<LibraryConfig<cutlass::layout::RowMajor>>(c, device, sm_count, stream);

@@ -31,8 +31,11 @@ struct BlockGemmCall {
   int count = 0;
 };
 
-// FlagGemm: each block once flags[block] holds at least `target`.
+// FlagGemm: each block once flags[block] holds at least `target`, but block `own_block`,
+// read from `own` instead of a (block_rows x k, row-major bf16, the op's input), at once.
 struct FlagGemmCall : BlockGemmCall {
+  const void* own = nullptr;
+  int own_block = -1;
   const uint64_t* flags = nullptr;  // device memory, one word per block
   uint64_t target = 0;
 };
@@ -69,8 +72,8 @@ inline bool FlagGemmFits(DType in, DType w, DType out, bool epilogue, int64_t bl
 }
 
 // Enqueues `c` on `stream` of `device` (a Hopper GPU: compute capability 9.0), on its
-// `sm_count` SMs. Invalid arguments (a shape FlagGemmFits refuses, a build without the
-// kernel) are an error, never a launch.
+// `sm_count` SMs. Invalid arguments (a shape FlagGemmFits refuses, an own block out of range,
+// a build without the kernel) are an error, never a launch.
 Status LaunchFlagGemm(const FlagGemmCall& c, int device, int sm_count, cudaStream_t stream);
 // The same for `c`, under the same conditions.
 Status LaunchSignalGemm(const SignalGemmCall& c, int device, int sm_count, cudaStream_t stream);
