@@ -171,7 +171,8 @@ def test_by_default_in_turn_where_w_has_few_local_columns_and_the_gemm_is_long(s
     """By default (None) a call goes in turn where w's local columns n < 1280 (size - 1) and
     m k n > 1.75e9 (size - 1) / (size - 2) (Schedule::AllGatherInTurnPays: the transfer
     outlasts twice the local chunk's GEMM, which repays in turn's serial copies), else every
-    push at once; on two ranks both are one list."""
+    push at once; on two ranks both are one list. (The flag GEMM, off here, also sends wide
+    calls in turn by shape: test_flag_gemm.py.)"""
     limit = 1280 * (size - 1)
     k = 4096
     for r in range(size):

@@ -14,13 +14,15 @@ from test_gemm_lanes import COMPUTE
 from jax_ub._src.runtime import extension
 
 WIDE = 2560  # from here a chunk's GEMM outlasts its landing (2 Schedule::kInTurnColumnsPerPeer)
-MIN_SIZE_N = 24576  # below, copying our chunk costs too much of the op (kFlagGemmMinSizeN)
+FLAG_N = 3072  # the flag GEMM's least n by shape (Schedule::kFlagGemmMinColumns)
 
 
-def steps(rank: int, size: int, n: int, flag: bool | None = None, **options) -> list:
-    """Rank `rank`'s step list, in turn, for x[2, 3] @ w[3, n] a rank (float32)."""
-    opts = comm_options(all_gather_in_turn=True, all_gather_flag_gemm=flag, **options)
-    return extension._host.call_steps("all_gather_matmul", rank, size, 2, 3, n, False, opts)
+def steps(
+    rank: int, size: int, n: int, flag: bool | None = None, in_turn: bool | None = True, m=2, k=3
+) -> list:
+    """Rank `rank`'s step list (in turn unless told) for x[m, k] @ w[k, n] a rank (float32)."""
+    opts = comm_options(all_gather_in_turn=in_turn, all_gather_flag_gemm=flag)
+    return extension._host.call_steps("all_gather_matmul", rank, size, m, k, n, False, opts)
 
 
 def flag_gemms(step_list: list) -> list:
@@ -29,20 +31,42 @@ def flag_gemms(step_list: list) -> list:
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 17])
 def test_where_the_flag_gemm_runs(size):
-    """By shape where w's local columns are wide (n >= 2560) and copying our chunk is cheap
-    against the op (size n >= 24576: Llama 3 8B's gate/up at tp=8 is 8 x 3584), from 3 ranks to
-    16 (the kernel's order holds 16 blocks); forced on, at any n; off, never; never at two ranks,
-    where in turn has one remote chunk, nor beside a second GEMM lane."""
+    """In turn, by shape where a chunk's GEMM clearly outlasts its landing (n >= 3072; Llama 3
+    8B's gate/up at tp 4 and 8 has n = 3584, 70B's qkv at tp=4, where it lost, 2560), from 3
+    ranks to 16 (the kernel's order holds 16 blocks); forced on, at any n; off, never; never at
+    two ranks, where in turn has one remote chunk, nor beside a second GEMM lane."""
     expect = 2 < size <= 16
-    least = max(WIDE, -(-MIN_SIZE_N // size))  # the least n that takes it by shape here
     for r in (0, size - 1):
-        s = steps(r, size, least)
+        s = steps(r, size, FLAG_N)
         assert bool(flag_gemms(s)) == expect, r
-        assert not flag_gemms(steps(r, size, least - 1)), r
+        assert not flag_gemms(steps(r, size, FLAG_N - 1)), r
         assert bool(flag_gemms(steps(r, size, 5, flag=True))) == expect, r
-        assert not flag_gemms(steps(r, size, least, flag=False)), r
+        assert not flag_gemms(steps(r, size, FLAG_N, flag=False)), r
         if expect:
             assert all(st[1] == COMPUTE for st in s if st[0] == "Gemm"), r
+
+
+def pushes_in_turn(step_list: list) -> bool:
+    """Whether each push after the first waits (a join) for the push before."""
+    return any(st[0] == "Join" and st[1] >= 0 and st[3] >= 0 for st in step_list)
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+def test_by_shape_the_flag_gemm_sends_the_call_in_turn(size):
+    """With in turn left to shape, the flag GEMM's shapes go in turn even where in turn alone
+    would push all at once (Llama 3 8B's gate/up at tp=4: 2048 x 4096 x 3584 a rank, 1.069x
+    the floor all at once, 1.001x in the kernel, modelled): where n >= 3072 and the op repays
+    in turn's serial copies (m k n > 1.75e9 (size - 1) / (size - 2)). A short op, or one
+    whose flag GEMM is off, keeps in turn's own rule; in turn forced off stays off."""
+    m, k = 2048, 4096
+    for n in (FLAG_N, 3584, 7168):
+        s = steps(0, size, n, in_turn=None, m=m, k=k)
+        assert flag_gemms(s) and pushes_in_turn(s), n
+        alone = steps(0, size, n, flag=False, in_turn=None, m=m, k=k)  # in turn's own rule
+        assert pushes_in_turn(alone) == (n < 1280 * (size - 1)), n
+        assert not flag_gemms(steps(0, size, n, in_turn=False, m=m, k=k)), n
+        assert not pushes_in_turn(steps(0, size, n, in_turn=None, m=2, k=3)), n
+    assert not flag_gemms(steps(0, size, FLAG_N - 8, in_turn=None, m=m, k=k))
 
 
 @pytest.mark.parametrize("size", [3, 4, 8])

@@ -349,14 +349,31 @@ std::vector<int> Schedule::FlagGemmOrder(uint64_t parts) const {
   return order;
 }
 
+namespace {
+
+// Whether the op is long enough to repay in turn's serial copies (kInTurnMinMkn).
+bool RepaysSerialCopies(const CallShape& c, int size) {
+  return double(c.m) * double(c.k) * double(c.n) * (size - 2) >
+         Schedule::kInTurnMinMkn * (size - 1);
+}
+
+// Whether the flag GEMM takes a call by shape, and so sends it in turn (AllGatherFlagGemm).
+bool FlagGemmByShape(const Schedule& s, const CallShape& c) {
+  return s.flag_gemm == ScheduleChoice::kByShape && s.size > 2 &&
+         s.size <= Schedule::kFlagGemmMaxRanks && c.n >= Schedule::kFlagGemmMinColumns &&
+         RepaysSerialCopies(c, s.size);
+}
+
+}  // namespace
+
 bool Schedule::AllGatherInTurnPays(const CallShape& c) const {
   if (size <= 2 || c.n >= (size - 1) * kInTurnColumnsPerPeer) return false;
-  return double(c.m) * double(c.k) * double(c.n) * (size - 2) > kInTurnMinMkn * (size - 1);
+  return RepaysSerialCopies(c, size);
 }
 
 bool Schedule::AllGatherInTurn(const CallShape& c) const {
-  return in_turn == ScheduleChoice::kOn ||
-         (in_turn == ScheduleChoice::kByShape && AllGatherInTurnPays(c));
+  if (in_turn != ScheduleChoice::kByShape) return in_turn == ScheduleChoice::kOn;
+  return AllGatherInTurnPays(c) || FlagGemmByShape(*this, c);
 }
 
 bool Schedule::AllGatherTwoGemmLanes(const CallShape& c) const {
@@ -370,8 +387,7 @@ bool Schedule::AllGatherFlagGemm(const CallShape& c) const {
   if (size <= 2 || size > kFlagGemmMaxRanks || flag_gemm == ScheduleChoice::kOff ||
       !AllGatherInTurn(c))
     return false;
-  return flag_gemm == ScheduleChoice::kOn ||
-         (c.n >= 2 * kInTurnColumnsPerPeer && size * c.n >= kFlagGemmMinSizeN);
+  return flag_gemm == ScheduleChoice::kOn || c.n >= kFlagGemmMinColumns;
 }
 
 bool Schedule::ReduceScatterTwoGemmLanes(const CallShape& c) const {

@@ -77,7 +77,8 @@ struct Schedule {
   // 2 size m k n / flops, repays: m k n > (size - 1) / (size - 2) 5 us flops / 2.
   static constexpr double kInTurnMinMkn = 1.75e9;
   bool AllGatherInTurnPays(const CallShape& c) const;
-  // Whether a call of shape `c` goes in turn: `in_turn` resolved.
+  // Whether a call of shape `c` goes in turn: `in_turn` resolved (by shape, where in turn
+  // pays, or where the flag GEMM runs by shape: AllGatherFlagGemm).
   bool AllGatherInTurn(const CallShape& c) const;
   // Whether an all-gather in turn runs its remote GEMMs on two GEMM lanes taking turns
   // (kSecondGemmLane): where a chunk's GEMM outlasts its landing (n >= 2 kInTurnColumnsPerPeer),
@@ -113,21 +114,20 @@ struct Schedule {
   bool ReduceScatterSignalGemm(const CallShape& c) const;
   // Whether an all-gather in turn multiplies every chunk in one GEMM that takes each chunk as
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
-  // our own first (copied into our slot of the buffer on the compute lane before it), then
-  // every SM moves on to the next landed chunk's tiles, with no GEMM boundary and no partial
-  // last wave per span. On an H200 with a modelled 270 GB/s link (paced_gemm's
-  // flag_own_copied, calls interleaved) it took Llama 3 8B's gate/up at tp=8 to 1.047x the floor
-  // (two lanes: 1.165-1.170x), 70B's to 1.015x (1.038-1.058x); reading our chunk in place
-  // instead of copying it would give 1.015-1.030x and 1.003-1.009x. Where chunks land slower
-  // than their GEMMs (narrow n), it lost up to 5% to a GEMM a chunk; where chunks are long
-  // (m = 4096 rows at 70B's qkv, tp=4) it gained 0.2% over two lanes in place. By shape, from
-  // three ranks to kFlagGemmMaxRanks, where two GEMM lanes would run (n >= 2
-  // kInTurnColumnsPerPeer) and the copy of our chunk is cheap: it moves m k b bytes twice, the
-  // op multiplies size m k n, so it costs in proportion to 1 / (size n): measured 2.9% of the
-  // op at size n = 28672 (8B's gate/up, tp=8), 1.1% at 57344 (70B's); kFlagGemmMinSizeN keeps
-  // it under about 3.5% (70B's qkv at tp=4, size n = 10240, would pay some 8%).
+  // our own first, read from x where it lies, then every SM moves on to the next landed
+  // chunk's tiles, with no GEMM boundary and no partial last wave per span. On an H200 with a
+  // modelled 270 GB/s link (paced_gemm, calls interleaved, spreads under 1%), op / floor, the
+  // kernel against the library's schedule before it: Llama 3 8B's gate/up (n = 3584) at tp=4
+  // 1.001 (all at once 1.069), at tp=8 1.015-1.030 (two lanes 1.165-1.170); 70B's (n = 7168)
+  // 1.001 (1.009) and 1.003-1.009 (1.038-1.058); 405B's at tp=8 (n = 13312) 0.984 (1.040).
+  // Where chunks land about as fast as or slower than their GEMMs (n <= 2
+  // kInTurnColumnsPerPeer) it lost: 70B's qkv at tp=4 (n = 2560) 1.051 (two lanes 1.020),
+  // 8B's qkv (n = 1536, 768) 1.049-1.053 (a GEMM a chunk 1.019-1.025). By shape, from three
+  // ranks to kFlagGemmMaxRanks, where n >= kFlagGemmMinColumns and the op repays in turn's
+  // serial copies (kInTurnMinMkn): there the all-gather goes in turn even where
+  // AllGatherInTurnPays would push all at once. Forced on, wherever it goes in turn.
   static constexpr int kFlagGemmMaxRanks = 16;
-  static constexpr int64_t kFlagGemmMinSizeN = 24576;
+  static constexpr int64_t kFlagGemmMinColumns = 3072;
   bool AllGatherFlagGemm(const CallShape& c) const;
   // The order in which a GEMM that waits for its blocks' flags (Step::parts) takes them: as
   // they land in turn, from rank - 1 down (PushOrder: at step s every rank receives from

@@ -81,11 +81,12 @@ class Tuning:
         an H200) and a copy's start after each copy. None (the default): in turn where the transfer
         outlasts twice the local chunk's GEMM, w's local columns n < 1280 (tp - 1), and
         the GEMM repays the serial copies, m k n > 1.75e9 (tp - 1) / (tp - 2) for x's
-        local rows m (src/protocol/schedule.h); where a chunk's GEMM outlasts its landing
-        (n >= 2560), one GEMM takes every chunk as it lands (all_gather_flag_gemm), or where
-        that cannot run its GEMMs take turns on two streams. On one H200 with a modelled
-        270 GB/s link (benchmarks/tools/paced_gemm.cu), at tp=8 in turn ran 1.03-1.05x its
-        floor (1.03-1.17x on two streams), all at once 1.24-1.70x. Not yet measured on 2+ GPUs.
+        local rows m (src/protocol/schedule.h), and wherever all_gather_flag_gemm takes the
+        call by shape (n >= 3072); where a chunk's GEMM outlasts its landing (n >= 2560) and
+        the flag GEMM cannot run, its GEMMs take turns on two streams. On one H200 with a
+        modelled 270 GB/s link (benchmarks/tools/paced_gemm.cu), at tp=8 in turn ran 1.03-1.05x
+        its floor (1.03-1.17x on two streams), all at once 1.24-1.70x. Not yet measured on 2+
+        GPUs.
       two_gemm_lanes: on groups above 2, GPU GEMMs that would run back to back on one stream
         take turns with a second stream (and cuBLASLt workspace), so that each one's tiles
         start on the SMs the one before leaves idle in its last wave: the all-gather in turn's
@@ -99,14 +100,16 @@ class Tuning:
         It changes no transfer: processes may differ.
       all_gather_flag_gemm: on groups of 3 to 16, an all-gather in turn multiplies every chunk in
         one GEMM that waits for each remote chunk's flag inside its kernel, taking the chunks as
-        they land, its own first (copied into the userbuffer before): no GEMM boundary, no partial
-        last wave per GEMM. GPUs: Hopper (sm_90) builds with CUTLASS's headers, bf16 without an
+        they land, its own first (read from x where it lies): no GEMM boundary, no partial last
+        wave per GEMM. GPUs: Hopper (sm_90) builds with CUTLASS's headers, bf16 without an
         epilogue, x's local rows a multiple of 256, k and n of 8; elsewhere the call keeps its
         GEMMs. True: wherever the all-gather goes in turn; False: never. None (the default): where
-        two_gemm_lanes would run by shape (n >= 2560) and copying the local chunk is cheap against
-        the op (tp n >= 24576; at 70B's qkv, tp=4, it would cost some 8%). On one H200 with a
-        modelled 270 GB/s link, Llama 3 8B's gate/up at tp=8 1.17x -> 1.05x its floor, 70B's 1.04x
-        -> 1.015x. It changes no transfer: processes may differ.
+        a chunk's GEMM clearly outlasts its landing, w's local columns n >= 3072, and the op
+        repays in turn's serial copies (as all_gather_in_turn's rule); such calls go in turn
+        unless all_gather_in_turn is False. On one H200 with a modelled 270 GB/s link, op /
+        floor against the schedule before it: Llama 3 8B's gate/up at tp=4 1.069x -> 1.001x,
+        at tp=8 1.17x -> 1.02-1.03x, 405B's at tp=8 1.040x -> 0.984x; at n = 2560 (70B's qkv,
+        tp=4) it lost 3%. It changes at most when pushes start: processes may differ.
       reduce_scatter_signal_gemm: on groups of 3 to 16, a reduce-scatter that sums its partials
         in a pass (it does not fold) computes every partial in one GEMM, the blocks in push order,
         which raises each block's flag from inside its kernel once the block is written; each
