@@ -67,10 +67,7 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
   for (int j : sched.FlagGemmOrder(step.parts)) {
     c.order |= uint64_t(j) << (4 * c.count++);
     const int index = FlagIndex(Flag::kData, j);
-    if (j == sched.rank) {  // ours is the op's input (c.own): its flag goes up on this stream
-      JAX_UB_RETURN_IF_ERROR(Signal(stream, s.flags + index, epoch));
-      continue;
-    }
+    if (j == sched.rank) continue;  // ours is the op's input (c.own): the kernel takes it at once
     // The kernel holds every SM while it waits, so nothing its peers' chunks depend on may
     // need this GPU's SMs then. Where a peer shares this GPU, its kernels and copies do: the
     // stream waits for every chunk before the kernel. Elsewhere the stream waits until every

@@ -57,6 +57,7 @@ Status Launch(const FlagGemmCall& c, int device, int sm_count, cudaStream_t stre
   auto args = Arguments<Cfg>(c, device, sm_count);
   args.scheduler.flags = c.flags;
   args.scheduler.target = c.target;
+  args.scheduler.ready_block = c.own_block;  // the op's input, there before the call: no wait
   args.mainloop.own = static_cast<const flag_gemm::bf16*>(c.own);
   args.mainloop.own_first_row = static_cast<int>(c.own_block * c.block_rows);
   args.mainloop.own_rows = static_cast<int>(c.block_rows);

@@ -32,7 +32,7 @@ struct BlockGemmCall {
 };
 
 // FlagGemm: each block once flags[block] holds at least `target`, but block `own_block`,
-// read from `own` instead of a (block_rows x k, row-major bf16, the op's input), at once.
+// read from `own` instead of a (block_rows x k, row-major bf16, the op's input), with no wait.
 struct FlagGemmCall : BlockGemmCall {
   const void* own = nullptr;
   int own_block = -1;

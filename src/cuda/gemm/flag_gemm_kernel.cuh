@@ -98,6 +98,7 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
     int slots = 0;                // how many are computed (0: all), the first `slots` of order
     uint64_t order = 0;           // slot s's row block in bits [4s, 4s+4)
     uint64_t timeout_ns = 0;      // 0: wait until the flag rises
+    int ready_block = -1;         // a block there before the call (the own chunk): no wait
   };
   struct Extra {
     const Word* flags;
@@ -105,6 +106,7 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
     uint64_t order, timeout_ns;
     Word target;
     uint32_t units, units_per_block, rows_per_block;  // in clusters
+    int ready_block;
   };
   struct Params : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params {
     Extra x;
@@ -130,7 +132,8 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
            a.target,
            rows / blocks * cols * slots,
            rows / blocks * cols,
-           rows / blocks};
+           rows / blocks,
+           a.ready_block};
     return p;
   }
 
@@ -178,7 +181,9 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
   // consumers read A only from the shared memory those loads fill, so nothing of a tile is
   // read or written before its flag; the math warps skip the flag's load latency per tile.
   CUTLASS_DEVICE void Wait(int block) const {
-    if (x_.flags == nullptr || threadIdx.x >= cutlass::NumThreadsPerWarpGroup) return;
+    if (x_.flags == nullptr || block == x_.ready_block ||
+        threadIdx.x >= cutlass::NumThreadsPerWarpGroup)
+      return;
     AwaitFlag(x_.flags + block, x_.target, x_.error, x_.timeout_ns, 1 + block);
   }
 
