@@ -32,7 +32,7 @@ def flag_gemms(step_list: list) -> list:
 @pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 17])
 def test_where_the_flag_gemm_runs(size):
     """In turn, by shape where a chunk's GEMM clearly outlasts its landing (n >= 3072; Llama 3
-    8B's gate/up at tp 4 and 8 has n = 3584, 70B's qkv at tp=4, where it lost, 2560), from 3
+    8B's gate/up at tp=8 has n = 3584, 70B's qkv at tp=4, where it lost, 2560), from 3
     ranks to 16 (the kernel's order holds 16 blocks); forced on, at any n; off, never; never at
     two ranks, where in turn has one remote chunk, nor beside a second GEMM lane."""
     expect = 2 < size <= 16
@@ -54,7 +54,7 @@ def pushes_in_turn(step_list: list) -> bool:
 @pytest.mark.parametrize("size", [3, 4, 8])
 def test_by_shape_the_flag_gemm_sends_the_call_in_turn(size):
     """With in turn left to shape, the flag GEMM's shapes go in turn even where in turn alone
-    would push all at once (Llama 3 8B's gate/up at tp=4: 2048 x 4096 x 3584 a rank, 1.069x
+    would push all at once (Llama 3 8B's gate/up at tp=4: 2048 x 4096 x 7168 a rank, 1.069x
     the floor all at once, 1.001x in the kernel, modelled): where n >= 3072 and the op repays
     in turn's serial copies (m k n > 1.75e9 (size - 1) / (size - 2)). A short op, or one
     whose flag GEMM is off, keeps in turn's own rule; in turn forced off stays off."""

@@ -117,9 +117,10 @@ struct Schedule {
   // our own first, read from x where it lies, then every SM moves on to the next landed
   // chunk's tiles, with no GEMM boundary and no partial last wave per span. On an H200 with a
   // modelled 270 GB/s link (paced_gemm, calls interleaved, spreads under 1%), op / floor, the
-  // kernel against the library's schedule before it: Llama 3 8B's gate/up (n = 3584) at tp=4
-  // 1.001 (all at once 1.069), at tp=8 1.015-1.030 (two lanes 1.165-1.170); 70B's (n = 7168)
-  // 1.001 (1.009) and 1.003-1.009 (1.038-1.058); 405B's at tp=8 (n = 13312) 0.984 (1.040).
+  // kernel against the library's schedule before it: Llama 3 8B's gate/up at tp=4 (n = 7168)
+  // 1.001 (all at once 1.069), at tp=8 (n = 3584) 1.015-1.030 (two lanes 1.165-1.170); 70B's
+  // (n = 14336, 7168) 1.001 (1.009) and 1.003-1.009 (1.038-1.058); 405B's at tp=8 (n = 13312)
+  // 0.984 (1.040).
   // Where chunks land about as fast as or slower than their GEMMs (n <= 2
   // kInTurnColumnsPerPeer) it lost: 70B's qkv at tp=4 (n = 2560) 1.051 (two lanes 1.020),
   // 8B's qkv (n = 1536, 768) 1.049-1.053 (a GEMM a chunk 1.019-1.025). By shape, from three
