@@ -66,8 +66,8 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
   c.target = epoch;
   for (int j : sched.FlagGemmOrder(step.parts)) {
     c.order |= uint64_t(j) << (4 * c.count++);
-    const int index = FlagIndex(Flag::kData, j);
     if (j == sched.rank) continue;  // ours is the op's input (c.own): the kernel takes it at once
+    const int index = FlagIndex(Flag::kData, j);
     // The kernel holds every SM while it waits, so nothing its peers' chunks depend on may
     // need this GPU's SMs then. Where a peer shares this GPU, its kernels and copies do: the
     // stream waits for every chunk before the kernel. Elsewhere the stream waits until every
