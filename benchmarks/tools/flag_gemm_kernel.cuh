@@ -68,7 +68,8 @@ struct Op {  // one initialized GEMM (fixed pointers); run() enqueues one call
   virtual void Run(cudaStream_t s) = 0;
 };
 
-// With an OwnBlock config and `own`, block `own_block`'s rows of A are read from `own`.
+// With an OwnBlock config and `own`, block `own_block`'s rows of A are read from `own`, with no
+// wait for its flag (as the library's FlagGemm).
 template <class Cfg>
 struct CutlassOp : Op {
   typename Cfg::Gemm gemm;
@@ -92,6 +93,7 @@ struct CutlassOp : Op {
       args.scheduler.order = p.order;
       args.scheduler.slots = p.slots;
       args.scheduler.timeout_ns = 2000000000ull;
+      if (own != nullptr) args.scheduler.ready_block = own_block;
     }
     if (Cfg::Gemm::get_workspace_size(args) != 0) Fail("workspace", "unexpected");
     CHECK(gemm.can_implement(args));

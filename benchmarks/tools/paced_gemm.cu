@@ -116,7 +116,8 @@ struct Harness {
   }
   // Starts the link for one call once the compute stream's earlier work (any call's) is done,
   // and makes `compute` wait until it runs: no block lands before the call can take it.
-  // `own_landed` false: the own block's flag stays down too (the call raises it).
+  // `own_landed` false: the own block's flag stays down too (the call raises it, or takes the
+  // block without a wait).
   void Begin(const Arrivals& a, int blocks, int own, bool own_landed = true) {
     CHECK(cudaEventRecord(done, compute));
     CHECK(cudaStreamWaitEvent(link, done));
@@ -374,7 +375,7 @@ int main(int argc, char** argv) {
     Op* own_op = flag_ops.back().get();
     impls.push_back(
         {"paced:flag_own_tensor:ping_128x128_c2", h.compute, [&h, own_op, &in_turn, tp, rank] {
-           h.Begin(in_turn, tp, rank);
+           h.Begin(in_turn, tp, rank, /*own_landed=*/false);  // a wrong wait for it: TIMEOUT
            own_op->Run(h.compute);
          }});
     array = std::make_unique<PacedArray>(rows, whole.k, whole.n, tp, paced.sm_count, a_holed,
