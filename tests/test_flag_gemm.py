@@ -82,7 +82,7 @@ def test_the_flag_gemm_takes_every_chunk_ours_first(size):
         assert not [st for st in s if st[0] == "Signal" and st[2] == r], r
         (gemm,) = [st for st in s if st[0] == "Gemm"]
         assert next(st for st in s if st[1] == COMPUTE) == gemm, r
-        assert (gemm[1], gemm[4], gemm[5], gemm[6], gemm[10], gemm[11], gemm[13], gemm[14]) == (
+        assert (gemm[1], gemm[4], gemm[5], gemm[6], gemm[10], gemm[11], gemm[16], gemm[17]) == (
             COMPUTE,
             size * m,
             "Buffer",
