@@ -110,7 +110,10 @@ struct Schedule {
   // reads it there). From three ranks (where the call does not fold) to kFlagGemmMaxRanks: at
   // two, the GPUs agree on each GEMM shape's kernels (KernelAgreement) by the GEMMs they plan,
   // so both ranks must plan the same ones, and either may find the kernel unfit for its
-  // operands. By shape: off, until it is timed on a GPU (benchmarks/tools/signal_gemm.cu).
+  // operands. By shape: off. On an H200 with a modelled 270 GB/s link (benchmarks/tools/
+  // signal_gemm.cu) it took Llama 3 70B's down at tp=8 to 0.971x the floor (two lanes: 1.045x),
+  // 8B's at tp=4 to 0.995x (1.032-1.038x), but at k <= 1024 its per-call setup lost (8B's o
+  // 1.10-1.12x against 1.02-1.04x); the library's schedule with it is not yet timed.
   bool ReduceScatterSignalGemm(const CallShape& c) const;
   // Whether an all-gather in turn multiplies every chunk in one GEMM that takes each chunk as
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):
