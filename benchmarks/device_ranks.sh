@@ -11,7 +11,7 @@
 # for all) its busiest thread. @k: only pytest -k k's tests, a "+" in k standing for a
 # space; the long files are split so that parallel lanes balance. quick: about 3 minutes at
 # N = 8 with 3 lanes.
-RANKS_QUICK="test_gpu.py:200 test_gpu_schedules.py:150 test_gpu_fp8.py:210 test_gpu_epilogue.py:110"
+RANKS_QUICK="test_gpu.py:200 test_gpu_schedules.py:220 test_gpu_fp8.py:210 test_gpu_epilogue.py:110"
 RANKS_ALL="$RANKS_QUICK test_gpu_grad_matrix.py@op_gradients+and+dp1x:200
   test_gpu_grad_matrix.py@op_gradients+and+not+dp1x:180:4 test_gpu_grad_matrix.py@layer_gradients+and+dp1x:220
   test_gpu_grad_matrix.py@layer_gradients+and+not+dp1x:230:4 test_gpu_layouts.py:200 test_gpu_flax.py:60
