@@ -11,8 +11,6 @@
 //   ordered        with FlagTileScheduler's block order (no flags): what the order costs
 //   signal         SignalGemm, flags in device memory, nothing waiting: what signals cost on top
 //                  (and its initialization at every call, as in the library)
-//   deferred       the same, each tile counted at the next one's store_tail (SignalEpilogue's
-//                  Deferred): what waiting for a tile's stores at once costs the ping-pong order
 //   sum            the sum pass alone (the library's LaunchSum over tp partials)
 //   signal+link    with gbps > 0: SignalGemm raising each partial's "done" word of solo_link.h's
 //                  modelled link (a host thread: the peer's partial for us lands a transfer after
@@ -88,16 +86,15 @@ int main(int argc, char** argv) {
   uint64_t order = 0;
   for (int s = 1; s < tp; ++s) order |= uint64_t(s) << (4 * (s - 1));
   const uint32_t tiles_per_block = uint32_t(m / 128) * uint32_t((n + 127) / 128);
-  // Five sets of flags (block s's at s) and counters, each only ever used by one
-  // implementation (a set's flags count its calls): the checks of both epilogues, `signal`,
-  // `deferred`, and `signal+link` (flags: the link's done words, Done(s) for block s).
-  constexpr int kSets = 5;
-  uint64_t* words;             // [kSets][16] flags, device
-  unsigned long long* counts;  // [kSets][16]
-  CHECK(cudaMalloc(&words, kSets * 16 * sizeof(uint64_t)));
-  CHECK(cudaMalloc(&counts, kSets * 16 * sizeof(unsigned long long)));
-  CHECK(cudaMemset(words, 0, kSets * 16 * sizeof(uint64_t)));
-  CHECK(cudaMemset(counts, 0, kSets * 16 * sizeof(unsigned long long)));
+  // Three sets of flags (block s's at s) and counters, each only ever used by one
+  // implementation (a set's flags count its calls): the check, `signal`, and `signal+link`
+  // (flags: the link's done words, Done(s) for block s).
+  uint64_t* words;             // [3][16] flags, device
+  unsigned long long* counts;  // [3][16]
+  CHECK(cudaMalloc(&words, 3 * 16 * sizeof(uint64_t)));
+  CHECK(cudaMalloc(&counts, 3 * 16 * sizeof(unsigned long long)));
+  CHECK(cudaMemset(words, 0, 3 * 16 * sizeof(uint64_t)));
+  CHECK(cudaMemset(counts, 0, 3 * 16 * sizeof(unsigned long long)));
   auto signals = [&](int set, uint64_t* flags) {
     sg::Signals s;
     s.flags = flags;
@@ -113,18 +110,11 @@ int main(int argc, char** argv) {
   std::vector<LtSpan> spans = {lt.Plan(0, rows)};
   lt.Run(spans[0], a, ref, compute);
 
-  // The check of each epilogue, twice (the second call finds the counters the first reset): a
-  // NaN D; each signalled block copied to the host as soon as its flag rises to the call's
-  // number.
+  // The check, twice (the second call finds the counters the first reset): a NaN D; each
+  // signalled block copied to the host as soon as its flag rises to the call's number.
   bool pass = true;
-  sg::SignalOp<> checked_now(rows, int(k), int(n), tp, order, sms, a, b, d, signals(0, words));
-  sg::SignalOp<sg::DeferredConfig> checked_deferred(rows, int(k), int(n), tp, order, sms, a, b, d,
-                                                    signals(3, words + 48));
-  for (int run = 0; run < 4; ++run) {
-    const bool deferred = run >= 2;
-    const uint64_t call = run % 2 + 1;
-    uint64_t* set = deferred ? words + 48 : words;
-    fg::Op& checked = deferred ? static_cast<fg::Op&>(checked_deferred) : checked_now;
+  sg::SignalOp checked(rows, int(k), int(n), tp, order, sms, a, b, d, signals(0, words));
+  for (uint64_t call = 1; call <= 2; ++call) {
     bf16 *host, *expect;
     CHECK(cudaMallocHost(&host, d_elems * sizeof(bf16)));
     CHECK(cudaMallocHost(&expect, d_elems * sizeof(bf16)));
@@ -133,7 +123,7 @@ int main(int argc, char** argv) {
     CHECK(cudaDeviceSynchronize());
     checked.Run(compute);
     for (int s = 1; s < tp; ++s) {
-      CHECK(driver->wait(watcher, CUdeviceptr(set + s), call, CU_STREAM_WAIT_VALUE_GEQ));
+      CHECK(driver->wait(watcher, CUdeviceptr(words + s), call, CU_STREAM_WAIT_VALUE_GEQ));
       CHECK(cudaMemcpyAsync(host + s * block, d + s * block, block * sizeof(bf16),
                             cudaMemcpyDeviceToHost, watcher));
     }
@@ -142,9 +132,10 @@ int main(int argc, char** argv) {
     // Every signalled flag is up once the kernel has ended; one that is not fails the check,
     // and is raised here so that the watcher's wait ends.
     uint64_t flags[16];
-    CHECK(cudaMemcpy(flags, set, sizeof(flags), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(flags, words, sizeof(flags), cudaMemcpyDeviceToHost));
     for (int s = 1; s < tp; ++s)
-      if (flags[s] != call) CHECK(cudaMemcpy(set + s, &call, sizeof(call), cudaMemcpyHostToDevice));
+      if (flags[s] != call)
+        CHECK(cudaMemcpy(words + s, &call, sizeof(call), cudaMemcpyHostToDevice));
     CHECK(cudaStreamSynchronize(watcher));
     for (int blk = 0; blk < tp; ++blk) {
       double e = 0, q = 0;
@@ -158,8 +149,8 @@ int main(int argc, char** argv) {
       const double rel = std::sqrt(e / std::max(q, 1e-30));
       const bool ok = rel < 1e-2 && bad == 0 && (blk == 0 || flags[blk] == call);
       pass &= ok;
-      std::printf("%s call %llu, block %d (%s): rel_err %.2e, nonfinite %lld, flag %llu: %s\n",
-                  deferred ? "deferred" : "signal", (unsigned long long)call, blk,
+      std::printf("call %llu, block %d (%s): rel_err %.2e, nonfinite %lld, flag %llu: %s\n",
+                  (unsigned long long)call, blk,
                   blk ? "copied at its flag" : "own, after the kernel", rel, bad,
                   blk ? (unsigned long long)flags[blk] : 0ull, ok ? "PASS" : "FAIL");
     }
@@ -175,30 +166,26 @@ int main(int argc, char** argv) {
   in_order.blocks = tp;
   in_order.order = order;
   CutlassOp<Config<128, 128, 2, true, FlagScheduler>> ordered(in_order, a, b, d, nullptr, nullptr);
-  sg::SignalOp<> alone(rows, int(k), int(n), tp, order, sms, a, b, d, signals(1, words + 16));
-  sg::SignalOp<sg::DeferredConfig> later(rows, int(k), int(n), tp, order, sms, a, b, d,
-                                         signals(4, words + 64));
+  sg::SignalOp alone(rows, int(k), int(n), tp, order, sms, a, b, d, signals(1, words + 16));
   std::vector<Timed> impls;
   impls.push_back({"whole", compute, [&] { lt.Run(spans[0], a, d, compute); }});
   impls.push_back({"stock", compute, [&] { stock.Run(compute); }});
   impls.push_back({"ordered", compute, [&] { ordered.Run(compute); }});
   impls.push_back({"signal", compute, [&] { alone.Run(compute); }});
-  impls.push_back({"deferred", compute, [&] { later.Run(compute); }});
   impls.push_back({"sum", compute, [&] {
                      jax_ub_tool::Check(
                          jax_ub::LaunchSum(jax_ub::DType::kBF16, d, block, tp, out, compute),
                          "LaunchSum");
                    }});
   std::unique_ptr<solo::HostLink> link;
-  std::unique_ptr<sg::SignalOp<>> linked;
+  std::unique_ptr<sg::SignalOp> linked;
   const double transfer_us = gbps > 0 ? m * n * 2 / gbps * 1e-3 : 0.0;  // bytes / GB/s = ns
   uint64_t epoch = 0;
   if (gbps > 0) {
     link = std::make_unique<solo::HostLink>(tp, transfer_us);
     // The kernel's block s raises the link's Done(s): consecutive words from Done(0).
-    linked =
-        std::make_unique<sg::SignalOp<>>(rows, int(k), int(n), tp, order, sms, a, b, d,
-                                         signals(2, reinterpret_cast<uint64_t*>(link->Done(0))));
+    linked = std::make_unique<sg::SignalOp>(rows, int(k), int(n), tp, order, sms, a, b, d,
+                                            signals(2, reinterpret_cast<uint64_t*>(link->Done(0))));
     impls.push_back(
         {"signal+link", compute, [&] {
            ++epoch;
@@ -210,7 +197,7 @@ int main(int argc, char** argv) {
          }});
   }
   TimeRounds(impls, 5, seconds);
-  const double t_whole = impls[0].Median(), t_sum = impls[5].Median();  // "sum"
+  const double t_whole = impls[0].Median(), t_sum = impls[4].Median();
   std::printf("tp=%d, a rank's m=%lld k=%lld n=%lld: the GEMM %dx%lldx%lld, %u tiles a block\n", tp,
               m, k, n, rows, k, n, tiles_per_block);
   std::printf("%-12s %9s %8s %10s\n", "impl", "ms", "spread", "/whole");

@@ -21,35 +21,19 @@ using SignalConfig =
     jax_ub::flag_gemm::Config<128, 128, 2, true, jax_ub::flag_gemm::FlagScheduler<uint64_t>,
                               cutlass::layout::RowMajor, false, true>;
 
-// The same with each tile counted at the next one's store_tail (SignalEpilogue's Deferred).
-struct DeferredConfig : SignalConfig {
-  using Epilogue = jax_ub::flag_gemm::SignalEpilogue<
-      jax_ub::flag_gemm::Sm90Epilogue<SignalConfig::Tile, SignalConfig::Cluster,
-                                      cutlass::epilogue::TmaWarpSpecialized>,
-      128, true>;
-  using Mainloop = jax_ub::flag_gemm::Sm90Mainloop<SignalConfig::Tile, SignalConfig::Cluster,
-                                                   cutlass::layout::RowMajor, Epilogue,
-                                                   cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                           jax_ub::flag_gemm::FlagScheduler<uint64_t>>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
-
 // D[m, n] = A[m, k] @ B[k, n] (row-major bf16) in `blocks` row blocks taken in `order` (block
 // order[s] in bits [4s, 4s + 4)), signalling as `s` says; call c raises the flags to c.
-template <class Cfg = SignalConfig>
 struct SignalOp : fg::Op {
-  typename Cfg::Gemm gemm;
-  typename Cfg::Gemm::Arguments args;
+  SignalConfig::Gemm gemm;
+  SignalConfig::Gemm::Arguments args;
   uint64_t calls = 0;
   SignalOp(int m, int k, int n, int blocks, uint64_t order, int sm_count, const bf16* a,
            const bf16* b, bf16* d, const Signals& s) {
-    args = jax_ub::flag_gemm::MakeArguments<Cfg>(m, k, n, a, b, d, 0, sm_count);
+    args = jax_ub::flag_gemm::MakeArguments<SignalConfig>(m, k, n, a, b, d, 0, sm_count);
     args.scheduler.blocks = blocks;
     args.scheduler.order = order;
     args.epilogue.signals = s;
-    if (Cfg::Gemm::get_workspace_size(args) != 0) Fail("SignalOp", "asks for a workspace");
+    if (SignalConfig::Gemm::get_workspace_size(args) != 0) Fail("SignalOp", "asks for a workspace");
     CHECK(gemm.can_implement(args));
   }
   void Run(cudaStream_t st) override {

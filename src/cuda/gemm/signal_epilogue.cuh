@@ -13,12 +13,6 @@
 // comes after this one on its stream) and raises the block's flag at system scope to `target`,
 // the call's epoch, where a copy engine's stream wait sees it. Ping-pong kernels only: one warp
 // group a tile, user barrier ids 0 and 1 (CUTLASS reserves the ids below them).
-//
-// The wait for a tile's stores holds its warp group, and through the ping-pong order the other
-// group's next tile, where a tile's MMA is short (small k). `Deferred`: a tile is counted at the
-// next tile's store_tail instead, once only that next tile's stores may still be in flight
-// (wait_group 1), and the warp group's last tile when the epilogue goes out of scope at the
-// kernel's end. Timed against the other by benchmarks/tools/signal_gemm.cu.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +34,7 @@ struct Signals {
   uint32_t tiles_per_block = 1;  // CTA tiles of a block
 };
 
-template <class Base, int TileM, bool Deferred = false>
+template <class Base, int TileM>
 struct SignalEpilogue : Base {
   struct Arguments : Base::Arguments {
     Signals signals;
@@ -60,10 +54,6 @@ struct SignalEpilogue : Base {
   CUTLASS_HOST_DEVICE SignalEpilogue(Params const& p, typename Base::TensorStorage& smem)
       : Base(p, smem), signals_(p.signals) {}
 
-  CUTLASS_DEVICE ~SignalEpilogue() {
-    if constexpr (Deferred) Count<0>(pending_);  // the warp group's last tile (none: -1)
-  }
-
   // The base's store of one tile; remembers the tile's block for store_tail.
   template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState,
             class ProblemShape, class TileShape, class TileCoord, class... Rest>
@@ -78,25 +68,16 @@ struct SignalEpilogue : Base {
   template <class... Args>
   CUTLASS_DEVICE auto store_tail(Args... args) {
     auto next = Base::store_tail(args...);
-    if constexpr (Deferred) {
-      Count<1>(pending_);  // the tile before: all but this tile's stores have written
-      pending_ = block_;
-    } else {
-      Count<0>(block_);
-    }
-    block_ = -1;
+    Signal();
     return next;
   }
 
  private:
-  // Counts a tile of `block` (none where -1) once at most `InFlight` store groups are pending.
-  template <int InFlight>
-  CUTLASS_DEVICE void Count(int block) {
-    if (signals_.flags == nullptr || block < 0) return;
+  CUTLASS_DEVICE void Signal() {
+    if (signals_.flags == nullptr || block_ < 0) return;
     const int t = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup;
-    // Warp 0 of the group issued the tiles' TMA stores: wait until they have written.
-    if (t < cutlass::NumThreadsPerWarp)
-      asm volatile("cp.async.bulk.wait_group %0;" ::"n"(InFlight) : "memory");
+    // Warp 0 of the group issued the tile's TMA stores: wait until they have written.
+    if (t < cutlass::NumThreadsPerWarp) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     // Each consumer warp group (1, 2) its own barrier, its id a constant.
     if (int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup == 1) {
@@ -104,26 +85,26 @@ struct SignalEpilogue : Base {
     } else {
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, 1);
     }
-    if (t == 0 && (signals_.signalled >> block & 1u)) {
+    if (t == 0 && (signals_.signalled >> block_ & 1u)) {
       unsigned long long old;
       asm volatile("fence.acq_rel.sys;\n\tatom.acq_rel.gpu.global.add.u64 %0, [%1], 1;"
                    : "=l"(old)
-                   : "l"(signals_.counts + block)
+                   : "l"(signals_.counts + block_)
                    : "memory");
       if (old + 1 == signals_.tiles_per_block) {
-        asm volatile("st.relaxed.gpu.global.u64 [%0], 0;" ::"l"(signals_.counts + block)
+        asm volatile("st.relaxed.gpu.global.u64 [%0], 0;" ::"l"(signals_.counts + block_)
                      : "memory");
         asm volatile(
-            "fence.sc.sys;\n\tst.release.sys.global.u64 [%0], %1;" ::"l"(signals_.flags + block),
+            "fence.sc.sys;\n\tst.release.sys.global.u64 [%0], %1;" ::"l"(signals_.flags + block_),
             "l"(signals_.target)
             : "memory");
       }
     }
+    block_ = -1;
   }
 
   Signals const& signals_;
-  int block_ = -1;    // the tile being stored
-  int pending_ = -1;  // Deferred: the tile stored before, not yet counted
+  int block_ = -1;
 };
 
 }  // namespace jax_ub::flag_gemm
