@@ -56,6 +56,7 @@
 #include "cuda/gemm/cublaslt_gemm.h"
 #include "cuda/sum.h"
 #include "cuda_tool.h"
+#include "protocol/buffer_layout.h"
 #include "protocol/schedule.h"
 #include "solo_link.h"
 #include "sum_unrolled.cuh"

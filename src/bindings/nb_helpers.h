@@ -14,6 +14,7 @@
 #include <string>
 
 #include "bindings/registry.h"
+#include "protocol/buffer_layout.h"
 #include "protocol/call_descriptor.h"
 #include "protocol/comm_options.h"
 #include "protocol/schedule.h"

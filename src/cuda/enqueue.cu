@@ -15,6 +15,7 @@
 #include "cuda/sum.h"
 #include "cuda/trace.h"
 #include "cuda/verify.h"
+#include "protocol/buffer_layout.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {

@@ -7,6 +7,7 @@
 
 #include "host/communicator.h"
 #include "host/shared_words.h"
+#include "protocol/buffer_layout.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {

@@ -15,6 +15,7 @@
 
 #include "host/gemm.h"
 #include "host/shared_words.h"
+#include "protocol/buffer_layout.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {

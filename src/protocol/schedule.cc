@@ -1,6 +1,8 @@
 // The step lists of the two ops (see protocol/schedule.h): the protocol, written once.
 #include "protocol/schedule.h"
 
+#include "protocol/buffer_layout.h"
+
 namespace jax_ub {
 namespace {
 
