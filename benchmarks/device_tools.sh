@@ -30,7 +30,7 @@ mode_solo() {
       if [ "$op" = ag ]; then k=$in n=$((out / tp)); else k=$((in / tp)) n=$out; fi
       for fold in ${SOLO_FOLDS:-2048}; do
         for sched in ${SOLO_SCHEDULES:-steps}; do
-          case $op:${sched%%:*} in ag:ring | ag:merged | ag:one_pass | ag:early | rs:in_turn) continue ;; esac
+          case $op:${sched%%:*} in ag:ring | ag:merged | ag:one_pass | ag:early | ag:signal | rs:in_turn) continue ;; esac
           gbps=0  # the modelled link paces the RS's partials only
           [ "$op" = rs ] && gbps=${SOLO_GBPS:-0}
           step --append -k 5 "solo $name tp=$tp fold_rows=$fold $sched" 120 "$OUT/solo.log" \
@@ -112,7 +112,7 @@ mode_signalgemm() {
     step --append -k 5 "signal_gemm $spec" 150 "$OUT/signal_gemm.log" \
       build/dev/signal_gemm "$tp" "$shape" "${SIGNAL_S:-0.25}" "${SIGNAL_GBPS:-270}"
   done
-  grep -E "^(call|correctness|tp=|impl|whole|stock|signal|sum|link)|FAIL" "$OUT/signal_gemm.log"
+  grep -E "^(call|correctness|tp=|impl|whole|stock|ordered|signal|cached|sum|link|host)|FAIL" "$OUT/signal_gemm.log"
 }
 
 mode_overlapcost() {

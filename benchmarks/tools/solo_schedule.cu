@@ -28,20 +28,26 @@
 // the op is timed against its floor, the later of the whole GEMM and the last landing had its GEMMs
 // run at the whole GEMM's pace, plus the sum pass.
 //
+// `signal` (RS) times the library's reduce-scatter with Tuning's reduce_scatter_signal_gemm on:
+// every partial from one CUTLASS GEMM (SignalGemm) that raises each peer's block's flag as the
+// block is written; with a link rate the flag is the link's Done word, so each partial leaves
+// when its block is written, not when a GEMM ends. Needs CUTLASS's headers at build time.
+//
 // `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, chosen by
 // shape; `steps` is all at once): after the local chunk, GEMMs over the chunks in the order they
 // land, each taking those the library's model has landed by its start (Schedule::InTurnSpans).
 //
 // Usage: solo_schedule ag|rs tp m,k,n [seconds] [fold_rows]
-//        [steps|one_pass|early|ring|merged|in_turn] [merge_rows] [gbps]
+//        [steps|one_pass|early|ring|merged|signal|in_turn] [merge_rows] [gbps]
 //   m: one rank's rows (AG: x's rows; RS: the output's); k, n: the rank's GEMM's.
 //   fold_rows: reduce_scatter_fold_rows (default 2048, the library's; tp=2, or ring).
 //   steps: the library's default step list; one_pass, early: early sums off, on (RS only); ring:
 //   with reduce_scatter_ring (RS only); merged: see above (RS only; merge_rows, default 2048);
+//   signal: with reduce_scatter_signal_gemm (RS only, tp >= 3);
 //   in_turn: AG only. Each may end in :1lane or :2lanes: its GEMMs on one lane or taking turns
 //   on two (Schedule::gemm_lanes; default: the library's choice by shape).
-//   gbps: RS steps, one_pass, early or merged only, the modelled link's GB/s into a GPU (0: none,
-//   every partial in place from the start).
+//   gbps: RS steps, one_pass, early, merged or signal only, the modelled link's GB/s into a GPU (0:
+//   none, every partial in place from the start).
 // e.g. Llama 3 8B gate/up at tp=4, 8192 tokens: solo_schedule ag 4 2048,4096,7168
 #include <algorithm>
 #include <cstdint>
@@ -54,6 +60,7 @@
 
 #include "cuda/driver_api.h"
 #include "cuda/gemm/cublaslt_gemm.h"
+#include "cuda/gemm/flag_gemm.h"
 #include "cuda/sum.h"
 #include "cuda_tool.h"
 #include "protocol/buffer_layout.h"
@@ -85,7 +92,10 @@ struct Run {
   cudaStream_t second = nullptr;    // the second GEMM lane (jax_ub::kSecondGemmLane)
   cudaEvent_t join = nullptr;       // a lane's work so far, for another lane to wait on
   cudaEvent_t begin = nullptr, end = nullptr;
-  solo::HostLink* link = nullptr;  // paced: the partials land as it raises their flags
+  solo::HostLink* link = nullptr;   // paced: the partials land as it raises their flags
+  uint64_t* block_flags = nullptr;  // the signal GEMM's, unpaced (paced: the link's Done words)
+  unsigned long long* counts = nullptr;  // the signal GEMM's tile counters
+  int sm_count = 0;
   const jax_ub::DriverOps* driver = nullptr;
   uint64_t epoch = 0;  // calls so far: the link's flags and our Done words carry it
 };
@@ -142,7 +152,7 @@ void Setup(Run& r) {
   r.plans.assign(r.steps.size(), nullptr);
   for (size_t i = 0; i < r.steps.size(); ++i) {
     const jax_ub::Step& g = r.steps[i];
-    if (g.kind != jax_ub::Step::Kind::kGemm) continue;
+    if (g.kind != jax_ub::Step::Kind::kGemm || g.signals) continue;
     if (g.lane == jax_ub::kSecondGemmLane)
       Check(r.gemm->AddSecondWorkspace(), "AddSecondWorkspace");
     Check(r.gemm->Prepare(s.in, s.w_type, s.out, At(r, g.src), w, false, At(r, g.dst), g.rows, s.k,
@@ -153,6 +163,34 @@ void Setup(Run& r) {
                         s.n, nullptr, r.compute, &r.whole),
         "Prepare (whole)");
   Check(jax_ub::PreloadSumKernels(), "PreloadSumKernels");
+  Check(cudaMalloc(&r.block_flags, jax_ub::kFlagGemmMaxBlocks * sizeof(uint64_t)), "flags");
+  Check(cudaMalloc(&r.counts, jax_ub::kFlagGemmMaxBlocks * sizeof(unsigned long long)), "counts");
+  Check(cudaMemset(r.block_flags, 0, jax_ub::kFlagGemmMaxBlocks * sizeof(uint64_t)), "flags");
+  Check(cudaMemset(r.counts, 0, jax_ub::kFlagGemmMaxBlocks * sizeof(unsigned long long)), "counts");
+  Check(cudaDeviceGetAttribute(&r.sm_count, cudaDevAttrMultiProcessorCount, 0), "SM count");
+  Check(jax_ub::PreloadFlagGemms(), "PreloadFlagGemms");
+}
+
+// The signal GEMM's step as the library enqueues it (CudaCommunicator::EnqueueSignalGemm): every
+// block of partials in the schedule's order, each peer's block's flag raised to the call's epoch
+// once written; paced, that flag is the link's Done word of the block's step.
+void SignalGemm(Run& r, const jax_ub::Step& g, cudaStream_t stream, uint64_t epoch) {
+  jax_ub::SignalGemmCall c;
+  c.a = At(r, g.src);
+  c.w = r.ops.w;
+  c.d = At(r, g.dst);
+  c.blocks = r.tp;
+  c.block_rows = g.rows / r.tp;
+  c.k = r.shape.k;
+  c.n = r.shape.n;
+  c.flags = r.link != nullptr ? reinterpret_cast<uint64_t*>(r.link->Done(0)) : r.block_flags;
+  c.counts = r.counts;
+  c.target = epoch;
+  for (int j : r.sched.SignalGemmOrder(g.parts)) {
+    c.order |= uint64_t(j) << (4 * c.count++);
+    if (j != r.sched.rank) c.signalled |= 1u << j;
+  }
+  Check(jax_ub::LaunchSignalGemm(c, 0, r.sm_count, stream), "LaunchSignalGemm");
 }
 
 // Paced: after a GEMM of partials for peers, tell the link which of our steps have ended (the
@@ -179,6 +217,10 @@ void Schedule(Run& r) {
     cudaStream_t stream = Lane(r, step.lane);
     switch (step.kind) {
       case jax_ub::Step::Kind::kGemm:
+        if (step.signals) {
+          SignalGemm(r, step, stream, epoch);
+          break;
+        }
         Check(r.gemm->Matmul(r.plans[i], At(r, step.src), r.ops.w, At(r, step.dst), stream,
                              Args(r, step)),
               "Matmul");
@@ -303,11 +345,12 @@ int main(int argc, char** argv) {
   const bool rs = argv[1][0] == 'r';
   if (variant != "steps" &&
       !(rs && (variant == "ring" || variant == "merged" || variant == "one_pass" ||
-               variant == "early")) &&
+               variant == "early" || variant == "signal")) &&
       !(!rs && variant == "in_turn")) {
     std::fprintf(
         stderr,
-        "the schedule must be steps, for rs one_pass, early, ring or merged, for ag in_turn; "
+        "the schedule must be steps, for rs one_pass, early, ring, merged or signal, for ag "
+        "in_turn; "
         "got %s %s\n",
         argv[1], variant.c_str());
     return 2;
@@ -339,6 +382,16 @@ int main(int argc, char** argv) {
       variant == "one_pass" ? jax_ub::ScheduleChoice::kOff
       : variant == "early"  ? jax_ub::ScheduleChoice::kOn
                             : jax_ub::ScheduleChoice::kByShape};
+  // Library GEMMs for the all-gather: paced_gemm.cu times the flag GEMM, at a link's pace.
+  r.sched.flag_gemm = jax_ub::ScheduleChoice::kOff;
+  if (variant == "signal") {
+    if (!jax_ub::FlagGemmBuilt() || tp < 3) {
+      std::fprintf(stderr, "signal needs tp >= 3 (got %d) and CUTLASS's headers at build time\n",
+                   tp);
+      return 2;
+    }
+    r.sched.signal_gemm = jax_ub::ScheduleChoice::kOn;
+  }
   if (lanes != "")
     r.sched.gemm_lanes =
         lanes == "2lanes" ? jax_ub::ScheduleChoice::kOn : jax_ub::ScheduleChoice::kOff;
@@ -349,7 +402,8 @@ int main(int argc, char** argv) {
   if (gbps < 0 || (gbps > 0 && !(rs && sums))) {
     std::fprintf(
         stderr,
-        "a link rate (gbps %g) needs rs with a sum pass: steps, one_pass, early or merged, and "
+        "a link rate (gbps %g) needs rs with a sum pass: steps, one_pass, early, merged or "
+        "signal, and "
         "at tp=2 fold_rows -1\n",
         gbps);
     return 2;
@@ -419,7 +473,8 @@ int main(int argc, char** argv) {
   for (const void* p :
        {r.ops.x, r.ops.w, static_cast<const void*>(r.ops.out), static_cast<const void*>(r.buffer),
         static_cast<const void*>(r.peer_scratch), static_cast<const void*>(r.whole_x),
-        static_cast<const void*>(r.whole_out)})
+        static_cast<const void*>(r.whole_out), static_cast<const void*>(r.block_flags),
+        static_cast<const void*>(r.counts)})
     Check(cudaFree(const_cast<void*>(p)), "cudaFree");
   return 0;
 }
