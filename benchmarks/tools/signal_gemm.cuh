@@ -7,7 +7,6 @@
 // number: each SignalOp has flags and counters of its own); RunCached builds its parameters once.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 
 #include "flag_gemm_kernel.cuh"
@@ -38,16 +37,12 @@ struct SignalOp : fg::Op {
     CHECK(gemm.can_implement(args));
   }
   void Run(cudaStream_t st) override {
-    const auto t0 = std::chrono::steady_clock::now();
     args.epilogue.signals.target = ++calls;
     CHECK(gemm.initialize(args, nullptr, st));
     CHECK(gemm.run(st));
-    host_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  // The same call from kernel parameters built at the first call, the target patched in: what
-  // caching them per set of pointers would save of Run's host time.
+  // The same call from kernel parameters built at the first call, the target patched in.
   void RunCached(cudaStream_t st) {
-    const auto t0 = std::chrono::steady_clock::now();
     if (!cached) {
       CHECK(gemm.initialize(args, nullptr, st));
       params = gemm.params();
@@ -55,14 +50,11 @@ struct SignalOp : fg::Op {
     }
     params.epilogue.signals.target = ++calls;
     CHECK(SignalConfig::Gemm::run(params, st));
-    host_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  double HostUs() const { return calls ? 1e6 * host_s / double(calls) : 0.0; }
 
  private:
   SignalConfig::Gemm::Params params;
   bool cached = false;
-  double host_s = 0;
 };
 
 }  // namespace sg
