@@ -110,10 +110,13 @@ struct Schedule {
   // reads it there). From three ranks (where the call does not fold) to kFlagGemmMaxRanks: at
   // two, the GPUs agree on each GEMM shape's kernels (KernelAgreement) by the GEMMs they plan,
   // so both ranks must plan the same ones, and either may find the kernel unfit for its
-  // operands. By shape: off. On an H200 with a modelled 270 GB/s link (benchmarks/tools/
-  // signal_gemm.cu) it took Llama 3 70B's down at tp=8 to 0.971x the floor (two lanes: 1.045x),
-  // 8B's at tp=4 to 0.995x (1.032-1.038x), but at k <= 1024 its per-call setup lost (8B's o
-  // 1.10-1.12x against 1.02-1.04x); the library's schedule with it is not yet timed.
+  // operands. By shape: off. On an H200 with a modelled 270 GB/s link, the library's schedule
+  // with it against without it (benchmarks/tools/solo_schedule.cu `signal`, op / floor), Llama
+  // 3 8B's and 70B's o and down at tp 4 and 8: 70B's down 0.996 / 1.012 (tp=4) and 1.027 /
+  // 1.040 (tp=8), inside the runs' 2-3% spreads; the six others 1.010-1.077 / 0.997-1.049,
+  // 0.4-2.8% slower. Its kernel alone runs 0.93-0.98x cuBLASLt's heuristic pick from k = 1024,
+  // but 1.23x at k = 512, where each tile's wait for its stores outlasts the other warp
+  // group's mainloop; the library's tuned GEMMs run faster than the pick.
   bool ReduceScatterSignalGemm(const CallShape& c) const;
   // Whether an all-gather in turn multiplies every chunk in one GEMM that takes each chunk as
   // its flag rises (a kGemm whose `parts` name them; on GPUs FlagGemm, one persistent kernel):

@@ -117,8 +117,9 @@ class Tuning:
         wave per partial. GPUs: Hopper (sm_90) builds with CUTLASS's headers, bf16, x's rows per
         rank a multiple of 256, k and n of 8; elsewhere the call keeps its GEMMs. True: wherever
         the reduce-scatter does not fold; False and None (the default): never (on one H200 with
-        a modelled 270 GB/s link it won at k = 3584, 0.97-0.995x the floor against 1.03-1.045x,
-        and lost at k <= 1024; not yet timed in the library's schedule). It changes no transfer,
+        a modelled 270 GB/s link, in the library's schedule, Llama 3's o and down at tp 4 and 8:
+        1.3-1.6% faster at 70B's down, inside the runs' spread, 0.4-2.8% slower at the six
+        others). It changes no transfer,
         and our own partial joins the sum last (other last bits than without it): processes
         may differ.
       transpose_w_in_place: the backward passes read a weight transposed where it lies
