@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "cuda/driver_api.h"
+#include "cuda/gemm/block_gemm_calls.h"
 #include "cuda/gemm/cublaslt_gemm.h"
 #include "cuda/gemm/flag_gemm.h"
 #include "cuda/sum.h"
@@ -171,25 +172,13 @@ void Setup(Run& r) {
   Check(jax_ub::PreloadFlagGemms(), "PreloadFlagGemms");
 }
 
-// The signal GEMM's step as the library enqueues it (CudaCommunicator::EnqueueSignalGemm): every
-// block of partials in the schedule's order, each peer's block's flag raised to the call's epoch
-// once written; paced, that flag is the link's Done word of the block's step.
+// The signal GEMM's step as the library enqueues it (jax_ub::SignalCall); paced, block j's flag
+// is the link's Done word of step j.
 void SignalGemm(Run& r, const jax_ub::Step& g, cudaStream_t stream, uint64_t epoch) {
-  jax_ub::SignalGemmCall c;
-  c.a = At(r, g.src);
-  c.w = r.ops.w;
-  c.d = At(r, g.dst);
-  c.blocks = r.tp;
-  c.block_rows = g.rows / r.tp;
-  c.k = r.shape.k;
-  c.n = r.shape.n;
-  c.flags = r.link != nullptr ? reinterpret_cast<uint64_t*>(r.link->Done(0)) : r.block_flags;
-  c.counts = r.counts;
-  c.target = epoch;
-  for (int j : r.sched.SignalGemmOrder(g.parts)) {
-    c.order |= uint64_t(j) << (4 * c.count++);
-    if (j != r.sched.rank) c.signalled |= 1u << j;
-  }
+  uint64_t* flags =
+      r.link != nullptr ? reinterpret_cast<uint64_t*>(r.link->Done(0)) : r.block_flags;
+  const jax_ub::SignalGemmCall c = jax_ub::SignalCall(
+      r.sched, g, r.shape, r.ops.w, false, At(r, g.src), At(r, g.dst), flags, r.counts, epoch);
   Check(jax_ub::LaunchSignalGemm(c, 0, r.sm_count, stream), "LaunchSignalGemm");
 }
 
@@ -350,8 +339,7 @@ int main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "the schedule must be steps, for rs one_pass, early, ring, merged or signal, for ag "
-        "in_turn; "
-        "got %s %s\n",
+        "in_turn; got %s %s\n",
         argv[1], variant.c_str());
     return 2;
   }
@@ -403,8 +391,7 @@ int main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "a link rate (gbps %g) needs rs with a sum pass: steps, one_pass, early, merged or "
-        "signal, and "
-        "at tp=2 fold_rows -1\n",
+        "signal, and at tp=2 fold_rows -1\n",
         gbps);
     return 2;
   }

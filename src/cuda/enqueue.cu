@@ -11,6 +11,7 @@
 #include "cuda/communicator.h"
 #include "cuda/communicator_internal.h"
 #include "cuda/driver_api.h"
+#include "cuda/gemm/block_gemm_calls.h"
 #include "cuda/gemm/flag_gemm.h"
 #include "cuda/sum.h"
 #include "cuda/trace.h"
@@ -33,26 +34,6 @@ int CudaCommunicator::FlagIndex(Flag flag, int rank) {
   }
   return kCreditFlag + rank;
 }
-
-namespace {
-
-// A kGemm step over the group's row blocks (Step::parts) as a call of one GEMM: every block
-// of src into dst, its order filled in by the caller.
-BlockGemmCall BlockCall(const Schedule& sched, const Step& step, const CallShape& shape,
-                        const void* w, bool w_transposed, const void* src, void* dst) {
-  BlockGemmCall c;
-  c.a = src;
-  c.w = w;
-  c.w_transposed = w_transposed;
-  c.d = dst;
-  c.blocks = sched.size;
-  c.block_rows = step.rows / sched.size;
-  c.k = shape.k;
-  c.n = shape.n;
-  return c;
-}
-
-}  // namespace
 
 Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
                                          const Step& step, const CallShape& shape, const void* w,
@@ -96,15 +77,9 @@ Status CudaCommunicator::EnqueueSignalGemm(Slot& s, cudaStream_t stream, const S
                                            const Step& step, const CallShape& shape, const void* w,
                                            bool w_transposed, const void* src, void* dst,
                                            uint64_t epoch) {
-  SignalGemmCall c;
-  static_cast<BlockGemmCall&>(c) = BlockCall(sched, step, shape, w, w_transposed, src, dst);
-  c.flags = s.flags + FlagIndex(Flag::kBlock, 0);
-  c.counts = reinterpret_cast<unsigned long long*>(s.flags + kBlockCountFlag);
-  c.target = epoch;
-  for (int j : sched.SignalGemmOrder(step.parts)) {
-    c.order |= uint64_t(j) << (4 * c.count++);
-    if (j != sched.rank) c.signalled |= 1u << j;  // our own block is summed here, not pushed
-  }
+  const SignalGemmCall c = SignalCall(
+      sched, step, shape, w, w_transposed, src, dst, s.flags + FlagIndex(Flag::kBlock, 0),
+      reinterpret_cast<unsigned long long*>(s.flags + kBlockCountFlag), epoch);
   JAX_UB_RETURN_IF_ERROR(LaunchSignalGemm(c, s.device, s.sm_count, stream));
   s.signal_gemm_calls.fetch_add(1, std::memory_order_relaxed);
   return Status::Ok();
