@@ -67,6 +67,7 @@
 #include "protocol/buffer_layout.h"
 #include "protocol/schedule.h"
 #include "solo_link.h"
+#include "solo_merge.h"
 #include "sum_unrolled.cuh"
 #include "timed_calls.h"
 
@@ -276,50 +277,14 @@ double Time(Run& r, Body body, int iters) {
 
 }  // namespace
 
-// `steps` with each run of GEMMs over consecutive row blocks merged into one GEMM, until it has
-// at least `min_rows` rows: a GEMM joins the one before it on its lane where its input and
-// destination continue that GEMM's, neither adds an addend or an epilogue, and no wait on
-// their lane lies between (a merged GEMM must not start before what it waited for).
-std::vector<jax_ub::Step> MergeGemms(std::vector<jax_ub::Step> steps, const jax_ub::CallShape& s,
-                                     int64_t min_rows) {
-  using jax_ub::Step;
-  auto plain = [](const Step& g) {
-    return g.kind == Step::Kind::kGemm && !g.epilogue && g.addend.region == jax_ub::Region::kNone;
-  };
-  auto follows = [](const jax_ub::Ref& a, const jax_ub::Ref& b, int64_t bytes) {
-    return a.region == b.region && a.peer == b.peer && b.offset == a.offset + bytes;
-  };
-  const int64_t in_es = jax_ub::DTypeSize(s.in), out_es = jax_ub::DTypeSize(s.out);
-  std::vector<Step> out;
-  int open = -1;  // the GEMM in `out` that later ones may join
-  for (const Step& st : steps) {
-    if (st.kind == Step::Kind::kWait && open >= 0 && st.lane == out[open].lane) open = -1;
-    if (st.kind != Step::Kind::kGemm) {
-      out.push_back(st);
-      continue;
-    }
-    Step* g = open >= 0 ? &out[open] : nullptr;
-    if (g != nullptr && plain(*g) && plain(st) && g->lane == st.lane && g->rows < min_rows &&
-        follows(g->src, st.src, g->rows * s.k * in_es) &&
-        follows(g->dst, st.dst, g->rows * s.n * out_es)) {
-      g->rows += st.rows;
-      continue;
-    }
-    out.push_back(st);
-    open = static_cast<int>(out.size()) - 1;
-  }
-  return out;
-}
-
 int main(int argc, char** argv) {
   long long m = 0, k = 0, n = 0;
   if (argc < 4 || (std::strcmp(argv[1], "ag") != 0 && std::strcmp(argv[1], "rs") != 0) ||
       std::sscanf(argv[3], "%lld,%lld,%lld", &m, &k, &n) != 3) {
-    std::fprintf(
-        stderr,
-        "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] [steps|one_pass|early|ring|merged|in_turn] "
-        "[merge_rows] [gbps]\n",
-        argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s ag|rs tp m,k,n [seconds] [fold_rows] "
+                 "[steps|one_pass|early|ring|merged|signal|in_turn] [merge_rows] [gbps]\n",
+                 argv[0]);
     return 2;
   }
   // A variant's ":1lane" or ":2lanes" forces its GEMM lanes (Schedule::gemm_lanes).
@@ -384,7 +349,7 @@ int main(int argc, char** argv) {
     r.sched.gemm_lanes =
         lanes == "2lanes" ? jax_ub::ScheduleChoice::kOn : jax_ub::ScheduleChoice::kOff;
   r.steps = jax_ub::CallSteps(r.op, r.sched, r.shape);
-  if (variant == "merged") r.steps = MergeGemms(std::move(r.steps), r.shape, merge_rows);
+  if (variant == "merged") r.steps = solo::MergeGemms(std::move(r.steps), r.shape, merge_rows);
   bool sums = false;
   for (const jax_ub::Step& st : r.steps) sums = sums || st.kind == jax_ub::Step::Kind::kSum;
   if (gbps < 0 || (gbps > 0 && !(rs && sums))) {
