@@ -29,14 +29,15 @@ from jax_ub._src.runtime import extension
 
 ES = 4  # call_steps' calls are float32
 END = float("inf")
-LOCAL = ("X", "Out", "Gathered", "Buffer")  # this rank's memory; PeerBuffer is another's
+LOCAL = ("X", "Out", "Gathered", "Aux", "Buffer")  # this rank's memory; PeerBuffer is another's
+FIELDS = 20  # call_steps' fields a step; expand appends a signalled GEMM's block
 BLOCK_LANE = 1000  # expand's lane of a signalled GEMM's block j: BLOCK_LANE + j
 
 
 def effects(st: tuple, rank: int, m: int, k: int, n: int) -> tuple[list, list]:
     """(reads, writes) of one step of `rank`'s as (region, first byte, end)."""
     kind, _, _, _, rows, src, src_off, parts, add, add_off, dst, dst_off, nbytes = st[:13]
-    own, own_off = st[16:18]
+    own, own_off, aux, aux_off = st[16:20]
     reads, writes = [], []
     if kind == "Gemm" and parts:  # the blocks it waits for itself, each of m rows
         for j in range(64):
@@ -47,11 +48,15 @@ def effects(st: tuple, rank: int, m: int, k: int, n: int) -> tuple[list, list]:
                 else:
                     reads.append((src, src_off + j * m * k * ES, src_off + (j + 1) * m * k * ES))
                 writes.append((dst, dst_off + j * m * n * ES, dst_off + (j + 1) * m * n * ES))
+                if aux != "None":  # the pre-GELU product, laid out as dst
+                    writes.append((aux, aux_off + j * m * n * ES, aux_off + (j + 1) * m * n * ES))
     elif kind == "Gemm":
         reads.append((src, src_off, src_off + rows * k * ES))
         if add != "None":
             reads.append((add, add_off, add_off + rows * n * ES))
         writes.append((dst, dst_off, dst_off + rows * n * ES))
+        if aux != "None":
+            writes.append((aux, aux_off, aux_off + rows * n * ES))
     elif kind == "Copy":
         reads.append((src, src_off, src_off + nbytes))
         writes.append((dst, dst_off, dst_off + nbytes))
@@ -66,7 +71,7 @@ def effects(st: tuple, rank: int, m: int, k: int, n: int) -> tuple[list, list]:
             reads.append((add, add_off, add_off + size))
         writes.append((dst, dst_off, dst_off + size))
     elif kind == "Verify":
-        reads += [("Out", 0, END), ("Gathered", 0, END)]
+        reads += [("Out", 0, END), ("Gathered", 0, END), ("Aux", 0, END)]
     return [r for r in reads if r[0] in LOCAL], [w for w in writes if w[0] in LOCAL]
 
 
@@ -121,8 +126,8 @@ def replay(step_list: list) -> list[dict]:
             seen |= {j for j in range(64) if st[7] >> j & 1}
         count[lane] = count.get(lane, 0) + 1
         mine[lane] = count[lane]
-        if len(st) > 18:  # one block of a GEMM that signals them (expand)
-            block_clock[st[18]] = dict(mine)
+        if len(st) > FIELDS:  # one block of a GEMM that signals them (expand)
+            block_clock[st[FIELDS]] = dict(mine)
         out.append({"lane": lane, "place": count[lane], "clock": dict(mine), "landed": set(seen)})
     return out
 
@@ -199,3 +204,35 @@ def test_every_list_keeps_its_data_in_order_across_lanes(op, size, gathered):
             # sum lands at a slot of its own, piece by piece: the peer-slot check covers the rest.
             folds = any(st[0] == "Gemm" and st[8] != "None" for st in s)
             check(s, r, size, m, k, n, op if not folds else "")
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+@pytest.mark.parametrize("schedule", ["at_once", "in_turn", "flag_gemm"])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_a_failed_check_poisons_every_output_the_call_writes(size, schedule, gathered):
+    """An all-gather's list ends with one check (Verify) that, failed, fills with NaN the whole
+    output, the gathered copy where asked and the pre-GELU product where its GEMMs keep it (as
+    many bytes as the output): a failed call hands back no plausible number. DGELU's aux is
+    its input: the check leaves it alone."""
+    m, k, n = 2, 3, 3072  # n wide enough for the flag GEMM
+    opts = comm_options(
+        all_gather_in_turn=schedule != "at_once",  # the flag GEMM's call goes in turn
+        all_gather_flag_gemm=schedule == "flag_gemm",
+    )
+    out_bytes = size * m * n * ES
+    for epilogue, aux in [("", "None"), ("gelu_aux", "Aux"), ("dgelu", "None")]:
+        for r in range(size):
+            s = extension._host.call_steps(
+                "all_gather_matmul", r, size, m, k, n, gathered, opts, epilogue
+            )
+            flag = any(st[0] == "Gemm" and st[7] for st in s)
+            assert flag == (schedule == "flag_gemm" and size >= 3), (schedule, size, epilogue)
+            checks = [st for st in s if st[0] == "Verify"]
+            assert len(checks) == 1 and s.index(checks[0]) > max(
+                i for i, st in enumerate(s) if st[0] == "Gemm"
+            )
+            v = checks[0]
+            assert (v[10], v[11], v[12]) == ("Out", 0, out_bytes), (epilogue, v)
+            assert (v[5], v[6]) == (("Gathered", 0) if gathered else ("None", 0)), v
+            assert (v[18], v[19]) == (aux, 0), (epilogue, r, v)
+            check(s, r, size, m, k, n, "all_gather_matmul")  # the check after every GEMM's aux

@@ -83,12 +83,13 @@ NB_MODULE(_host, m) {
   });
   // One rank's step list for a call (protocol/schedule.h), for tests of the protocol's
   // order: per step (kind, lane, peer, on_lane, rows, src region, src offset, parts, addend
-  // region, addend offset, dst region, dst offset, bytes, own region, own offset), kinds and
-  // regions by their enumerators' names without the k.
+  // region, addend offset, dst region, dst offset, bytes, flag, slot, signals, own region, own
+  // offset, aux region, aux offset), kinds and regions by their enumerators' names without
+  // the k. `epilogue`: "" (none), "gelu_aux" (GELU, the pre-GELU product kept) or "dgelu".
   m.def(
       "call_steps",
       [](const std::string& op, int rank, int size, int64_t m, int64_t k, int64_t n, bool gathered,
-         nb::dict options) {
+         nb::dict options, const std::string& epilogue) {
         jax_ub::OpKind kind;
         if (!jax_ub::OpKindFromName(op, &kind)) throw nb::value_error(("unknown op " + op).c_str());
         const std::string got = "rank " + std::to_string(rank) + ", size " + std::to_string(size) +
@@ -111,6 +112,13 @@ NB_MODULE(_host, m) {
         shape.k = k;
         shape.n = n;
         shape.gathered = gathered;
+        if (epilogue == "gelu_aux")
+          shape.epilogue.gelu = shape.epilogue.aux = true;
+        else if (epilogue == "dgelu")
+          shape.epilogue.dgelu = true;
+        else if (!epilogue.empty())
+          throw nb::value_error(
+              ("epilogue must be '', 'gelu_aux' or 'dgelu'; got '" + epilogue + "'").c_str());
         const jax_ub::Schedule sched =
             jax_ub::Schedule::Of(jax_ub::OptionsFromDict(options)).For(rank, size);
         nb::list out;
@@ -121,11 +129,12 @@ NB_MODULE(_host, m) {
                              st.parts, kRegions[static_cast<int>(st.addend.region)],
                              st.addend.offset, kRegions[static_cast<int>(st.dst.region)],
                              st.dst.offset, st.bytes, kFlags[static_cast<int>(st.flag)], st.slot,
-                             st.signals, kRegions[static_cast<int>(st.own.region)], st.own.offset));
+                             st.signals, kRegions[static_cast<int>(st.own.region)], st.own.offset,
+                             kRegions[static_cast<int>(st.aux.region)], st.aux.offset));
         return out;
       },
       nb::arg("op"), nb::arg("rank"), nb::arg("size"), nb::arg("m"), nb::arg("k"), nb::arg("n"),
-      nb::arg("gathered"), nb::arg("options"));
+      nb::arg("gathered"), nb::arg("options"), nb::arg("epilogue") = "");
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -88,10 +88,10 @@ Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const Call
 }
 
 Status CudaCommunicator::Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc,
-                                void* out0, size_t bytes0, void* out1, size_t bytes1) {
+                                const CallOutputs& outputs) {
   if (topology_.group_size() == 1) return Status::Ok();  // no peer to disagree with
   return LaunchVerifyCall(stream, s.flags + kDescFlag, desc, topology_.group_size(), s.rank,
-                          s.flags + kHealthFlag, s.report_device, out0, bytes0, out1, bytes1);
+                          s.flags + kHealthFlag, s.report_device, outputs);
 }
 
 Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,

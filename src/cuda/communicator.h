@@ -93,6 +93,16 @@ class CudaCommunicator {
     CallDescriptor theirs;
   };
 
+  // The outputs of a call that a failed check fills with NaN (Verify): out, the gathered
+  // copy, the pre-GELU product (Step::kVerify); an empty one has no bytes.
+  struct Output {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  struct CallOutputs {
+    Output regions[3];
+  };
+
  private:
   // Flag words per slot: data[j] (chunk from rank j landed, by epoch; a ring's partial sums
   // by their slot, Step::slot), first_piece[j] (the first piece of a chunk sent in two,
@@ -226,8 +236,8 @@ class CudaCommunicator {
   // On the compute stream, after every peer's chunk has landed: compare the peers'
   // descriptors with `desc`; on a mismatch, or once the slot is unhealthy, fill the
   // outputs with NaN and report. Outputs of a failed call are never plausible numbers.
-  Status Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc, void* out0, size_t bytes0,
-                void* out1, size_t bytes1);
+  Status Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc,
+                const CallOutputs& outputs);
   Status Finish(Slot& s, cudaStream_t xla_stream, const char* op, uint64_t epoch,
                 std::vector<Wait> waits);
   // Host side, end of every call: wait until every slot of this process in `s`'s group

@@ -224,10 +224,15 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         JAX_UB_CUDA(cudaStreamWaitEvent(stream, ev));
         break;
       }
-      case Step::Kind::kVerify:
-        JAX_UB_RETURN_IF_ERROR(
-            Verify(*s, compute, desc, at(step.dst), step.bytes, at(step.src), step.src_bytes));
+      case Step::Kind::kVerify: {
+        CallOutputs outputs;
+        outputs.regions[0] = {at(step.dst), static_cast<size_t>(step.bytes)};
+        outputs.regions[1] = {at(step.src), static_cast<size_t>(step.src_bytes)};
+        if (step.aux.region != Region::kNone)  // laid out as out
+          outputs.regions[2] = {at(step.aux), static_cast<size_t>(step.bytes)};
+        JAX_UB_RETURN_IF_ERROR(Verify(*s, compute, desc, outputs));
         break;
+      }
     }
   }
   // Every copy lane joins the caller's stream in Finish.

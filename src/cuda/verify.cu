@@ -11,8 +11,8 @@ namespace {
 // any later one, every block fills the outputs with 0xFF bytes, a NaN in bf16, fp16 and
 // f32, so a failed call can never hand plausible numbers to the program.
 __global__ void VerifyCall(const uint64_t* desc_from, CallDescriptor mine, int size, int rank,
-                           uint64_t* health, CudaCommunicator::DeviceReport* report, char* out0,
-                           size_t bytes0, char* out1, size_t bytes1) {
+                           uint64_t* health, CudaCommunicator::DeviceReport* report,
+                           CudaCommunicator::CallOutputs outputs) {
   __shared__ int bad;
   if (threadIdx.x == 0) {
     const uint64_t* own = reinterpret_cast<const uint64_t*>(&mine);
@@ -42,20 +42,20 @@ __global__ void VerifyCall(const uint64_t* desc_from, CallDescriptor mine, int s
   if (!bad) return;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-  for (size_t i = first; i < bytes0; i += stride) out0[i] = static_cast<char>(0xFF);
-  for (size_t i = first; i < bytes1; i += stride) out1[i] = static_cast<char>(0xFF);
+  for (const CudaCommunicator::Output& o : outputs.regions) {
+    char* out = static_cast<char*>(o.data);
+    for (size_t i = first; i < o.bytes; i += stride) out[i] = static_cast<char>(0xFF);
+  }
 }
 
 }  // namespace
 
 Status LaunchVerifyCall(cudaStream_t stream, const uint64_t* desc_from, const CallDescriptor& mine,
                         int size, int rank, uint64_t* health,
-                        CudaCommunicator::DeviceReport* report, void* out0, size_t bytes0,
-                        void* out1, size_t bytes1) {
+                        CudaCommunicator::DeviceReport* report,
+                        const CudaCommunicator::CallOutputs& outputs) {
   // A few blocks: a healthy call only reads ~40 words; a failed one fills its outputs.
-  VerifyCall<<<16, 256, 0, stream>>>(desc_from, mine, size, rank, health, report,
-                                     static_cast<char*>(out0), bytes0, static_cast<char*>(out1),
-                                     bytes1);
+  VerifyCall<<<16, 256, 0, stream>>>(desc_from, mine, size, rank, health, report, outputs);
   return CudaStatus(cudaGetLastError(), "VerifyCall launch");
 }
 

@@ -16,8 +16,8 @@ namespace jax_ub {
 // Enqueues VerifyCall (below) on `stream`.
 Status LaunchVerifyCall(cudaStream_t stream, const uint64_t* desc_from, const CallDescriptor& mine,
                         int size, int rank, uint64_t* health,
-                        CudaCommunicator::DeviceReport* report, void* out0, size_t bytes0,
-                        void* out1, size_t bytes1);
+                        CudaCommunicator::DeviceReport* report,
+                        const CudaCommunicator::CallOutputs& outputs);
 
 // Load every kernel of the module on the current device now: lazy loading in the middle
 // of a call could block behind a stream that spins on a peer.

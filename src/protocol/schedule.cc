@@ -68,12 +68,16 @@ Step Join(int lane, int on_lane) {
   s.on_lane = on_lane;
   return s;
 }
-Step Verify(int64_t out_bytes, int64_t gathered_bytes) {
+// The check that ends a call; a failed one poisons every output it wrote: out, the gathered
+// copy and, where the GEMMs keep it (`aux_out`), the pre-GELU product, laid out as out. A
+// DGELU's aux is its input and stays as it is.
+Step Verify(int64_t out_bytes, int64_t gathered_bytes, bool aux_out = false) {
   Step s = Make(Step::Kind::kVerify);
   s.dst = At(Region::kOut, 0);
   s.bytes = out_bytes;
   if (gathered_bytes > 0) s.src = At(Region::kGathered, 0);
   s.src_bytes = gathered_bytes;
+  if (aux_out) s.aux = At(Region::kAux, 0);
   return s;
 }
 
@@ -122,7 +126,8 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
       }
     steps.push_back(all);
     if (c.gathered) steps.push_back(Join(kComputeLane, rank));
-    steps.push_back(Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0));
+    steps.push_back(
+        Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0, c.epilogue.aux));
     for (int p : peers) steps.push_back(Signal(kComputeLane, p, Flag::kCredit));
     return steps;
   }
@@ -151,7 +156,8 @@ std::vector<Step> AllGatherSteps(const Schedule& sched, const CallShape& c) {
   // The check reads every GEMM's rows, and the credits free the buffer the GEMMs read.
   if (remote_gemms > 0 && two_lanes) steps.push_back(Join(kComputeLane, kSecondGemmLane));
   if (c.gathered) steps.push_back(Join(kComputeLane, rank));
-  steps.push_back(Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0));
+  steps.push_back(
+      Verify(sched.size * out_rows, c.gathered ? sched.size * chunk : 0, c.epilogue.aux));
   // Our buffer is free again: tell every sender.
   for (int p : peers) steps.push_back(Signal(kComputeLane, p, Flag::kCredit));
   return steps;

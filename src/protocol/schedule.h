@@ -342,7 +342,8 @@ struct Step {
   Ref own;
   bool epilogue = false;  // kGemm
   // kCopy: the bytes copied. kSum: the stride of the partials in src. kVerify: the bytes
-  // of dst (and src_bytes those of src) that a failed check poisons.
+  // of dst, and of aux where it names one, (and src_bytes those of src) that a failed check
+  // poisons.
   int64_t bytes = 0;
   // kSum: bit j for the partial at src + j * bytes. kGemm: where not 0, src and dst are the
   // group's size row blocks of rows / size rows each, and the GEMM multiplies the blocks whose
