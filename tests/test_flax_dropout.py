@@ -160,18 +160,29 @@ def test_attention_dropout_masks_as_flax(rand):
 
 
 def test_linen_mlp_dropout_in_a_model(rand):
-    """The 'dropout' rng reaches a block inside a model, as flax's nn.Dropout's does."""
+    """The 'dropout' rng reaches a block inside a model, beside flax's own nn.Dropout: with
+    the same rng, the model trains differently once the block's rate is not 0, and evaluates
+    the same."""
     mesh = make_mesh((TP, "tp"))
 
     class Model(nn.Module):
+        rate: float
+
         @nn.compact
         def __call__(self, x, train):
-            x = ubf.linen.ParallelMLP(F, mesh=mesh, dropout_rate=RATE)(x, deterministic=not train)
+            mlp = ubf.linen.ParallelMLP(F, mesh=mesh, dropout_rate=self.rate)
+            x = mlp(x, deterministic=not train)
             return nn.Dropout(RATE, deterministic=not train)(x)
 
     x = rand(SEQ, BATCH, D)
-    model = Model()
-    variables = model.init(jax.random.key(0), x, train=False)
-    eval_out = model.apply(variables, x, train=False)
-    train_out = model.apply(variables, x, train=True, rngs={"dropout": jax.random.key(1)})
-    assert not jnp.allclose(eval_out, train_out)
+    variables = Model(RATE).init(jax.random.key(0), x, train=False)
+    out = {
+        (rate, train): Model(rate).apply(
+            variables, x, train=train, rngs={"dropout": jax.random.key(1)}
+        )
+        for rate in (0.0, RATE)
+        for train in (False, True)
+    }
+    assert jnp.array_equal(out[0.0, False], out[RATE, False])
+    assert not jnp.allclose(out[0.0, True], out[RATE, True])  # the block's own mask
+    assert not jnp.allclose(out[RATE, False], out[RATE, True])

@@ -28,9 +28,9 @@ def rope_reference(x, theta):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
-def split_qkv(kernel, bias):
+def split_qkv(kernel, bias, kv_heads=KV_HEADS):
     """The fused kernel [D, g * (r + 2) * hd] as separate q [D, H, hd], k, v [D, g, hd]."""
-    g, r = KV_HEADS, HEADS // KV_HEADS
+    g, r = kv_heads, HEADS // kv_heads
     w = kernel.reshape(D, g, r + 2, HEAD_DIM)
     b = bias.reshape(g, r + 2, HEAD_DIM)
     q = (w[:, :, :r].reshape(D, HEADS, HEAD_DIM), b[:, :r].reshape(HEADS, HEAD_DIM))
@@ -44,7 +44,7 @@ def attention_reference(x, q, k, v, out_kernel, out_bias, theta=THETA, causal=Tr
     qs, ks, vs = proj
     if theta is not None:
         qs, ks = rope_reference(qs, theta), rope_reference(ks, theta)
-    ks, vs = (np.repeat(a, HEADS // KV_HEADS, axis=2) for a in (ks, vs))  # head h -> h // r
+    ks, vs = (np.repeat(a, HEADS // a.shape[2], axis=2) for a in (ks, vs))  # head h -> h // r
     logits = np.einsum("sbhe,tbhe->bhst", qs, ks) / np.sqrt(HEAD_DIM)
     if causal:
         logits = np.where(np.tril(np.ones((SEQ, SEQ), bool)), logits, -np.inf)
@@ -146,13 +146,22 @@ def test_linen_matches_reference(rand):
 
 
 def test_multi_head_layout_unchanged(rand):
-    """num_kv_heads = num_heads (the default) keeps the (head, q/k/v, head_dim) layout."""
+    """num_kv_heads = num_heads (the default) keeps the (head, q/k/v, head_dim) layout: the
+    block equals attention whose fused kernel is read that way."""
     mesh = make_mesh((2, "tp"))
-    gqa = ubf.ParallelSelfAttention(D, HEADS, num_kv_heads=HEADS, mesh=mesh, rngs=nnx.Rngs(0))
-    mha = ubf.ParallelSelfAttention(D, HEADS, mesh=mesh, rngs=nnx.Rngs(0))
-    assert gqa.qkv.kernel.shape == mha.qkv.kernel.shape == (D, 3 * D)
+    mha = ubf.ParallelSelfAttention(
+        D,
+        HEADS,
+        rope_theta=THETA,
+        mesh=mesh,
+        bias_init=nnx.initializers.normal(0.5),
+        rngs=nnx.Rngs(0),
+    )
+    assert mha.qkv.kernel.shape == (D, 3 * D)
     x = rand(SEQ, BATCH, D)
-    assert rel_err(gqa(x, is_causal=True), mha(x, is_causal=True)) < 1e-6
+    qkv = split_qkv(mha.qkv.kernel[...], mha.qkv.bias[...], kv_heads=HEADS)
+    want = attention_reference(x, *qkv, mha.out.kernel[...], mha.out.bias[...])
+    assert rel_err(mha(x, is_causal=True), want) < 1e-5
 
 
 def test_bad_head_counts_are_named():

@@ -17,6 +17,8 @@ import jax_ub
 import jax_ub.flax as ubf
 
 D, F, BATCH = 16, 32, 4
+# Nonzero biases, so that a bias added twice (or not at all) on the replicated path shows.
+BIAS = nnx.initializers.normal(0.5)
 
 
 def mesh_dp_tp():
@@ -33,8 +35,8 @@ def test_column_then_row(rand, seq):
     mesh = mesh_dp_tp()
     x = rand(seq, BATCH, D)
     with jax.set_mesh(mesh):
-        col = ubf.ColumnParallelLinear(D, F, impl="ub", rngs=nnx.Rngs(0))
-        row = ubf.RowParallelLinear(F, D, impl="ub", rngs=nnx.Rngs(1))
+        col = ubf.ColumnParallelLinear(D, F, impl="ub", bias_init=BIAS, rngs=nnx.Rngs(0))
+        row = ubf.RowParallelLinear(F, D, impl="ub", bias_init=BIAS, rngs=nnx.Rngs(1))
         y = nnx.jit(lambda c, r, x: r(jnp.tanh(c(x))))(col, row, batch_sharded(mesh, x))
     h = np.tanh(np.asarray(x) @ col.kernel[...] + col.bias[...])
     assert rel_err(y, h @ row.kernel[...] + row.bias[...]) < 1e-5
@@ -45,7 +47,7 @@ def test_mlp_forward_and_grads(rand, seq):
     mesh = mesh_dp_tp()
     x = batch_sharded(mesh, rand(seq, BATCH, D))
     with jax.set_mesh(mesh):
-        mlp = ubf.ParallelMLP(D, F, impl="ub", rngs=nnx.Rngs(0))
+        mlp = ubf.ParallelMLP(D, F, impl="ub", bias_init=BIAS, rngs=nnx.Rngs(0))
         loss = lambda m, x: jnp.sum(jnp.sin(m(x)))  # noqa: E731
         y = nnx.jit(lambda m, x: m(x))(mlp, x)
         g_mlp, g_x = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(mlp, x)
@@ -65,6 +67,8 @@ def test_mlp_forward_and_grads(rand, seq):
     assert rel_err(g_x, want_x) < 1e-5
     assert rel_err(g_mlp.up_proj.kernel[...], want_p["w1"]) < 1e-5
     assert rel_err(g_mlp.down_proj.kernel[...], want_p["w2"]) < 1e-5
+    assert rel_err(g_mlp.up_proj.bias[...], want_p["b1"]) < 1e-5
+    assert rel_err(g_mlp.down_proj.bias[...], want_p["b2"]) < 1e-5
 
 
 def test_gated_mlp_one_token(rand):
@@ -108,7 +112,7 @@ def test_linen_mlp_one_token(rand):
     mesh = mesh_dp_tp()
     x = rand(1, BATCH, D)
     with jax.set_mesh(mesh):
-        mlp = ubf.linen.ParallelMLP(F, impl="ub")
+        mlp = ubf.linen.ParallelMLP(F, impl="ub", bias_init=BIAS)
         variables = mlp.init(jax.random.key(0), x)
         y = jax.jit(mlp.apply)(variables, batch_sharded(mesh, x))
     p = nn.unbox(variables)["params"]

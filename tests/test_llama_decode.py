@@ -110,4 +110,5 @@ def test_training_after_decoding_is_unchanged():
                 llama.greedy_generate(model, tokens[:, :4], 3)
             optimizer = llama.make_optimizer(model, 3e-3)
             losses.append([float(llama.train_step(model, optimizer, tokens)) for _ in range(2)])
+    assert np.isfinite(losses).all(), losses
     np.testing.assert_array_equal(losses[0], losses[1])
