@@ -227,6 +227,7 @@ int main(int argc, char** argv) {
 
   // Timing: flags pre-set to the target for the flag variants.
   SetFlags<<<1, 32>>>(m.flags, 16, 1);
+  CHECK(cudaGetLastError());
   CHECK(cudaMemset(m.err, 0, sizeof(int)));
   CHECK(cudaDeviceSynchronize());
   std::vector<Timed> impls;

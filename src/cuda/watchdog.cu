@@ -33,8 +33,8 @@ void CudaCommunicator::WatchdogLoop() {
                      static_cast<unsigned long long>(s.pending.front().epoch));
       while (!s.pending.empty()) {
         Pending& f = s.pending.front();
-        cudaSetDevice(s.device);
-        cudaError_t q = cudaEventQuery(f.done);
+        cudaError_t q = cudaSetDevice(s.device);
+        if (q == cudaSuccess) q = cudaEventQuery(f.done);
         if (q == cudaSuccess) {
           const volatile DeviceReport* r = s.report;
           if (r->code != 0 && !s.reported) {
@@ -64,23 +64,29 @@ void CudaCommunicator::WatchdogLoop() {
           // Name the peer we are stuck on, then release the stream so the job ends
           // with an error instead of hanging. The health word goes up first, so the
           // released call fills its outputs with NaN instead of computing on stale data.
+          // Each copy is checked: the first that fails is named in the reason (the device
+          // is then likely failing as a whole, and the call may stay stuck or un-poisoned).
+          std::string failed;
+          auto copy = [&](void* dst, const void* src, cudaMemcpyKind kind, const char* what) {
+            if (!failed.empty()) return false;
+            cudaError_t e = cudaMemcpyAsync(dst, src, sizeof(uint64_t), kind, s.watchdog_stream);
+            if (e == cudaSuccess) e = cudaStreamSynchronize(s.watchdog_stream);
+            if (e != cudaSuccess)
+              failed =
+                  std::string("; the watchdog could not ") + what + ": " + cudaGetErrorString(e);
+            return e == cudaSuccess;
+          };
           const uint64_t unhealthy = 1;
-          cudaMemcpyAsync(s.flags + kHealthFlag, &unhealthy, sizeof(unhealthy),
-                          cudaMemcpyHostToDevice, s.watchdog_stream);
-          cudaStreamSynchronize(s.watchdog_stream);
+          copy(s.flags + kHealthFlag, &unhealthy, cudaMemcpyHostToDevice,
+               "raise the health word (the outputs may not be NaN)");
           std::string reason;
           for (const Wait& wt : f.waits) {
             uint64_t seen = 0;
-            cudaMemcpyAsync(&seen, wt.flag, sizeof(seen), cudaMemcpyDeviceToHost,
-                            s.watchdog_stream);
-            cudaStreamSynchronize(s.watchdog_stream);
+            if (!copy(&seen, wt.flag, cudaMemcpyDeviceToHost, "read a flag")) break;
             if (static_cast<int64_t>(seen - wt.target) >= 0) continue;
             uint64_t last = seen;
-            if (wt.progress != wt.flag) {
-              cudaMemcpyAsync(&last, wt.progress, sizeof(last), cudaMemcpyDeviceToHost,
-                              s.watchdog_stream);
-              cudaStreamSynchronize(s.watchdog_stream);
-            }
+            if (wt.progress != wt.flag)
+              copy(&last, wt.progress, cudaMemcpyDeviceToHost, "read a flag");
             if (reason.empty())
               reason = Describe(f.op, s.rank, s.group) + " timed out after " +
                        std::to_string(timeout_s_) + " s waiting for rank " +
@@ -88,13 +94,13 @@ void CudaCommunicator::WatchdogLoop() {
                        std::to_string(wt.target) + " (flag holds #" + std::to_string(last) +
                        "); the peer never arrived, is stuck, or runs a different program. The "
                        "outputs of this call are NaN";
-            uint64_t target = wt.target;
-            cudaMemcpyAsync(const_cast<uint64_t*>(wt.flag), &target, sizeof(target),
-                            cudaMemcpyHostToDevice, s.watchdog_stream);
-            cudaStreamSynchronize(s.watchdog_stream);
+            const uint64_t target = wt.target;
+            copy(const_cast<uint64_t*>(wt.flag), &target, cudaMemcpyHostToDevice,
+                 "release the stuck wait (the call may stay stuck)");
           }
           if (reason.empty())
             reason = Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
+          reason += failed;
           std::fprintf(stderr, "jax_ub: %s\n", reason.c_str());
           broken_.Mark(reason);
           f.since = Clock::time_point::max();

@@ -316,21 +316,22 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
             }
             if (!st.ok()) break;
             char* aux = at(step.aux);
-            HostGemm(shape.in, shape.w_type, shape.out, a, ops.w, ops.w_transposed, scale,
-                     dst + j * out_rows, rows, shape.k, shape.n,
-                     step.epilogue ? shape.epilogue : Epilogue{}, ops.bias,
-                     aux == nullptr ? nullptr : aux + j * out_rows);
+            st = HostGemm(shape.in, shape.w_type, shape.out, a, ops.w, ops.w_transposed, scale,
+                          dst + j * out_rows, rows, shape.k, shape.n,
+                          step.epilogue ? shape.epilogue : Epilogue{}, ops.bias,
+                          aux == nullptr ? nullptr : aux + j * out_rows);
+            if (!st.ok()) break;
             if (step.signals && j != ctx.rank)
               Store(FlagWord(ctx.slot, Flag::kBlock, j), ctx.epoch);
           }
           break;
         }
-        HostGemm(shape.in, shape.w_type, shape.out, at(step.src), ops.w, ops.w_transposed, scale,
-                 dst, step.rows, shape.k, shape.n, step.epilogue ? shape.epilogue : Epilogue{},
-                 ops.bias, at(step.aux));
-        if (step.addend.region != Region::kNone) {
+        st = HostGemm(shape.in, shape.w_type, shape.out, at(step.src), ops.w, ops.w_transposed,
+                      scale, dst, step.rows, shape.k, shape.n,
+                      step.epilogue ? shape.epilogue : Epilogue{}, ops.bias, at(step.aux));
+        if (st.ok() && step.addend.region != Region::kNone) {
           const void* parts[2] = {dst, at(step.addend)};
-          HostSum(shape.out, parts, 2, dst, step.rows * shape.n);
+          st = HostSum(shape.out, parts, 2, dst, step.rows * shape.n);
         }
         break;
       }
@@ -339,8 +340,8 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
         int count = 0;
         for (int j = 0; j < 64; ++j)
           if (step.parts >> j & 1) parts[count++] = at(step.src) + j * step.bytes;
-        HostSum(shape.out, parts, count, at(step.dst), step.rows * shape.n,
-                reinterpret_cast<const float*>(at(step.addend)), step.to_float);
+        st = HostSum(shape.out, parts, count, at(step.dst), step.rows * shape.n,
+                     reinterpret_cast<const float*>(at(step.addend)), step.to_float);
         break;
       }
       case Step::Kind::kJoin:    // lanes run in list order here

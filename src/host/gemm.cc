@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <string>
 #include <vector>
 
 namespace jax_ub {
@@ -84,18 +86,30 @@ void FromFloat(DType t, const float* src, void* dst, int64_t count) {
   }
 }
 
+// Sizes a thread's float32 scratch: a size the host cannot allocate is an error naming it,
+// not an exception thrown through XLA's handler (which would end the process).
+Status Resize(std::vector<float>& v, int64_t count, const char* what) {
+  try {
+    v.resize(static_cast<size_t>(count));
+  } catch (const std::exception& e) {
+    return Internal(std::string("the host could not allocate ") + what + " of " +
+                    std::to_string(count) + " float32 values (" + e.what() + ")");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
-void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
-              float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep,
-              const void* bias, void* aux) {
+Status HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
+                float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep,
+                const void* bias, void* aux) {
   // Scratch is per thread: XLA runs each CPU device's handler on its own thread.
   thread_local std::vector<float> fb, fa, acc, fbias;
-  fb.resize(k * n);
-  fa.resize(std::max(k, n));  // a row of a, or of aux
-  acc.resize(n);
+  JAX_UB_RETURN_IF_ERROR(Resize(fb, k * n, "a GEMM's copy of w, k x n,"));
+  JAX_UB_RETURN_IF_ERROR(Resize(fa, std::max(k, n), "a row of x"));  // or of aux
+  JAX_UB_RETURN_IF_ERROR(Resize(acc, n, "a row of the product"));
   if (ep.bias) {
-    fbias.resize(n);
+    JAX_UB_RETURN_IF_ERROR(Resize(fbias, n, "the bias"));
     ToFloat(out, bias, fbias.data(), n);
   }
   const int64_t row_bytes = n * DTypeSize(out);
@@ -130,17 +144,19 @@ void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool 
     }
     FromFloat(out, acc.data(), static_cast<char*>(c) + i * row_bytes, n);
   }
+  return Status::Ok();
 }
 
-void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count,
-             const float* addend, bool c_f32) {
+Status HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count,
+               const float* addend, bool c_f32) {
   thread_local std::vector<float> acc, tmp;
+  JAX_UB_RETURN_IF_ERROR(Resize(acc, count, "a sum"));
+  JAX_UB_RETURN_IF_ERROR(Resize(tmp, count, "a sum"));
   if (addend != nullptr) {
-    acc.assign(addend, addend + count);
+    std::copy(addend, addend + count, acc.begin());
   } else {
-    acc.assign(count, 0.0f);
+    std::fill(acc.begin(), acc.end(), 0.0f);
   }
-  tmp.resize(count);
   for (int j = 0; j < num_parts; ++j) {
     ToFloat(t, parts[j], tmp.data(), count);
     for (int64_t i = 0; i < count; ++i) acc[i] += tmp[i];
@@ -150,6 +166,7 @@ void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t 
   } else {
     FromFloat(t, acc.data(), c, count);
   }
+  return Status::Ok();
 }
 
 }  // namespace jax_ub

@@ -6,6 +6,7 @@
 
 #include "protocol/dtype.h"
 #include "protocol/epilogue.h"
+#include "protocol/status.h"
 
 namespace jax_ub {
 
@@ -13,15 +14,17 @@ namespace jax_ub {
 // row-major; with `b_transposed`, b is stored as its transpose [n, k]. `ep` is applied to
 // the float32 product before the one rounding: + bias[n] (type `out`), then GELU, the
 // pre-GELU value rounded into aux[m, n] (type `out`) where `ep.aux`; or with `ep.dgelu`, the
-// product times GELU's derivative at aux[m, n] (read).
-void HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
-              float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep = {},
-              const void* bias = nullptr, void* aux = nullptr);
+// product times GELU's derivative at aux[m, n] (read). Fails, writing nothing, where the
+// host cannot allocate its float32 scratch (k * n values).
+Status HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
+                float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep = {},
+                const void* bias = nullptr, void* aux = nullptr);
 
 // c[m, n] (type t) = sum over j of parts[j][m, n] (type t), accumulated in float in the
 // order given, rounded once. With `addend` (float32) the sum starts from it; with `c_f32`, c
-// is float32 (a partial sum, added to later) and nothing is rounded.
-void HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count,
-             const float* addend = nullptr, bool c_f32 = false);
+// is float32 (a partial sum, added to later) and nothing is rounded. Fails, writing nothing,
+// where the host cannot allocate its float32 scratch (2 * count values).
+Status HostSum(DType t, const void* const* parts, int num_parts, void* c, int64_t count,
+               const float* addend = nullptr, bool c_f32 = false);
 
 }  // namespace jax_ub
