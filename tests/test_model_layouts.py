@@ -18,7 +18,7 @@ import pytest
 from conftest import make_mesh, rel_err
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ub
@@ -119,6 +119,37 @@ def test_plain_jit_under_set_mesh(rand, name, impl):
     x, w1, w2 = operands(rand, mesh)
     with jax.set_mesh(mesh):
         check_against_reference(global_mlp(impl), x, w1, w2)
+
+
+def test_one_jitted_function_on_meshes_of_one_shape(rand):
+    """One jitted forward and training step, called under (dp, tp) meshes of one shape: the
+    devices reversed, other devices, the grid transposed, and back. JAX reuses a program's
+    lowering for another device assignment unless a primitive in it needs the devices;
+    jax_ub's calls bake their group's devices, in order, into it, so each assignment is
+    lowered again (the reversed mesh gave wrong numbers before)."""
+    grid = np.array(jax.devices()[:8]).reshape(2, 2, 2)
+    names = ("dp", "tp")
+    meshes = [
+        Mesh(grid[0], names),
+        Mesh(grid[0][::-1, ::-1], names),
+        Mesh(grid[1], names),
+        Mesh(grid[0].T, names),
+        Mesh(grid[0], names),
+    ]
+    x, w1, w2 = rand(SEQ, BATCH, D), rand(D, H, scale=0.3), rand(H, D, scale=0.3)
+    f = jax.jit(global_mlp("ub"))
+    step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(global_mlp("ub")(*a) ** 2), (0, 1, 2)))
+    want_y = mlp_reference(x, w1, w2)
+    want_loss, want_grads = loss_and_grads(mlp_reference, x, w1, w2)
+    for mesh in meshes:
+        with jax.set_mesh(mesh):  # uncommitted operands: the computation takes the mesh's devices
+            y = f(x, w1, w2)
+            loss, grads = step(x, w1, w2)
+        where = [d.id for d in mesh.devices.flat]
+        assert rel_err(y, want_y) < 1e-5, where
+        assert rel_err(loss, want_loss) < 1e-5, where
+        for g, r in zip(grads, want_grads):
+            assert rel_err(g, r) < 1e-5, where
 
 
 def test_eager_global_arrays(rand):

@@ -150,6 +150,11 @@ jax_compat.register_uncached_lowering(
         also_gathers=lambda ctx: not is_empty(ctx.avals_in[3]),  # gather_src
     ),
 )
+# Lowering bakes the group's communicator, and with it the mesh's devices in order, into the
+# module: JAX must lower a program again for another device assignment (a mesh of the same
+# shape on other devices, or on the same devices in another order) instead of reusing it.
+for _prim in (all_gather_matmul_p, matmul_reduce_scatter_p):
+    jax_compat.lowering_needs_devices(_prim)
 
 
 # Spelled `not_mapped` in older JAX; None in newer.
