@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _op_cases import bits, open_fds, place, shm_names
-from conftest import ag_fn, comm_options, rel_err, smap, to_f32
+from conftest import ag_fn, comm_options, make_mesh, rel_err, smap, to_f32
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -303,6 +303,39 @@ def test_finalize_after_a_timeout_is_prompt_and_quiet(mesh1d, rand):
         seconds = time.monotonic() - t0
     assert _host.num_communicators() == 0
     assert seconds < timeout_s / 4, f"finalize() took {seconds:.2f} s after a timeout"
+    assert not caught, [str(c.message) for c in caught]
+
+
+def test_groups_that_make_different_numbers_of_calls_are_idle(rand):
+    """dp groups whose tp ranks branch alike but unlike each other (a cond on the dp index):
+    values right, and check_health() and finalize() return at once, without a warning. They
+    waited timeout_s and finalize() warned of calls in flight, comparing call counts across
+    groups, which such a program never evens out."""
+    timeout_s = 3.0
+    jax_ub.configure(timeout_s=timeout_s)
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    x, w = rand(2 * 2 * 4, 8), rand(8, 2 * 6)
+
+    def body(x, w):
+        extra = lax.cond(
+            lax.axis_index("dp") == 0,
+            lambda: AG(jnp.cos(x), w, "tp", impl="ub"),
+            lambda: jnp.zeros((2 * x.shape[0], w.shape[1]), x.dtype),
+        )
+        return AG(x, w, "tp", impl="ub") + extra
+
+    f = smap(body, mesh, (P(("dp", "tp")), P(None, "tp")), P("dp", "tp"), check_vma=False)
+    got = np.asarray(f(x, w))
+    halves = np.split(np.asarray(x), 2)  # dp 0's rows, dp 1's
+    want = np.concatenate([halves[0] @ w + np.cos(halves[0]) @ w, halves[1] @ w])
+    assert rel_err(got, want) < 1e-5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.monotonic()
+        jax_ub.check_health()
+        jax_ub.finalize()
+        seconds = time.monotonic() - t0
+    assert seconds < timeout_s / 4, f"check_health() and finalize() took {seconds:.2f} s"
     assert not caught, [str(c.message) for c in caught]
 
 

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 
 #include "cuda/check.h"
 #include "cuda/communicator.h"
@@ -285,15 +286,14 @@ bool CudaCommunicator::Quiesce() {
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
   do {
     if (broken_.broken()) return true;  // no more progress to wait for
+    // Idle: no call in flight, and within each group every local GPU has made as many
+    // calls (groups may make different numbers: a branch on the dp index).
     bool idle = true;
-    uint64_t first = 0;
-    bool have_first = false;
+    std::map<int, uint64_t> calls_of_group;
     for (auto& sp : slots_) {
       if (!sp || !sp->local) continue;
       const uint64_t e = sp->epoch.load();
-      if (have_first && e != first) idle = false;
-      first = e;
-      have_first = true;
+      if (calls_of_group.emplace(sp->group, e).first->second != e) idle = false;
       std::lock_guard<std::mutex> lock(sp->mu);
       if (!sp->pending.empty()) idle = false;
     }

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <thread>
 
 #include "host/gemm.h"
@@ -127,19 +128,14 @@ bool HostCommunicator::Quiesce() {
   do {
     // A broken communicator makes no more progress: nothing to wait for.
     if (broken_.broken()) return true;
+    // Idle: no call queued or running, and within each group every local device has made
+    // as many calls (groups may make different numbers: a branch on the dp index).
     bool idle = true;
-    uint64_t first = 0;
-    bool have_first = false;
+    std::map<int, uint64_t> calls_of_group;
     for (int s = 0; s < topology_.num_slots() && idle; ++s) {
       if (!topology_.is_local(s)) continue;
-      if (in_flight_[s].load() > 0) {
-        idle = false;  // a call is queued or running on this slot
-      } else if (!have_first) {
-        first = epoch_[s];
-        have_first = true;
-      } else if (epoch_[s] != first) {
-        idle = false;  // some device has a call still to make
-      }
+      const auto first = calls_of_group.emplace(topology_.group_of(s), epoch_[s].load()).first;
+      idle = in_flight_[s].load() == 0 && epoch_[s].load() == first->second;
     }
     if (idle) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
