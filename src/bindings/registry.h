@@ -4,9 +4,12 @@
 // which removes every communicator it created (destroy_communicator).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
 namespace jax_ub {
@@ -36,7 +39,20 @@ class Registry {
     }
     // The last reference goes here, outside the lock: the destructor waits for the calls
     // in flight, and the completion of one may start the program's next call, whose
-    // handler looks its communicator up (and, finding none, fails instead of waiting).
+    // handler looks its communicator up (and, finding none, fails instead of waiting). A
+    // handler that found it just before holds it while it enqueues its call: wait until
+    // it lets go, so that the destructor runs on this thread. Where the last reference
+    // fell in a handler run on one of the communicator's own threads (the host's
+    // completers run XLA's continuations), that thread would join itself. Bounded: a
+    // handler holds it only to enqueue.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (item.use_count() > 1 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (item.use_count() > 1)
+      std::fprintf(stderr,
+                   "jax_ub: communicator %lld was still held by a call 60 s after "
+                   "finalize() removed it; it is freed when that call lets go\n",
+                   static_cast<long long>(id));
     item.reset();
     return true;
   }
