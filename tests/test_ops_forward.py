@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from _op_cases import OPS, assert_same_specials, op_fn, op_operands, special_inputs
 from conftest import cpu_devices, rel_err, to_f32, tol
+from jax.sharding import PartitionSpec as P
+
+import jax_ub
 
 
 def _check(mesh, op, x, w, dtype):
@@ -145,3 +148,45 @@ def test_nan_inf_pass_through(mesh1d, op, dtype):
     mesh = mesh1d(tp)
     x, w = special_inputs(op, tp, dtype)
     assert_same_specials(op_fn(op, mesh, "ub")(x, w), op_fn(op, mesh, "xla")(x, w), dtype)
+
+
+# Each op over tp with x a constant of the program (closed over, the same on every rank)
+# and its weights traced: (op, x's shape, the weights' shapes and in_specs, out_specs).
+_CONST_X_CASES = {
+    "all_gather_matmul": ((2, 8), [((8, 12), P(None, "tp"))], P(None, "tp")),
+    "matmul_reduce_scatter": ((8, 8), [((8, 12), P())], P("tp")),
+    "matmul_all_reduce": ((3, 8), [((8, 12), P())], P()),
+    "gelu_mlp": ((2, 8), [((8, 16), P(None, "tp")), ((16, 8), P("tp"))], P("tp")),
+    "gated_mlp": ((2, 8), [((8, 2, 16), P(None, None, "tp")), ((16, 8), P("tp"))], P("tp")),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("numpy_x", [False, True])
+@pytest.mark.parametrize("op", list(_CONST_X_CASES))
+def test_x_a_constant_of_the_program(mesh1d, rand, op, numpy_x, check_vma):
+    """x closed over (a jax.Array or a NumPy array) inside jit(shard_map), the weights traced:
+    the values and the weights' gradients of impl="xla". A constant is typed on no mesh; the
+    ops' results are typed on the traced one (a bare AssertionError of JAX's before)."""
+    mesh = mesh1d(4)
+    x_shape, weights, out_spec = _CONST_X_CASES[op]
+    x = rand(*x_shape)
+    x = np.asarray(x) if numpy_x else x
+    ws = [rand(*shape, scale=0.4) for shape, _ in weights]
+    fn = getattr(jax_ub, op)
+
+    def run(impl):
+        f = jax.shard_map(
+            lambda *w: fn(x, *w, "tp", impl=impl),
+            mesh=mesh,
+            in_specs=tuple(spec for _, spec in weights),
+            out_specs=out_spec,
+            check_vma=check_vma,
+        )
+        loss = lambda *w: jnp.sum(jnp.sin(f(*w)))  # noqa: E731
+        return jax.jit(f)(*ws), jax.jit(jax.grad(loss, argnums=tuple(range(len(ws)))))(*ws)
+
+    (y, grads), (y_ref, grads_ref) = run("ub"), run("xla")
+    assert rel_err(y, y_ref) < 1e-5
+    for g, r in zip(grads, grads_ref):
+        assert rel_err(g, r) < 1e-5

@@ -54,6 +54,11 @@ def result_aval(x, shape, *operands, extra: frozenset = frozenset()):
 def _with_varying(aval: AbstractValue, varying: frozenset) -> AbstractValue:
     """``aval`` typed as varying over ``varying`` (the attribute moved between JAX versions,
     hence the two spellings)."""
+    sharding = getattr(aval, "sharding", None)
+    if varying and sharding is not None and not sharding.mesh.axis_names:
+        # A constant's value (x closed over, or NumPy) is typed on no mesh, where no axis
+        # can vary: type it on the mesh being traced, as a traced operand is.
+        aval = aval.update(sharding=sharding.update(mesh=jax.sharding.get_abstract_mesh()))
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return aval.update(manual_axis_type=mat.update(varying=varying))
