@@ -50,6 +50,21 @@ def test_values_and_grads_equal_the_unsharded_layer(rand, impl, rows, seq_axis):
         assert rel_err(g, r) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["ub", "auto", "xla"])
+def test_no_rows(rand, impl):
+    """An empty sequence sums nothing: [0, n] out, gradients as psum(x @ w)'s (XLA's dot,
+    whatever the impl; ub's reduce-scatter failed on the empty all-gather)."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    x, w, b = jnp.zeros((0, K)), rand(K, N), rand(N)
+    f = _call(mesh, impl, x.ndim)
+    assert f(x, w, b).shape == (0, N)
+    loss = lambda fn: lambda x, w, b: jnp.sum(jnp.sin(fn(x, w, b)))  # noqa: E731
+    got = jax.grad(loss(f), argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(loss(_sum_over_tp), argnums=(0, 1, 2))(x, w, b)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and bool(jnp.all(g == r))
+
+
 def test_bfloat16(rand):
     mesh = make_mesh((4, "tp"))
     x, w, b = (a.astype(jnp.bfloat16) for a in (rand(16, 2, K), rand(K, N), rand(N)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.custom_call import SOLO_AXIS, is_empty, lowering_rule
@@ -55,7 +55,12 @@ def _all_gather_matmul_abstract(
 ):
     m, batch, k = x.shape[0], x.shape[1:-1], x.shape[-1]
     n = _columns(w, transpose_w)
-    out = result_aval(x, (axis_size * m, *batch, n), x, w, bias).update(dtype=jnp.dtype(out_dtype))
+    # Its rows vary over the axis even where x does not, as lax.all_gather's do (it casts an
+    # x the same on every rank to varying first): the custom VJP's reduce-scatter of the
+    # cotangent then sums each rank's own block, not tp copies of one.
+    varies = frozenset([axis_name]) - {SOLO_AXIS}
+    out = result_aval(x, (axis_size * m, *batch, n), x, w, bias, extra=varies)
+    out = out.update(dtype=jnp.dtype(out_dtype))
     gathered = result_aval(x, (axis_size * m if return_gathered else 0, *batch, k), x)
     pre_gelu = out.update(shape=(axis_size * m if keep_pre_gelu else 0, *batch, n))
     return out, gathered, pre_gelu
@@ -181,6 +186,25 @@ batching.primitive_batchers[all_gather_matmul_p] = lambda args, dims, **kw: _bat
 batching.primitive_batchers[matmul_reduce_scatter_p] = lambda args, dims, **kw: _batched(
     matmul_reduce_scatter_p, args, dims, **kw
 )
+
+
+def _no_second_derivative(op: str):
+    """The primitives' JVP rule: the ops differentiate once, through their custom VJPs,
+    whose backward calls the primitives again; differentiating that backward (grad of
+    grad, a Hessian) reaches this rule."""
+
+    def rule(primals, tangents, **params):
+        raise NotImplementedError(
+            "jax_ub: the ops with impl='ub' differentiate once, through their custom VJPs; "
+            "a second derivative (grad of grad, jax.hessian, a Hessian-vector product) "
+            f"would differentiate the {op} in a backward: use impl='xla' there"
+        )
+
+    return rule
+
+
+ad.primitive_jvps[all_gather_matmul_p] = _no_second_derivative("all_gather_matmul")
+ad.primitive_jvps[matmul_reduce_scatter_p] = _no_second_derivative("matmul_reduce_scatter")
 
 
 def _scales_and_type(x, scales, out_dtype):

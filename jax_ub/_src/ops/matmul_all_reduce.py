@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.unfused import matmul_all_reduce_reference, reduce_scatter_rows
-from jax_ub._src.lowering.varying import match_varying, typed_invariant
+from jax_ub._src.lowering.varying import match_varying, typed_invariant, varying_axes
 from jax_ub._src.ops import driver, placement
 from jax_ub._src.ops.argument_checks import check_arguments
 from jax_ub._src.ops.group import Group
@@ -83,11 +83,11 @@ def matmul_all_reduce(
 
 def _route(call: driver.Call, x, w, extra: driver.Extra) -> tuple[Path, ...]:
     """The path of the op's GEMM, decided on the rows first (as ub splits them). A group
-    of one sums nothing: XLA's dot, whatever the impl; so does the bound on jax_ub's
-    GEMMs (its ub body's all-gather is XLA's)."""
-    if call.size == 1:
-        return (Path.XLA,)
+    of one sums nothing, nor do no rows (an empty sequence): XLA's dot, whatever the impl;
+    so does the bound on jax_ub's GEMMs (its ub body's all-gather is XLA's)."""
     s = call.seq_axis
+    if call.size == 1 or x.shape[s] == 0:
+        return (Path.XLA,)
     rows = jax.ShapeDtypeStruct((x.shape[s], *x.shape[:s], *x.shape[s + 1 :]), x.dtype)
     path = call.choose(rows, w)
     return (Path.NONE if path is Path.NONE_UB else path,)
@@ -139,6 +139,10 @@ def _bwd(group: Group, res, dy):
         # dy is typed the same on every rank (the output does not vary over the axis):
         # both products are local. Where the output feeds rank-varying math, the cast to
         # varying that JAX inserted there has already summed the ranks' cotangents.
+        if group.axis_name not in varying_axes(x) | varying_axes(w):
+            # x @ w the same on every rank: psum adds tp equal terms (it casts the product
+            # to varying first), so each term's cotangent is tp times dy.
+            dy = dy * group.size
         dx = jnp.einsum("...n,kn->...k", dy, w)
     else:
         # Unchecked shard_map: nothing typed the output as replicated, so each rank holds
