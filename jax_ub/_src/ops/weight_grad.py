@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering.varying import varying_axes
 from jax_ub._src.settings.config import config
@@ -19,7 +22,40 @@ def contract_rows(a, b):
     lead = tuple(range(a.ndim - 1))
     wide = all(jnp.dtype(t.dtype).itemsize >= 4 for t in (a, b))
     precision = lax.Precision.HIGHEST if wide and not config.allow_tf32 else None
+    out_sharding = _summed_over_explicit_axes(a, b)
+    if out_sharding is not None:
+        return jnp.einsum(
+            a,
+            (*lead, a.ndim - 1),
+            b,
+            (*lead, a.ndim),
+            (a.ndim - 1, a.ndim),
+            precision=precision,
+            out_sharding=out_sharding,
+        )
     return jnp.tensordot(a, b, axes=(lead, lead), precision=precision)
+
+
+def _summed_over_explicit_axes(a, b):
+    """Where the rows (a batch dim, say) are split over an Explicit mesh axis, JAX asks the
+    product for its output's sharding: the sum over that axis is replicated, the columns
+    keep theirs. None where no such axis (and JAX needs nothing)."""
+    specs = []
+    for t in (a, b):
+        sharding = getattr(jax.typeof(t), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or not mesh.axis_names:
+            return None
+        specs.append(tuple(sharding.spec) + (None,) * (t.ndim - len(sharding.spec)))
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+
+    def axes(entry):
+        return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
+
+    rows = set().union(*(axes(e) for spec in specs for e in spec[:-1]))
+    if not rows & explicit:
+        return None
+    return P(specs[0][-1], specs[1][-1] if not axes(specs[1][-1]) & axes(specs[0][-1]) else None)
 
 
 def weight_grad_with(dx, dw):
