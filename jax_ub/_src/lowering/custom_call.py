@@ -72,9 +72,11 @@ def _mesh_and_manual_axes(ctx: mlir.LoweringRuleContext, axis_name: str):
             mesh = device_probe.concrete_mesh(ctx, abstract)
     if not isinstance(mesh, Mesh) or mesh.empty:
         raise ValueError(
-            "jax_ub impl='ub' needs the concrete mesh at lowering time: pass "
-            "mesh=<a jax.sharding.Mesh> to jax.shard_map or call under jax.set_mesh(mesh) "
-            "(or use impl='xla')"
+            "jax_ub's userbuffer path needs the concrete mesh at lowering time, which only "
+            "an abstract one stands for here: call under jax.set_mesh(mesh) (inside a "
+            "shard_map over other axes, the mesh= it was given does not reach the op), or "
+            "pass mesh=<a jax.sharding.Mesh> to the jax.shard_map over the op's axis (or "
+            "use impl='xla')"
         )
     if axis_name != SOLO_AXIS:
         checks.check_axis_in_mesh("", axis_name, mesh)
