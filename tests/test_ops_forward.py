@@ -190,3 +190,24 @@ def test_x_a_constant_of_the_program(mesh1d, rand, op, numpy_x, check_vma):
     assert rel_err(y, y_ref) < 1e-5
     for g, r in zip(grads, grads_ref):
         assert rel_err(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_an_axis_of_jax_vmap(rand, op):
+    """The axis bound by jax.vmap(axis_name=), no mesh: "auto" runs lax's collectives, as
+    "xla" does (it raised a missing-rule error, or named no remedy under jit); "ub",
+    which runs over a mesh's devices, says so."""
+    tp = 4
+    if op == "ag":
+        x, w = rand(tp, 2, 8), rand(tp, 8, 3)
+        want = jnp.stack([jnp.concatenate(list(x)) @ w[r] for r in range(tp)])
+    else:
+        x, w = rand(tp, 8, 5), rand(tp, 5, 6)
+        want = sum(x[r] @ w[r] for r in range(tp)).reshape(tp, 2, 6)
+    fn = {"ag": jax_ub.all_gather_matmul, "rs": jax_ub.matmul_reduce_scatter}[op]
+    for impl in ("auto", "xla"):
+        f = jax.vmap(lambda a, b, impl=impl: fn(a, b, "tp", impl=impl), axis_name="tp")
+        assert rel_err(f(x, w), want) < 1e-5 and rel_err(jax.jit(f)(x, w), want) < 1e-5
+    f = jax.vmap(lambda a, b: fn(a, b, "tp", impl="ub"), axis_name="tp")
+    with pytest.raises(ValueError, match="bound by jax.vmap or jax.pmap.*impl='xla' or 'auto'"):
+        f(x, w)

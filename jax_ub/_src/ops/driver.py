@@ -156,6 +156,16 @@ def run(
     size = checks.bound_axis_size(call.op, call.axis_name)
     if size is None:
         return _on_global_arrays(call, body, route, x, w, extra, extra_spec)
+    if call.axis_name not in jax.sharding.get_abstract_mesh().axis_names:
+        # Bound, but by jax.vmap(axis_name=) or pmap: lax's collectives run over it, the
+        # userbuffers only over a mesh's devices.
+        if call.impl == "ub":
+            raise ValueError(
+                f"{call.op}: impl='ub' runs over a mesh axis (a shard_map's, or under "
+                f"jax.set_mesh), but {call.axis_name!r} is bound by jax.vmap or jax.pmap "
+                "here; impl='xla' or 'auto' runs lax's collectives over it"
+            )
+        call = dataclasses.replace(call, impl="xla")
     return _on_shards(dataclasses.replace(call, size=size), body, route, x, w, extra)
 
 
