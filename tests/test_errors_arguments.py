@@ -14,6 +14,7 @@ from conftest import make_mesh, smap
 from conftest import rs_fn as _rs
 from jax.sharding import PartitionSpec as P
 
+import jax_ub
 from jax_ub._src import _host
 
 
@@ -228,3 +229,16 @@ def test_empty_contraction(op):
         assert re.search(r"\bk\b", str(e)), str(e)
         return
     np.testing.assert_array_equal(np.asarray(out), 0)
+
+
+def test_operands_that_are_not_arrays(rand):
+    """A Python list as x, w or bias: a TypeError naming the operand and its type."""
+    x, w = rand(8, 4), rand(4, 6)
+    with pytest.raises(TypeError, match=r"all_gather_matmul: x must be an array .*got list"):
+        jax_ub.all_gather_matmul(x.tolist(), w, "tp")
+    with pytest.raises(TypeError, match=r"matmul_reduce_scatter: w must be an array .*got list"):
+        jax_ub.matmul_reduce_scatter(x, w.tolist(), "tp")
+    with pytest.raises(
+        TypeError, match=r"all_gather_matmul: bias must be an array \[n\], got list"
+    ):
+        jax_ub.all_gather_matmul(x, w, "tp", bias=[0.5] * 6)

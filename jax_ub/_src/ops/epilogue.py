@@ -22,6 +22,8 @@ def check_epilogue(op: str, x: jax.Array, w: jax.Array, bias, activation) -> Non
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation=}")
     if bias is None:
         return
+    if not (hasattr(bias, "shape") and hasattr(bias, "dtype")):
+        raise TypeError(f"{op}: bias must be an array [n], got {type(bias).__name__}")
     shape = jnp.shape(bias)
     if shape != (w.shape[1],):
         raise ValueError(

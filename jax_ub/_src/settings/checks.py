@@ -52,6 +52,11 @@ def check_impl(op: str, impl: str) -> None:
 
 
 def check_matmul_shapes(op: str, x: jax.Array, w: jax.Array) -> None:
+    for name, a in (("x", x), ("w", w)):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(
+                f"{op}: {name} must be an array (jax.Array or NumPy), got {type(a).__name__}"
+            )
     if x.ndim < 2:
         raise ValueError(f"{op}: x must have at least 2 dims [rows, ..., k], got {x.shape=}")
     if w.ndim != 2:
