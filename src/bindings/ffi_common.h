@@ -89,7 +89,11 @@ Status DecodeCall(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, bool w_tra
   JAX_UB_RETURN_IF_ERROR(
       CheckMatmulOperands(op, x, w, w_transposed, scales, out, &in, &w_type, &out_type));
   call->comm = Registry<Comm>::Get(comm_id);
-  if (!call->comm) return FailedPrecondition("communicator was finalized");
+  if (!call->comm)
+    return FailedPrecondition(
+        "jax_ub: this program's communicator was finalized (jax_ub.finalize()); call the "
+        "jitted function again to compile it anew (an executable compiled ahead of time "
+        "with .lower().compile() must be compiled again)");
   CallShape& shape = call->shape;
   shape.k = x.dimensions()[1];
   shape.n = w.dimensions()[w_transposed ? 0 : 1];

@@ -322,13 +322,11 @@ Status HostCommunicator::Execute(const CallContext& ctx, const std::vector<Step>
           }
           break;
         }
+        // The addend (a fold's partial sum) is added to the float32 product, rounded once.
         st = HostGemm(shape.in, shape.w_type, shape.out, at(step.src), ops.w, ops.w_transposed,
                       scale, dst, step.rows, shape.k, shape.n,
-                      step.epilogue ? shape.epilogue : Epilogue{}, ops.bias, at(step.aux));
-        if (st.ok() && step.addend.region != Region::kNone) {
-          const void* parts[2] = {dst, at(step.addend)};
-          st = HostSum(shape.out, parts, 2, dst, step.rows * shape.n);
-        }
+                      step.epilogue ? shape.epilogue : Epilogue{}, ops.bias, at(step.aux),
+                      at(step.addend));
         break;
       }
       case Step::Kind::kSum: {  // from the float32 addend, the partials in bit order

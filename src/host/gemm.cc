@@ -102,7 +102,7 @@ Status Resize(std::vector<float>& v, int64_t count, const char* what) {
 
 Status HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, bool b_transposed,
                 float scale, void* c, int64_t m, int64_t k, int64_t n, const Epilogue& ep,
-                const void* bias, void* aux) {
+                const void* bias, void* aux, const void* addend) {
   // Scratch is per thread: XLA runs each CPU device's handler on its own thread.
   thread_local std::vector<float> fb, fa, acc, fbias;
   JAX_UB_RETURN_IF_ERROR(Resize(fb, k * n, "a GEMM's copy of w, k x n,"));
@@ -132,6 +132,10 @@ Status HostGemm(DType ta, DType tb, DType out, const void* a, const void* b, boo
     }
     if (scale != 1.0f)
       for (int64_t j = 0; j < n; ++j) acc[j] *= scale;
+    if (addend != nullptr) {  // read before c's row is written: c may be the addend
+      ToFloat(out, static_cast<const char*>(addend) + i * row_bytes, fa.data(), n);
+      for (int64_t j = 0; j < n; ++j) acc[j] += fa[j];
+    }
     if (ep.bias)
       for (int64_t j = 0; j < n; ++j) acc[j] += fbias[j];
     if (ep.gelu) {
