@@ -11,6 +11,7 @@ every peer process is done with the communicator before anything is freed.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -26,10 +27,13 @@ from jax_ub._src.jax_compat import distributed_client
 from jax_ub._src.runtime import process_identity
 from jax_ub._src.settings.options import Options
 
-# Communicators are created in program order, which is the same in every process of an
-# SPMD job; the count keeps keys of successive communicators (and of re-initializations
-# after finalize) apart, so a stale key is never picked up.
+# This process's communicators, numbered: their shared-memory names (shm_prefix).
 _sequence = itertools.count()
+# Per communicator description, how many this process has bootstrapped: the key of each is its
+# description and that count, the same in every process that shares it, whatever other
+# communicators each made (pipeline stages running different programs), and successive ones
+# (re-initializations after finalize) never pick up a stale key.
+_bootstrapped: collections.Counter = collections.Counter()
 
 
 _SHM_DIR = "/dev/shm"
@@ -172,7 +176,8 @@ def create_across_processes(
     client = kv_client()
     seq = next(_sequence)
     digest = hashlib.sha1(repr(describe).encode()).hexdigest()[:12]
-    ns = f"jax_ub/{seq}/{digest}"
+    ns = f"jax_ub/{digest}/{_bootstrapped[digest]}"
+    _bootstrapped[digest] += 1
     me = jax.process_index()
     timeout_s, agreed = options.timeout_s, options.agreed()
     timeout_ms = max(1, int(timeout_s * 1000))
