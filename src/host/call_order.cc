@@ -1,6 +1,7 @@
 // How a slot's calls reach its thread and in which order (OrderedRunner): the runners,
 // the group leader's order log, and the test hooks around them.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 #include <utility>
@@ -75,6 +76,10 @@ Status HostCommunicator::HoldNextCall(int device, double seconds) {
 
 void HostCommunicator::PublishKey(int slot, uint64_t n, const CallKey& key) {
   SlotHeader* h = header(slot);
+  // A seqlock: the entry reads as no call's while it is rewritten, so that a reader that
+  // took call n - kOrderLog's number cannot pass with half of call n's descriptor.
+  Store(&h->order_n[n % kOrderLog], 0);
+  std::atomic_thread_fence(std::memory_order_release);
   h->order_desc[n % kOrderLog] = key.desc;
   Store(&h->order_key[n % kOrderLog], key.key);
   Store(&h->order_n[n % kOrderLog], n);
@@ -90,11 +95,19 @@ Status HostCommunicator::AwaitKey(int slot, uint64_t n, CallKey* key) {
   const SlotHeader* own = header(slot);
   for (int spins = 0;; ++spins) {
     JAX_UB_RETURN_IF_ERROR(Healthy());
+    // An abort says why first: a broken leader may race ahead of us through its log.
+    if (Load(&own->aborted) != 0)
+      return FailedPrecondition(
+          Fmt("rank %d (group %d) stopped waiting for rank 0: %s", rank, group, own->abort_reason));
     const uint64_t logged = Load(&leader->order_n[n % kOrderLog]);
     if (logged == n) {
       key->key = Load(&leader->order_key[n % kOrderLog]);
       key->desc = leader->order_desc[n % kOrderLog];
-      return Status::Ok();
+      std::atomic_thread_fence(std::memory_order_acquire);
+      // Still call n's entry: rank 0 did not overwrite it while we read (else the check
+      // below says we fell behind).
+      if (Load(&leader->order_n[n % kOrderLog]) == n) return Status::Ok();
+      continue;
     }
     if (logged > n)
       return Internal(
@@ -102,9 +115,6 @@ Status HostCommunicator::AwaitKey(int slot, uint64_t n, CallKey* key) {
               "call #%llu, rank 0 at #%llu)",
               rank, group, kOrderLog, static_cast<unsigned long long>(n),
               static_cast<unsigned long long>(logged)));
-    if (Load(&own->aborted) != 0)
-      return FailedPrecondition(
-          Fmt("rank %d (group %d) stopped waiting for rank 0: %s", rank, group, own->abort_reason));
     if (Clock::now() > deadline)
       return DeadlineExceeded(
           Fmt("rank %d (group %d) timed out after %.1f s waiting for rank 0 to start call #%llu; "
