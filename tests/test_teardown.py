@@ -159,6 +159,12 @@ def test_a_dead_process_s_shared_memory_names_are_removed_at_once(tmp_path, monk
         (tmp_path / n).write_bytes(b"\0" * 64)
     assert bootstrap.remove_stale_regions(timeout_s=30.0) == [names["dead"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], names["elsewhere"]])
+    # Names this process is about to make (communicator number 7's): an exited process with
+    # this pid left them (pids are reused); its other names stay.
+    mine = bootstrap.shm_prefix(8)[1:] + "_0"
+    (tmp_path / mine).write_bytes(b"\0" * 64)
+    assert bootstrap.remove_stale_regions(timeout_s=30.0, sequence=7) == [names["live"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine, names["elsewhere"]])
 
 
 # --------------------------------------------------------------------------- work in flight

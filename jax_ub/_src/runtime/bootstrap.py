@@ -51,16 +51,21 @@ def shm_prefix(sequence: int) -> str:
     return f"/jax_ub_{os.getpid()}_{sequence}_n{process_identity.pid_namespace_id() or 0}"
 
 
-def remove_stale_regions(timeout_s: float, now: float | None = None) -> list[str]:
+def remove_stale_regions(
+    timeout_s: float, now: float | None = None, sequence: int | None = None
+) -> list[str]:
     """Unlink shared-memory names that crashed bootstraps left behind; returns them.
 
     A name is stale once the process that made it has exited, where that can be told: the
     name is of this process's PID namespace and its pid names no process or a zombie
     (process_identity; another namespace's pid, sharing /dev/shm, would look dead while its
     bootstrap runs). Any other name is stale once older than any bootstrap can run (the
-    larger of 10 minutes and 4 timeouts). Unlinking removes only the name; memory still
-    mapped by a live process stays valid.
+    larger of 10 minutes and 4 timeouts). So are the names of this process's `sequence`-th
+    communicator, which it is about to make: an exited process with this pid left them
+    (pids are reused). Unlinking removes only the name; memory still mapped by a live
+    process stays valid.
     """
+    own = shm_prefix(sequence)[1:] + "_" if sequence is not None else None
     try:
         entries = list(os.scandir(_SHM_DIR))
     except OSError:  # no /dev/shm here: nothing to clean
@@ -76,8 +81,14 @@ def remove_stale_regions(timeout_s: float, now: float | None = None) -> list[str
         pid, pid_namespace = name.groups()
         try:
             if (
-                namespace and pid_namespace == namespace and process_identity.pid_is_gone(int(pid))
-            ) or (now - entry.stat().st_mtime > limit):
+                (own is not None and entry.name.startswith(own))
+                or (
+                    namespace
+                    and pid_namespace == namespace
+                    and process_identity.pid_is_gone(int(pid))
+                )
+                or (now - entry.stat().st_mtime > limit)
+            ):
                 os.unlink(entry.path)
                 removed.append(entry.name)
         except OSError:  # gone meanwhile, or not ours to remove
@@ -183,7 +194,7 @@ def create_across_processes(
     timeout_ms = max(1, int(timeout_s * 1000))
     create_kwargs: dict[str, object] = {}
     if platform == "cpu":
-        remove_stale_regions(timeout_s)
+        remove_stale_regions(timeout_s, sequence=seq)
         create_kwargs["shm_prefix"] = shm_prefix(seq)
     else:
         create_kwargs["multiprocess"] = True
