@@ -378,3 +378,59 @@ def test_replicated_recipe_reports_whole_amaxes_beside_dp(rand, manual, check_vm
     assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
     for got, want in ((dscales.x, amax(x)), (dscales.w, amax(w)), (dscales.grad, amax(ct))):
         np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_history_gradients_inside_a_users_shard_map(check_vma):
+    """A delayed layer called on local shards inside the user's shard_map, types checked or
+    not: each history's gradient is this step's amax, then the history rolled. Unchecked,
+    shard_map sums a replicated input's cotangent over its devices: each history comes from
+    one device (it was the history times the device count)."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    layer = ubf.ColumnParallelLinear(
+        32, 64, impl="ub", fp8="delayed", amax_history_length=4, rngs=nnx.Rngs(0)
+    )
+    layer.kernel_amax_history[...] = jnp.array([0.5, 0.2, 1.0, 0.3])
+    graphdef, state = nnx.split(layer)
+    f = jax.shard_map(
+        lambda s, x: nnx.merge(graphdef, s)(x),
+        mesh=mesh,
+        in_specs=(nnx.get_partition_spec(state), P("tp", "dp")),
+        out_specs=P("tp", "dp"),
+        check_vma=check_vma,
+    )
+    x = jax.random.normal(jax.random.key(1), (16, 4, 32))
+    g = jax.jit(jax.grad(lambda s, x: jnp.sum(f(s, x) ** 2)))(state, x)
+    kernel_amax = float(jnp.max(jnp.abs(layer.kernel[...])))
+    np.testing.assert_allclose(
+        np.asarray(g["kernel_amax_history"][...]), [kernel_amax, 0.5, 0.2, 1.0], rtol=1e-6
+    )
+    input_history = np.asarray(g["input_amax_history"][...])
+    np.testing.assert_allclose(input_history[0], float(jnp.max(jnp.abs(x))), rtol=1e-6)
+    assert not input_history[1:].any()  # a fresh history rolled
+
+
+@pytest.mark.parametrize("impl", ["ub", "xla"])
+def test_bfloat16_gradients_beside_dp_on_cpu(impl):
+    """A delayed row-parallel layer computing in bfloat16, the batch over dp: its gradients
+    run (XLA's CPU compiler aborted on the bias gradient's 16-bit all-reduce, which the
+    float32 widening avoids; it was off for delayed layers, whose histories it would have
+    summed over the devices), and the kernel's history gradient is the recurrence's."""
+    mesh = make_mesh((2, "dp"), (2, "tp"))
+    with jax.set_mesh(mesh):
+        layer = ubf.RowParallelLinear(
+            64, 32, impl=impl, fp8="delayed", dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+        )
+        x = jax.device_put(
+            jax.random.normal(jax.random.key(1), (16, 4, 64)),
+            jax.sharding.NamedSharding(mesh, P(None, "dp", "tp")),
+        )
+        graphdef, state = nnx.split(layer)
+        loss = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x).astype(jnp.float32) ** 2)  # noqa: E731
+        g = jax.jit(jax.grad(loss))(state, x)
+    history = np.asarray(g["kernel_amax_history"][...])
+    kernel = layer.kernel[...].astype(jnp.bfloat16)  # its amax is taken as it computes
+    np.testing.assert_allclose(history[0], float(jnp.max(jnp.abs(kernel))), rtol=1e-6)
+    assert not history[1:].any()
+    bias = np.asarray(g["bias"][...], np.float32)
+    assert np.isfinite(bias).all() and bias.any()

@@ -185,7 +185,7 @@ def over_axis(
         warn_once(message, message)
         return plain(*args)
 
-    widening = Widening(config.dtype, sums_replicated=config.fp8_recipe != "delayed")
+    widening = Widening(config.dtype)
     return driver.over_axis(
         "jax_ub.flax",
         f,

@@ -4,9 +4,11 @@ primitives' abstract values and the custom VJPs' cotangents."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.core import AbstractValue
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import AxisType
 
 from jax_ub._src.jax_compat import check_vma as _check_vma
 
@@ -93,3 +95,26 @@ def typed_invariant(y, axis_name: str):
     has size 1."""
     axes = frozenset({axis_name}) & varying_axes(y)
     return _invariant_p.bind(y, axes=axes) if axes else y
+
+
+def summed_axes() -> tuple[str, ...]:
+    """The axes over which an unchecked shard_map's transpose sums the cotangent of an input
+    it replicates: every manual axis (of size above 1) of the shard_map being traced. None
+    where it checks vma: JAX then sums only over the axes the cotangent varies over."""
+    if _check_vma():
+        return ()
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = (a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+    return tuple(sorted(a for a in manual if jax.lax.axis_size(a) > 1))
+
+
+def counted_once(value, axes: tuple[str, ...]):
+    """``value``, the same on every device, on the first device of ``axes`` and 0 on the
+    others: what a replicated input's cotangent must be where shard_map sums it over
+    ``axes`` (:func:`summed_axes`), so that the sum is ``value`` itself, exactly."""
+    if not axes:
+        return value
+    first = jnp.all(jnp.array([jax.lax.axis_index(a) == 0 for a in axes]))
+    return jnp.where(first, value, jnp.zeros_like(value))

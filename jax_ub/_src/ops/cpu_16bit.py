@@ -29,14 +29,11 @@ class Widening:
 
     Attributes:
       compute_dtype: the dtype the body computes in where its inputs do not say (a Flax
-        layer's ``dtype``), or None.
-      sums_replicated: False for a body whose replicated inputs' cotangents must not be
-        summed (delayed fp8's amax histories, each device's the whole history): no
-        widening then.
+        layer's ``dtype``), or None. (Delayed fp8's amax histories, replicated inputs too,
+        stay right unchecked: their cotangents come from one device, ``counted_once``.)
     """
 
     compute_dtype: Any = None
-    sums_replicated: bool = True
 
     def apply(
         self, f: Callable, args: tuple, in_specs: Any, axis_name: str, platform: str | None
@@ -45,7 +42,7 @@ class Widening:
         shard_map to be unchecked), or None where the abort cannot happen."""
         computes = jax.ShapeDtypeStruct((), self.compute_dtype or jnp.float32)
         leaves = [*jax.tree.leaves(args), computes]
-        if not self.sums_replicated or not any(jax_compat.cpu_16bit(a, platform) for a in leaves):
+        if not any(jax_compat.cpu_16bit(a, platform) for a in leaves):
             return None
         narrow = jax.tree.map(
             lambda spec, a: _replicated_16bit(spec, a, axis_name), in_specs, args, is_leaf=is_spec

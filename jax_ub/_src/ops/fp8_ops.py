@@ -32,12 +32,16 @@ from jax_ub._src.lowering.unfused import (
     epilogue,
     matmul_reduce_scatter_reference,
 )
-from jax_ub._src.lowering.varying import match_varying, varying_axes
+from jax_ub._src.lowering.varying import (
+    counted_once,
+    match_varying,
+    summed_axes,
+    varying_axes,
+)
 from jax_ub._src.lowering.wire_format import pack_scales
 from jax_ub._src.ops.checkpoint_policy import saved_gathered, saved_output
 from jax_ub._src.ops.epilogue import epilogue_grads
 from jax_ub._src.ops.group import Group
-from jax_ub._src.ops.placement import manual_axes
 from jax_ub._src.ops.weight_grad import weight_grad_with
 from jax_ub._src.settings import options
 from jax_ub._src.settings.fp8 import (
@@ -187,11 +191,8 @@ def reported_amax(local_amax, axis_name: str | None, scale):
     if jax_compat.check_vma():
         rest = varying_axes(m) - varying_axes(scale)
         return lax.pmax(m, tuple(sorted(rest))) if rest else m
-    split = tuple(a for a in sorted(manual_axes()) if lax.axis_size(a) > 1)
-    if not split:
-        return m
-    first = jnp.all(jnp.array([lax.axis_index(a) == 0 for a in split]))
-    return jnp.where(first, lax.pmax(m, split), 0.0)
+    split = summed_axes()
+    return counted_once(lax.pmax(m, split), split) if split else m
 
 
 def _seen(given, local_amax, axis_name):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ub._src.lowering.unfused import all_max
+from jax_ub._src.lowering.varying import counted_once, summed_axes
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
 E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients
@@ -90,7 +91,11 @@ def _owg_fwd(amax_history, dtype):
 
 def _owg_bwd(dtype, amax_history, seen):
     recorded = update_amax_history(amax_history, seen)
-    return (jnp.where(jnp.isfinite(seen), recorded, amax_history),)
+    kept = jnp.where(jnp.isfinite(seen), recorded, amax_history)
+    # Inside an unchecked shard_map the history's cotangent is summed over its devices: the
+    # first gives it, as the ops report `seen` there (fp8_ops.reported_amax), the others 0.
+    split = summed_axes()
+    return (counted_once(kept, split),)
 
 
 delayed_scale_owg.defvjp(_owg_fwd, _owg_bwd)
