@@ -141,7 +141,9 @@ def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
     and v; gate and up) gathered once: their kernels' shards run side by side in one
     :func:`jax_ub.all_gather_matmul`, so one all-gather feeds them all, and each layer keeps
     its own params (the checkpoint's layout). Returns a tuple of their outputs, each as the
-    layer alone returns it; with one layer (column or row), its output.
+    layer alone returns it (in fp8, the side-by-side kernels share one scale: each output
+    then differs from its layer's alone by fp8 rounding); with one layer (column or row),
+    its output.
 
     Example: a Llama-style attention's projections, each built as ``nnx.LinearGeneral``
     would be, run from one gather of ``x`` (``[seq, batch, embed]``)::
