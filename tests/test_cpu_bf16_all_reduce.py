@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_grad_matrix_flax import IN, LAYERS, OUT, B, D, reference, run_linen, run_nnx
 
+import jax_ub
 from jax_ub._src import jax_compat
 
 # A bfloat16 input replicated over the manual axis of a partly manual shard_map: its
@@ -106,3 +107,19 @@ def test_bfloat16_llama_decodes_on_cpu(request):
         }
     assert all(jnp.isfinite(jnp.asarray(losses))) and losses[-1] < losses[0], losses
     np.testing.assert_array_equal(np.asarray(out["ub"]), np.asarray(out["xla"]))
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_eager_bfloat16_call_beside_dp(rand, axis_type):
+    """An op called eagerly (no jit) on bfloat16 global arrays, a dp axis beside tp: the
+    widened call is a partly manual, unchecked shard_map, which JAX runs only traced (eagerly
+    it refused out_specs over dp); the call jits it."""
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(kind, kind), devices=jax.devices()[:4])
+    x, w = rand(8, 2, 16, dtype=jnp.bfloat16), rand(16, 12, dtype=jnp.bfloat16)
+    x = jax.device_put(x, NamedSharding(mesh, P("tp", "dp")))  # [seq, batch, features]
+    w = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+    with jax.set_mesh(mesh):
+        y = jax_ub.all_gather_matmul(x, w, "tp", impl="ub")
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    assert rel_err(y, want) < 1e-2

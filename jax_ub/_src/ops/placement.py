@@ -316,14 +316,18 @@ def global_call(
         widened = partly_manual and widening.apply(f, args, in_specs, axis_name, platform)
         if widened:
             (body, args), checked = widened, False
-        return jax.shard_map(
+        mapped = jax.shard_map(
             body,
             in_specs=specs_in,
             out_specs=specs_out,
             axis_names=axis_names,
             check_vma=checked,
             **kwargs,
-        )(*args)
+        )
+        # JAX runs an unchecked, partly manual shard_map only traced (eagerly it refuses
+        # out_specs over the automatic axes): the widened call is jitted, at once where a
+        # caller jits it already.
+        return (jax.jit(mapped) if widened else mapped)(*args)
 
     return call
 
