@@ -103,11 +103,15 @@ def summed_axes() -> tuple[str, ...]:
     where it checks vma: JAX then sums only over the axes the cotangent varies over."""
     if _check_vma():
         return ()
+    return tuple(sorted(a for a in manual_axes() if jax.lax.axis_size(a) > 1))
+
+
+def manual_axes() -> frozenset[str]:
+    """The mesh axes that are manual where the caller is being traced."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return ()
-    manual = (a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
-    return tuple(sorted(a for a in manual if jax.lax.axis_size(a) > 1))
+        return frozenset()
+    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
 
 
 def counted_once(value, axes: tuple[str, ...]):

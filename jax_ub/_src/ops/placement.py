@@ -24,17 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ub._src.lowering import device_probe
 from jax_ub._src.lowering.batch_layout import spec_axes
+from jax_ub._src.lowering.varying import manual_axes as manual_axes  # the ops and layers ask here
 from jax_ub._src.ops.cpu_16bit import INPUTS_DTYPE, Widening, is_spec
 from jax_ub._src.settings import checks
-
-
-def manual_axes() -> frozenset[str]:
-    """The mesh axes that are manual where the caller is being traced."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return frozenset()
-    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
-
 
 # --- the sequence dim --------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jax_ub._src.lowering.batch_layout import spec_axes
 from jax_ub._src.lowering.varying import varying_axes
 from jax_ub._src.settings.config import config
 
@@ -48,14 +49,11 @@ def _summed_over_explicit_axes(a, b):
             return None
         specs.append(tuple(sharding.spec) + (None,) * (t.ndim - len(sharding.spec)))
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-
-    def axes(entry):
-        return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
-
-    rows = set().union(*(axes(e) for spec in specs for e in spec[:-1]))
+    rows = {a for spec in specs for e in spec[:-1] for a in spec_axes(e)}
     if not rows & explicit:
         return None
-    return P(specs[0][-1], specs[1][-1] if not axes(specs[1][-1]) & axes(specs[0][-1]) else None)
+    clash = set(spec_axes(specs[1][-1])) & set(spec_axes(specs[0][-1]))
+    return P(specs[0][-1], None if clash else specs[1][-1])
 
 
 def weight_grad_with(dx, dw):
