@@ -212,6 +212,11 @@ std::vector<Step> ReduceScatterSteps(const Schedule& sched, const CallShape& c) 
     // previous rank is our GEMM's addend, and ours goes on to the next rank, on its lane;
     // the last step is our own block, written to `out`.
     const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    // We only ever wait for prev, yet our check reads every peer's descriptor: our pushes to
+    // next follow all our publishes, so each rank's last wait follows every other rank's
+    // first push, and with it every publish.
+    for (int d : sched.PushOrder())
+      if (d != next) steps.push_back(Join(next, d));
     for (int step = 0; step < size; ++step) {
       const int b = sched.ReduceScatterRingBlock(step), slot = sched.ReduceScatterRingSlot(b);
       for (int p = 0; p < num_pieces; ++p) {
