@@ -143,3 +143,38 @@ def test_calls_the_runtime_starts_out_of_order_pair_by_key(mesh1d, rand, tp, hel
         if held_rank == 0:
             # Rank 0's runtime started the held call first; it ran second there.
             assert order[-1] == _host.held_key(comm), (order, _host.held_key(comm))
+
+
+def test_a_peer_slower_than_half_the_timeout_still_pairs(mesh1d, rand):
+    """Rank 1's call of the leader's first key is held for 2/3 of the timeout while its other
+    call, of another op and shape, waits queued: it is still a valid program, so rank 1 waits
+    for the right call and the numbers are right; a rank may lag by up to the timeout."""
+    timeout = 3.0
+    jax_ub.finalize()  # one communicator on these devices: this test's
+    jax_ub.configure(timeout_s=timeout)
+    mesh = mesh1d(2)
+    m, k, n = 8, 32, 16
+    x, w, h, e = rand(2 * m, k), rand(k, 2 * n), rand(2 * m, 2 * k), rand(9, 64, 64)
+    w2 = rand(2 * k, n)
+
+    def run(impl):
+        def body(x, w, h, w2, e):
+            rest = [jnp.sin(e[i]) for i in range(len(e))]  # a dataflow-sized program
+            return AG(x, w, "tp", impl=impl), RS(h, w2, "tp", impl=impl), *rest
+
+        specs = (P("tp"), P(None, "tp"), P(None, "tp"), P("tp"), P())
+        return smap(body, mesh, specs, (P(None, "tp"), P("tp"), *[P()] * len(e)))
+
+    args = (x, w, h, w2, e)
+    ref, ub = run("xla")(*args), run("ub")
+    jax.block_until_ready(ub(*args))
+    comm, device = _comm_id(mesh), communicator._device_ordinal(mesh.devices.flat[1])
+    held_first = 0
+    for attempt in range(3):
+        _host.hold_next_call(comm, device, timeout * 2 / 3)
+        got = jax.block_until_ready(ub(*args))
+        for name, g, r in zip(("AG", "RS"), got, ref):
+            assert rel_err(g, r) < 1e-5, f"{name}, attempt {attempt}"
+        order = _host.leader_order(comm, communicator._device_ordinal(mesh.devices.flat[0]))
+        held_first += order[-2] == _host.held_key(comm)
+    assert held_first > 0, "rank 0 never ran rank 1's held call first: the test tested nothing"

@@ -196,9 +196,10 @@ def test_late_peer_does_not_hang(mesh1d, rand):
 @pytest.mark.parametrize("mismatch", ["op", "dtype", "k", "n"])
 def test_ranks_disagree_name_both_calls(mesh1d, rand, mismatch):
     """Ranks that run different calls (another op, dtype, k or n) get an error naming both
-    sides' calls (op, dtype, shape, call number), never a hang or a wrong result. The
-    branches' calls have different sites, so rank 1 runs its own once rank 0's has not come
-    for half the timeout."""
+    sides' calls (op, dtype, shape, call number) once the timeout passes, never a hang or a
+    wrong result. The branches' calls have different sites: rank 1 holds its own while it
+    waits for rank 0's, and rank 0's timeout names what rank 1 holds (or rank 1's, what rank 0
+    ran)."""
     jax_ub.configure(timeout_s=2.0)
     mesh = mesh1d(2)
     x, w = rand(2 * 4, 16), rand(16, 6 if mismatch == "n" else 8)
@@ -222,20 +223,12 @@ def test_ranks_disagree_name_both_calls(mesh1d, rand, mismatch):
         other = lambda x, w: jnp.pad(AG(x, w[:, :4], "tp", impl="ub"), ((0, 0), (0, 2)))  # noqa: E731
         mine = "all_gather_matmul(float32, rows=4, k=16, n=6, call #1)"
         theirs = "all_gather_matmul(float32, rows=4, k=16, n=4, call #1)"
-    msg, _ = _expect_failure(_two_branch(mesh, ag, other), x, w)
-    m = re.search(
-        r"ranks disagree on the call: rank (\d) runs (.*\)) but rank (\d) sent (.*\))", msg
-    )
-    assert m, msg
-    assert {m.group(1), m.group(3)} == {"0", "1"}, msg
-    assert {m.group(2), m.group(4)} == {mine, theirs}, msg
-    if mismatch == "n":
-        assert re.search(
-            r"ranks disagree on the call: rank "
-            r"\d runs all_gather_matmul\(float32, rows=4, k=16, n=\d.*but rank \d "
-            r"sent all_gather_matmul\(float32, rows=4, k=16, n=\d",
-            msg,
-        ), msg
+    msg, seconds = _expect_failure(_two_branch(mesh, ag, other), x, w)
+    leader = f"rank 1 holds {theirs} in place of this rank's {mine}"
+    other_side = f"rank 0 of the group ran {mine}, and this device's program did not make "
+    assert leader in msg or (other_side in msg and f"it made {theirs} in its place" in msg), msg
+    assert "the ranks run different branches or programs" in msg, msg
+    assert 2.0 * 0.9 < seconds < 2.0 + 3.0, seconds
 
 
 def test_call_count_mismatch_names_expected_and_observed(mesh1d, rand):

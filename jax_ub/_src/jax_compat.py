@@ -175,6 +175,13 @@ def lowering_needs_devices(prim) -> None:
     _dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
+def lowering_for_export(ctx) -> bool:
+    """Whether ``ctx`` lowers for ``jax.export`` (``LoweringParameters.for_export``, 0.9.2 to
+    0.12), whose programs run elsewhere: without this process's communicators."""
+    params = getattr(ctx.module_context, "lowering_parameters", None)
+    return bool(getattr(params, "for_export", False))
+
+
 def set_user_context_global(context, value) -> None:
     """The global value of ``context`` (a ``jax.make_user_context``), which keys JAX's
     trace caches. Public from JAX 0.10: ``context.set_global(value)``; 0.9 has no method

@@ -28,6 +28,9 @@ void HostCommunicator::CallAsync(int device, uint64_t key, OpKind op, const Call
         order.publish = [this, slot](uint64_t n, const CallKey& k) { PublishKey(slot, n, k); };
       } else {
         order.await_key = [this, slot](uint64_t n, CallKey* k) { return AwaitKey(slot, n, k); };
+        order.note_queued = [this, slot](uint64_t n, const CallDescriptor& d) {
+          NoteQueued(slot, n, d);
+        };
       }
       order.healthy = [this] { return Healthy(); };
       runners_[slot] = std::make_unique<OrderedRunner>(std::move(order), timeout_s_);
@@ -122,6 +125,14 @@ Status HostCommunicator::AwaitKey(int slot, uint64_t n, CallKey* key) {
               rank, group, timeout_s_, static_cast<unsigned long long>(n)));
     Backoff(spins);
   }
+}
+
+void HostCommunicator::NoteQueued(int slot, uint64_t n, const CallDescriptor& queued) {
+  SlotHeader* h = header(slot);
+  Store(&h->queued_n, 0);
+  std::atomic_thread_fence(std::memory_order_release);
+  h->queued_desc = queued;
+  Store(&h->queued_n, n);
 }
 
 Status HostCommunicator::LeaderOrder(int device, std::vector<uint64_t>* keys) const {

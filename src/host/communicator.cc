@@ -225,12 +225,25 @@ Status HostCommunicator::WaitFlag(const CallContext& ctx, const uint64_t* flag, 
     if (Clock::now() > deadline)
       return DeadlineExceeded(
           Fmt("%s: rank %d (group %d) timed out after %.1f s waiting for rank %d to %s for call "
-              "#%llu (flag holds #%llu); the peer never arrived, is stuck, or runs a different "
-              "program",
+              "#%llu (flag holds #%llu); %s",
               OpName(ctx.op), ctx.rank, ctx.group, timeout_s_, peer, what,
-              static_cast<unsigned long long>(target), static_cast<unsigned long long>(v)));
+              static_cast<unsigned long long>(target), static_cast<unsigned long long>(v),
+              QueuedInstead(ctx, peer).c_str()));
     Backoff(spins);
   }
+}
+
+std::string HostCommunicator::QueuedInstead(const CallContext& ctx, int peer) const {
+  const SlotHeader* h = header(ctx.peer_slot(peer));
+  const char* unknown = "the peer never arrived, is stuck, or runs a different program";
+  if (Load(&h->queued_n) != ctx.epoch) return unknown;
+  const CallDescriptor queued = h->queued_desc;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (Load(&h->queued_n) != ctx.epoch) return unknown;  // rewritten while read
+  return Fmt(
+      "rank %d holds %s in place of this rank's %s: the ranks run different branches or "
+      "programs",
+      peer, queued.ToString().c_str(), ctx.desc.ToString().c_str());
 }
 
 Status HostCommunicator::CheckDescriptor(const CallContext& ctx, int peer) {

@@ -56,6 +56,10 @@ struct alignas(64) SlotHeader {
   uint64_t order_n[kOrderLog];
   uint64_t order_key[kOrderLog];
   CallDescriptor order_desc[kOrderLog];
+  // What this rank holds queued in place of its leader's call #queued_n (OrderedRunner),
+  // for the leader's timeout to name; a seqlock as the order log.
+  uint64_t queued_n;
+  CallDescriptor queued_desc;
 };
 
 class HostCommunicator {
@@ -130,6 +134,10 @@ class HostCommunicator {
   // wait until the leader has (every other rank).
   void PublishKey(int slot, uint64_t n, const CallKey& key);
   Status AwaitKey(int slot, uint64_t n, CallKey* key);
+  // A waiting rank's note of the call it holds in place of the leader's #n (SlotHeader), and
+  // what a timeout waiting for `peer` says of it: the note for `ctx`'s call, or that none came.
+  void NoteQueued(int slot, uint64_t n, const CallDescriptor& queued);
+  std::string QueuedInstead(const CallContext& ctx, int peer) const;
   // Runs one call's steps (protocol/schedule.h); on an error, fails the group and returns it.
   Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,
                  const Operands& ops);

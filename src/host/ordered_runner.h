@@ -12,7 +12,7 @@
 // its first n - 1, so the same call on another rank becomes ready once those have run
 // there, and the runtime goes on starting ready calls while earlier ones are queued here.
 // Ranks that run different branches (a rank-dependent lax.cond) have calls of different
-// keys (Take).
+// keys: the leader's n-th never comes, and both sides time out naming both calls (Take).
 #pragma once
 
 #include <chrono>
@@ -42,10 +42,13 @@ class OrderedRunner {
   // before its n-th call runs); every other rank has `await_key`, which waits up to the
   // deadline for the leader's n-th key. `healthy` says why waiting is pointless (the
   // communicator is broken), checked while a rank waits for the leader's call to arrive.
+  // `note_queued` (optional) tells the group what a waiting rank holds in place of the
+  // leader's n-th call, for the leader's timeout to name.
   struct Order {
     std::function<void(uint64_t n, const CallKey& key)> publish;
     std::function<Status(uint64_t n, CallKey* key)> await_key;
     std::function<Status()> healthy;
+    std::function<void(uint64_t n, const CallDescriptor& queued)> note_queued;
   };
   // Runs the call, or reports `st` in its place when no order could be agreed.
   using Task = std::function<void(const Status& st)>;
@@ -92,11 +95,11 @@ class OrderedRunner {
   }
 
   // The call to run as the n-th: the leader's oldest; elsewhere the one with the key of
-  // the leader's n-th. Where none has come for half the timeout and the oldest queued call
-  // does something else, that one (the ranks run different branches or programs: its
-  // descriptor check names both calls). Never another call that does the same, which
-  // could pair the wrong data: that waits for the whole timeout, then fails. On an error,
-  // the oldest, to report it.
+  // the leader's n-th, however long it takes to come, up to the timeout: a rank may lag by
+  // that much, so no other call may run first (a call that does something else would fail
+  // the descriptor check of a valid program; one that does the same could pair the wrong
+  // data). Past the timeout the ranks run different branches or programs: the error names
+  // the leader's call and the oldest queued one. On an error, the oldest, to report it.
   Queued Take(uint64_t n, Status* st) {
     if (order_.publish) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -106,10 +109,11 @@ class OrderedRunner {
     }
     CallKey lead;
     *st = order_.await_key(n, &lead);
+    lead.desc.epoch = n;
     std::unique_lock<std::mutex> lock(mu_);
-    const auto now = std::chrono::steady_clock::now();
-    const auto give_up = now + std::chrono::duration<double>(timeout_s_ / 2);
-    const auto deadline = now + std::chrono::duration<double>(timeout_s_);
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+    bool noted = false;
     while (st->ok()) {
       for (auto it = queued_.begin(); it != queued_.end(); ++it) {
         if (it->key.key != lead.key) continue;
@@ -117,16 +121,17 @@ class OrderedRunner {
         queued_.erase(it);
         return q;
       }
-      const auto t = std::chrono::steady_clock::now();
-      if (t > give_up && !queued_.front().key.desc.SameCall(lead.desc)) break;
-      if (t > deadline) {
-        lead.desc.epoch = n;
-        *st = DeadlineExceeded(
-            "rank 0 of the group ran " + lead.desc.ToString() +
-            ", and this device's program did not make that call within " +
-            std::to_string(timeout_s_) + " s; the same op of the same shape that it made " +
-            "comes from another place in the program: the ranks run different branches or " +
-            "programs");
+      CallDescriptor front = queued_.front().key.desc;
+      front.epoch = n;
+      const bool other = !front.SameCall(lead.desc);
+      if (other && !noted && order_.note_queued) order_.note_queued(n, front);
+      noted = noted || other;
+      if (std::chrono::steady_clock::now() > deadline) {
+        *st = DeadlineExceeded("rank 0 of the group ran " + lead.desc.ToString() +
+                               ", and this device's program did not make that call within " +
+                               std::to_string(timeout_s_) + " s; it made " + front.ToString() +
+                               (other ? " in its place" : " from another place in the program") +
+                               ": the ranks run different branches or programs");
         break;
       }
       cv_.wait_for(lock, std::chrono::milliseconds(10));

@@ -215,7 +215,20 @@ def lowering_rule(
         needed = communicator.required_bytes(
             platform, op, chunk, params["axis_size"], also_gathers(ctx), rows, k
         )
-        comm = communicator.for_lowering(op, mesh, axis_name, platform, needed, params["fallback"])
+        if jax_compat.lowering_for_export(ctx):
+            # An exported program runs in another process, on devices it names then: it
+            # cannot carry this process's communicator. impl="auto" exports XLA's collectives.
+            if not params["fallback"]:
+                raise ValueError(
+                    f"{op}: impl='ub' cannot be exported (jax.export): its call runs on a "
+                    "communicator of this process's devices, which an exported program cannot "
+                    "carry; impl='auto' exports the same math on XLA's collectives"
+                )
+            comm = None
+        else:
+            comm = communicator.for_lowering(
+                op, mesh, axis_name, platform, needed, params["fallback"]
+            )
         if comm is None:
             lower = mlir.lower_fun(
                 functools.partial(unfused, **params), multiple_results=prim.multiple_results
