@@ -85,6 +85,34 @@ def test_precedence_keyword_over_config_over_defaults():
         given.impl = "nccl"
 
 
+@pytest.mark.parametrize("layer", ["ColumnParallelLinear", "ParallelGatedMLP"])
+def test_settings_the_params_were_made_for_stay(layer):
+    """fp8 into or out of delayed scaling (its amax histories are made with the params), the
+    history length under it, axis_name and param_dtype raise naming the setting and the
+    value built with; the rest (impl, current fp8) change, and the layer still runs."""
+    make = getattr(ubf, layer)
+    plain, delayed = (make(D, F, fp8=f, rngs=nnx.Rngs(0)) for f in (False, "delayed"))
+    for target, name, value, built in [
+        (plain, "fp8", "delayed", "False"),
+        (delayed, "fp8", False, "'delayed'"),
+        (delayed, "fp8", "current", "'delayed'"),
+        (delayed, "amax_history_length", 8, "16"),
+        (plain, "axis_name", "dp", "'tp'"),
+        (plain, "param_dtype", jnp.bfloat16, ".*float32.*"),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=f"{layer}: {name} is fixed once the layer is built "
+            f"\\(its params were made for {name}={built}\\)",
+        ):
+            setattr(target, name, value)
+    plain.fp8, plain.impl = "current", "xla"
+    assert plain.config.fp8 == "current" and plain.config.impl == "xla"
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    with jax.set_mesh(make_mesh((2, "tp"))):
+        assert jnp.all(jnp.isfinite(jnp.asarray(plain(x))))
+
+
 class NnxModel(nnx.Module):
     def __init__(self, rngs):
         self.attn = ubf.ParallelSelfAttention(D, HEADS, rngs=rngs)

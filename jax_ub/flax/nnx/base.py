@@ -135,9 +135,27 @@ def prepare_call(owner: nnx.Module, inputs: jax.Array, first=None, **checks) -> 
 
 class ConfigFields:
     """A layer's :class:`~jax_ub.flax.ParallelConfig` as ``config``, and its fields as
-    attributes: ``layer.impl = "xla"`` replaces the record by a checked copy."""
+    attributes: ``layer.impl = "xla"`` replaces the record by a checked copy. The settings
+    its params were made for (``axis_name``, ``param_dtype``; delayed fp8 and its history
+    length) stay as built: changing one raises a ValueError."""
 
     config: ParallelConfig
+
+
+def _check_unbuilt_change(owner: str, old: ParallelConfig, new: ParallelConfig) -> None:
+    """``old`` -> ``new`` changes none of the settings ``owner``'s params were made for."""
+    delayed = old.fp8_recipe == "delayed"
+    fixed = ["axis_name", "param_dtype"] + (["amax_history_length"] if delayed else [])
+    changed = [n for n in fixed if getattr(old, n) != getattr(new, n)]
+    if delayed != (new.fp8_recipe == "delayed"):
+        changed.append("fp8")  # delayed scaling's amax histories are made with the params
+    if changed:
+        name = changed[0]
+        raise ValueError(
+            f"{owner}: {name} is fixed once the layer is built (its params were made for "
+            f"{name}={getattr(old, name)!r}); build the layer with "
+            f"{name}={getattr(new, name)!r} instead"
+        )
 
 
 def _setting(name: str) -> property:
@@ -145,7 +163,10 @@ def _setting(name: str) -> property:
         return getattr(self.config, name)
 
     def set(self, value):
-        self.config = dataclasses.replace(self.config, owner=type(self).__name__, **{name: value})
+        owner = type(self).__name__
+        new = dataclasses.replace(self.config, owner=owner, **{name: value})
+        _check_unbuilt_change(owner, self.config, new)
+        self.config = new
 
     return property(get, set, doc=f"The layer's ``config.{name}``.")
 
