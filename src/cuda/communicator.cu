@@ -2,7 +2,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <map>
 
 #include "cuda/check.h"
 #include "cuda/communicator.h"
@@ -12,6 +11,8 @@
 #include "cuda/sum.h"
 #include "cuda/trace.h"
 #include "cuda/verify.h"
+#include "protocol/quiesce.h"
+#include "protocol/quiesce.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {
@@ -283,24 +284,16 @@ CudaCommunicator::~CudaCommunicator() {
 }
 
 bool CudaCommunicator::Quiesce() {
-  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
-  do {
-    if (broken_.broken()) return true;  // no more progress to wait for
-    // Idle: no call in flight, and within each group every local GPU has made as many
-    // calls (groups may make different numbers: a branch on the dp index).
-    bool idle = true;
-    std::map<int, uint64_t> calls_of_group;
+  return WaitUntilIdle(timeout_s_, broken_, [&] {
+    EvenCalls even;
     for (auto& sp : slots_) {
       if (!sp || !sp->local) continue;
-      const uint64_t e = sp->epoch.load();
-      if (calls_of_group.emplace(sp->group, e).first->second != e) idle = false;
+      even.Add(sp->group, sp->epoch.load());
       std::lock_guard<std::mutex> lock(sp->mu);
-      if (!sp->pending.empty()) idle = false;
+      if (!sp->pending.empty()) return false;
     }
-    if (idle) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  } while (Clock::now() < deadline);
-  return false;
+    return even.even();
+  });
 }
 
 }  // namespace jax_ub

@@ -11,12 +11,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <thread>
 
 #include "host/gemm.h"
 #include "host/shared_words.h"
 #include "protocol/buffer_layout.h"
+#include "protocol/quiesce.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {
@@ -123,24 +123,15 @@ Status HostCommunicator::Connect(const std::vector<std::string>& names) {
 }
 
 bool HostCommunicator::Quiesce() {
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
-  do {
-    // A broken communicator makes no more progress: nothing to wait for.
-    if (broken_.broken()) return true;
-    // Idle: no call queued or running, and within each group every local device has made
-    // as many calls (groups may make different numbers: a branch on the dp index).
-    bool idle = true;
-    std::map<int, uint64_t> calls_of_group;
-    for (int s = 0; s < topology_.num_slots() && idle; ++s) {
+  return WaitUntilIdle(timeout_s_, broken_, [&] {
+    EvenCalls even;
+    for (int s = 0; s < topology_.num_slots(); ++s) {
       if (!topology_.is_local(s)) continue;
-      const auto first = calls_of_group.emplace(topology_.group_of(s), epoch_[s].load()).first;
-      idle = in_flight_[s].load() == 0 && epoch_[s].load() == first->second;
+      if (in_flight_[s].load() != 0) return false;
+      even.Add(topology_.group_of(s), epoch_[s].load());
     }
-    if (idle) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  } while (std::chrono::steady_clock::now() < deadline);
-  return false;
+    return even.even();
+  });
 }
 
 void HostCommunicator::Unlink() {
