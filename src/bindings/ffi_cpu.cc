@@ -17,7 +17,10 @@ const ffi::TypeInfo CallCopy::info = ffi::MakeTypeInfo<CallCopy>();
 namespace {
 
 // Per site, how many copies XLA has instantiated in this process. Copies of one site are
-// instantiated in the order of the compiled schedule, the same in every process.
+// instantiated in the order of the compiled schedule, the same in every process. A site's
+// bits 32-47 are a checksum of its operand types (jax_ub/_src/lowering/call_site.py): they
+// keep the counts of programs that differ only in shapes apart, and stay out of the key.
+constexpr uint64_t kOperandTypeBits = uint64_t{0xFFFF} << 32;
 std::mutex copies_mu;
 std::unordered_map<uint64_t, uint64_t> copies_of_site;
 
@@ -29,7 +32,7 @@ ffi::ErrorOr<std::unique_ptr<CallCopy>> InstantiateCall(ffi::Dictionary attrs) {
   std::lock_guard<std::mutex> lock(copies_mu);
   const uint64_t copy = copies_of_site[static_cast<uint64_t>(*site)]++;
   // Copy 0 keeps the site itself; others differ by an odd multiple of a large constant.
-  state->key = static_cast<uint64_t>(*site) + copy * 0x9e3779b97f4a7c15ULL;
+  state->key = (static_cast<uint64_t>(*site) & ~kOperandTypeBits) + copy * 0x9e3779b97f4a7c15ULL;
   return state;
 }
 
