@@ -279,8 +279,10 @@ def test_invalid_env_vars_let_jax_ub_import_and_info_report_them():
     "kwargs,match",
     [
         (dict(reduce_scatter_fold_rows=True), r"reduce_scatter_fold_rows must be an integer"),
-        (dict(gemm_trials=-1), r"gemm_trials must be an integer >= 0, got -1"),
-        (dict(gemm_trials=2.5), r"gemm_trials must be an integer >= 0, got 2.5"),
+        (dict(gemm_trials=-1), r"gemm_trials must be an integer >= 0 \(below 2\*\*31\), got -1"),
+        (dict(gemm_trials=2.5), r"gemm_trials must be an integer >= 0 \(below 2\*\*31\), got 2.5"),
+        (dict(gemm_trials=1 << 31), r"gemm_trials must be .*, got 2147483648"),
+        (dict(reduce_scatter_fold_rows=1 << 63), r"reduce_scatter_fold_rows must be an integer"),
         (
             dict(gemm_order="rows"),
             r"gemm_order must be one of \('auto', 'column', 'row'\), got 'rows'",
@@ -321,7 +323,7 @@ def test_experimental_tuning_rejects_bad_values(kwargs, match):
             ((2, "tp"),),
             "tp",
             dict(buffer_bytes=-1),
-            r"buffer_bytes must be positive, got buffer_bytes=-1",
+            r"buffer_bytes must be >= 0, got -1",
         ),
     ],
     ids=["1-D mesh, axis dp", "2-D mesh, axis pp", "buffer_bytes=0", "buffer_bytes=-1"],

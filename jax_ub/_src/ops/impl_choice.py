@@ -16,6 +16,7 @@ where they cannot (:func:`falls_back_at_lowering`; ``communicator.for_lowering``
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -198,8 +199,9 @@ def explain_impl(
     """
     auto_rule.check_op(op)
     checks.check_impl(op, impl)
-    if isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1:
+    if not isinstance(axis_size, numbers.Integral) or isinstance(axis_size, bool) or axis_size < 1:
         raise ValueError(f"{op}: axis_size must be an integer >= 1, got {axis_size=}")
+    axis_size = int(axis_size)
     x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), jnp.dtype(dtype))
     checks.check_matmul_shapes(op, x, w)
@@ -208,6 +210,18 @@ def explain_impl(
             f"{op}: rows of x ({x.shape[0]}) are not divisible by the size of the axis "
             f"({axis_size=}); {x.shape=}"
         )
-    choice = choose_impl(op, impl, x, w, fp8, axis_size)
+    if op == "matmul_all_reduce" and (axis_size == 1 or x.shape[0] == 0):
+        # The op's route (matmul_all_reduce._route): nothing to sum, whatever the impl.
+        choice = ImplChoice("xla", "a group of one, or no rows, sums nothing: XLA's dot")
+    else:
+        choice = choose_impl(op, impl, x, w, fp8, axis_size)
+    if choice.impl == "none_ub":
+        keeps = op == "matmul_all_reduce"  # its bound keeps XLA's dot (_route)
+        choice = ImplChoice(
+            "none",
+            "impl='none' removes the communication (the bound), on "
+            + ("XLA's dot: matmul_all_reduce keeps it" if keeps else "jax_ub's GEMMs")
+            + " (bound_gemms='ub')",
+        )
     moved = auto_rule.comm_bytes(op, x_shape, w_shape, dtype, axis_size, fp8=fp8)
     return dataclasses.replace(choice, comm_bytes=moved)

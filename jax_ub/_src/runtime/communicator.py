@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jax_ub._src.runtime import bootstrap, cpu_runtime, extension
 from jax_ub._src.settings import checks
-from jax_ub._src.settings.config import config
+from jax_ub._src.settings.config import check_setting, config
 from jax_ub._src.settings.options import Options, current_options
 from jax_ub._src.settings.warn_registry import clear_warnings, warn_once
 
@@ -174,9 +174,10 @@ def get_communicator(
     (options.current_options), created or grown as needed.
 
     The buffer is `requested_bytes` (from initialize) or the config's `buffer_bytes` when
-    either is set, exactly; an op needing more grows it only with `allow_grow`. Otherwise
-    it is what the op needs, with a floor that spares a model's first few ops from each
-    growing it.
+    either is set, exactly, or the live communicator's where that is larger (a live one
+    with less is replaced: programs compiled on it keep it); an op needing more grows it
+    only with `allow_grow`. Otherwise it is what the op needs, with a floor that spares a
+    model's first few ops from each growing it.
     """
     devices = slot_devices(mesh, axis_name)
     group_size = mesh.shape[axis_name]
@@ -185,20 +186,15 @@ def get_communicator(
         if key in _unreachable:
             raise PeersUnreachable(_unreachable[key])
         comm = _live.get(key)
-        if comm is not None and comm.capacity_bytes >= needed_bytes:
-            return comm
-        if comm is not None and not config.allow_grow:
-            raise ValueError(
-                f"jax_ub: userbuffer too small for this op: it needs {needed_bytes} bytes per "
-                f"device, the communicator for axis {axis_name!r} has {comm.capacity_bytes}; "
-                "pass a larger buffer_bytes to jax_ub.initialize/configure or allow_grow=True"
-            )
         explicit = requested_bytes or config.buffer_bytes
-        if comm is None and explicit and needed_bytes > explicit and not config.allow_grow:
+        if comm is not None and comm.capacity_bytes >= max(needed_bytes, explicit):
+            return comm
+        has = max(explicit, comm.capacity_bytes if comm is not None else 0)
+        if has and needed_bytes > has and not config.allow_grow:
             raise ValueError(
                 f"jax_ub: userbuffer too small for this op: it needs {needed_bytes} bytes per "
-                f"device, buffer_bytes is {explicit}; pass a larger buffer_bytes to "
-                "jax_ub.initialize/configure or allow_grow=True"
+                f"device, the communicator for axis {axis_name!r} has {has}; pass a larger "
+                "buffer_bytes to jax_ub.initialize/configure or allow_grow=True"
             )
         if explicit:
             capacity = max(needed_bytes, explicit)  # larger only by allow_grow
@@ -207,7 +203,8 @@ def get_communicator(
         if comm is not None:
             # Programs compiled against the old buffer keep it until finalize().
             _retired.append(comm)
-            capacity = max(capacity, 2 * comm.capacity_bytes)
+            if needed_bytes > comm.capacity_bytes:  # grown: at least doubled
+                capacity = max(capacity, 2 * comm.capacity_bytes)
         try:
             _live[key] = _create(key, devices, capacity)
         except PeersUnreachable as e:
@@ -237,8 +234,11 @@ def initialize(
         jax_ub.initialize(mesh, "tp", buffer_bytes=512 << 20)
     """
     platform = extension.normalize_platform(platform or np.asarray(mesh.devices).flat[0].platform)
-    if buffer_bytes is not None and buffer_bytes <= 0:
-        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes=}")
+    if buffer_bytes is not None:
+        check_setting("buffer_bytes", buffer_bytes, "jax_ub.initialize(buffer_bytes=...)")
+        if buffer_bytes <= 0:
+            raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes=}")
+        buffer_bytes = int(buffer_bytes)
     return get_communicator(mesh, axis_name, platform, requested_bytes=buffer_bytes)
 
 

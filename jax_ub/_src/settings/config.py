@@ -47,6 +47,8 @@ def _check_buffer_bytes(value: object, source: str) -> None:
         raise ValueError(f"buffer_bytes must be an integer, got {value!r} ({source})")
     if value < 0:
         raise ValueError(f"buffer_bytes must be >= 0, got {value} ({source})")
+    if value >= 1 << 62:
+        raise ValueError(f"buffer_bytes must be below 2**62, got {value} ({source})")
 
 
 def _check_auto_min_bytes(value: object, source: str) -> None:
@@ -54,6 +56,8 @@ def _check_auto_min_bytes(value: object, source: str) -> None:
         raise ValueError(
             f"auto_min_bytes must be an integer number of bytes >= 0, got {value!r} ({source})"
         )
+    if value >= 1 << 62:
+        raise ValueError(f"auto_min_bytes must be below 2**62, got {value} ({source})")
 
 
 def _check_bool(name: str):
@@ -221,8 +225,18 @@ def export_trace_setting() -> None:
 
 
 # The settings read when a call is traced, not when a communicator is created
-# (options.traced_settings); part of the key of JAX's trace caches (trace_key).
+# (options.traced_settings).
 TRACE_TIME = ("auto_min_bytes", "keep_gathered", "bound_gemms")
+
+
+def _plain(value: object) -> object:
+    """A NumPy number as Python's own (``np.int64(1 << 20)`` -> ``1048576``): the settings
+    go to the communicators' C++ options as Python numbers."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 @dataclasses.dataclass
@@ -279,12 +293,18 @@ class Config:
         ``matmul_all_reduce`` keeps XLA's dot.
     """
 
-    # An environment variable's invalid text is kept as an InvalidSetting and raised here,
-    # when the setting is read, not when the Config is made (at import).
+    # A value set is checked as configure() checks it (an environment variable's invalid
+    # text is kept as an InvalidSetting, raised when the setting is read, not when the
+    # Config is made, at import). Every setting of jax_ub.config is part of the key of
+    # JAX's trace caches: a function traced before a change is traced again at its next
+    # call, and lowered on a communicator of the new settings.
     def __setattr__(self, name: str, value: object) -> None:
+        if name in _SETTINGS and type(value) is not InvalidSetting:
+            _SETTINGS[name][3](value, f"jax_ub.config.{name}")
+            value = _plain(value)
         object.__setattr__(self, name, value)
-        if name in TRACE_TIME:  # a function traced before the change is traced again
-            trace_key.set_global("config", tuple(self.__dict__.get(n) for n in TRACE_TIME))
+        if self is globals().get("config"):
+            _key_changed(self)
 
     def __getattribute__(self, name: str) -> object:
         value = object.__getattribute__(self, name)
@@ -322,7 +342,17 @@ class Config:
     bound_gemms: str = dataclasses.field(default_factory=lambda: _from_env("bound_gemms"))
 
 
+def check_setting(name: str, value: object, source: str) -> None:
+    """``value`` for setting ``name`` as ``configure`` checks it; the error names ``source``."""
+    _SETTINGS[name][3](value, source)
+
+
+def _key_changed(settings: Config) -> None:
+    trace_key.set_global("config", tuple(object.__getattribute__(settings, n) for n in _SETTINGS))
+
+
 config = Config()
+_key_changed(config)
 
 
 def gemm_cache_path(value: str) -> str:
@@ -347,13 +377,13 @@ def gemm_cache_path(value: str) -> str:
 def configure(**changes: object) -> Config:
     """Change settings for communicators created from now on; returns the new config.
 
-    Programs traced afterwards get a communicator made with the new values (a new one
-    where a setting it is created with changed, ``timeout_s``, ``allow_tf32`` or
-    ``gemm_cache``);
-    programs compiled before keep theirs until :func:`jax_ub.finalize`. ``auto_min_bytes``,
-    ``keep_gathered`` and ``bound_gemms`` are read when a call is traced: a function ``jit``
-    traced before the change is traced again at its next call (they are part of the key of
-    JAX's caches).
+    Every setting is part of the key of JAX's caches of traced functions: a function ``jit``
+    traced before the change is traced again at its next call, and gets a communicator made
+    with the new values (a new one where a setting it is created with changed,
+    ``timeout_s``, ``allow_tf32`` or ``gemm_cache``, or a larger ``buffer_bytes``); a
+    program compiled ahead of time (``.lower(...).compile()``) keeps its communicator until
+    :func:`jax_ub.finalize`. ``auto_min_bytes``, ``keep_gathered`` and ``bound_gemms`` are
+    read when a call is traced.
 
     Example::
 
@@ -369,13 +399,3 @@ def configure(**changes: object) -> Config:
     for name, value in changes.items():
         setattr(config, name, _plain(value))
     return config
-
-
-def _plain(value: object) -> object:
-    """A NumPy number as Python's own (``np.int64(1 << 20)`` -> ``1048576``): the settings
-    go to the communicators' C++ options as Python numbers."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    return value

@@ -172,11 +172,12 @@ class Tuning:
         if self.gemm_order not in _GEMM_ORDERS:
             raise ValueError(f"gemm_order must be one of {_GEMM_ORDERS}, got {self.gemm_order!r}")
         trials = self.gemm_trials
-        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
-            raise ValueError(f"gemm_trials must be an integer >= 0, got {trials!r}")
+        # The C++ options hold them as int and int64_t.
+        if isinstance(trials, bool) or not isinstance(trials, int) or not 0 <= trials < 1 << 31:
+            raise ValueError(f"gemm_trials must be an integer >= 0 (below 2**31), got {trials!r}")
         rows = self.reduce_scatter_fold_rows
-        if isinstance(rows, bool) or not isinstance(rows, int):
-            raise ValueError(f"reduce_scatter_fold_rows must be an integer, got {rows!r}")
+        if isinstance(rows, bool) or not isinstance(rows, int) or not -(1 << 63) <= rows < 1 << 63:
+            raise ValueError(f"reduce_scatter_fold_rows must be an integer (64-bit), got {rows!r}")
 
 
 _tuning = Tuning()
@@ -209,8 +210,9 @@ def restore_tuning(saved: Tuning) -> None:
 
 
 def _traced_tuning_changed() -> None:
-    """Functions traced with other trace-time tuning choices are traced again."""
-    trace_key.set_global("tuning", tuple(getattr(_tuning, name) for name in _TRACE_TIME))
+    """Functions traced with other tuning choices are traced again: the trace-time ones
+    shape the program, the rest the communicator its lowering takes."""
+    trace_key.set_global("tuning", dataclasses.astuple(_tuning))
 
 
 @contextlib.contextmanager
