@@ -102,7 +102,7 @@ def main() -> None:
         parser.error("--generate goes with the ub/xla comparison, not --fp8")
 
     cfg = llama.PRESETS[args.preset]
-    if args.layers:
+    if args.layers is not None:
         cfg = dataclasses.replace(cfg, layers=args.layers)
     devices = jax.devices()
     problem = llama.mesh_problem(cfg, args.tp, len(devices), args.batch)

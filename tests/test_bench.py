@@ -104,6 +104,13 @@ def test_bench_refuses_loop_seconds_across_processes():
         bench.main("--processes 2 --loop-seconds 1".split())
 
 
+@pytest.mark.parametrize("tp", [-1, -6, len(jax.devices()) + 1])
+def test_bench_refuses_a_tp_outside_the_devices(capsys, tp):
+    with pytest.raises(SystemExit):
+        bench.main(["--tp", str(tp)])
+    assert f"--tp must be between 1 and the {len(jax.devices())} devices" in capsys.readouterr().err
+
+
 def test_bench_measures_settings_variants_in_the_same_rounds(tmp_path):
     """--ub-variants adds jax_ub rows compiled under other settings, each checked against
     XLA like jax_ub's own row."""

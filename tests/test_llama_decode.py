@@ -112,3 +112,36 @@ def test_training_after_decoding_is_unchanged():
             losses.append([float(llama.train_step(model, optimizer, tokens)) for _ in range(2)])
     assert np.isfinite(losses).all(), losses
     np.testing.assert_array_equal(losses[0], losses[1])
+
+
+def test_what_the_model_cannot_hold_is_named():
+    """A cache too short for greedy_generate's steps (the jitted decode would give NaN
+    logits, argmax 0), a batch the cache cannot split over dp, a vocabulary tp does not
+    divide, and a sequence with no next token raise naming the sizes."""
+    mesh = make_mesh(*MESHES["dp2xtp2"])
+    with jax.set_mesh(mesh):
+        model = llama.Llama(CFG, impl="ub", rngs=nnx.Rngs(0))
+        prompt = jnp.zeros((BATCH, 4), jnp.int32) + 3
+        with pytest.raises(ValueError, match=r"max_length \(6\) must hold .* 4 \+ 6 = 10"):
+            llama.greedy_generate(model, prompt, 6, max_length=6)
+        with pytest.raises(ValueError, match=r"batch \(3\) must be a multiple of the mesh's dp"):
+            model.init_cache(3, 8)
+        with pytest.raises(ValueError, match=r"tp \(2\) must divide .* vocab=255"):
+            llama.Llama(dataclasses.replace(CFG, vocab=255), rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match=r"at least 2 tokens"):
+            llama.next_token_loss(model, prompt[:, :1])
+
+
+def test_eager_calls_equal_jitted_ones():
+    """The model outside jit (its embedding's partly manual shard_map is jitted inside):
+    the forward's logits, and a prefill then a token of decoding, as the jitted ones."""
+    mesh = make_mesh(*MESHES["dp2xtp2"])
+    tokens = jax.random.randint(jax.random.key(2), (BATCH, 8), 0, CFG.vocab)
+    with jax.set_mesh(mesh):
+        model = llama.Llama(CFG, impl="ub", rngs=nnx.Rngs(0))
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("dp", None)))
+        full = nnx.jit(lambda m, t: m(t))(model, tokens)
+        assert rel_err(model(tokens), full) < 1e-5
+        model.init_cache(BATCH, 8)
+        model.decode(tokens[:, :7])
+        assert rel_err(model.decode(tokens[:, 7:]), full[:, 7:]) < 1e-4

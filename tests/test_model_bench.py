@@ -71,10 +71,23 @@ def test_unknown_variant_is_named():
         model.main(["--variants", "jax_ub,nccl"])
 
 
-def test_processes_below_one_is_refused_before_anything_runs(capsys):
+@pytest.mark.parametrize(
+    "flag,value,least",
+    [
+        ("--processes", "0", 1),
+        ("--layers", "0", 1),
+        ("--steps", "0", 1),
+        ("--rounds", "0", 1),
+        ("--batch", "0", 1),
+        ("--seq", "1", 2),
+        ("--scan-unroll", "-1", 0),
+        ("--warmup", "x", 0),
+    ],
+)
+def test_counts_out_of_range_are_refused_before_anything_runs(capsys, flag, value, least):
     with pytest.raises(SystemExit):
-        model.main(["--processes", "0"])
-    assert "--processes: must be an integer >= 1, got '0'" in capsys.readouterr().err
+        model.main([flag, value])
+    assert f"{flag}: must be an integer >= {least}, got '{value}'" in capsys.readouterr().err
 
 
 def test_fp8_bound_runs_xlas_fp8_gemms_without_communication(tmp_path):

@@ -209,6 +209,8 @@ def main(argv=None) -> None:
         args.no_windowed_einsum = True  # its child process would not join the others
     lead = jax.process_index() == 0
     say = functools.partial(print, flush=True) if lead else (lambda *a, **k: None)
+    if not 0 <= args.tp <= len(jax.devices()):
+        ap.error(f"--tp must be between 1 and the {len(jax.devices())} devices, got {args.tp}")
     devices = jax.devices()[: args.tp or None]
     mesh = Mesh(np.array(devices), (AXIS,))
     tp = len(devices)

@@ -87,15 +87,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--scan-unroll",
-        type=int,
+        type=llama.count_arg(0),
         default=1,
         help="blocks per iteration of the scan over them (0: all, no loop; default 1)",
     )
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    ap.add_argument("--steps", type=int, default=5, help="steps timed per round and variant")
+    ap.add_argument("--rounds", type=_at_least_one, default=5, help="interleaved timing rounds")
+    ap.add_argument(
+        "--steps", type=_at_least_one, default=5, help="steps timed per round and variant"
+    )
     ap.add_argument(
         "--warmup",
-        type=int,
+        type=llama.count_arg(0),
         default=20,
         help="untimed steps per variant after its first (default 20: past the GEMM "
         "kernel trials of jax_ub's ops, a dozen calls of each shape, and a shape may run "
@@ -145,9 +147,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _at_least_one(text: str) -> int:
     """An integer >= 1 (argparse names a bad one)."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return int(text)
+    from jax_ub.models import llama
+
+    return llama.count_arg(1)(text)
 
 
 def _tuned(text: str) -> dict[str, dict]:
@@ -175,7 +177,7 @@ def _config(args):
     from jax_ub.models import llama
 
     cfg = llama.PRESETS[args.preset]
-    return dataclasses.replace(cfg, layers=args.layers) if args.layers else cfg
+    return cfg if args.layers is None else dataclasses.replace(cfg, layers=args.layers)
 
 
 def setup(args):

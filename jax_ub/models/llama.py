@@ -90,6 +90,21 @@ REMAT_POLICIES = {
 }
 
 
+def count_arg(least: int):
+    """An argparse type: an integer >= ``least`` (argparse names a bad one)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_shape_args(parser: argparse.ArgumentParser) -> None:
     """The model's and the run's shapes, as the training example and the benchmark take
     them: --preset, --layers, --seq, --batch, --tp, --remat."""
@@ -99,9 +114,11 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         help="the model's shapes (default: tiny, for CPU devices)",
     )
-    parser.add_argument("--layers", type=int, help="number of blocks (default: the preset's)")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
-    parser.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
+    parser.add_argument(
+        "--layers", type=count_arg(1), help="number of blocks (default: the preset's)"
+    )
+    parser.add_argument("--seq", type=count_arg(2), default=64, help="sequence length (default 64)")
+    parser.add_argument("--batch", type=count_arg(1), default=4, help="global batch (default 4)")
     parser.add_argument(
         "--tp", type=int, default=2, help="tensor-parallel size; dp = devices / tp (default 2)"
     )
@@ -197,12 +214,15 @@ class VocabParallelEmbed(nnx.Module):
             blocks = placement.to_rank_blocks(x, 1, jax.lax.axis_size(axis))
             return placement.from_rank_block(collectives.scatter_rows(blocks, axis), 1)
 
-        return jax.shard_map(
-            lookup,
-            in_specs=(P(axis, None), P()),
-            out_specs=P(None, axis, None) if sequence_parallel else P(),
-            axis_names={axis},
-            check_vma=False,
+        # Jitted: JAX runs a partly manual shard_map only traced (an eager call fails).
+        return jax.jit(
+            jax.shard_map(
+                lookup,
+                in_specs=(P(axis, None), P()),
+                out_specs=P(None, axis, None) if sequence_parallel else P(),
+                axis_names={axis},
+                check_vma=False,
+            )
         )(self.embedding[...], tokens)
 
 
@@ -271,6 +291,14 @@ class Llama(nnx.Module):
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        tp = jax.sharding.get_abstract_mesh().shape.get("tp", 1)
+        dims = dict(heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab)
+        split = [f"{name}={size}" for name, size in dims.items() if size % tp]
+        if split:
+            raise ValueError(
+                f"Llama: the mesh's tp ({tp}) must divide what the model splits over it; it "
+                f"does not divide {', '.join(split)}"
+            )
         self.embed = VocabParallelEmbed(
             cfg.vocab, cfg.hidden, impl=impl, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
@@ -305,7 +333,13 @@ class Llama(nnx.Module):
         where the mesh has it, as the tokens are; kv heads over ``tp``) and ``cache_index``
         ``[layers]``, scanned with the blocks like their params. ``dtype`` defaults to the
         attention's."""
-        dp = "dp" if "dp" in jax.sharding.get_abstract_mesh().axis_names else None
+        mesh = jax.sharding.get_abstract_mesh()
+        dp = "dp" if "dp" in mesh.axis_names else None
+        if dp and batch % mesh.shape[dp]:
+            raise ValueError(
+                f"Llama.init_cache: batch ({batch}) must be a multiple of the mesh's dp "
+                f"({mesh.shape[dp]}): the cache splits its sequences over dp, as the tokens"
+            )
 
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def init(b):
@@ -360,6 +394,12 @@ def greedy_generate(
     if steps < 0:
         raise ValueError(f"greedy_generate: steps must be >= 0, got {steps}")
     batch, length = prompt.shape
+    if max_length is not None and max_length < length + steps:
+        # The jitted decode cannot check its cache's room: the steps past it would be NaN.
+        raise ValueError(
+            f"greedy_generate: max_length ({max_length}) must hold the prompt and the steps: "
+            f"{length} + {steps} = {length + steps} tokens"
+        )
     model.init_cache(batch, length + steps if max_length is None else max_length)
     tokens = [prompt]
     if steps:
@@ -387,6 +427,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def next_token_loss(model: Llama, tokens: jax.Array) -> jax.Array:
     """Mean cross-entropy of each next token (the last position has none to predict)."""
+    if tokens.shape[1] < 2:
+        raise ValueError(
+            f"next_token_loss: a sequence needs at least 2 tokens to predict one, got "
+            f"{tokens.shape=}"
+        )
     targets = jnp.roll(tokens, -1, axis=1)
     losses = cross_entropy(model(tokens), targets)
     valid = jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1
