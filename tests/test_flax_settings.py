@@ -301,3 +301,25 @@ def test_tuning_reaches_layers_traced_before(rand):
     in_place = transposes()
     use_tuning(transpose_w_in_place=False)
     assert transposes() > in_place
+
+
+def test_gated_mlp_takes_a_partitioned_kernel_init():
+    """A kernel_init wrapped by with_partitioning (NNX, linen) or with_logical_partitioning
+    gives the gated block the params of the plain initializer (it names its kernels itself)."""
+    base = nn.initializers.lecun_normal()
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    with jax.set_mesh(make_mesh((2, "tp"))), nn.logical_axis_rules([("mlp", "tp")]):
+        plain = ubf.ParallelGatedMLP(D, F, kernel_init=base, rngs=nnx.Rngs(0))
+        boxed = ubf.ParallelGatedMLP(
+            D, F, kernel_init=nnx.with_partitioning(base, (None, "tp")), rngs=nnx.Rngs(0)
+        )
+        for name in ("gate_up", "down_proj"):
+            assert jnp.array_equal(getattr(plain, name)[...], getattr(boxed, name)[...]), name
+        want = ubf.linen.ParallelGatedMLP(F, kernel_init=base).init(jax.random.key(0), x)
+        for wrap in (nn.with_partitioning(base, (None, "tp")),
+                     nn.with_logical_partitioning(base, ("embed", "mlp"))):  # fmt: skip
+            got = ubf.linen.ParallelGatedMLP(F, kernel_init=wrap).init(jax.random.key(0), x)
+            for a, b in zip(
+                jax.tree.leaves(nn.meta.unbox(got)), jax.tree.leaves(nn.meta.unbox(want))
+            ):
+                assert jnp.array_equal(a, b)

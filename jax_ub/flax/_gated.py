@@ -28,6 +28,18 @@ from jax_ub.flax._projection import param_names
 from jax_ub.flax._settings import ParallelConfig
 
 
+def unboxed(value: Any) -> Any:
+    """An initializer's value out of the box flax's ``with_partitioning`` wrappers put it in
+    (linen's ``.value``, NNX's ``.raw_value``): the gated block names its kernels itself
+    (``kernel_axes``, else tensor-parallel names), whatever the initializer's box says."""
+    if isinstance(value, jax.Array):
+        return value
+    for attr in ("raw_value", "value"):
+        if hasattr(value, attr):
+            return getattr(value, attr)
+    return value
+
+
 def gated_kernel_names(owner: str, axis_name: str, other_axes: Any) -> dict[str, tuple]:
     """Sharding names of a gated MLP's ``gate_up`` kernel ``[in, 2, hidden]`` (hidden split
     over ``axis_name``, ``other_axes`` on ``in``) and its row-parallel ``down_proj``."""

@@ -163,7 +163,11 @@ class ParallelGatedMLP(_Block, SettingsModule):
             partitioning = nn.with_logical_partitioning
 
         def gate_up_init(key, shape, dtype):  # fan-in is k, not the 2 of [k, 2, hidden]
-            return self.kernel_init(key, (shape[0], 2 * shape[2]), dtype).reshape(shape)
+            flat = self.kernel_init(key, (shape[0], 2 * shape[2]), dtype)
+            return _gated.unboxed(flat).reshape(shape)
+
+        def down_init(key, shape, dtype):
+            return _gated.unboxed(self.kernel_init(key, shape, dtype))
 
         def param(name, init, shape):
             init = partitioning(init, names[name], mesh=config.mesh)
@@ -176,7 +180,7 @@ class ParallelGatedMLP(_Block, SettingsModule):
             return self.variable(OVERWRITE_WITH_GRADIENT, name, init).value
 
         gate_up = param("gate_up", gate_up_init, (k, 2, hidden))
-        down = param("down_proj", self.kernel_init, (hidden, out))
+        down = param("down_proj", down_init, (hidden, out))
         key = self.dropout_key(deterministic)
         rate = 0.0 if key is None else self.dropout_rate
         f = _gated.gated_mlp_call(config, self.activation, inputs.ndim, rate)

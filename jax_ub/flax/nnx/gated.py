@@ -110,8 +110,9 @@ class ParallelGatedMLP(ConfigFields, Dropping, nnx.Module):
         else:  # logical names, mapped by the user's logical_axis_rules
             names = _gated.logical_kernel_names(owner, kernel_axes, param_axes)
         gate_up = kernel_init(rngs.params(), (in_features, 2 * hidden_features), cfg.param_dtype)
-        gate_up = gate_up.reshape(in_features, 2, hidden_features)
+        gate_up = _gated.unboxed(gate_up).reshape(in_features, 2, hidden_features)
         down = kernel_init(rngs.params(), (hidden_features, out_features), cfg.param_dtype)
+        down = _gated.unboxed(down)
         self.gate_up = sharded_param(gate_up, names["gate_up"], cfg.mesh)
         self.down_proj = sharded_param(down, names["down_proj"], cfg.mesh)
         histories = (name for p in _gated.HISTORY_NAMES.values() for name in p.values())
