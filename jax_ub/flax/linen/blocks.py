@@ -21,6 +21,7 @@ from jax_ub.flax.linen.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SettingsModule,
+    local_or_param,
 )
 
 
@@ -171,7 +172,7 @@ class ParallelGatedMLP(_Block, SettingsModule):
 
         def param(name, init, shape):
             init = partitioning(init, names[name], mesh=config.mesh)
-            return self.param(name, init, shape, config.param_dtype)
+            return local_or_param(self, config.axis_name, name, init, shape, config.param_dtype)
 
         def history(name):
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).

@@ -203,10 +203,11 @@ class _ParallelLinear(Biased):
 
         kernel_init = init(self.kernel_init, our["kernel"], shape.n_in)
         dtype = config.param_dtype
-        params = {"kernel": self.param("kernel", kernel_init, shape.kernel_shape, dtype)}
+        param = functools.partial(local_or_param, self, config.axis_name, dtype=dtype)
+        params = {"kernel": param("kernel", kernel_init, shape.kernel_shape)}
         if self.use_bias:
             bias_init = init(self.bias_init, our["bias"], 0)
-            params["bias"] = self.param("bias", bias_init, shape.features, dtype)
+            params["bias"] = param("bias", bias_init, shape.features)
         if config.fp8_recipe == "delayed":
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
             zeros = lambda: jnp.zeros((config.amax_history_length,), jnp.float32)  # noqa: E731
@@ -220,6 +221,20 @@ class _ParallelLinear(Biased):
         """``inputs`` contracted with ``kernel``, plus ``bias``: ``[..., *in]`` ->
         ``[..., *features]``."""
         return project(inputs, self)
+
+
+def local_or_param(
+    module: nn.Module, axis_name: str, name: str, init: Any, shape: Any, dtype: Any
+) -> jax.Array:
+    """``module.param(name, init, shape, dtype)`` (``shape`` global); inside a user's
+    shard_map over ``axis_name`` the param as given, its local shard, which flax's param()
+    would refuse for not having the global shape (the ops check the shapes they get)."""
+    if axis_name in placement.manual_axes() and module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if isinstance(value, meta.Partitioned):  # no sharding constraint on a manual axis
+            return value.unbox(apply_constraint=False)
+        return value
+    return module.param(name, init, shape, dtype)
 
 
 @functools.lru_cache(maxsize=64)
