@@ -58,6 +58,18 @@ def test_one_gpu_step_runs_jax_ubs_own_gemms(tmp_path):
     assert abs(ub - xla) <= 1e-5 * abs(xla), (ub, xla)
 
 
+@pytest.mark.parametrize("wrong", [3.1, float("nan")])
+def test_a_variant_whose_loss_differs_from_xlas_ends_the_run(wrong):
+    """Every variant but the bounds (wrong numbers by design) must have XLA's first loss."""
+    args = type("Args", (), {"dtype": "float32", "fp8": "none"})()
+    rows = {v: {"first_loss": 3.0} for v in ("xla", "jax_ub", "xla_overlap")}
+    rows["bound"] = {"first_loss": 9.0}
+    model._check_losses(rows, args, lambda *a: None)
+    rows["jax_ub_keep"] = {"first_loss": wrong}
+    with pytest.raises(SystemExit, match="differ from XLA's.*jax_ub_keep"):
+        model._check_losses(rows, args, lambda *a: None)
+
+
 def test_a_variant_that_times_the_wrong_thing_is_refused():
     mesh = type("Mesh", (), {"shape": {"dp": 8, "tp": 1}})()
     with pytest.raises(SystemExit, match=r"variant jax_ub: the compiled step has no jax_ub call"):
