@@ -5,17 +5,17 @@ history per tensor in the model state, pass ``delayed_scale(history)`` for each,
 the gradient the op returns for each scale (this step's amax) with
 ``update_amax_history``::
 
-    def loss(params, hist, x):
-        scales = jax_ub.Fp8Scales(
-            x=fp8.delayed_scale(hist["x"]), w=fp8.delayed_scale(hist["w"]),
-            grad=fp8.delayed_scale(hist["grad"], fp8.E5M2))
+    def loss(params, scales, x):
         y = jax_ub.all_gather_matmul(x, params["w"], "tp", fp8=scales)
         return jnp.sum(y ** 2)
 
-    g_params, g_scales = jax.grad(loss, argnums=(0, 1))(params, hist, x)  # inside shard_map
+    scales = jax_ub.Fp8Scales(  # inside shard_map
+        x=fp8.delayed_scale(hist["x"]), w=fp8.delayed_scale(hist["w"]),
+        grad=fp8.delayed_scale(hist["grad"], fp8.E5M2))
+    g_params, g_scales = jax.grad(loss, argnums=(0, 1))(params, scales, x)
     hist = {k: fp8.update_amax_history(hist[k], getattr(g_scales, k)) for k in hist}
 
-(there ``loss`` would take the scales as an argument; see ``tests/test_fp8.py``).
+(as ``tests/test_fp8.py`` does).
 An operand may also come already quantized, ``float8_e4m3fn`` with its scale given, e.g.
 weights stored in fp8 for serving (the op then quantizes only ``x``)::
 

@@ -48,23 +48,27 @@ def test_linen_defaults_impl_reaches_a_function_traced_before(rand):
     assert rel_err(y_ub, y_xla) < 1e-5
 
 
-def test_configure_retraces_on_trace_time_settings_only(rand):
-    """``auto_min_bytes`` and ``keep_gathered`` are read when a call is traced: changing
-    one traces a jitted function again; ``timeout_s`` (read when a communicator is
-    created) does not."""
+def test_configure_retraces_on_every_change_only(rand):
+    """Every setting keys the trace caches: changing one (read when a call is traced, as
+    ``auto_min_bytes`` and ``keep_gathered``, or when a communicator is created, as
+    ``timeout_s``, which a program's lowering picks) traces a jitted function again; setting
+    a value it already has does not."""
     x = rand(8, 16)
     traces = []
     f = jax.jit(lambda x: traces.append(1) or jnp.sin(x))
     f(x)
-    jax_ub.configure(timeout_s=jax_ub.config.timeout_s + 1)
+    jax_ub.configure(timeout_s=jax_ub.config.timeout_s)
     f(x)
     assert len(traces) == 1
-    jax_ub.configure(auto_min_bytes=jax_ub.config.auto_min_bytes + 1)
-    f(x)
-    assert len(traces) == 2
-    jax_ub.configure(keep_gathered=not jax_ub.config.keep_gathered)
-    f(x)
-    assert len(traces) == 3
+    changes = [
+        ("timeout_s", jax_ub.config.timeout_s + 1),
+        ("auto_min_bytes", jax_ub.config.auto_min_bytes + 1),
+        ("keep_gathered", not jax_ub.config.keep_gathered),
+    ]
+    for i, (name, value) in enumerate(changes):
+        jax_ub.configure(**{name: value})
+        f(x)
+        assert len(traces) == 2 + i, name
 
 
 def test_setting_the_tuning_it_has_keeps_every_trace():

@@ -52,7 +52,8 @@ def matmul_all_reduce(
       bias: ``[n]``, the same on every rank, added once to the sum.
       impl: ``"ub"``, ``"xla"`` (XLA's dot then its all-reduce) or ``"auto"``: ub where its
         rows split evenly over the axis and the rule of ``jax_ub.explain_impl`` says it
-        pays (on GPUs: an all-reduce of at least ``config.auto_min_bytes`` per rank), else
+        pays (on GPUs: an all-reduce of at least 6 x ``config.auto_min_bytes`` per rank, 48
+        MiB by default), else
         XLA's; ``"none"``: the local product, unsummed.
       seq_axis: the dim of ``x`` whose rows ub splits over the axis for its reduce-scatter:
         0 for ``[seq, batch, ..., k]``, 1 for batch-major ``[batch, seq, ..., k]`` (the

@@ -189,12 +189,18 @@ def get_communicator(
         explicit = requested_bytes or config.buffer_bytes
         if comm is not None and comm.capacity_bytes >= max(needed_bytes, explicit):
             return comm
-        has = max(explicit, comm.capacity_bytes if comm is not None else 0)
+        live = comm.capacity_bytes if comm is not None else 0
+        has = max(explicit, live)
         if has and needed_bytes > has and not config.allow_grow:
+            where = (
+                f"buffer_bytes is {explicit}"
+                if explicit >= live
+                else f"the communicator for axis {axis_name!r} has {live}"
+            )
             raise ValueError(
                 f"jax_ub: userbuffer too small for this op: it needs {needed_bytes} bytes per "
-                f"device, the communicator for axis {axis_name!r} has {has}; pass a larger "
-                "buffer_bytes to jax_ub.initialize/configure or allow_grow=True"
+                f"device, {where}; pass a larger buffer_bytes to jax_ub.initialize/configure "
+                "or allow_grow=True"
             )
         if explicit:
             capacity = max(needed_bytes, explicit)  # larger only by allow_grow

@@ -262,7 +262,8 @@ class Config:
         ``JAX_UB_ALLOW_GROW``, default on).
       allow_tf32: let float32 GEMMs on GPUs use TF32 tensor cores (default off).
       auto_min_bytes: on GPUs, ``impl="auto"`` runs the userbuffer op only for calls whose
-        collective moves at least this many bytes per rank, XLA's unfused op below (env
+        collective moves at least this many bytes per rank (6x for ``matmul_all_reduce``),
+        XLA's unfused op below (env
         ``JAX_UB_AUTO_MIN_BYTES``, default 8 MiB, calibrated on 2x H200; the rule and its
         calibration: ``jax_ub._src.settings.auto_rule``, :func:`jax_ub.explain_impl`). CPU devices
         and ``impl="ub"`` ignore it. Every process of a group needs the same value.
