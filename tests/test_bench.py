@@ -104,6 +104,13 @@ def test_bench_refuses_loop_seconds_across_processes():
         bench.main("--processes 2 --loop-seconds 1".split())
 
 
+def test_bench_refuses_an_epilogue_without_the_all_gather(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--ops", "rs", "--epilogue"])
+    err = capsys.readouterr().err
+    assert "--epilogue adds the all-gather's (ag) rows: --ops rs has none" in err
+
+
 @pytest.mark.parametrize("tp", [-1, -6, len(jax.devices()) + 1])
 def test_bench_refuses_a_tp_outside_the_devices(capsys, tp):
     with pytest.raises(SystemExit):

@@ -195,6 +195,8 @@ def main(argv=None) -> None:
         ap.error(f"--ops takes {', '.join(BUILDERS)}, got {sorted(unknown_ops)}")
     if "ar" in args.ops.split(",") and (args.fp8 or args.epilogue):
         ap.error("--ops ar has no --fp8 or --epilogue rows")
+    if args.epilogue and "ag" not in args.ops.split(","):
+        ap.error(f"--epilogue adds the all-gather's (ag) rows: --ops {args.ops} has none")
     if args.windowed_einsum_child:
         shapes = _shapes(ap, args, 1, False)
         _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
