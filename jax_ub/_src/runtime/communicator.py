@@ -194,7 +194,7 @@ def get_communicator(
         if has and needed_bytes > has and not config.allow_grow:
             where = (
                 f"buffer_bytes is {explicit}"
-                if explicit >= live
+                if explicit > live
                 else f"the communicator for axis {axis_name!r} has {live}"
             )
             raise ValueError(
