@@ -54,3 +54,16 @@ def test_ub_names_the_remedy(mesh1d, rand, op):
     x, w = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs))
     with pytest.raises(ValueError, match=r"impl='ub' cannot be exported.*impl='auto'"):
         jax.export.export(f)(x, w)
+
+
+@pytest.mark.parametrize("platforms", [("cuda",), ("cpu", "cuda")])
+def test_auto_exports_for_other_platforms(mesh1d, rand, platforms):
+    """For a platform this process may not have (a GPU target from a CPU host) and for
+    several at once: the reference, with no jax_ub call."""
+    mesh = mesh1d(TP)
+    f, specs = _loss_and_grads("ag", mesh, "auto")
+    x, w = op_operands(rand, "ag", TP, 4, 16, 8)
+    x, w = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs))
+    exported = jax.export.export(f, platforms=platforms)(x, w)
+    assert exported.platforms == platforms
+    assert "custom_call @jax_ub" not in exported.mlir_module()

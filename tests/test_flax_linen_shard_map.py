@@ -34,3 +34,16 @@ def test_linen_layers_on_local_shards(case):
         want = jax.jit(jax.value_and_grad(loss(layer.apply), argnums=(0, 1)))(variables, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.shape == b.shape and rel_err(a, b) < 1e-5, case
+
+
+def test_a_whole_kernel_on_local_shards_is_named():
+    """The kernel given whole (in_specs P()) where the layer runs on local shards: an error
+    naming the local shape it needs, not a product of the wrong width."""
+    layer, mesh = ul.ColumnParallelLinear(32), make_mesh((2, "tp"))
+    x = jax.random.normal(jax.random.key(1), X)
+    with jax.set_mesh(mesh):
+        variables = nn.meta.unbox(layer.init(jax.random.key(0), x))
+        f = jax.shard_map(layer.apply, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P("tp"))
+        want = r"kernel is the local shard \(16, 16\).*got \(16, 32\)"
+        with pytest.raises(ValueError, match=want):
+            jax.jit(f)(variables, x)

@@ -106,6 +106,8 @@ def test_settings_the_params_were_made_for_stay(layer):
             f"\\(its params were made for {name}={built}\\)",
         ):
             setattr(target, name, value)
+    plain.param_dtype = jnp.float32  # the dtype built with, however named
+    plain.param_dtype = "float32"
     plain.fp8, plain.impl = "current", "xla"
     assert plain.config.fp8 == "current" and plain.config.impl == "xla"
     x = jax.random.normal(jax.random.key(1), (8, D))

@@ -100,6 +100,23 @@ def test_initialize_with_a_larger_buffer_replaces_the_live_one(mesh1d, rand):
     assert jax_ub.initialize(mesh, "tp", buffer_bytes=1 << 20) is comm  # a smaller one keeps it
 
 
+def test_initializes_size_stands_beside_the_configs(mesh1d, rand):
+    """initialize(buffer_bytes=1 MiB) under configure(buffer_bytes=8 MiB): the ops that fit
+    run on that communicator (no second buffer); a later configure() of another size asks
+    again."""
+    jax_ub.finalize()
+    mesh = mesh1d(2)
+    jax_ub.configure(buffer_bytes=8 << 20)
+    comm = jax_ub.initialize(mesh, "tp", buffer_bytes=1 << 20)
+    x, w = rand(16, 8), rand(8, 16)
+    assert rel_err(jax.jit(_ag(mesh))(x, w), x @ w) < 1e-5
+    assert communicator.all_communicators() == [comm] and comm.capacity_bytes == 1 << 20
+    jax_ub.configure(buffer_bytes=4 << 20)
+    assert rel_err(jax.jit(_ag(mesh))(x, w), x @ w) < 1e-5
+    (live,) = communicator.live_communicators()
+    assert live.capacity_bytes == 4 << 20
+
+
 @pytest.mark.parametrize("impl", ["ub", "auto", "none"])
 def test_explain_impl_follows_the_all_reduces_route(impl, mesh1d, rand):
     """A group of one, or no rows: XLA's dot whatever the impl, as the op runs it (checked in

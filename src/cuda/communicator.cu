@@ -12,7 +12,6 @@
 #include "cuda/trace.h"
 #include "cuda/verify.h"
 #include "protocol/quiesce.h"
-#include "protocol/quiesce.h"
 #include "protocol/schedule.h"
 
 namespace jax_ub {

@@ -28,7 +28,7 @@ void HostCommunicator::CallAsync(int device, uint64_t key, OpKind op, const Call
         order.publish = [this, slot](uint64_t n, const CallKey& k) { PublishKey(slot, n, k); };
       } else {
         order.await_key = [this, slot](uint64_t n, CallKey* k) { return AwaitKey(slot, n, k); };
-        order.note_queued = [this, slot](uint64_t n, const CallDescriptor& d) {
+        order.note_queued = [this, slot](uint64_t n, const CallDescriptor* d) {
           NoteQueued(slot, n, d);
         };
       }
@@ -127,11 +127,12 @@ Status HostCommunicator::AwaitKey(int slot, uint64_t n, CallKey* key) {
   }
 }
 
-void HostCommunicator::NoteQueued(int slot, uint64_t n, const CallDescriptor& queued) {
+void HostCommunicator::NoteQueued(int slot, uint64_t n, const CallDescriptor* queued) {
   SlotHeader* h = header(slot);
   Store(&h->queued_n, 0);
+  if (queued == nullptr) return;  // withdrawn
   std::atomic_thread_fence(std::memory_order_release);
-  h->queued_desc = queued;
+  h->queued_desc = *queued;
   Store(&h->queued_n, n);
 }
 

@@ -22,7 +22,7 @@
 namespace jax_ub {
 namespace {
 
-constexpr uint64_t kMagic = 0x6a61785f75622e32ULL;  // "jax_ub.2": SlotHeader's layout
+constexpr uint64_t kMagic = 0x6a61785f75622e33ULL;  // "jax_ub.3": SlotHeader's layout
 
 }  // namespace
 

@@ -134,9 +134,10 @@ class HostCommunicator {
   // wait until the leader has (every other rank).
   void PublishKey(int slot, uint64_t n, const CallKey& key);
   Status AwaitKey(int slot, uint64_t n, CallKey* key);
-  // A waiting rank's note of the call it holds in place of the leader's #n (SlotHeader), and
+  // A waiting rank's note of the call it holds in place of the leader's #n (SlotHeader;
+  // nullptr withdraws it), and
   // what a timeout waiting for `peer` says of it: the note for `ctx`'s call, or that none came.
-  void NoteQueued(int slot, uint64_t n, const CallDescriptor& queued);
+  void NoteQueued(int slot, uint64_t n, const CallDescriptor* queued);
   std::string QueuedInstead(const CallContext& ctx, int peer) const;
   // Runs one call's steps (protocol/schedule.h); on an error, fails the group and returns it.
   Status Execute(const CallContext& ctx, const std::vector<Step>& steps, const CallShape& shape,

@@ -48,7 +48,8 @@ class OrderedRunner {
     std::function<void(uint64_t n, const CallKey& key)> publish;
     std::function<Status(uint64_t n, CallKey* key)> await_key;
     std::function<Status()> healthy;
-    std::function<void(uint64_t n, const CallDescriptor& queued)> note_queued;
+    // (nullptr: the call came after all; the note is withdrawn).
+    std::function<void(uint64_t n, const CallDescriptor* queued)> note_queued;
   };
   // Runs the call, or reports `st` in its place when no order could be agreed.
   using Task = std::function<void(const Status& st)>;
@@ -119,13 +120,16 @@ class OrderedRunner {
         if (it->key.key != lead.key) continue;
         Queued q = std::move(*it);
         queued_.erase(it);
+        if (noted) order_.note_queued(n, nullptr);
         return q;
       }
       CallDescriptor front = queued_.front().key.desc;
       front.epoch = n;
       const bool other = !front.SameCall(lead.desc);
-      if (other && !noted && order_.note_queued) order_.note_queued(n, front);
-      noted = noted || other;
+      if (other && !noted && order_.note_queued) {
+        order_.note_queued(n, &front);
+        noted = true;
+      }
       if (std::chrono::steady_clock::now() > deadline) {
         *st = DeadlineExceeded("rank 0 of the group ran " + lead.desc.ToString() +
                                ", and this device's program did not make that call within " +

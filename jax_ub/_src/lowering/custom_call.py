@@ -200,7 +200,24 @@ def lowering_rule(
     split over the automatic axes; `attrs` names the params the custom call gets besides
     comm_id and transpose_w."""
 
+    def unfused_rule(ctx, *operands, **params):
+        lower = mlir.lower_fun(
+            functools.partial(unfused, **params), multiple_results=prim.multiple_results
+        )
+        return lower(ctx, *operands)
+
     def rule(ctx, *operands, **params):
+        if jax_compat.lowering_for_export(ctx):
+            # An exported program runs in another process, on devices (and platforms) it
+            # names then: it cannot carry this process's communicator. impl="auto" exports
+            # XLA's collectives.
+            if not params["fallback"]:
+                raise ValueError(
+                    f"{op}: impl='ub' cannot be exported (jax.export): its call runs on a "
+                    "communicator of this process's devices, which an exported program cannot "
+                    "carry; impl='auto' exports the same math on XLA's collectives"
+                )
+            return unfused_rule(ctx, *operands, **params)
         axis_name = params["axis_name"]
         mesh, manual = _mesh_and_manual_axes(ctx, axis_name)
         if set(mesh.axis_names) - manual:
@@ -215,25 +232,9 @@ def lowering_rule(
         needed = communicator.required_bytes(
             platform, op, chunk, params["axis_size"], also_gathers(ctx), rows, k
         )
-        if jax_compat.lowering_for_export(ctx):
-            # An exported program runs in another process, on devices it names then: it
-            # cannot carry this process's communicator. impl="auto" exports XLA's collectives.
-            if not params["fallback"]:
-                raise ValueError(
-                    f"{op}: impl='ub' cannot be exported (jax.export): its call runs on a "
-                    "communicator of this process's devices, which an exported program cannot "
-                    "carry; impl='auto' exports the same math on XLA's collectives"
-                )
-            comm = None
-        else:
-            comm = communicator.for_lowering(
-                op, mesh, axis_name, platform, needed, params["fallback"]
-            )
+        comm = communicator.for_lowering(op, mesh, axis_name, platform, needed, params["fallback"])
         if comm is None:
-            lower = mlir.lower_fun(
-                functools.partial(unfused, **params), multiple_results=prim.multiple_results
-            )
-            return lower(ctx, *operands)
+            return unfused_rule(ctx, *operands, **params)
         extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
         if platform == "cpu":
             extension.register_cpu_handlers()

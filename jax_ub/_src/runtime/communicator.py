@@ -65,6 +65,8 @@ class Communicator:
 _lock = threading.RLock()
 _live: dict[_Key, Communicator] = {}
 _retired: list[Communicator] = []  # outgrown, still referenced by compiled programs
+# The config's buffer_bytes when each live communicator was made: a later change asks again.
+_made_under: dict[_Key, int] = {}
 # Groups found unable to share memory, with the reason: asked again, every process answers
 # alike without another bootstrap round. Cleared by finalize().
 _unreachable: dict[_Key, str] = {}
@@ -174,10 +176,11 @@ def get_communicator(
     (options.current_options), created or grown as needed.
 
     The buffer is `requested_bytes` (from initialize) or the config's `buffer_bytes` when
-    either is set, exactly, or the live communicator's where that is larger (a live one
-    with less is replaced: programs compiled on it keep it); an op needing more grows it
-    only with `allow_grow`. Otherwise it is what the op needs, with a floor that spares a
-    model's first few ops from each growing it.
+    either is set, exactly, or the live communicator's where that is larger. A live one
+    with less is replaced where initialize asks for more, or where the config's
+    `buffer_bytes` changed since it was made (programs compiled on it keep it); an op
+    needing more grows it only with `allow_grow`. Otherwise it is what the op needs, with a
+    floor that spares a model's first few ops from each growing it.
     """
     devices = slot_devices(mesh, axis_name)
     group_size = mesh.shape[axis_name]
@@ -187,14 +190,19 @@ def get_communicator(
             raise PeersUnreachable(_unreachable[key])
         comm = _live.get(key)
         explicit = requested_bytes or config.buffer_bytes
-        if comm is not None and comm.capacity_bytes >= max(needed_bytes, explicit):
+        # The size asked for now: initialize's; else the config's, unless it is what the live
+        # communicator was made under (initialize may have asked for another size then).
+        asked = explicit
+        if not requested_bytes and comm is not None and _made_under.get(key) == explicit:
+            asked = 0
+        if comm is not None and comm.capacity_bytes >= max(needed_bytes, asked):
             return comm
         live = comm.capacity_bytes if comm is not None else 0
-        has = max(explicit, live)
+        has = max(asked, live)
         if has and needed_bytes > has and not config.allow_grow:
             where = (
-                f"buffer_bytes is {explicit}"
-                if explicit > live
+                f"buffer_bytes is {asked}"
+                if asked > live
                 else f"the communicator for axis {axis_name!r} has {live}"
             )
             raise ValueError(
@@ -213,6 +221,7 @@ def get_communicator(
                 capacity = max(capacity, 2 * comm.capacity_bytes)
         try:
             _live[key] = _create(key, devices, capacity)
+            _made_under[key] = config.buffer_bytes
         except PeersUnreachable as e:
             _unreachable[key] = str(e)
             raise
@@ -267,6 +276,7 @@ def take_all() -> list[Communicator]:
     with _lock:
         comms = list(_live.values()) + _retired
         _live.clear()
+        _made_under.clear()
         _retired.clear()
         _unreachable.clear()
     clear_warnings()

@@ -170,9 +170,13 @@ class ParallelGatedMLP(_Block, SettingsModule):
         def down_init(key, shape, dtype):
             return _gated.unboxed(self.kernel_init(key, shape, dtype))
 
+        split = {"gate_up": 2, "down_proj": 0}  # the hidden dim, over the axis
+
         def param(name, init, shape):
             init = partitioning(init, names[name], mesh=config.mesh)
-            return local_or_param(self, config.axis_name, name, init, shape, config.param_dtype)
+            return local_or_param(
+                self, config.axis_name, name, init, shape, config.param_dtype, split[name]
+            )
 
         def history(name):
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).

@@ -204,10 +204,11 @@ class _ParallelLinear(Biased):
         kernel_init = init(self.kernel_init, our["kernel"], shape.n_in)
         dtype = config.param_dtype
         param = functools.partial(local_or_param, self, config.axis_name, dtype=dtype)
-        params = {"kernel": param("kernel", kernel_init, shape.kernel_shape)}
+        params = {"kernel": param("kernel", kernel_init, shape.kernel_shape, split=shape.split)}
         if self.use_bias:
             bias_init = init(self.bias_init, our["bias"], 0)
-            params["bias"] = param("bias", bias_init, shape.features)
+            split = shape.split - shape.n_in if shape.kind == "column" else None
+            params["bias"] = param("bias", bias_init, shape.features, split=split)
         if config.fp8_recipe == "delayed":
             # Zeros: scale 1 until the first step records its amaxes (as flax's fp8 ops).
             zeros = lambda: jnp.zeros((config.amax_history_length,), jnp.float32)  # noqa: E731
@@ -224,17 +225,34 @@ class _ParallelLinear(Biased):
 
 
 def local_or_param(
-    module: nn.Module, axis_name: str, name: str, init: Any, shape: Any, dtype: Any
+    module: nn.Module,
+    axis_name: str,
+    name: str,
+    init: Any,
+    shape: Sequence[int],
+    dtype: Any,
+    split: int | None,
 ) -> jax.Array:
-    """``module.param(name, init, shape, dtype)`` (``shape`` global); inside a user's
-    shard_map over ``axis_name`` the param as given, its local shard, which flax's param()
-    would refuse for not having the global shape (the ops check the shapes they get)."""
-    if axis_name in placement.manual_axes() and module.has_variable("params", name):
-        value = module.get_variable("params", name)
-        if isinstance(value, meta.Partitioned):  # no sharding constraint on a manual axis
-            return value.unbox(apply_constraint=False)
-        return value
-    return module.param(name, init, shape, dtype)
+    """``module.param(name, init, shape, dtype)`` (``shape`` global, dim ``split`` split over
+    ``axis_name``, or None); inside a user's shard_map over ``axis_name`` the param as given,
+    checked to be its local shard there (flax's param() would refuse it for not having the
+    global shape)."""
+    if axis_name not in placement.manual_axes() or not module.has_variable("params", name):
+        return module.param(name, init, shape, dtype)
+    value = module.get_variable("params", name)
+    if isinstance(value, meta.Partitioned):  # no sharding constraint on a manual axis
+        value = value.unbox(apply_constraint=False)
+    local = list(shape)
+    if split is not None:
+        local[split] //= jax.lax.axis_size(axis_name)
+    if tuple(value.shape) != tuple(local):
+        raise ValueError(
+            f"{type(module).__name__}: inside a shard_map over {axis_name!r} its {name} is "
+            f"the local shard {tuple(local)} (the whole {tuple(shape)} split over the axis), "
+            f"got {tuple(value.shape)}; give the shard_map the params' partition specs "
+            "(nn.get_partition_spec)"
+        )
+    return value
 
 
 @functools.lru_cache(maxsize=64)

@@ -5,6 +5,7 @@ histories, the checks of a call, and dropout."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable
 from typing import Any, TypedDict
 
@@ -146,7 +147,8 @@ def _check_unbuilt_change(owner: str, old: ParallelConfig, new: ParallelConfig) 
     """``old`` -> ``new`` changes none of the settings ``owner``'s params were made for."""
     delayed = old.fp8_recipe == "delayed"
     fixed = ["axis_name", "param_dtype"] + (["amax_history_length"] if delayed else [])
-    changed = [n for n in fixed if getattr(old, n) != getattr(new, n)]
+    same = {"param_dtype": lambda a, b: jnp.dtype(a) == jnp.dtype(b)}  # np.float32 is "float32"
+    changed = [n for n in fixed if not same.get(n, operator.eq)(getattr(old, n), getattr(new, n))]
     if delayed != (new.fp8_recipe == "delayed"):
         changed.append("fp8")  # delayed scaling's amax histories are made with the params
     if changed:
