@@ -51,12 +51,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ub.models import llama
+from jax_ub.models import llama, llama_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    llama.add_shape_args(parser)
+    llama_args.add_shape_args(parser)
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument(
         "--dtype",
@@ -105,7 +105,7 @@ def main() -> None:
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, layers=args.layers)
     devices = jax.devices()
-    problem = llama.mesh_problem(cfg, args.tp, len(devices), args.batch)
+    problem = llama_args.mesh_problem(cfg, args.tp, len(devices), args.batch)
     if problem:
         parser.error(problem)
     dp = len(devices) // args.tp

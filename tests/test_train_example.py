@@ -150,11 +150,11 @@ def test_llama_example_names_a_mesh_it_cannot_run(tp, devices, batch, match):
     JAX error (an IndexError, an IndivisibleError)."""
     import re
 
-    from jax_ub.models import llama
+    from jax_ub.models import llama, llama_args
 
-    problem = llama.mesh_problem(llama.PRESETS["tiny"], tp, devices, batch)
+    problem = llama_args.mesh_problem(llama.PRESETS["tiny"], tp, devices, batch)
     assert problem is not None and re.search(match, problem), problem
-    assert llama.mesh_problem(llama.PRESETS["tiny"], 2, 4, 4) is None
+    assert llama_args.mesh_problem(llama.PRESETS["tiny"], 2, 4, 4) is None
 
 
 def test_tp_transformer_example_names_a_mesh_it_cannot_run(example):

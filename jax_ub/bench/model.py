@@ -52,10 +52,10 @@ OVERLAP_FLAGS = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jax_ub.models import llama
+    from jax_ub.models import llama_args
 
     ap = argparse.ArgumentParser(prog="python -m jax_ub.bench.model", description=DESCRIPTION)
-    llama.add_shape_args(ap)
+    llama_args.add_shape_args(ap)
     ap.add_argument(
         "--dtype",
         default="bfloat16",
@@ -88,17 +88,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--scan-unroll",
-        type=llama.count_arg(0),
+        type=llama_args.count_arg(0),
         default=1,
         help="blocks per iteration of the scan over them (0: all, no loop; default 1)",
     )
-    ap.add_argument("--rounds", type=_at_least_one, default=5, help="interleaved timing rounds")
+    at_least_one = llama_args.count_arg(1)
+    ap.add_argument("--rounds", type=at_least_one, default=5, help="interleaved timing rounds")
     ap.add_argument(
-        "--steps", type=_at_least_one, default=5, help="steps timed per round and variant"
+        "--steps", type=at_least_one, default=5, help="steps timed per round and variant"
     )
     ap.add_argument(
         "--warmup",
-        type=llama.count_arg(0),
+        type=llama_args.count_arg(0),
         default=20,
         help="untimed steps per variant after its first (default 20: past the GEMM "
         "kernel trials of jax_ub's ops, a dozen calls of each shape, and a shape may run "
@@ -135,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--processes",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="time the variants but xla_overlap in this many fresh processes in turn, each "
         "its own rounds; report each one's times and ratios, and per variant the median "
@@ -144,13 +145,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # variants (JSON), in a process of their own
     return ap
-
-
-def _at_least_one(text: str) -> int:
-    """An integer >= 1 (argparse names a bad one)."""
-    from jax_ub.models import llama
-
-    return llama.count_arg(1)(text)
 
 
 def _tuned(text: str) -> dict[str, dict]:
@@ -188,11 +182,11 @@ def setup(args):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ub.models import llama
+    from jax_ub.models import llama_args
 
     cfg = _config(args)
     devices = jax.devices()
-    problem = llama.mesh_problem(cfg, args.tp, len(devices), args.batch)
+    problem = llama_args.mesh_problem(cfg, args.tp, len(devices), args.batch)
     if problem:
         raise SystemExit(problem)
     dp = len(devices) // args.tp

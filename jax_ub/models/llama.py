@@ -30,9 +30,7 @@ split); the blocks' projections stay tensor-parallel.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -90,64 +88,10 @@ REMAT_POLICIES = {
 }
 
 
-def count_arg(least: int):
-    """An argparse type: an integer >= ``least`` (argparse names a bad one)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < least:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
-        return value
-
-    return parse
-
-
-def add_shape_args(parser: argparse.ArgumentParser) -> None:
-    """The model's and the run's shapes, as the training example and the benchmark take
-    them: --preset, --layers, --seq, --batch, --tp, --remat."""
-    parser.add_argument(
-        "--preset",
-        default="tiny",
-        choices=sorted(PRESETS),
-        help="the model's shapes (default: tiny, for CPU devices)",
-    )
-    parser.add_argument(
-        "--layers", type=count_arg(1), help="number of blocks (default: the preset's)"
-    )
-    parser.add_argument("--seq", type=count_arg(2), default=64, help="sequence length (default 64)")
-    parser.add_argument("--batch", type=count_arg(1), default=4, help="global batch (default 4)")
-    parser.add_argument(
-        "--tp", type=int, default=2, help="tensor-parallel size; dp = devices / tp (default 2)"
-    )
-    parser.add_argument(
-        "--remat",
-        default="dots",
-        choices=sorted(REMAT_POLICIES),
-        help="rematerialization policy of each block (default: dots)",
-    )
-
-
-def mesh_problem(cfg: LlamaConfig, tp: int, devices: int, batch: int) -> str | None:
-    """Why a ``(dp, tp)`` mesh of ``devices // tp`` x ``tp`` devices cannot run ``cfg`` on
-    a ``batch``, or None: ``tp`` must be between 1 and ``devices`` and divide the heads,
-    the key/value heads, the MLP's hidden units and the vocabulary (each split over tp),
-    and ``dp`` the batch."""
-    if not 1 <= tp <= devices:
-        return f"--tp {tp}: the tensor-parallel size must be between 1 and the {devices} devices"
-    dims = dict(heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab)
-    split = [f"{name} {size}" for name, size in dims.items() if size % tp]
-    if split:
-        return (
-            f"--tp {tp} must divide what the model splits over tp; it does not divide "
-            f"{', '.join(split)} (try a divisor of {math.gcd(*dims.values())})"
-        )
-    dp = devices // tp
-    if batch % dp:
-        return f"--batch {batch} must be a multiple of dp = {devices} devices // --tp {tp} = {dp}"
-    return None
+def split_dims(cfg: LlamaConfig) -> dict[str, int]:
+    """What the model splits over tp: the heads, key/value heads, the MLP's hidden units and
+    the vocabulary, by name."""
+    return dict(heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab)
 
 
 class RMSNorm(nnx.Module):
@@ -292,8 +236,7 @@ class Llama(nnx.Module):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         tp = jax.sharding.get_abstract_mesh().shape.get("tp", 1)
-        dims = dict(heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab)
-        split = [f"{name}={size}" for name, size in dims.items() if size % tp]
+        split = [f"{name}={size}" for name, size in split_dims(cfg).items() if size % tp]
         if split:
             raise ValueError(
                 f"Llama: the mesh's tp ({tp}) must divide what the model splits over it; it "

@@ -154,6 +154,12 @@ def falls_back_at_lowering(impl: str) -> bool:
     return impl == "auto"
 
 
+def all_reduce_sums_nothing(size: int, rows: int) -> bool:
+    """matmul_all_reduce on a group of one, or on no rows (an empty sequence), sums
+    nothing: it runs XLA's dot whatever the impl (its route, and explain_impl)."""
+    return size == 1 or rows == 0
+
+
 def explain_impl(
     op: str,
     x_shape: Sequence[int],
@@ -210,8 +216,7 @@ def explain_impl(
             f"{op}: rows of x ({x.shape[0]}) are not divisible by the size of the axis "
             f"({axis_size=}); {x.shape=}"
         )
-    if op == "matmul_all_reduce" and (axis_size == 1 or x.shape[0] == 0):
-        # The op's route (matmul_all_reduce._route): nothing to sum, whatever the impl.
+    if op == "matmul_all_reduce" and all_reduce_sums_nothing(axis_size, x.shape[0]):
         choice = ImplChoice("xla", "a group of one, or no rows, sums nothing: XLA's dot")
     else:
         choice = choose_impl(op, impl, x, w, fp8, axis_size)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_ub._src import jax_compat
 from jax_ub._src.lowering.unfused import matmul_all_reduce_reference, reduce_scatter_rows
 from jax_ub._src.lowering.varying import match_varying, typed_invariant, varying_axes
-from jax_ub._src.ops import driver, placement
+from jax_ub._src.ops import driver, impl_choice, placement
 from jax_ub._src.ops.argument_checks import check_arguments
 from jax_ub._src.ops.group import Group
 from jax_ub._src.ops.path import Bodies, Path
@@ -87,7 +87,7 @@ def _route(call: driver.Call, x, w, extra: driver.Extra) -> tuple[Path, ...]:
     of one sums nothing, nor do no rows (an empty sequence): XLA's dot, whatever the impl;
     so does the bound on jax_ub's GEMMs (its ub body's all-gather is XLA's)."""
     s = call.seq_axis
-    if call.size == 1 or x.shape[s] == 0:
+    if impl_choice.all_reduce_sums_nothing(call.size, x.shape[s]):
         return (Path.XLA,)
     rows = jax.ShapeDtypeStruct((x.shape[s], *x.shape[:s], *x.shape[s + 1 :]), x.dtype)
     path = call.choose(rows, w)

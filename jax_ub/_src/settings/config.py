@@ -301,7 +301,7 @@ class Config:
     # call, and lowered on a communicator of the new settings.
     def __setattr__(self, name: str, value: object) -> None:
         if name in _SETTINGS and type(value) is not InvalidSetting:
-            _SETTINGS[name][3](value, f"jax_ub.config.{name}")
+            check_setting(name, value, f"jax_ub.config.{name}")
             value = _plain(value)
         object.__setattr__(self, name, value)
         if self is globals().get("config"):
@@ -396,7 +396,7 @@ def configure(**changes: object) -> Config:
         raise ValueError(f"unknown jax_ub setting {names}; known: {list(_SETTINGS)}")
     # Validate the whole change before applying any of it.
     for name, value in changes.items():
-        _SETTINGS[name][3](value, f"jax_ub.configure({name}=...)")
+        check_setting(name, value, f"jax_ub.configure({name}=...)")
     for name, value in changes.items():
-        setattr(config, name, _plain(value))
+        setattr(config, name, value)  # as plain Python numbers (Config.__setattr__)
     return config
