@@ -82,30 +82,18 @@ ranks_work() {
   done | sort -rn -k1,1
 }
 
-mode_ranks() {
-  local set=quick
-  case ${1:-} in quick | all) set=$1; shift ;; esac
-  RANKS_ARGS=("$@")
-  if [ -n "${RANKS_FILES:-}" ]; then read -ra RANKS_SPECS <<< "$RANKS_FILES"
-  elif [ "$set" = all ]; then read -ra RANKS_SPECS <<< "${RANKS_ALL//$'\n'/ }"; else read -ra RANKS_SPECS <<< "$RANKS_QUICK"; fi
-  local -a ranks once=()
-  read -ra ranks <<< "${RANKS:-4}"
-  RANKS_ONCE_SPECS=()
-  if [ "$set" = all ] && [ -z "${RANKS_FILES:-}" ]; then read -ra RANKS_ONCE_SPECS <<< "$RANKS_ONCE"; once=(0); fi
-  local lanes=${RANKS_PARALLEL:-1} gpus secs n file k lane i
-  [[ $lanes =~ ^[1-9][0-9]*$ ]] || { echo "RANKS_PARALLEL must be a count of lanes, got '$lanes'"; exit 2; }
-  # The GPUs the lanes share: RANKS_GPUS (e.g. "1"), else every GPU nvidia-smi lists.
-  local -a gpu_ids
-  if [ -n "${RANKS_GPUS:-}" ]; then read -ra gpu_ids <<< "$RANKS_GPUS"
-  else read -ra gpu_ids <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader 2> /dev/null | tr '\n' ' ')"; fi
-  [ ${#gpu_ids[@]} -ge 1 ] || gpu_ids=(0)
-  gpus=${#gpu_ids[@]}
-  # The heavy files' items to lane 0; then each other item to the lane with the least work
-  # so far, longest first; lane L shares GPU L % gpus of that list. Each GPU's ranks in all
-  # (its lanes' largest N summed) size their memory shares (tests/_ranks.py).
-  local -a load=() items=() most=() on_gpu=() lane_pids=()
+# What a rank of the N-ranks mode holds on its GPU, about (MiB; RANKS_RANK_MIB): 3 lanes of
+# N = 8 (24 ranks) ran an H100's 80 GB out of memory, 4 lanes (32) fit an H200's 141 GB.
+RANK_GPU_MIB=${RANKS_RANK_MIB:-3700}
+
+# plan_lanes LANES GPUS: the items of ranks_work dealt over LANES lanes (the heavy files'
+# items to lane 0, one after another; then each other item, longest first, to the lane
+# with the least work so far). Sets load, items, most (each lane's largest N) and on_gpu
+# (the ranks on each GPU at once: its lanes' largest N summed; lane L shares GPU L % GPUS).
+plan_lanes() {
+  local lanes=$1 gpus=$2 lane i pass heavy secs n file k
+  load=() items=() most=() on_gpu=()
   for ((lane = 0; lane < lanes; lane++)); do load[lane]=0; items[lane]=""; most[lane]=0; done
-  local heavy pass
   for pass in heavy rest; do
     while read -r secs n file k; do
       [[ " $RANKS_HEAVY " == *" $file "* ]] && heavy=heavy || heavy=rest
@@ -122,6 +110,52 @@ mode_ranks() {
   for ((lane = 0; lane < lanes; lane++)); do
     on_gpu[lane % gpus]=$((${on_gpu[lane % gpus]:-0} + most[lane]))
   done
+}
+
+# lanes_fit GPUS: whether every GPU's ranks at once (on_gpu) fit 0.85 of its memory at
+# RANK_GPU_MIB each; GPU_MIB: each GPU's memory (RANKS_GPU_MIB, else nvidia-smi's; unknown
+# fits).
+lanes_fit() {
+  local g mib
+  for ((g = 0; g < $1; g++)); do
+    mib=${RANKS_GPU_MIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits \
+      -i "${gpu_ids[g]}" 2> /dev/null | head -n 1)}
+    GPU_MIB[g]=$mib
+    [[ $mib =~ ^[0-9]+$ ]] || continue
+    [ $((${on_gpu[g]:-0} * RANK_GPU_MIB * 100)) -le $((mib * 85)) ] || return 1
+  done
+  return 0
+}
+
+mode_ranks() {
+  local set=quick
+  case ${1:-} in quick | all) set=$1; shift ;; esac
+  RANKS_ARGS=("$@")
+  if [ -n "${RANKS_FILES:-}" ]; then read -ra RANKS_SPECS <<< "$RANKS_FILES"
+  elif [ "$set" = all ]; then read -ra RANKS_SPECS <<< "${RANKS_ALL//$'\n'/ }"; else read -ra RANKS_SPECS <<< "$RANKS_QUICK"; fi
+  local -a ranks once=()
+  read -ra ranks <<< "${RANKS:-4}"
+  RANKS_ONCE_SPECS=()
+  if [ "$set" = all ] && [ -z "${RANKS_FILES:-}" ]; then read -ra RANKS_ONCE_SPECS <<< "$RANKS_ONCE"; once=(0); fi
+  local lanes=${RANKS_PARALLEL:-1} gpus secs n file k lane i
+  local -a load=() items=() most=() on_gpu=() GPU_MIB=()
+  [[ $lanes =~ ^[1-9][0-9]*$ ]] || { echo "RANKS_PARALLEL must be a count of lanes, got '$lanes'"; exit 2; }
+  # The GPUs the lanes share: RANKS_GPUS (e.g. "1"), else every GPU nvidia-smi lists.
+  local -a gpu_ids
+  if [ -n "${RANKS_GPUS:-}" ]; then read -ra gpu_ids <<< "$RANKS_GPUS"
+  else read -ra gpu_ids <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader 2> /dev/null | tr '\n' ' ')"; fi
+  [ ${#gpu_ids[@]} -ge 1 ] || gpu_ids=(0)
+  gpus=${#gpu_ids[@]}
+  plan_lanes "$lanes" "$gpus"
+  # Fewer lanes where the ranks they put on a GPU at once would not fit its memory.
+  local wanted=$lanes
+  while [ "$lanes" -gt 1 ] && ! lanes_fit "$gpus"; do
+    lanes=$((lanes - 1))
+    plan_lanes "$lanes" "$gpus"
+  done
+  [ "$lanes" -lt "$wanted" ] && echo "RANKS_PARALLEL=$wanted: $lanes lane(s), so that each of" \
+    "the ${on_gpu[0]} ranks on a GPU at once has about $RANK_GPU_MIB MiB of its ${GPU_MIB[0]}" \
+    "(0.85 of it in all; RANKS_RANK_MIB)"
   # One MPS daemon for every lane's ranks (tests/_ranks.py start_mps; none where the machine
   # has none, or JAX_UB_TEST_RANKS_MPS=0), so that their kernels run side by side instead of
   # taking turns on the GPU; RANKS_ONCE's processes run without it.

@@ -382,6 +382,24 @@ try:
 
             extension._host = DiesOnConnect(extension._host)
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
+    elif scenario == "create_fails":
+        # The last process cannot create its userbuffers (its GPU out of memory, say): the
+        # others must fail at once with its reason, not wait out the timeout for its handles.
+        if pid == nproc - 1:
+            from jax_ub._src.runtime import extension
+
+            class FailsToCreate:
+                def __init__(self, module):
+                    self._module = module
+
+                def __getattr__(self, name):
+                    return getattr(self._module, name)
+
+                def create_communicator(self, *args, **kwargs):
+                    raise RuntimeError("cudaMalloc failed: out of memory (simulated)")
+
+            extension._host = FailsToCreate(extension._host)
+        result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario == "different_hosts":
         # The group spans "hosts": impl="auto" runs on XLA's collectives with one warning,
         # impl="ub" fails naming the devices and hosts.

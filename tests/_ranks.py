@@ -64,12 +64,13 @@ GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
 # e.g. N = 8, 4 and 2 side by side); default: this group's N.
 ON_GPU_ENV = "JAX_UB_TEST_RANKS_ON_GPU"
 GPU_MEMORY_SHARE = 0.85  # of the GPU's memory, for the XLA pools of every rank on it together
-# The least share a rank's pool gets however many share the GPU: a rank of test_gpu.py's
-# largest case holds about 5 GiB (its global arrays fetched whole); a share of 0.85/22 of an
-# H200 (5.4 GiB) ran it out of memory. Above 16 ranks the caps add up to more than the GPU:
-# device_run.sh runs the heavy files' items one after another (RANKS_HEAVY), and the other
-# files' pools stay small.
-MIN_SHARE = GPU_MEMORY_SHARE / 16
+# The least a rank's pool may grow to however many share the GPU (MiB): a rank of
+# test_gpu.py's largest case holds about 5 GiB (its global arrays fetched whole); a pool of
+# 5.4 GiB (0.85/22 of an H200) ran it out of memory, 7.6 GiB did not. Above 0.85 of the
+# GPU in all the caps overlap: device_run.sh runs the heavy files' items one after another
+# (RANKS_HEAVY) and puts no more ranks on a GPU than fit at about 3.7 GiB each.
+MIN_POOL_MIB = 7 * 1024
+GPU_MIB_ENV = "JAX_UB_TEST_RANKS_GPU_MIB"  # the shared GPU's memory, found once by the launcher
 # How long a rank waits at a fetch for the others.
 FETCH_TIMEOUT_MS = int(os.environ.get("JAX_UB_TEST_RANKS_FETCH_TIMEOUT_MS", "120000"))
 
@@ -113,7 +114,9 @@ def prepare_environment() -> None:
     # GPU, with room left for the userbuffers and the CUDA contexts, so that one rank's
     # large test cannot starve the others of memory (a later allocation anywhere on the
     # GPU would fail, or a rank's GPU not start at all).
-    share = max(GPU_MEMORY_SHARE / ranks_on_gpu(), MIN_SHARE)
+    mib = gpu_memory_mib()
+    least = MIN_POOL_MIB / mib if mib else GPU_MEMORY_SHARE / 16
+    share = min(max(GPU_MEMORY_SHARE / ranks_on_gpu(), least), GPU_MEMORY_SHARE)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
 
 
@@ -282,7 +285,11 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
     previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         mps = start_mps(tempfile.mkdtemp(prefix="jax-ub-ranks-mps-"))
-        return _run_ranks(ranks, args, logs, cwd, {FETCH_DIR_ENV: fetch_dir, **mps})
+        extra = {FETCH_DIR_ENV: fetch_dir, **mps}
+        mib = gpu_memory_mib()
+        if mib:  # found once here, not by every rank
+            extra[GPU_MIB_ENV] = str(mib)
+        return _run_ranks(ranks, args, logs, cwd, extra)
     finally:
         for i in range(ranks):
             shutil.rmtree(_compile_cache(os.getpid(), i), ignore_errors=True)
@@ -394,6 +401,22 @@ def _mps_env(folder: str) -> dict[str, str]:
         "CUDA_MPS_PIPE_DIRECTORY": os.path.join(folder, "pipe"),
         "CUDA_MPS_LOG_DIRECTORY": os.path.join(folder, "log"),
     }
+
+
+def gpu_memory_mib() -> int | None:
+    """The shared GPU's memory in MiB (``JAX_UB_TEST_RANKS_GPU_MIB``, else nvidia-smi's;
+    None where neither says)."""
+    if os.environ.get(GPU_MIB_ENV):
+        return int(os.environ[GPU_MIB_ENV])
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        listed = subprocess.run(
+            [*query, "-i", str(shared_gpu())], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = listed.stdout.strip().splitlines()[:1]
+    return int(first[0]) if listed.returncode == 0 and first and first[0].isdigit() else None
 
 
 def has_gpu() -> bool:

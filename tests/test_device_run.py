@@ -63,13 +63,27 @@ def test_the_whole_set_has_every_gpu_file(tmp_path):
 
 def test_the_heavy_files_run_one_after_another(tmp_path):
     """test_gpu.py's items at every N in one lane (each rank holds GiBs), the rest dealt."""
-    done = _dry_run(tmp_path, "all", RANKS="2 4 8", RANKS_PARALLEL="4")
+    done = _dry_run(tmp_path, "all", RANKS="2 4 8", RANKS_PARALLEL="4", RANKS_GPU_MIB="143771")
     assert done.returncode == 0, done.stdout + done.stderr
     lanes = re.split(r"^-- lane \d+ ", done.stdout, flags=re.M)[1:]
     assert len(lanes) == 4
     holding = [i for i, text in enumerate(lanes) if "tests/test_gpu.py:" in text]
     assert holding == [0], holding
     assert lanes[0].count("tests/test_gpu.py:") == 3
+
+
+@pytest.mark.parametrize(("gpu_mib", "lanes"), [(143771, 4), (81559, 2), (30000, 1)])
+def test_no_more_ranks_on_a_gpu_than_fit_its_memory(tmp_path, gpu_mib, lanes):
+    """4 lanes of N = 8 asked: 32 ranks fit an H200 (141 GB), 16 an H100 (80 GB; 24 ran it
+    out of memory), and a GPU too small for 2 lanes still runs one."""
+    done = _dry_run(tmp_path, "all", RANKS="2 8", RANKS_PARALLEL="4", RANKS_GPU_MIB=str(gpu_mib))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(re.findall(r"^-- lane \d+ ", done.stdout, flags=re.M)) == lanes
+    if lanes < 4:
+        said = f"RANKS_PARALLEL=4: {lanes} lane(s), so that each of the {8 * lanes} ranks"
+        assert said in done.stdout
+    items = ITEM.findall(done.stdout)
+    assert len(items) == len(set(items)) and {int(n) for n, *_ in items} == {2, 8}
 
 
 def test_a_lane_count_that_is_not_a_count_is_refused(tmp_path):

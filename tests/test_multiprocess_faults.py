@@ -36,6 +36,19 @@ def test_peer_killed_during_bootstrap_fails_clearly():
     assert elapsed < 90
 
 
+def test_peer_that_cannot_create_its_userbuffers_fails_the_others_at_once():
+    """Process 1's communicator cannot be created (tests/_mp_worker.py simulates its GPU out
+    of memory): process 0 fails at once with process 1's reason, well within the deadline
+    (JAX_UB_TIMEOUT_S=8) it would otherwise wait out for process 1's handles."""
+    (code0, text0), (code1, text1) = run("create_fails", 2, 1)
+    assert code0 != 0 and code1 != 0, (text0[-2000:], text1[-2000:])
+    assert "out of memory (simulated)" in text1, text1[-2000:]
+    said = "process 1 failed to create its side of the communicator, so this one cannot either"
+    assert said in text0 and "out of memory (simulated)" in text0, text0[-2000:]
+    seconds = float(re.search(r"ERROR after ([0-9.]+)s", text0).group(1))
+    assert seconds < 6, text0[-2000:]
+
+
 def test_killed_process_fails_peers_within_deadline_then_recovers():
     """Three processes, one device each, one tp group across them (shared memory). After 3
     good ops the last process SIGKILLs itself (tests/_mp_fault_worker.py). The two survivors

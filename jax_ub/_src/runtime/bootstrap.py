@@ -198,10 +198,16 @@ def create_across_processes(
         create_kwargs["shm_prefix"] = shm_prefix(seq)
     else:
         create_kwargs["multiprocess"] = True
-    comm_id = module.create_communicator(
-        group_size, ordinals, capacity, options.to_dict(), **create_kwargs
-    )
     peers = sorted(set(process_of_slot) - {me})
+    try:
+        comm_id = module.create_communicator(
+            group_size, ordinals, capacity, options.to_dict(), **create_kwargs
+        )
+    except Exception as e:
+        # The peers wait for this key: they fail at once with the reason, not at the timeout.
+        _tell_peers(client, f"{ns}/p{me}", e)
+        raise
+    published = False
     try:
         names = list(module.region_names(comm_id))
         mine = {s: n for s, n in enumerate(names) if n}
@@ -214,10 +220,11 @@ def create_across_processes(
             "identity": process_identity.identity(),
         }
         client.key_value_set(f"{ns}/p{me}", json.dumps(info))
+        published = True
         host_of_process = {me: host}
         identities: dict[int, object] = {}
         for p in peers:
-            info = json.loads(_get(client, f"{ns}/p{p}", timeout_ms, p, "publish its userbuffers"))
+            info = _peer_said(client, f"{ns}/p{p}", timeout_ms, p, "publish its userbuffers")
             if info["capacity"] != capacity:
                 raise ValueError(
                     f"jax_ub: process {p} sized its userbuffer {info['capacity']} bytes, this "
@@ -230,12 +237,14 @@ def create_across_processes(
                 names[int(slot)] = name
         _check_hosts(group_size, device_ids, process_of_slot, host_of_process)
         module.connect(comm_id, names)
-        client.key_value_set(f"{ns}/mapped/p{me}", "1")
+        client.key_value_set(f"{ns}/mapped/p{me}", "{}")
         for p in peers:
-            _get(client, f"{ns}/mapped/p{p}", timeout_ms, p, "map this process's userbuffers")
+            _peer_said(client, f"{ns}/mapped/p{p}", timeout_ms, p, "map this process's userbuffers")
         module.unlink(comm_id)
-    except BaseException:
+    except BaseException as e:
         module.destroy_communicator(comm_id)
+        if isinstance(e, Exception):
+            _tell_peers(client, f"{ns}/mapped/p{me}" if published else f"{ns}/p{me}", e)
         raise
     return comm_id, ns, identities
 
@@ -275,6 +284,25 @@ def teardown(ns: str, peers: dict[int, object], timeout_s: float) -> None:
                     stacklevel=3,
                 )
                 return
+
+
+def _tell_peers(client, key: str, error: Exception) -> None:
+    """Publish at `key`, where the peers wait for this process's next step, why it failed."""
+    try:
+        client.key_value_set(key, json.dumps({"error": f"{type(error).__name__}: {error}"}))
+    except Exception:  # noqa: BLE001, S110  (already set, or the service gone: they time out)
+        pass
+
+
+def _peer_said(client, key: str, timeout_ms: int, process: int, what: str) -> dict:
+    """What process `process` published at `key`; its error, where it failed instead."""
+    said = json.loads(_get(client, key, timeout_ms, process, what))
+    if "error" in said:
+        raise RuntimeError(
+            f"jax_ub: process {process} failed to create its side of the communicator, so "
+            f"this one cannot either: {said['error']}"
+        )
+    return said
 
 
 def _get(client, key: str, timeout_ms: int, process: int, what: str) -> str:
