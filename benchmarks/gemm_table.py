@@ -249,6 +249,12 @@ def main() -> None:
                 impls = make(m, k, n, torch, args.per_call)
                 times, host = time_row(impls, args.seconds, args.rounds, args.per_call)
                 print(report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host), flush=True)
+                # This row's inputs and each loop's last outputs go before the next row's
+                # come: a 70B row holds ~20 GB, and two of them ran an H100's share (0.4 of
+                # 80 GB) out of memory.
+                del impls
+                if torch is not None:
+                    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
