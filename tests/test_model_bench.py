@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from jax_ub.bench import model
+from jax_ub.bench import model, model_report
 
 
 def test_variants_run_and_agree(tmp_path, capsys, order="jax_ub,jax_ub_keep,xla,bound,bound_ub"):
@@ -64,10 +64,10 @@ def test_a_variant_whose_loss_differs_from_xlas_ends_the_run(wrong):
     args = type("Args", (), {"dtype": "float32", "fp8": "none"})()
     rows = {v: {"first_loss": 3.0} for v in ("xla", "jax_ub", "xla_overlap")}
     rows["bound"] = {"first_loss": 9.0}
-    model._check_losses(rows, args, lambda *a: None)
+    model_report.check_losses(rows, args, lambda *a: None)
     rows["jax_ub_keep"] = {"first_loss": wrong}
     with pytest.raises(SystemExit, match="differ from XLA's.*jax_ub_keep"):
-        model._check_losses(rows, args, lambda *a: None)
+        model_report.check_losses(rows, args, lambda *a: None)
 
 
 def test_a_variant_that_times_the_wrong_thing_is_refused():
