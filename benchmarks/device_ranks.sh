@@ -29,7 +29,7 @@ RANKS_HEAVY="test_gpu.py"
 RANKS_MPS_DIR=""
 RANKS_MPS_VARS=()
 stop_ranks_mps() {
-  if [ -n "$RANKS_MPS_DIR" ]; then python3 tests/_ranks.py mps-stop "$RANKS_MPS_DIR"; fi
+  if [ -n "$RANKS_MPS_DIR" ]; then python3 tests/_ranks_gpu.py mps-stop "$RANKS_MPS_DIR"; fi
   RANKS_MPS_DIR=""
   RANKS_MPS_VARS=()
 }
@@ -156,12 +156,12 @@ mode_ranks() {
   [ "$lanes" -lt "$wanted" ] && echo "RANKS_PARALLEL=$wanted: $lanes lane(s), so that each of" \
     "the ${on_gpu[0]} ranks on a GPU at once has about $RANK_GPU_MIB MiB of its ${GPU_MIB[0]}" \
     "(0.85 of it in all; RANKS_RANK_MIB)"
-  # One MPS daemon for every lane's ranks (tests/_ranks.py start_mps; none where the machine
+  # One MPS daemon for every lane's ranks (tests/_ranks_gpu.py start_mps; none where the machine
   # has none, or JAX_UB_TEST_RANKS_MPS=0), so that their kernels run side by side instead of
   # taking turns on the GPU; RANKS_ONCE's processes run without it.
   if ! dry_run; then
     RANKS_MPS_DIR=$SCRATCH/mps
-    read -ra RANKS_MPS_VARS <<< "$(python3 tests/_ranks.py mps-start "$RANKS_MPS_DIR")"
+    read -ra RANKS_MPS_VARS <<< "$(python3 tests/_ranks_gpu.py mps-start "$RANKS_MPS_DIR")"
     echo "ranks share the GPU: ${RANKS_MPS_VARS[*]:-taking turns (no MPS daemon)}"
   fi
   # RANKS_THREADS=1: where the host's CPU time goes meanwhile, every 30 s

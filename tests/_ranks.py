@@ -50,14 +50,12 @@ import tempfile
 import time
 
 import numpy as np
+from _ranks_gpu import GPU_MIB_ENV, gpu_memory_mib, start_mps, stop_mps
 
 RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB_TEST_RANKS_PORT"
 GPU_ENV = "JAX_UB_TEST_RANKS_GPU"  # which GPU the ranks share (default 0)
 SHARE_COMPILE_ENV = "JAX_UB_TEST_RANKS_SHARE_COMPILE"  # 0: every rank compiles for itself
 FETCH_DIR_ENV = "JAX_UB_TEST_RANKS_FETCH_DIR"  # the launcher's folder for fetched shards
-MPS_ENV = "JAX_UB_TEST_RANKS_MPS"  # auto (default), 1 (required) or 0: an MPS daemon for the ranks
-MPS_CONTROL = "nvidia-cuda-mps-control"
-MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"  # where a daemon started without a pipe folder listens
 # After the first rank ends, how long the others may take to end too.
 GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
 # How many ranks share the GPU in all (several groups of ranks may run on one GPU at once,
@@ -70,7 +68,6 @@ GPU_MEMORY_SHARE = 0.85  # of the GPU's memory, for the XLA pools of every rank 
 # GPU in all the caps overlap: device_run.sh runs the heavy files' items one after another
 # (RANKS_HEAVY) and puts no more ranks on a GPU than fit at about 3.7 GiB each.
 MIN_POOL_MIB = 7 * 1024
-GPU_MIB_ENV = "JAX_UB_TEST_RANKS_GPU_MIB"  # the shared GPU's memory, found once by the launcher
 # How long a rank waits at a fetch for the others.
 FETCH_TIMEOUT_MS = int(os.environ.get("JAX_UB_TEST_RANKS_FETCH_TIMEOUT_MS", "120000"))
 
@@ -114,7 +111,7 @@ def prepare_environment() -> None:
     # GPU, with room left for the userbuffers and the CUDA contexts, so that one rank's
     # large test cannot starve the others of memory (a later allocation anywhere on the
     # GPU would fail, or a rank's GPU not start at all).
-    mib = gpu_memory_mib()
+    mib = gpu_memory_mib(shared_gpu())
     least = MIN_POOL_MIB / mib if mib else GPU_MEMORY_SHARE / 16
     share = min(max(GPU_MEMORY_SHARE / ranks_on_gpu(), least), GPU_MEMORY_SHARE)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
@@ -286,7 +283,7 @@ def launch(ranks: int, args: list[str], logs: str | None, cwd: str) -> int:
     try:
         mps = start_mps(tempfile.mkdtemp(prefix="jax-ub-ranks-mps-"))
         extra = {FETCH_DIR_ENV: fetch_dir, **mps}
-        mib = gpu_memory_mib()
+        mib = gpu_memory_mib(shared_gpu())
         if mib:  # found once here, not by every rank
             extra[GPU_MIB_ENV] = str(mib)
         return _run_ranks(ranks, args, logs, cwd, extra)
@@ -352,82 +349,6 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
     return failed[0] if failed else (5 if all(c == 5 for c in codes) else 0)
 
 
-def start_mps(folder: str) -> dict[str, str]:
-    """Start an MPS control daemon whose pipe and logs are in ``folder``, for the ranks of a
-    launcher (or of every lane of ``device_run.sh ranks``); the environment its clients need.
-    Nothing (``{}``, the folder removed) where ``JAX_UB_TEST_RANKS_MPS=0``, where a daemon runs
-    already (the caller's ``CUDA_MPS_PIPE_DIRECTORY``, or one on the default pipe: its clients
-    use it as they are), or, with ``auto``, where the machine has no MPS or no GPU."""
-    want = os.environ.get(MPS_ENV, "auto")
-    if want not in ("auto", "0", "1"):
-        raise SystemExit(f"{MPS_ENV} must be auto, 0 or 1, got {want!r}")
-    control = shutil.which(MPS_CONTROL)
-    running = "CUDA_MPS_PIPE_DIRECTORY" in os.environ or os.path.exists(
-        os.path.join(MPS_DEFAULT_PIPE, "control")
-    )
-    gpu = control is not None and has_gpu()
-    if want == "0" or running or not gpu:
-        shutil.rmtree(folder, ignore_errors=True)
-        if want == "1" and not running:
-            raise SystemExit(f"{MPS_ENV}=1, but this machine has no {MPS_CONTROL} or no GPU")
-        return {}
-    env = _mps_env(folder)
-    for path in env.values():
-        os.makedirs(path, exist_ok=True)
-    # -d: it daemonizes and returns; its server starts with the first client.
-    try:
-        subprocess.run([control, "-d"], env={**os.environ, **env}, check=True, timeout=30)
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    return env
-
-
-def stop_mps(env: dict[str, str]) -> None:
-    """Stop a daemon :func:`start_mps` started (its server ends once its clients have) and
-    remove its folder; nothing for ``{}``."""
-    if not env:
-        return
-    control = shutil.which(MPS_CONTROL)
-    if control is not None and os.path.isdir(env["CUDA_MPS_PIPE_DIRECTORY"]):
-        subprocess.run(
-            [control], input="quit\n", text=True, env={**os.environ, **env}, timeout=60, check=False
-        )
-    shutil.rmtree(os.path.dirname(env["CUDA_MPS_PIPE_DIRECTORY"]), ignore_errors=True)
-
-
-def _mps_env(folder: str) -> dict[str, str]:
-    return {
-        "CUDA_MPS_PIPE_DIRECTORY": os.path.join(folder, "pipe"),
-        "CUDA_MPS_LOG_DIRECTORY": os.path.join(folder, "log"),
-    }
-
-
-def gpu_memory_mib() -> int | None:
-    """The shared GPU's memory in MiB (``JAX_UB_TEST_RANKS_GPU_MIB``, else nvidia-smi's;
-    None where neither says)."""
-    if os.environ.get(GPU_MIB_ENV):
-        return int(os.environ[GPU_MIB_ENV])
-    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
-    try:
-        listed = subprocess.run(
-            [*query, "-i", str(shared_gpu())], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    first = listed.stdout.strip().splitlines()[:1]
-    return int(first[0]) if listed.returncode == 0 and first and first[0].isdigit() else None
-
-
-def has_gpu() -> bool:
-    """Whether nvidia-smi lists a GPU on this machine."""
-    try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return listed.returncode == 0 and "GPU" in listed.stdout
-
-
 def _follow(path: str, procs: list[subprocess.Popen]) -> float:
     """Print the file at ``path`` (rank 0's log) as rank 0 writes it, until rank 0 ends or
     ``GRACE_S`` after any rank ended (rank 0 may wait forever at exit, in
@@ -449,13 +370,3 @@ def _follow(path: str, procs: list[subprocess.Popen]) -> float:
                 sys.stdout.flush()
                 return first_end if first_end is not None else now
             time.sleep(0.2)
-
-
-if __name__ == "__main__":  # device_run.sh: one MPS daemon for every lane's ranks
-    if len(sys.argv) == 3 and sys.argv[1] == "mps-start":
-        os.makedirs(sys.argv[2], exist_ok=True)
-        print(" ".join(f"{k}={v}" for k, v in start_mps(sys.argv[2]).items()))
-    elif len(sys.argv) == 3 and sys.argv[1] == "mps-stop":
-        stop_mps(_mps_env(sys.argv[2]))
-    else:
-        raise SystemExit("usage: python3 tests/_ranks.py mps-start|mps-stop FOLDER")

@@ -3,6 +3,7 @@ _xla_cpu_flags.py) must be in the environment before jax is imported, hence at t
 of this file."""
 
 import _ranks
+import _ranks_gpu
 import _xla_cpu_flags
 
 _xla_cpu_flags.set_flags()
@@ -61,7 +62,7 @@ def need_gpus(count: int) -> list:
     test module is skipped (at import) where there are fewer than ``count``. A GPU that is
     there but fails to start (out of memory, a driver error) says so in the skip's reason."""
     found, why = _gpus_and_why()
-    if not found and RANKS and _ranks.has_gpu():
+    if not found and RANKS and _ranks_gpu.has_gpu():
         # The N-ranks mode on a GPU machine exists to run these: a rank whose GPU did not
         # start (a broken MPS daemon, a driver error) fails instead of skipping them.
         pytest.fail(

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-import _ranks
+import _ranks_gpu
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,18 +70,18 @@ def _fake_tools(tmp_path, monkeypatch) -> str:
         tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.delenv(_ranks.MPS_ENV, raising=False)
-    monkeypatch.setattr(_ranks, "MPS_DEFAULT_PIPE", str(tmp_path / "no_default_daemon"))
+    monkeypatch.delenv(_ranks_gpu.MPS_ENV, raising=False)
+    monkeypatch.setattr(_ranks_gpu, "MPS_DEFAULT_PIPE", str(tmp_path / "no_default_daemon"))
     return str(log)
 
 
 def test_the_launcher_starts_and_stops_an_mps_daemon_of_its_own(tmp_path, monkeypatch):
     log = _fake_tools(tmp_path, monkeypatch)
     folder = tmp_path / "mps"
-    env = _ranks.start_mps(str(folder))
+    env = _ranks_gpu.start_mps(str(folder))
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(folder / "pipe"), env
     assert os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
-    _ranks.stop_mps(env)
+    _ranks_gpu.stop_mps(env)
     calls = open(log).read().splitlines()
     assert calls == [f"args=-d pipe={folder}/pipe", f"args= pipe={folder}/pipe", "quit"], calls
     assert not folder.exists()
@@ -89,25 +89,26 @@ def test_the_launcher_starts_and_stops_an_mps_daemon_of_its_own(tmp_path, monkey
 
 def test_no_daemon_where_one_runs_or_it_is_off(tmp_path, monkeypatch):
     log = _fake_tools(tmp_path, monkeypatch)
-    for name, value in (("CUDA_MPS_PIPE_DIRECTORY", "/the/callers/daemon"), (_ranks.MPS_ENV, "0")):
+    off = (_ranks_gpu.MPS_ENV, "0")
+    for name, value in (("CUDA_MPS_PIPE_DIRECTORY", "/the/callers/daemon"), off):
         with monkeypatch.context() as m:
             m.setenv(name, value)
             folder = tmp_path / f"mps_{name}"
             folder.mkdir()
-            assert _ranks.start_mps(str(folder)) == {}
+            assert _ranks_gpu.start_mps(str(folder)) == {}
             assert not folder.exists()
     assert not os.path.exists(log)  # never started
 
 
 def test_mps_required_where_there_is_none_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(_ranks.shutil, "which", lambda name: None)
+    monkeypatch.setattr(_ranks_gpu.shutil, "which", lambda name: None)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.setenv(_ranks.MPS_ENV, "1")
+    monkeypatch.setenv(_ranks_gpu.MPS_ENV, "1")
     with pytest.raises(SystemExit, match="JAX_UB_TEST_RANKS_MPS=1, but this machine has no"):
-        _ranks.start_mps(str(tmp_path / "mps"))
-    monkeypatch.setenv(_ranks.MPS_ENV, "yes")
+        _ranks_gpu.start_mps(str(tmp_path / "mps"))
+    monkeypatch.setenv(_ranks_gpu.MPS_ENV, "yes")
     with pytest.raises(SystemExit, match="must be auto, 0 or 1, got 'yes'"):
-        _ranks.start_mps(str(tmp_path / "mps"))
+        _ranks_gpu.start_mps(str(tmp_path / "mps"))
 
 
 def test_a_rank_whose_gpu_did_not_start_fails(monkeypatch):
@@ -116,10 +117,10 @@ def test_a_rank_whose_gpu_did_not_start_fails(monkeypatch):
     import conftest
 
     monkeypatch.setattr(conftest, "RANKS", 2)
-    monkeypatch.setattr(_ranks, "has_gpu", lambda: True)
+    monkeypatch.setattr(_ranks_gpu, "has_gpu", lambda: True)
     monkeypatch.setattr(conftest, "_gpus_and_why", lambda: ([], "cuda: the plugin failed"))
     with pytest.raises(pytest.fail.Exception, match="JAX found none.*the plugin failed"):
         conftest.need_gpus(1)
-    monkeypatch.setattr(_ranks, "has_gpu", lambda: False)  # no GPU here: skipped as ever
+    monkeypatch.setattr(_ranks_gpu, "has_gpu", lambda: False)  # no GPU here: skipped as ever
     with pytest.raises(pytest.skip.Exception, match="needs a GPU"):
         conftest.need_gpus(1)
