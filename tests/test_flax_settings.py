@@ -13,6 +13,7 @@ from conftest import make_mesh, rel_err, use_tuning
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_ub
 import jax_ub.flax as ubf
@@ -323,5 +324,53 @@ def test_gated_mlp_takes_a_partitioned_kernel_init():
             got = ubf.linen.ParallelGatedMLP(F, kernel_init=wrap).init(jax.random.key(0), x)
             for a, b in zip(
                 jax.tree.leaves(nn.meta.unbox(got)), jax.tree.leaves(nn.meta.unbox(want))
+            ):
+                assert jnp.array_equal(a, b)
+
+
+@pytest.mark.parametrize("block", ["ParallelMLP", "ParallelSelfAttention"])
+def test_blocks_read_a_partitioned_kernel_init_as_model_then_split_dim(block):
+    """A block's kernel_init boxed with names (NNX's and linen's with_partitioning, linen's
+    with_logical_partitioning) names (model dim, split dim), as kernel_axes do: the column
+    projection's kernel takes them as given, the row projection's ([split, model]) reversed,
+    its bias unsplit; the values are the plain initializer's. A linen box handed to an NNX
+    layer is refused naming the wrapper to use."""
+    base = nn.initializers.lecun_normal()
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    col, row = ("up_proj", "down_proj") if block == "ParallelMLP" else ("qkv", "out")
+    args = (F,) if block == "ParallelMLP" else (4,)
+    want = {
+        col: {"kernel": P(None, "tp"), "bias": P("tp")},
+        row: {"kernel": P("tp", None), "bias": P(None)},
+    }
+    with jax.set_mesh(make_mesh((2, "tp"))), nn.logical_axis_rules([("mlp", "tp")]):
+        plain = getattr(ubf, block)(D, *args, kernel_init=base, rngs=nnx.Rngs(0))
+        boxed = getattr(ubf, block)(
+            D, *args, kernel_init=nnx.with_partitioning(base, (None, "tp")), rngs=nnx.Rngs(0)
+        )
+        specs = nnx.get_partition_spec(nnx.state(boxed, nnx.Param))
+        for name in (col, row):
+            for p in ("kernel", "bias"):
+                assert specs[name][p].get_value() == want[name][p], (name, p, specs[name][p])
+                a, b = getattr(plain, name), getattr(boxed, name)
+                assert jnp.array_equal(getattr(a, p)[...], getattr(b, p)[...]), (name, p)
+        with pytest.raises(TypeError, match="linen's Partitioned.*nnx.with_partitioning"):
+            getattr(ubf, block)(
+                D, *args, kernel_init=nn.with_partitioning(base, (None, "tp")), rngs=nnx.Rngs(0)
+            )
+        plain = getattr(ubf.linen, block)(*args, kernel_init=base).init(jax.random.key(0), x)
+        for wrap, names in (
+            (nn.with_partitioning(base, (None, "tp")), (None, "tp")),
+            (nn.with_logical_partitioning(base, ("embed", "mlp")), ("embed", "mlp")),
+        ):
+            got = getattr(ubf.linen, block)(*args, kernel_init=wrap).init(jax.random.key(0), x)
+            boxes = got["params"]
+            assert boxes[col]["kernel"].names == names
+            assert boxes[row]["kernel"].names == names[::-1]
+            spec = nn.get_partition_spec(got)
+            spec = (nn.logical_to_mesh(spec) if names[0] else spec)["params"][row]["kernel"]
+            assert spec == P("tp", None), spec
+            for a, b in zip(
+                jax.tree.leaves(nn.meta.unbox(got)), jax.tree.leaves(nn.meta.unbox(plain))
             ):
                 assert jnp.array_equal(a, b)

@@ -14,6 +14,7 @@ same order, whichever dim is split: the ops run on the flattened shards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Sequence
@@ -177,6 +178,38 @@ def init_kernel(init: Any, key: Any, shape: Sequence[int], n_in: int, dtype: Any
         out_axis = tuple(range(n_in, len(shape)))
         return init(key, tuple(shape), dtype, in_axis, out_axis)
     return init(key, flat_shape(shape, n_in), dtype)
+
+
+# Where flax versions keep the names ``nnx.with_partitioning`` gives (VariableMetadata).
+NNX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def row_kernel_init(init: Any) -> Any:
+    """A block's ``kernel_init`` as its row-parallel projection takes it. A block's names
+    read ``(model dim, split dim)``, as its ``kernel_axes`` do: its column projection's
+    kernel is ``[model, split]``, its row projection's ``[split, model]``, so the two names
+    a partitioning wrapper (linen's or NNX's) boxes a value with are reversed for it
+    (without them, a block-level ``nn.with_partitioning(init, (None, "tp"))`` would split
+    ``down_proj``'s output features). Anything else passes through."""
+
+    @functools.wraps(init)  # its signature too: takes_axes reads it
+    def reversed_names(*args: Any, **kwargs: Any) -> Any:
+        return _reverse_box_names(init(*args, **kwargs))
+
+    return reversed_names
+
+
+def _reverse_box_names(value: Any) -> Any:
+    names = getattr(value, "names", None)  # linen: meta.Partitioned, LogicallyPartitioned
+    if isinstance(names, tuple) and len(names) == 2 and hasattr(value, "replace"):
+        return value.replace(names=names[::-1])
+    metadata = getattr(value, "metadata", None)  # NNX: VariableMetadata
+    if isinstance(metadata, dict) and dataclasses.is_dataclass(value):
+        for key in NNX_NAME_KEYS:
+            if metadata.get(key) is not None and len(metadata[key]) == 2:
+                names = tuple(metadata[key])[::-1]
+                return dataclasses.replace(value, metadata={**metadata, key: names})
+    return value
 
 
 def flat_shape(shape: Sequence[int], n_lead: int) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from jax_ub.flax import _attention, _axes, _checks, _core, _gated
+from jax_ub.flax import _attention, _axes, _checks, _core, _gated, _projection
 from jax_ub.flax.linen.layers import (
     Biased,
     ColumnParallelLinear,
@@ -27,17 +27,18 @@ from jax_ub.flax.linen.layers import (
 
 def _layer_kwargs(block: nn.Module, kind: str) -> dict[str, Any]:
     """What a block passes on to its ``kind`` (column or row) parallel layer: its settings,
-    and the layer's logical names from the block's ``kernel_axes`` ``(model dim, split
-    dim)``."""
-    axes = block.kernel_axes
-    if axes is not None and kind == "row":
-        axes = tuple(reversed(axes))
+    and the layer's names from the block's ``kernel_axes`` or ``kernel_init``'s
+    partitioning, ``(model dim, split dim)``, reversed for the row layer."""
+    axes, init = block.kernel_axes, block.kernel_init
+    if kind == "row":
+        axes = None if axes is None else tuple(reversed(axes))
+        init = _projection.row_kernel_init(init)
     return dict(
         config=block.resolved_config(),
         param_axes=block.param_axes,
         kernel_axes=axes,
         use_bias=block.use_bias,
-        kernel_init=block.kernel_init,
+        kernel_init=init,
         bias_init=block.bias_init,
     )
 
@@ -84,7 +85,9 @@ class ParallelMLP(_Block, Biased):
       deterministic: see ``dropout_rate``.
       config, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
         seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
-        :class:`ColumnParallelLinear`, shared by both projections.
+        :class:`ColumnParallelLinear`, shared by both projections; names a
+        ``kernel_init`` boxes its values with read ``(model dim, split dim)``, as
+        ``kernel_axes`` do (reversed for the row-parallel projection).
     """
 
     hidden_features: int
@@ -262,7 +265,9 @@ class ParallelSelfAttention(_Block, Biased):
         rng; ``deterministic`` as for :class:`ParallelMLP`.
       config, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
         seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init: as for
-        :class:`ColumnParallelLinear`, shared by both projections.
+        :class:`ColumnParallelLinear`, shared by both projections; names a
+        ``kernel_init`` boxes its values with read ``(model dim, split dim)``, as
+        ``kernel_axes`` do (reversed for the row-parallel projection).
     """
 
     num_heads: int

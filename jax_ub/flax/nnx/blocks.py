@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
 
-from jax_ub.flax import _attention, _checks, _core
+from jax_ub.flax import _attention, _checks, _core, _projection
 from jax_ub.flax._settings import ParallelConfig
 from jax_ub.flax.nnx.base import (
     BiasedSettings,
@@ -38,16 +38,18 @@ if TYPE_CHECKING:
 
 def _projections(config: ParallelConfig, settings: dict, rngs: nnx.Rngs) -> tuple[dict, dict]:
     """A block's column and row projections' keyword arguments: its settings (from
-    :func:`take_settings`, resolved as ``config``), and their logical names from its
-    ``kernel_axes`` ``(model dim, split dim)``."""
+    :func:`take_settings`, resolved as ``config``), and their names from its ``kernel_axes``
+    or its ``kernel_init``'s partitioning, ``(model dim, split dim)``, reversed for the row
+    projection."""
     common = {name: settings[name] for name in ("param_axes", "use_bias", "kernel_init")}
     common |= dict(config=config, bias_init=settings["bias_init"], rngs=rngs)
+    row = common | {"kernel_init": _projection.row_kernel_init(settings["kernel_init"])}
     kernel_axes = settings["kernel_axes"]
     if kernel_axes is None:
-        return common, common
+        return common, row
     return (
         common | {"kernel_axes": tuple(kernel_axes)},
-        common | {"kernel_axes": tuple(reversed(kernel_axes))},
+        row | {"kernel_axes": tuple(reversed(kernel_axes))},
     )
 
 
@@ -88,7 +90,9 @@ class ParallelMLP(Dropping, nnx.Module):
       deterministic: see ``dropout_rate`` (default None: given per call).
       config, mesh, axis_name, param_axes, impl, sequence_parallel, amax_history_length,
         seq_axis, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for
-        :class:`ColumnParallelLinear`, shared by both projections.
+        :class:`ColumnParallelLinear`, shared by both projections; names a
+        ``kernel_init`` boxes its values with read ``(model dim, split dim)``, as
+        ``kernel_axes`` do (reversed for the row-parallel projection).
     """
 
     def __init__(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import meta
 from flax.nnx import variablelib
 
 from jax_ub.flax import _axes, _core, _fp8, _projection, _settings
@@ -51,7 +52,8 @@ class _ParallelLinear(ConfigFields, nnx.Module):
         features = _projection.canonical_shape(owner, "out_features", out_features)
         self.axis = _projection.canonical_axes(owner, axis, len(in_shape))
         config = _settings.resolve(owner, s["config"], **{k: s[k] for k in _settings.FIELDS})
-        kernel, kernel_names = _init(s["kernel_init"], rngs.params(), in_shape, features, config)
+        key = rngs.params()
+        kernel, kernel_names = _init(owner, s["kernel_init"], key, in_shape, features, config)
         kernel_names = _metadata_names(owner, "kernel_metadata", kernel_metadata, kernel_names)
         logical = _axes.kernel_names(owner, s["kernel_axes"], kernel_names, s["param_axes"])
         if logical is not None:
@@ -75,7 +77,7 @@ class _ParallelLinear(ConfigFields, nnx.Module):
         self.kernel = sharded_param(kernel, names["kernel"], cfg.mesh)
         self.bias: nnx.Param[jax.Array] | None = nnx.data(None)
         if self.use_bias:
-            bias, bias_names = _init(s["bias_init"], rngs.params(), (), features, config)
+            bias, bias_names = _init(owner, s["bias_init"], rngs.params(), (), features, config)
             bias_names = _metadata_names(owner, "bias_metadata", bias_metadata, bias_names)
             self.bias = sharded_param(bias, bias_names or names["bias"], cfg.mesh)
         add_histories(self, _fp8.HISTORY_NAMES.values(), cfg)
@@ -101,7 +103,7 @@ class _ParallelLinear(ConfigFields, nnx.Module):
         return project(inputs, self)
 
 
-def _init(init: Any, key: jax.Array, in_shape: tuple, features: tuple, config) -> tuple:
+def _init(owner: str, init: Any, key: jax.Array, in_shape: tuple, features: tuple, config) -> tuple:
     """``(value, sharding names or None)`` of a param ``[*in_shape, *features]`` from
     ``init``, called as ``nnx.LinearGeneral`` calls it (on the flattened shape, so that a
     fan-in is that of the contracted dims), or an n-d initializer on the shape itself with
@@ -110,6 +112,12 @@ def _init(init: Any, key: jax.Array, in_shape: tuple, features: tuple, config) -
     shape = in_shape + features
     value = _projection.init_kernel(init, key, shape, len(in_shape), config.param_dtype)
     names = None
+    if isinstance(value, meta.Partitioned):
+        raise TypeError(
+            f"{owner}: its initializer boxed the value as linen's "
+            f"{type(value).__name__} (names {value.names}); NNX layers take NNX's wrappers: "
+            "nnx.with_partitioning(init, names), not nn.with_partitioning"
+        )
     if isinstance(value, variablelib.VariableMetadata):
         metadata = value.metadata
         names = next((metadata[k] for k in _NAME_KEYS if metadata.get(k) is not None), None)
@@ -132,8 +140,7 @@ def _metadata_names(owner: str, what: str, metadata: Any, names: tuple | None) -
     return tuple(given[0])
 
 
-# Where flax versions keep the names nnx.with_partitioning gives.
-_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
+_NAME_KEYS = _projection.NNX_NAME_KEYS
 
 
 def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
