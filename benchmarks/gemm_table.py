@@ -18,7 +18,9 @@ GEMM scores; jax_ub is slower only by what it exceeds that. Each call runs ``--p
 GEMMs of the row on as many distinct inputs (one jitted program for JAX, as a training
 step dispatches its ops; torch launches each): at 1, a loop of small GEMMs also times
 JAX's dispatch of one program per GEMM, and jax_ub's handler (its host time per call is
-printed: where it and the dispatch exceed the GEMM, the GPU waits for the host).
+printed: where it and the dispatch exceed the GEMM, the GPU waits for the host). The last
+column names the kernel jax_ub runs for the forward GEMM (its description and place in
+cuBLASLt's heuristic list: ``device_run.sh gemm M,K,N`` times every place).
 
 python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections qkv,o]
     [--fp8] [--seconds 0.3] [--per-call 8]
@@ -180,6 +182,18 @@ def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[d
     return times, host
 
 
+def picked(m: int, k: int, n: int) -> str:
+    """The kernel jax_ub runs for the forward GEMM: its description (``col``: C^T = B^T A^T,
+    column-major; ``row``: row-major) and place in cuBLASLt's heuristic list, which
+    ``device_run.sh gemm M,K,N`` times one by one ("?" while its trials still compare;
+    empty without GPUs)."""
+    from jax_ub.bench.timing import kernel_choices  # noqa: PLC0415
+
+    picks = {f"{'row' if row else 'col'} #{i}{'?' if deciding else ''}"
+             for _, row, i, deciding in kernel_choices().get((m, k, n), [])}  # fmt: skip
+    return ", ".join(sorted(picks))
+
+
 def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...], host: dict) -> str:
     """One table row: per kind, each source's median ms, jax_ub / the fastest peer and XLA
     again / the same; then the spread and jax_ub's host us per op call (first kind)."""
@@ -236,7 +250,7 @@ def main() -> None:
     head = ["projection M x K x N (tp)"]
     for kind in kinds:
         head += [f"{kind}: XLA ms", "torch ms", "jax_ub ms", "jax_ub / fastest", "XLA again /"]
-    head += ["spread", "jax_ub host us/op call"]
+    head += ["spread", "jax_ub host us/op call", "jax_ub kernel"]
     print(f"GEMMs per call: {args.per_call}")
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head), flush=True)
@@ -248,7 +262,8 @@ def main() -> None:
                 make = fp8_impls if args.fp8 else bf16_impls
                 impls = make(m, k, n, torch, args.per_call)
                 times, host = time_row(impls, args.seconds, args.rounds, args.per_call)
-                print(report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host), flush=True)
+                row = report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host)
+                print(f"{row} {picked(m, k, n)} |", flush=True)
                 # This row's inputs and each loop's last outputs go before the next row's
                 # come: a 70B row holds ~20 GB, and two of them ran an H100's share (0.4 of
                 # 80 GB) out of memory.

@@ -277,8 +277,8 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
         assert [r.split("|")[1].split()[1] for r in rows] == names
         kinds = 1 if "--fp8" in extra else 2
         for r in rows:
-            assert len(r.split("|")) == 1 + 5 * kinds + 4, r
-            ratios = [float(c) for c in r.split("|")[2:-3] if c.strip() != "nan"]
+            assert len(r.split("|")) == 1 + 5 * kinds + 5, r
+            ratios = [float(c) for c in r.split("|")[2:-4] if c.strip() != "nan"]
             assert ratios and all(v > 0 for v in ratios), r
 
 
