@@ -250,6 +250,21 @@ def run_fp8_without_collectives(mesh, axis, m, k, n, dtype):
     return shard_errors(got, want)
 
 
+def replace_host_calls(**calls) -> None:
+    """The host extension's functions named in ``calls`` replaced by those given, for the
+    fault scenarios (a process that dies, or fails, at one step of the bootstrap)."""
+    from jax_ub._src.runtime import extension
+
+    class Replaced:
+        def __init__(self, module):
+            self._module = module
+
+        def __getattr__(self, name):
+            return calls[name] if name in calls else getattr(self._module, name)
+
+    extension._host = Replaced(extension._host)
+
+
 # The processes that report an outcome of their own: all but the one that dies (or sleeps)
 # on purpose.
 REPORTERS = [
@@ -368,37 +383,17 @@ try:
         # The last process dies in the middle of the bootstrap: after publishing its
         # userbuffers, before mapping its peers'. The others must fail naming it.
         if pid == nproc - 1:
-            from jax_ub._src.runtime import extension
-
-            class DiesOnConnect:
-                def __init__(self, module):
-                    self._module = module
-
-                def __getattr__(self, name):
-                    return getattr(self._module, name)
-
-                def connect(self, *args):
-                    os._exit(9)
-
-            extension._host = DiesOnConnect(extension._host)
+            replace_host_calls(connect=lambda *args: os._exit(9))
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario == "create_fails":
         # The last process cannot create its userbuffers (its GPU out of memory, say): the
         # others must fail at once with its reason, not wait out the timeout for its handles.
         if pid == nproc - 1:
-            from jax_ub._src.runtime import extension
 
-            class FailsToCreate:
-                def __init__(self, module):
-                    self._module = module
+            def create_communicator(*args, **kwargs):
+                raise RuntimeError("cudaMalloc failed: out of memory (simulated)")
 
-                def __getattr__(self, name):
-                    return getattr(self._module, name)
-
-                def create_communicator(self, *args, **kwargs):
-                    raise RuntimeError("cudaMalloc failed: out of memory (simulated)")
-
-            extension._host = FailsToCreate(extension._host)
+            replace_host_calls(create_communicator=create_communicator)
         result = run_ops(Mesh(devices, ("tp",)), "tp", ())
     elif scenario == "different_hosts":
         # The group spans "hosts": impl="auto" runs on XLA's collectives with one warning,
