@@ -308,7 +308,7 @@ def test_tuning_reaches_layers_traced_before(rand):
 
 def test_gated_mlp_takes_a_partitioned_kernel_init():
     """A kernel_init wrapped by with_partitioning (NNX, linen) or with_logical_partitioning
-    gives the gated block the params of the plain initializer (it names its kernels itself)."""
+    gives the gated block the values of the plain initializer (the names: below)."""
     base = nn.initializers.lecun_normal()
     x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
     with jax.set_mesh(make_mesh((2, "tp"))), nn.logical_axis_rules([("mlp", "tp")]):
@@ -374,3 +374,34 @@ def test_blocks_read_a_partitioned_kernel_init_as_model_then_split_dim(block):
                 jax.tree.leaves(nn.meta.unbox(got)), jax.tree.leaves(nn.meta.unbox(plain))
             ):
                 assert jnp.array_equal(a, b)
+
+
+def test_gated_block_reads_a_partitioned_kernel_init_as_kernel_axes():
+    """The gated block reads the names its kernel_init boxes with as kernel_axes (model dim,
+    split dim): NNX's and linen's logical ones give the params kernel_axes would give, an
+    FSDP name on the model dim kept; linen's mesh axes are placed as given (gate_up
+    (model, None, split), down_proj (split, model)); both given is refused."""
+    base = nn.initializers.lecun_normal()
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    rules = [("mlp", "tp"), ("embed", "fsdp")]
+    with jax.set_mesh(make_mesh((1, "fsdp"), (2, "tp"))), nn.logical_axis_rules(rules):
+        axes = ("embed", "mlp")
+        want = ubf.ParallelGatedMLP(D, F, kernel_axes=axes, rngs=nnx.Rngs(0))
+        boxed = nnx.with_partitioning(base, axes)
+        got = ubf.ParallelGatedMLP(D, F, kernel_init=boxed, rngs=nnx.Rngs(0))
+        specs = [nnx.get_partition_spec(nnx.state(m, nnx.Param)) for m in (want, got)]
+        for name in ("gate_up", "down_proj"):
+            assert specs[0][name].get_value() == specs[1][name].get_value(), name
+        assert specs[1]["gate_up"].get_value() == P("fsdp", None, "tp")  # through the rules
+        with pytest.raises(ValueError, match="from kernel_axes=.* or from its kernel_init"):
+            ubf.ParallelGatedMLP(D, F, kernel_axes=axes, kernel_init=boxed, rngs=nnx.Rngs(0))
+
+        def names(**kw):
+            boxes = ubf.linen.ParallelGatedMLP(F, **kw).init(jax.random.key(0), x)["params"]
+            return {name: boxes[name].names for name in ("gate_up", "down_proj")}
+
+        logical = nn.with_logical_partitioning(base, axes)
+        assert names(kernel_init=logical) == names(kernel_axes=axes)
+        assert names(kernel_init=logical)["down_proj"] == ("mlp", "embed")
+        mesh_axes = names(kernel_init=nn.with_partitioning(base, ("fsdp", "tp")))
+        assert mesh_axes == {"gate_up": ("fsdp", None, "tp"), "down_proj": ("tp", "fsdp")}

@@ -45,6 +45,16 @@ def test_variants_run_and_agree(tmp_path, capsys, order="jax_ub,jax_ub_keep,xla,
     assert all(results[v]["step_ms"] > 0 for v in losses)
 
 
+def test_xla_overlap_without_gpus_says_it_needs_them(capfd):
+    """xla_overlap's process on CPU devices ends naming what it needs, and the run reports
+    no row for it (its GPU flags would time plain XLA under its name)."""
+    model.main(["--variants", "xla_overlap", "--rounds", "1", "--steps", "1", "--seq", "32"])
+    out, err = capfd.readouterr()
+    assert "xla_overlap needs GPUs" in err and "runs on cpu devices" in err, err[-2000:]
+    assert "xla_overlap: the process failed" in out
+    assert not re.search(r"^xla_overlap\s+[0-9]", out, flags=re.M), out
+
+
 def test_one_gpu_step_runs_jax_ubs_own_gemms(tmp_path):
     """At tp=1 (dp over every device) the jax_ub variant runs jax_ub's calls, its own GEMMs
     on groups of one (the compiled step is checked for them), with XLA's first loss."""

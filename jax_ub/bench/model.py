@@ -274,6 +274,11 @@ def _run(variants: list[str], args, say) -> dict:
     """Compile each variant, then time them in interleaved rounds."""
     import jax
 
+    if "xla_overlap" in variants and jax.default_backend() != "gpu":
+        sys.exit(
+            f"xla_overlap needs GPUs: its flags ({args.overlap_flags}) set XLA's GPU "
+            f"scheduler, and this process runs on {jax.default_backend()} devices"
+        )
     cfg, mesh, tokens = setup(args)
     steps, states, first_loss, memory, placement = {}, {}, {}, {}, {}
     park = args.park_states and len(variants) > 1

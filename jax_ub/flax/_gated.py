@@ -30,8 +30,9 @@ from jax_ub.flax._settings import ParallelConfig
 
 def unboxed(value: Any) -> Any:
     """An initializer's value out of the box flax's ``with_partitioning`` wrappers put it in
-    (linen's ``.value``, NNX's ``.raw_value``): the gated block names its kernels itself
-    (``kernel_axes``, else tensor-parallel names), whatever the initializer's box says."""
+    (linen's ``.value``, NNX's ``.raw_value``): the gated block names its kernels itself,
+    from ``kernel_axes`` or the box's names read as they are (``box_names``), else with
+    tensor-parallel names."""
     if isinstance(value, jax.Array):
         return value
     for attr in ("raw_value", "value"):

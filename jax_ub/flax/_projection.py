@@ -184,6 +184,36 @@ def init_kernel(init: Any, key: Any, shape: Sequence[int], n_in: int, dtype: Any
 NNX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
+@functools.lru_cache(maxsize=64)
+def box_names(init: Any) -> tuple[tuple | None, bool]:
+    """The names a partitioning wrapper boxes ``init``'s values with, and whether they are
+    mesh axes: linen's ``nn.with_partitioning`` (mesh axes) and
+    ``nn.with_logical_partitioning`` (logical), NNX's ``nnx.with_partitioning`` (read as
+    ``kernel_axes`` are); ``(None, False)`` for an initializer that boxes nothing."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import linen as nn  # noqa: PLC0415
+
+    if not callable(init):
+        return None, False
+    nnx_names: list = []
+
+    def shape_of_box() -> Any:
+        box = init_kernel(init, jax.random.key(0), (2, 2), 1, jnp.float32)
+        metadata = getattr(box, "metadata", None)
+        if isinstance(metadata, dict) and dataclasses.is_dataclass(box):  # NNX's, no pytree
+            nnx_names.extend(metadata.get(k) for k in NNX_NAME_KEYS if metadata.get(k))
+            return box.raw_value
+        return box
+
+    box = jax.eval_shape(shape_of_box)
+    if isinstance(box, nn.LogicallyPartitioned):
+        return tuple(box.names), False
+    if isinstance(box, nn.Partitioned):
+        return tuple(box.names), True
+    return (tuple(nnx_names[0]), False) if nnx_names else (None, False)
+
+
 def row_kernel_init(init: Any) -> Any:
     """A block's ``kernel_init`` as its row-parallel projection takes it. A block's names
     read ``(model dim, split dim)``, as its ``kernel_axes`` do: its column projection's

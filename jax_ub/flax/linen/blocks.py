@@ -49,7 +49,19 @@ class _Block:
 
     @nn.nowrap
     def _split_name(self) -> str | None:
-        return _axes.block_split_name(type(self).__name__, self.kernel_axes, self.param_axes)
+        names, mesh_names = self._names()  # mesh axes: the axis is axis_name's, or "tp"
+        owner = type(self).__name__
+        return _axes.block_split_name(owner, None if mesh_names else names, self.param_axes)
+
+    @nn.nowrap
+    def _names(self) -> tuple[tuple | None, bool]:
+        """The block's names ``(model dim, split dim)`` and whether they are mesh axes:
+        ``kernel_axes`` (logical), or those ``kernel_init`` boxes values with (not both);
+        None where neither names them."""
+        owner = type(self).__name__
+        from_init, mesh_names = _projection.box_names(self.kernel_init)
+        names = _axes.kernel_names(owner, self.kernel_axes, from_init, self.param_axes)
+        return names, mesh_names and self.kernel_axes is None
 
 
 class ParallelMLP(_Block, Biased):
@@ -159,11 +171,16 @@ class ParallelGatedMLP(_Block, SettingsModule):
         config = self.prepare(inputs, divisible={"hidden_features": self.hidden_features})
         k, hidden = inputs.shape[-1], self.hidden_features
         out = k if self.out_features is None else self.out_features
-        if self.kernel_axes is None:
+        given, mesh_names = self._names()
+        if given is None:
             names = _gated.gated_kernel_names(owner, config.axis_name, self.param_axes)
             partitioning = nn.with_partitioning
+        elif mesh_names:  # kernel_init's nn.with_partitioning: mesh axes as given
+            _axes.check_kernel_axes(owner, given, 2)
+            (model, split), partitioning = given, nn.with_partitioning
+            names = {"gate_up": (model, None, split), "down_proj": (split, model)}
         else:  # logical names, mapped by the user's logical_axis_rules
-            names = _gated.logical_kernel_names(owner, self.kernel_axes, self.param_axes)
+            names = _gated.logical_kernel_names(owner, given, self.param_axes)
             partitioning = nn.with_logical_partitioning
 
         def gate_up_init(key, shape, dtype):  # fan-in is k, not the 2 of [k, 2, hidden]

@@ -12,7 +12,7 @@ from flax import linen as nn
 from jax_ub.flax import _axes, _dense_general, _projection, _settings
 from jax_ub.flax._checks import DEFAULT_AXIS
 from jax_ub.flax._settings import ParallelConfig
-from jax_ub.flax.linen.layers import _init_names, _ParallelLinear, _setting, project
+from jax_ub.flax.linen.layers import _ParallelLinear, _setting, project
 
 
 class DenseGeneral(_ParallelLinear):
@@ -81,7 +81,7 @@ class DenseGeneral(_ParallelLinear):
 
     @nn.nowrap
     def _kernel_names(self) -> tuple[tuple | None, bool]:
-        names, mesh_names = _init_names(self.kernel_init)
+        names, mesh_names = _projection.box_names(self.kernel_init)
         owner = type(self).__name__
         axes = _dense_general.kernel_axes(self.kernel_axes)
         names = _axes.kernel_names(owner, axes, names, self.param_axes)

@@ -133,7 +133,7 @@ class _ParallelLinear(Biased):
         """The kernel's names and whether they are mesh axes: ``kernel_axes`` (logical),
         or those of a ``kernel_init`` wrapped by ``nn.with_logical_partitioning`` (logical)
         or ``nn.with_partitioning`` (mesh axes)."""
-        names, mesh_names = _init_names(self.kernel_init)
+        names, mesh_names = _projection.box_names(self.kernel_init)
         owner = type(self).__name__
         names = _axes.kernel_names(owner, self.kernel_axes, names, self.param_axes)
         mesh_names = mesh_names and self.kernel_axes is None
@@ -186,7 +186,7 @@ class _ParallelLinear(Biased):
         config = self.resolved_config()
         shape = self.projection(in_features)
         names, mesh_names = self._kernel_names()
-        boxed = names is not None and _init_names(self.kernel_init)[0] is not None
+        boxed = names is not None and _projection.box_names(self.kernel_init)[0] is not None
         logical = None if names is None or mesh_names else names
         our = shape.names(owner, config.axis_name, self.param_axes, logical)
         if names is not None and mesh_names:
@@ -253,19 +253,6 @@ def local_or_param(
             "(nn.get_partition_spec)"
         )
     return value
-
-
-@functools.lru_cache(maxsize=64)
-def _init_names(kernel_init: Any) -> tuple[tuple | None, bool]:
-    """The names an initializer wrapped by ``nn.with_logical_partitioning`` (logical) or
-    ``nn.with_partitioning`` (mesh axes) boxes its values with, else None."""
-    key = jax.random.key(0)
-    box = jax.eval_shape(lambda: _projection.init_kernel(kernel_init, key, (2, 2), 1, jnp.float32))
-    if isinstance(box, nn.LogicallyPartitioned):
-        return tuple(box.names), False
-    if isinstance(box, nn.Partitioned):
-        return tuple(box.names), True
-    return None, False
 
 
 def _flat_init(init: Any, n_lead: int) -> Any:

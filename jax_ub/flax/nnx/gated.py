@@ -18,6 +18,7 @@ from jax_ub.flax.nnx.base import (
     Settings,
     add_histories,
     block_config,
+    block_kernel_axes,
     check_split,
     prepare_call,
     sharded_param,
@@ -80,7 +81,8 @@ class ParallelGatedMLP(ConfigFields, Dropping, nnx.Module):
       amax_history_length: steps of amaxes each delayed scale looks back over (default 16).
       kernel_init: initializer of ``gate_up`` (called with shape
         ``[in_features, 2 * hidden_features]``, so fan-in is ``in_features``) and
-        ``down_proj``.
+        ``down_proj``; names it boxes values with (``nnx.with_partitioning``) are read as
+        ``kernel_axes``.
       dropout_rate, deterministic: dropout of the gated hidden activations before
         ``down_proj``, as :class:`ParallelMLP`'s.
       config, mesh, axis_name, param_axes, kernel_axes, impl, sequence_parallel, seq_axis,
@@ -104,7 +106,8 @@ class ParallelGatedMLP(ConfigFields, Dropping, nnx.Module):
         self.config = cfg = block_config(owner, s)
         check_split(owner, cfg, "hidden_features", hidden_features)
         out_features = in_features if out_features is None else out_features
-        kernel_axes, param_axes, kernel_init = s["kernel_axes"], s["param_axes"], s["kernel_init"]
+        kernel_axes = block_kernel_axes(owner, s)  # or the names kernel_init boxes with
+        param_axes, kernel_init = s["param_axes"], s["kernel_init"]
         if kernel_axes is None:
             names = _gated.gated_kernel_names(owner, cfg.axis_name, param_axes)
         else:  # logical names, mapped by the user's logical_axis_rules
