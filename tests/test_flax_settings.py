@@ -405,3 +405,19 @@ def test_gated_block_reads_a_partitioned_kernel_init_as_kernel_axes():
         assert names(kernel_init=logical)["down_proj"] == ("mlp", "embed")
         mesh_axes = names(kernel_init=nn.with_partitioning(base, ("fsdp", "tp")))
         assert mesh_axes == {"gate_up": ("fsdp", None, "tp"), "down_proj": ("tp", "fsdp")}
+
+
+@pytest.mark.parametrize("names", [("embed", "mlp"), (None, "model")])
+def test_nnx_block_takes_its_axis_from_a_boxed_kernel_init(names):
+    """An NNX block whose kernel_init boxes (model dim, split dim) runs over the axis the
+    split dim names, as kernel_axes would make it: mapped by the rules ("mlp" -> "model"),
+    or a mesh axis named directly; the same outputs as with kernel_axes."""
+    base = nn.initializers.lecun_normal()
+    x = jax.random.normal(jax.random.key(1), (SEQ, BATCH, D))
+    rules = [("mlp", "model"), ("embed", None)]
+    with jax.set_mesh(make_mesh((2, "model"))), nn.logical_axis_rules(rules):
+        boxed = nnx.with_partitioning(base, names)
+        got = ubf.ParallelMLP(D, F, kernel_init=boxed, rngs=nnx.Rngs(0))
+        want = ubf.ParallelMLP(D, F, kernel_axes=("embed", "mlp"), rngs=nnx.Rngs(0))
+        assert got.up_proj.config.axis_name == got.down_proj.config.axis_name == "model"
+        assert rel_err(got(x), want(x)) < 1e-5

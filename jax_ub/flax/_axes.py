@@ -31,6 +31,19 @@ def tp_axis(owner: str, axis_name: str | None, split_name: str | None, mesh: Any
     return mapped
 
 
+def box_split_axis(owner: str, name: Any, mesh: Any = None) -> str | None:
+    """The tensor-parallel axis an NNX block's boxed ``kernel_init`` names its split dim
+    with: the mesh axis the active logical axis rules map ``name`` to (as for
+    ``kernel_axes``), else ``name`` itself where it is an axis of ``mesh`` (or the mesh set):
+    NNX's box names may be mesh axes, which no rule lists. None where neither."""
+    if name is None:
+        return None
+    mapped = _mapped_axes(name, flax_spmd.get_logical_axis_rules())
+    if mapped:
+        return _split_axis(owner, name, mapped, None, mesh)
+    return name if name in axis_sizes(mesh) else None
+
+
 def axis_sizes(mesh: Any = None) -> dict[str, int]:
     """The sizes of ``mesh``'s axes, else of the mesh set (``jax.set_mesh``, a shard_map
     being traced); empty where none is known."""

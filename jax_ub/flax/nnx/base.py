@@ -97,19 +97,22 @@ def take_settings(owner: str, given: dict[str, Any], bias: bool = True) -> dict[
 def block_config(owner: str, settings: dict[str, Any]) -> ParallelConfig:
     """A block's settings (from :func:`take_settings`) over ``config`` or the model
     defaults, with its tensor-parallel axis resolved from its ``kernel_axes`` ``(model
-    dim, split dim)``: what it gives its projections."""
+    dim, split dim)``, or its ``kernel_init``'s box names: what it gives its projections."""
     given = {name: settings[name] for name in _settings.FIELDS}
     config = _settings.resolve(owner, settings["config"], **given)
     split = _axes.block_split_name(owner, settings["kernel_axes"], settings["param_axes"])
     axis_name = _axes.tp_axis(owner, config.axis_name, split, config.mesh)
+    names = block_kernel_axes(owner, settings)
+    boxed = settings["kernel_axes"] is None and names is not None and len(names) == 2
+    if config.axis_name is None and boxed:  # a boxed kernel_init's split dim names the axis
+        axis_name = _axes.box_split_axis(owner, names[1], config.mesh) or axis_name
     return dataclasses.replace(config, axis_name=axis_name, owner=owner)
 
 
 def block_kernel_axes(owner: str, settings: dict[str, Any]) -> tuple | None:
     """A block's names ``(model dim, split dim)``: its ``kernel_axes``, or those its
     ``kernel_init`` boxes values with (``nnx.with_partitioning``), read as ``kernel_axes``
-    are (not both). (Its axis comes from ``kernel_axes`` alone: NNX's box names may be
-    mesh axes, which the rules need not list.)"""
+    are (not both)."""
     from_init = _projection.box_names(settings["kernel_init"])[0]
     if from_init is None:
         return settings["kernel_axes"]
