@@ -10,6 +10,7 @@ import jax
 from flax.core import spmd as flax_spmd
 
 from jax_ub._src.settings.warn_registry import warn_once
+from jax_ub.flax import _projection
 from jax_ub.flax._checks import DEFAULT_AXIS
 
 
@@ -265,6 +266,18 @@ def check_kernel_axes(owner: str, kernel_axes: Any, ndim: int) -> None:
             f"{owner}: kernel_axes must name each of the kernel's {ndim} dims ([*in, *out]), "
             f"e.g. {example}; got {kernel_axes!r}"
         )
+
+
+def given_names(
+    owner: str, kernel_axes: Any, kernel_init: Any, param_axes: Any
+) -> tuple[tuple | None, bool]:
+    """A kernel's names, or a block's ``(model dim, split dim)``, and whether they are mesh
+    axes: ``kernel_axes`` (logical), or those ``kernel_init`` boxes its values with
+    (``_projection.box_names``: linen's ``nn.with_partitioning`` gives mesh axes); checked
+    by :func:`kernel_names`."""
+    from_init, mesh_names = _projection.box_names(kernel_init)
+    names = kernel_names(owner, kernel_axes, from_init, param_axes)
+    return names, mesh_names and kernel_axes is None
 
 
 def kernel_names(

@@ -184,7 +184,31 @@ def init_kernel(init: Any, key: Any, shape: Sequence[int], n_in: int, dtype: Any
 NNX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
-@functools.lru_cache(maxsize=64)
+def nnx_box_key(value: Any) -> str | None:
+    """The metadata key under which an NNX box (``nnx.with_partitioning``'s
+    VariableMetadata) holds its names; None for anything else, or a box without names."""
+    metadata = getattr(value, "metadata", None)
+    if not (isinstance(metadata, dict) and dataclasses.is_dataclass(value)):
+        return None
+    return next((k for k in NNX_NAME_KEYS if metadata.get(k) is not None), None)
+
+
+def _per_init(f: Any) -> Any:
+    """``f(init)`` cached per initializer (an unhashable one: computed each time)."""
+    cached = functools.lru_cache(maxsize=64)(f)
+
+    @functools.wraps(f)
+    def call(init: Any) -> Any:
+        try:
+            hash(init)
+        except TypeError:
+            return f(init)
+        return cached(init)
+
+    return call
+
+
+@_per_init
 def box_names(init: Any) -> tuple[tuple | None, bool]:
     """The names a partitioning wrapper boxes ``init``'s values with, and whether they are
     mesh axes: linen's ``nn.with_partitioning`` (mesh axes) and
@@ -200,9 +224,9 @@ def box_names(init: Any) -> tuple[tuple | None, bool]:
 
     def shape_of_box() -> Any:
         box = init_kernel(init, jax.random.key(0), (2, 2), 1, jnp.float32)
-        metadata = getattr(box, "metadata", None)
-        if isinstance(metadata, dict) and dataclasses.is_dataclass(box):  # NNX's, no pytree
-            nnx_names.extend(metadata.get(k) for k in NNX_NAME_KEYS if metadata.get(k))
+        key = nnx_box_key(box)
+        if key is not None:  # NNX's box is no pytree: its names out, its value returned
+            nnx_names.append(box.metadata[key])
             return box.raw_value
         return box
 
@@ -214,6 +238,7 @@ def box_names(init: Any) -> tuple[tuple | None, bool]:
     return (tuple(nnx_names[0]), False) if nnx_names else (None, False)
 
 
+@_per_init  # one wrapper an init: box_names' cache keys on it
 def row_kernel_init(init: Any) -> Any:
     """A block's ``kernel_init`` as its row-parallel projection takes it. A block's names
     read ``(model dim, split dim)``, as its ``kernel_axes`` do: its column projection's
@@ -233,12 +258,10 @@ def _reverse_box_names(value: Any) -> Any:
     names = getattr(value, "names", None)  # linen: meta.Partitioned, LogicallyPartitioned
     if isinstance(names, tuple) and len(names) == 2 and hasattr(value, "replace"):
         return value.replace(names=names[::-1])
-    metadata = getattr(value, "metadata", None)  # NNX: VariableMetadata
-    if isinstance(metadata, dict) and dataclasses.is_dataclass(value):
-        for key in NNX_NAME_KEYS:
-            if metadata.get(key) is not None and len(metadata[key]) == 2:
-                names = tuple(metadata[key])[::-1]
-                return dataclasses.replace(value, metadata={**metadata, key: names})
+    key = nnx_box_key(value)  # NNX: VariableMetadata
+    if key is not None and len(value.metadata[key]) == 2:
+        names = tuple(value.metadata[key])[::-1]
+        return dataclasses.replace(value, metadata={**value.metadata, key: names})
     return value
 
 

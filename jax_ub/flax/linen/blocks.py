@@ -59,9 +59,7 @@ class _Block:
         ``kernel_axes`` (logical), or those ``kernel_init`` boxes values with (not both);
         None where neither names them."""
         owner = type(self).__name__
-        from_init, mesh_names = _projection.box_names(self.kernel_init)
-        names = _axes.kernel_names(owner, self.kernel_axes, from_init, self.param_axes)
-        return names, mesh_names and self.kernel_axes is None
+        return _axes.given_names(owner, self.kernel_axes, self.kernel_init, self.param_axes)
 
 
 class ParallelMLP(_Block, Biased):

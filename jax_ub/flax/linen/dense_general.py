@@ -81,11 +81,8 @@ class DenseGeneral(_ParallelLinear):
 
     @nn.nowrap
     def _kernel_names(self) -> tuple[tuple | None, bool]:
-        names, mesh_names = _projection.box_names(self.kernel_init)
-        owner = type(self).__name__
         axes = _dense_general.kernel_axes(self.kernel_axes)
-        names = _axes.kernel_names(owner, axes, names, self.param_axes)
-        return names, mesh_names and axes is None
+        return _axes.given_names(type(self).__name__, axes, self.kernel_init, self.param_axes)
 
     @nn.nowrap
     def _split(self, axis_name: str | None, mesh: Any = None) -> tuple[int, str]:

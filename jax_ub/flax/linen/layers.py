@@ -133,11 +133,8 @@ class _ParallelLinear(Biased):
         """The kernel's names and whether they are mesh axes: ``kernel_axes`` (logical),
         or those of a ``kernel_init`` wrapped by ``nn.with_logical_partitioning`` (logical)
         or ``nn.with_partitioning`` (mesh axes)."""
-        names, mesh_names = _projection.box_names(self.kernel_init)
         owner = type(self).__name__
-        names = _axes.kernel_names(owner, self.kernel_axes, names, self.param_axes)
-        mesh_names = mesh_names and self.kernel_axes is None
-        return names, mesh_names
+        return _axes.given_names(owner, self.kernel_axes, self.kernel_init, self.param_axes)
 
     @nn.nowrap
     def projection(self, in_shape: Any) -> Projection:

@@ -17,7 +17,7 @@ from flax.nnx import variablelib
 from flax.typing import Dtype, Initializer
 from jax.sharding import Mesh
 
-from jax_ub.flax import _axes, _checks, _projection, _settings
+from jax_ub.flax import _axes, _checks, _settings
 from jax_ub.flax._settings import ParallelConfig
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -113,10 +113,8 @@ def block_kernel_axes(owner: str, settings: dict[str, Any]) -> tuple | None:
     """A block's names ``(model dim, split dim)``: its ``kernel_axes``, or those its
     ``kernel_init`` boxes values with (``nnx.with_partitioning``), read as ``kernel_axes``
     are (not both)."""
-    from_init = _projection.box_names(settings["kernel_init"])[0]
-    if from_init is None:
-        return settings["kernel_axes"]
-    return _axes.kernel_names(owner, settings["kernel_axes"], from_init, settings["param_axes"])
+    init, param_axes = settings["kernel_init"], settings["param_axes"]
+    return _axes.given_names(owner, settings["kernel_axes"], init, param_axes)[0]
 
 
 def check_split(owner: str, config: ParallelConfig, what: str, features: int) -> None:

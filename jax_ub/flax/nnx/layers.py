@@ -119,8 +119,8 @@ def _init(owner: str, init: Any, key: jax.Array, in_shape: tuple, features: tupl
             "nnx.with_partitioning(init, names), not nn.with_partitioning"
         )
     if isinstance(value, variablelib.VariableMetadata):
-        metadata = value.metadata
-        names = next((metadata[k] for k in _NAME_KEYS if metadata.get(k) is not None), None)
+        held = _projection.nnx_box_key(value)
+        names = None if held is None else value.metadata[held]
         value = value.raw_value
     return jnp.reshape(value, in_shape + features), None if names is None else tuple(names)
 
@@ -130,17 +130,15 @@ def _metadata_names(owner: str, what: str, metadata: Any, names: tuple | None) -
     ``bias_metadata`` (the only metadata the layers take), else ``names``."""
     if not metadata:
         return names
-    unknown = sorted(set(metadata) - set(_NAME_KEYS))
-    given = [metadata[k] for k in _NAME_KEYS if metadata.get(k) is not None]
+    unknown = sorted(set(metadata) - set(_projection.NNX_NAME_KEYS))
+    given = [metadata[k] for k in _projection.NNX_NAME_KEYS if metadata.get(k) is not None]
     if unknown or len(given) != 1 or names is not None:
         raise ValueError(
             f"{owner}: {what} may hold the params' sharding names alone (one of "
-            f"{_NAME_KEYS}), not also given by the initializer; got {dict(metadata)!r}"
+            f"{_projection.NNX_NAME_KEYS}), not also given by the initializer; got "
+            f"{dict(metadata)!r}"
         )
     return tuple(given[0])
-
-
-_NAME_KEYS = _projection.NNX_NAME_KEYS
 
 
 def project(inputs: jax.Array, *layers: _ParallelLinear) -> Any:
