@@ -112,15 +112,12 @@ plan_lanes() {
   done
 }
 
-# lanes_fit GPUS: whether every GPU's ranks at once (on_gpu) fit 0.85 of its memory at
-# RANK_GPU_MIB each; GPU_MIB: each GPU's memory (RANKS_GPU_MIB, else nvidia-smi's; unknown
-# fits).
+# lanes_fit GPUS: whether every GPU's ranks at once (on_gpu) fit 0.85 of its memory
+# (GPU_MIB; unknown fits) at RANK_GPU_MIB each.
 lanes_fit() {
   local g mib
   for ((g = 0; g < $1; g++)); do
-    mib=${RANKS_GPU_MIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits \
-      -i "${gpu_ids[g]}" 2> /dev/null | head -n 1)}
-    GPU_MIB[g]=$mib
+    mib=${GPU_MIB[g]:-}
     [[ $mib =~ ^[0-9]+$ ]] || continue
     [ $((${on_gpu[g]:-0} * RANK_GPU_MIB * 100)) -le $((mib * 85)) ] || return 1
   done
@@ -146,6 +143,11 @@ mode_ranks() {
   else read -ra gpu_ids <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader 2> /dev/null | tr '\n' ' ')"; fi
   [ ${#gpu_ids[@]} -ge 1 ] || gpu_ids=(0)
   gpus=${#gpu_ids[@]}
+  # Each GPU's memory in MiB: RANKS_GPU_MIB, else nvidia-smi's (once, not per plan).
+  for ((i = 0; i < gpus; i++)); do
+    GPU_MIB[i]=${RANKS_GPU_MIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits \
+      -i "${gpu_ids[i]}" 2> /dev/null | head -n 1)}
+  done
   plan_lanes "$lanes" "$gpus"
   # Fewer lanes where the ranks they put on a GPU at once would not fit its memory.
   local wanted=$lanes
