@@ -24,10 +24,9 @@ def tp_axis(owner: str, axis_name: str | None, split_name: str | None, mesh: Any
         return axis_name
     if split_name is None:
         return DEFAULT_AXIS
-    rules = flax_spmd.get_logical_axis_rules()
-    mapped = _split_axis(owner, split_name, _mapped_axes(split_name, rules), None, mesh)
+    mapped = _rule_axis(owner, split_name, mesh)
     if mapped is None:
-        _warn_unmapped(owner, split_name, rules)
+        _warn_unmapped(owner, split_name, flax_spmd.get_logical_axis_rules())
         return DEFAULT_AXIS
     return mapped
 
@@ -39,10 +38,17 @@ def box_split_axis(owner: str, name: Any, mesh: Any = None) -> str | None:
     NNX's box names may be mesh axes, which no rule lists. None where neither."""
     if name is None:
         return None
-    mapped = _mapped_axes(name, flax_spmd.get_logical_axis_rules())
-    if mapped:
-        return _split_axis(owner, name, mapped, None, mesh)
+    mapped = _rule_axis(owner, name, mesh)
+    if mapped is not None:
+        return mapped
     return name if name in axis_sizes(mesh) else None
+
+
+def _rule_axis(owner: str, name: Any, mesh: Any) -> str | None:
+    """The tensor-parallel mesh axis the active logical axis rules map the kernel dim name
+    ``name`` to (:func:`_split_axis`); None where no rule maps it."""
+    rules = flax_spmd.get_logical_axis_rules()
+    return _split_axis(owner, name, _mapped_axes(name, rules), None, mesh)
 
 
 def axis_sizes(mesh: Any = None) -> dict[str, int]:
