@@ -20,7 +20,8 @@ step dispatches its ops; torch launches each): at 1, a loop of small GEMMs also 
 JAX's dispatch of one program per GEMM, and jax_ub's handler (its host time per call is
 printed: where it and the dispatch exceed the GEMM, the GPU waits for the host). The last
 column names the kernel jax_ub runs for the forward GEMM (its description and place in
-cuBLASLt's heuristic list: ``device_run.sh gemm M,K,N`` times every place).
+cuBLASLt's heuristic list: ``device_run.sh gemm M,K,N`` times every place). Last, the
+rows' ratios as one table (a projection a line, a tp a column), torch / XLA beside them.
 
 python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections qkv,o]
     [--fp8] [--seconds 0.3] [--per-call 8]
@@ -211,6 +212,29 @@ def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...], ho
     return "| " + " | ".join(cells) + " |"
 
 
+def ratios(times: dict[str, list[float]], kinds: tuple[str, ...]) -> str:
+    """A summary cell: per kind jax_ub / the fastest of XLA and torch ("; " between kinds),
+    then torch / XLA of the first kind in parentheses (where torch ran)."""
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    cells = []
+    for kind in kinds:
+        fastest = min(med[f"{s} {kind}"] for s in ("xla", "torch") if f"{s} {kind}" in med)
+        cells.append(f"{med[f'ub {kind}'] / fastest:.3f}")
+    torch_ms = med.get(f"torch {kinds[0]}")
+    vs_torch = f" ({torch_ms / med[f'xla {kinds[0]}']:.3f})" if torch_ms is not None else ""
+    return "; ".join(cells) + vs_torch
+
+
+def summary(cells: dict[tuple[str, int], str], tps: list[int]) -> str:
+    """The rows' ratios as one table, a projection a line and a tp a column."""
+    names = list(dict.fromkeys(name for name, _ in cells))
+    lines = ["| projection | " + " | ".join(f"tp={tp}" for tp in tps) + " |"]
+    lines.append("|" + " --- |" * (len(tps) + 1))
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(cells.get((name, tp), "") for tp in tps) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="8b,70b,405b")
@@ -254,8 +278,10 @@ def main() -> None:
     print(f"GEMMs per call: {args.per_call}")
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head), flush=True)
+    cells: dict[tuple[str, int], str] = {}
+    tps = [int(tp) for tp in args.tp.split(",")]
     for model in args.models.split(","):
-        for tp in map(int, args.tp.split(",")):
+        for tp in tps:
             for name, m, k, n in projections(model, tp, args.tokens):
                 if name.split(" ")[1] not in wanted or 2 * m * k * n > args.most_tflop * 1e12:
                     continue
@@ -263,6 +289,7 @@ def main() -> None:
                 impls = make(m, k, n, torch, args.per_call)
                 times, host = time_row(impls, args.seconds, args.rounds, args.per_call)
                 row = report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host)
+                cells[(name, tp)] = ratios(times, kinds)
                 print(f"{row} {picked(m, k, n)} |", flush=True)
                 # This row's inputs and each loop's last outputs go before the next row's
                 # come: a 70B row holds ~20 GB, and two of them ran an H100's share (0.4 of
@@ -270,6 +297,8 @@ def main() -> None:
                 del impls
                 if torch is not None:
                     torch.cuda.empty_cache()
+    print(f"\njax_ub / the fastest of XLA and torch, {'; '.join(kinds)} (torch / XLA, {kinds[0]}):")
+    print(summary(cells, tps))
 
 
 if __name__ == "__main__":
