@@ -4,7 +4,7 @@ shuffled rounds of loops: which kernel the op runs fastest for good, and how far
 is from it. A device investigation tool, not part of the library.
 
 JAX_UB_TRACE=1 python benchmarks/tools/gemm_forced.py 8192,8192,8192 [m,k,n ...]
-  [--rounds 5 --seconds 0.2 --pick-only]
+  [--rounds 5 --seconds 0.2 --pick-only --rows]
 (the trace shows tuning's times per candidate and each forced kernel taken from its file)
 """
 
@@ -28,8 +28,9 @@ from jax_ub.bench.timing import round_order  # noqa: E402
 CANDIDATES = 8  # the column description's heuristic list that tuning times (kCandidates)
 
 
-def forced_gemms(a, b, folder: str, pick_only: bool) -> dict:
-    """{"pick": the tuned op, "colI": the op forced to candidate I}, each run a few times."""
+def forced_gemms(a, b, folder: str, pick_only: bool, rows: bool) -> dict:
+    """{"pick": the tuned op, "colI": the op forced to candidate I of the column description
+    ("rowI": of the row description, with ``rows``)}, each run a few times."""
     tuned = os.path.join(folder, "tuned.txt")
     jax_ub.configure(gemm_cache=tuned)
     fns = {"pick": own_gemm()}
@@ -37,14 +38,22 @@ def forced_gemms(a, b, folder: str, pick_only: bool) -> dict:
         fns["pick"](a, b).block_until_ready()
     key, choice = open(tuned).read().strip().split(" | ")
     print(f"tuned pick (row, index): {choice}", flush=True)
-    for index in [] if pick_only else range(CANDIDATES):
-        path = os.path.join(folder, f"col{index}.txt")
+    forced = (
+        [] if pick_only else [(row, i) for row in (0, 1)[: 1 + rows] for i in range(CANDIDATES)]
+    )
+    for row, index in forced:
+        name = f"{'row' if row else 'col'}{index}"
+        path = os.path.join(folder, f"{name}.txt")
         with open(path, "w") as f:
-            f.write(f"{key} | 0 {index}\n")
+            f.write(f"{key} | {row} {index}\n")
         jax_ub.configure(gemm_cache=path)  # new settings: a new communicator reads it
-        fns[f"col{index}"] = own_gemm()
-        for _ in range(3):
-            fns[f"col{index}"](a, b).block_until_ready()
+        try:
+            fns[name] = own_gemm()
+            for _ in range(3):
+                fns[name](a, b).block_until_ready()
+        except Exception as e:  # noqa: BLE001  a place the heuristic list lacks here
+            print(f"{name}: cannot run ({str(e).splitlines()[0][:120]})", flush=True)
+            fns.pop(name, None)
     jax_ub.configure(gemm_cache="")
     return fns
 
@@ -55,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.2)
     ap.add_argument("--pick-only", action="store_true", help="the tuned pick and XLA only")
+    ap.add_argument("--rows", action="store_true", help="the row description's candidates too")
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit("gemm_forced.py times cuBLASLt's kernels: it needs a GPU")
@@ -65,7 +75,7 @@ def main() -> None:
         b = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.01, jnp.bfloat16)
         print(f"== {shape}", flush=True)
         fns = {"xla": jax.jit(lambda a, b: a @ b)}
-        fns.update(forced_gemms(a, b, tempfile.mkdtemp(), args.pick_only))
+        fns.update(forced_gemms(a, b, tempfile.mkdtemp(), args.pick_only, args.rows))
         want = fns["xla"](a, b)
         for name, fn in fns.items():  # every kernel computes the product
             check_close(name, fn(a, b), want)
