@@ -5,10 +5,11 @@ host-bound where the median gap between kernels grows, or single gaps reach a ke
 length. A device investigation tool, not part of the library.
 
 Per shape and round, each in turn (in an order shuffled by the round): a loop of at least
-``--seconds`` (ms per call, as the benchmarks time calls), then 20 calls enqueued back to
-back with one sync at the end, their kernels read through CUPTI (torch's profiler, which
-sees JAX's kernels too): their names, mean time and the gaps between them. Equal kernels
-and unequal loops point at the host; unequal kernel times at the kernel's choice.
+``--seconds`` (ms per call, as the benchmarks time calls); after every round, each one's 20
+calls enqueued back to back with one sync at the end, their kernels read through CUPTI
+(torch's profiler, which sees JAX's kernels too): their names, median time and the gaps
+between them. Equal kernels and unequal loops point at the host; unequal kernel times at the
+kernel's choice.
 
 python benchmarks/tools/gemm_gaps.py --shapes 8192x3584x4096,8192x4096x1536
 """
@@ -41,16 +42,22 @@ def gemm_kernels(prof) -> list[tuple[float, float, str]]:
     )
 
 
-def measure(call, sync, seconds: float) -> str:
-    """One implementation's loop time, then its kernels' time and the gaps between them."""
+def loop_ms(call, sync, seconds: float) -> float:
+    """Ms per call of a loop of async calls lasting at least ``seconds``."""
     start, calls, out = time.perf_counter(), 0, None
     while time.perf_counter() - start < seconds:
         for _ in range(10):
             out = call()
         sync(out)
         calls += 10
-    loop_ms = 1e3 * (time.perf_counter() - start) / calls
+    return 1e3 * (time.perf_counter() - start) / calls
+
+
+def kernels(call, sync) -> str:
+    """20 calls back to back under CUPTI: the GEMM kernels' names, median time and the gaps
+    between them, and the other kernels the calls ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = None
         for _ in range(20):
             out = call()
         sync(out)
@@ -64,8 +71,8 @@ def measure(call, sync, seconds: float) -> str:
     gaps = [ks[i + 1][0] - ks[i][1] for i in range(len(ks) - 1)]
     names = sorted({name[:60] for _, _, name in ks})
     return (
-        f"loop {loop_ms:.3f} ms | {len(ks)} kernels, median {kernel_us:.1f} us, gaps median "
-        f"{np.median(gaps):.1f} max {np.max(gaps):.1f} us | {' '.join(names)}"
+        f"{len(ks)} kernels, median {kernel_us:.1f} us, gaps median {np.median(gaps):.1f} max "
+        f"{np.max(gaps):.1f} us | {' '.join(names)}"
         + (f" | also: {', '.join(others)}" if others else "")
     )
 
@@ -79,13 +86,19 @@ def main() -> None:
     ub = own_gemm()
     dot = jax.jit(lambda a, b: a @ b)
     for shape in args.shapes.split(","):
+        impls = implementations(ub, dot, shape)
+        # Every loop of the shape before its profiles: none runs just after CUPTI's.
         for r in range(args.rounds):
-            for name, line in compare(ub, dot, shape, args.seconds, r == 0, r):
-                print(f"{shape} round {r} {name:8s} {line}", flush=True)
+            for name in round_order(impls, r):
+                print(f"{shape} round {r} {name:8s} loop {loop_ms(*impls[name], args.seconds):.3f} "
+                      "ms", flush=True)  # fmt: skip
+        for name, (call, sync) in impls.items():
+            print(f"{shape} kernels {name:8s} {kernels(call, sync)}", flush=True)
 
 
-def compare(ub, dot, shape: str, seconds: float, warm: bool, order_seed: int):
-    """(name, measure's line) of each implementation at ``shape`` (``MxKxN``)."""
+def implementations(ub, dot, shape: str) -> dict:
+    """name -> (call, sync) of each implementation at ``shape`` (``MxKxN``), each past its
+    compilation and jax_ub's kernel trials."""
     m, k, n = map(int, shape.split("x"))
     a = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16) * 0.01
@@ -96,11 +109,10 @@ def compare(ub, dot, shape: str, seconds: float, warm: bool, order_seed: int):
         "xla_dot": (lambda: dot(a, b), lambda r: r.block_until_ready()),
         "torch": (lambda: torch.mm(ta, tb), lambda r: torch.cuda.synchronize()),
     }
-    for _ in range(30 if warm else 0):  # compiled, past jax_ub's kernel trials
+    for _ in range(30):
         for call, sync in impls.values():
             sync(call())
-    order = round_order(impls, order_seed)
-    return [(name, measure(*impls[name], seconds)) for name in order]
+    return impls
 
 
 if __name__ == "__main__":
