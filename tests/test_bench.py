@@ -273,13 +273,23 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
         argv = [script, "--models", "tiny", "--tp", "2", "--tokens", "64", "--seconds", "0.01"]
         monkeypatch.setattr(sys, "argv", argv + ["--rounds", "1", *extra])
         runpy.run_path(script, run_name="__main__")
-        rows = [line for line in capsys.readouterr().out.splitlines() if "tiny" in line]
+        lines = capsys.readouterr().out.splitlines()
+        rows = [line for line in lines if "tiny" in line and "(tp2)" in line]
         assert [r.split("|")[1].split()[1] for r in rows] == names
         kinds = 1 if "--fp8" in extra else 2
         for r in rows:
             assert len(r.split("|")) == 1 + 5 * kinds + 5, r
             ratios = [float(c) for c in r.split("|")[2:-4] if c.strip() != "nan"]
             assert ratios and all(v > 0 for v in ratios), r
+        # Then the summary: a projection a line, its tp's cell jax_ub / the fastest per kind
+        # (torch / XLA beside them where torch ran), the same ratios as the rows'.
+        summary = [line for line in lines if "tiny" in line and "(tp2)" not in line]
+        assert [r.split("|")[1].split()[1] for r in summary] == names
+        for r, row in zip(summary, rows):
+            cell = r.split("|")[2].split("(")[0]
+            assert [float(v) for v in cell.split(";")] == [
+                float(row.split("|")[5 + 5 * i]) for i in range(kinds)
+            ], (r, row)
 
 
 def test_gemm_table_refuses_outputs_off_xlas():
