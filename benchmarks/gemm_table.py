@@ -195,14 +195,24 @@ def picked(m: int, k: int, n: int) -> str:
     return ", ".join(sorted(picks))
 
 
+def medians(times: dict[str, list[float]], kinds: tuple[str, ...]) -> tuple[dict, dict]:
+    """Each implementation's median ms, and per kind the fastest peer's (XLA or torch)."""
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    fastest = {
+        kind: min(med[f"{s} {kind}"] for s in ("xla", "torch") if f"{s} {kind}" in med)
+        for kind in kinds
+    }
+    return med, fastest
+
+
 def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...], host: dict) -> str:
     """One table row: per kind, each source's median ms, jax_ub / the fastest peer and XLA
     again / the same; then the spread and jax_ub's host us per op call (first kind)."""
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    med, fastest_of = medians(times, kinds)
     spread = max((max(ts) - min(ts)) / statistics.median(ts) for ts in times.values())
     cells = [label]
     for kind in kinds:
-        fastest = min(med[f"{s} {kind}"] for s in ("xla", "torch") if f"{s} {kind}" in med)
+        fastest = fastest_of[kind]
         ub = med[f"ub {kind}"]
         cells += [f"{med.get(f'{s} {kind}', float('nan')):.3f}" for s in ("xla", "torch")]
         cells += [f"{ub:.3f}", f"{ub / fastest:.3f}", f"{med[f'again {kind}'] / fastest:.3f}"]
@@ -215,11 +225,8 @@ def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...], ho
 def ratios(times: dict[str, list[float]], kinds: tuple[str, ...]) -> str:
     """A summary cell: per kind jax_ub / the fastest of XLA and torch ("; " between kinds),
     then torch / XLA of the first kind in parentheses (where torch ran)."""
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    cells = []
-    for kind in kinds:
-        fastest = min(med[f"{s} {kind}"] for s in ("xla", "torch") if f"{s} {kind}" in med)
-        cells.append(f"{med[f'ub {kind}'] / fastest:.3f}")
+    med, fastest = medians(times, kinds)
+    cells = [f"{med[f'ub {kind}'] / fastest[kind]:.3f}" for kind in kinds]
     torch_ms = med.get(f"torch {kinds[0]}")
     vs_torch = f" ({torch_ms / med[f'xla {kinds[0]}']:.3f})" if torch_ms is not None else ""
     return "; ".join(cells) + vs_torch
