@@ -10,6 +10,7 @@
 #include "bindings/ffi_cpu.h"
 #include "bindings/nb_helpers.h"
 #include "bindings/registry.h"
+#include "cuda/gemm/choice_internal.h"
 #include "host/communicator.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -135,6 +136,10 @@ NB_MODULE(_host, m) {
       },
       nb::arg("op"), nb::arg("rank"), nb::arg("size"), nb::arg("m"), nb::arg("k"), nb::arg("n"),
       nb::arg("gathered"), nb::arg("options"), nb::arg("epilogue") = "");
+  // Which of a long GEMM's kernel candidates the GPU tuning's blocks time (CUDA-free logic,
+  // tested here): `ranked` fastest first by round 0, `first_pick` cuBLASLt's own first.
+  m.def("sustained_candidates", &jax_ub::gemm_internal::SustainedCandidates, nb::arg("ranked"),
+        nb::arg("first_pick"));
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -28,6 +29,22 @@ constexpr int kSustainRounds = 2;       // a candidate's time: the mean of the r
 // ranked by round 0's one run apiece), the blocks' fastest was always among round 0's
 // first 4, and the best of the rest ran 0.6-7.6% slower: timing 4 halves a shape's tuning.
 constexpr int kSustainKept = 4;
+// The candidates a long GEMM's blocks time, in order, of `ranked` (those that ran in round
+// 0, fastest first): round 0's first kSustainKept, and `first_pick` (cuBLASLt's own first
+// pick, the kernel cuBLAS itself runs: torch's GEMM) after them where it ran but is not
+// among them. Round 0's single runs on a cold GPU rank by bursts: on one H100 the kept pick
+// at 8192x1792x4096 ran 5% slower than cuBLAS's (kernel times through CUPTI), so the blocks
+// time cuBLAS's pick too. The time budget may still cut the list's tail.
+inline std::vector<size_t> SustainedCandidates(std::vector<size_t> ranked, size_t first_pick) {
+  size_t kept = std::min(ranked.size(), static_cast<size_t>(kSustainKept));
+  const auto pick = std::find(ranked.begin() + kept, ranked.end(), first_pick);
+  if (pick != ranked.end()) {
+    std::rotate(ranked.begin() + kept, pick, pick + 1);
+    ++kept;
+  }
+  ranked.resize(kept);
+  return ranked;
+}
 // Untimed, before the first round: a GPU that idled (compiling, the host's own work) ran
 // a whole first block above its sustained clock (5-7% fast, on the H200). A guess at
 // what covers that, not measured yet.

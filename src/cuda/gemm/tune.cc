@@ -116,11 +116,12 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
           if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
         }
       }
+      // Candidate 0 is the first description's heuristic #0 where cuBLASLt served that.
+      if (*sustained) next = SustainedCandidates(next, (*candidates)[0].index == 0 ? 0 : count);
       const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
       double planned_ms = 0;
       size_t keep = 0;
       for (; keep < next.size(); ++keep) {
-        if (*sustained && keep >= static_cast<size_t>(kSustainKept)) break;
         const size_t i = next[keep];
         const double run_ms = std::max(first_ms[i], 1e-3f);
         if (*sustained) {
