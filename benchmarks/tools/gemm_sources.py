@@ -71,7 +71,7 @@ def loop_ms(step, sync, seconds: float) -> float:
 def jax_loop(f, *args):
     """(step, sync) for loop_ms: step calls jitted ``f`` without waiting, sync waits for the
     last call's outputs and lets them go: the loops of one table row take turns, and each
-    one's last outputs kept (a 8B gate/up row's fwd+bwd: 6 GB) ran an H100's share (0.4 of
+    one's last outputs kept (an 8B gate/up row's fwd+bwd: 6 GB) ran an H100's share (0.4 of
     80 GB) out of memory."""
     last: list = []
 

@@ -212,8 +212,9 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
   // cuBLASLt's own first pick always takes part: tuning times kernels alone, and beside
   // the op's copies the heuristic's kernel was at times the faster one (a reduce-scatter
   // at some shapes, benchmarks/RESULTS.md "Kernel choice"); the trials decide from the
-  // time beside the copies. Not where tuning timed sustained blocks: the trials time
-  // single calls in turn, the bursts that rank kernels by a clock others left.
+  // time beside the copies. Not where tuning timed sustained blocks (which time it too,
+  // SustainedCandidates): the trials time single calls in turn, the bursts that rank
+  // kernels by a clock others left.
   const Candidate* heuristic = nullptr;
   for (const Candidate& cand : candidates)
     if (cand.description == chosen.description) {
