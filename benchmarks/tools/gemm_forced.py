@@ -14,6 +14,7 @@ import argparse
 import os
 import statistics
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
 
@@ -36,22 +37,21 @@ def forced_gemms(a, b, folder: str, pick_only: bool, rows: bool) -> dict:
     fns = {"pick": own_gemm()}
     for _ in range(30):  # past tuning and any trials
         fns["pick"](a, b).block_until_ready()
-    key, choice = open(tuned).read().strip().split(" | ")
+    key, choice = Path(tuned).read_text().strip().split(" | ")
     print(f"tuned pick (row, index): {choice}", flush=True)
     descriptions = (0, 1) if rows else (0,)
     forced = [] if pick_only else [(row, i) for row in descriptions for i in range(CANDIDATES)]
     for row, index in forced:
         name = f"{'row' if row else 'col'}{index}"
         path = os.path.join(folder, f"{name}.txt")
-        with open(path, "w") as f:
-            f.write(f"{key} | {row} {index}\n")
+        Path(path).write_text(f"{key} | {row} {index}\n")
         jax_ub.configure(gemm_cache=path)  # new settings: a new communicator reads it
         fns[name] = own_gemm()
         for _ in range(30):  # as many as the pick's: a refused kernel's trials end in them
             fns[name](a, b).block_until_ready()
         # A kernel the heuristic list lacks here is tuned instead, and the tuned pick then
         # recorded after our line: that op is not this candidate's.
-        if len(open(path).read().splitlines()) > 1:
+        if len(Path(path).read_text().splitlines()) > 1:
             print(f"{name}: not in cuBLASLt's list here (tuned instead): left out", flush=True)
             del fns[name]
     jax_ub.configure(gemm_cache="")

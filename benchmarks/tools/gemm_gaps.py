@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")  # torch shares the GPU
 
@@ -26,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from gemm_sources import own_gemm  # noqa: E402  (this folder, on the path as the script runs)
+from gemm_sources import jax_loop, loop_ms, own_gemm  # noqa: E402  (this folder, on the path as the script runs)
 
 from jax_ub.bench.timing import round_order  # noqa: E402
 
@@ -42,25 +41,13 @@ def gemm_kernels(prof) -> list[tuple[float, float, str]]:
     )
 
 
-def loop_ms(call, sync, seconds: float) -> float:
-    """Ms per call of a loop of async calls lasting at least ``seconds``."""
-    start, calls, out = time.perf_counter(), 0, None
-    while time.perf_counter() - start < seconds:
-        for _ in range(10):
-            out = call()
-        sync(out)
-        calls += 10
-    return 1e3 * (time.perf_counter() - start) / calls
-
-
-def kernels(call, sync) -> str:
+def kernels(step, sync) -> str:
     """20 calls back to back under CUPTI: the GEMM kernels' names, median time and the gaps
     between them, and the other kernels the calls ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = None
         for _ in range(20):
-            out = call()
-        sync(out)
+            step()
+        sync()
     ks = gemm_kernels(prof)
     cuda = torch.autograd.DeviceType.CUDA
     gemm_names = {name for _, _, name in ks}
@@ -92,26 +79,27 @@ def main() -> None:
             for name in round_order(impls, r):
                 print(f"{shape} round {r} {name:8s} loop {loop_ms(*impls[name], args.seconds):.3f} "
                       "ms", flush=True)  # fmt: skip
-        for name, (call, sync) in impls.items():
-            print(f"{shape} kernels {name:8s} {kernels(call, sync)}", flush=True)
+        for name, (step, sync) in impls.items():
+            print(f"{shape} kernels {name:8s} {kernels(step, sync)}", flush=True)
 
 
 def implementations(ub, dot, shape: str) -> dict:
-    """name -> (call, sync) of each implementation at ``shape`` (``MxKxN``), each past its
-    compilation and jax_ub's kernel trials."""
+    """name -> (step, sync) of each implementation at ``shape`` (``MxKxN``), as loop_ms takes
+    them, each past its compilation and jax_ub's kernel trials."""
     m, k, n = map(int, shape.split("x"))
     a = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16) * 0.01
     ta = torch.from_numpy(np.array(a.astype(jnp.float32))).cuda().bfloat16()
     tb = torch.from_numpy(np.array(b.astype(jnp.float32))).cuda().bfloat16()
     impls = {
-        "jax_ub": (lambda: ub(a, b), lambda r: r.block_until_ready()),
-        "xla_dot": (lambda: dot(a, b), lambda r: r.block_until_ready()),
-        "torch": (lambda: torch.mm(ta, tb), lambda r: torch.cuda.synchronize()),
+        "jax_ub": jax_loop(ub, a, b),
+        "xla_dot": jax_loop(dot, a, b),
+        "torch": (lambda: torch.mm(ta, tb), torch.cuda.synchronize),
     }
     for _ in range(30):
-        for call, sync in impls.values():
-            sync(call())
+        for step, sync in impls.values():
+            step()
+            sync()
     return impls
 
 
