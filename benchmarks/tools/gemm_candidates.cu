@@ -9,8 +9,11 @@
 // (W = 0: tuning's way, 3 runs a block, all timed): which block length ranks the
 // candidates as long loops of each do.
 //
+// --copies C: runs take turns over C copies of the operands (C > 1: as many as leave none
+// in L2 by the next run of it, as a training step's GEMMs find their inputs), instead of one.
+//
 // Usage: gemm_candidates [--candidates N] [--runs R] [--windows W,... [--rounds N]]
-//                        m,k,n [m,k,n ...]
+//                        [--copies C] m,k,n [m,k,n ...]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -122,7 +125,7 @@ void TimeWindows(const std::vector<int>& windows, int rounds, const std::vector<
 }  // namespace
 
 int main(int argc, char** argv) {
-  int candidates = 32, runs = 10, rounds = 5;
+  int candidates = 32, runs = 10, rounds = 5, copies = 1;
   std::vector<int> windows;
   std::vector<std::string> shapes;
   for (int i = 1; i < argc; ++i) {
@@ -132,6 +135,8 @@ int main(int argc, char** argv) {
       runs = std::atoi(argv[++i]);
     } else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) {
       rounds = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) {
+      copies = std::max(1, std::atoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--windows") && i + 1 < argc) {
       for (const char* w = argv[++i]; *w != '\0';) {
         char* end = nullptr;
@@ -158,17 +163,25 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bad shape %s (want m,k,n)\n", s.c_str());
       return 2;
     }
-    __nv_bfloat16 *a, *b, *c;
-    Check(cudaMalloc(&a, m * k * 2), "a");
-    Check(cudaMalloc(&b, k * n * 2), "b");
+    // Copy j of the operands: a[j], b[j]; each run takes the next copy.
+    std::vector<__nv_bfloat16*> a(copies), b(copies);
+    __nv_bfloat16* c;
+    for (int j = 0; j < copies; ++j) {
+      Check(cudaMalloc(&a[j], m * k * 2), "a");
+      Check(cudaMalloc(&b[j], k * n * 2), "b");
+      FillRandom(a[j], m * k, 1 + 2 * j, 1.0f, stream);
+      FillRandom(b[j], k * n, 2 + 2 * j, 0.01f, stream);
+    }
     Check(cudaMalloc(&c, m * n * 2), "c");
-    FillRandom(a, m * k, 1, 1.0f, stream);
-    FillRandom(b, k * n, 2, 0.01f, stream);
+    int turn = 0;  // runs so far: the next run's copy
     const double tflop = 2.0 * m * k * n / 1e12;
-    std::printf("\n== m=%lld k=%lld n=%lld (%.3f TFLOP per GEMM)\n", m, k, n, tflop);
+    std::printf("\n== m=%lld k=%lld n=%lld (%.3f TFLOP per GEMM, %d operand copies)\n", m, k, n,
+                tflop, copies);
     for (bool row : {false, true}) {
       if (row && !windows.empty()) break;  // the windows time the swap formulation only
-      Problem p = Describe(row, m, k, n, a, b);
+      std::vector<Problem> ps;  // one per copy: the same descriptions, that copy's operands
+      for (int j = 0; j < copies; ++j) ps.push_back(Describe(row, m, k, n, a[j], b[j]));
+      const Problem& p = ps[0];
       cublasLtMatmulPreference_t pref;
       Check(cublasLtMatmulPreferenceCreate(&pref), "pref");
       size_t ws_pref = ws_bytes;
@@ -192,8 +205,9 @@ int main(int argc, char** argv) {
       std::vector<float> timed_ms(found, 1.0f);  // each candidate's sequential time
       for (int i = 0; i < found; ++i) {
         auto run = [&] {
-          return cublasLtMatmul(handle, p.desc, &alpha, p.first_ptr, p.first, p.second_ptr,
-                                p.second, &beta, c, p.out, c, p.out, &results[i].algo, ws, ws_bytes,
+          const Problem& q = ps[turn++ % copies];
+          return cublasLtMatmul(handle, q.desc, &alpha, q.first_ptr, q.first, q.second_ptr,
+                                q.second, &beta, c, q.out, c, q.out, &results[i].algo, ws, ws_bytes,
                                 stream);
         };
         if (run() != CUBLAS_STATUS_SUCCESS) {
@@ -238,19 +252,24 @@ int main(int argc, char** argv) {
           tiles.push_back(jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
         }
         TimeWindows(windows, rounds, est, tiles, stream, [&](int i) {
-          Check(cublasLtMatmul(handle, p.desc, &alpha, p.first_ptr, p.first, p.second_ptr, p.second,
-                               &beta, c, p.out, c, p.out, &results[runnable[i]].algo, ws, ws_bytes,
+          const Problem& q = ps[turn++ % copies];
+          Check(cublasLtMatmul(handle, q.desc, &alpha, q.first_ptr, q.first, q.second_ptr, q.second,
+                               &beta, c, q.out, c, q.out, &results[runnable[i]].algo, ws, ws_bytes,
                                stream),
                 "matmul");
         });
       }
-      cublasLtMatrixLayoutDestroy(p.first);
-      cublasLtMatrixLayoutDestroy(p.second);
-      cublasLtMatrixLayoutDestroy(p.out);
-      cublasLtMatmulDescDestroy(p.desc);
+      for (Problem& q : ps) {
+        cublasLtMatrixLayoutDestroy(q.first);
+        cublasLtMatrixLayoutDestroy(q.second);
+        cublasLtMatrixLayoutDestroy(q.out);
+        cublasLtMatmulDescDestroy(q.desc);
+      }
     }
-    Check(cudaFree(a), "free");
-    Check(cudaFree(b), "free");
+    for (int j = 0; j < copies; ++j) {
+      Check(cudaFree(a[j]), "free");
+      Check(cudaFree(b[j]), "free");
+    }
     Check(cudaFree(c), "free");
   }
   cudaEventDestroy(begin);
