@@ -9,7 +9,7 @@ mode_gemm() {
   step -k 5 gemm_candidates "${GEMM_S:-240}" "$OUT/gemm_candidates.log" \
     build/dev/gemm_candidates --candidates "${GEMM_CANDIDATES:-24}" --runs "${GEMM_RUNS:-200}" \
     ${GEMM_WINDOWS:+--windows "$GEMM_WINDOWS"} ${GEMM_COPIES:+--copies "$GEMM_COPIES"} "$@"
-  grep -E "^==|best|#" "$OUT/gemm_candidates.log" | head -n "${GEMM_LINES:-150}"
+  grep -E "^==|best|#|cuBLAS" "$OUT/gemm_candidates.log" | head -n "${GEMM_LINES:-150}"
   step -k 5 "xla dot" 120 "$SCRATCH/xla_dot.log" python3 benchmarks/tools/xla_dot_times.py "$@"
   grep "xla dot" "$SCRATCH/xla_dot.log"
 }

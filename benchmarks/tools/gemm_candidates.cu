@@ -11,9 +11,15 @@
 //
 // --copies C: runs take turns over C copies of the operands (C > 1: as many as leave none
 // in L2 by the next run of it, as a training step's GEMMs find their inputs), instead of one.
+// Beside the swap formulation's candidates, cuBLAS's own GEMM (cublasGemmEx, its default
+// algorithm, a 32 MiB workspace: what torch.mm runs) is timed alike, as "cuBLAS": the kernel
+// cuBLAS picks for itself may differ from cuBLASLt's first heuristic pick, or run as it
+// with another configuration.
 //
 // Usage: gemm_candidates [--candidates N] [--runs R] [--windows W,... [--rounds N]]
 //                        [--copies C] m,k,n [m,k,n ...]
+#include <cublas_v2.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -111,7 +117,11 @@ void TimeWindows(const std::vector<int>& windows, int rounds, const std::vector<
   for (int w : windows) std::printf(" %d ms", w);
   std::printf(", %d rounds\n", rounds);
   for (int i = 0; i < count; ++i) {
-    std::printf("#%2d tile %3d:", i, tiles[i]);
+    if (tiles[i] < 0) {
+      std::printf("cuBLAS's own:");  // cublasGemmEx, not one of cuBLASLt's candidates
+    } else {
+      std::printf("#%2d tile %3d:", i, tiles[i]);
+    }
     for (size_t c = 0; c < windows.size(); ++c) {
       int rank = 1;
       for (int j = 0; j < count; ++j) rank += medians[j][c] < medians[i][c];
@@ -154,6 +164,14 @@ int main(int argc, char** argv) {
   Check(cudaMalloc(&ws, ws_bytes), "workspace");
   cudaStream_t stream;
   Check(cudaStreamCreate(&stream), "stream");
+  // cuBLAS's own GEMM, set up as torch sets its handle on Hopper: the stream, a workspace of
+  // its own (cuBLASLt's runs use `ws`) of 32 MiB.
+  cublasHandle_t blas;
+  Check(cublasCreate(&blas), "cublasCreate");
+  Check(cublasSetStream(blas, stream), "cublasSetStream");
+  void* blas_ws;
+  Check(cudaMalloc(&blas_ws, ws_bytes), "cuBLAS workspace");
+  Check(cublasSetWorkspace(blas, blas_ws, ws_bytes), "cublasSetWorkspace");
   cudaEvent_t begin, end;
   Check(cudaEventCreate(&begin), "event");
   Check(cudaEventCreate(&end), "event");
@@ -200,6 +218,14 @@ int main(int argc, char** argv) {
         continue;
       }
       const float alpha = 1.0f, beta = 0.0f;
+      // cuBLAS's own GEMM of copy j (the swap formulation: C^T[n, m] = B^T[n, k] A^T[k, m]).
+      auto blas_run = [&](int j) {
+        Check(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                           static_cast<int>(k), &alpha, b[j], CUDA_R_16BF, static_cast<int>(n),
+                           a[j], CUDA_R_16BF, static_cast<int>(k), &beta, c, CUDA_R_16BF,
+                           static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              "cublasGemmEx");
+      };
       float best = 1e30f;
       int best_i = -1;
       std::vector<float> timed_ms(found, 1.0f);  // each candidate's sequential time
@@ -241,6 +267,24 @@ int main(int argc, char** argv) {
             jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
       }
       std::printf("%s best: #%d %.4f ms of %d candidates\n", name, best_i, best, found);
+      float blas_ms = 0;
+      if (!row) {  // cuBLAS's own, timed as each candidate was
+        std::vector<float> per_run;
+        blas_run(turn++ % copies);
+        for (int round = 0; round < 3; ++round) {
+          Check(cudaEventRecord(begin, stream), "record");
+          for (int r = 0; r < runs; ++r) blas_run(turn++ % copies);
+          Check(cudaEventRecord(end, stream), "record");
+          Check(cudaEventSynchronize(end), "sync");
+          float ms = 0;
+          Check(cudaEventElapsedTime(&ms, begin, end), "elapsed");
+          per_run.push_back(ms / runs);
+        }
+        std::sort(per_run.begin(), per_run.end());
+        blas_ms = per_run[1];
+        std::printf("cuBLAS's own (cublasGemmEx): %8.4f ms %6.1f TFLOP/s\n", blas_ms,
+                    tflop / (blas_ms * 1e-3));
+      }
       if (!windows.empty()) {
         std::vector<int> runnable;  // the candidates' places in `results`
         std::vector<float> est;
@@ -251,7 +295,10 @@ int main(int argc, char** argv) {
           est.push_back(timed_ms[i]);
           tiles.push_back(jax_ub::AlgoConfig(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID));
         }
+        est.push_back(blas_ms);  // cuBLAS's own, last (tile -1)
+        tiles.push_back(-1);
         TimeWindows(windows, rounds, est, tiles, stream, [&](int i) {
+          if (i == static_cast<int>(runnable.size())) return blas_run(turn++ % copies);
           const Problem& q = ps[turn++ % copies];
           Check(cublasLtMatmul(handle, q.desc, &alpha, q.first_ptr, q.first, q.second_ptr, q.second,
                                &beta, c, q.out, c, q.out, &results[runnable[i]].algo, ws, ws_bytes,
@@ -274,8 +321,10 @@ int main(int argc, char** argv) {
   }
   cudaEventDestroy(begin);
   cudaEventDestroy(end);
+  cublasDestroy(blas);
   cudaStreamDestroy(stream);
   cudaFree(ws);
+  cudaFree(blas_ws);
   cublasLtDestroy(handle);
   return 0;
 }
