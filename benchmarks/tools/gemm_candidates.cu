@@ -226,6 +226,21 @@ int main(int argc, char** argv) {
                            static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
               "cublasGemmEx");
       };
+      // The median of 3 rounds of `runs` runs back to back: ms a run.
+      auto loop_ms = [&](const std::function<void()>& one) {
+        std::vector<float> per_run;
+        for (int round = 0; round < 3; ++round) {
+          Check(cudaEventRecord(begin, stream), "record");
+          for (int r = 0; r < runs; ++r) one();
+          Check(cudaEventRecord(end, stream), "record");
+          Check(cudaEventSynchronize(end), "sync");
+          float ms = 0;
+          Check(cudaEventElapsedTime(&ms, begin, end), "elapsed");
+          per_run.push_back(ms / runs);
+        }
+        std::sort(per_run.begin(), per_run.end());
+        return per_run[1];
+      };
       float best = 1e30f;
       int best_i = -1;
       std::vector<float> timed_ms(found, 1.0f);  // each candidate's sequential time
@@ -241,18 +256,7 @@ int main(int argc, char** argv) {
           timed_ms[i] = -1.0f;  // left out of the windows
           continue;
         }
-        std::vector<float> per_run;
-        for (int round = 0; round < 3; ++round) {
-          Check(cudaEventRecord(begin, stream), "record");
-          for (int r = 0; r < runs; ++r) Check(run(), "matmul");
-          Check(cudaEventRecord(end, stream), "record");
-          Check(cudaEventSynchronize(end), "sync");
-          float ms = 0;
-          Check(cudaEventElapsedTime(&ms, begin, end), "elapsed");
-          per_run.push_back(ms / runs);
-        }
-        std::sort(per_run.begin(), per_run.end());
-        const float med = per_run[1];
+        const float med = loop_ms([&] { Check(run(), "matmul"); });
         timed_ms[i] = med;
         if (med < best) best = med, best_i = i;
         std::printf(
@@ -269,19 +273,8 @@ int main(int argc, char** argv) {
       std::printf("%s best: #%d %.4f ms of %d candidates\n", name, best_i, best, found);
       float blas_ms = 0;
       if (!row) {  // cuBLAS's own, timed as each candidate was
-        std::vector<float> per_run;
         blas_run(turn++ % copies);
-        for (int round = 0; round < 3; ++round) {
-          Check(cudaEventRecord(begin, stream), "record");
-          for (int r = 0; r < runs; ++r) blas_run(turn++ % copies);
-          Check(cudaEventRecord(end, stream), "record");
-          Check(cudaEventSynchronize(end), "sync");
-          float ms = 0;
-          Check(cudaEventElapsedTime(&ms, begin, end), "elapsed");
-          per_run.push_back(ms / runs);
-        }
-        std::sort(per_run.begin(), per_run.end());
-        blas_ms = per_run[1];
+        blas_ms = loop_ms([&] { blas_run(turn++ % copies); });
         std::printf("cuBLAS's own (cublasGemmEx): %8.4f ms %6.1f TFLOP/s\n", blas_ms,
                     tflop / (blas_ms * 1e-3));
       }
