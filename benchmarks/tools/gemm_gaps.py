@@ -7,9 +7,9 @@ length. A device investigation tool, not part of the library.
 Per shape and round, each in turn (in an order shuffled by the round): a loop of at least
 ``--seconds`` (ms per call, as the benchmarks time calls); after every round, each one's 20
 calls enqueued back to back with one sync at the end, their kernels read through CUPTI
-(torch's profiler, which sees JAX's kernels too): their names, median time and the gaps
-between them. Equal kernels and unequal loops point at the host; unequal kernel times at the
-kernel's choice.
+(torch's profiler, which sees JAX's kernels too): their names, launches (grid, block, shared
+memory, registers), median time and the gaps between them. Equal kernels and unequal loops point
+at the host; unequal kernel times at the kernel's choice, or, under one name, at its launch.
 
 python benchmarks/tools/gemm_gaps.py --shapes 8192x3584x4096,8192x4096x1536
 """
@@ -17,7 +17,9 @@ python benchmarks/tools/gemm_gaps.py --shapes 8192x3584x4096,8192x4096x1536
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")  # torch shares the GPU
 
@@ -41,9 +43,28 @@ def gemm_kernels(prof) -> list[tuple[float, float, str]]:
     )
 
 
+def launch_configs(prof) -> list[str]:
+    """The GEMM kernels' launches in a profile (its trace's kernel records: grid, block,
+    shared memory, registers): one kernel by name can run with another configuration."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    configs = set()
+    for e in events:
+        name, a = e.get("name", ""), e.get("args", {})
+        if e.get("cat") == "kernel" and ("gemm" in name or "nvjet" in name):
+            configs.add(
+                f"grid {a.get('grid')} block {a.get('block')} smem {a.get('shared memory')} "
+                f"regs {a.get('registers per thread')}"
+            )
+    return sorted(configs)
+
+
 def kernels(step, sync) -> str:
-    """20 calls back to back under CUPTI: the GEMM kernels' names, median time and the gaps
-    between them, and the other kernels the calls ran."""
+    """20 calls back to back under CUPTI: the GEMM kernels' names, launch configurations,
+    median time and the gaps between them, and the other kernels the calls ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             step()
@@ -59,7 +80,7 @@ def kernels(step, sync) -> str:
     names = sorted({name[:60] for _, _, name in ks})
     return (
         f"{len(ks)} kernels, median {kernel_us:.1f} us, gaps median {np.median(gaps):.1f} max "
-        f"{np.max(gaps):.1f} us | {' '.join(names)}"
+        f"{np.max(gaps):.1f} us | {' '.join(names)} | {'; '.join(launch_configs(prof))}"
         + (f" | also: {', '.join(others)}" if others else "")
     )
 
