@@ -368,6 +368,30 @@ try:
             # NaN and marks the communicator broken; check_health() raises naming both.
             print(f"SUMS {json.dumps(result)}", flush=True)
             jax_ub.check_health()
+    elif scenario == "recompiled_alone":
+        # Process 0 alone clears JAX's caches between two runs of one program: it lowers and
+        # compiles it anew while its peers keep their executable; the calls still pair.
+        mesh = Mesh(devices, ("tp",))
+        x = global_array(mesh, P("tp", None), (mesh.size * 8, 16), 1)
+        w = global_array(mesh, P(None, "tp"), (16, 8 * mesh.size), 2)
+        # The whole arrays global_array made the shards of.
+        whole_x, whole_w = (
+            jax.random.normal(jax.random.key(i), a.shape) for i, a in ((1, x), (2, w))
+        )
+        want = np.asarray(jnp.dot(whole_x, whole_w, precision="highest"))
+        f = jax.jit(
+            jax.shard_map(
+                lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"),
+                mesh=mesh,
+                in_specs=(P("tp", None), P(None, "tp")),
+                out_specs=P(None, "tp"),
+            )
+        )
+        result = []
+        for run in range(3):
+            if run > 0 and pid == 0:
+                jax.clear_caches()
+            result += shard_errors([f(x, w)], [want])
     elif scenario == "mismatched_setting":
         # The last process folds every reduce-scatter, its peers none: left to run, the
         # folding side would wait for a first piece never sent. Both ops must refuse at the

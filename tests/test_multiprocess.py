@@ -67,6 +67,15 @@ def test_fp8_across_processes():
         check_fp8(r["errs"])
 
 
+def test_a_program_compiled_again_in_one_process_alone_still_pairs():
+    """Process 0 alone clears JAX's caches before the second and third runs of a program
+    (it lowers and compiles the program anew; its peer keeps its first executable): the
+    new executable numbers its calls as the peer's first does, so every run pairs, with
+    the right numbers, instead of timing out."""
+    for r in results(run("recompiled_alone", 2, 1)):
+        assert len(r["errs"]) == 3 and all(0 <= e < 1e-5 for e in r["errs"]), r["errs"]
+
+
 def test_dp_across_processes_tp_inside():
     for r in results(run("dp_across_tp_inside", 2, 2)):
         assert all(e < 1e-5 for e in r["errs"]), r["errs"]

@@ -317,6 +317,7 @@ def _ffi_all_gather_matmul(cid, out_rows, n, dtype=jnp.float32):
             gelu=False,
             dgelu=False,
             site=np.int64(1),  # the call's id from the lowering (CPU)
+            lowering=np.int64(1),  # which lowering of this process (CPU)
         )
 
     return jax.jit(call)

@@ -238,7 +238,8 @@ def lowering_rule(
         extra = {name: bool(params[name]) for name in ("transpose_w", *attrs)}
         if platform == "cpu":
             extension.register_cpu_handlers()
-            extra["site"] = np.int64(call_site(ctx, op))
+            site, lowering = call_site(ctx, op)
+            extra["site"], extra["lowering"] = np.int64(site), np.int64(lowering)
         return _ffi_call_flat(ctx, f"jax_ub_{op}", *operands, comm_id=comm.id, **extra)
 
     return rule
