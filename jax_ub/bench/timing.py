@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ub._src.runtime import extension
-from jax_ub._src.runtime.communicator import live_communicators
+from jax_ub._src.runtime.communicator import all_communicators
 
 WARMUP_CALLS = 20  # per implementation and shape, before anything is timed
 
@@ -170,13 +170,14 @@ def _host_ms_per_call(before: dict, after: dict) -> tuple[float, float] | None:
 
 def host_times() -> dict[int, tuple[int, float, float]]:
     """Per local GPU ordinal: (calls, host seconds in jax_ub's GPU ops, seconds of that spent
-    waiting for the process's other GPUs to enqueue), summed over live communicators.
+    waiting for the process's other GPUs to enqueue), summed over the communicators that can
+    still run calls (live or outgrown).
 
     When the host seconds per call approach the device time per call, a loop of small ops
     is bound by the host, not by the GPUs.
     """
     totals: dict[int, list] = {}
-    for module, comm_id in _live_cuda_communicators():
+    for module, comm_id in _cuda_communicators():
         for device, calls, total_ns, await_ns in module.host_times(comm_id):
             t = totals.setdefault(device, [0, 0.0, 0.0])
             t[0] += calls
@@ -186,21 +187,25 @@ def host_times() -> dict[int, tuple[int, float, float]]:
 
 
 def kernel_choices() -> dict[tuple[int, int, int], list[tuple[int, bool, int, bool]]]:
-    """Per GEMM shape (m, k, n) of live CUDA communicators: every local GPU's (device, row
-    description, place in cuBLASLt's heuristic list, whether its trials still compare)."""
+    """Per GEMM shape (m, k, n) of the CUDA communicators that can still run calls (live or
+    outgrown): every local GPU's (device, row description, place in cuBLASLt's heuristic
+    list, whether its trials still compare)."""
     out: dict[tuple[int, int, int], list] = {}
-    for module, comm_id in _live_cuda_communicators():
+    for module, comm_id in _cuda_communicators():
         for device, m, k, n, row, index, deciding in module.kernel_choices(comm_id):
             out.setdefault((m, k, n), []).append((device, row, index, deciding))
     return out
 
 
-def _live_cuda_communicators() -> list[tuple[object, int]]:
-    """(the CUDA extension, id) of every live CUDA communicator; none without the extension."""
+def _cuda_communicators() -> list[tuple[object, int]]:
+    """(the CUDA extension, id) of every CUDA communicator that can still run calls: the
+    live ones and those outgrown but kept by programs compiled on them (a benchmark's
+    earlier programs run there after a later one grew the buffer); none without the
+    extension."""
     module = extension.module_for("cuda")
     if module is None:
         return []
-    return [(module, c.id) for c in live_communicators() if c.platform == "cuda"]
+    return [(module, c.id) for c in all_communicators() if c.platform == "cuda"]
 
 
 def bar_chart(path: str, panels: list[tuple[str, list[str], dict]], ylabel: str, say) -> None:
