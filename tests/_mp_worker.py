@@ -42,6 +42,19 @@ def global_array(mesh, spec, shape, seed):
     return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda idx: full[idx])
 
 
+def ub_all_gather_matmul(mesh):
+    """all_gather_matmul with impl="ub" over the mesh's "tp" axis, jitted: rows of x
+    gathered, columns of w kept."""
+    return jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
+
+
 def relerr(a, b):
     return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
 
@@ -353,14 +366,7 @@ try:
         m = 8 if pid == 0 else 16
         x = global_array(mesh, P("tp", None), (mesh.size * m, 16), 1)
         w = global_array(mesh, P(None, "tp"), (16, 8 * mesh.size), 2)
-        f = jax.jit(
-            jax.shard_map(
-                lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"),
-                mesh=mesh,
-                in_specs=(P("tp", None), P(None, "tp")),
-                out_specs=P(None, "tp"),
-            )
-        )
+        f = ub_all_gather_matmul(mesh)
         out = f(x, w)
         result = [float(np.abs(np.asarray(s.data)).sum()) for s in out.addressable_shards]
         if devices.flat[0].platform == "gpu":
@@ -379,14 +385,7 @@ try:
             jax.random.normal(jax.random.key(i), a.shape) for i, a in ((1, x), (2, w))
         )
         want = np.asarray(jnp.dot(whole_x, whole_w, precision="highest"))
-        f = jax.jit(
-            jax.shard_map(
-                lambda x, w: jax_ub.all_gather_matmul(x, w, "tp", impl="ub"),
-                mesh=mesh,
-                in_specs=(P("tp", None), P(None, "tp")),
-                out_specs=P(None, "tp"),
-            )
-        )
+        f = ub_all_gather_matmul(mesh)
         result = []
         for run in range(3):
             if run > 0 and pid == 0:
