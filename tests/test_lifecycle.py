@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ub
 from jax_ub._src import _host
+from jax_ub._src.runtime import communicator
 from jax_ub._src.settings import options
 
 AG = jax_ub.all_gather_matmul
@@ -220,6 +221,13 @@ def test_growth(mesh1d, rand):
     assert big.id != small.id
     assert big.capacity_bytes >= 16 << 10
     assert _host.num_communicators() == 2  # the old one stays for f_small's executable
+    # Both hold memory: listed by all_communicators (the model benchmark's userbuffer
+    # bytes), with or without the options they were made with, and by no other options.
+    made_with = options.current_options()
+    for listed in (communicator.all_communicators(), communicator.all_communicators(made_with)):
+        assert sorted(c.id for c in listed) == sorted((small.id, big.id))
+    with options.experimental_tuning(reduce_scatter_fold_rows=0):
+        assert communicator.all_communicators(options.current_options()) == []
 
     # Interleave the two executables (old and new buffer) with fresh data.
     for i in range(5):

@@ -328,11 +328,12 @@ def _run(variants: list[str], args, say) -> dict:
     from jax_ub._src.settings import options
 
     # jax_ub's symmetric buffers live outside XLA's allocator: reported beside its estimate,
-    # per variant those of the communicators made with its options (--ub-variants: its own).
+    # per variant those of the communicators made with its options (--ub-variants: its own),
+    # outgrown ones too (held until finalize by the programs compiled on them).
     def userbuffers(v):
         with _tuning_of(v, args):
             made_with = options.current_options()
-        return sum(c.capacity_bytes for c in communicator.live_communicators(made_with))
+        return sum(c.capacity_bytes for c in communicator.all_communicators(made_with))
 
     stats = mesh.devices.flat[0].memory_stats() or {}
     return {

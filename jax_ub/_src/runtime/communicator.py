@@ -64,7 +64,7 @@ class Communicator:
 
 _lock = threading.RLock()
 _live: dict[_Key, Communicator] = {}
-_retired: list[Communicator] = []  # outgrown, still referenced by compiled programs
+_retired: list[tuple[_Key, Communicator]] = []  # outgrown, still referenced by programs
 # The config's buffer_bytes when each live communicator was made: a later change asks again.
 _made_under: dict[_Key, int] = {}
 # Groups found unable to share memory, with the reason: asked again, every process answers
@@ -216,7 +216,7 @@ def get_communicator(
             capacity = max(needed_bytes, _MIN_BYTES.get(platform, _MIB))
         if comm is not None:
             # Programs compiled against the old buffer keep it until finalize().
-            _retired.append(comm)
+            _retired.append((key, comm))
             if needed_bytes > comm.capacity_bytes:  # grown: at least doubled
                 capacity = max(capacity, 2 * comm.capacity_bytes)
         try:
@@ -263,10 +263,12 @@ def live_communicators(options: Options | None = None) -> list[Communicator]:
         return [c for k, c in _live.items() if options is None or k.options == options]
 
 
-def all_communicators() -> list[Communicator]:
-    """Live and retired (outgrown, still referenced by compiled programs) communicators."""
+def all_communicators(options: Options | None = None) -> list[Communicator]:
+    """Live and retired (outgrown, still referenced by compiled programs) communicators;
+    those created with `options` where given."""
     with _lock:
-        return list(_live.values()) + list(_retired)
+        kept = [*_live.items(), *_retired]
+        return [c for k, c in kept if options is None or k.options == options]
 
 
 def take_all() -> list[Communicator]:
@@ -274,7 +276,7 @@ def take_all() -> list[Communicator]:
     return
     every communicator it held, for teardown to destroy."""
     with _lock:
-        comms = list(_live.values()) + _retired
+        comms = list(_live.values()) + [c for _, c in _retired]
         _live.clear()
         _made_under.clear()
         _retired.clear()
