@@ -37,8 +37,13 @@ import jax_ub  # noqa: E402
 from jax_ub._src.settings import options  # noqa: E402
 
 
+def whole_array(shape, seed):
+    """The whole array of global_array's shards: the same in every process."""
+    return np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+
+
 def global_array(mesh, spec, shape, seed):
-    full = np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+    full = whole_array(shape, seed)
     return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda idx: full[idx])
 
 
@@ -380,11 +385,7 @@ try:
         mesh = Mesh(devices, ("tp",))
         x = global_array(mesh, P("tp", None), (mesh.size * 8, 16), 1)
         w = global_array(mesh, P(None, "tp"), (16, 8 * mesh.size), 2)
-        # The whole arrays global_array made the shards of.
-        whole_x, whole_w = (
-            jax.random.normal(jax.random.key(i), a.shape) for i, a in ((1, x), (2, w))
-        )
-        want = np.asarray(jnp.dot(whole_x, whole_w, precision="highest"))
+        want = whole_array(x.shape, 1).astype(np.float64) @ whole_array(w.shape, 2)
         f = ub_all_gather_matmul(mesh)
         result = []
         for run in range(3):

@@ -260,15 +260,19 @@ def initialize(
 def live_communicators(options: Options | None = None) -> list[Communicator]:
     """The live communicators; those created with `options` where given."""
     with _lock:
-        return [c for k, c in _live.items() if options is None or k.options == options]
+        return _made_with(_live.items(), options)
 
 
 def all_communicators(options: Options | None = None) -> list[Communicator]:
     """Live and retired (outgrown, still referenced by compiled programs) communicators;
     those created with `options` where given."""
     with _lock:
-        kept = [*_live.items(), *_retired]
-        return [c for k, c in kept if options is None or k.options == options]
+        return _made_with([*_live.items(), *_retired], options)
+
+
+def _made_with(keyed, options: Options | None) -> list[Communicator]:
+    """The communicators of (key, communicator) pairs created with `options` (all: None)."""
+    return [c for k, c in keyed if options is None or k.options == options]
 
 
 def take_all() -> list[Communicator]:
