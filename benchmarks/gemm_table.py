@@ -9,22 +9,26 @@ column-parallel (qkv, gate/up: all-gather then GEMM) ``tokens x hidden x out/tp`
 row-parallel (o, down: GEMM then reduce-scatter) ``tokens x in/tp x hidden``.
 
 Method: per row, every implementation in turn, a loop of async calls lasting at least
-``--seconds``, ``--rounds`` rounds interleaved; the median of the rounds (ms per GEMM), and
-the spread (max - min over median) of the row's slowest-moving implementation. jax_ub's
-ratio is to the fastest of XLA and torch in the same row. That minimum of two noisy medians
-reads low, so every ratio to it reads high: XLA's own program is timed a second time as
-another implementation, and its ratio to the same fastest ("XLA again") is what an equal
+``--seconds`` (synced after every >= 30 ms of calls: a sync drains the GPU, and JAX's next
+program waits for its dispatch), ``--rounds`` rounds interleaved; the median of the rounds (ms
+per GEMM), and the spread (max - min over median) of the row's slowest-moving implementation.
+jax_ub's ratio is to the fastest of XLA and torch in the same row. That minimum of two noisy
+medians reads low, so every ratio to it reads high: XLA's own program is timed a second time
+as another implementation, and its ratio to the same fastest ("XLA again") is what an equal
 GEMM scores; jax_ub is slower only by what it exceeds that. Each call runs ``--per-call``
-GEMMs of the row on as many distinct inputs (one jitted program for JAX, as a training
-step dispatches its ops; torch launches each): at 1, a loop of small GEMMs also times
-JAX's dispatch of one program per GEMM, and jax_ub's handler (its host time per call is
-printed: where it and the dispatch exceed the GEMM, the GPU waits for the host). The last
-column names the kernel jax_ub runs for the forward GEMM (its description and place in
-cuBLASLt's heuristic list: ``device_run.sh gemm M,K,N`` times every place). Last, the
-rows' ratios as one table (a projection a line, a tp a column), torch / XLA beside them.
+GEMMs of the row on as many distinct inputs (one jitted program for JAX, as a training step
+dispatches its ops; torch launches each): at 1, a loop of small GEMMs also times JAX's
+dispatch of one program per GEMM, and jax_ub's handler (its host time per call is printed:
+where it and the dispatch exceed the GEMM, the GPU waits for the host). The last column names
+the kernel jax_ub runs for the forward GEMM (its description and place in cuBLASLt's heuristic
+list: ``device_run.sh gemm M,K,N`` times every place). With ``--ub-variant``, jax_ub's
+programs again under other tuning choices (``autotune_gemm=False``: cuBLASLt's first pick,
+untuned), as "variant /" columns (the kernel column then lists its kernels too). Last, the
+rows' ratios as one table (a projection a line, a tp a column), torch / XLA beside them, the
+variant's in brackets.
 
 python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections qkv,o]
-    [--fp8] [--seconds 0.3] [--per-call 8]
+    [--fp8] [--seconds 0.3] [--per-call 8] [--ub-variant autotune_gemm=False]
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from gemm_sources import check_close, jax_loop, loop_ms, own_gemm  # noqa: E402
+
+from jax_ub.bench.impls import configured, parse_variants  # noqa: E402
 
 # name: (hidden, qkv out, ffn); Llama 3's (head dim 128, 8 kv heads).
 MODELS = {
@@ -67,9 +73,10 @@ def _each(f):
     return jax.jit(lambda xs, w: [f(x, w) for x in xs])
 
 
-def bf16_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
+def bf16_impls(m: int, k: int, n: int, torch, per_call: int, variant: dict | None) -> dict:
     """name -> (step, sync) for the forward and the forward + backward of each source, each
-    step ``per_call`` GEMMs (forward) or GEMM triples on distinct inputs."""
+    step ``per_call`` GEMMs (forward) or GEMM triples on distinct inputs; with ``variant``
+    (tuning choices), jax_ub's programs again, compiled under it, as the source "var"."""
     rng = np.random.default_rng(0)
 
     def normal(*shape, scale=1.0):
@@ -95,17 +102,29 @@ def bf16_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
     fwd = {"xla": _each(matmul), "ub": _each(ub)}
     grads = {"xla": with_grads(matmul), "ub": with_grads(ub)}
     fwd["again"], grads["again"] = fwd["xla"], grads["xla"]  # timed twice: the noise gauge
+    sources = ["xla", "ub", "again"]
+    if variant is not None:
+        # A communicator takes its tuning when it is made, at lowering: compiled now.
+        with configured(variant):
+            fwd["var"] = fwd["ub"].lower(As, b).compile()
+            grads["var"] = grads["ub"].lower(As, b, Gs).compile()
+        sources.append("var")
     impls = {}
-    for src in ("xla", "ub", "again"):
+    for src in sources:
         impls[f"{src} fwd"] = jax_loop(fwd[src], As, b)
         impls[f"{src} fwd+bwd"] = jax_loop(grads[src], As, b, Gs)
-    for name in ("ub fwd", "ub fwd+bwd"):  # past the op's kernel trials
+    ours = [
+        f"{src} {kind}" for src in sources if src in ("ub", "var") for kind in ("fwd", "fwd+bwd")
+    ]
+    for name in ours:  # past the op's kernel trials
         for _ in range(-(-40 // per_call)):
             impls[name][0]()
         impls[name][1]()
     # The timed programs themselves, checked on every GEMM of a call.
     check_close("bf16 fwd", fwd["ub"](As, b), fwd["xla"](As, b))
     check_close("bf16 fwd+bwd", grads["ub"](As, b, Gs), grads["xla"](As, b, Gs))
+    if variant is not None:
+        check_close("bf16 fwd, the variant", fwd["var"](As, b), fwd["xla"](As, b))
     if torch is not None:
 
         def to_torch(x):  # the same device memory, no host round trip
@@ -216,6 +235,8 @@ def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...], ho
         ub = med[f"ub {kind}"]
         cells += [f"{med.get(f'{s} {kind}', float('nan')):.3f}" for s in ("xla", "torch")]
         cells += [f"{ub:.3f}", f"{ub / fastest:.3f}", f"{med[f'again {kind}'] / fastest:.3f}"]
+        if f"var {kind}" in med:
+            cells.append(f"{med[f'var {kind}'] / fastest:.3f}")
     cells.append(f"{100 * spread:.1f}%")
     us = host.get(f"ub {kinds[0]}")
     cells.append(f"{statistics.median(us):.0f}" if us else "")
@@ -224,9 +245,13 @@ def report(label: str, times: dict[str, list[float]], kinds: tuple[str, ...], ho
 
 def ratios(times: dict[str, list[float]], kinds: tuple[str, ...]) -> str:
     """A summary cell: per kind jax_ub / the fastest of XLA and torch ("; " between kinds),
-    then torch / XLA of the first kind in parentheses (where torch ran)."""
+    the variant's in brackets (where one ran), then torch / XLA of the first kind in
+    parentheses (where torch ran)."""
     med, fastest = medians(times, kinds)
     cells = [f"{med[f'ub {kind}'] / fastest[kind]:.3f}" for kind in kinds]
+    if f"var {kinds[0]}" in med:
+        var = "; ".join(f"{med[f'var {kind}'] / fastest[kind]:.3f}" for kind in kinds)
+        cells[-1] += f" [{var}]"
     torch_ms = med.get(f"torch {kinds[0]}")
     vs_torch = f" ({torch_ms / med[f'xla {kinds[0]}']:.3f})" if torch_ms is not None else ""
     return "; ".join(cells) + vs_torch
@@ -259,6 +284,11 @@ def main() -> None:
         help="which projections of each model (comma list)",
     )
     ap.add_argument("--fp8", action="store_true", help="fp8 forward rows instead of bf16")
+    ap.add_argument(
+        "--ub-variant",
+        default="",
+        help='jax_ub again under other tuning choices, e.g. "autotune_gemm=False" (bf16)',
+    )
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
@@ -278,9 +308,17 @@ def main() -> None:
     if not wanted <= {"qkv", "o", "gate/up", "down"}:
         ap.error(f"--projections: qkv, o, gate/up or down, got {args.projections!r}")
     kinds = ("fp8",) if args.fp8 else ("fwd", "fwd+bwd")
+    try:
+        variants = parse_variants(args.ub_variant)
+    except ValueError as e:
+        ap.error(f"--ub-variant: {e}")
+    if len(variants) > 1 or (variants and args.fp8):
+        ap.error(f"--ub-variant: one variant, of the bf16 rows; got {args.ub_variant!r}")
+    variant = variants[0] if variants else None
     head = ["projection M x K x N (tp)"]
     for kind in kinds:
         head += [f"{kind}: XLA ms", "torch ms", "jax_ub ms", "jax_ub / fastest", "XLA again /"]
+        head += ["variant /"] if variant is not None else []
     head += ["spread", "jax_ub host us/op call", "jax_ub kernel"]
     print(f"GEMMs per call: {args.per_call}")
     print("| " + " | ".join(head) + " |")
@@ -292,8 +330,10 @@ def main() -> None:
             for name, m, k, n in projections(model, tp, args.tokens):
                 if name.split(" ")[1] not in wanted or 2 * m * k * n > args.most_tflop * 1e12:
                     continue
-                make = fp8_impls if args.fp8 else bf16_impls
-                impls = make(m, k, n, torch, args.per_call)
+                if args.fp8:
+                    impls = fp8_impls(m, k, n, torch, args.per_call)
+                else:
+                    impls = bf16_impls(m, k, n, torch, args.per_call, variant)
                 times, host = time_row(impls, args.seconds, args.rounds, args.per_call)
                 row = report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host)
                 cells[(name, tp)] = ratios(times, kinds)

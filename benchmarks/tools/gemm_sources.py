@@ -9,6 +9,7 @@ python benchmarks/tools/gemm_sources.py --shape 8192x8192x28672 [--seconds 1 --r
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -53,19 +54,24 @@ def own_gemm(impl: str = "ub", **op_kwargs):
     )
 
 
-def loop_ms(step, sync, seconds: float) -> float:
-    """ms per call of `step` run back to back for at least `seconds`."""
+def loop_ms(step, sync, seconds: float, block_s: float = 0.03) -> float:
+    """ms per call of `step` run back to back for at least `seconds`, in blocks of calls that
+    keep the GPU busy for at least `block_s` each before one sync. Each sync drains the GPU,
+    and the next block's first call then waits for its dispatch (JAX's program dispatch takes
+    much longer than torch's single launch): short blocks time that latency as GEMM time."""
     step()
     sync()
-    calls, start = 0, time.perf_counter()
+    per_block, calls, start = 10, 0, time.perf_counter()
     while True:
-        for _ in range(10):
+        began = time.perf_counter()
+        for _ in range(per_block):
             step()
-        calls += 10
         sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 1e3 * elapsed / calls
+        calls += per_block
+        now = time.perf_counter()
+        if now - start >= seconds:
+            return 1e3 * (now - start) / calls
+        per_block = max(per_block, math.ceil(per_block * block_s / max(now - began, 1e-6)))
 
 
 def jax_loop(f, *args):

@@ -157,9 +157,20 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
                   AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms));
     times += text;
   }
-  JAX_UB_TRACE("GPU %d tuning, ms a run (%s, %.2f s): %s", device_,
-               *sustained ? "sustained blocks" : "bursts", seconds(), times.c_str());
   if (*best < 0 && !order.empty()) *best = static_cast<int>(order[0]);
+  // cuBLASLt's own first pick (candidate 0 where cuBLASLt served the first description)
+  // holds unless the fastest beats it by more than kHoldMargin: gains inside the timing's
+  // noise are no gains.
+  const Candidate& first = (*candidates)[0];
+  bool held = false;
+  if (*best > 0 && first.index == 0 && !first.ms.empty() &&
+      Median((*candidates)[*best].ms) > (1.0 - kHoldMargin) * Median(first.ms)) {
+    *best = 0;
+    held = true;
+  }
+  JAX_UB_TRACE("GPU %d tuning, ms a run (%s, %.2f s): %s%s", device_,
+               *sustained ? "sustained blocks" : "bursts", seconds(), times.c_str(),
+               held ? "; cuBLASLt's first pick holds" : "");
   return Status::Ok();
 }
 
