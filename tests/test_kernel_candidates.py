@@ -1,7 +1,9 @@
 """Which kernel candidates a long GEMM's tuning times in sustained blocks on GPUs
 (src/cuda/gemm/choice_internal.h, SustainedCandidates): round 0's fastest four, and cuBLASLt's
-own first pick (the kernel cuBLAS runs) wherever round 0 ranked it lower. The logic is
-CUDA-free and read here from the host extension; the GPU tests run the tuning itself."""
+own first pick (the kernel cuBLAS runs) wherever round 0 ranked it lower; and which one it
+keeps (KeptCandidate): the fastest, unless the first pick is within the hold margin of it.
+The logic is CUDA-free and read here from the host extension; the GPU tests run the tuning
+itself."""
 
 import pytest
 
@@ -41,3 +43,32 @@ def test_few_candidates_are_all_timed(count):
     round 0's order."""
     ranked = list(range(count))[::-1]  # candidate 0 last
     assert timed(ranked, 0) == ranked
+
+
+def kept(fastest: int, fastest_ms: float, first_ms: float) -> int:
+    return extension._host.kept_candidate(fastest, fastest_ms, first_ms)
+
+
+def test_the_hold_margin_is_three_percent():
+    assert extension._host.hold_margin == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("fastest", [1, 5])
+def test_a_candidate_that_wins_by_more_than_the_margin_is_kept(fastest):
+    assert kept(fastest, 0.95, 1.0) == fastest
+    assert kept(fastest, 0.9, 1.0) == fastest
+
+
+@pytest.mark.parametrize("share", [0.975, 0.99, 0.999])
+def test_cublas_first_pick_holds_within_the_margin(share):
+    """A candidate faster by less than 3% than the first pick (candidate 0) is no gain over
+    the timing's noise: the first pick is kept."""
+    assert kept(3, share * 0.2, 0.2) == 0
+
+
+def test_the_fastest_is_kept_where_the_first_pick_was_not_timed():
+    assert kept(2, 0.99, -1.0) == 2
+
+
+def test_a_fastest_first_pick_is_kept():
+    assert kept(0, 1.0, 1.0) == 0

@@ -140,6 +140,11 @@ NB_MODULE(_host, m) {
   // tested here): `ranked` fastest first by round 0, `first_pick` cuBLASLt's own first.
   m.def("sustained_candidates", &jax_ub::gemm_internal::SustainedCandidates, nb::arg("ranked"),
         nb::arg("first_pick"));
+  // Which candidate the tuning keeps: its fastest, or cuBLASLt's own first (candidate 0)
+  // where that is within the hold margin (first_ms < 0: not timed).
+  m.def("kept_candidate", &jax_ub::gemm_internal::KeptCandidate, nb::arg("fastest"),
+        nb::arg("fastest_ms"), nb::arg("first_ms"));
+  m.attr("hold_margin") = jax_ub::gemm_internal::kHoldMargin;
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -52,6 +52,13 @@ inline std::vector<size_t> SustainedCandidates(std::vector<size_t> ranked, size_
 // spreads 7-16%) the tuned op and the first pick's were within the noise of each other but
 // at o (short k, wide n), where the first pick ran 2-12% slower at 8 of 10 rows.
 constexpr double kHoldMargin = 0.03;
+// The candidate tuning keeps: `fastest`, timed `fastest_ms` a run, unless candidate 0
+// (cuBLASLt's own first pick, timed `first_ms` a run; negative where it was not timed or is
+// not that pick) is within kHoldMargin of it.
+inline int KeptCandidate(int fastest, double fastest_ms, double first_ms) {
+  if (fastest <= 0 || first_ms < 0) return fastest;
+  return fastest_ms > (1.0 - kHoldMargin) * first_ms ? 0 : fastest;
+}
 // Untimed, before the first round: a GPU that idled (compiling, the host's own work) ran
 // a whole first block above its sustained clock (5-7% fast, on the H200). A guess at
 // what covers that, not measured yet.

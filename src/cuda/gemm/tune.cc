@@ -162,12 +162,11 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   // holds unless the fastest beats it by more than kHoldMargin: gains inside the timing's
   // noise are no gains.
   const Candidate& first = (*candidates)[0];
-  bool held = false;
-  if (*best > 0 && first.index == 0 && !first.ms.empty() &&
-      Median((*candidates)[*best].ms) > (1.0 - kHoldMargin) * Median(first.ms)) {
-    *best = 0;
-    held = true;
-  }
+  const int fastest = *best;
+  if (fastest > 0 && !(*candidates)[fastest].ms.empty())
+    *best = KeptCandidate(fastest, Median((*candidates)[fastest].ms),
+                          first.index == 0 && !first.ms.empty() ? Median(first.ms) : -1.0);
+  const bool held = *best != fastest;
   JAX_UB_TRACE("GPU %d tuning, ms a run (%s, %.2f s): %s%s", device_,
                *sustained ? "sustained blocks" : "bursts", seconds(), times.c_str(),
                held ? "; cuBLASLt's first pick holds" : "");
