@@ -125,6 +125,7 @@ def bf16_impls(m: int, k: int, n: int, torch, per_call: int, variant: dict | Non
     check_close("bf16 fwd+bwd", grads["ub"](As, b, Gs), grads["xla"](As, b, Gs))
     if variant is not None:
         check_close("bf16 fwd, the variant", fwd["var"](As, b), fwd["xla"](As, b))
+        check_close("bf16 fwd+bwd, the variant", grads["var"](As, b, Gs), grads["xla"](As, b, Gs))
     if torch is not None:
 
         def to_torch(x):  # the same device memory, no host round trip

@@ -263,13 +263,16 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
     # benchmarks/gemm_table.py on CPU devices, its "tiny" model: every row printed with
     # jax_ub's outputs checked against XLA's (torch absent or not, its cells may be nan),
     # with one GEMM per timed call and with several; per kind five cells, the last the
-    # noise gauge (XLA's program timed again, over the same fastest).
+    # noise gauge (XLA's program timed again, over the same fastest), and a sixth with
+    # --ub-variant (jax_ub compiled under other tuning choices, over the same fastest).
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_table.py")
     runs = [
         (["--per-call", "1"], ["qkv", "o", "gate/up", "down"]),
         (["--fp8", "--per-call", "3", "--projections", "gate/up,o"], ["o", "gate/up"]),
+        (["--per-call", "2", "--projections", "o", "--ub-variant", "autotune_gemm=False"], ["o"]),
     ]
     for extra, names in runs:
+        per_kind = 6 if "--ub-variant" in extra else 5
         argv = [script, "--models", "tiny", "--tp", "2", "--tokens", "64", "--seconds", "0.01"]
         monkeypatch.setattr(sys, "argv", argv + ["--rounds", "1", *extra])
         runpy.run_path(script, run_name="__main__")
@@ -278,18 +281,24 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
         assert [r.split("|")[1].split()[1] for r in rows] == names
         kinds = 1 if "--fp8" in extra else 2
         for r in rows:
-            assert len(r.split("|")) == 1 + 5 * kinds + 5, r
+            assert len(r.split("|")) == 1 + per_kind * kinds + 5, r
             ratios = [float(c) for c in r.split("|")[2:-4] if c.strip() != "nan"]
             assert ratios and all(v > 0 for v in ratios), r
         # Then the summary: a projection a line, its tp's cell jax_ub / the fastest per kind
-        # (torch / XLA beside them where torch ran), the same ratios as the rows'.
+        # (the variant's in brackets, torch / XLA beside them where torch ran), the same
+        # ratios as the rows'.
         summary = [line for line in lines if "tiny" in line and "(tp2)" not in line]
         assert [r.split("|")[1].split()[1] for r in summary] == names
         for r, row in zip(summary, rows):
-            cell = r.split("|")[2].split("(")[0]
+            cell, _, variant = r.split("|")[2].split("(")[0].partition("[")
+            cells = row.split("|")
             assert [float(v) for v in cell.split(";")] == [
-                float(row.split("|")[5 + 5 * i]) for i in range(kinds)
+                float(cells[5 + per_kind * i]) for i in range(kinds)
             ], (r, row)
+            if per_kind == 6:
+                assert [float(v) for v in variant.rstrip("] ").split(";")] == [
+                    float(cells[7 + per_kind * i]) for i in range(kinds)
+                ], (r, row)
 
 
 def test_gemm_table_refuses_outputs_off_xlas():
