@@ -46,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from gemm_sources import check_close, jax_loop, loop_ms, own_gemm  # noqa: E402
 
-from jax_ub.bench.impls import configured, parse_variants  # noqa: E402
+from jax_ub.bench.impls import compiled_with, parse_variants  # noqa: E402
 
 # name: (hidden, qkv out, ffn); Llama 3's (head dim 128, 8 kv heads).
 MODELS = {
@@ -105,9 +105,8 @@ def bf16_impls(m: int, k: int, n: int, torch, per_call: int, variant: dict | Non
     sources = ["xla", "ub", "again"]
     if variant is not None:
         # A communicator takes its tuning when it is made, at lowering: compiled now.
-        with configured(variant):
-            fwd["var"] = fwd["ub"].lower(As, b).compile()
-            grads["var"] = grads["ub"].lower(As, b, Gs).compile()
+        fwd["var"] = compiled_with(variant, fwd["ub"], As, b)
+        grads["var"] = compiled_with(variant, grads["ub"], As, b, Gs)
         sources.append("var")
     impls = {}
     for src in sources:

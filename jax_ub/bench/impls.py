@@ -341,8 +341,14 @@ def _add_variants(impls, make, args, variants, row: str = "jax_ub") -> None:
     Communicators take their settings when they are created, at lowering: so each variant
     is compiled now, with its settings configured, and keeps a communicator of its own."""
     for settings in variants:
-        with configured(settings):
-            impls[variant_name(settings, row)] = (make().lower(*args).compile(), args)
+        impls[variant_name(settings, row)] = (compiled_with(settings, make(), *args), args)
+
+
+def compiled_with(settings: dict, f, *args):
+    """The jitted ``f`` lowered and compiled for ``args`` now, under ``settings``
+    (``configured``): it keeps a communicator made with them."""
+    with configured(settings):
+        return f.lower(*args).compile()
 
 
 def windowed_einsum_ms(M, K, N, dtype_name, rounds, iters, tp) -> float | None:
