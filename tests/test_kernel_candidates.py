@@ -1,7 +1,8 @@
 """Which kernel candidates a long GEMM's tuning times in sustained blocks on GPUs
 (src/cuda/gemm/choice_internal.h, SustainedCandidates): round 0's fastest four, and cuBLASLt's
 own first pick (the kernel cuBLAS runs) wherever round 0 ranked it lower; and which one it
-keeps (KeptCandidate): the fastest, unless the first pick is within the hold margin of it.
+keeps (KeptCandidate): the fastest, unless the first pick is within the hold margin of it or
+within the two candidates' round-to-round spread (RoundSpread).
 The logic is CUDA-free and read here from the host extension; the GPU tests run the tuning
 itself."""
 
@@ -45,8 +46,8 @@ def test_few_candidates_are_all_timed(count):
     assert timed(ranked, 0) == ranked
 
 
-def kept(fastest: int, fastest_ms: float, first_ms: float) -> int:
-    return extension._host.kept_candidate(fastest, fastest_ms, first_ms)
+def kept(fastest: int, fastest_ms: float, first_ms: float, spread: float = 0.0) -> int:
+    return extension._host.kept_candidate(fastest, fastest_ms, first_ms, spread)
 
 
 def test_the_hold_margin_is_three_percent():
@@ -72,3 +73,23 @@ def test_the_fastest_is_kept_where_the_first_pick_was_not_timed():
 
 def test_a_fastest_first_pick_is_kept():
     assert kept(0, 1.0, 1.0) == 0
+
+
+@pytest.mark.parametrize(("lead", "spread", "holds"), [(0.05, 0.06, True), (0.05, 0.04, False)])
+def test_a_lead_inside_the_rounds_spread_is_no_lead(lead, spread, holds):
+    """Beyond the margin, a candidate leads only by more than the rounds of either candidate
+    differ: a 5% lead holds against rounds 6% apart, not against rounds 4% apart."""
+    assert kept(4, (1 - lead) * 0.3, 0.3, spread) == (0 if holds else 4)
+
+
+def test_a_small_spread_leaves_the_margin():
+    assert kept(4, 0.98 * 0.3, 0.3, 0.005) == 0
+    assert kept(4, 0.96 * 0.3, 0.3, 0.005) == 4
+
+
+@pytest.mark.parametrize(
+    ("ms", "want"),
+    [([0.2], 0.0), ([], 0.0), ([0.2, 0.21], 0.01 / 0.205), ([0.3, 0.1, 0.2], 1.0)],
+)
+def test_round_spread_is_range_over_middle(ms, want):
+    assert extension._host.round_spread(ms) == pytest.approx(want, rel=1e-5)

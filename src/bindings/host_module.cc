@@ -141,10 +141,11 @@ NB_MODULE(_host, m) {
   m.def("sustained_candidates", &jax_ub::gemm_internal::SustainedCandidates, nb::arg("ranked"),
         nb::arg("first_pick"));
   // Which candidate the tuning keeps: its fastest, or cuBLASLt's own first (candidate 0)
-  // where that is within the hold margin (first_ms < 0: not timed).
+  // where that is within the hold margin or the rounds' spread (first_ms < 0: not timed).
   m.def("kept_candidate", &jax_ub::gemm_internal::KeptCandidate, nb::arg("fastest"),
-        nb::arg("fastest_ms"), nb::arg("first_ms"));
+        nb::arg("fastest_ms"), nb::arg("first_ms"), nb::arg("spread") = 0.0);
   m.attr("hold_margin") = jax_ub::gemm_internal::kHoldMargin;
+  m.def("round_spread", &jax_ub::gemm_internal::RoundSpread, nb::arg("ms"));
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

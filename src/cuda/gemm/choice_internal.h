@@ -46,18 +46,22 @@ inline std::vector<size_t> SustainedCandidates(std::vector<size_t> ranked, size_
   return ranked;
 }
 // cuBLASLt's own first pick (the kernel cuBLAS runs: torch's) holds unless another
-// candidate's time beats it by more than this share: a guard against noise, not a measured
-// gain. On one H100, tuning's block times put candidates up to 8% apart that ran alike in
-// programs of 8 GEMMs; in 2 runs over 24 rows of Llama 3 projections (8192 rows, tp 2-8,
-// spreads 2-16%) the op tuned without this margin and the first pick's were within the noise
-// of each other but at o (short k, wide n), where the first pick ran 2-12% slower at 6 of 7.
+// candidate's time beats it by more than this share, and by more than the two candidates'
+// own rounds differ (KeptCandidate): a guard against noise, not a measured gain. On one H100,
+// tuning's block times put candidates up to 8% apart that ran alike in programs of 8 GEMMs; in 2
+// runs over 24 rows of Llama 3 projections (8192 rows, tp 2-8, spreads 2-16%) the op tuned without
+// this margin and the first pick's were within the noise of each other but at o (short k, wide n),
+// where the first pick ran 2-12% slower at 6 of 7.
 constexpr double kHoldMargin = 0.03;
 // The candidate tuning keeps: `fastest`, timed `fastest_ms` a run, unless candidate 0
 // (cuBLASLt's own first pick, timed `first_ms` a run; negative where it was not timed or is
-// not that pick) is within kHoldMargin of it.
-inline int KeptCandidate(int fastest, double fastest_ms, double first_ms) {
+// not that pick) is within the margin of it: kHoldMargin, or `spread` where that is larger
+// (the larger of the two candidates' own round-to-round spreads, (max - min) / middle of
+// their timed rounds): a lead no larger than the rounds of one kernel differ is no lead.
+inline int KeptCandidate(int fastest, double fastest_ms, double first_ms, double spread = 0) {
   if (fastest <= 0 || first_ms < 0) return fastest;
-  return fastest_ms > (1.0 - kHoldMargin) * first_ms ? 0 : fastest;
+  const double margin = std::max(kHoldMargin, spread);
+  return fastest_ms > (1.0 - margin) * first_ms ? 0 : fastest;
 }
 // Untimed, before the first round: a GPU that idled (compiling, the host's own work) ran
 // a whole first block above its sustained clock (5-7% fast, on the H200). A guess at
@@ -104,6 +108,15 @@ inline std::vector<AgreedKernel> UnpackKernels(uint64_t word) {
 inline float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+// (max - min) / middle of a candidate's timed rounds (the mean of the middle two where they
+// are even); 0 for fewer than two.
+inline double RoundSpread(std::vector<float> ms) {
+  if (ms.size() < 2) return 0;
+  std::sort(ms.begin(), ms.end());
+  const size_t h = ms.size() / 2;
+  const double middle = ms.size() % 2 ? ms[h] : 0.5 * (ms[h - 1] + ms[h]);
+  return middle > 0 ? (ms.back() - ms.front()) / middle : 0;
 }
 
 }  // namespace gemm_internal

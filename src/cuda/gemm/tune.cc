@@ -141,31 +141,35 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     if (e != nullptr) cudaEventDestroy(e);
   JAX_UB_RETURN_IF_ERROR(st);
   *best = -1;
-  std::string times;  // for the trace: each timed candidate's time
+  std::string times;  // for the trace: each timed candidate's time and round spread
+  std::vector<double> spread(count, 0);
   for (size_t i : order) {
     Candidate& cand = (*candidates)[i];
     if (cand.ms.empty()) continue;
+    spread[i] = RoundSpread(cand.ms);
     if (*sustained) {  // few rounds, each of many runs: their mean
       float sum = 0;
       for (float ms : cand.ms) sum += ms;
       cand.ms = {sum / cand.ms.size()};
     }
     if (*best < 0 || Median(cand.ms) < Median((*candidates)[*best].ms)) *best = static_cast<int>(i);
-    char text[96];
-    std::snprintf(text, sizeof(text), "%s%s%d tile %d: %.4f", times.empty() ? "" : ", ",
+    char text[112];
+    std::snprintf(text, sizeof(text), "%s%s%d tile %d: %.4f (%.1f%%)", times.empty() ? "" : ", ",
                   described[cand.description].row ? "row" : "col", cand.index,
-                  AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms));
+                  AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms),
+                  100 * spread[i]);
     times += text;
   }
   if (*best < 0 && !order.empty()) *best = static_cast<int>(order[0]);
   // cuBLASLt's own first pick (candidate 0 where cuBLASLt served the first description)
-  // holds unless the fastest beats it by more than kHoldMargin: gains inside the timing's
-  // noise are no gains.
+  // holds unless the fastest beats it by more than kHoldMargin and by more than either's
+  // rounds differ: gains inside the timing's noise are no gains.
   const Candidate& first = (*candidates)[0];
   const int fastest = *best;
   if (fastest > 0 && !(*candidates)[fastest].ms.empty())
     *best = KeptCandidate(fastest, Median((*candidates)[fastest].ms),
-                          first.index == 0 && !first.ms.empty() ? Median(first.ms) : -1.0);
+                          first.index == 0 && !first.ms.empty() ? Median(first.ms) : -1.0,
+                          std::max(spread[fastest], spread[0]));
   const bool held = *best != fastest;
   JAX_UB_TRACE("GPU %d tuning, ms a run (%s, %.2f s): %s%s", device_,
                *sustained ? "sustained blocks" : "bursts", seconds(), times.c_str(),
