@@ -28,7 +28,8 @@ class Tuning:
       autotune_gemm: on GPUs, time cuBLASLt's candidate kernels the first time each GEMM
         shape runs (a first call of a shape blocks its device's thread for up to about two
         seconds) and keep the fastest, where it beats the heuristic's first pick (the
-        kernel cuBLAS runs) by more than 3%; else that first pick. A GEMM of 0.05 ms
+        kernel cuBLAS runs) by more than 3% and by more than either kernel's timed rounds
+        differ; else that first pick. A GEMM of 0.05 ms
         or more is timed in sustained blocks of runs (~1.5 s a shape), the clock its own
         power leaves, as in a training loop; shorter ones in bursts of 3 runs.
       autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
