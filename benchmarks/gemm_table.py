@@ -23,7 +23,7 @@ where it and the dispatch exceed the GEMM, the GPU waits for the host). The last
 the kernel jax_ub runs for the forward GEMM (its description and place in cuBLASLt's heuristic
 list: ``device_run.sh gemm M,K,N`` times every place). With ``--ub-variant``, jax_ub's
 programs again under other tuning choices (``autotune_gemm=False``: cuBLASLt's first pick,
-untuned), as "variant /" columns (the kernel column then lists its kernels too). Last, the
+untuned), as "variant /" columns, and its kernel in a last column. Last, the
 rows' ratios as one table (a projection a line, a tp a column), torch / XLA beside them, the
 variant's in brackets.
 
@@ -46,7 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from gemm_sources import check_close, jax_loop, loop_ms, own_gemm  # noqa: E402
 
-from jax_ub.bench.impls import compiled_with, parse_variants  # noqa: E402
+from jax_ub._src.settings.options import current_options  # noqa: E402
+from jax_ub.bench.impls import compiled_with, configured, parse_variants  # noqa: E402
 
 # name: (hidden, qkv out, ffn); Llama 3's (head dim 128, 8 kv heads).
 MODELS = {
@@ -202,15 +203,15 @@ def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[d
     return times, host
 
 
-def picked(m: int, k: int, n: int) -> str:
-    """The kernel jax_ub runs for the forward GEMM: its description (``col``: C^T = B^T A^T,
-    column-major; ``row``: row-major) and place in cuBLASLt's heuristic list, which
-    ``device_run.sh gemm M,K,N`` times one by one ("?" while its trials still compare;
-    empty without GPUs)."""
+def picked(m: int, k: int, n: int, options) -> str:
+    """The kernel jax_ub runs for the forward GEMM on its communicators made with `options`
+    (the op's, or the variant's): its description (``col``: C^T = B^T A^T, column-major;
+    ``row``: row-major) and place in cuBLASLt's heuristic list, which ``device_run.sh gemm
+    M,K,N`` times one by one ("?" while its trials still compare; empty without GPUs)."""
     from jax_ub.bench.timing import kernel_choices  # noqa: PLC0415
 
     picks = {f"{'row' if row else 'col'} #{i}{'?' if deciding else ''}"
-             for _, row, i, deciding in kernel_choices().get((m, k, n), [])}  # fmt: skip
+             for _, row, i, deciding in kernel_choices(options).get((m, k, n), [])}  # fmt: skip
     return ", ".join(sorted(picks))
 
 
@@ -320,6 +321,12 @@ def main() -> None:
         head += [f"{kind}: XLA ms", "torch ms", "jax_ub ms", "jax_ub / fastest", "XLA again /"]
         head += ["variant /"] if variant is not None else []
     head += ["spread", "jax_ub host us/op call", "jax_ub kernel"]
+    head += ["variant kernel"] if variant is not None else []
+    # The communicators' options, the op's and the variant's: whose kernels each column names.
+    made_with = [current_options()]
+    if variant is not None:
+        with configured(variant):
+            made_with.append(current_options())
     print(f"GEMMs per call: {args.per_call}")
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head), flush=True)
@@ -337,7 +344,8 @@ def main() -> None:
                 times, host = time_row(impls, args.seconds, args.rounds, args.per_call)
                 row = report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host)
                 cells[(name, tp)] = ratios(times, kinds)
-                print(f"{row} {picked(m, k, n)} |", flush=True)
+                kernels = " | ".join(picked(m, k, n, options) for options in made_with)
+                print(f"{row} {kernels} |", flush=True)
                 # This row's inputs and each loop's last outputs go before the next row's
                 # come: a 70B row holds ~20 GB, and two of them ran an H100's share (0.4 of
                 # 80 GB) out of memory.

@@ -14,6 +14,7 @@ import numpy as np
 
 from jax_ub._src.runtime import extension
 from jax_ub._src.runtime.communicator import all_communicators
+from jax_ub._src.settings.options import Options
 
 WARMUP_CALLS = 20  # per implementation and shape, before anything is timed
 
@@ -186,26 +187,28 @@ def host_times() -> dict[int, tuple[int, float, float]]:
     return {d: (c, tot, aw) for d, (c, tot, aw) in totals.items()}
 
 
-def kernel_choices() -> dict[tuple[int, int, int], list[tuple[int, bool, int, bool]]]:
+def kernel_choices(
+    options: Options | None = None,
+) -> dict[tuple[int, int, int], list[tuple[int, bool, int, bool]]]:
     """Per GEMM shape (m, k, n) of the CUDA communicators that can still run calls (live or
-    outgrown): every local GPU's (device, row description, place in cuBLASLt's heuristic
-    list, whether its trials still compare)."""
+    outgrown; those made with `options` where given): every local GPU's (device, row
+    description, place in cuBLASLt's heuristic list, whether its trials still compare)."""
     out: dict[tuple[int, int, int], list] = {}
-    for module, comm_id in _cuda_communicators():
+    for module, comm_id in _cuda_communicators(options):
         for device, m, k, n, row, index, deciding in module.kernel_choices(comm_id):
             out.setdefault((m, k, n), []).append((device, row, index, deciding))
     return out
 
 
-def _cuda_communicators() -> list[tuple[object, int]]:
+def _cuda_communicators(options: Options | None = None) -> list[tuple[object, int]]:
     """(the CUDA extension, id) of every CUDA communicator that can still run calls: the
     live ones and those outgrown but kept by programs compiled on them (a benchmark's
-    earlier programs run there after a later one grew the buffer); none without the
-    extension."""
+    earlier programs run there after a later one grew the buffer); those made with
+    `options` where given; none without the extension."""
     module = extension.module_for("cuda")
     if module is None:
         return []
-    return [(module, c.id) for c in all_communicators() if c.platform == "cuda"]
+    return [(module, c.id) for c in all_communicators(options) if c.platform == "cuda"]
 
 
 def bar_chart(path: str, panels: list[tuple[str, list[str], dict]], ylabel: str, say) -> None:
