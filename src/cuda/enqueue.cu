@@ -1,6 +1,7 @@
 // The two ops on GPUs: each call's steps (protocol/schedule.h, the same list the host communicator
 // runs) enqueued on this slot's streams: lanes become streams, flags stream memory
 // operations, copies copy-engine transfers, GEMMs cuBLASLt.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -144,13 +145,18 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
                                          s->tune, &plans[i]));
   }
   gemm->BeginCall();
-  JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   // Lanes: the compute stream, the second GEMM lane's and one copy-engine stream per rank,
-  // each starting after the caller's work (on its first step).
+  // each starting after the caller's work (on its first step), marked by `start` before any
+  // step is enqueued. A call whose steps all run on XLA's stream (a group of one, its GEMM
+  // on the caller's stream) needs no mark: one CUDA call fewer on every such call.
   std::vector<bool> started(size, false);
   bool second_started = false;
   // The compute lane: XLA's stream itself, or ours after XLA's work.
   cudaStream_t compute = compute_on_caller_stream_ ? xs : s->compute;
+  const bool other_lanes =
+      compute != xs ||
+      std::any_of(steps.begin(), steps.end(), [](const Step& g) { return g.lane != kComputeLane; });
+  if (other_lanes) JAX_UB_CUDA(cudaEventRecord(s->start, xs));
   auto lane = [&](int l) -> cudaStream_t {
     if (l == kComputeLane) return compute;
     return l == kSecondGemmLane ? s->second_gemm : s->comm[l];
