@@ -10,8 +10,11 @@ row-parallel (o, down: GEMM then reduce-scatter) ``tokens x in/tp x hidden``.
 
 Method: per row, every implementation in turn, a loop of async calls lasting at least
 ``--seconds`` (synced after every >= 30 ms of calls: a sync drains the GPU, and JAX's next
-program waits for its dispatch), ``--rounds`` rounds interleaved; the median of the rounds (ms
-per GEMM), and the spread (max - min over median) of the row's slowest-moving implementation.
+program waits for its dispatch), ``--rounds`` rounds interleaved (with ``--slot-ms``, each
+round in slots of loops that long, the implementations in turn, the round's time the median of
+an implementation's slots: a power-capped clock's dips catch slots of every implementation, not
+one whole loop); the median of the rounds (ms per GEMM), and the spread (max - min over
+median) of the row's slowest-moving implementation.
 jax_ub's ratio is to the fastest of XLA and torch in the same row. That minimum of two noisy
 medians reads low, so every ratio to it reads high: XLA's own program is timed a second time
 as another implementation, and its ratio to the same fastest ("XLA again") is what an equal
@@ -28,12 +31,13 @@ rows' ratios as one table (a projection a line, a tp a column), torch / XLA besi
 variant's in brackets.
 
 python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections qkv,o]
-    [--fp8] [--seconds 0.3] [--per-call 8] [--ub-variant autotune_gemm=False]
+    [--fp8] [--seconds 0.3] [--slot-ms 30] [--per-call 8] [--ub-variant autotune_gemm=False]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -184,22 +188,43 @@ def fp8_impls(m: int, k: int, n: int, torch, per_call: int) -> dict:
     return impls
 
 
-def time_row(impls: dict, seconds: float, rounds: int, per_call: int) -> tuple[dict, dict]:
+def time_row(
+    impls: dict, seconds: float, rounds: int, per_call: int, slot_s: float = 0.0
+) -> tuple[dict, dict]:
     """Per implementation: ms per GEMM (per ``per_call``-GEMM step) in each round; and per
-    jax_ub implementation, the host us of its handler per op call (all rounds)."""
+    jax_ub implementation, the host us of its handler per op call (all loops). Each round
+    runs every implementation for ``seconds``: one loop each, or with ``slot_s``, in slots
+    of loops that long, every implementation in turn (the turns alternate direction) until
+    each ran its ``seconds``, the round's time the median of its slots: a power-capped
+    clock's dips (on one H100 ~20% for ~0.3 s of every second) then catch a few slots of
+    every implementation, not one implementation's whole loop."""
     from jax_ub.bench.timing import _host_ms_per_call, host_times, round_order  # noqa: PLC0415
 
     times: dict[str, list[float]] = {name: [] for name in impls}
     host: dict[str, list[float]] = {}
+
+    def loop(name: str, loop_s: float) -> float:
+        step, sync = impls[name]
+        before = host_times() if name.startswith("ub") else None
+        ms = loop_ms(step, sync, loop_s) / per_call
+        # None without GPUs (the CPU ops keep no such count)
+        per = _host_ms_per_call(before, host_times()) if before is not None else None
+        if per is not None:
+            host.setdefault(name, []).append(1e3 * per[0])
+        return ms
+
     for r in range(rounds):
-        for name in round_order(impls, r):
-            step, sync = impls[name]
-            before = host_times() if name.startswith("ub") else None
-            times[name].append(loop_ms(step, sync, seconds) / per_call)
-            # None without GPUs (the CPU ops keep no such count)
-            per = _host_ms_per_call(before, host_times()) if before is not None else None
-            if per is not None:
-                host.setdefault(name, []).append(1e3 * per[0])
+        order = round_order(impls, r)
+        if slot_s <= 0:
+            for name in order:
+                times[name].append(loop(name, seconds))
+            continue
+        slots: dict[str, list[float]] = {name: [] for name in impls}
+        for cycle in range(max(1, math.ceil(seconds / slot_s))):
+            for name in order if cycle % 2 == 0 else order[::-1]:
+                slots[name].append(loop(name, slot_s))
+        for name, ms in slots.items():
+            times[name].append(statistics.median(ms))
     return times, host
 
 
@@ -293,6 +318,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
+        "--slot-ms",
+        type=float,
+        default=0.0,
+        help="each round in slots this long, the implementations in turn (0: a loop each)",
+    )
+    ap.add_argument(
         "--per-call",
         type=int,
         default=8,
@@ -341,7 +372,9 @@ def main() -> None:
                     impls = fp8_impls(m, k, n, torch, args.per_call)
                 else:
                     impls = bf16_impls(m, k, n, torch, args.per_call, variant)
-                times, host = time_row(impls, args.seconds, args.rounds, args.per_call)
+                times, host = time_row(
+                    impls, args.seconds, args.rounds, args.per_call, args.slot_ms / 1e3
+                )
                 row = report(f"{name} {m}x{k}x{n} (tp{tp})", times, kinds, host)
                 cells[(name, tp)] = ratios(times, kinds)
                 kernels = " | ".join(picked(m, k, n, options) for options in made_with)

@@ -264,12 +264,14 @@ def test_gemm_table_runs_and_checks_its_rows(capsys, monkeypatch):
     # jax_ub's outputs checked against XLA's (torch absent or not, its cells may be nan),
     # with one GEMM per timed call and with several; per kind five cells, the last the
     # noise gauge (XLA's program timed again, over the same fastest), and a sixth with
-    # --ub-variant (jax_ub compiled under other tuning choices, over the same fastest).
+    # --ub-variant (jax_ub compiled under other tuning choices, over the same fastest); with
+    # --slot-ms, the implementations take turns in slots within each round.
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_table.py")
     runs = [
         (["--per-call", "1"], ["qkv", "o", "gate/up", "down"]),
         (["--fp8", "--per-call", "3", "--projections", "gate/up,o"], ["o", "gate/up"]),
         (["--per-call", "2", "--projections", "o", "--ub-variant", "autotune_gemm=False"], ["o"]),
+        (["--per-call", "2", "--projections", "qkv,down", "--slot-ms", "4"], ["qkv", "down"]),
     ]
     for extra, names in runs:
         per_kind = 6 if "--ub-variant" in extra else 5
