@@ -37,10 +37,10 @@ python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")  # torch shares the GPU
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
@@ -219,10 +219,15 @@ def time_row(
             for name in order:
                 times[name].append(loop(name, seconds))
             continue
+        # Turns until every implementation ran its seconds (a slot of a row's longest calls
+        # outlasts slot_s: its first block is 10 calls).
         slots: dict[str, list[float]] = {name: [] for name in impls}
-        for cycle in range(max(1, math.ceil(seconds / slot_s))):
-            for name in order if cycle % 2 == 0 else order[::-1]:
+        spent = dict.fromkeys(impls, 0.0)
+        while min(spent.values()) < seconds:
+            for name in order if len(slots[order[0]]) % 2 == 0 else order[::-1]:
+                began = time.perf_counter()
                 slots[name].append(loop(name, slot_s))
+                spent[name] += time.perf_counter() - began
         for name, ms in slots.items():
             times[name].append(statistics.median(ms))
     return times, host
