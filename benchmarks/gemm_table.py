@@ -213,21 +213,20 @@ def time_row(
             host.setdefault(name, []).append(1e3 * per[0])
         return ms
 
+    slot = slot_s if slot_s > 0 else seconds  # without slots: one loop of seconds a round
     for r in range(rounds):
         order = round_order(impls, r)
-        if slot_s <= 0:
-            for name in order:
-                times[name].append(loop(name, seconds))
-            continue
         # Turns until every implementation ran its seconds (a slot of a row's longest calls
         # outlasts slot_s: its first block is 10 calls).
         slots: dict[str, list[float]] = {name: [] for name in impls}
         spent = dict.fromkeys(impls, 0.0)
+        turn = 0
         while min(spent.values()) < seconds:
-            for name in order if len(slots[order[0]]) % 2 == 0 else order[::-1]:
+            for name in order if turn % 2 == 0 else order[::-1]:
                 began = time.perf_counter()
-                slots[name].append(loop(name, slot_s))
+                slots[name].append(loop(name, slot))
                 spent[name] += time.perf_counter() - began
+            turn += 1
         for name, ms in slots.items():
             times[name].append(statistics.median(ms))
     return times, host
