@@ -61,10 +61,10 @@ constexpr double kHoldMargin = 0.03;
 // not that pick) is within the margin of it: kHoldMargin, or `spread` where that is larger
 // (the larger of the two candidates' own round-to-round spreads, (max - min) / middle of
 // their timed rounds): a lead no larger than the rounds of one kernel differ is no lead.
-// The spread counts drift too: on one H100 a tuning's first-timed candidates' two rounds
-// differed by 5-23% and its last-timed ones' by 0.1-5% (the clock falls through a tuning;
-// mirrored rounds cancel a steady fall in the mean, not in the spread): a lead of that size
-// may be real and still held back.
+// The spread counts the clock too: on one H100 at its 700 W cap the clock dipped ~20% for
+// ~0.3 s of every second of load, and the dip caught tuning's last blocks, the fastest
+// candidates' second round (17-28% slower than their first): a lead may be real and still
+// held back, or lost in the mean.
 inline int KeptCandidate(int fastest, double fastest_ms, double first_ms, double spread = 0) {
   if (fastest <= 0 || first_ms < 0) return fastest;
   const double margin = std::max(kHoldMargin, spread);
