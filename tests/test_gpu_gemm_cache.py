@@ -28,7 +28,7 @@ FROM_FILE = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, tile \d+
 TUNED = re.compile(r"GEMM m=(\d+) k=(\d+) n=(\d+): \w+ description, algo")
 TIMED_IN = re.compile(r"tuning, ms a run \((sustained blocks|bursts), [0-9.]+ s\)")
 TUNING_S = re.compile(r"tuning, ms a run \(sustained blocks, ([0-9.]+) s\)")
-# a sustained tuning's line: "... s): col1 tile 24: 1.6205, col2 tile 23: 1.6042"
+# a sustained tuning's line: "... s): col1 tile 24: 1.6205 x0.995 [1.6201@1 ...], col2 tile 23: ..."
 SUSTAINED_TIMES = re.compile(r"tuning, ms a run \(sustained blocks, [0-9.]+ s\): (.*)")
 
 
@@ -132,8 +132,8 @@ def test_a_long_gemm_is_timed_in_sustained_blocks_and_kept_at_once(tmp_path):
     assert "bursts" not in TIMED_IN.findall(log), log[-3000:]
     # the budget (2 s a shape) holds: no block starts once it is spent
     assert all(float(s) < 2.5 for s in TUNING_S.findall(log)), log[-3000:]
-    # blocks time round 0's fastest 4 (kSustainKept), not every candidate
-    assert all(1 <= n <= 4 for n in _timed_counts(log)), log[-3000:]
+    # blocks time the ranking's fastest 4 (kSustainKept) and cuBLAS's pick, not every candidate
+    assert all(1 <= n <= 5 for n in _timed_counts(log)), log[-3000:]
     assert not _shapes(CHOSEN, log), log[-3000:]  # no trial decided anything
     assert len(_lines(cache)) == len(_shapes(TUNED, log)) == 2, log[-3000:]
     got = np.load(tmp_path / "long.npz")

@@ -1,16 +1,18 @@
 """Which kernel candidates a long GEMM's tuning times in sustained blocks on GPUs
-(src/cuda/gemm/choice_internal.h, SustainedCandidates): round 0's fastest four, and cuBLASLt's
-own first pick (the kernel cuBLAS runs) wherever round 0 ranked it lower; and which one it
-keeps (KeptCandidate): the fastest, unless the first pick is within the hold margin of it or
-within the two candidates' round-to-round spread (RoundSpread).
+(src/cuda/gemm/choice_internal.h, SustainedCandidates): the ranking bursts' fastest four, and
+cuBLASLt's own first pick (the kernel cuBLAS runs) wherever they ranked it lower; how the
+blocks' rounds score them (RelativeTimes) and how far the first pick trails (RoundLead); and
+which one tuning keeps (KeptCandidate): the fastest, unless the first pick is within the hold
+margin of it or within the timing's spread (RoundSpread for bursts, RoundLead's for blocks).
 The logic is CUDA-free and read here from the host extension; the GPU tests run the tuning
 itself."""
 
+import numpy as np
 import pytest
 
 from jax_ub._src.runtime import extension
 
-KEPT = 4  # round 0's fastest, timed in blocks (kSustainKept)
+KEPT = 4  # the ranking's fastest, timed in blocks (kSustainKept)
 
 
 def timed(ranked: list[int], first_pick: int) -> list[int]:
@@ -19,7 +21,7 @@ def timed(ranked: list[int], first_pick: int) -> list[int]:
 
 @pytest.mark.parametrize("place", range(8))
 def test_cublas_first_pick_is_always_timed(place):
-    """Wherever round 0 ranked candidate 0, the blocks time it, after round 0's fastest four
+    """Wherever the ranking put candidate 0, the blocks time it, after the ranking's fastest four
     (kept in their order); nothing else is added."""
     others = [5, 3, 7, 1, 6, 2, 4]
     ranked = others[:place] + [0] + others[place:]
@@ -41,7 +43,7 @@ def test_no_first_pick_among_the_ranked():
 @pytest.mark.parametrize("count", [1, 2, 4, 5])
 def test_few_candidates_are_all_timed(count):
     """Up to four candidates, or five with cuBLASLt's pick ranked last: all of them, in
-    round 0's order."""
+    the ranking's order."""
     ranked = list(range(count))[::-1]  # candidate 0 last
     assert timed(ranked, 0) == ranked
 
@@ -93,3 +95,107 @@ def test_a_small_spread_leaves_the_margin():
 )
 def test_round_spread_is_range_over_middle(ms, want):
     assert extension._host.round_spread(ms) == pytest.approx(want, rel=1e-5)
+
+
+def relative(ms: list[list[float]]) -> list[float]:
+    return list(extension._host.relative_times(ms))
+
+
+def lead(first: list[float], fastest: list[float]) -> tuple[float, float]:
+    return tuple(extension._host.round_lead(first, fastest))
+
+
+def _rounds(rng, speeds: list[float], clock: list[float], noise: float) -> list[list[float]]:
+    """ms[c][r]: candidate c's time in round r, at round r's clock, with noise."""
+    return [[s * k * (1 + noise * rng.standard_normal()) for k in clock] for s in speeds]
+
+
+def test_relative_times_are_each_rounds_share():
+    """Each candidate's time over its round's geometric mean, the middle over rounds: a clock
+    that scales a whole round scales its candidates alike and leaves the score."""
+    ms = [[1.0, 2.0, 1.0, 1.1], [2.0, 4.0, 2.0, 2.2]]
+    got = relative(ms)
+    assert got == pytest.approx([2**-0.5, 2**0.5], rel=1e-6)
+
+
+def test_relative_times_use_the_rounds_every_candidate_ran():
+    """A round the budget cut short (one candidate timed in it, the other not) is left out."""
+    got = relative([[1.0, 1.0, 9.0], [1.0, 1.0]])
+    assert got == pytest.approx([1.0, 1.0], rel=1e-6)
+
+
+def _capped_clock(t_ms: np.ndarray, phase_ms: float) -> np.ndarray:
+    """How much slower a kernel runs at time t on one H100 at its 700 W cap: ~20% for ~0.3 s
+    of every second of load (nvidia-smi: 1590 MHz down to 1245 MHz)."""
+    return np.where((t_ms + phase_ms) % 1000 > 700, 1.25, 1.0)
+
+
+def _blocks(rng, speeds: list[float], phase_ms: float, rounds: int = 8) -> list[list[float]]:
+    """Tuning's blocks on that clock: 10 ms untimed then 10 ms timed a candidate, the
+    direction alternating each round; a block's time a run is its speed at the mean clock of
+    its timed 10 ms, with 0.3% noise."""
+    ms = [[] for _ in speeds]
+    t = 0.0
+    for r in range(rounds):
+        visit = range(len(speeds)) if r % 2 == 0 else reversed(range(len(speeds)))
+        for c in visit:
+            window = np.linspace(t + 10, t + 20, 41)
+            factor = _capped_clock(window, phase_ms).mean()
+            ms[c].append(speeds[c] * factor * (1 + 0.003 * rng.standard_normal()))
+            t += 20
+    return ms
+
+
+@pytest.mark.parametrize("phase_ms", [0, 150, 300, 450, 600, 750, 900])
+def test_a_dip_does_not_change_the_ranking(phase_ms):
+    """8B's o at tp=8 on one H100: tile 29 ran 0.0518 ms in loops of 200, 8.6% ahead of
+    cuBLAS's first pick (0.0566 ms), with tiles at 0.0535, 0.0560 and 0.0571. Whichever part of
+    the clock's second the blocks land in, the round-by-round score ranks tile 29 first and its
+    lead holds beyond the margin and the rounds' spread."""
+    rng = np.random.default_rng(phase_ms)
+    speeds = [0.0566, 0.0518, 0.0535, 0.0560, 0.0571]  # first pick, tile 29, ...
+    ms = _blocks(rng, speeds, phase_ms)
+    scores = relative(ms)
+    assert int(np.argmin(scores)) == 1, scores
+    first_lead, spread = lead(ms[0], ms[1])
+    assert extension._host.kept_candidate(1, 1.0, first_lead, spread) == 1, (first_lead, spread)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_alike_kernels_hold_the_first_pick(seed):
+    """Two kernels that run alike, timed in 8 rounds at a drifting clock with 1% noise: the
+    first pick holds whichever reads faster."""
+    rng = np.random.default_rng(seed)
+    clock = list(1 + 0.1 * rng.random(8))
+    ms = _rounds(rng, [0.3, 0.3], clock, 0.01)
+    fastest = int(np.argmin(relative(ms)))
+    first_lead, spread = lead(ms[0], ms[fastest])
+    assert extension._host.kept_candidate(fastest, 1.0, first_lead, spread) == 0
+
+
+@pytest.mark.parametrize(("gain", "holds"), [(0.01, True), (0.08, False)])
+def test_a_lead_counts_beyond_the_margin(gain, holds):
+    """A kernel 1% faster is inside the 3% margin: the first pick holds; 8% faster is kept."""
+    rng = np.random.default_rng(7)
+    ms = _rounds(rng, [0.3, 0.3 * (1 - gain)], list(1 + 0.1 * rng.random(8)), 0.003)
+    first_lead, spread = lead(ms[0], ms[1])
+    assert first_lead == pytest.approx(1 / (1 - gain), rel=0.01)
+    kept_one = extension._host.kept_candidate(1, 1.0, first_lead, spread)
+    assert kept_one == (0 if holds else 1)
+
+
+def test_a_lead_that_varies_more_than_it_is_no_lead():
+    """A 5% lead from rounds whose ratios are spread wider than 5% (interquartile) holds."""
+    first = [1.0] * 8
+    fastest = [0.90, 0.99, 0.92, 1.0, 0.91, 0.98, 0.93, 1.0]
+    first_lead, spread = lead(first, fastest)
+    assert first_lead > 1.03 and spread > first_lead - 1
+    assert extension._host.kept_candidate(2, 1.0, first_lead, spread) == 0
+
+
+@pytest.mark.parametrize(
+    ("first", "fastest", "want"),
+    [([], [], (-1.0, 0.0)), ([1.1], [1.0], (1.1, 0.0)), ([1.2, 1.0], [1.0, 1.0], (1.1, 0.2 / 1.1))],
+)
+def test_round_lead_small_cases(first, fastest, want):
+    assert lead(first, fastest) == pytest.approx(want, rel=1e-6)

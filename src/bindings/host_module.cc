@@ -1,6 +1,7 @@
 // nanobind module for the host (CPU) implementation: FFI handler capsules and the
 // communicator lifecycle.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -137,7 +138,8 @@ NB_MODULE(_host, m) {
       nb::arg("op"), nb::arg("rank"), nb::arg("size"), nb::arg("m"), nb::arg("k"), nb::arg("n"),
       nb::arg("gathered"), nb::arg("options"), nb::arg("epilogue") = "");
   // Which of a long GEMM's kernel candidates the GPU tuning's blocks time (CUDA-free logic,
-  // tested here): `ranked` fastest first by round 0, `first_pick` cuBLASLt's own first.
+  // tested here): `ranked` fastest first by the ranking bursts, `first_pick` cuBLASLt's own
+  // first.
   m.def("sustained_candidates", &jax_ub::gemm_internal::SustainedCandidates, nb::arg("ranked"),
         nb::arg("first_pick"));
   // Which candidate the tuning keeps: its fastest, or cuBLASLt's own first (candidate 0)
@@ -146,6 +148,10 @@ NB_MODULE(_host, m) {
         nb::arg("fastest_ms"), nb::arg("first_ms"), nb::arg("spread") = 0.0);
   m.attr("hold_margin") = jax_ub::gemm_internal::kHoldMargin;
   m.def("round_spread", &jax_ub::gemm_internal::RoundSpread, nb::arg("ms"));
+  // How sustained blocks score candidates: each one's time over its round's, the middle over
+  // rounds; and the first pick's round-by-round lead over the fastest, with its spread.
+  m.def("relative_times", &jax_ub::gemm_internal::RelativeTimes, nb::arg("ms"));
+  m.def("round_lead", &jax_ub::gemm_internal::RoundLead, nb::arg("first"), nb::arg("fastest"));
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -28,10 +28,11 @@ class Tuning:
       autotune_gemm: on GPUs, time cuBLASLt's candidate kernels the first time each GEMM
         shape runs (a first call of a shape blocks its device's thread for up to about two
         seconds) and keep the fastest, where it beats the heuristic's first pick (the
-        kernel cuBLAS runs) by more than 3% and by more than either kernel's timed rounds
-        differ; else that first pick. A GEMM of 0.05 ms
-        or more is timed in sustained blocks of runs (~1.5 s a shape), the clock its own
-        power leaves, as in a training loop; shorter ones in bursts of 3 runs.
+        kernel cuBLAS runs) by more than 3% and by more than the timing's rounds differ;
+        else that first pick. A GEMM of 0.05 ms or more is ranked by 2 ms bursts on a hot
+        GPU, and the fastest few timed in 8 rounds of sustained blocks (~1.2 s a shape), at
+        the clock their own power leaves, as in a training loop, each round scored on its
+        own (a power-capped clock dips in some); shorter ones in bursts of 3 runs.
       autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
         f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick untimed (its fp8
         GEMMs are tuned either way). Short GEMMs' trials compare the heuristic's pick

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace jax_ub {
@@ -17,27 +19,38 @@ constexpr int kRunsPerRound = 3;  // each this many runs back to back
 // power-capped GPU's clock follows the power of the last tens of ms, so a candidate timed
 // in a short burst after others runs at the clock they left, and kernels that draw more
 // power read faster than they run for good. On one H200 3-run bursts ranked first a kernel
-// 0.3-4.8% slower in 250 ms loops, at 6 LLM shapes; blocks of 40 ms run untimed and 40 ms
-// timed put first the 250 ms loops' fastest at all 6 (benchmarks/tools/gemm_candidates.cu
-// --windows). Shorter GEMMs keep the bursts: blocks take ~1 s a shape (4 candidates).
+// 0.3-4.8% slower in 250 ms loops, at 6 LLM shapes; blocks of runs, part untimed, then
+// timed, put first the 250 ms loops' fastest at all 6 (benchmarks/tools/gemm_candidates.cu
+// --windows). Shorter GEMMs keep the bursts: blocks take ~1 s a shape (4-5 candidates).
 constexpr double kSustainMinMs = 0.05;
-constexpr double kSustainWarmMs = 40;   // untimed, a candidate's block in each round
-constexpr double kSustainTimedMs = 40;  // then timed
-constexpr int kSustainRounds = 2;       // a candidate's time: the mean of the rounds
-// Of a long GEMM's candidates, the blocks time round 0's fastest few only. In 21 tunings on
-// one H200 (the GEMMs of Llama 3 8B's step at 8192 rows and 8192^3; 7-8 candidates each,
-// ranked by round 0's one run apiece), the blocks' fastest was always among round 0's
-// first 4, and the best of the rest ran 0.6-7.6% slower: timing 4 halves a shape's tuning.
+// Before the blocks, each candidate runs one burst of about kRankBurstMs, all back to back
+// on a GPU already hot: the bursts rank the candidates the blocks time (SustainedCandidates).
+// Round 0's single runs rank by chance: at 8192x512x4096 (8B's o, tp=8) on one H100 they
+// left out the kernel that loops of 200 runs put 8.6% ahead of cuBLAS's pick; the bursts
+// put it first in every tuning.
+constexpr double kRankBurstMs = 2;
+// The blocks: kSustainWarmMs untimed, then kSustainTimedMs timed, a candidate a block, in
+// kSustainRounds rounds that alternate direction; each round is scored on its own
+// (RelativeTimes, RoundLead). Short blocks in many rounds because the clock dips: on one
+// H100 at its 700 W cap it fell ~20% for ~0.3 s of every second of load, and in two rounds
+// of 80 ms blocks the dip caught the last blocks (17-28% slower than the same kernel's
+// first): the mean of two rounds put a kernel 8.6% ahead only 2% ahead. A dip now costs the
+// rounds it lands in, and the median over rounds leaves them out.
+constexpr double kSustainWarmMs = 10;
+constexpr double kSustainTimedMs = 10;
+constexpr int kSustainRounds = 8;
+static_assert(kSustainRounds % 2 == 0, "rounds alternate direction in pairs");
+// Of a long GEMM's candidates, the blocks time the ranking's fastest few only. In 21 tunings
+// on one H200 (the GEMMs of Llama 3 8B's step at 8192 rows and 8192^3; 7-8 candidates each,
+// ranked by one run apiece), the blocks' fastest was always among that ranking's first 4, and
+// the best of the rest ran 0.6-7.6% slower: timing 4 halves a shape's tuning.
 constexpr int kSustainKept = 4;
-// The candidates a long GEMM's blocks time, in order, of `ranked` (those that ran in round
-// 0, fastest first): round 0's first kSustainKept, and `first_pick` (cuBLASLt's own first
-// pick, the kernel cuBLAS itself runs: torch's GEMM) after them where it ran but is not
-// among them. Round 0's single runs on a cold GPU rank by bursts: on one H100 the kept pick
-// at 8192x1792x4096 ran 5% slower than cuBLAS's (kernel times through CUPTI), so the blocks
-// time cuBLAS's pick too. The time budget may still cut the list's tail. Round 0 also
-// ranks short GEMMs by chance: at 8192x512x4096 (8B's o, tp=8) it left out the kernel that
-// loops of 200 runs put 8.6% ahead of the first pick (tile 29; the op, on the first pick,
-// read 1.11-1.14x XLA's dot on one H100).
+// The candidates a long GEMM's blocks time, in order, of `ranked` (fastest first by the
+// ranking bursts): the first kSustainKept, and `first_pick` (cuBLASLt's own first pick, the
+// kernel cuBLAS itself runs: torch's GEMM) after them where it ran but is not among them. On
+// one H100 the kept pick at 8192x1792x4096 once ran 5% slower than cuBLAS's (kernel times
+// through CUPTI), so the blocks time cuBLAS's pick too. The time budget may still cut the
+// list's tail.
 inline std::vector<size_t> SustainedCandidates(std::vector<size_t> ranked, size_t first_pick) {
   size_t kept = std::min(ranked.size(), static_cast<size_t>(kSustainKept));
   const auto pick = std::find(ranked.begin() + kept, ranked.end(), first_pick);
@@ -49,22 +62,16 @@ inline std::vector<size_t> SustainedCandidates(std::vector<size_t> ranked, size_
   return ranked;
 }
 // cuBLASLt's own first pick (the kernel cuBLAS runs: torch's) holds unless another
-// candidate's time beats it by more than this share, and by more than the two candidates'
-// own rounds differ (KeptCandidate): a guard against noise, not a measured gain. On one H100,
-// tuning's block times put candidates up to 8% apart that ran alike in programs of 8 GEMMs; in 2
-// runs over 24 rows of Llama 3 projections (8192 rows, tp 2-8, spreads 2-16%) the op tuned without
-// this margin and the first pick's were within the noise of each other but at o (short k, wide n),
-// where the first pick ran 2-12% slower at 6 of 7.
+// candidate's time beats it by more than this share, and by more than the timing's own spread
+// (KeptCandidate): a guard against noise, not a measured gain. On one H100, tuning's block
+// times put candidates up to 8% apart that ran alike in programs of 8 GEMMs.
 constexpr double kHoldMargin = 0.03;
 // The candidate tuning keeps: `fastest`, timed `fastest_ms` a run, unless candidate 0
 // (cuBLASLt's own first pick, timed `first_ms` a run; negative where it was not timed or is
-// not that pick) is within the margin of it: kHoldMargin, or `spread` where that is larger
-// (the larger of the two candidates' own round-to-round spreads, (max - min) / middle of
-// their timed rounds): a lead no larger than the rounds of one kernel differ is no lead.
-// The spread counts the clock too: on one H100 at its 700 W cap the clock dipped ~20% for
-// ~0.3 s of every second of load, and the dip caught tuning's last blocks, the fastest
-// candidates' second round (17-28% slower than their first): a lead may be real and still
-// held back, or lost in the mean.
+// not that pick) is within the margin of it: kHoldMargin, or `spread` where that is larger (a
+// share of the times: a lead no larger than the timing's rounds differ is no lead). Bursts
+// pass the larger of the two candidates' RoundSpread; blocks pass 1 and RoundLead's lead and
+// spread.
 inline int KeptCandidate(int fastest, double fastest_ms, double first_ms, double spread = 0) {
   if (fastest <= 0 || first_ms < 0) return fastest;
   const double margin = std::max(kHoldMargin, spread);
@@ -116,14 +123,58 @@ inline float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
-// (max - min) / middle of a candidate's timed rounds (the mean of the middle two where they
-// are even); 0 for fewer than two.
-inline double RoundSpread(std::vector<float> ms) {
+// The middle of `v` (the mean of the middle two where they are even); 0 where it is empty.
+inline double Middle(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+// (max - min) / middle of a candidate's timed rounds; 0 for fewer than two.
+inline double RoundSpread(const std::vector<float>& ms) {
   if (ms.size() < 2) return 0;
-  std::sort(ms.begin(), ms.end());
-  const size_t h = ms.size() / 2;
-  const double middle = ms.size() % 2 ? ms[h] : 0.5 * (ms[h - 1] + ms[h]);
-  return middle > 0 ? (ms.back() - ms.front()) / middle : 0;
+  const double middle = Middle(std::vector<double>(ms.begin(), ms.end()));
+  const auto [lo, hi] = std::minmax_element(ms.begin(), ms.end());
+  return middle > 0 ? (*hi - *lo) / middle : 0;
+}
+// Each candidate's score over blocks timed in rounds (`ms[c][r]`: candidate c's time a run in
+// round r): in each round, its time over the round's geometric mean, and the middle of that
+// over the rounds every candidate ran in. A clock that dips in some rounds scales every
+// candidate of those rounds alike, or, where it lands partway through one, moves a few of
+// them; the middle leaves those rounds out.
+inline std::vector<double> RelativeTimes(const std::vector<std::vector<float>>& ms) {
+  size_t rounds = ms.empty() ? 0 : ms[0].size();
+  for (const auto& m : ms) rounds = std::min(rounds, m.size());
+  std::vector<std::vector<double>> ratios(ms.size());
+  for (size_t r = 0; r < rounds; ++r) {
+    double log_sum = 0;
+    for (const auto& m : ms) log_sum += std::log(std::max(m[r], 1e-9f));
+    const double mean = std::exp(log_sum / ms.size());
+    for (size_t c = 0; c < ms.size(); ++c) ratios[c].push_back(ms[c][r] / mean);
+  }
+  std::vector<double> score;
+  for (const auto& r : ratios) score.push_back(Middle(r));
+  return score;
+}
+// How far the first pick (`first[r]`, its time a run in round r) trails the fastest
+// (`fastest[r]`), round by round: the middle of first / fastest over their common rounds,
+// and that ratio's spread (its interquartile range over its middle: the range, for up to 3
+// rounds). For KeptCandidate(fastest, 1, lead, spread).
+inline std::pair<double, double> RoundLead(const std::vector<float>& first,
+                                           const std::vector<float>& fastest) {
+  std::vector<double> ratio;
+  for (size_t r = 0; r < std::min(first.size(), fastest.size()); ++r)
+    ratio.push_back(first[r] / std::max(fastest[r], 1e-9f));
+  if (ratio.empty()) return {-1.0, 0.0};
+  std::sort(ratio.begin(), ratio.end());
+  const size_t half = ratio.size() / 2;  // quartiles: the middles of the lower, upper halves
+  const double lead = Middle(ratio);
+  double lo = ratio.front(), hi = ratio.back();
+  if (ratio.size() >= 4) {
+    lo = Middle(std::vector<double>(ratio.begin(), ratio.begin() + half));
+    hi = Middle(std::vector<double>(ratio.end() - half, ratio.end()));
+  }
+  return {lead, lead > 0 ? (hi - lo) / lead : 0.0};
 }
 
 }  // namespace gemm_internal

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -30,150 +31,197 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   auto seconds = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  // Timed rounds of runs back to back over every candidate that still counts, without the
-  // host stopping the GPU in between: each round is timed at the clock a busy GPU holds
-  // (a power-capped H200 runs long GEMMs ~25% below its boost clock, and candidates differ
-  // in power as well as in speed). Round 0 is two runs each, the second timed: it tells
-  // which candidates can run here, loads their kernels and sizes the later rounds. In those,
-  // a short GEMM's candidates run kRunsPerRound times each; a long one's (kSustainMinMs) a
-  // block each, kSustainWarmMs untimed, then kSustainTimedMs timed, so that each is timed
-  // at the clock its own power leaves. The later rounds keep the candidates the time
-  // budget allows, fastest first (a long GEMM's: kSustainKept at most). The host waits for
-  // each block (a pause of microseconds before the next block's 40 ms warm-up) and starts
-  // no block once the budget is spent: planned from round 0's times, blocks on a GPU that
-  // other processes share (MPS, the tests' N-ranks mode) would run several times as long.
-  std::vector<size_t> order(count);
-  for (size_t i = 0; i < count; ++i) order[i] = i;
-  std::vector<float> first_ms(count, -1.0f);
-  std::vector<int> warm_runs(count, 0), timed_runs(count, kRunsPerRound);
-  *sustained = false;
-  int rounds = kTimedRounds;
-  for (int round = 0; round <= rounds && st.ok(); ++round) {
+  // One round: each candidate of `visit` in turn runs warm[i] times untimed, then runs[i]
+  // times timed, back to back, without the host stopping the GPU in between: each is timed
+  // at the clock a busy GPU holds (a power-capped H200 runs long GEMMs ~25% below its boost
+  // clock, and candidates differ in power as well as in speed). (*ms)[i]: its time a run,
+  // -1 where it did not run. `blockwise`: the host waits for each candidate (a pause of
+  // microseconds), and starts none past the budget once the round's first ran: planned from
+  // round 0's times, blocks on a GPU that other processes share (MPS, the tests' N-ranks
+  // mode) would run several times as long. `probe`: a candidate that fails its untimed run
+  // cannot run here and is left out.
+  auto time_round = [&](const std::vector<size_t>& visit, const std::vector<int>& warm,
+                        const std::vector<int>& runs, bool blockwise, bool probe,
+                        std::vector<float>* ms) {
+    ms->assign(count, -1.0f);
     std::vector<bool> ran(count, false);
-    // Alternate directions, as the op's trials do (TrialMatmul), so a drifting clock does
-    // not favour whichever candidate runs first in every round.
-    std::vector<size_t> visit = order;
-    if (round > 0 && round % 2 == 0) std::reverse(visit.begin(), visit.end());
-    const bool blockwise = *sustained && round > 0;
+    Status s;
     for (size_t i : visit) {
-      // A round starts within the budget (the check after each round): its first block runs.
       if (blockwise && i != visit.front() && seconds() > kTuneBudgetS) break;
       const Candidate& cand = (*candidates)[i];
       const Plan& p = described[cand.description];
-      // Round 0 times its second run: the first loads the kernel.
-      const int warm = round == 0 ? 1 : warm_runs[i];
-      const int runs = round == 0 ? 1 : timed_runs[i];
-      for (int r = 0; r < warm && st.ok(); ++r) st = Run(p, cand.algo, a, b, c, stream, args);
-      if (!st.ok() && round == 0) {  // cannot run here: skipped from now on
-        st = Status::Ok();
+      for (int r = 0; r < warm[i] && s.ok(); ++r) s = Run(p, cand.algo, a, b, c, stream, args);
+      if (!s.ok() && probe) {
+        s = Status::Ok();
         continue;
       }
-      if (st.ok()) st = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
-      for (int r = 0; r < runs && st.ok(); ++r) {
-        st = Run(p, cand.algo, a, b, c, stream, args);
-        ran[i] = true;
-      }
-      if (st.ok()) st = CudaStatus(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
-      if (blockwise && st.ok())
-        st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-      if (!st.ok()) break;
+      if (s.ok()) s = CudaStatus(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
+      for (int r = 0; r < runs[i] && s.ok(); ++r) s = Run(p, cand.algo, a, b, c, stream, args);
+      ran[i] = s.ok();
+      if (s.ok()) s = CudaStatus(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
+      if (blockwise && s.ok())
+        s = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      if (!s.ok()) break;
     }
-    if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    std::vector<size_t> next;
-    for (size_t i : order) {
-      if (!st.ok()) break;
-      if (ran[i]) {
-        float ms = 0;
-        st = CudaStatus(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]),
-                        "cudaEventElapsedTime");
-        if (round == 0) {
-          first_ms[i] = ms;
-        } else {
-          (*candidates)[i].ms.push_back(ms / timed_runs[i]);
-        }
-      }
-      // A candidate the budget left out of this round keeps its earlier rounds' times.
-      if (ran[i] || !(*candidates)[i].ms.empty()) next.push_back(i);
+    if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    for (size_t i = 0; i < count && s.ok(); ++i) {
+      if (!ran[i]) continue;
+      s = CudaStatus(cudaEventElapsedTime(&(*ms)[i], events[2 * i], events[2 * i + 1]),
+                     "cudaEventElapsedTime");
+      (*ms)[i] /= runs[i];
     }
-    if (round == 0 && !next.empty()) {
-      // Fastest first; the shape's time (its fastest run) sets how rounds time it; keep as
-      // many candidates as the rounds fit in the budget left.
-      std::sort(next.begin(), next.end(),
-                [&](size_t x, size_t y) { return first_ms[x] < first_ms[y]; });
-      *sustained = first_ms[next[0]] >= kSustainMinMs;
-      if (*sustained) {
-        rounds = kSustainRounds;
-        // A GPU that idled before (compiling, the host's own work) holds a clock above
-        // the one it sustains for longer than a block: run it hot first, untimed, for
-        // kSustainHeatMs of the host's time, in chunks the host waits for.
-        const size_t i = next[0];
-        const Plan& p = described[(*candidates)[i].description];
-        const int chunk = static_cast<int>(std::ceil(kSustainHeatChunkMs / first_ms[i]));
-        const double heat_end_s = seconds() + kSustainHeatMs * 1e-3;
-        while (st.ok() && seconds() < std::min(heat_end_s, kTuneBudgetS)) {
-          for (int r = 0; r < chunk && st.ok(); ++r)
-            st = Run(p, (*candidates)[i].algo, a, b, c, stream, args);
-          if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-        }
-      }
-      // Candidate 0 is the first description's heuristic #0 where cuBLASLt served that.
-      if (*sustained) next = SustainedCandidates(next, (*candidates)[0].index == 0 ? 0 : count);
-      const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
-      double planned_ms = 0;
-      size_t keep = 0;
-      for (; keep < next.size(); ++keep) {
-        const size_t i = next[keep];
-        const double run_ms = std::max(first_ms[i], 1e-3f);
-        if (*sustained) {
-          warm_runs[i] = static_cast<int>(std::ceil(kSustainWarmMs / run_ms));
-          timed_runs[i] = static_cast<int>(std::ceil(kSustainTimedMs / run_ms));
-        }
-        const double cost_ms = run_ms * (warm_runs[i] + timed_runs[i]) * rounds;
-        if (keep >= 1 && planned_ms + cost_ms > left_ms) break;
-        planned_ms += cost_ms;
-      }
-      next.resize(keep);
+    return s;
+  };
+  // Round 0: two runs each, the second timed. It tells which candidates can run here, loads
+  // their kernels and sizes the later rounds: a short GEMM's candidates then run
+  // kRunsPerRound times a round, in kTimedRounds rounds; a long one's (kSustainMinMs) are
+  // ranked by bursts on a hot GPU and the first few (SustainedCandidates) timed in blocks.
+  // The later rounds keep the candidates the time budget allows, fastest first, and
+  // alternate direction, as the op's trials do (TrialMatmul), so that a drifting clock does
+  // not favour whichever candidate runs first.
+  std::vector<size_t> order(count);
+  for (size_t i = 0; i < count; ++i) order[i] = i;
+  std::vector<int> warm_runs(count, 1), timed_runs(count, 1);
+  std::vector<float> first_ms, ms;
+  if (st.ok()) st = time_round(order, warm_runs, timed_runs, false, true, &first_ms);
+  std::vector<size_t> next;
+  for (size_t i = 0; i < count && st.ok(); ++i)
+    if (first_ms[i] >= 0) next.push_back(i);
+  auto fastest_first = [&](const std::vector<float>& t) {
+    std::stable_sort(next.begin(), next.end(), [&](size_t x, size_t y) { return t[x] < t[y]; });
+  };
+  fastest_first(first_ms);
+  *sustained = !next.empty() && first_ms[next[0]] >= kSustainMinMs;
+  int rounds = kTimedRounds;
+  std::vector<float> run_ms = first_ms;
+  std::fill(warm_runs.begin(), warm_runs.end(), 0);
+  std::fill(timed_runs.begin(), timed_runs.end(), kRunsPerRound);
+  if (*sustained && st.ok()) {
+    // A GPU that idled before (compiling, the host's own work) holds a clock above the one
+    // it sustains for longer than a block: run it hot first, untimed, for kSustainHeatMs of
+    // the host's time, in chunks the host waits for.
+    const Candidate& hot = (*candidates)[next[0]];
+    const int chunk = static_cast<int>(std::ceil(kSustainHeatChunkMs / first_ms[next[0]]));
+    const double heat_end_s = seconds() + kSustainHeatMs * 1e-3;
+    while (st.ok() && seconds() < std::min(heat_end_s, kTuneBudgetS)) {
+      for (int r = 0; r < chunk && st.ok(); ++r)
+        st = Run(described[hot.description], hot.algo, a, b, c, stream, args);
+      if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     }
-    order = next;
-    if (round > 0 && seconds() > kTuneBudgetS) break;  // the rounds so far decide
+    // The ranking bursts; a GEMM as long as a burst was ranked by round 0's run.
+    if (first_ms[next[0]] < kRankBurstMs) {
+      for (size_t i : next)
+        timed_runs[i] = static_cast<int>(std::ceil(kRankBurstMs / std::max(first_ms[i], 1e-3f)));
+      if (st.ok()) st = time_round(next, warm_runs, timed_runs, false, false, &run_ms);
+      fastest_first(run_ms);
+    }
+    // Candidate 0 is the first description's heuristic #0 where cuBLASLt served that.
+    next = SustainedCandidates(next, (*candidates)[0].index == 0 ? 0 : count);
+    rounds = kSustainRounds;
+    for (size_t i : next) {
+      warm_runs[i] = static_cast<int>(std::ceil(kSustainWarmMs / std::max(run_ms[i], 1e-3f)));
+      timed_runs[i] = static_cast<int>(std::ceil(kSustainTimedMs / std::max(run_ms[i], 1e-3f)));
+    }
+  }
+  // Keep as many candidates as the rounds fit in the budget left, fastest first; a long
+  // GEMM's blocks (a GEMM of tens of ms runs few a block) give up rounds first, in pairs.
+  const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
+  auto cost_ms = [&](size_t i, int r) {
+    return std::max(run_ms[i], 1e-3f) * (warm_runs[i] + timed_runs[i]) * r;
+  };
+  auto planned_ms = [&](size_t keep, int r) {
+    double sum = 0;
+    for (size_t k = 0; k < keep; ++k) sum += cost_ms(next[k], r);
+    return sum;
+  };
+  while (*sustained && rounds > 2 && planned_ms(next.size(), rounds) > left_ms) rounds -= 2;
+  size_t keep = std::min<size_t>(next.size(), 1);
+  while (keep < next.size() && planned_ms(keep + 1, rounds) <= left_ms) ++keep;
+  next.resize(keep);
+  order = next;
+  for (int round = 1; round <= rounds && st.ok(); ++round) {
+    std::vector<size_t> visit = order;
+    if (round % 2 == 0) std::reverse(visit.begin(), visit.end());
+    st = time_round(visit, warm_runs, timed_runs, *sustained, false, &ms);
+    for (size_t i : order)
+      if (st.ok() && ms[i] >= 0) (*candidates)[i].ms.push_back(ms[i]);
+    if (seconds() > kTuneBudgetS) break;  // the rounds so far decide
   }
   for (cudaEvent_t e : events)
     if (e != nullptr) cudaEventDestroy(e);
   JAX_UB_RETURN_IF_ERROR(st);
-  *best = -1;
-  std::string times;  // for the trace: each timed candidate's time and round spread
-  std::vector<double> spread(count, 0);
-  for (size_t i : order) {
-    Candidate& cand = (*candidates)[i];
-    if (cand.ms.empty()) continue;
-    spread[i] = RoundSpread(cand.ms);
-    if (*sustained) {  // few rounds, each of many runs: their mean
-      float sum = 0;
-      for (float ms : cand.ms) sum += ms;
-      cand.ms = {sum / cand.ms.size()};
-    }
-    if (*best < 0 || Median(cand.ms) < Median((*candidates)[*best].ms)) *best = static_cast<int>(i);
-    char text[112];
-    std::snprintf(text, sizeof(text), "%s%s%d tile %d: %.4f (%.1f%%)", times.empty() ? "" : ", ",
-                  described[cand.description].row ? "row" : "col", cand.index,
-                  AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms),
-                  100 * spread[i]);
-    times += text;
+  std::erase_if(order, [&](size_t i) { return (*candidates)[i].ms.empty(); });
+  if (order.empty()) {  // only where the budget ran out before any round: round 0 decides
+    *best = next.empty() ? -1 : static_cast<int>(next[0]);
+    return Status::Ok();
   }
-  if (*best < 0 && !order.empty()) *best = static_cast<int>(order[0]);
+  // A long GEMM's candidates are scored round by round (RelativeTimes), over the rounds all
+  // of them ran in; a short one's by the median of their rounds.
+  std::vector<double> score(count, 0);
+  size_t common = SIZE_MAX;
+  for (size_t i : order) common = std::min(common, (*candidates)[i].ms.size());
+  if (*sustained) {
+    std::vector<std::vector<float>> rows;
+    for (size_t i : order) {
+      std::vector<float>& t = (*candidates)[i].ms;
+      rows.emplace_back(t.begin(), t.begin() + common);
+    }
+    const std::vector<double> relative = RelativeTimes(rows);
+    for (size_t k = 0; k < order.size(); ++k) score[order[k]] = relative[k];
+  } else {
+    for (size_t i : order) score[i] = Median((*candidates)[i].ms);
+  }
+  *best = static_cast<int>(order[0]);
+  for (size_t i : order)
+    if (score[i] < score[*best]) *best = static_cast<int>(i);
+  std::string times;  // for the trace: each timed candidate's time, score and rounds
+  for (size_t k = 0; k < order.size(); ++k) {
+    const Candidate& cand = (*candidates)[order[k]];
+    char text[96];
+    std::snprintf(text, sizeof(text), "%s%s%d tile %d: %.4f", times.empty() ? "" : ", ",
+                  described[cand.description].row ? "row" : "col", cand.index,
+                  AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms));
+    times += text;
+    if (*sustained) {  // x its score; each round's time @ its place in the round
+      std::snprintf(text, sizeof(text), " x%.3f [", score[order[k]]);
+      times += text;
+      for (size_t r = 0; r < cand.ms.size(); ++r) {
+        const size_t place = r % 2 == 0 ? k + 1 : order.size() - k;
+        std::snprintf(text, sizeof(text), "%s%.4f@%zu", r ? " " : "", cand.ms[r], place);
+        times += text;
+      }
+      times += "]";
+    } else {
+      std::snprintf(text, sizeof(text), " (%.1f%%)", 100 * RoundSpread(cand.ms));
+      times += text;
+    }
+  }
   // cuBLASLt's own first pick (candidate 0 where cuBLASLt served the first description)
-  // holds unless the fastest beats it by more than kHoldMargin and by more than either's
-  // rounds differ: gains inside the timing's noise are no gains.
+  // holds unless the fastest beats it by more than kHoldMargin and by more than the timing's
+  // spread: gains inside the timing's noise are no gains. Bursts: the two candidates' round
+  // spreads; blocks: how the first pick's lead varies from round to round.
   const Candidate& first = (*candidates)[0];
   const int fastest = *best;
-  if (fastest > 0 && !(*candidates)[fastest].ms.empty())
-    *best = KeptCandidate(fastest, Median((*candidates)[fastest].ms),
-                          first.index == 0 && !first.ms.empty() ? Median(first.ms) : -1.0,
-                          std::max(spread[fastest], spread[0]));
-  const bool held = *best != fastest;
+  const bool first_timed = first.index == 0 && !first.ms.empty();
+  if (fastest > 0 && first_timed) {
+    const Candidate& won = (*candidates)[fastest];
+    if (*sustained) {
+      const auto [lead, spread] =
+          RoundLead(std::vector<float>(first.ms.begin(), first.ms.begin() + common),
+                    std::vector<float>(won.ms.begin(), won.ms.begin() + common));
+      *best = KeptCandidate(fastest, 1.0, lead, spread);
+      char text[80];
+      std::snprintf(text, sizeof(text), "; the first pick x%.3f (rounds %.1f%% apart)", lead,
+                    100 * spread);
+      times += text;
+    } else {
+      *best = KeptCandidate(fastest, Median(won.ms), Median(first.ms),
+                            std::max(RoundSpread(won.ms), RoundSpread(first.ms)));
+    }
+  }
   JAX_UB_TRACE("GPU %d tuning, ms a run (%s, %.2f s): %s%s", device_,
                *sustained ? "sustained blocks" : "bursts", seconds(), times.c_str(),
-               held ? "; cuBLASLt's first pick holds" : "");
+               *best != fastest ? "; cuBLASLt's first pick holds" : "");
   return Status::Ok();
 }
 
