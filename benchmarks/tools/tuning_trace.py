@@ -17,6 +17,7 @@ TUNING = re.compile(r"GPU (\d+) tuning, ms a run \(sustained blocks, ([0-9.]+) s
 SHAPE = re.compile(
     r"GPU (\d+) GEMM m=(\d+) k=(\d+) n=(\d+): (\w+) description, algo \d+ tile (\d+)"
 )
+STEADY = re.compile(r"\((\d+) steady rounds")
 ENTRY = re.compile(r"(row|col)(\d+) tile (\d+): [0-9.]+ x([0-9.]+) \[([^\]]*)\]")
 
 
@@ -34,6 +35,7 @@ def tunings(text: str) -> list[dict]:
                 "seconds": float(m.group(2)),
                 "rounds": rounds,
                 "held": "first pick holds" in m.group(3),
+                "steady": (s.group(1) if (s := STEADY.search(m.group(3))) else "?"),
             }
         elif (m := SHAPE.search(line)) and m.group(1) in pending:
             t = pending.pop(m.group(1))
@@ -52,7 +54,8 @@ def report(t: dict) -> str:
     lead = f"; the first pick {means[first] / means[by_mean]:.3f}x by means" if first else ""
     return (
         f"{t['shape']}: kept tile {t['kept_tile']}{' (held)' if t['held'] else ''}, "
-        f"fastest by score {by_score}, by means {by_mean}{lead} ({t['seconds']:.2f} s; "
+        f"fastest by score {by_score} ({t['steady']} steady rounds), by means {by_mean}{lead} "
+        f"({t['seconds']:.2f} s; "
         + ", ".join(f"{n} x{s:.3f}" for n, (s, _) in t["rounds"].items())
         + ")"
     )

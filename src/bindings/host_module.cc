@@ -148,8 +148,10 @@ NB_MODULE(_host, m) {
         nb::arg("fastest_ms"), nb::arg("first_ms"), nb::arg("spread") = 0.0);
   m.attr("hold_margin") = jax_ub::gemm_internal::kHoldMargin;
   m.def("round_spread", &jax_ub::gemm_internal::RoundSpread, nb::arg("ms"));
-  // How sustained blocks score candidates: each one's time over its round's, the middle over
-  // rounds; and the first pick's round-by-round lead over the fastest, with its spread.
+  // How sustained blocks score candidates: the rounds at a steady clock, each one's time over
+  // its round's, the middle over rounds; and the first pick's round-by-round lead over the fastest,
+  // with its spread.
+  m.def("steady_rounds", &jax_ub::gemm_internal::SteadyRounds, nb::arg("ms"));
   m.def("relative_times", &jax_ub::gemm_internal::RelativeTimes, nb::arg("ms"));
   m.def("round_lead", &jax_ub::gemm_internal::RoundLead, nb::arg("first"), nb::arg("fastest"));
   m.def("unlink", [](int64_t id) {

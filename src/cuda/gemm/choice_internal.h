@@ -137,11 +137,32 @@ inline double RoundSpread(const std::vector<float>& ms) {
   const auto [lo, hi] = std::minmax_element(ms.begin(), ms.end());
   return middle > 0 ? (*hi - *lo) / middle : 0;
 }
-// Each candidate's score over blocks timed in rounds (`ms[c][r]`: candidate c's time a run in
-// round r): in each round, its time over the round's geometric mean, and the middle of that
-// over the rounds every candidate ran in. A clock that dips in some rounds scales every
-// candidate of those rounds alike, or, where it lands partway through one, moves a few of
-// them; the middle leaves those rounds out.
+// The rounds every candidate ran in (`ms[c][r]`: candidate c's time a run in round r), less
+// those the clock dipped in: a round whose geometric mean over the candidates reads more than
+// kDipShare above the middle round's. On one H100 the dip came ~0.75 s into a tuning's load
+// and took its last 2-3 rounds (their means 9-24% above the middle), and one that begins
+// partway through a round slows only the blocks after it: kept, such rounds put a kernel
+// 13% ahead within its rounds' spread, and the first pick held.
+constexpr double kDipShare = 0.03;
+inline std::vector<std::vector<float>> SteadyRounds(const std::vector<std::vector<float>>& ms) {
+  size_t rounds = ms.empty() ? 0 : ms[0].size();
+  for (const auto& m : ms) rounds = std::min(rounds, m.size());
+  std::vector<double> mean(rounds);
+  for (size_t r = 0; r < rounds; ++r) {
+    double log_sum = 0;
+    for (const auto& m : ms) log_sum += std::log(std::max(m[r], 1e-9f));
+    mean[r] = std::exp(log_sum / ms.size());
+  }
+  const double limit = (1 + kDipShare) * Middle(mean);
+  std::vector<std::vector<float>> steady(ms.size());
+  for (size_t r = 0; r < rounds; ++r)
+    if (mean[r] <= limit)
+      for (size_t c = 0; c < ms.size(); ++c) steady[c].push_back(ms[c][r]);
+  return steady;
+}
+// Each candidate's score over blocks timed in rounds (`ms[c][r]`, as SteadyRounds returns
+// them): in each round, its time over the round's geometric mean, and the middle of that over
+// the rounds, so that a round that went wrong for one candidate counts little.
 inline std::vector<double> RelativeTimes(const std::vector<std::vector<float>>& ms) {
   size_t rounds = ms.empty() ? 0 : ms[0].size();
   for (const auto& m : ms) rounds = std::min(rounds, m.size());
@@ -157,24 +178,21 @@ inline std::vector<double> RelativeTimes(const std::vector<std::vector<float>>& 
   return score;
 }
 // How far the first pick (`first[r]`, its time a run in round r) trails the fastest
-// (`fastest[r]`), round by round: the middle of first / fastest over their common rounds,
-// and that ratio's spread (its interquartile range over its middle: the range, for up to 3
-// rounds). For KeptCandidate(fastest, 1, lead, spread).
+// (`fastest[r]`), round by round: the middle of first / fastest over their common rounds, and
+// that ratio's spread, twice its median absolute deviation over its middle (for rounds of
+// even noise about their interquartile range, and still small where up to half the rounds
+// went wrong: on one H100, a dip that began partway through a round slowed the kernel timed
+// after it by up to 25% and not the one before). For KeptCandidate(fastest, 1, lead, spread).
 inline std::pair<double, double> RoundLead(const std::vector<float>& first,
                                            const std::vector<float>& fastest) {
   std::vector<double> ratio;
   for (size_t r = 0; r < std::min(first.size(), fastest.size()); ++r)
     ratio.push_back(first[r] / std::max(fastest[r], 1e-9f));
   if (ratio.empty()) return {-1.0, 0.0};
-  std::sort(ratio.begin(), ratio.end());
-  const size_t half = ratio.size() / 2;  // quartiles: the middles of the lower, upper halves
   const double lead = Middle(ratio);
-  double lo = ratio.front(), hi = ratio.back();
-  if (ratio.size() >= 4) {
-    lo = Middle(std::vector<double>(ratio.begin(), ratio.begin() + half));
-    hi = Middle(std::vector<double>(ratio.end() - half, ratio.end()));
-  }
-  return {lead, lead > 0 ? (hi - lo) / lead : 0.0};
+  std::vector<double> deviation;
+  for (double x : ratio) deviation.push_back(std::abs(x - lead));
+  return {lead, lead > 0 ? 2 * Middle(deviation) / lead : 0.0};
 }
 
 }  // namespace gemm_internal

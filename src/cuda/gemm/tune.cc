@@ -156,17 +156,14 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     return Status::Ok();
   }
   // A long GEMM's candidates are scored round by round (RelativeTimes), over the rounds all
-  // of them ran in; a short one's by the median of their rounds.
+  // of them ran in at a steady clock (SteadyRounds); a short one's by the median of their
+  // rounds.
   std::vector<double> score(count, 0);
-  size_t common = SIZE_MAX;
-  for (size_t i : order) common = std::min(common, (*candidates)[i].ms.size());
+  std::vector<std::vector<float>> steady;  // a long GEMM's: by place in `order`
   if (*sustained) {
-    std::vector<std::vector<float>> rows;
-    for (size_t i : order) {
-      std::vector<float>& t = (*candidates)[i].ms;
-      rows.emplace_back(t.begin(), t.begin() + common);
-    }
-    const std::vector<double> relative = RelativeTimes(rows);
+    for (size_t i : order) steady.push_back((*candidates)[i].ms);
+    steady = SteadyRounds(steady);
+    const std::vector<double> relative = RelativeTimes(steady);
     for (size_t k = 0; k < order.size(); ++k) score[order[k]] = relative[k];
   } else {
     for (size_t i : order) score[i] = Median((*candidates)[i].ms);
@@ -206,13 +203,14 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   if (fastest > 0 && first_timed) {
     const Candidate& won = (*candidates)[fastest];
     if (*sustained) {
-      const auto [lead, spread] =
-          RoundLead(std::vector<float>(first.ms.begin(), first.ms.begin() + common),
-                    std::vector<float>(won.ms.begin(), won.ms.begin() + common));
+      auto place = [&](size_t i) {
+        return std::find(order.begin(), order.end(), i) - order.begin();
+      };
+      const auto [lead, spread] = RoundLead(steady[place(0)], steady[place(fastest)]);
       *best = KeptCandidate(fastest, 1.0, lead, spread);
-      char text[80];
-      std::snprintf(text, sizeof(text), "; the first pick x%.3f (rounds %.1f%% apart)", lead,
-                    100 * spread);
+      char text[96];
+      std::snprintf(text, sizeof(text), "; the first pick x%.3f (%zu steady rounds, %.1f%% apart)",
+                    lead, steady[0].size(), 100 * spread);
       times += text;
     } else {
       *best = KeptCandidate(fastest, Median(won.ms), Median(first.ms),
