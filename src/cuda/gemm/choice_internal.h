@@ -137,14 +137,9 @@ inline double RoundSpread(const std::vector<float>& ms) {
   const auto [lo, hi] = std::minmax_element(ms.begin(), ms.end());
   return middle > 0 ? (*hi - *lo) / middle : 0;
 }
-// The rounds every candidate ran in (`ms[c][r]`: candidate c's time a run in round r), less
-// those the clock dipped in: a round whose geometric mean over the candidates reads more than
-// kDipShare above the middle round's. On one H100 the dip came ~0.75 s into a tuning's load
-// and took its last 2-3 rounds (their means 9-24% above the middle), and one that begins
-// partway through a round slows only the blocks after it: kept, such rounds put a kernel
-// 13% ahead within its rounds' spread, and the first pick held.
-constexpr double kDipShare = 0.03;
-inline std::vector<std::vector<float>> SteadyRounds(const std::vector<std::vector<float>>& ms) {
+// Each round's geometric mean over the candidates (`ms[c][r]`: candidate c's time a run in
+// round r), over the rounds every candidate ran in.
+inline std::vector<double> RoundMeans(const std::vector<std::vector<float>>& ms) {
   size_t rounds = ms.empty() ? 0 : ms[0].size();
   for (const auto& m : ms) rounds = std::min(rounds, m.size());
   std::vector<double> mean(rounds);
@@ -153,28 +148,34 @@ inline std::vector<std::vector<float>> SteadyRounds(const std::vector<std::vecto
     for (const auto& m : ms) log_sum += std::log(std::max(m[r], 1e-9f));
     mean[r] = std::exp(log_sum / ms.size());
   }
+  return mean;
+}
+// The rounds every candidate ran in, less those the clock dipped in: a round whose mean
+// (RoundMeans) reads more than kDipShare above the middle round's. On one H100 the dip came
+// ~0.75 s into a tuning's load and took its last 2-3 rounds (their means 9-24% above the
+// middle), and one that begins partway through a round slows only the blocks after it: kept,
+// such rounds put a kernel 13% ahead within its rounds' spread, and the first pick held.
+constexpr double kDipShare = 0.03;
+inline std::vector<std::vector<float>> SteadyRounds(const std::vector<std::vector<float>>& ms) {
+  const std::vector<double> mean = RoundMeans(ms);
   const double limit = (1 + kDipShare) * Middle(mean);
   std::vector<std::vector<float>> steady(ms.size());
-  for (size_t r = 0; r < rounds; ++r)
+  for (size_t r = 0; r < mean.size(); ++r)
     if (mean[r] <= limit)
       for (size_t c = 0; c < ms.size(); ++c) steady[c].push_back(ms[c][r]);
   return steady;
 }
 // Each candidate's score over blocks timed in rounds (`ms[c][r]`, as SteadyRounds returns
-// them): in each round, its time over the round's geometric mean, and the middle of that over
-// the rounds, so that a round that went wrong for one candidate counts little.
+// them): in each round, its time over the round's mean (RoundMeans), and the middle of that
+// over the rounds, so that a round that went wrong for one candidate counts little.
 inline std::vector<double> RelativeTimes(const std::vector<std::vector<float>>& ms) {
-  size_t rounds = ms.empty() ? 0 : ms[0].size();
-  for (const auto& m : ms) rounds = std::min(rounds, m.size());
-  std::vector<std::vector<double>> ratios(ms.size());
-  for (size_t r = 0; r < rounds; ++r) {
-    double log_sum = 0;
-    for (const auto& m : ms) log_sum += std::log(std::max(m[r], 1e-9f));
-    const double mean = std::exp(log_sum / ms.size());
-    for (size_t c = 0; c < ms.size(); ++c) ratios[c].push_back(ms[c][r] / mean);
-  }
+  const std::vector<double> mean = RoundMeans(ms);
   std::vector<double> score;
-  for (const auto& r : ratios) score.push_back(Middle(r));
+  for (const auto& m : ms) {
+    std::vector<double> ratio;
+    for (size_t r = 0; r < mean.size(); ++r) ratio.push_back(m[r] / mean[r]);
+    score.push_back(Middle(ratio));
+  }
   return score;
 }
 // How far the first pick (`first[r]`, its time a run in round r) trails the fastest
