@@ -67,7 +67,7 @@ The rules behind the options (each function's docstring has its shapes and shard
     takes seconds per distinct GEMM shape) and loads them before anything waits on a peer
     (CUDA's lazy kernel loading could otherwise hang a group). A GEMM of 0.05 ms or more
     keeps the fastest at once, unless cuBLASLt's own first pick (the kernel cuBLAS runs) is
-    within 3% of it, or within either kernel's round-to-round spread, which then holds; a
+    within 3% of it, or within its lead's spread over the timed rounds, which then holds; a
     shorter one's next 15 calls compare the 3 fastest beside the op's copies and keep the
     fastest. From then on results are bitwise reproducible,
     though the kernel kept may differ between processes. configure(gemm_cache=path) keeps

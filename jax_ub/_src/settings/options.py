@@ -32,7 +32,8 @@ class Tuning:
         else that first pick. A GEMM of 0.05 ms or more is ranked by 2 ms bursts on a hot
         GPU, and the fastest few timed in 8 rounds of sustained blocks (~1.2 s a shape), at
         the clock their own power leaves, as in a training loop, each round scored on its
-        own (a power-capped clock dips in some); shorter ones in bursts of 3 runs.
+        own and rounds a power-capped clock dipped in left out; shorter ones in bursts of
+        3 runs.
       autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
         f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick untimed (its fp8
         GEMMs are tuned either way). Short GEMMs' trials compare the heuristic's pick
