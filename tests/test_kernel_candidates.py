@@ -238,3 +238,27 @@ def test_a_measured_dip_does_not_hold_back_a_lead():
     assert int(np.argmin(relative(kept))) == 0
     first_lead, spread = lead(kept[4], kept[0])
     assert first_lead > 1.1 and extension._host.kept_candidate(1, 1.0, first_lead, spread) == 1
+
+
+def plan(round_ms: list[float], rounds: int, sustained: bool, left_ms: float) -> tuple[int, int]:
+    return tuple(extension._host.plan_rounds(round_ms, rounds, sustained, left_ms))
+
+
+def test_blocks_that_fit_keep_every_candidate_and_round():
+    """5 candidates of 20 ms blocks, 8 rounds: 800 ms, within 1.5 s left."""
+    assert plan([20.0] * 5, 8, True, 1500.0) == (5, 8)
+
+
+def test_long_blocks_give_up_rounds_in_pairs_before_candidates():
+    """A GEMM of tens of ms runs one warm and one timed run a block: 5 candidates of 60 ms
+    rounds fit 4 rounds in 1.3 s, not 8 or 6; past 2 rounds, candidates go from the tail."""
+    assert plan([60.0] * 5, 8, True, 1300.0) == (5, 4)
+    assert plan([60.0] * 5, 8, True, 500.0) == (4, 2)
+    assert plan([60.0, 61.0, 90.0], 8, True, 100.0) == (1, 2)  # at least one
+
+
+def test_bursts_keep_their_rounds_and_give_up_candidates():
+    """A short GEMM's bursts (3 rounds) drop candidates only, the slowest first."""
+    assert plan([1.0, 1.0, 1.0, 1.0], 3, False, 10.0) == (3, 3)
+    assert plan([1.0, 2.0], 3, False, 0.0) == (1, 3)
+    assert plan([], 3, False, 10.0) == (0, 3)

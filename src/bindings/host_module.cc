@@ -154,6 +154,14 @@ NB_MODULE(_host, m) {
   m.def("steady_rounds", &jax_ub::gemm_internal::SteadyRounds, nb::arg("ms"));
   m.def("relative_times", &jax_ub::gemm_internal::RelativeTimes, nb::arg("ms"));
   m.def("round_lead", &jax_ub::gemm_internal::RoundLead, nb::arg("first"), nb::arg("fastest"));
+  // How many candidates and rounds tuning's later rounds time within the budget left.
+  m.def(
+      "plan_rounds",
+      [](const std::vector<double>& round_ms, int rounds, bool sustained, double left_ms) {
+        const auto plan = jax_ub::gemm_internal::PlanRounds(round_ms, rounds, sustained, left_ms);
+        return std::make_pair(plan.candidates, plan.rounds);
+      },
+      nb::arg("round_ms"), nb::arg("rounds"), nb::arg("sustained"), nb::arg("left_ms"));
   m.def("unlink", [](int64_t id) {
     auto c = jax_ub::Registry<jax_ub::HostCommunicator>::Get(id);
     if (c) c->Unlink();

@@ -77,6 +77,26 @@ inline int KeptCandidate(int fastest, double fastest_ms, double first_ms, double
   const double margin = std::max(kHoldMargin, spread);
   return fastest_ms > (1.0 - margin) * first_ms ? 0 : fastest;
 }
+// What tuning's later rounds time within `left_ms` of budget, given each candidate's time a
+// round (`round_ms`, fastest first by the ranking): `rounds` rounds of as many candidates as
+// fit, at least one. A long GEMM's blocks (`sustained`; a GEMM of tens of ms runs few a block)
+// give up rounds first, in pairs down to 2, before they give up candidates.
+struct RoundPlan {
+  size_t candidates;
+  int rounds;
+};
+inline RoundPlan PlanRounds(const std::vector<double>& round_ms, int rounds, bool sustained,
+                            double left_ms) {
+  auto planned_ms = [&](size_t keep, int r) {
+    double sum = 0;
+    for (size_t k = 0; k < keep; ++k) sum += round_ms[k] * r;
+    return sum;
+  };
+  while (sustained && rounds > 2 && planned_ms(round_ms.size(), rounds) > left_ms) rounds -= 2;
+  size_t keep = std::min<size_t>(round_ms.size(), 1);
+  while (keep < round_ms.size() && planned_ms(keep + 1, rounds) <= left_ms) ++keep;
+  return {keep, rounds};
+}
 // Untimed, before the first round: a GPU that idled (compiling, the host's own work) ran
 // a whole first block above its sustained clock (5-7% fast, on the H200). A guess at
 // what covers that, not measured yet.

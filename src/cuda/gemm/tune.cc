@@ -123,21 +123,14 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       timed_runs[i] = static_cast<int>(std::ceil(kSustainTimedMs / std::max(run_ms[i], 1e-3f)));
     }
   }
-  // Keep as many candidates as the rounds fit in the budget left, fastest first; a long
-  // GEMM's blocks (a GEMM of tens of ms runs few a block) give up rounds first, in pairs.
-  const double left_ms = std::max(0.0, kTuneBudgetS - seconds()) * 1e3;
-  auto cost_ms = [&](size_t i, int r) {
-    return std::max(run_ms[i], 1e-3f) * (warm_runs[i] + timed_runs[i]) * r;
-  };
-  auto planned_ms = [&](size_t keep, int r) {
-    double sum = 0;
-    for (size_t k = 0; k < keep; ++k) sum += cost_ms(next[k], r);
-    return sum;
-  };
-  while (*sustained && rounds > 2 && planned_ms(next.size(), rounds) > left_ms) rounds -= 2;
-  size_t keep = std::min<size_t>(next.size(), 1);
-  while (keep < next.size() && planned_ms(keep + 1, rounds) <= left_ms) ++keep;
-  next.resize(keep);
+  // Keep as many candidates, and rounds, as the budget left fits (PlanRounds).
+  std::vector<double> round_ms;
+  for (size_t i : next)
+    round_ms.push_back(std::max(run_ms[i], 1e-3f) * (warm_runs[i] + timed_runs[i]));
+  const RoundPlan plan =
+      PlanRounds(round_ms, rounds, *sustained, std::max(0.0, kTuneBudgetS - seconds()) * 1e3);
+  next.resize(plan.candidates);
+  rounds = plan.rounds;
   order = next;
   for (int round = 1; round <= rounds && st.ok(); ++round) {
     std::vector<size_t> visit = order;
