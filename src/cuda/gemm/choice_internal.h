@@ -31,11 +31,12 @@ constexpr double kSustainMinMs = 0.05;
 constexpr double kRankBurstMs = 2;
 // The blocks: kSustainWarmMs untimed, then kSustainTimedMs timed, a candidate a block, in
 // kSustainRounds rounds that alternate direction; each round is scored on its own
-// (RelativeTimes, RoundLead). Short blocks in many rounds because the clock dips: on one
-// H100 at its 700 W cap it fell ~20% for ~0.3 s of every second of load, and in two rounds
-// of 80 ms blocks the dip caught the last blocks (17-28% slower than the same kernel's
-// first): the mean of two rounds put a kernel 8.6% ahead only 2% ahead. A dip now costs the
-// rounds it lands in, and the median over rounds leaves them out.
+// (SteadyRounds, RelativeTimes, RoundLead). Short blocks in many rounds because the clock
+// dips: on one H100 at its 700 W cap it fell ~20% for ~0.3 s of every second of load, and in
+// two rounds of 80 ms blocks the dip caught the last blocks (17-28% slower than the same
+// kernel's first): the mean of two rounds put a kernel 8.6% ahead only 2% ahead. A dip now
+// costs the rounds it lands in, and those are left out: in 7 tunings of 8B's tp=8 GEMMs on
+// that H100 (~1 s each) it took the last 2-3 of 8, and o kept a kernel 8% ahead.
 constexpr double kSustainWarmMs = 10;
 constexpr double kSustainTimedMs = 10;
 constexpr int kSustainRounds = 8;
