@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -87,6 +86,10 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   std::vector<size_t> next;
   for (size_t i = 0; i < count && st.ok(); ++i)
     if (first_ms[i] >= 0) next.push_back(i);
+  // How many runs of candidate i last about `span_ms`, at its time a run in `t`.
+  auto runs_in = [](double span_ms, const std::vector<float>& t, size_t i) {
+    return static_cast<int>(std::ceil(span_ms / std::max(t[i], 1e-3f)));
+  };
   auto fastest_first = [&](const std::vector<float>& t) {
     std::stable_sort(next.begin(), next.end(), [&](size_t x, size_t y) { return t[x] < t[y]; });
   };
@@ -101,7 +104,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     // it sustains for longer than a block: run it hot first, untimed, for kSustainHeatMs of
     // the host's time, in chunks the host waits for.
     const Candidate& hot = (*candidates)[next[0]];
-    const int chunk = static_cast<int>(std::ceil(kSustainHeatChunkMs / first_ms[next[0]]));
+    const int chunk = runs_in(kSustainHeatChunkMs, first_ms, next[0]);
     const double heat_end_s = seconds() + kSustainHeatMs * 1e-3;
     while (st.ok() && seconds() < std::min(heat_end_s, kTuneBudgetS)) {
       for (int r = 0; r < chunk && st.ok(); ++r)
@@ -110,8 +113,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     }
     // The ranking bursts; a GEMM as long as a burst was ranked by round 0's run.
     if (first_ms[next[0]] < kRankBurstMs) {
-      for (size_t i : next)
-        timed_runs[i] = static_cast<int>(std::ceil(kRankBurstMs / std::max(first_ms[i], 1e-3f)));
+      for (size_t i : next) timed_runs[i] = runs_in(kRankBurstMs, first_ms, i);
       if (st.ok()) st = time_round(next, warm_runs, timed_runs, false, false, &run_ms);
       fastest_first(run_ms);
     }
@@ -119,8 +121,8 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     next = SustainedCandidates(next, (*candidates)[0].index == 0 ? 0 : count);
     rounds = kSustainRounds;
     for (size_t i : next) {
-      warm_runs[i] = static_cast<int>(std::ceil(kSustainWarmMs / std::max(run_ms[i], 1e-3f)));
-      timed_runs[i] = static_cast<int>(std::ceil(kSustainTimedMs / std::max(run_ms[i], 1e-3f)));
+      warm_runs[i] = runs_in(kSustainWarmMs, run_ms, i);
+      timed_runs[i] = runs_in(kSustainTimedMs, run_ms, i);
     }
   }
   // Keep as many candidates, and rounds, as the budget left fits (PlanRounds).
