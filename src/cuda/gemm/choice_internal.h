@@ -140,12 +140,9 @@ inline std::vector<AgreedKernel> UnpackKernels(uint64_t word) {
   return ks;
 }
 
-inline float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 // The middle of `v` (the mean of the middle two where they are even); 0 where it is empty.
-inline double Middle(std::vector<double> v) {
+template <typename T>
+double Middle(std::vector<T> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   const size_t h = v.size() / 2;
@@ -154,7 +151,7 @@ inline double Middle(std::vector<double> v) {
 // (max - min) / middle of a candidate's timed rounds; 0 for fewer than two.
 inline double RoundSpread(const std::vector<float>& ms) {
   if (ms.size() < 2) return 0;
-  const double middle = Middle(std::vector<double>(ms.begin(), ms.end()));
+  const double middle = Middle(ms);
   const auto [lo, hi] = std::minmax_element(ms.begin(), ms.end());
   return middle > 0 ? (*hi - *lo) / middle : 0;
 }

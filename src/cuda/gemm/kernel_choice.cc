@@ -207,7 +207,7 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
   for (const Candidate& cand : candidates)
     if (cand.description == chosen.description && !cand.ms.empty()) timed.push_back(&cand);
   std::stable_sort(timed.begin(), timed.end(), [](const Candidate* x, const Candidate* y) {
-    return Median(x->ms) < Median(y->ms);
+    return Middle(x->ms) < Middle(y->ms);
   });
   // cuBLASLt's own first pick always takes part: tuning times kernels alone, and beside
   // the op's copies the heuristic's kernel was at times the faster one (a reduce-scatter
@@ -247,7 +247,7 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
       AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_ID),
       AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
       AlgoConfig(kept.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-      chosen.ms.empty() ? -1.0f : Median(chosen.ms));
+      chosen.ms.empty() ? -1.0 : Middle(chosen.ms));
   *plan = &plans_.emplace(key, std::move(kept)).first->second;
   return Status::Ok();
 }

@@ -88,10 +88,10 @@ Status CublasLtGemm::Harvest(Plan& p, bool wait) {
   std::string times;
   for (int i = 0; i < count; ++i) {
     if (tr.ms[i].empty()) continue;
-    if (tr.ms[best].empty() || Median(tr.ms[i]) < Median(tr.ms[best])) best = i;
+    if (tr.ms[best].empty() || Middle(tr.ms[i]) < Middle(tr.ms[best])) best = i;
     times += (times.empty() ? "" : ", ") +
              std::to_string(AlgoConfig(tr.algos[i], CUBLASLT_ALGO_CONFIG_TILE_ID)) + ": " +
-             std::to_string(Median(tr.ms[i]));
+             std::to_string(Middle(tr.ms[i]));
   }
   JAX_UB_TRACE(
       "GPU %d GEMM m=%lld k=%lld n=%lld in the op, median ms by tile (tuned pick first): %s; "

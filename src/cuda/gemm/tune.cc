@@ -148,6 +148,10 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   std::erase_if(order, [&](size_t i) { return (*candidates)[i].ms.empty(); });
   if (order.empty()) {  // only where the budget ran out before any round: round 0 decides
     *best = next.empty() ? -1 : static_cast<int>(next[0]);
+    JAX_UB_TRACE(
+        "GPU %d tuning (%.2f s): the budget ran out before a timed round; round 0's "
+        "fastest is kept (candidate %d)",
+        device_, seconds(), *best);
     return Status::Ok();
   }
   // A long GEMM's candidates are scored round by round (RelativeTimes), over the rounds all
@@ -161,7 +165,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     const std::vector<double> relative = RelativeTimes(steady);
     for (size_t k = 0; k < order.size(); ++k) score[order[k]] = relative[k];
   } else {
-    for (size_t i : order) score[i] = Median((*candidates)[i].ms);
+    for (size_t i : order) score[i] = Middle((*candidates)[i].ms);
   }
   *best = static_cast<int>(order[0]);
   for (size_t i : order)
@@ -172,7 +176,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
     char text[96];
     std::snprintf(text, sizeof(text), "%s%s%d tile %d: %.4f", times.empty() ? "" : ", ",
                   described[cand.description].row ? "row" : "col", cand.index,
-                  AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Median(cand.ms));
+                  AlgoConfig(cand.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), Middle(cand.ms));
     times += text;
     if (*sustained) {  // x its score; each round's time @ its place in the round
       std::snprintf(text, sizeof(text), " x%.3f [", score[order[k]]);
@@ -208,7 +212,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
                     lead, steady[0].size(), 100 * spread);
       times += text;
     } else {
-      *best = KeptCandidate(fastest, Median(won.ms), Median(first.ms),
+      *best = KeptCandidate(fastest, Middle(won.ms), Middle(first.ms),
                             std::max(RoundSpread(won.ms), RoundSpread(first.ms)));
     }
   }
