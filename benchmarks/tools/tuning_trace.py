@@ -17,7 +17,7 @@ TUNING = re.compile(r"GPU (\d+) tuning, ms a run \(sustained blocks, ([0-9.]+) s
 SHAPE = re.compile(
     r"GPU (\d+) GEMM m=(\d+) k=(\d+) n=(\d+): (\w+) description, algo \d+ tile (\d+)"
 )
-STEADY = re.compile(r"\((\d+) steady rounds")
+STEADY = re.compile(r"(\d+) steady rounds")
 ENTRY = re.compile(r"(row|col)(\d+) tile (\d+): [0-9.]+ x([0-9.]+) \[([^\]]*)\]")
 
 

@@ -199,6 +199,11 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   const Candidate& first = (*candidates)[0];
   const int fastest = *best;
   const bool first_timed = first.index == 0 && !first.ms.empty();
+  char text[96];
+  if (*sustained && !(fastest > 0 && first_timed)) {  // no lead to weigh: the rounds it kept
+    std::snprintf(text, sizeof(text), "; %zu steady rounds", steady[0].size());
+    times += text;
+  }
   if (fastest > 0 && first_timed) {
     const Candidate& won = (*candidates)[fastest];
     if (*sustained) {
@@ -207,7 +212,6 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       };
       const auto [lead, spread] = RoundLead(steady[place(0)], steady[place(fastest)]);
       *best = KeptCandidate(fastest, 1.0, lead, spread);
-      char text[96];
       std::snprintf(text, sizeof(text), "; the first pick x%.3f (%zu steady rounds, %.1f%% apart)",
                     lead, steady[0].size(), 100 * spread);
       times += text;
