@@ -18,6 +18,7 @@ MODES=(
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
   ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds[:N0] ...\", @k: pytest's -k, + for a space; N0: the least N to run it at) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those), each item's limit scaled by lanes/3 above 3 lanes a GPU; fewer lanes where their ranks would not fit a GPU's memory at RANKS_RANK_MIB (default 3700) each; RANKS_THREADS=1: benchmarks/tools/hot_threads.py every 30 s meanwhile, into \$OUT/ranks_threads.log; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 3 minutes at N = 8 with 3 lanes) or all (every file: the gradient matrix in every way to call, layouts, models, faults; and once, processes of their own on GPU 0: RANKS_ONCE; about 17 minutes on one H200: N = 8 with 4 lanes 9 minutes, N = 2 and 4 with 6 lanes 7.5); the ranks of every lane share one MPS daemon where the machine has MPS (JAX_UB_TEST_RANKS_MPS=0: none), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
+  check        "a commit's GPU check in one call: the N-ranks quick set (as ranks quick; RANKS default \"2 4 8\", RANKS_PARALLEL 3: about 5 minutes on one H100), tests/test_gpu_gemm_cache.py, then benchmarks/gemm_table.py (CHECK_TABLE: its args, default 8B at tp=8 with the untuned variant; CHECK_TABLE_S) with JAX_UB_TRACE=1, its tunings read by benchmarks/tools/tuning_trace.py" mode_check
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
   llama        "examples/train_llama.py (args: its own, e.g. --fp8 current --seeds 3; TRAIN_S; TAG: llama)" mode_llama
@@ -49,7 +50,8 @@ Builds and installs this checkout into python3's environment (pip install --no-b
 --no-deps -e ., CMake build in build/dev for CUDA_ARCHS, default 90-real; needs
 scikit-build-core, nanobind, CMake and ninja there), then runs MODE. Logs go to $OUT (default
 /tmp/out); TAG names a benchmark's outputs. DRY_RUN=1 prints each step's command, runs none; NO_BUILD=1
-skips the build (the jax_ub installed already runs).
+skips the build (the jax_ub installed already runs); PACK=name: at exit, a timeout's too, everything
+under $OUT goes into $OUT/name.tgz, the loose files removed (one file to copy back).
 Modes:
 EOF
   local i line first
@@ -212,6 +214,21 @@ mode_tests() {
   grep -E "^=+ .* in [0-9.]+s" "$OUT/gpu_tests.log"
 }
 
+mode_check() {
+  # Correctness first (a wrong number outranks a slow one), then the GEMMs' speed and tuning.
+  RANKS=${RANKS:-2 4 8} RANKS_PARALLEL=${RANKS_PARALLEL:-3} mode_ranks quick
+  step -k 10 "tests/test_gpu_gemm_cache.py" 200 "$OUT/gemm_cache.log" \
+    python3 -m pytest -q -rsxX -m gpu tests/test_gpu_gemm_cache.py -p no:cacheprovider
+  tail -n 2 "$OUT/gemm_cache.log"
+  local -a table
+  read -ra table <<< "${CHECK_TABLE:---models 8b --tp 8 --seconds 0.2 --rounds 3 --ub-variant autotune_gemm=False}"
+  step -k 10 "gemm table" "${CHECK_TABLE_S:-200}" "$OUT/gemm_table.log" \
+    env JAX_UB_TRACE=1 python3 benchmarks/gemm_table.py "${table[@]}"
+  grep -vE "$NOISE|^jax_ub trace" "$OUT/gemm_table.log" | tail -n 40
+  step --ok any tunings 60 "$OUT/tunings.log" python3 benchmarks/tools/tuning_trace.py "$OUT/gemm_table.log"
+  dry_run || cat "$OUT/tunings.log"
+}
+
 mode_bench() {
   local tag=${TAG:-bench}
   step -k 10 bench 400 "$OUT/$tag.log" \
@@ -337,7 +354,15 @@ fi
 mkdir -p "$OUT"
 KMSG_START=$(kernel_log | wc -l)
 SCRATCH=$(mktemp -d)
-trap 'end_step_group; stop_ranks_mps; rm -rf "$SCRATCH"' EXIT
+# PACK=name: everything under $OUT into one archive at exit (the device's copy-back takes few files).
+pack_out() {
+  [ -n "${PACK:-}" ] || return 0
+  local -a names
+  mapfile -t names < <(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name "$PACK.tgz" -printf '%P\n')
+  [ ${#names[@]} -gt 0 ] || return 0
+  (cd "$OUT" && tar czf "$PACK.tgz" -- "${names[@]}" && rm -rf -- "${names[@]}")
+}
+trap 'end_step_group; stop_ranks_mps; rm -rf "$SCRATCH"; pack_out' EXIT
 trap 'echo "device_run.sh: interrupted" >&2; exit 130' INT
 trap 'echo "device_run.sh: terminated" >&2; exit 143' TERM HUP
 

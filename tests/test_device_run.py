@@ -169,3 +169,23 @@ def test_a_failed_item_keeps_its_rank_logs_and_the_kernels_gpu_lines(tmp_path):
     assert {"ranks_2_test_no_such_file/rank0.log", "ranks_2_test_no_such_file/rank1.log"} <= set(
         names
     ), names
+
+
+def test_the_check_runs_every_n_then_the_gemm_cache_and_table_and_packs_its_logs(tmp_path):
+    """`check` (a commit's GPU check in one device call): the quick set at N = 2, 4, 8, the
+    GEMM cache's tests, the GEMM table traced and its tunings read; with PACK, $OUT holds one
+    archive of every log, the loose files removed (the device's copy-back takes few files)."""
+    out = tmp_path / "out"
+    done = _dry_run(out, mode="check", PACK="logs", RANKS_GPU_MIB="140000")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {n for n, _, _, _ in ITEM.findall(done.stdout)} == {"2", "4", "8"}, done.stdout
+    table = re.search(
+        r"gemm table: .*JAX_UB_TRACE=1 python3 benchmarks/gemm_table.py (.*) >", done.stdout
+    )
+    assert table and "--models 8b --tp 8" in table.group(1), done.stdout
+    assert "tests/test_gpu_gemm_cache.py" in done.stdout and "tuning_trace.py" in done.stdout
+    assert [p.name for p in out.iterdir()] == ["logs.tgz"]
+    with tarfile.open(out / "logs.tgz") as archive:
+        names = set(archive.getnames())
+    assert {"gpus.txt", "gemm_cache.log", "gemm_table.log", "tunings.log"} <= names, names
+    assert any(n.startswith("ranks_lane") for n in names), names
