@@ -11,10 +11,11 @@ row-parallel (o, down: GEMM then reduce-scatter) ``tokens x in/tp x hidden``.
 Method: per row, every implementation in turn, a loop of async calls lasting at least
 ``--seconds`` (synced after every >= 30 ms of calls: a sync drains the GPU, and JAX's next
 program waits for its dispatch), ``--rounds`` rounds interleaved (with ``--slot-ms``, each
-round in slots of loops that long, the implementations in turn, the round's time the median of
-an implementation's slots: a power-capped clock's dips catch slots of every implementation, not
-one whole loop); the median of the rounds (ms per GEMM), and the spread (max - min over
-median) of the row's slowest-moving implementation.
+round in slots of loops that long, the implementations in turn, each slot weighed against its
+turn's mean: a power-capped clock's dips slow a turn's slots alike, not one whole loop; in a
+simulated H100 clock, 20% slower 0.3 s of each second, one loop a round read ratios up to
+18% off, slots true, ``test_gemm_table_slots.py``); the median of the rounds (ms per
+GEMM), and the spread (max - min over median) of the row's slowest-moving implementation.
 jax_ub's ratio is to the fastest of XLA and torch in the same row. That minimum of two noisy
 medians reads low, so every ratio to it reads high: XLA's own program is timed a second time
 as another implementation, and its ratio to the same fastest ("XLA again") is what an equal
@@ -37,6 +38,7 @@ python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -195,9 +197,9 @@ def time_row(
     jax_ub implementation, the host us of its handler per op call (all loops). Each round
     runs every implementation for ``seconds``: one loop each, or with ``slot_s``, in slots
     of loops that long, every implementation in turn (the turns alternate direction) until
-    each ran its ``seconds``, the round's time the median of its slots: a power-capped
-    clock's dips (on one H100 ~20% for ~0.3 s of every second) then catch a few slots of
-    every implementation, not one implementation's whole loop."""
+    each ran its ``seconds``, the round's time its slots' median share of their turns' mean:
+    a power-capped clock's dips (on one H100 ~20% for ~0.3 s of every second) then slow all
+    of a turn's slots alike, not one implementation's whole loop."""
     from jax_ub.bench.timing import _host_ms_per_call, host_times, round_order  # noqa: PLC0415
 
     times: dict[str, list[float]] = {name: [] for name in impls}
@@ -227,8 +229,18 @@ def time_row(
                 slots[name].append(loop(name, slot))
                 spent[name] += time.perf_counter() - began
             turn += 1
+        # Each slot over its turn's geometric mean, the median of that over the turns, times
+        # the turns' median mean: a turn (tens of ms) runs at one clock, and a dip that takes
+        # most of a round's slots (0.3 s of a 0.4 s round) then moves no ratio. One loop a
+        # round is one turn: its own time.
+        turns = len(min(slots.values(), key=len))
+        means = [
+            math.exp(statistics.fmean(math.log(ms[t]) for ms in slots.values()))
+            for t in range(turns)
+        ]
         for name, ms in slots.items():
-            times[name].append(statistics.median(ms))
+            share = statistics.median(ms[t] / means[t] for t in range(turns))
+            times[name].append(share * statistics.median(means))
     return times, host
 
 
