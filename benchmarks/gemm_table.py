@@ -38,7 +38,6 @@ python benchmarks/gemm_table.py [--models 8b,70b] [--tp 1,2,4,8] [--projections 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -234,10 +233,7 @@ def time_row(
         # most of a round's slots (0.3 s of a 0.4 s round) then moves no ratio. One loop a
         # round is one turn: its own time.
         turns = len(min(slots.values(), key=len))
-        means = [
-            math.exp(statistics.fmean(math.log(ms[t]) for ms in slots.values()))
-            for t in range(turns)
-        ]
+        means = [statistics.geometric_mean(ms[t] for ms in slots.values()) for t in range(turns)]
         for name, ms in slots.items():
             share = statistics.median(ms[t] / means[t] for t in range(turns))
             times[name].append(share * statistics.median(means))

@@ -43,7 +43,7 @@ def test_each_tuning_gets_its_shape_kept_tile_scores_and_steady_rounds():
             0,
             1.0,
             {("col", 0, 24): (1.05, slow), ("col", 5, 29): (0.95, fast)},
-            "; the first pick x1.100 (6 steady rounds, 1.2% apart)",
+            "; 6 steady rounds; the first pick x1.100 (rounds 1.2% apart)",
         ),
         _tuning(
             1,
@@ -58,7 +58,8 @@ def test_each_tuning_gets_its_shape_kept_tile_scores_and_steady_rounds():
             0,
             1.1,
             {("col", 0, 24): (1.01, slow), ("col", 2, 20): (0.99, fast)},
-            "; the first pick x1.020 (5 steady rounds, 0.8% apart); cuBLASLt's first pick holds",
+            "; 5 steady rounds; the first pick x1.020 (rounds 0.8% apart)"
+            "; cuBLASLt's first pick holds",
         ),
         _kernel(0, 8192, 4096, 3584, 24),
     ]

@@ -200,7 +200,7 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   const int fastest = *best;
   const bool first_timed = first.index == 0 && !first.ms.empty();
   char text[96];
-  if (*sustained && !(fastest > 0 && first_timed)) {  // no lead to weigh: the rounds it kept
+  if (*sustained) {
     std::snprintf(text, sizeof(text), "; %zu steady rounds", steady[0].size());
     times += text;
   }
@@ -212,8 +212,8 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       };
       const auto [lead, spread] = RoundLead(steady[place(0)], steady[place(fastest)]);
       *best = KeptCandidate(fastest, 1.0, lead, spread);
-      std::snprintf(text, sizeof(text), "; the first pick x%.3f (%zu steady rounds, %.1f%% apart)",
-                    lead, steady[0].size(), 100 * spread);
+      std::snprintf(text, sizeof(text), "; the first pick x%.3f (rounds %.1f%% apart)", lead,
+                    100 * spread);
       times += text;
     } else {
       *best = KeptCandidate(fastest, Middle(won.ms), Middle(first.ms),
