@@ -128,6 +128,33 @@ def test_relative_times_use_the_rounds_every_candidate_ran():
     assert got == pytest.approx([1.0, 1.0], rel=1e-6)
 
 
+def test_trial_rounds_take_each_calls_middle_and_the_rounds_all_ran():
+    """The in-op trials: a candidate's time a round is the middle of its GEMMs in that call (a
+    call may run the shape as chunks); a round where some candidate has no time is left out."""
+    ms = [[[1.0, 3.0, 2.0], [1.0], [2.0]], [[4.0, 4.0], [], [5.0, 6.0]]]
+    got = [list(r) for r in extension._host.trial_rounds(ms)]
+    assert got == [pytest.approx([2.0, 2.0]), pytest.approx([4.0, 5.5])]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_dip_in_some_trial_rounds_does_not_reorder_candidates(seed):
+    """Trials time one candidate an op call, 4 rounds. Where the clock dips 25% in two rounds
+    and candidates are 2% apart, the median of each candidate's times alone can put the slower
+    first (its two fast rounds against the other's one); round by round it stays second."""
+    rng = np.random.default_rng(seed)
+    speeds = [1.02, 1.0]  # the tuned pick, a faster one
+    clock = [1.0, 1.25, 1.25, 1.0]
+    ms = [
+        [[s * k * (1 + 0.002 * rng.standard_normal()) for _ in range(4)] for k in clock]
+        for s in speeds
+    ]
+    ms[1][3] = [t * 1.25 for t in ms[1][3]]  # the dip reached the faster one's last call only
+    flat = [np.median(np.concatenate(m)) for m in ms]
+    assert flat[0] < flat[1], flat  # what ranking by each one's median alone would keep
+    scores = relative(extension._host.trial_rounds(ms))
+    assert int(np.argmin(scores)) == 1, scores
+
+
 def _capped_clock(t_ms: np.ndarray, phase_ms: float) -> np.ndarray:
     """How much slower a kernel runs at time t on one H100 at its 700 W cap: ~20% for ~0.3 s
     of every second of load (nvidia-smi: 1590 MHz down to 1245 MHz)."""

@@ -149,10 +149,11 @@ NB_MODULE(_host, m) {
   m.attr("hold_margin") = jax_ub::gemm_internal::kHoldMargin;
   m.def("round_spread", &jax_ub::gemm_internal::RoundSpread, nb::arg("ms"));
   // How sustained blocks score candidates: the rounds at a steady clock, each one's time over
-  // its round's, the middle over rounds; and the first pick's round-by-round lead over the fastest,
-  // with its spread.
+  // its round's, the middle over rounds; the in-op trials' rounds, scored alike; and the first
+  // pick's round-by-round lead over the fastest, with its spread.
   m.def("steady_rounds", &jax_ub::gemm_internal::SteadyRounds, nb::arg("ms"));
   m.def("relative_times", &jax_ub::gemm_internal::RelativeTimes, nb::arg("ms"));
+  m.def("trial_rounds", &jax_ub::gemm_internal::TrialRounds, nb::arg("ms"));
   m.def("round_lead", &jax_ub::gemm_internal::RoundLead, nb::arg("first"), nb::arg("fastest"));
   // How many candidates and rounds tuning's later rounds time within the budget left.
   m.def(

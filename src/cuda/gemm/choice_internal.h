@@ -196,6 +196,24 @@ inline std::vector<double> RelativeTimes(const std::vector<std::vector<float>>& 
   }
   return score;
 }
+// The in-op trials' rounds (`ms[c][r]`: candidate c's GEMM times in its op call of timed round
+// r): a candidate's time a round is the middle of its GEMMs there (a call may run the shape as
+// several chunks), over the rounds every candidate was timed in (a failed event record leaves
+// one out), for RelativeTimes to rank round by round as tuning's sustained blocks are ranked.
+inline std::vector<std::vector<float>> TrialRounds(
+    const std::vector<std::vector<std::vector<float>>>& ms) {
+  size_t rounds = 0;
+  for (const auto& m : ms) rounds = std::max(rounds, m.size());
+  std::vector<std::vector<float>> by_round(ms.size());
+  for (size_t r = 0; r < rounds; ++r) {
+    bool all = true;
+    for (const auto& m : ms) all = all && r < m.size() && !m[r].empty();
+    if (!all) continue;
+    for (size_t c = 0; c < ms.size(); ++c)
+      by_round[c].push_back(static_cast<float>(Middle(ms[c][r])));
+  }
+  return by_round;
+}
 // How far the first pick (`first[r]`, its time a run in round r) trails the fastest
 // (`fastest[r]`), round by round: the middle of first / fastest over their common rounds, and
 // that ratio's spread, twice its median absolute deviation over its middle (for rounds of

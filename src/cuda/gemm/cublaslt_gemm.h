@@ -100,9 +100,10 @@ class CublasLtGemm {
   struct Trial {
     std::vector<cublasLtMatmulAlgo_t> algos;  // autotuning's fastest first
     std::vector<int> indices;                 // their places in cuBLASLt's heuristic list
-    std::vector<std::vector<float>> ms;       // per candidate, one time per timed GEMM
+    // ms[c][r]: candidate c's GEMM times in timed round r + 1 (its op call of that round)
+    std::vector<std::vector<std::vector<float>>> ms;
     struct Timing {
-      int candidate;
+      int candidate, round;
       cudaEvent_t begin, end;
     };
     std::deque<Timing> pending;  // recorded, not yet read

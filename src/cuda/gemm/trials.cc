@@ -3,6 +3,7 @@
 // fastest beside the op's copies is kept.
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -56,7 +57,7 @@ Status CublasLtGemm::TrialMatmul(Plan& p, const void* a, const void* b, void* c,
     JAX_UB_CUDA(cudaEventCreate(&e));
     tr.spare.push_back(e);
   }
-  const Trial::Timing timing{candidate, tr.spare[tr.spare.size() - 2], tr.spare.back()};
+  const Trial::Timing timing{candidate, round, tr.spare[tr.spare.size() - 2], tr.spare.back()};
   Status st = CudaStatus(cudaEventRecord(timing.begin, stream), "cudaEventRecord");
   if (st.ok()) st = Run(p, algo, a, b, c, stream, args);
   if (st.ok()) st = CudaStatus(cudaEventRecord(timing.end, stream), "cudaEventRecord");
@@ -76,28 +77,35 @@ Status CublasLtGemm::Harvest(Plan& p, bool wait) {
     JAX_UB_CUDA(q);
     float ms = 0;
     JAX_UB_CUDA(cudaEventElapsedTime(&ms, x.begin, x.end));
-    tr.ms[x.candidate].push_back(ms);
+    std::vector<std::vector<float>>& rounds = tr.ms[x.candidate];
+    if (static_cast<int>(rounds.size()) < x.round) rounds.resize(x.round);
+    rounds[x.round - 1].push_back(ms);
     tr.spare.push_back(x.begin);
     tr.spare.push_back(x.end);
     tr.pending.pop_front();
   }
   const int count = static_cast<int>(tr.algos.size());
   if (!tr.pending.empty() || tr.calls < count * (kTrialRounds + 1)) return Status::Ok();
-  // Every candidate's timings are in: keep the smallest median.
+  // Every candidate's timings are in: ranked round by round (TrialRounds, RelativeTimes, as
+  // tuning's sustained blocks), so that a clock that dips for some rounds and not others
+  // cannot reorder them. No round with every candidate timed: the tuned pick stays.
+  const std::vector<std::vector<float>> by_round = TrialRounds(tr.ms);
+  const std::vector<double> score = RelativeTimes(by_round);
   int best = 0;
   std::string times;
   for (int i = 0; i < count; ++i) {
-    if (tr.ms[i].empty()) continue;
-    if (tr.ms[best].empty() || Middle(tr.ms[i]) < Middle(tr.ms[best])) best = i;
-    times += (times.empty() ? "" : ", ") +
-             std::to_string(AlgoConfig(tr.algos[i], CUBLASLT_ALGO_CONFIG_TILE_ID)) + ": " +
-             std::to_string(Middle(tr.ms[i]));
+    if (score[i] < score[best]) best = i;
+    char text[64];
+    std::snprintf(text, sizeof text, "%d: %.3f (%.4f ms)",
+                  AlgoConfig(tr.algos[i], CUBLASLT_ALGO_CONFIG_TILE_ID), score[i],
+                  Middle(by_round[i]));
+    times += (times.empty() ? "" : ", ") + std::string(text);
   }
   JAX_UB_TRACE(
-      "GPU %d GEMM m=%lld k=%lld n=%lld in the op, median ms by tile (tuned pick first): %s; "
-      "keeping candidate %d (tile %d)",
+      "GPU %d GEMM m=%lld k=%lld n=%lld in the op, by tile (tuned pick first) its time over "
+      "the round's mean (median ms), %zu rounds: %s; keeping candidate %d (tile %d)",
       device_, static_cast<long long>(p.m), static_cast<long long>(p.k),
-      static_cast<long long>(p.n), times.c_str(), best,
+      static_cast<long long>(p.n), by_round[0].size(), times.c_str(), best,
       AlgoConfig(tr.algos[best], CUBLASLT_ALGO_CONFIG_TILE_ID));
   Decide(p, best);
   if (Agrees() && agreement_->leader())
