@@ -45,8 +45,9 @@ class Tuning:
         for each: "column" (the transposed column-major product), "row", or "auto" (time
         both). Tuning times kernels alone, not beside the op's copies, hence "column".
       gemm_trials: how many kernels a shape's first op calls compare, beside the op's
-        copies, before keeping one (a warm-up and 4 timed calls each): tuning's fastest,
-        with cuBLASLt's heuristic pick in the last place if tuning ranked it lower.
+        copies, before keeping one (a warm-up and 4 timed calls each, ranked call by call
+        against the others'): tuning's fastest, with cuBLASLt's heuristic pick in the last
+        place if tuning ranked it lower.
         Until they end, results may differ from later calls' in the last bits. GEMMs
         tuned in sustained blocks have none: single calls in turn rank kernels by the
         clock the others left, as bursts do.
