@@ -110,7 +110,8 @@ constexpr double kSustainHeatChunkMs = 25;  // the heat's runs a host wait
 constexpr double kTuneBudgetS = 2.0;
 // In-op trials (CublasLtGemm::Matmul): after one untimed round over the candidates (the
 // first calls run while the GPU and the peers settle), each candidate is timed in this
-// many op calls, and the smallest median wins. Even: rounds alternate direction.
+// many op calls, and the fastest round by round wins (TrialRounds). Even: rounds alternate
+// direction.
 constexpr int kTrialRounds = 4;
 static_assert(kTrialRounds % 2 == 0, "trial rounds alternate direction in pairs");
 

@@ -193,8 +193,8 @@ class CublasLtGemm {
   // While the plan has a trial, successive op calls rotate over its candidates (in
   // alternating directions, round by round), each
   // GEMM bracketed by timing events that later calls read without waiting; after a
-  // warm-up round and kTrialRounds timed ones, the candidate with the smallest median
-  // time is kept. So the kernel is chosen beside the op's own copies and waits, at the
+  // warm-up round and kTrialRounds timed ones, the candidate fastest round by round
+  // (TrialRounds) is kept. So the kernel is chosen beside the op's own copies and waits, at the
   // clock the op runs at, which tuning alone cannot see.
   // `args.scales` (fp8 plans): multiplying the product; `args.bias` and `args.aux`: the
   // plan's epilogue's.
