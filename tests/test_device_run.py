@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import tarfile
 from pathlib import Path
@@ -189,3 +190,22 @@ def test_the_check_runs_every_n_then_the_gemm_cache_and_table_and_packs_its_logs
         names = set(archive.getnames())
     assert {"gpus.txt", "gemm_cache.log", "gemm_table.log", "tunings.log"} <= names, names
     assert any(n.startswith("ranks_lane") for n in names), names
+
+
+def test_the_table_mode_passes_its_args_and_reads_the_tunings(tmp_path):
+    """`table`: benchmarks/gemm_table.py with the args given, traced, under TABLE_S, its log
+    named by TAG; then tuning_trace.py reads that log."""
+    done = _dry_run(
+        tmp_path, "--models", "70b", "--tp", "4,8", mode="table", TABLE_S="321", TAG="t70"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    step = re.search(r"gemm table: timeout -k 10 (\d+) .*gemm_table.py (.*) > (\S+)", done.stdout)
+    assert step, done.stdout
+    assert step.group(1) == "321" and shlex.split(step.group(2)) == [
+        "--models",
+        "70b",
+        "--tp",
+        "4,8",
+    ]
+    assert step.group(3).endswith("t70.log"), step.group(3)
+    assert re.search(r"tuning_trace.py \S*t70.log", done.stdout), done.stdout
