@@ -138,9 +138,10 @@ def test_trial_rounds_take_each_calls_middle_and_the_rounds_all_ran():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_dip_in_some_trial_rounds_does_not_reorder_candidates(seed):
-    """Trials time one candidate an op call, 4 rounds. Where the clock dips 25% in two rounds
-    and candidates are 2% apart, the median of each candidate's times alone can put the slower
-    first (its two fast rounds against the other's one); round by round it stays second."""
+    """Trials time one candidate an op call, 4 rounds. The clock dips 25% in rounds 1 and 2,
+    and in round 3 for the faster candidate's call only, 2% apart: each one's median over all
+    its GEMMs puts the slower first (the dip took 3 of the faster one's 4 calls, 2 of the
+    other's); ranked round by round, the faster one wins."""
     rng = np.random.default_rng(seed)
     speeds = [1.02, 1.0]  # the tuned pick, a faster one
     clock = [1.0, 1.25, 1.25, 1.0]
