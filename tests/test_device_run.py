@@ -184,6 +184,7 @@ def test_the_check_runs_every_n_then_the_gemm_cache_and_table_and_packs_its_logs
         r"gemm table: .*JAX_UB_TRACE=1 python3 benchmarks/gemm_table.py (.*) >", done.stdout
     )
     assert table and "--models 8b --tp 8" in table.group(1), done.stdout
+    assert "gemm table: timeout -k 10 200 " in done.stdout, done.stdout
     assert "tests/test_gpu_gemm_cache.py" in done.stdout and "tuning_trace.py" in done.stdout
     assert [p.name for p in out.iterdir()] == ["logs.tgz"]
     with tarfile.open(out / "logs.tgz") as archive:
