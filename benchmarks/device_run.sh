@@ -226,10 +226,16 @@ mode_check() {
   TABLE_S=${TABLE_S:-200} mode_table "${table[@]}"
 }
 
+# Runs "$@" with its stderr in its stdout, less the trace's two lines of every op call (a
+# table's loops would write megabytes of them); keeps its exit status.
+WITHOUT_CALL_LINES='set -o pipefail; "$@" 2>&1 |
+  { grep --line-buffered -vE "^jax_ub trace: GPU [0-9]+ [a-z_]+ call #[0-9]+ (begins|enqueued)$" || true; }'
+
 mode_table() {
   local log="$OUT/${TAG:-gemm_table}.log"
+  # Traced for the kernel choices (tunings.log).
   step -k 10 "gemm table" "${TABLE_S:-500}" "$log" \
-    env JAX_UB_TRACE=1 python3 benchmarks/gemm_table.py "$@"
+    env JAX_UB_TRACE=1 bash -c "$WITHOUT_CALL_LINES" calls python3 benchmarks/gemm_table.py "$@"
   grep -vE "$NOISE|^jax_ub trace" "$log" | tail -n 40
   step --ok any tunings 60 "$OUT/tunings.log" python3 benchmarks/tools/tuning_trace.py "$log"
   dry_run || cat "$OUT/tunings.log"

@@ -38,6 +38,7 @@ after the first rank ends.
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import os
 import pickle
@@ -56,6 +57,9 @@ RANK_ENV, RANKS_ENV, PORT_ENV = "JAX_UB_TEST_RANK", "JAX_UB_TEST_RANKS", "JAX_UB
 GPU_ENV = "JAX_UB_TEST_RANKS_GPU"  # which GPU the ranks share (default 0)
 SHARE_COMPILE_ENV = "JAX_UB_TEST_RANKS_SHARE_COMPILE"  # 0: every rank compiles for itself
 FETCH_DIR_ENV = "JAX_UB_TEST_RANKS_FETCH_DIR"  # the launcher's folder for fetched shards
+STACKS_SIGNAL = signal.SIGUSR1  # a rank prints its threads' stacks (faulthandler)
+STACKS_ENV = "JAX_UB_TEST_RANKS_STACKS"  # the file it prints them into
+STACKS_WAIT_S = 2.0
 # After the first rank ends, how long the others may take to end too.
 GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
 # How many ranks share the GPU in all (several groups of ranks may run on one GPU at once,
@@ -121,6 +125,13 @@ def join() -> None:
     """After jax is imported: join the group, and let global arrays be fetched whole."""
     import jax
 
+    # The launcher, ended by a signal (a step's time limit), has every rank print its
+    # threads' stacks first: where a hung group stopped. Into a file of their own beside
+    # the rank's log: pytest captures what a test writes to stderr, and a killed rank's
+    # capture is lost.
+    if os.environ.get(STACKS_ENV):
+        stacks = open(os.environ[STACKS_ENV], "w")  # noqa: SIM115 (open until the rank ends)
+        faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     # CPU devices' collectives across the ranks (the mode's own test runs on CPU devices).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -312,6 +323,7 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
         # alone, unless the run names a file.
         env.setdefault("JAX_UB_GEMM_CACHE", "")
         env.update(extra)
+        env[STACKS_ENV] = os.path.join(logs, f"rank{i}_stacks.txt")
         path = os.path.join(logs, f"rank{i}.log")
         files.append(path)
         log = open(path, "w")  # noqa: SIM115 (closed below)
@@ -323,6 +335,7 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
     try:
         first_end = _follow(files[0], [p for p, _ in procs])
     except BaseException:
+        _print_stacks([p for p, _ in procs])
         for p, _ in procs:
             p.kill()
         raise
@@ -347,6 +360,19 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
     print(f"jax_ub N-ranks mode: exit status of each rank: {codes}", flush=True)
     failed = [c for c in codes if c not in (0, 5)]
     return failed[0] if failed else (5 if all(c == 5 for c in codes) else 0)
+
+
+def _print_stacks(procs: list[subprocess.Popen]) -> None:
+    """Have each rank still running print its threads' stacks (into ``rank<i>_stacks.txt``
+    beside its log; join registers the signal), and give them a moment to."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        try:
+            p.send_signal(STACKS_SIGNAL)
+        except OSError:
+            pass
+    if running:
+        time.sleep(STACKS_WAIT_S)
 
 
 def _follow(path: str, procs: list[subprocess.Popen]) -> float:

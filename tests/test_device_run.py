@@ -181,7 +181,7 @@ def test_the_check_runs_every_n_then_the_gemm_cache_and_table_and_packs_its_logs
     assert done.returncode == 0, done.stdout + done.stderr
     assert {n for n, _, _, _ in ITEM.findall(done.stdout)} == {"2", "4", "8"}, done.stdout
     table = re.search(
-        r"gemm table: .*JAX_UB_TRACE=1 python3 benchmarks/gemm_table.py (.*) >", done.stdout
+        r"gemm table: .*JAX_UB_TRACE=1 .*python3 benchmarks/gemm_table.py (.*) >", done.stdout
     )
     assert table and "--models 8b --tp 8" in table.group(1), done.stdout
     assert "gemm table: timeout -k 10 200 " in done.stdout, done.stdout
@@ -194,8 +194,8 @@ def test_the_check_runs_every_n_then_the_gemm_cache_and_table_and_packs_its_logs
 
 
 def test_the_table_mode_passes_its_args_and_reads_the_tunings(tmp_path):
-    """`table`: benchmarks/gemm_table.py with the args given, traced, under TABLE_S, its log
-    named by TAG; then tuning_trace.py reads that log."""
+    """`table`: benchmarks/gemm_table.py with the args given, traced (less every op call's
+    lines), under TABLE_S, its log named by TAG; then tuning_trace.py reads that log."""
     done = _dry_run(
         tmp_path, "--models", "70b", "--tp", "4,8", mode="table", TABLE_S="321", TAG="t70"
     )
@@ -209,4 +209,5 @@ def test_the_table_mode_passes_its_args_and_reads_the_tunings(tmp_path):
         "4,8",
     ]
     assert step.group(3).endswith("t70.log"), step.group(3)
+    assert "grep --line-buffered -vE" in step.group(0) and "(begins|enqueued)" in step.group(0)
     assert re.search(r"tuning_trace.py \S*t70.log", done.stdout), done.stdout

@@ -5,8 +5,10 @@ rank 0's output, reports a failed rank's log, and exits with the worst rank's st
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import _ranks_gpu
 import pytest
@@ -54,6 +56,33 @@ def test_a_rank_gone_ends_the_run(tmp_path):
     assert done.returncode != 0, done.stdout[-3000:]
     assert "rank 0 had not ended 5 s after the first rank ended: killed" in done.stdout
     assert "rank 1 ended with status 3" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_launcher_ended_by_a_signal_has_the_ranks_print_their_stacks(tmp_path):
+    # As device_run.sh's time limit ends a hung group: timeout's TERM to the launcher. Each
+    # rank still running prints its threads' stacks beside its log before it is killed.
+    cmd = [sys.executable, "-m", "pytest", "--ranks", "2", "--ranks-logs", str(tmp_path)]
+    cmd += ["-q", "-p", "no:cacheprovider", os.path.join(HERE, "_ranks_cases.py")]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_UB_TEST_RANKS_GONE="1", JAX_UB_TEST_RANKS_GRACE_S="200")
+    launcher = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        log = tmp_path / "rank0.log"
+        # Rank 0 sleeps in the GONE case once rank 1 has left: its third case began.
+        while time.monotonic() < deadline and launcher.poll() is None:
+            if log.exists() and log.read_text().count(".") >= 2:
+                break
+            time.sleep(0.5)
+        time.sleep(2)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    text = (tmp_path / "rank0_stacks.txt").read_text()
+    assert "test_a_rank_gone_does_not_hang_the_others" in text, text[-3000:]
+    assert "Thread" in text or "Current thread" in text, text[-3000:]
 
 
 def _fake_tools(tmp_path, monkeypatch) -> str:

@@ -136,6 +136,9 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     void* report = nullptr;
     JAX_UB_CUDA(cudaHostAlloc(&report, sizeof(DeviceReport), cudaHostAllocMapped));
     s->report = static_cast<DeviceReport*>(report);
+    void* words = nullptr;
+    JAX_UB_CUDA(cudaHostAlloc(&words, 2 * sizeof(uint64_t), cudaHostAllocDefault));
+    s->watchdog_words = static_cast<uint64_t*>(words);
     std::memset(report, 0, sizeof(DeviceReport));
     JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->report_device), report, 0));
     CublasLtGemm* g = nullptr;
@@ -279,6 +282,7 @@ CudaCommunicator::~CudaCommunicator() {
     cudaFree(s.buffer);
     cudaFree(s.flags);
     if (s.report != nullptr) cudaFreeHost(s.report);
+    if (s.watchdog_words != nullptr) cudaFreeHost(s.watchdog_words);
   }
 }
 

@@ -184,6 +184,12 @@ class CudaCommunicator {
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
     cudaStream_t watchdog_stream = nullptr;
+    // Pinned host words that the watchdog copies through (0: to the device, 1: from it), so
+    // that no copy blocks it: each is waited for a bounded time (WatchdogCopy). Once one
+    // has not run in that time (the stream's hardware queue is held by a wait that never
+    // ends), a copy may still be in flight on them: the watchdog copies nothing more.
+    uint64_t* watchdog_words = nullptr;
+    bool watchdog_stuck = false;            // watchdog only
     cudaStream_t tune = nullptr;            // GEMM autotuning: waits only on this device's own work
     DeviceReport* report = nullptr;         // host-mapped, written by VerifyCall
     DeviceReport* report_device = nullptr;  // the same memory, as the device sees it
@@ -252,6 +258,11 @@ class CudaCommunicator {
   Status PollHost(Ready ready, std::chrono::steady_clock::time_point deadline, Who who,
                   Reason timeout_reason);
   void WatchdogLoop();
+  // One 8-byte copy on the slot's watchdog stream, waited for at most kWatchdogCopyS: "" or
+  // why it failed ("; the watchdog could not <what>: ...").
+  static std::string WatchdogCopy(Slot& s, void* dst, const void* src, cudaMemcpyKind kind,
+                                  const char* what);
+  static constexpr double kWatchdogCopyS = 2.0;
 
   Topology topology_;
   size_t capacity_ = 0;

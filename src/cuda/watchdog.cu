@@ -15,6 +15,36 @@
 
 namespace jax_ub {
 
+std::string CudaCommunicator::WatchdogCopy(Slot& s, void* dst, const void* src, cudaMemcpyKind kind,
+                                           const char* what) {
+  if (s.watchdog_stuck)
+    return std::string("; the watchdog could not ") + what +
+           ": an earlier copy of its is still stuck";
+  // Through pinned words: a copy to or from pageable memory may block inside the call.
+  const bool to_device = kind == cudaMemcpyHostToDevice;
+  uint64_t* word = s.watchdog_words + (to_device ? 0 : 1);
+  if (to_device) *word = *static_cast<const uint64_t*>(src);
+  cudaError_t e = cudaMemcpyAsync(to_device ? dst : word, to_device ? word : src, sizeof(uint64_t),
+                                  kind, s.watchdog_stream);
+  const auto deadline = DeadlineIn(kWatchdogCopyS);
+  while (e == cudaSuccess) {
+    e = cudaStreamQuery(s.watchdog_stream);
+    if (e != cudaErrorNotReady) break;
+    if (Clock::now() > deadline) {
+      s.watchdog_stuck = true;
+      return std::string("; the watchdog could not ") + what + ": its copy did not run in " +
+             std::to_string(kWatchdogCopyS) +
+             " s (the GPU's work queues are held; too few for this process's streams? "
+             "CUDA_DEVICE_MAX_CONNECTIONS, or many processes under MPS)";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (e != cudaSuccess)
+    return std::string("; the watchdog could not ") + what + ": " + cudaGetErrorString(e);
+  if (!to_device) *static_cast<uint64_t*>(dst) = *word;
+  return "";
+}
+
 void CudaCommunicator::WatchdogLoop() {
   auto last_trace = Clock::now();
   while (!stop_.load()) {
@@ -64,36 +94,38 @@ void CudaCommunicator::WatchdogLoop() {
           // Name the peer we are stuck on, then release the stream so the job ends
           // with an error instead of hanging. The health word goes up first, so the
           // released call fills its outputs with NaN instead of computing on stale data.
-          // Each copy is checked: the first that fails is named in the reason (the device
-          // is then likely failing as a whole, and the call may stay stuck or un-poisoned).
+          // Each copy is checked and waited for a bounded time: the first that fails or
+          // does not run is named in the reason, and no later copy is tried (the device is
+          // failing, or the watchdog's stream shares a hardware queue with the stuck wait:
+          // the call stays stuck, and may not be poisoned).
           std::string failed;
           auto copy = [&](void* dst, const void* src, cudaMemcpyKind kind, const char* what) {
             if (!failed.empty()) return false;
-            cudaError_t e = cudaMemcpyAsync(dst, src, sizeof(uint64_t), kind, s.watchdog_stream);
-            if (e == cudaSuccess) e = cudaStreamSynchronize(s.watchdog_stream);
-            if (e != cudaSuccess)
-              failed =
-                  std::string("; the watchdog could not ") + what + ": " + cudaGetErrorString(e);
-            return e == cudaSuccess;
+            failed = WatchdogCopy(s, dst, src, kind, what);
+            return failed.empty();
           };
           const uint64_t unhealthy = 1;
           copy(s.flags + kHealthFlag, &unhealthy, cudaMemcpyHostToDevice,
                "raise the health word (the outputs may not be NaN)");
           std::string reason;
           for (const Wait& wt : f.waits) {
+            // A flag that cannot be read names its wait: the first not known to be met.
             uint64_t seen = 0;
-            if (!copy(&seen, wt.flag, cudaMemcpyDeviceToHost, "read a flag")) break;
-            if (static_cast<int64_t>(seen - wt.target) >= 0) continue;
+            const bool read = copy(&seen, wt.flag, cudaMemcpyDeviceToHost, "read a flag");
+            if (read && static_cast<int64_t>(seen - wt.target) >= 0) continue;
             uint64_t last = seen;
-            if (wt.progress != wt.flag)
+            if (read && wt.progress != wt.flag)
               copy(&last, wt.progress, cudaMemcpyDeviceToHost, "read a flag");
             if (reason.empty())
               reason = Describe(f.op, s.rank, s.group) + " timed out after " +
                        std::to_string(timeout_s_) + " s waiting for rank " +
                        std::to_string(wt.peer) + " to " + wt.what + " for call #" +
-                       std::to_string(wt.target) + " (flag holds #" + std::to_string(last) +
-                       "); the peer never arrived, is stuck, or runs a different program. The "
+                       std::to_string(wt.target) +
+                       (read ? " (flag holds #" + std::to_string(last) + ")"
+                             : " (the call's first wait: no flag could be read)") +
+                       "; the peer never arrived, is stuck, or runs a different program. The "
                        "outputs of this call are NaN";
+            if (!read) break;
             const uint64_t target = wt.target;
             copy(const_cast<uint64_t*>(wt.flag), &target, cudaMemcpyHostToDevice,
                  "release the stuck wait (the call may stay stuck)");
