@@ -303,6 +303,10 @@ class CublasLtGemm {
                         void* c, const GemmArgs& args, cudaStream_t stream, Plan** plan);
   // "GEMM m=.. k=.. n=..", for errors.
   static std::string ShapeText(int64_t m, int64_t k, int64_t n);
+  // A trial of these candidates (autotuning's fastest first, their places in cuBLASLt's
+  // heuristic list), none timed yet.
+  static std::unique_ptr<Trial> NewTrial(std::vector<cublasLtMatmulAlgo_t> algos,
+                                         std::vector<int> indices);
   static void DestroyTrial(Trial& t);
 
   cublasLtHandle_t handle_ = nullptr;

@@ -123,12 +123,7 @@ Status CublasLtGemm::KnownKernels(const PlanKey& key, const Epilogue& ep, bool r
   p->m = key.m;
   p->k = key.k;
   p->n = key.n;
-  if (algos.size() >= 2) {
-    p->trial = std::make_unique<Trial>();
-    p->trial->algos = algos;
-    p->trial->indices = indices;
-    p->trial->ms.resize(algos.size());
-  }
+  if (algos.size() >= 2) p->trial = NewTrial(std::move(algos), indices);
   return Status::Ok();
 }
 
@@ -229,12 +224,13 @@ Status CublasLtGemm::ChoosePlan(const PlanKey& key, const Epilogue& ep, const vo
     if (heuristic != nullptr && !heuristic->ms.empty() &&
         std::find(compared.begin(), compared.end(), heuristic) == compared.end())
       compared.back() = heuristic;
-    kept.trial = std::make_unique<Trial>();
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    std::vector<int> indices;
     for (const Candidate* cand : compared) {
-      kept.trial->algos.push_back(cand->algo);
-      kept.trial->indices.push_back(cand->index);
+      algos.push_back(cand->algo);
+      indices.push_back(cand->index);
     }
-    kept.trial->ms.resize(kept.trial->algos.size());
+    kept.trial = NewTrial(std::move(algos), std::move(indices));
   }
   kept.choice_key = choice_key;
   kept.choice_index = chosen.index;

@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/check.h"
@@ -14,6 +16,15 @@
 
 namespace jax_ub {
 using namespace gemm_internal;  // NOLINT: the kernel choice's own constants
+
+std::unique_ptr<CublasLtGemm::Trial> CublasLtGemm::NewTrial(std::vector<cublasLtMatmulAlgo_t> algos,
+                                                            std::vector<int> indices) {
+  auto trial = std::make_unique<Trial>();
+  trial->ms.resize(algos.size());
+  trial->algos = std::move(algos);
+  trial->indices = std::move(indices);
+  return trial;
+}
 
 void CublasLtGemm::DestroyTrial(Trial& t) {
   // An event still pending is released once it completes (cudaEventDestroy).
