@@ -186,8 +186,8 @@ class CudaCommunicator {
     cudaStream_t watchdog_stream = nullptr;
     // Pinned host words that the watchdog copies through (0: to the device, 1: from it), so
     // that no copy blocks it: each is waited for a bounded time (WatchdogCopy). Once one
-    // has not run in that time (the stream's hardware queue is held by a wait that never
-    // ends), a copy may still be in flight on them: the watchdog copies nothing more.
+    // has not run in that time (the device is stuck), a copy may still be in flight on
+    // them: the watchdog copies nothing more.
     uint64_t* watchdog_words = nullptr;
     bool watchdog_stuck = false;            // watchdog only
     cudaStream_t tune = nullptr;            // GEMM autotuning: waits only on this device's own work

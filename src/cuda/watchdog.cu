@@ -33,9 +33,7 @@ std::string CudaCommunicator::WatchdogCopy(Slot& s, void* dst, const void* src, 
     if (Clock::now() > deadline) {
       s.watchdog_stuck = true;
       return std::string("; the watchdog could not ") + what + ": its copy did not run in " +
-             std::to_string(kWatchdogCopyS) +
-             " s (the GPU's work queues are held; too few for this process's streams? "
-             "CUDA_DEVICE_MAX_CONNECTIONS, or many processes under MPS)";
+             std::to_string(kWatchdogCopyS) + " s (the device is stuck)";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -96,8 +94,7 @@ void CudaCommunicator::WatchdogLoop() {
           // released call fills its outputs with NaN instead of computing on stale data.
           // Each copy is checked and waited for a bounded time: the first that fails or
           // does not run is named in the reason, and no later copy is tried (the device is
-          // failing, or the watchdog's stream shares a hardware queue with the stuck wait:
-          // the call stays stuck, and may not be poisoned).
+          // failing or stuck: the call may stay stuck, and not be poisoned).
           std::string failed;
           auto copy = [&](void* dst, const void* src, cudaMemcpyKind kind, const char* what) {
             if (!failed.empty()) return false;
