@@ -34,6 +34,7 @@ scenario, pid, nproc, port = sys.argv[1], *map(int, sys.argv[2:5])
 join(pid, nproc, port, gpus=str(pid), cpu_devices=1, timeout_s="5")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -123,15 +124,27 @@ def _run_expecting_failure(f, args, key):
     raise AssertionError(f"{key}: the op succeeded although a peer process is dead")
 
 
-def _run_expecting_nan(f, args):
-    """GPU: the call returns; its outputs must be NaN, and check_health() must say why."""
+def _run_expecting_nan(f, args, new_kernel=False):
+    """GPU: the call returns; its outputs must be NaN, and check_health() must say why. With
+    ``new_kernel``, a program never run before is dispatched right behind the stuck call: its
+    kernels load while the device waits on the dead peer (CUDA loads a kernel at its first use
+    and may wait for the device to drain meanwhile), and it must neither hang the watchdog
+    nor compute wrong numbers once the call is released."""
     t0 = time.monotonic()
     out = f(*args)
+    if new_kernel:
+        a = np.arange(33 * 77, dtype=np.float32).reshape(33, 77) / 1000
+        fresh = jax.jit(lambda a: jnp.tanh(a * 1.7) @ a.T)(a)
     local = [np.asarray(s.data) for s in out.addressable_shards]
     del out
     seconds = time.monotonic() - t0
     if not all(np.isnan(a).all() for a in local):
         raise AssertionError("the timed-out call returned numbers instead of NaN")
+    if new_kernel:
+        want = np.tanh(a * 1.7) @ a.T
+        err = float(np.abs(np.asarray(fresh) - want).max() / np.abs(want).max())
+        if not err < 1e-2:
+            raise AssertionError(f"the program behind the stuck call is off by {err}")
     try:
         jax_ub.check_health()
     except RuntimeError as e:
@@ -139,7 +152,7 @@ def _run_expecting_nan(f, args):
     raise AssertionError("check_health() found nothing wrong although a peer process is dead")
 
 
-def killed_peer():
+def killed_peer(new_kernel=False):
     victim = nproc - 1
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     ops = make_ops(mesh)
@@ -156,7 +169,7 @@ def killed_peer():
     # jax.errors.JaxRuntimeError from block_until_ready: catch broadly, record the type.)
     name, f, args, _ = ops[KILL_AT % 2]
     if ON_GPU:
-        result.update(failed_op=name, **_run_expecting_nan(f, args))
+        result.update(failed_op=name, **_run_expecting_nan(f, args, new_kernel))
     else:
         result.update(failed_op=name, **_run_expecting_failure(f, args, "failed"))
     # 2. The communicator is broken: the next op fails at once.
@@ -200,6 +213,8 @@ def killed_peer():
 try:
     if scenario == "killed_peer":
         killed_peer()
+    elif scenario == "killed_peer_new_kernel":  # GPU only
+        killed_peer(new_kernel=True)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 except BaseException as e:  # noqa: BLE001

@@ -108,18 +108,21 @@ def results(out):
     return res
 
 
-def check_killed_peer(nproc: int, gpu: bool = False, share_gpu: bool = False) -> None:
+def check_killed_peer(
+    nproc: int, gpu: bool = False, share_gpu: bool = False, new_kernel: bool = False
+) -> None:
     """nproc processes, one device each, one tp group across them. After 3 good ops the last
     process SIGKILLs itself (_mp_fault_worker.py "killed_peer"). The survivors must fail
     their next op within JAX_UB_TIMEOUT_S with an error naming the op and the dead rank (and
     the call numbers: expected #4, observed #3), fail the op after that at once (broken),
     finalize() at once (the dead process is not waited for), and then run both ops
     correctly on a mesh of the survivors. Nothing may be left in /dev/shm by any of them.
-    (On GPUs the first failed op returns NaN and check_health() gives the error.)"""
+    (On GPUs the first failed op returns NaN and check_health() gives the error; with
+    ``new_kernel``, a program never run before is dispatched right behind it.)"""
     timeout_s = 5
     out = _start(
         FAULT_WORKER,
-        ["killed_peer"],
+        ["killed_peer_new_kernel" if new_kernel else "killed_peer"],
         nproc,
         _env(gpu, JAX_UB_TIMEOUT_S=str(timeout_s), **_shared(share_gpu)),
         120,

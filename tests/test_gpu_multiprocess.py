@@ -85,6 +85,16 @@ def test_killed_process_on_one_shared_gpu(nproc):
     check_killed_peer(nproc=nproc, gpu=True, share_gpu=True)
 
 
+def test_killed_process_then_a_new_program_on_one_shared_gpu():
+    """The killed process above, 2 processes on GPU 0, with a program never run before
+    dispatched right behind the survivor's stuck call: loading its kernels must not keep the
+    watchdog from releasing the call (the same NaN and error within the deadline), and the
+    program's numbers come out right after."""
+    if GPUS < 1:
+        pytest.skip("needs a GPU")
+    check_killed_peer(nproc=2, gpu=True, share_gpu=True, new_kernel=True)
+
+
 @pytest.mark.parametrize(
     "check",
     [check_absent_peer, check_mismatched_setting, check_mismatched_shape],
