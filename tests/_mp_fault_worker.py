@@ -133,15 +133,15 @@ def _run_expecting_nan(f, args, new_kernel=False):
     t0 = time.monotonic()
     out = f(*args)
     if new_kernel:
-        a = np.arange(33 * 77, dtype=np.float32).reshape(33, 77) / 1000
-        fresh = jax.jit(lambda a: jnp.tanh(a * 1.7) @ a.T)(a)
+        probe = np.arange(33 * 77, dtype=np.float32).reshape(33, 77) / 1000
+        fresh = jax.jit(lambda p: jnp.tanh(p * 1.7) @ p.T)(probe)
     local = [np.asarray(s.data) for s in out.addressable_shards]
     del out
     seconds = time.monotonic() - t0
     if not all(np.isnan(a).all() for a in local):
         raise AssertionError("the timed-out call returned numbers instead of NaN")
     if new_kernel:
-        want = np.tanh(a * 1.7) @ a.T
+        want = np.tanh(probe * 1.7) @ probe.T
         err = float(np.abs(np.asarray(fresh) - want).max() / np.abs(want).max())
         if not err < 1e-2:
             raise AssertionError(f"the program behind the stuck call is off by {err}")
