@@ -26,16 +26,17 @@ std::string CudaCommunicator::WatchdogCopy(Slot& s, void* dst, const void* src, 
   if (to_device) *word = *static_cast<const uint64_t*>(src);
   cudaError_t e = cudaMemcpyAsync(to_device ? dst : word, to_device ? word : src, sizeof(uint64_t),
                                   kind, s.watchdog_stream);
+  // Not yet done is the usual first answer (the copy takes microseconds): poll on it.
   const auto deadline = DeadlineIn(kWatchdogCopyS);
-  while (e == cudaSuccess) {
-    e = cudaStreamQuery(s.watchdog_stream);
-    if (e != cudaErrorNotReady) break;
-    if (Clock::now() > deadline) {
-      s.watchdog_stuck = true;
-      return std::string("; the watchdog could not ") + what + ": its copy did not run in " +
-             std::to_string(kWatchdogCopyS) + " s (the device is stuck)";
+  if (e == cudaSuccess) {
+    while ((e = cudaStreamQuery(s.watchdog_stream)) == cudaErrorNotReady) {
+      if (Clock::now() > deadline) {
+        s.watchdog_stuck = true;
+        return std::string("; the watchdog could not ") + what + ": its copy did not run in " +
+               std::to_string(kWatchdogCopyS) + " s (the device is stuck)";
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (e != cudaSuccess)
     return std::string("; the watchdog could not ") + what + ": " + cudaGetErrorString(e);
