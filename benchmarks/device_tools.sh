@@ -148,6 +148,25 @@ mode_copyhold() {
   done
 }
 
+mode_lazyload() {
+  # CUDA's lazy loading against a stream parked on a flag (benchmarks/tools/lazy_load.cu):
+  # first launches with modules loaded lazily and eagerly, a module load while only another
+  # thread's copy can release the parked stream (the watchdog's way), a flag's round trip.
+  local m
+  build_tool lazy_load
+  for m in LAZY EAGER; do
+    step -k 5 "lazy_load local, CUDA_MODULE_LOADING=$m" 60 "$SCRATCH/lazy_load.log" \
+      env CUDA_MODULE_LOADING="$m" build/dev/lazy_load local
+    tee -a "$OUT/lazy_load.log" < "$SCRATCH/lazy_load.log"
+  done
+  step --ok any -k 2 "lazy_load deadlock" 20 "$SCRATCH/lazy_load.log" build/dev/lazy_load deadlock
+  tee -a "$OUT/lazy_load.log" < "$SCRATCH/lazy_load.log"
+  [ "$STEP_RC" -eq 0 ] || echo "lazy_load deadlock: ended by its time limit (rc=$STEP_RC): stuck" |
+    tee -a "$OUT/lazy_load.log"
+  step -k 5 "lazy_load latency" 60 "$SCRATCH/lazy_load.log" build/dev/lazy_load latency
+  tee -a "$OUT/lazy_load.log" < "$SCRATCH/lazy_load.log"
+}
+
 mode_sanitize() {
   local -a tools
   local tool
