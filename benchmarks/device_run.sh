@@ -18,7 +18,7 @@ MODES=(
   build        "only build and install this checkout"                                 mode_build
   tests        "the GPU test files one at a time, each under its own limit (TEST_SPECS=\"file:seconds ...\", TEST_K: pytest's -k); a file that times out runs again with JAX_UB_TRACE=1 for 60 s, whose last trace lines say where each GPU stopped (\$OUT/gpu_tests.log, trace_FILE.log)" mode_tests
   ranks        "the GPU test files in the N-ranks mode: N processes share GPU 0, each one rank (pytest --ranks N; on GPUs rank 0 compiles each program for all), for each N of RANKS (default 4; e.g. RANKS=\"2 4 8\"), the items of RANKS_FILES (\"file[@k]:seconds[:N0] ...\", @k: pytest's -k, + for a space; N0: the least N to run it at) or of a set; RANKS_PARALLEL=L: the items of every N dealt over L lanes that run at once (longest first, to the least loaded lane), spread over the GPUs (RANKS_GPUS, e.g. \"1\": only those), each item's limit scaled by lanes/3 above 3 lanes a GPU; fewer lanes where their ranks would not fit a GPU's memory at RANKS_RANK_MIB (default 3700) each; RANKS_THREADS=1: benchmarks/tools/hot_threads.py every 30 s meanwhile, into \$OUT/ranks_threads.log; args: quick (the default: the ops' values and gradients, dp x tp, fp8, epilogues; about 3 minutes at N = 8 with 3 lanes) or all (every file: the gradient matrix in every way to call, layouts, models, faults; and once, processes of their own on GPU 0: RANKS_ONCE; about 17 minutes on one H200: N = 8 with 4 lanes 9 minutes, N = 2 and 4 with 6 lanes 7.5); the ranks of every lane share one MPS daemon where the machine has MPS (JAX_UB_TEST_RANKS_MPS=0: none), then pytest's own (e.g. -k); logs in \$OUT/ranks_laneL.log. Correctness only: never timings" mode_ranks
-  check        "a commit's GPU check in one call: the N-ranks quick set (as ranks quick; RANKS default \"2 4 8\", RANKS_PARALLEL 3; on one H100, run apart, N = 8 took 2.4 minutes and N = 2, 4 2.5), tests/test_gpu_gemm_cache.py, then as table (CHECK_TABLE: its args, default 8B at tp=8 in 30 ms slots, with the untuned variant; its TABLE_S default 200)" mode_check
+  check        "a commit's GPU check in one call: the N-ranks quick set (as ranks quick; RANKS default \"2 4 8\", RANKS_PARALLEL 3; on one H100, run apart, N = 8 took 2.4 minutes and N = 2, 4 2.5), tests/test_gpu_gemm_cache.py, then tests/test_gpu_multiprocess.py's faults on one shared GPU (a killed peer, an absent one, mismatched calls; FAULTS_S, default 240); then, where CHECK_TABLE gives its args (e.g. \"--models 8b --tp 8 --slot-ms 30\"), as table (TABLE_S default 200)" mode_check
   table        "benchmarks/gemm_table.py (args: its own, e.g. --models 8b --tp 1,2,4,8 --slot-ms 30; TABLE_S, default 500; TAG: gemm_table) with JAX_UB_TRACE=1 (less every op call's two lines), its tunings read by benchmarks/tools/tuning_trace.py into \$OUT/tunings.log" mode_table
   bench        "python -m jax_ub.bench (args: its own) -> \$OUT/TAG.json/.png/.log (TAG: bench)" mode_bench
   model        "one training step of the Llama-style model per variant: python -m jax_ub.bench.model (args: its own; MEM_FRACTION: the share of each GPU JAX may take; MODEL_S, MODEL_LINES; TAG: model)" mode_model
@@ -217,13 +217,21 @@ mode_tests() {
 }
 
 mode_check() {
-  # Correctness first (a wrong number outranks a slow one), then the GEMMs' speed and tuning.
+  # Correctness first (a wrong number or a hang outranks a slow op): the ops at tp 2, 4, 8 as
+  # N ranks, the GEMM cache, then the timeout path on one GPU (a killed peer, an absent one,
+  # mismatched calls: each must end in the named error, never a hang). The GEMM table only
+  # where CHECK_TABLE gives its args.
   RANKS=${RANKS:-2 4 8} RANKS_PARALLEL=${RANKS_PARALLEL:-3} mode_ranks quick
   step -k 10 "tests/test_gpu_gemm_cache.py" 200 "$OUT/gemm_cache.log" \
     python3 -m pytest -q -rsxX -m gpu tests/test_gpu_gemm_cache.py -p no:cacheprovider
   tail -n 2 "$OUT/gemm_cache.log"
+  step -k 10 "tests/test_gpu_multiprocess.py (faults)" "${FAULTS_S:-240}" "$OUT/faults.log" \
+    python3 -m pytest -q -rfEs -m gpu tests/test_gpu_multiprocess.py -p no:cacheprovider \
+    -k "killed_process or faults_on_one_shared_gpu"
+  tail -n 4 "$OUT/faults.log"
+  [ -z "${CHECK_TABLE:-}" ] && return 0
   local -a table
-  read -ra table <<< "${CHECK_TABLE:---models 8b --tp 8 --seconds 0.2 --rounds 3 --slot-ms 30 --ub-variant autotune_gemm=False}"
+  read -ra table <<< "$CHECK_TABLE"
   TABLE_S=${TABLE_S:-200} mode_table "${table[@]}"
 }
 

@@ -172,25 +172,33 @@ def test_a_failed_item_keeps_its_rank_logs_and_the_kernels_gpu_lines(tmp_path):
     ), names
 
 
-def test_the_check_runs_every_n_then_the_gemm_cache_and_table_and_packs_its_logs(tmp_path):
+def test_the_check_runs_every_n_then_the_gemm_cache_and_faults_and_packs_its_logs(tmp_path):
     """`check` (a commit's GPU check in one device call): the quick set at N = 2, 4, 8, the
-    GEMM cache's tests, the GEMM table traced and its tunings read; with PACK, $OUT holds one
-    archive of every log, the loose files removed (the device's copy-back takes few files)."""
+    GEMM cache's tests, the shared-GPU fault tests (the timeout path); the GEMM table only with
+    CHECK_TABLE; with PACK, $OUT holds one archive of every log, the loose files removed (the
+    device's copy-back takes few files)."""
     out = tmp_path / "out"
     done = _dry_run(out, mode="check", PACK="logs", RANKS_GPU_MIB="140000")
     assert done.returncode == 0, done.stdout + done.stderr
     assert {n for n, _, _, _ in ITEM.findall(done.stdout)} == {"2", "4", "8"}, done.stdout
-    table = re.search(
-        r"gemm table: .*JAX_UB_TRACE=1 .*python3 benchmarks/gemm_table.py (.*) >", done.stdout
-    )
-    assert table and "--models 8b --tp 8" in table.group(1), done.stdout
-    assert "gemm table: timeout -k 10 200 " in done.stdout, done.stdout
-    assert "tests/test_gpu_gemm_cache.py" in done.stdout and "tuning_trace.py" in done.stdout
+    assert "tests/test_gpu_gemm_cache.py" in done.stdout
+    faults = re.search(r"faults\): timeout -k 10 240 .*multiprocess.py (.*) >", done.stdout)
+    wanted = r"-k killed_process\ or\ faults_on_one_shared_gpu"  # as printf %q prints it
+    assert faults and wanted in faults.group(1), done.stdout
+    assert "gemm_table.py" not in done.stdout
     assert [p.name for p in out.iterdir()] == ["logs.tgz"]
     with tarfile.open(out / "logs.tgz") as archive:
         names = set(archive.getnames())
-    assert {"gpus.txt", "gemm_cache.log", "gemm_table.log", "tunings.log"} <= names, names
+    assert {"gpus.txt", "gemm_cache.log", "faults.log"} <= names, names
     assert any(n.startswith("ranks_lane") for n in names), names
+
+    table = _dry_run(
+        tmp_path / "t", mode="check", CHECK_TABLE="--models 8b --tp 8", RANKS_GPU_MIB="140000"
+    )
+    assert re.search(
+        r"gemm table: timeout -k 10 200 .*gemm_table.py --models 8b --tp 8 +>", table.stdout
+    ), table.stdout
+    assert "tuning_trace.py" in table.stdout
 
 
 def test_the_table_mode_passes_its_args_and_reads_the_tunings(tmp_path):
