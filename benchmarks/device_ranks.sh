@@ -49,11 +49,12 @@ ranks_item() {
       python3 -m pytest -q -rfEs -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
   else
     local logs="${RANKS_LOGS:-$SCRATCH}/ranks_${n}_$tag"
-    step --append --ok "0 5" -k 10 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
+    # -k 75: a launcher that the limit ends takes its ranks' stacks first (tests/_ranks.py).
+    step --append --ok "0 5" -k 75 "ranks=$n tests/$file${k:+ -k \"$k\"}" "$limit" "$log" \
       env "${RANKS_MPS_VARS[@]}" python3 -m pytest --ranks "$n" --ranks-logs "$logs" -q -rfEs \
       -m gpu "tests/$file" "${sel[@]}" "${RANKS_ARGS[@]}"
     # A failed item's rank logs (the launcher prints rank 0's alone) and, where a limit ended
-    # it, each rank's stacks (rank<i>_stacks.txt), as one file in $OUT.
+    # it, each rank's stacks (rank<i>_stacks.txt, rank<i>_native.txt), as one file in $OUT.
     if [ "$STEP_RC" -ne 0 ] && [ "$STEP_RC" -ne 5 ] && [ -d "$logs" ]; then
       tar czf "$OUT/ranks_failed_${n}_$tag.tgz" -C "$(dirname "$logs")" "$(basename "$logs")" &&
         echo "  rank logs: ranks_failed_${n}_$tag.tgz"

@@ -60,6 +60,10 @@ FETCH_DIR_ENV = "JAX_UB_TEST_RANKS_FETCH_DIR"  # the launcher's folder for fetch
 STACKS_SIGNAL = signal.SIGUSR1  # a rank prints its threads' stacks (faulthandler)
 STACKS_ENV = "JAX_UB_TEST_RANKS_STACKS"  # the file it prints them into
 STACKS_WAIT_S = 2.0
+# Then, where cuda-gdb is on PATH (the GPU machines have no gdb), every thread's native stack
+# (XLA's and jax_ub's C++ threads too: where each waits inside CUDA) into rank<i>_native.txt,
+# all ranks at once, within this many seconds.
+NATIVE_STACKS_S = 60.0
 # After the first rank ends, how long the others may take to end too.
 GRACE_S = float(os.environ.get("JAX_UB_TEST_RANKS_GRACE_S", "120"))
 # How many ranks share the GPU in all (several groups of ranks may run on one GPU at once,
@@ -335,7 +339,7 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
     try:
         first_end = _follow(files[0], [p for p, _ in procs])
     except BaseException:
-        _print_stacks([p for p, _ in procs])
+        _print_stacks([p for p, _ in procs], logs)
         for p, _ in procs:
             p.kill()
         raise
@@ -362,17 +366,38 @@ def _run_ranks(ranks: int, args: list[str], logs: str, cwd: str, extra: dict[str
     return failed[0] if failed else (5 if all(c == 5 for c in codes) else 0)
 
 
-def _print_stacks(procs: list[subprocess.Popen]) -> None:
+def _print_stacks(procs: list[subprocess.Popen], logs: str) -> None:
     """Have each rank still running print its threads' stacks (into ``rank<i>_stacks.txt``
-    beside its log; join registers the signal), and give them a moment to."""
-    running = [p for p in procs if p.poll() is None]
-    for p in running:
+    beside its log; join registers the signal), give them a moment to, then take every
+    thread's native stack where cuda-gdb is there (``NATIVE_STACKS_S``)."""
+    running = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
+    for _, p in running:
         try:
             p.send_signal(STACKS_SIGNAL)
         except OSError:
             pass
-    if running:
-        time.sleep(STACKS_WAIT_S)
+    if not running:
+        return
+    time.sleep(STACKS_WAIT_S)  # before an attach stops the rank
+    gdb = shutil.which("cuda-gdb")
+    if gdb is None:
+        return
+    attaches = []
+    for i, p in running:
+        out = open(os.path.join(logs, f"rank{i}_native.txt"), "w")  # noqa: SIM115 (closed below)
+        cmd = [gdb, "-p", str(p.pid), "-batch", "-ex", "set pagination off"]
+        cmd += ["-ex", "thread apply all bt 30"]
+        attaches.append(
+            (subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out), out)
+        )
+    deadline = time.monotonic() + NATIVE_STACKS_S
+    for a, out in attaches:
+        try:
+            a.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            a.kill()
+            a.wait()
+        out.close()
 
 
 def _follow(path: str, procs: list[subprocess.Popen]) -> float:

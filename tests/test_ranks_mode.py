@@ -5,6 +5,7 @@ rank 0's output, reports a failed rank's log, and exits with the worst rank's st
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,14 +62,22 @@ def test_a_rank_gone_ends_the_run(tmp_path):
 def test_a_launcher_ended_by_a_signal_has_the_ranks_print_their_stacks(tmp_path):
     # As device_run.sh's time limit ends a hung group: timeout's TERM to the launcher. Each
     # rank still running prints its threads' stacks beside its log before it is killed.
-    cmd = [sys.executable, "-m", "pytest", "--ranks", "2", "--ranks-logs", str(tmp_path)]
+    # Their native stacks too, where cuda-gdb is on PATH: here a stand-in that says how it
+    # was called.
+    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+    bin_dir.mkdir()
+    logs.mkdir()
+    (bin_dir / "cuda-gdb").write_text('#!/bin/sh\necho "cuda-gdb $*"\n')
+    (bin_dir / "cuda-gdb").chmod(0o755)
+    cmd = [sys.executable, "-m", "pytest", "--ranks", "2", "--ranks-logs", str(logs)]
     cmd += ["-q", "-p", "no:cacheprovider", os.path.join(HERE, "_ranks_cases.py")]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_UB_TEST_RANKS_GONE="1", JAX_UB_TEST_RANKS_GRACE_S="200")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     launcher = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
-        log = tmp_path / "rank0.log"
+        log = logs / "rank0.log"
         # Rank 0 sleeps in the GONE case once rank 1 has left: its third case began.
         while time.monotonic() < deadline and launcher.poll() is None:
             if log.exists() and log.read_text().count(".") >= 2:
@@ -80,9 +89,11 @@ def test_a_launcher_ended_by_a_signal_has_the_ranks_print_their_stacks(tmp_path)
     finally:
         launcher.kill()
     assert launcher.returncode != 0
-    text = (tmp_path / "rank0_stacks.txt").read_text()
+    text = (logs / "rank0_stacks.txt").read_text()
     assert "test_a_rank_gone_does_not_hang_the_others" in text, text[-3000:]
     assert "Thread" in text or "Current thread" in text, text[-3000:]
+    native = (logs / "rank0_native.txt").read_text()
+    assert re.search(r"^cuda-gdb -p \d+ -batch .*thread apply all bt", native), native
 
 
 def _fake_tools(tmp_path, monkeypatch) -> str:
