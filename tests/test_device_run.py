@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ITEM = re.compile(r"\[dry run\] ranks=(\d+) tests/(\S+?)(?: -k \"([^\"]+)\")?: timeout -k 10 (\d+)")
+ITEM = re.compile(r"\[dry run\] ranks=(\d+) tests/(\S+?)(?: -k \"([^\"]+)\")?: timeout -k 75 (\d+)")
 
 
 def _device_run(
