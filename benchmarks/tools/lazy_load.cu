@@ -12,9 +12,7 @@
 //                        in its caller's time limit stopped where its last line says
 //   lazy_load latency    a flag's round trip between two streams (a write, then a wait for the
 //                        other's write), the flags in device memory and in host-mapped memory
-#include <atomic>
 #include <chrono>
-#include <cstring>
 #include <cuda/std/atomic>
 #include <string>
 #include <thread>
