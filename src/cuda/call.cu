@@ -1,6 +1,7 @@
 // A call: its entry point (Call: Begin, the step list that enqueue.cu enqueues, EndCall) and
 // the steps every call is made of: begin, flag waits and signals, descriptors, the verify,
 // the end of a call, and host time accounting.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -104,6 +105,8 @@ Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op
     if (r == s.rank) continue;
     JAX_UB_CUDA(cudaStreamWaitEvent(xla_stream, s.comm_done[r]));
   }
+  // Before `done`: once the watchdog sees the call done, its end has opened the gate.
+  JAX_UB_RETURN_IF_ERROR(ArmRelease(s, xla_stream, epoch, waits));
   cudaEvent_t done = nullptr;
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -122,6 +125,35 @@ Status CudaCommunicator::Finish(Slot& s, cudaStream_t xla_stream, const char* op
   JAX_UB_TRACE("GPU %d %s call #%llu enqueued", s.device, op,
                static_cast<unsigned long long>(epoch));
   return AwaitLocalPeers(s, op, epoch);
+}
+
+Status CudaCommunicator::ArmRelease(Slot& s, cudaStream_t xla_stream, uint64_t epoch,
+                                    const std::vector<Wait>& waits) {
+  if (waits.empty()) return Status::Ok();
+  if (waits.size() > static_cast<size_t>(kMaxReleaseWaits))
+    return Internal("a call of " + std::to_string(waits.size()) + " flag waits; at most " +
+                    std::to_string(kMaxReleaseWaits) + " can be released");
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
+  const auto gate = reinterpret_cast<CUdeviceptr>(&s.board_device->gate);
+  JAX_UB_CU(ops->write(reinterpret_cast<CUstream>(xla_stream), gate, epoch,
+                       CU_STREAM_WRITE_VALUE_DEFAULT));
+  ReleaseBatch b;
+  b.epoch = epoch;
+  b.health = s.flags + kHealthFlag;
+  for (size_t i = 0; i < waits.size(); i += kReleaseWaitsPerLaunch) {
+    b.first = static_cast<int>(i);
+    b.count = static_cast<int>(std::min<size_t>(kReleaseWaitsPerLaunch, waits.size() - i));
+    b.last = i + b.count == waits.size();
+    for (int j = 0; j < b.count; ++j) {
+      const Wait& w = waits[i + j];
+      b.flags[j] = const_cast<uint64_t*>(w.flag);
+      b.targets[j] = w.target;
+      b.progress[j] = w.progress;
+    }
+    JAX_UB_RETURN_IF_ERROR(LaunchReleaseWaits(b, s.board_device, s.watchdog_stream));
+  }
+  return Status::Ok();
 }
 
 Status CudaCommunicator::AwaitLocalPeers(Slot& s, const char* op, uint64_t epoch) {

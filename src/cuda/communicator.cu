@@ -136,9 +136,11 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     void* report = nullptr;
     JAX_UB_CUDA(cudaHostAlloc(&report, sizeof(DeviceReport), cudaHostAllocMapped));
     s->report = static_cast<DeviceReport*>(report);
-    void* words = nullptr;
-    JAX_UB_CUDA(cudaHostAlloc(&words, 2 * sizeof(uint64_t), cudaHostAllocDefault));
-    s->watchdog_words = static_cast<uint64_t*>(words);
+    void* board = nullptr;
+    JAX_UB_CUDA(cudaHostAlloc(&board, sizeof(ReleaseBoard), cudaHostAllocMapped));
+    s->board = static_cast<ReleaseBoard*>(board);
+    std::memset(board, 0, sizeof(ReleaseBoard));
+    JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->board_device), board, 0));
     std::memset(report, 0, sizeof(DeviceReport));
     JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->report_device), report, 0));
     CublasLtGemm* g = nullptr;
@@ -282,7 +284,7 @@ CudaCommunicator::~CudaCommunicator() {
     cudaFree(s.buffer);
     cudaFree(s.flags);
     if (s.report != nullptr) cudaFreeHost(s.report);
-    if (s.watchdog_words != nullptr) cudaFreeHost(s.watchdog_words);
+    if (s.board != nullptr) cudaFreeHost(s.board);
   }
 }
 

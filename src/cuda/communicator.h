@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cuda/gemm/cublaslt_gemm.h"
+#include "cuda/release.h"
 #include "protocol/broken_state.h"
 #include "protocol/call_descriptor.h"
 #include "protocol/comm_options.h"
@@ -183,13 +184,11 @@ class CudaCommunicator {
     std::mutex mu;                              // pending and free_events: shared with the watchdog
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
+    // Each call's armed release (release.h): the gate's wait and ReleaseWaits, on the
+    // watchdog stream; the board as the host sees it, and as the device does.
     cudaStream_t watchdog_stream = nullptr;
-    // Pinned host words that the watchdog copies through (0: to the device, 1: from it), so
-    // that no copy blocks it: each is waited for a bounded time (WatchdogCopy). Once one
-    // has not run in that time (the device is stuck), a copy may still be in flight on
-    // them: the watchdog copies nothing more.
-    uint64_t* watchdog_words = nullptr;
-    bool watchdog_stuck = false;            // watchdog only
+    ReleaseBoard* board = nullptr;
+    ReleaseBoard* board_device = nullptr;
     cudaStream_t tune = nullptr;            // GEMM autotuning: waits only on this device's own work
     DeviceReport* report = nullptr;         // host-mapped, written by VerifyCall
     DeviceReport* report_device = nullptr;  // the same memory, as the device sees it
@@ -258,11 +257,17 @@ class CudaCommunicator {
   Status PollHost(Ready ready, std::chrono::steady_clock::time_point deadline, Who who,
                   Reason timeout_reason);
   void WatchdogLoop();
-  // One 8-byte copy on the slot's watchdog stream, waited for at most kWatchdogCopyS: "" or
-  // why it failed ("; the watchdog could not <what>: ...").
-  static std::string WatchdogCopy(Slot& s, void* dst, const void* src, cudaMemcpyKind kind,
-                                  const char* what);
-  static constexpr double kWatchdogCopyS = 2.0;
+  // Arms call `epoch`'s release (release.h): its end opens the board's gate from
+  // `xla_stream`; on the watchdog stream, the gate's wait and ReleaseWaits over `waits`. A call
+  // with no waits has nothing to release: nothing is armed.
+  Status ArmRelease(Slot& s, cudaStream_t xla_stream, uint64_t epoch,
+                    const std::vector<Wait>& waits);
+  // The watchdog fires the oldest call in flight, `f`, overdue: two stores to the board, no
+  // CUDA call. Then the reason it gives: the first wait not met (peer, what, the call the
+  // peer's flag holds), or that the release did not run within kReleaseRunS (the device is
+  // stuck).
+  std::string FireRelease(Slot& s, const Pending& f);
+  static constexpr double kReleaseRunS = 2.0;
 
   Topology topology_;
   size_t capacity_ = 0;

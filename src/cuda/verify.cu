@@ -1,4 +1,5 @@
 #include "cuda/check.h"
+#include "cuda/release.h"
 #include "cuda/sum.h"
 #include "cuda/verify.h"
 
@@ -62,6 +63,7 @@ Status LaunchVerifyCall(cudaStream_t stream, const uint64_t* desc_from, const Ca
 Status PreloadKernels() {
   cudaFuncAttributes attr;
   JAX_UB_RETURN_IF_ERROR(PreloadSumKernels());
+  JAX_UB_RETURN_IF_ERROR(PreloadReleaseWaits());
   JAX_UB_CUDA(cudaFuncGetAttributes(&attr, VerifyCall));
   return Status::Ok();
 }
