@@ -25,13 +25,16 @@ std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
     const auto deadline = DeadlineIn(kReleaseRunS);
     while (__atomic_load_n(&s.board->released, __ATOMIC_ACQUIRE) != f.epoch) {
       if (Clock::now() > deadline) {
+        // A call that ended on its own just as it was fired found nothing to release.
+        if (cudaEventQuery(f.done) == cudaSuccess) break;
         return Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
                " s, and its release did not run within " + std::to_string(kReleaseRunS) +
                " s (the device is stuck: the call may stay stuck, and its outputs not be NaN)";
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    for (size_t i = 0; i < f.waits.size() && reason.empty(); ++i) {
+    const bool released = __atomic_load_n(&s.board->released, __ATOMIC_ACQUIRE) == f.epoch;
+    for (size_t i = 0; released && i < f.waits.size() && reason.empty(); ++i) {
       if (s.board->met[i] != 0) continue;
       const Wait& wt = f.waits[i];
       reason = Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
