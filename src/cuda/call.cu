@@ -151,7 +151,7 @@ Status CudaCommunicator::ArmRelease(Slot& s, cudaStream_t xla_stream, uint64_t e
       b.targets[j] = w.target;
       b.progress[j] = w.progress;
     }
-    JAX_UB_RETURN_IF_ERROR(LaunchReleaseWaits(b, s.board_device, s.watchdog_stream));
+    JAX_UB_RETURN_IF_ERROR(LaunchReleaseWaits(b, s.board_device, s.release_stream));
   }
   return Status::Ok();
 }

@@ -184,11 +184,18 @@ class CudaCommunicator {
     std::mutex mu;                              // pending and free_events: shared with the watchdog
     std::deque<Pending> pending;
     std::vector<cudaEvent_t> free_events;
-    // Each call's armed release (release.h): the gate's wait and ReleaseWaits, on the
-    // watchdog stream; the board as the host sees it, and as the device does.
-    cudaStream_t watchdog_stream = nullptr;
+    // Each call's armed release (release.h): the gate's wait and ReleaseWaits, on a stream of
+    // their own; the board as the host sees it, and as the device does.
+    cudaStream_t release_stream = nullptr;
     ReleaseBoard* board = nullptr;
     ReleaseBoard* board_device = nullptr;
+    // ReleaseByCopies' copies: on a stream behind no armed release, through pinned host words
+    // (0: to the device, 1: from it), so that no copy blocks it: each is waited for a bounded
+    // time (WatchdogCopy). Once one has not run in that time (the device is stuck), a copy may
+    // still be in flight on them: the watchdog copies nothing more.
+    cudaStream_t watchdog_stream = nullptr;
+    uint64_t* watchdog_words = nullptr;
+    bool watchdog_stuck = false;            // watchdog only
     cudaStream_t tune = nullptr;            // GEMM autotuning: waits only on this device's own work
     DeviceReport* report = nullptr;         // host-mapped, written by VerifyCall
     DeviceReport* report_device = nullptr;  // the same memory, as the device sees it
@@ -258,7 +265,7 @@ class CudaCommunicator {
                   Reason timeout_reason);
   void WatchdogLoop();
   // Arms call `epoch`'s release (release.h): its end opens the board's gate from
-  // `xla_stream`; on the watchdog stream, the gate's wait and ReleaseWaits over `waits`. A call
+  // `xla_stream`; on the release stream, the gate's wait and ReleaseWaits over `waits`. A call
   // with no waits has nothing to release: nothing is armed.
   Status ArmRelease(Slot& s, cudaStream_t xla_stream, uint64_t epoch,
                     const std::vector<Wait>& waits);
@@ -267,6 +274,13 @@ class CudaCommunicator {
   // peer's flag holds), or that the release did not run within kReleaseRunS (the device is
   // stuck).
   std::string FireRelease(Slot& s, const Pending& f);
+  // The release of old, where the armed one did not run: the health word, then each unmet
+  // flag raised by a copy on the watchdog stream (copy engines: no SM needed); the reason.
+  std::string ReleaseByCopies(Slot& s, const Pending& f);
+  // One 8-byte copy on the slot's watchdog stream, waited for at most kReleaseRunS: "" or
+  // why it failed ("; the watchdog could not <what>: ...").
+  static std::string WatchdogCopy(Slot& s, void* dst, const void* src, cudaMemcpyKind kind,
+                                  const char* what);
   static constexpr double kReleaseRunS = 2.0;
 
   Topology topology_;

@@ -5,10 +5,12 @@
 // holds the context's lock until the device's queued work has drained, and every other
 // thread's copy waits for that lock. Work stuck on a dead peer never drains, so a watchdog
 // that released it with a copy would wait forever (benchmarks/tools/lazy_load.cu). So each
-// call arms its own release when it is enqueued: on the slot's watchdog stream, a wait for the
+// call arms its own release when it is enqueued: on a stream of the slot's own, a wait for the
 // board's gate and a kernel (ReleaseWaits) that releases the call's waits only where the
 // watchdog fired it. The call's end opens the gate from the device and the kernel finds nothing
-// to do; the watchdog fires a stuck call with two stores to host memory.
+// to do; the watchdog fires a stuck call with two stores to host memory. The kernel needs an
+// SM: where it has not run within 2 s (a flag GEMM waiting inside the call holds them all), the
+// watchdog raises the flags with copies instead (copy engines), as it did before.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,7 +27,7 @@ constexpr int kMaxReleaseWaits = 4 * kMaxRanks;
 
 // One per slot, in host-mapped memory: the host and the device read and write it directly.
 struct ReleaseBoard {
-  // The last call let through the watchdog stream's wait: written by each armed call's end
+  // The last call let through the release stream's wait: written by each armed call's end
   // (from the device) and by the watchdog when it fires the oldest call in flight, whose
   // earlier calls have all ended: it only grows.
   uint64_t gate;

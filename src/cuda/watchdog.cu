@@ -15,6 +15,77 @@
 
 namespace jax_ub {
 
+std::string CudaCommunicator::WatchdogCopy(Slot& s, void* dst, const void* src, cudaMemcpyKind kind,
+                                           const char* what) {
+  if (s.watchdog_stuck)
+    return std::string("; the watchdog could not ") + what +
+           ": an earlier copy of its is still stuck";
+  // Through pinned words: a copy to or from pageable memory may block inside the call.
+  const bool to_device = kind == cudaMemcpyHostToDevice;
+  uint64_t* word = s.watchdog_words + (to_device ? 0 : 1);
+  if (to_device) *word = *static_cast<const uint64_t*>(src);
+  cudaError_t e = cudaMemcpyAsync(to_device ? dst : word, to_device ? word : src, sizeof(uint64_t),
+                                  kind, s.watchdog_stream);
+  // Not yet done is the usual first answer (the copy takes microseconds): poll on it.
+  const auto deadline = DeadlineIn(kReleaseRunS);
+  if (e == cudaSuccess) {
+    while ((e = cudaStreamQuery(s.watchdog_stream)) == cudaErrorNotReady) {
+      if (Clock::now() > deadline) {
+        s.watchdog_stuck = true;
+        return std::string("; the watchdog could not ") + what + ": its copy did not run in " +
+               std::to_string(kReleaseRunS) + " s (the device is stuck)";
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+  if (e != cudaSuccess)
+    return std::string("; the watchdog could not ") + what + ": " + cudaGetErrorString(e);
+  if (!to_device) *static_cast<uint64_t*>(dst) = *word;
+  return "";
+}
+
+std::string CudaCommunicator::ReleaseByCopies(Slot& s, const Pending& f) {
+  // The health word goes up first, so the released call fills its outputs with NaN instead
+  // of computing on stale data. Each copy is checked and waited for a bounded time: the first
+  // that fails or does not run is named in the reason, and no later copy is tried (the device
+  // is failing or stuck: the call may stay stuck, and not be poisoned).
+  std::string failed;
+  auto copy = [&](void* dst, const void* src, cudaMemcpyKind kind, const char* what) {
+    if (!failed.empty()) return false;
+    failed = WatchdogCopy(s, dst, src, kind, what);
+    return failed.empty();
+  };
+  const uint64_t unhealthy = 1;
+  copy(s.flags + kHealthFlag, &unhealthy, cudaMemcpyHostToDevice,
+       "raise the health word (the outputs may not be NaN)");
+  std::string reason;
+  for (const Wait& wt : f.waits) {
+    // A flag that cannot be read names its wait: the first not known to be met.
+    uint64_t seen = 0;
+    const bool read = copy(&seen, wt.flag, cudaMemcpyDeviceToHost, "read a flag");
+    if (read && static_cast<int64_t>(seen - wt.target) >= 0) continue;
+    uint64_t last = seen;
+    if (read && wt.progress != wt.flag)
+      copy(&last, wt.progress, cudaMemcpyDeviceToHost, "read a flag");
+    if (reason.empty())
+      reason = Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
+               " s waiting for rank " + std::to_string(wt.peer) + " to " + wt.what + " for call #" +
+               std::to_string(wt.target) +
+               (read ? " (flag holds #" + std::to_string(last) + ")"
+                     : " (the call's first wait: no flag could be read)") +
+               "; the peer never arrived, is stuck, or runs a different program. The "
+               "outputs of this call are NaN";
+    if (!read) break;
+    const uint64_t target = wt.target;
+    copy(const_cast<uint64_t*>(wt.flag), &target, cudaMemcpyHostToDevice,
+         "release the stuck wait (the call may stay stuck)");
+  }
+  if (reason.empty())
+    reason = Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
+  reason += failed;
+  return reason;
+}
+
 std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
   std::string reason;
   if (!f.waits.empty()) {
@@ -27,9 +98,10 @@ std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
       if (Clock::now() > deadline) {
         // A call that ended on its own just as it was fired found nothing to release.
         if (cudaEventQuery(f.done) == cudaSuccess) break;
-        return Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
-               " s, and its release did not run within " + std::to_string(kReleaseRunS) +
-               " s (the device is stuck: the call may stay stuck, and its outputs not be NaN)";
+        // The kernel needs an SM: a flag GEMM waiting inside the call may hold them all.
+        // Copies need none (but a module load in flight would hold them, gap 17).
+        return ReleaseByCopies(s, f) + " (its armed release did not run within " +
+               std::to_string(kReleaseRunS) + " s: released by copies)";
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
