@@ -156,7 +156,21 @@ build_and_install() {
   local t0=$SECONDS
   # Links to built extensions that earlier versions of this script left in the package.
   dry_run || find jax_ub/_src -maxdepth 1 -type l \( -name '_host*.so' -o -name '_cuda*.so' \) -delete
-  step build 300 "$OUT/build.log" env CMAKE_GENERATOR=Ninja PIP_DISABLE_PIP_VERSION_CHECK=1 \
+  # CUTLASS's headers (the flag and signal GEMMs): a GPU machine without network or the
+  # nvidia-cutlass package takes them from its wheel, carried in .whl (README).
+  local cutlass=${JAX_UB_CUTLASS_INCLUDE:-} whl
+  dry_run || : > "$OUT/build.log"
+  whl=$(compgen -G ".whl/nvidia_cutlass-*.whl" | head -n 1)
+  if [ -z "$cutlass" ] && [ -n "$whl" ] && ! python3 -c 'import importlib.util as u, sys
+sys.exit(u.find_spec("cutlass_library") is None)' 2> /dev/null; then
+    step "cutlass headers" 120 "$OUT/build.log" python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("cutlass_library/source/include/")])' \
+      "$whl" build/cutlass
+    cutlass=$PWD/build/cutlass/cutlass_library/source/include
+  fi
+  step --append build 300 "$OUT/build.log" env CMAKE_GENERATOR=Ninja PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    JAX_UB_CUTLASS_INCLUDE="$cutlass" \
     python3 -m pip install -v --no-build-isolation --no-deps --no-index -e . \
     --config-settings=build-dir=build/dev \
     "--config-settings=cmake.define.JAX_UB_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90-real}"
@@ -177,6 +191,8 @@ print("FlagGemm:", "built" if m is not None and m.flag_gemm_built() else "not bu
     exit 1
   fi
   dry_run || tail -n 2 "$OUT/build.log"
+  dry_run || grep -q "^FlagGemm: built" "$OUT/build.log" || echo "NO CUTLASS: the flag and signal" \
+    "GEMMs are not built and their GPU tests skip (carry the nvidia-cutlass wheel in .whl)"
   echo "built in $((SECONDS - t0)) s"
 }
 
