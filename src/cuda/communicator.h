@@ -274,6 +274,11 @@ class CudaCommunicator {
   // peer's flag holds), or that the release did not run within kReleaseRunS (the device is
   // stuck).
   std::string FireRelease(Slot& s, const Pending& f);
+  // The reason an overdue call gives: its first unmet wait `wt` (`seen`: what its flag held),
+  // or, with no such wait known, that it did not finish in time.
+  std::string StuckReason(const Slot& s, const Pending& f, const Wait& wt,
+                          const std::string& seen) const;
+  std::string StuckReason(const Slot& s, const Pending& f) const;
   // The release of old, where the armed one did not run: the health word, then each unmet
   // flag raised by a copy on the watchdog stream (copy engines: no SM needed); the reason.
   std::string ReleaseByCopies(Slot& s, const Pending& f);

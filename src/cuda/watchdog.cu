@@ -44,6 +44,19 @@ std::string CudaCommunicator::WatchdogCopy(Slot& s, void* dst, const void* src, 
   return "";
 }
 
+std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f, const Wait& wt,
+                                          const std::string& seen) const {
+  return Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
+         " s waiting for rank " + std::to_string(wt.peer) + " to " + wt.what + " for call #" +
+         std::to_string(wt.target) + " (" + seen +
+         "); the peer never arrived, is stuck, or runs a different program. The outputs of this "
+         "call are NaN";
+}
+
+std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f) const {
+  return Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
+}
+
 std::string CudaCommunicator::ReleaseByCopies(Slot& s, const Pending& f) {
   // The health word goes up first, so the released call fills its outputs with NaN instead
   // of computing on stale data. Each copy is checked and waited for a bounded time: the first
@@ -68,22 +81,16 @@ std::string CudaCommunicator::ReleaseByCopies(Slot& s, const Pending& f) {
     if (read && wt.progress != wt.flag)
       copy(&last, wt.progress, cudaMemcpyDeviceToHost, "read a flag");
     if (reason.empty())
-      reason = Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
-               " s waiting for rank " + std::to_string(wt.peer) + " to " + wt.what + " for call #" +
-               std::to_string(wt.target) +
-               (read ? " (flag holds #" + std::to_string(last) + ")"
-                     : " (the call's first wait: no flag could be read)") +
-               "; the peer never arrived, is stuck, or runs a different program. The "
-               "outputs of this call are NaN";
+      reason = StuckReason(s, f, wt,
+                           read ? "flag holds #" + std::to_string(last)
+                                : "the call's first wait: no flag could be read");
     if (!read) break;
     const uint64_t target = wt.target;
     copy(const_cast<uint64_t*>(wt.flag), &target, cudaMemcpyHostToDevice,
          "release the stuck wait (the call may stay stuck)");
   }
-  if (reason.empty())
-    reason = Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
-  reason += failed;
-  return reason;
+  if (reason.empty()) reason = StuckReason(s, f);
+  return reason + failed;
 }
 
 std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
@@ -99,7 +106,7 @@ std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
         // A call that ended on its own just as it was fired found nothing to release.
         if (cudaEventQuery(f.done) == cudaSuccess) break;
         // The kernel needs an SM: a flag GEMM waiting inside the call may hold them all.
-        // Copies need none (but a module load in flight would hold them, gap 17).
+        // Copies need none (but a module load in flight would hold them: release.h).
         return ReleaseByCopies(s, f) + " (its armed release did not run within " +
                std::to_string(kReleaseRunS) + " s: released by copies)";
       }
@@ -108,17 +115,10 @@ std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
     const bool released = __atomic_load_n(&s.board->released, __ATOMIC_ACQUIRE) == f.epoch;
     for (size_t i = 0; released && i < f.waits.size() && reason.empty(); ++i) {
       if (s.board->met[i] != 0) continue;
-      const Wait& wt = f.waits[i];
-      reason = Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
-               " s waiting for rank " + std::to_string(wt.peer) + " to " + wt.what + " for call #" +
-               std::to_string(wt.target) + " (flag holds #" + std::to_string(s.board->progress[i]) +
-               "); the peer never arrived, is stuck, or runs a different program. The "
-               "outputs of this call are NaN";
+      reason = StuckReason(s, f, f.waits[i], "flag holds #" + std::to_string(s.board->progress[i]));
     }
   }
-  if (reason.empty())
-    reason = Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
-  return reason;
+  return reason.empty() ? StuckReason(s, f) : reason;
 }
 
 void CudaCommunicator::WatchdogLoop() {
