@@ -60,7 +60,8 @@ struct Problem {
   int m, k, n, blocks;
   uint64_t order;
   int sm_count;
-  int slots = 0;  // the blocks computed, the first of `order` (0: all)
+  int slots = 0;                      // the blocks computed, the first of `order` (0: all)
+  jax_ub::flag_gemm::GiveUp give_up;  // the library's waits' way out (none: the tools' own)
 };
 
 struct Op {  // one initialized GEMM (fixed pointers); run() enqueues one call
@@ -93,6 +94,7 @@ struct CutlassOp : Op {
       args.scheduler.order = p.order;
       args.scheduler.slots = p.slots;
       args.scheduler.timeout_ns = 2000000000ull;
+      args.scheduler.give_up = p.give_up;
       if (own != nullptr) args.scheduler.ready_block = own_block;
     }
     if (Cfg::Gemm::get_workspace_size(args) != 0) Fail("workspace", "unexpected");

@@ -121,7 +121,6 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->compute, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->second_gemm, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaEventCreateWithFlags(&s->second_gemm_done, cudaEventDisableTiming));
-    JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->watchdog_stream, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->release_stream, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaStreamCreateWithFlags(&s->tune, cudaStreamNonBlocking));
     JAX_UB_CUDA(cudaEventCreateWithFlags(&s->start, cudaEventDisableTiming));
@@ -142,9 +141,6 @@ Status CudaCommunicator::Allocate(size_t capacity_bytes, double timeout_s, GemmO
     s->board = static_cast<ReleaseBoard*>(board);
     std::memset(board, 0, sizeof(ReleaseBoard));
     JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->board_device), board, 0));
-    void* words = nullptr;
-    JAX_UB_CUDA(cudaHostAlloc(&words, 2 * sizeof(uint64_t), cudaHostAllocDefault));
-    s->watchdog_words = static_cast<uint64_t*>(words);
     std::memset(report, 0, sizeof(DeviceReport));
     JAX_UB_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->report_device), report, 0));
     CublasLtGemm* g = nullptr;
@@ -283,14 +279,12 @@ CudaCommunicator::~CudaCommunicator() {
     cudaStreamDestroy(s.compute);
     cudaStreamDestroy(s.second_gemm);
     cudaEventDestroy(s.second_gemm_done);
-    cudaStreamDestroy(s.watchdog_stream);
     cudaStreamDestroy(s.release_stream);
     cudaStreamDestroy(s.tune);
     cudaFree(s.buffer);
     cudaFree(s.flags);
     if (s.report != nullptr) cudaFreeHost(s.report);
     if (s.board != nullptr) cudaFreeHost(s.board);
-    if (s.watchdog_words != nullptr) cudaFreeHost(s.watchdog_words);
   }
 }
 

@@ -189,13 +189,6 @@ class CudaCommunicator {
     cudaStream_t release_stream = nullptr;
     ReleaseBoard* board = nullptr;
     ReleaseBoard* board_device = nullptr;
-    // ReleaseByCopies' copies: on a stream behind no armed release, through pinned host words
-    // (0: to the device, 1: from it), so that no copy blocks it: each is waited for a bounded
-    // time (WatchdogCopy). Once one has not run in that time (the device is stuck), a copy may
-    // still be in flight on them: the watchdog copies nothing more.
-    cudaStream_t watchdog_stream = nullptr;
-    uint64_t* watchdog_words = nullptr;
-    bool watchdog_stuck = false;            // watchdog only
     cudaStream_t tune = nullptr;            // GEMM autotuning: waits only on this device's own work
     DeviceReport* report = nullptr;         // host-mapped, written by VerifyCall
     DeviceReport* report_device = nullptr;  // the same memory, as the device sees it
@@ -279,13 +272,6 @@ class CudaCommunicator {
   std::string StuckReason(const Slot& s, const Pending& f, const Wait& wt,
                           const std::string& seen) const;
   std::string StuckReason(const Slot& s, const Pending& f) const;
-  // The release of old, where the armed one did not run: the health word, then each unmet
-  // flag raised by a copy on the watchdog stream (copy engines: no SM needed); the reason.
-  std::string ReleaseByCopies(Slot& s, const Pending& f);
-  // One 8-byte copy on the slot's watchdog stream, waited for at most kReleaseRunS: "" or
-  // why it failed ("; the watchdog could not <what>: ...").
-  static std::string WatchdogCopy(Slot& s, void* dst, const void* src, cudaMemcpyKind kind,
-                                  const char* what);
   static constexpr double kReleaseRunS = 2.0;
 
   Topology topology_;

@@ -47,6 +47,8 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
   c.own_block = sched.rank;
   c.flags = s.flags + FlagIndex(Flag::kData, 0);
   c.target = epoch;
+  c.fired = &s.board_device->fired;  // the watchdog's, where a peer stalls in the kernel's waits
+  c.health = s.flags + kHealthFlag;
   for (int j : sched.FlagGemmOrder(step.parts)) {
     c.order |= uint64_t(j) << (4 * c.count++);
     if (j == sched.rank) continue;  // ours is the op's input (c.own): the kernel takes it at once

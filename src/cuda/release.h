@@ -9,8 +9,8 @@
 // board's gate and a kernel (ReleaseWaits) that releases the call's waits only where the
 // watchdog fired it. The call's end opens the gate from the device and the kernel finds nothing
 // to do; the watchdog fires a stuck call with two stores to host memory. The kernel needs an
-// SM: where it has not run within 2 s (a flag GEMM waiting inside the call holds them all), the
-// watchdog raises the flags with copies instead (copy engines), as it did before.
+// SM: a flag GEMM waiting inside the call, which holds them all, gives up on the same store
+// (GiveUp, gemm/flag_gemm_kernel.cuh).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -15,35 +15,6 @@
 
 namespace jax_ub {
 
-std::string CudaCommunicator::WatchdogCopy(Slot& s, void* dst, const void* src, cudaMemcpyKind kind,
-                                           const char* what) {
-  if (s.watchdog_stuck)
-    return std::string("; the watchdog could not ") + what +
-           ": an earlier copy of its is still stuck";
-  // Through pinned words: a copy to or from pageable memory may block inside the call.
-  const bool to_device = kind == cudaMemcpyHostToDevice;
-  uint64_t* word = s.watchdog_words + (to_device ? 0 : 1);
-  if (to_device) *word = *static_cast<const uint64_t*>(src);
-  cudaError_t e = cudaMemcpyAsync(to_device ? dst : word, to_device ? word : src, sizeof(uint64_t),
-                                  kind, s.watchdog_stream);
-  // Not yet done is the usual first answer (the copy takes microseconds): poll on it.
-  const auto deadline = DeadlineIn(kReleaseRunS);
-  if (e == cudaSuccess) {
-    while ((e = cudaStreamQuery(s.watchdog_stream)) == cudaErrorNotReady) {
-      if (Clock::now() > deadline) {
-        s.watchdog_stuck = true;
-        return std::string("; the watchdog could not ") + what + ": its copy did not run in " +
-               std::to_string(kReleaseRunS) + " s (the device is stuck)";
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  }
-  if (e != cudaSuccess)
-    return std::string("; the watchdog could not ") + what + ": " + cudaGetErrorString(e);
-  if (!to_device) *static_cast<uint64_t*>(dst) = *word;
-  return "";
-}
-
 std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f, const Wait& wt,
                                           const std::string& seen) const {
   return Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
@@ -55,42 +26,6 @@ std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f, const
 
 std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f) const {
   return Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
-}
-
-std::string CudaCommunicator::ReleaseByCopies(Slot& s, const Pending& f) {
-  // The health word goes up first, so the released call fills its outputs with NaN instead
-  // of computing on stale data. Each copy is checked and waited for a bounded time: the first
-  // that fails or does not run is named in the reason, and no later copy is tried (the device
-  // is failing or stuck: the call may stay stuck, and not be poisoned).
-  std::string failed;
-  auto copy = [&](void* dst, const void* src, cudaMemcpyKind kind, const char* what) {
-    if (!failed.empty()) return false;
-    failed = WatchdogCopy(s, dst, src, kind, what);
-    return failed.empty();
-  };
-  const uint64_t unhealthy = 1;
-  copy(s.flags + kHealthFlag, &unhealthy, cudaMemcpyHostToDevice,
-       "raise the health word (the outputs may not be NaN)");
-  std::string reason;
-  for (const Wait& wt : f.waits) {
-    // A flag that cannot be read names its wait: the first not known to be met.
-    uint64_t seen = 0;
-    const bool read = copy(&seen, wt.flag, cudaMemcpyDeviceToHost, "read a flag");
-    if (read && static_cast<int64_t>(seen - wt.target) >= 0) continue;
-    uint64_t last = seen;
-    if (read && wt.progress != wt.flag)
-      copy(&last, wt.progress, cudaMemcpyDeviceToHost, "read a flag");
-    if (reason.empty())
-      reason = StuckReason(s, f, wt,
-                           read ? "flag holds #" + std::to_string(last)
-                                : "the call's first wait: no flag could be read");
-    if (!read) break;
-    const uint64_t target = wt.target;
-    copy(const_cast<uint64_t*>(wt.flag), &target, cudaMemcpyHostToDevice,
-         "release the stuck wait (the call may stay stuck)");
-  }
-  if (reason.empty()) reason = StuckReason(s, f);
-  return reason + failed;
 }
 
 std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
@@ -105,10 +40,11 @@ std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
       if (Clock::now() > deadline) {
         // A call that ended on its own just as it was fired found nothing to release.
         if (cudaEventQuery(f.done) == cudaSuccess) break;
-        // The kernel needs an SM: a flag GEMM waiting inside the call may hold them all.
-        // Copies need none (but a module load in flight would hold them: release.h).
-        return ReleaseByCopies(s, f) + " (its armed release did not run within " +
-               std::to_string(kReleaseRunS) + " s: released by copies)";
+        // The kernel needs an SM; a flag GEMM waiting inside the call, which holds them all,
+        // gives up on the same host store (GiveUp, flag_gemm_kernel.cuh).
+        return Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
+               " s, and its armed release did not run within " + std::to_string(kReleaseRunS) +
+               " s: the device is stuck (the call may stay stuck)";
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }

@@ -58,6 +58,7 @@ Status Launch(const FlagGemmCall& c, int device, int sm_count, cudaStream_t stre
   args.scheduler.flags = c.flags;
   args.scheduler.target = c.target;
   args.scheduler.ready_block = c.own_block;  // the op's input, there before the call: no wait
+  args.scheduler.give_up = {c.fired, c.target, reinterpret_cast<unsigned long long*>(c.health)};
   args.mainloop.own = static_cast<const flag_gemm::bf16*>(c.own);
   args.mainloop.own_first_row = static_cast<int>(c.own_block * c.block_rows);
   args.mainloop.own_rows = static_cast<int>(c.block_rows);
@@ -108,7 +109,8 @@ bool FlagGemmBuilt() { return true; }
 Status LaunchFlagGemm(const FlagGemmCall& c, int device, int sm_count, cudaStream_t stream) {
   JAX_UB_RETURN_IF_ERROR(Unsupported(c, sm_count < 1 || c.own == nullptr || c.own_block < 0 ||
                                             c.own_block >= c.blocks ||
-                                            reinterpret_cast<uintptr_t>(c.own) % 16 != 0));
+                                            reinterpret_cast<uintptr_t>(c.own) % 16 != 0 ||
+                                            (c.fired == nullptr) != (c.health == nullptr)));
   if (c.w_transposed)
     return Launch<LibraryConfig<cutlass::layout::ColumnMajor>>(c, device, sm_count, stream);
   return Launch<LibraryConfig<cutlass::layout::RowMajor>>(c, device, sm_count, stream);

@@ -38,6 +38,10 @@ struct FlagGemmCall : BlockGemmCall {
   int own_block = -1;
   const uint64_t* flags = nullptr;  // device memory, one word per block
   uint64_t target = 0;
+  // Where the watchdog fires the call (*fired == target: release.h's board, host-mapped), the
+  // waits give up and raise *health (the slot's health word): nullptr, never.
+  const uint64_t* fired = nullptr;
+  uint64_t* health = nullptr;
 };
 
 // SignalGemm: waiting for nothing, raising flags[block] to `target` once a block whose bit is

@@ -15,8 +15,9 @@
 // (an acquire load at system scope, polled with __nanosleep, then fence.proxy.async so that
 // the TMA loads of A come after it) before it loads anything of the tile; the math warps only
 // read what those loads put in shared memory. A wait never gives up on its own unless given a
-// timeout (the tools): the library's watchdog releases an overdue call by raising its flags
-// (and the call's outputs become NaN).
+// timeout (the tools). The library's waits give up where its watchdog fired the call
+// (GiveUp): the kernel holds every SM, so the call's armed release (release.h) could not run
+// before it ends, and the call's outputs become NaN.
 // CUTLASS's device-side asserts make ptxas serialize the wgmma pipeline (C7510): keep them out.
 #pragma once
 #ifndef NDEBUG
@@ -56,16 +57,42 @@ __device__ __forceinline__ uint64_t Now() {
   return t;
 }
 
+// Where the library's watchdog fires a call whose waits are overdue: `fired` (host-mapped,
+// the board's word of release.h) holds the call, and a wait gives up, raising `health` (the
+// call's outputs become NaN). A host read crosses PCIe: it is made only in a wait that has
+// lasted kFirstLookNs, once each kLookEveryNs. Once health is raised (this call given up, or
+// an earlier one failed) every wait gives up at once: a device read.
+struct GiveUp {
+  const uint64_t* fired = nullptr;  // nullptr: never (the tools)
+  uint64_t call = 0;
+  unsigned long long* health = nullptr;
+};
+constexpr uint64_t kFirstLookNs = 1000000, kLookEveryNs = 100000;
+
 // Polls until *flag >= target, then orders the caller's TMA loads after it (the data was written
 // through the generic proxy, TMA reads through the async proxy). With a timeout (the tools) it
-// gives up after timeout_ns, writing error_value to *error, or once another wait has given up.
+// gives up after timeout_ns, writing error_value to *error, or once another wait has given up;
+// with `give_up`, as GiveUp says.
 template <class Word>
 __device__ __forceinline__ void AwaitFlag(const Word* flag, Word target, int* error,
-                                          uint64_t timeout_ns, int error_value) {
+                                          uint64_t timeout_ns, int error_value,
+                                          const GiveUp& give_up = {}) {
   if (LoadAcquire(flag) < target) {
     const uint64_t start = Now();
+    uint64_t look = start + kFirstLookNs;
     while (LoadAcquire(flag) < target) {
       __nanosleep(256);
+      if (give_up.fired != nullptr) {
+        if (*reinterpret_cast<volatile unsigned long long*>(give_up.health) != 0) break;
+        const uint64_t now = Now();
+        if (now > look) {
+          look = now + kLookEveryNs;
+          if (*reinterpret_cast<const volatile uint64_t*>(give_up.fired) == give_up.call) {
+            atomicCAS(give_up.health, 0ull, 1ull);
+            break;
+          }
+        }
+      }
       if (timeout_ns == 0) continue;
       volatile int* err = error;
       if (err != nullptr && *err != 0) break;  // another wait gave up
@@ -99,6 +126,7 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
     uint64_t order = 0;           // slot s's row block in bits [4s, 4s+4)
     uint64_t timeout_ns = 0;      // 0: wait until the flag rises
     int ready_block = -1;         // a block there before the call (the own chunk): no wait
+    GiveUp give_up;               // the library's: where its watchdog fired the call
   };
   struct Extra {
     const Word* flags;
@@ -107,6 +135,7 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
     Word target;
     uint32_t units, units_per_block, rows_per_block;  // in clusters
     int ready_block;
+    GiveUp give_up;
   };
   struct Params : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params {
     Extra x;
@@ -133,7 +162,8 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
            rows / blocks * cols * slots,
            rows / blocks * cols,
            rows / blocks,
-           a.ready_block};
+           a.ready_block,
+           a.give_up};
     return p;
   }
 
@@ -184,7 +214,7 @@ class FlagTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
     if (x_.flags == nullptr || block == x_.ready_block ||
         threadIdx.x >= cutlass::NumThreadsPerWarpGroup)
       return;
-    AwaitFlag(x_.flags + block, x_.target, x_.error, x_.timeout_ns, 1 + block);
+    AwaitFlag(x_.flags + block, x_.target, x_.error, x_.timeout_ns, 1 + block, x_.give_up);
   }
 
   Extra x_;
