@@ -60,8 +60,8 @@ struct Problem {
   int m, k, n, blocks;
   uint64_t order;
   int sm_count;
-  int slots = 0;                      // the blocks computed, the first of `order` (0: all)
-  jax_ub::flag_gemm::GiveUp give_up;  // the library's waits' way out (none: the tools' own)
+  int slots = 0;                           // the blocks computed, the first of `order` (0: all)
+  jax_ub::flag_gemm::GiveUp give_up = {};  // the library's waits' way out (none: the tools' own)
 };
 
 struct Op {  // one initialized GEMM (fixed pointers); run() enqueues one call
