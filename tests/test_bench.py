@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import sys
 
@@ -102,6 +103,41 @@ def test_rounds_take_shuffled_orders_that_every_process_shares():
 def test_bench_refuses_loop_seconds_across_processes():
     with pytest.raises(SystemExit):
         bench.main("--processes 2 --loop-seconds 1".split())
+
+
+@pytest.mark.slow
+def test_bench_in_processes_that_share_one_gpu(tmp_path, monkeypatch):
+    """--processes 2 --share-gpu: two processes joined by jax.distributed, each a rank (on
+    GPUs, both on GPU 0 through jax_ub.share_gpu): the ops run across them at tp=2 and are
+    checked against XLA's; process 0 writes the JSON."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv(
+        "XLA_FLAGS", re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    )
+    out = tmp_path / "bench.json"
+    argv = "--processes 2 --share-gpu --shapes 64x32x64 --ops ag,rs --rounds 1 --iters 2"
+    with pytest.raises(SystemExit) as done:
+        bench.main([*argv.split(), "--json", str(out)])
+    assert done.value.code == 0
+    report = json.loads(out.read_text())
+    assert (report["tp"], report["processes"]) == (2, 2)
+    assert [r["op"] for r in report["results"]] == ["ag", "rs"]
+    for r in report["results"]:
+        assert 0 <= r["rel_err"]["jax_ub"] < 2e-2, r["rel_err"]
+
+
+@pytest.mark.parametrize(
+    "argv,got",
+    [
+        ("--share-gpu", "--processes 0, --gpus-per-process 1"),
+        ("--share-gpu --processes 2 --gpus-per-process 2", "--processes 2, --gpus-per-process 2"),
+    ],
+)
+def test_bench_share_gpu_needs_processes_of_one_gpu(capsys, argv, got):
+    with pytest.raises(SystemExit):
+        bench.main(argv.split())
+    err = capsys.readouterr().err
+    assert "--share-gpu needs --processes >= 2 and one GPU a process; got " + got in err
 
 
 def test_bench_refuses_an_epilogue_without_the_all_gather(capsys):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jax_ub import share_gpu
 from jax_ub.bench.impls import (
     AXIS,
     EPILOGUE_CHECKS,
@@ -141,6 +142,15 @@ def _parser() -> argparse.ArgumentParser:
         help="with --processes: the GPUs each process drives, process i taking GPUs "
         "[i * G, (i + 1) * G) (default: %(default)s)",
     )
+    ap.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="with --processes N: every process drives GPU 0, a rank of its own "
+        "(jax_ub.share_gpu), so jax_ub's ops run at tp=N on one GPU. The ranks take turns on "
+        "the GPU, so times say nothing of speed; jax_ub's host time per call (its handler's, "
+        "printed per op) does: a loop of calls is bound by the host where it nears the op's "
+        "GPU time",
+    )
     # Internal: how --processes and the windowed einsum start their child processes.
     ap.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
@@ -201,12 +211,19 @@ def main(argv=None) -> None:
         shapes = _shapes(ap, args, 1, False)
         _windowed_einsum_child(*shapes[0], dtype, args.rounds, args.iters, args.tp)
         return
+    if args.share_gpu and (args.processes < 2 or args.gpus_per_process != 1):
+        ap.error(
+            "--share-gpu needs --processes >= 2 and one GPU a process; got --processes "
+            f"{args.processes}, --gpus-per-process {args.gpus_per_process}"
+        )
     if args.processes and args.loop_seconds:
         # Each process would choose its own number of calls, and their collectives must match.
         ap.error("--loop-seconds needs one process (its call counts are chosen per process)")
     if args.processes and args.process_id < 0:
         sys.exit(_launch(args, argv if argv is not None else sys.argv[1:]))
     if args.processes:
+        if args.share_gpu:
+            share_gpu(args.process_id)
         jax.distributed.initialize(args.coordinator, args.processes, args.process_id)
         args.no_windowed_einsum = True  # its child process would not join the others
     lead = jax.process_index() == 0
@@ -222,6 +239,11 @@ def main(argv=None) -> None:
         f"devices: {tp} x {devices[0].device_kind} in {jax.process_count()} process(es); "
         f"jax {jax.__version__}; dtype {dtype}"
     )
+    if args.share_gpu and not on_cpu:
+        say(
+            f"{args.processes} ranks share one GPU: times say nothing of speed; jax_ub's host "
+            "time per call does"
+        )
     if on_cpu:
         args.no_windowed_einsum = True  # an XLA GPU flag
         say(
@@ -362,7 +384,9 @@ def _launch(args, argv: list[str]) -> int:
     g = args.gpus_per_process
     procs = []
     for i in range(args.processes):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i * g + d) for d in range(g)))
+        env = dict(os.environ)
+        if not args.share_gpu:  # each its own GPUs (with --share-gpu, share_gpu sets GPU 0)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * g + d) for d in range(g))
         cmd = [sys.executable, "-m", "jax_ub.bench", *argv]
         cmd += ["--process-id", str(i), "--coordinator", f"127.0.0.1:{port}"]
         procs.append(subprocess.Popen(cmd, env=env))
