@@ -54,6 +54,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   static const std::set<std::string> kFields = {"timeout_s",
                                                 "allow_tf32",
                                                 "autotune_gemm",
+                                                "gemm_hold_first_pick",
                                                 "autotune_reduce_scatter",
                                                 "gemm_order",
                                                 "gemm_trials",
@@ -85,6 +86,7 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   }
   o.allow_tf32 = nb::cast<bool>(get("allow_tf32"));
   o.autotune_gemm = nb::cast<bool>(get("autotune_gemm"));
+  o.gemm_hold_first_pick = nb::cast<bool>(get("gemm_hold_first_pick"));
   o.autotune_reduce_scatter = nb::cast<bool>(get("autotune_reduce_scatter"));
   o.fp8_fast_accumulation = nb::cast<bool>(get("fp8_fast_accumulation"));
   o.compute_on_caller_stream = nb::cast<bool>(get("compute_on_caller_stream"));

@@ -24,6 +24,7 @@ struct CommOptions {
   double timeout_s;                  // every wait on a peer ends in an error after this
   bool allow_tf32;                   // float32 GEMMs may use TF32 tensor cores (CUDA)
   bool autotune_gemm;                // time cuBLASLt's candidates once per shape (CUDA)
+  bool gemm_hold_first_pick;         // tuning keeps cuBLASLt's first pick unless clearly beaten
   bool autotune_reduce_scatter;      // with autotune_gemm, the reduce-scatter's non-fp8 GEMMs too
   GemmOrder gemm_order;              // (CUDA)
   int gemm_trials;                   // tuning's fastest kernels the op's own calls compare (CUDA)

@@ -34,6 +34,10 @@ class Tuning:
         the clock their own power leaves, as in a training loop, each round scored on its
         own and rounds a power-capped clock dipped in left out; shorter ones in bursts of
         3 runs.
+      gemm_hold_first_pick: with ``autotune_gemm``, keep cuBLASLt's first pick unless
+        tuning's fastest beats it by more than 3% and by more than the timing's rounds differ
+        (a guard against tuning's noise, as ``autotune_gemm`` says). False: keep tuning's
+        fastest however small its lead, to measure what the guard costs or saves.
       autotune_reduce_scatter: with ``autotune_gemm``, tune matmul_reduce_scatter's bf16,
         f16 and f32 GEMMs too; off, they take cuBLASLt's heuristic pick untimed (its fp8
         GEMMs are tuned either way). Short GEMMs' trials compare the heuristic's pick
@@ -145,6 +149,7 @@ class Tuning:
     """
 
     autotune_gemm: bool = True
+    gemm_hold_first_pick: bool = True
     autotune_reduce_scatter: bool = True
     gemm_order: str = "column"
     gemm_trials: int = 3
@@ -237,6 +242,7 @@ class Options:
     timeout_s: float
     allow_tf32: bool
     autotune_gemm: bool
+    gemm_hold_first_pick: bool
     autotune_reduce_scatter: bool
     gemm_order: str
     gemm_trials: int

@@ -46,10 +46,13 @@ struct GemmOptions {
   // mode, without promoting partial sums to float32 along k, as XLA's fp8 dots do at
   // default precision; those with an e5m2 operand (a gradient) always promote.
   bool fp8_fast_accumulation = true;
+  // With autotuning: cuBLASLt's first pick holds unless tuning's fastest clearly beats it
+  // (KeptCandidate); false: the fastest is kept however small its lead.
+  bool hold_first_pick = true;
 
   static GemmOptions From(const CommOptions& o) {
-    return GemmOptions{o.allow_tf32,  o.autotune_gemm, o.gemm_order,
-                       o.gemm_trials, o.gemm_cache,    o.fp8_fast_accumulation};
+    return GemmOptions{o.allow_tf32, o.autotune_gemm,         o.gemm_order,          o.gemm_trials,
+                       o.gemm_cache, o.fp8_fast_accumulation, o.gemm_hold_first_pick};
   }
 };
 

@@ -192,10 +192,11 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
       times += text;
     }
   }
-  // cuBLASLt's own first pick (candidate 0 where cuBLASLt served the first description)
-  // holds unless the fastest beats it by more than kHoldMargin and by more than the timing's
-  // spread: gains inside the timing's noise are no gains. Bursts: the two candidates' round
-  // spreads; blocks: how the first pick's lead varies from round to round.
+  // With GemmOptions::hold_first_pick (the default), cuBLASLt's own first pick (candidate 0
+  // where cuBLASLt served the first description) holds unless the fastest beats it by more than
+  // kHoldMargin and by more than the timing's spread: gains inside the timing's noise are no gains.
+  // Bursts: the two candidates' round spreads; blocks: how the first pick's lead varies from round
+  // to round.
   const Candidate& first = (*candidates)[0];
   const int fastest = *best;
   const bool first_timed = first.index == 0 && !first.ms.empty();
@@ -211,11 +212,11 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
         return std::find(order.begin(), order.end(), i) - order.begin();
       };
       const auto [lead, spread] = RoundLead(steady[place(0)], steady[place(fastest)]);
-      *best = KeptCandidate(fastest, 1.0, lead, spread);
+      if (options_.hold_first_pick) *best = KeptCandidate(fastest, 1.0, lead, spread);
       std::snprintf(text, sizeof(text), "; the first pick x%.3f (rounds %.1f%% apart)", lead,
                     100 * spread);
       times += text;
-    } else {
+    } else if (options_.hold_first_pick) {
       *best = KeptCandidate(fastest, Middle(won.ms), Middle(first.ms),
                             std::max(RoundSpread(won.ms), RoundSpread(first.ms)));
     }
