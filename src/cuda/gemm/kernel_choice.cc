@@ -260,7 +260,9 @@ std::string CublasLtGemm::ChoiceKey(const PlanKey& key) const {
                 types, static_cast<long long>(key.m), static_cast<long long>(key.k),
                 static_cast<long long>(key.n), key.b_transposed ? 1 : 0, key.epilogue,
                 options_.allow_tf32 ? 1 : 0, FastAccumulation(key) ? 1 : 0);
-  return "gpu=" + gpu + " cublasLt=" + std::to_string(cublasLtGetVersion()) + " " + text;
+  // A choice made without the first pick's hold is kept apart (the default's keys unchanged).
+  return "gpu=" + gpu + " cublasLt=" + std::to_string(cublasLtGetVersion()) + " " + text +
+         (options_.hold_first_pick ? "" : " hold=0");
 }
 
 Status CublasLtGemm::PlanFromChoices(const PlanKey& key, const std::string& choice_key,
