@@ -267,11 +267,10 @@ class CudaCommunicator {
   // peer's flag holds), or that the release did not run within kReleaseRunS (the device is
   // stuck).
   std::string FireRelease(Slot& s, const Pending& f);
-  // The reason an overdue call gives: its first unmet wait `wt` (`seen`: what its flag held),
-  // or, with no such wait known, that it did not finish in time.
-  std::string StuckReason(const Slot& s, const Pending& f, const Wait& wt,
-                          const std::string& seen) const;
-  std::string StuckReason(const Slot& s, const Pending& f) const;
+  // The reason an overdue call gives: its first unmet wait `wt` (its flag held `held`), or,
+  // with none known (nullptr), that it did not finish in time.
+  std::string StuckReason(const Slot& s, const Pending& f, const Wait* wt = nullptr,
+                          uint64_t held = 0) const;
   static constexpr double kReleaseRunS = 2.0;
 
   Topology topology_;

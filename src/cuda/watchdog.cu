@@ -15,21 +15,17 @@
 
 namespace jax_ub {
 
-std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f, const Wait& wt,
-                                          const std::string& seen) const {
+std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f, const Wait* wt,
+                                          uint64_t held) const {
+  if (wt == nullptr) return Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
   return Describe(f.op, s.rank, s.group) + " timed out after " + std::to_string(timeout_s_) +
-         " s waiting for rank " + std::to_string(wt.peer) + " to " + wt.what + " for call #" +
-         std::to_string(wt.target) + " (" + seen +
+         " s waiting for rank " + std::to_string(wt->peer) + " to " + wt->what + " for call #" +
+         std::to_string(wt->target) + " (flag holds #" + std::to_string(held) +
          "); the peer never arrived, is stuck, or runs a different program. The outputs of this "
          "call are NaN";
 }
 
-std::string CudaCommunicator::StuckReason(const Slot& s, const Pending& f) const {
-  return Describe(f.op, s.rank, s.group) + " did not finish within the timeout";
-}
-
 std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
-  std::string reason;
   if (!f.waits.empty()) {
     // The call is the oldest in flight: every earlier one has ended and opened the gate
     // below it, so the gate only grows. `fired` first: the kernel reads it once through.
@@ -49,12 +45,10 @@ std::string CudaCommunicator::FireRelease(Slot& s, const Pending& f) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     const bool released = __atomic_load_n(&s.board->released, __ATOMIC_ACQUIRE) == f.epoch;
-    for (size_t i = 0; released && i < f.waits.size() && reason.empty(); ++i) {
-      if (s.board->met[i] != 0) continue;
-      reason = StuckReason(s, f, f.waits[i], "flag holds #" + std::to_string(s.board->progress[i]));
-    }
+    for (size_t i = 0; released && i < f.waits.size(); ++i)
+      if (s.board->met[i] == 0) return StuckReason(s, f, &f.waits[i], s.board->progress[i]);
   }
-  return reason.empty() ? StuckReason(s, f) : reason;
+  return StuckReason(s, f);
 }
 
 void CudaCommunicator::WatchdogLoop() {

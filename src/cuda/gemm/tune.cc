@@ -207,19 +207,21 @@ Status CublasLtGemm::Tune(const std::vector<Plan>& described, const void* a, con
   }
   if (fastest > 0 && first_timed) {
     const Candidate& won = (*candidates)[fastest];
+    int kept = fastest;
     if (*sustained) {
       auto place = [&](size_t i) {
         return std::find(order.begin(), order.end(), i) - order.begin();
       };
       const auto [lead, spread] = RoundLead(steady[place(0)], steady[place(fastest)]);
-      if (options_.hold_first_pick) *best = KeptCandidate(fastest, 1.0, lead, spread);
+      kept = KeptCandidate(fastest, 1.0, lead, spread);
       std::snprintf(text, sizeof(text), "; the first pick x%.3f (rounds %.1f%% apart)", lead,
                     100 * spread);
       times += text;
-    } else if (options_.hold_first_pick) {
-      *best = KeptCandidate(fastest, Middle(won.ms), Middle(first.ms),
-                            std::max(RoundSpread(won.ms), RoundSpread(first.ms)));
+    } else {
+      kept = KeptCandidate(fastest, Middle(won.ms), Middle(first.ms),
+                           std::max(RoundSpread(won.ms), RoundSpread(first.ms)));
     }
+    if (options_.hold_first_pick) *best = kept;
   }
   JAX_UB_TRACE("GPU %d tuning, ms a run (%s, %.2f s): %s%s", device_,
                *sustained ? "sustained blocks" : "bursts", seconds(), times.c_str(),
