@@ -37,7 +37,7 @@ mode_solo() {
           step --append -k 5 "solo $name tp=$tp fold_rows=$fold $sched" 120 "$OUT/solo.log" \
             build/dev/solo_schedule "$op" "$tp" "$m,$k,$n" "${SOLO_S:-0.5}" "$fold" "$sched" \
             "${SOLO_MERGE_ROWS:-2048}" "$gbps"
-          grep "x[0-9.]* (rounds" "$OUT/solo.log" | tail -n 1 | sed "s/^/$name, fold_rows=$fold: /"
+          grep -E "^as enqueued|x[0-9.]* \(gated" "$OUT/solo.log" | tail -n 2 | sed "s/^/$name, fold_rows=$fold: /"
           tail -n 4 "$OUT/solo.log" | grep -E "^(sum pass alone|floor with|paced at)" | sed "s/^/  /"
         done
       done
