@@ -381,33 +381,29 @@ int main(int argc, char** argv) {
   std::vector<jax_ub_tool::Timed> timed = {{"whole", r.compute, [&] { Whole(r); }},
                                            {"schedule", r.compute, [&] { Schedule(r); }}};
   jax_ub_tool::TimeRounds(timed, 3, seconds);
-  const double host_whole_us = timed[0].host_us, host_sched_us = timed[1].host_us;
-  std::vector<double> enqueued(timed[1].ms.begin(), timed[1].ms.end()),
-      enqueued_whole(timed[0].ms.begin(), timed[0].ms.end());
+  const std::vector<jax_ub_tool::Timed> enqueued = timed;
   for (jax_ub_tool::Timed& t : timed) t.ms.clear();
   const int gate_timeouts = jax_ub_tool::TimeRounds(timed, 3, seconds, 4);
-  std::vector<double> whole(timed[0].ms.begin(), timed[0].ms.end()),
-      sched(timed[1].ms.begin(), timed[1].ms.end());
+  const jax_ub_tool::Timed &whole = timed[0], &sched = timed[1];
+  const double whole_ms = whole.Median(), sched_ms = sched.Median();
   for (int round = 0; round < 3; ++round)
     std::printf("round %d: whole %.4f ms, schedule %.4f ms; as enqueued %.4f, %.4f\n", round,
-                whole[round], sched[round], enqueued_whole[round], enqueued[round]);
-  std::sort(sched.begin(), sched.end());
-  std::sort(whole.begin(), whole.end());
-  std::sort(enqueued.begin(), enqueued.end());
-  std::sort(enqueued_whole.begin(), enqueued_whole.end());
+                whole.ms[round], sched.ms[round], enqueued[0].ms[round], enqueued[1].ms[round]);
   std::printf(
       "as enqueued: schedule %.4f ms / whole GEMM %.4f ms = x%.4f; the host enqueues a call in "
       "%.1f us (schedule), %.1f us (whole GEMM)\n",
-      enqueued[1], enqueued_whole[1], enqueued[1] / enqueued_whole[1], host_sched_us,
-      host_whole_us);
+      enqueued[1].Median(), enqueued[0].Median(), enqueued[1].Median() / enqueued[0].Median(),
+      enqueued[1].host_us, enqueued[0].host_us);
   if (gate_timeouts > 0)
     std::printf("GATE TIMED OUT %d times: the host was held enqueueing; those times are its own\n",
                 gate_timeouts);
+  const auto [sched_lo, sched_hi] = std::minmax_element(sched.ms.begin(), sched.ms.end());
+  const auto [whole_lo, whole_hi] = std::minmax_element(whole.ms.begin(), whole.ms.end());
   std::printf(
       "%s (%s) tp=%d m=%lld k=%lld n=%lld: schedule %.4f ms / whole GEMM %.4f ms = x%.4f "
       "(gated; rounds: schedule %.4f..%.4f, whole %.4f..%.4f)\n",
-      argv[1], variant.c_str(), tp, m, k, n, sched[1], whole[1], sched[1] / whole[1], sched.front(),
-      sched.back(), whole.front(), whole.back());
+      argv[1], variant.c_str(), tp, m, k, n, sched_ms, whole_ms, sched_ms / whole_ms, *sched_lo,
+      *sched_hi, *whole_lo, *whole_hi);
   if (sums && n % 8 == 0) {  // how near the sum pass runs to the GPU's memory bandwidth
     const double bytes = (tp + 1.0) * m * n * 2;  // tp partials read, one written
     const int loop = std::max(3, int(seconds * 1e3 / Time(r, SumAlone, 3)));
@@ -424,15 +420,15 @@ int main(int argc, char** argv) {
         lib[1], bytes / lib[1] * 1e-6, unrolled[1], bytes / unrolled[1] * 1e-6, tp, m, n);
     // Any schedule that sums the partials in a pass of its own takes at least this long.
     std::printf("floor with one sum pass: whole GEMM + sum = x%.4f of the whole GEMM\n",
-                (whole[1] + lib[1]) / whole[1]);
+                (whole_ms + lib[1]) / whole_ms);
     if (r.link != nullptr) {
       // The sum pass after the later of the last landing and our own GEMMs.
-      const double lands = solo::LastLanding(tp, whole[1], transfer_us);
-      const double floor = std::max(whole[1], lands) + lib[1];
+      const double lands = solo::LastLanding(tp, whole_ms, transfer_us);
+      const double floor = std::max(whole_ms, lands) + lib[1];
       std::printf(
           "paced at %.0f GB/s: a partial %.1f us on the link, the last lands at %.4f ms "
           "(x%.3f of the whole GEMM); floor %.4f ms; the schedule x%.4f of its floor\n",
-          gbps, transfer_us, lands, lands / whole[1], floor, sched[1] / floor);
+          gbps, transfer_us, lands, lands / whole_ms, floor, sched_ms / floor);
     }
   }
   delete r.link;
