@@ -22,7 +22,7 @@ mode_solo() {
   # One rank's compute schedule per projection and tp on GPU 0, its peers' rows in place,
   # against the GEMM of the rank's whole work (SOLO_TP, default "2 4 8"; SOLO_S seconds a loop).
   build_tool solo_schedule
-  local spec op name tokens in out tp m k n gbps
+  local spec op name tokens in out tp m k n gbps from
   : > "$OUT/solo.log"
   for tp in ${SOLO_TP:-2 4 8}; do
     for spec in ${SOLO_SHAPES:-$SOLO_PROJECTIONS}; do
@@ -34,11 +34,13 @@ mode_solo() {
           case $op:${sched%%:*} in ag:ring | ag:merged | ag:one_pass | ag:early | ag:signal | rs:in_turn) continue ;; esac
           gbps=0  # the modelled link paces the RS's partials only
           [ "$op" = rs ] && gbps=${SOLO_GBPS:-0}
+          from=$(($(wc -l < "$OUT/solo.log") + 1))  # this run's lines
           step --append -k 5 "solo $name tp=$tp fold_rows=$fold $sched" 120 "$OUT/solo.log" \
             build/dev/solo_schedule "$op" "$tp" "$m,$k,$n" "${SOLO_S:-0.5}" "$fold" "$sched" \
             "${SOLO_MERGE_ROWS:-2048}" "$gbps"
-          grep -E "^as enqueued|x[0-9.]* \(gated" "$OUT/solo.log" | tail -n 2 | sed "s/^/$name, fold_rows=$fold: /"
-          tail -n 4 "$OUT/solo.log" | grep -E "^(sum pass alone|floor with|paced at)" | sed "s/^/  /"
+          tail -n "+$from" "$OUT/solo.log" | grep -E "^as enqueued|^graphs|x[0-9.]* \(gated" \
+            | sed "s/^/$name, fold_rows=$fold: /"
+          tail -n "+$from" "$OUT/solo.log" | grep -E "^(sum pass alone|floor with|paced at)" | sed "s/^/  /"
         done
       done
     done

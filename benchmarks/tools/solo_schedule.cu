@@ -33,6 +33,11 @@
 // block is written; with a link rate the flag is the link's Done word, so each partial leaves
 // when its block is written, not when a GEMM ends. Needs CUTLASS's headers at build time.
 //
+// Every schedule is also timed with each GEMM step launched from a graph of its cuBLASLt call
+// (captured once: one CUDA call a GEMM, where cublasLtMatmul costs the host some 11-20 us), and,
+// unpaced and without the signal GEMM, as the whole call replayed from one graph: the GPU's side
+// of the schedule with almost no host's. All are timed as enqueued and gated (timed_calls.h).
+//
 // `in_turn` (AG) times the library's all-gather in turn (Tuning's all_gather_in_turn, chosen by
 // shape; `steps` is all at once): after the local chunk, GEMMs over the chunks in the order they
 // land, each taking those the library's model has landed by its start (Schedule::InTurnSpans).
@@ -68,110 +73,17 @@
 #include "protocol/schedule.h"
 #include "solo_link.h"
 #include "solo_merge.h"
+#include "solo_run.h"
 #include "sum_unrolled.cuh"
 #include "timed_calls.h"
 
 namespace {
 
 using jax_ub_tool::Check;
-using jax_ub_tool::FillRandom;
-
-struct Run {
-  jax_ub::OpKind op;
-  jax_ub::CallShape shape;
-  int tp;
-  jax_ub::Schedule sched;  // rank 0's, in a group of tp
-  std::vector<jax_ub::Step> steps;
-  jax_ub::Operands ops;
-  char* buffer = nullptr;        // this rank's userbuffer, the peers' rows in place
-  char* peer_scratch = nullptr;  // where a step addressing a peer's buffer writes
-  jax_ub::CublasLtGemm* gemm = nullptr;
-  std::vector<jax_ub::CublasLtGemm::Plan*> plans;  // per step (GEMMs only)
-  jax_ub::CublasLtGemm::Plan* whole = nullptr;     // the bound's GEMM
-  __nv_bfloat16 *whole_x = nullptr, *whole_out = nullptr;
-  cudaStream_t compute = nullptr;
-  std::vector<cudaStream_t> lanes;  // a copy lane per rank: only joins run there
-  cudaStream_t second = nullptr;    // the second GEMM lane (jax_ub::kSecondGemmLane)
-  cudaEvent_t join = nullptr;       // a lane's work so far, for another lane to wait on
-  cudaEvent_t begin = nullptr, end = nullptr;
-  solo::HostLink* link = nullptr;   // paced: the partials land as it raises their flags
-  uint64_t* block_flags = nullptr;  // the signal GEMM's, unpaced (paced: the link's Done words)
-  unsigned long long* counts = nullptr;  // the signal GEMM's tile counters
-  int sm_count = 0;
-  const jax_ub::DriverOps* driver = nullptr;
-  uint64_t epoch = 0;  // calls so far: the link's flags and our Done words carry it
-};
-
-char* At(Run& r, const jax_ub::Ref& ref) {
-  return jax_ub::Resolve(ref, r.ops, r.buffer, [&](int) { return r.peer_scratch; });
-}
-
-cudaStream_t Lane(Run& r, int lane) {
-  if (lane == jax_ub::kComputeLane) return r.compute;
-  return lane == jax_ub::kSecondGemmLane ? r.second : r.lanes[lane];
-}
-
-jax_ub::GemmArgs Args(Run& r, const jax_ub::Step& g) {
-  jax_ub::GemmArgs args;
-  args.addend = At(r, g.addend);
-  args.second_workspace = g.lane == jax_ub::kSecondGemmLane;
-  return args;
-}
-
-void Setup(Run& r) {
-  const jax_ub::CallShape& s = r.shape;
-  const int64_t x_rows = r.op == jax_ub::OpKind::kAllGatherMatmul ? s.m : r.tp * s.m;
-  const int64_t out_rows = r.op == jax_ub::OpKind::kAllGatherMatmul ? r.tp * s.m : s.m;
-  __nv_bfloat16 *x, *w, *out;
-  Check(cudaMalloc(&x, x_rows * s.k * 2), "x");
-  Check(cudaMalloc(&w, s.k * s.n * 2), "w");
-  Check(cudaMalloc(&out, out_rows * s.n * 2), "out");
-  const int64_t bytes = jax_ub::RequiredBytes(r.op, s, r.sched);
-  Check(cudaMalloc(&r.buffer, bytes), "userbuffer");
-  Check(cudaMalloc(&r.peer_scratch, bytes), "peer scratch");
-  Check(cudaMalloc(&r.whole_x, r.tp * s.m * s.k * 2), "whole x");
-  Check(cudaMalloc(&r.whole_out, r.tp * s.m * s.n * 2), "whole out");
-  Check(cudaStreamCreateWithFlags(&r.compute, cudaStreamNonBlocking), "stream");
-  r.lanes.resize(r.tp);
-  for (cudaStream_t& lane : r.lanes)
-    Check(cudaStreamCreateWithFlags(&lane, cudaStreamNonBlocking), "stream");
-  Check(cudaStreamCreateWithFlags(&r.second, cudaStreamNonBlocking), "stream");
-  Check(cudaEventCreateWithFlags(&r.join, cudaEventDisableTiming), "event");
-  Check(cudaEventCreate(&r.begin), "event");
-  Check(cudaEventCreate(&r.end), "event");
-  FillRandom(x, x_rows * s.k, 1, 1.0f, r.compute);
-  FillRandom(w, s.k * s.n, 2, 0.01f, r.compute);
-  FillRandom(r.whole_x, r.tp * s.m * s.k, 3, 1.0f, r.compute);
-  // The peers' rows (AG) or partials (RS), as they would have landed.
-  FillRandom(reinterpret_cast<__nv_bfloat16*>(r.buffer), bytes / 2, 4, 1.0f, r.compute);
-  Check(cudaStreamSynchronize(r.compute), "fill");
-  r.ops.x = x;
-  r.ops.w = w;
-  r.ops.out = out;
-  jax_ub::GemmOptions options;  // tuned as the op's first call tunes; no in-op trials
-  options.trials = 0;
-  Check(jax_ub::CublasLtGemm::Create(options, &r.gemm), "CublasLtGemm::Create");
-  r.plans.assign(r.steps.size(), nullptr);
-  for (size_t i = 0; i < r.steps.size(); ++i) {
-    const jax_ub::Step& g = r.steps[i];
-    if (g.kind != jax_ub::Step::Kind::kGemm || g.signals) continue;
-    if (g.lane == jax_ub::kSecondGemmLane)
-      Check(r.gemm->AddSecondWorkspace(), "AddSecondWorkspace");
-    Check(r.gemm->Prepare(s.in, s.w_type, s.out, At(r, g.src), w, false, At(r, g.dst), g.rows, s.k,
-                          s.n, jax_ub::Epilogue{}, Args(r, g), r.compute, &r.plans[i]),
-          "Prepare (step)");
-  }
-  Check(r.gemm->Prepare(jax_ub::DType::kBF16, r.whole_x, w, false, r.whole_out, r.tp * s.m, s.k,
-                        s.n, nullptr, r.compute, &r.whole),
-        "Prepare (whole)");
-  Check(jax_ub::PreloadSumKernels(), "PreloadSumKernels");
-  Check(cudaMalloc(&r.block_flags, jax_ub::kFlagGemmMaxBlocks * sizeof(uint64_t)), "flags");
-  Check(cudaMalloc(&r.counts, jax_ub::kFlagGemmMaxBlocks * sizeof(unsigned long long)), "counts");
-  Check(cudaMemset(r.block_flags, 0, jax_ub::kFlagGemmMaxBlocks * sizeof(uint64_t)), "flags");
-  Check(cudaMemset(r.counts, 0, jax_ub::kFlagGemmMaxBlocks * sizeof(unsigned long long)), "counts");
-  Check(cudaDeviceGetAttribute(&r.sm_count, cudaDevAttrMultiProcessorCount, 0), "SM count");
-  Check(jax_ub::PreloadFlagGemms(), "PreloadFlagGemms");
-}
+using solo::Args;
+using solo::At;
+using solo::Lane;
+using solo::Run;
 
 // The signal GEMM's step as the library enqueues it (jax_ub::SignalCall); paced, block j's flag
 // is the link's Done word of step j.
@@ -211,9 +123,12 @@ void Schedule(Run& r) {
           SignalGemm(r, step, stream, epoch);
           break;
         }
-        Check(r.gemm->Matmul(r.plans[i], At(r, step.src), r.ops.w, At(r, step.dst), stream,
-                             Args(r, step)),
-              "Matmul");
+        if (r.gemm_graphs_on && r.gemm_graphs[i] != nullptr)
+          Check(cudaGraphLaunch(r.gemm_graphs[i], stream), "cudaGraphLaunch (a GEMM)");
+        else
+          Check(r.gemm->Matmul(r.plans[i], At(r, step.src), r.ops.w, At(r, step.dst), stream,
+                               Args(r, step)),
+                "Matmul");
         if (r.link != nullptr) MarkDone(r, step, stream, epoch);
         break;
       case jax_ub::Step::Kind::kWait:
@@ -374,26 +289,71 @@ int main(int argc, char** argv) {
       "%s (%s) tp=%d, a rank's m=%lld k=%lld n=%lld: %d GEMMs a call, the bound's GEMM "
       "%lldx%lldx%lld\n",
       argv[1], variant.c_str(), tp, m, k, n, gemms, tp * m, k, n);
-  // Calls of the two interleaved one by one (timed_calls.h): both at the same clocks. First as
-  // enqueued (a call's steps reach the GPU as fast as the host enqueues them), then gated: each
-  // 4 passes run once the host has enqueued them all, at the GPU's own pace, as a program's
-  // calls queued ahead of the GPU run. Where the two differ the first is the host's time.
+  // Graphs: each GEMM step's cuBLASLt call captured alone, and the whole call where nothing in
+  // it carries the call's epoch (unpaced, without the signal GEMM), its second GEMM lane joined
+  // back into the compute lane at its end (every lane a capture forks must end joined).
+  cudaStream_t capture;
+  Check(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking), "stream");
+  r.gemm_graphs.assign(r.steps.size(), nullptr);
+  bool gemm_graphs = false;
+  for (size_t i = 0; i < r.steps.size(); ++i) {
+    const jax_ub::Step& g = r.steps[i];
+    if (r.plans[i] == nullptr) continue;
+    r.gemm_graphs[i] = solo::CaptureGraph(capture, [&] {
+      Check(r.gemm->Matmul(r.plans[i], At(r, g.src), r.ops.w, At(r, g.dst), capture, Args(r, g)),
+            "Matmul (captured)");
+    });
+    gemm_graphs = true;
+  }
+  if (r.link == nullptr && variant != "signal")
+    r.call_graph = solo::CaptureGraph(r.compute, [&] {
+      Schedule(r);
+      Check(cudaEventRecord(r.join, r.second), "record");
+      Check(cudaStreamWaitEvent(r.compute, r.join), "wait");
+    });
+  // Calls interleaved one by one (timed_calls.h): all at the same clocks. First as enqueued (a
+  // call's steps reach the GPU as fast as the host enqueues them), then gated: each 8 calls run
+  // once the host has enqueued them all, at the GPU's own pace, as a program's calls queued
+  // ahead of the GPU run. Where the two differ the first is the host's time. The graphs: the
+  // schedule with each GEMM launched from its graph (one CUDA call, not cuBLASLt's), and the
+  // whole call replayed from one (the GPU's side of the schedule with almost no host's).
   std::vector<jax_ub_tool::Timed> timed = {{"whole", r.compute, [&] { Whole(r); }},
                                            {"schedule", r.compute, [&] { Schedule(r); }}};
+  if (gemm_graphs)
+    timed.push_back({"GEMMs as graphs", r.compute, [&] {
+                       r.gemm_graphs_on = true;
+                       Schedule(r);
+                       r.gemm_graphs_on = false;
+                     }});
+  if (r.call_graph != nullptr)
+    timed.push_back({"the call as one graph", r.compute,
+                     [&] { Check(cudaGraphLaunch(r.call_graph, r.compute), "cudaGraphLaunch"); }});
   jax_ub_tool::TimeRounds(timed, 3, seconds);
   const std::vector<jax_ub_tool::Timed> enqueued = timed;
   for (jax_ub_tool::Timed& t : timed) t.ms.clear();
-  const int gate_timeouts = jax_ub_tool::TimeRounds(timed, 3, seconds, 4);
+  const int gate_passes = std::max<int>(1, 8 / static_cast<int>(timed.size()));
+  const int gate_timeouts = jax_ub_tool::TimeRounds(timed, 3, seconds, gate_passes);
   const jax_ub_tool::Timed &whole = timed[0], &sched = timed[1];
   const double whole_ms = whole.Median(), sched_ms = sched.Median();
-  for (int round = 0; round < 3; ++round)
-    std::printf("round %d: whole %.4f ms, schedule %.4f ms; as enqueued %.4f, %.4f\n", round,
-                whole.ms[round], sched.ms[round], enqueued[0].ms[round], enqueued[1].ms[round]);
+  for (int round = 0; round < 3; ++round) {
+    std::printf("round %d, gated; as enqueued:", round);
+    for (size_t i = 0; i < timed.size(); ++i)
+      std::printf(" %s %.4f; %.4f ms%s", timed[i].name.c_str(), timed[i].ms[round],
+                  enqueued[i].ms[round], i + 1 < timed.size() ? "," : "\n");
+  }
   std::printf(
       "as enqueued: schedule %.4f ms / whole GEMM %.4f ms = x%.4f; the host enqueues a call in "
       "%.1f us (schedule), %.1f us (whole GEMM)\n",
       enqueued[1].Median(), enqueued[0].Median(), enqueued[1].Median() / enqueued[0].Median(),
       enqueued[1].host_us, enqueued[0].host_us);
+  if (timed.size() > 2) {
+    std::printf("graphs, / whole GEMM:");
+    for (size_t i = 2; i < timed.size(); ++i)
+      std::printf(" %s x%.4f gated, x%.4f as enqueued (the host %.1f us a call)%s",
+                  timed[i].name.c_str(), timed[i].Median() / whole_ms,
+                  enqueued[i].Median() / enqueued[0].Median(), enqueued[i].host_us,
+                  i + 1 < timed.size() ? ";" : "\n");
+  }
   if (gate_timeouts > 0)
     std::printf("GATE TIMED OUT %d times: the host was held enqueueing; those times are its own\n",
                 gate_timeouts);
@@ -431,6 +391,10 @@ int main(int argc, char** argv) {
           gbps, transfer_us, lands, lands / whole_ms, floor, sched_ms / floor);
     }
   }
+  for (cudaGraphExec_t g : r.gemm_graphs)
+    if (g != nullptr) Check(cudaGraphExecDestroy(g), "cudaGraphExecDestroy");
+  if (r.call_graph != nullptr) Check(cudaGraphExecDestroy(r.call_graph), "cudaGraphExecDestroy");
+  Check(cudaStreamDestroy(capture), "cudaStreamDestroy");
   delete r.link;
   delete r.gemm;
   for (cudaStream_t s : r.lanes) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
