@@ -245,3 +245,43 @@ def test_signal_gemm_kernel(tp):
             assert _flag_gemm_calls(signals=True) > before, call
     finally:
         _finalize()
+
+
+def _gemm_graph_launches() -> int:
+    """GEMMs this process's live CUDA communicators launched from CUDA graphs."""
+    launches = extension.module_for("cuda").gemm_graph_launches
+    return sum(n for c in live_communicators() if c.platform == "cuda" for _, n in launches(c.id))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_gemm_graphs(tp):
+    """Tuning.gemm_graphs: a GEMM whose operand addresses recur is replayed from a CUDA graph
+    captured at their second run. The all-gather, the reduce-scatter and the all-gather's
+    gradient (w read transposed; XLA's temporaries at the addresses of the run before) against
+    XLA's, on the same arrays call after call (graphs launch: the count rises), then on new
+    data (the values follow the data, whatever graph runs)."""
+    _finalize()  # communicators take the setting when they are created
+    use_tuning(gemm_graphs=True)
+    try:
+        mesh = _mesh(tp)
+        x, w, h, v, g = _data(
+            jax.random.key(13 + tp),
+            [(tp * 64, 256), (256, tp * 128), (tp * 64, tp * 64), (tp * 64, 256), (tp * 64, 128)],
+            jnp.bfloat16,
+        )
+        loss = lambda x, w, dy: jnp.sum(_ag(mesh, "ub")(x, w).astype(jnp.float32) * dy)  # noqa: E731
+        loss_ref = lambda x, w, dy: jnp.sum(_ag(mesh, "xla")(x, w).astype(jnp.float32) * dy)  # noqa: E731
+        ag, rs, ag_grad = _ag(mesh, "ub"), _rs(mesh, "ub"), jax.jit(jax.grad(loss))
+        with jax.default_matmul_precision("highest"):
+            ag_ref = jax.block_until_ready(_ag(mesh, "xla")(x, w))
+            rs_ref = jax.block_until_ready(_rs(mesh, "xla")(h, v))
+            dx_ref = jax.block_until_ready(jax.jit(jax.grad(loss_ref))(x, w, g))
+        for call in range(6):
+            c = 1 if call < 4 else call  # the same arrays, then new data
+            assert gpu_rel_err(ag(x * c if c > 1 else x, w), ag_ref * c) < 2e-2, call
+            assert gpu_rel_err(rs(h * c if c > 1 else h, v), rs_ref * c) < 2e-2, call
+            assert gpu_rel_err(ag_grad(x, w, g * c if c > 1 else g), dx_ref * c) < 2e-2, call
+            if call == 3:
+                assert _gemm_graph_launches() > 0, "no GEMM ran from a graph over 4 equal calls"
+    finally:
+        _finalize()

@@ -204,6 +204,18 @@ std::vector<std::pair<int, int64_t>> CudaCommunicator::FlagGemmCalls(bool signal
   return out;
 }
 
+std::vector<std::pair<int, int64_t>> CudaCommunicator::GemmGraphLaunches() const {
+  std::vector<std::pair<int, int64_t>> out;
+  for (const auto& sp : slots_) {
+    if (!sp || !sp->local) continue;
+    int64_t n = 0;
+    for (const CublasLtGemm* g : {sp->gemm.get(), sp->reduce_scatter_gemm.get()})
+      if (g != nullptr) n += g->GraphLaunches();
+    out.emplace_back(sp->device, n);
+  }
+  return out;
+}
+
 Status CudaCommunicator::EndCall(Slot* s, const char* op, Clock::time_point since, Status st) {
   if (s == nullptr) return st;
   s->host_calls.fetch_add(1, std::memory_order_relaxed);

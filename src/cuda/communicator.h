@@ -73,6 +73,9 @@ class CudaCommunicator {
   // How many FlagGemm (with `signals`: SignalGemm) kernels each local GPU has launched:
   // (device, launches).
   std::vector<std::pair<int, int64_t>> FlagGemmCalls(bool signals = false) const;
+  // How many GEMMs each local GPU has launched from CUDA graphs (CommOptions::gemm_graphs):
+  // (device, launches). Read while no call is enqueued, as KernelChoices.
+  std::vector<std::pair<int, int64_t>> GemmGraphLaunches() const;
 
   // Every local GPU's GEMM kernel per shape (CublasLtGemm::Choices), for tests and tools.
   struct KernelChoice {
