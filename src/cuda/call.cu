@@ -47,44 +47,23 @@ Status CudaCommunicator::Begin(int device, const char* op, int64_t need_bytes, S
   return Status::Ok();
 }
 
-Status CudaCommunicator::WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target,
-                                  int peer, const char* what, std::vector<Wait>* waits,
-                                  int progress_index) {
+Status CudaCommunicator::WaitFlag(Slot& s, MemOpRuns& memops, cudaStream_t stream, int flag_index,
+                                  uint64_t target, int peer, const char* what,
+                                  std::vector<Wait>* waits, int progress_index) {
   if (target == 0) return Status::Ok();  // first call: nothing to wait for
-  const DriverOps* ops;
-  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
   uint64_t* flag = s.flags + flag_index;
-  JAX_UB_CU(ops->wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(flag),
-                      target, CU_STREAM_WAIT_VALUE_GEQ));
+  JAX_UB_RETURN_IF_ERROR(memops.Wait(stream, flag, target));
   const uint64_t* progress = progress_index < 0 ? flag : s.flags + progress_index;
   waits->push_back(Wait{peer, flag, target, what, progress});
   return Status::Ok();
 }
 
-Status CudaCommunicator::Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value) {
-  const DriverOps* ops;
-  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
-  // The default flags order this write after all earlier work of the stream, including
-  // the data copy it announces, with a memory barrier.
-  JAX_UB_CU(ops->write(reinterpret_cast<CUstream>(stream),
-                       reinterpret_cast<CUdeviceptr>(remote_flag), value,
-                       CU_STREAM_WRITE_VALUE_DEFAULT));
-  return Status::Ok();
-}
-
-Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc) {
-  const DriverOps* ops;
-  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
+Status CudaCommunicator::Publish(Slot& s, MemOpRuns& memops, cudaStream_t stream, int p,
+                                 const CallDescriptor& desc) {
   const uint64_t* words = reinterpret_cast<const uint64_t*>(&desc);
   uint64_t* dst = s.peer_flags[p] + kDescFlag + s.rank * CallDescriptor::kWords;
-  CUstreamBatchMemOpParams params[CallDescriptor::kWords] = {};
-  for (int q = 0; q < CallDescriptor::kWords; ++q) {
-    params[q].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    params[q].writeValue.address = reinterpret_cast<CUdeviceptr>(dst + q);
-    params[q].writeValue.value64 = words[q];
-    params[q].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  }
-  JAX_UB_CU(ops->batch(reinterpret_cast<CUstream>(stream), CallDescriptor::kWords, params, 0));
+  for (int q = 0; q < CallDescriptor::kWords; ++q)
+    JAX_UB_RETURN_IF_ERROR(memops.Write(stream, dst + q, words[q]));
   return Status::Ok();
 }
 

@@ -6,6 +6,10 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <utility>
+#include <vector>
+
 #include "protocol/status.h"
 
 namespace jax_ub {
@@ -20,5 +24,27 @@ struct DriverOps {
 
 // The process-wide entry points (resolved on the first call), or why they are missing.
 Status LoadDriverOps(const DriverOps** out);
+
+// A call's stream memory operations (flag waits and writes), gathered per stream: each
+// stream's run goes to the driver as one cuStreamBatchMemOp, in order, when the caller
+// flushes that stream. A call at tp=8 enqueues some 35 of them, mostly in runs of 2-5 on
+// one stream, each otherwise a driver call of its own. The caller flushes a stream before
+// it enqueues anything else on it or records an event on it, and every stream at the end.
+class MemOpRuns {
+ public:
+  // Holds `stream` until the 64-bit word at `flag` is at least `target`.
+  Status Wait(cudaStream_t stream, const uint64_t* flag, uint64_t target);
+  // Writes `value` to `flag` (any GPU's memory) after `stream`'s earlier work, behind a
+  // memory barrier: what the stream wrote before is visible once the flag is.
+  Status Write(cudaStream_t stream, uint64_t* flag, uint64_t value);
+  Status Flush(cudaStream_t stream);
+  Status FlushAll();
+
+ private:
+  // The driver takes fewer than 256 operations a batch.
+  static constexpr size_t kMostABatch = 255;
+  Status Add(cudaStream_t stream, const CUstreamBatchMemOpParams& op);
+  std::vector<std::pair<cudaStream_t, std::vector<CUstreamBatchMemOpParams>>> runs_;
+};
 
 }  // namespace jax_ub

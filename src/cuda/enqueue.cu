@@ -39,7 +39,8 @@ int CudaCommunicator::FlagIndex(Flag flag, int rank) {
 Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
                                          const Step& step, const CallShape& shape, const void* w,
                                          bool w_transposed, const void* src, const void* own,
-                                         void* dst, uint64_t epoch, std::vector<Wait>* waits) {
+                                         void* dst, uint64_t epoch, MemOpRuns& memops,
+                                         std::vector<Wait>* waits) {
   if (own == nullptr) return Internal("FlagGemm: a call without its own block's place (x)");
   FlagGemmCall c;
   static_cast<BlockGemmCall&>(c) = BlockCall(sched, step, shape, w, w_transposed, src, dst);
@@ -62,15 +63,17 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
     // may wait for. The kernel's own waits are listed for the watchdog, which names an
     // overdue one and releases it by raising its flag.
     if (s.shares_gpu) {
-      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, stream, index, epoch, j, "deliver its chunk", waits));
+      JAX_UB_RETURN_IF_ERROR(
+          WaitFlag(s, memops, stream, index, epoch, j, "deliver its chunk", waits));
     } else if (epoch > 0) {
       constexpr int kEpochWord = offsetof(CallDescriptor, epoch) / sizeof(uint64_t);
-      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, stream,
+      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, memops, stream,
                                       kDescFlag + j * CallDescriptor::kWords + kEpochWord, epoch, j,
                                       "begin the call (publish its descriptor)", waits));
       waits->push_back(Wait{j, s.flags + index, epoch, "deliver its chunk", s.flags + index});
     }
   }
+  JAX_UB_RETURN_IF_ERROR(memops.Flush(stream));
   JAX_UB_RETURN_IF_ERROR(LaunchFlagGemm(c, s.device, s.sm_count, stream));
   s.flag_gemm_calls.fetch_add(1, std::memory_order_relaxed);
   return Status::Ok();
@@ -165,10 +168,16 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   };
   if (compute != xs) JAX_UB_CUDA(cudaStreamWaitEvent(compute, s->start));
   std::vector<Wait> waits;
+  // Waits, signals and descriptors gather into one driver call per run on a lane: each lane is
+  // flushed before anything else is enqueued on it, or an event recorded on it.
+  MemOpRuns memops;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
     cudaStream_t stream = lane(step.lane);
     const int slot = FlagSlot(step, s->rank);  // a wait's or signal's flag word
+    const bool mem_op = step.kind == Step::Kind::kWait || step.kind == Step::Kind::kSignal ||
+                        step.kind == Step::Kind::kPublish;
+    if (!mem_op) JAX_UB_RETURN_IF_ERROR(memops.Flush(stream));
     if (step.lane >= 0 && !started[step.lane]) {
       JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
       started[step.lane] = true;
@@ -181,22 +190,23 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         // Our own GEMM's block flag is not the watchdog's to release (its push would send a
         // partial not yet written): a call stuck there is named as a whole.
         std::vector<Wait> own_gemm;
-        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, stream, FlagIndex(step.flag, slot), e - Lag(step.flag),
-                                        step.peer, step.what,
+        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, memops, stream, FlagIndex(step.flag, slot),
+                                        e - Lag(step.flag), step.peer, step.what,
                                         step.flag == Flag::kBlock ? &own_gemm : &waits,
                                         FlagIndex(ProgressFlag(step.flag), slot)));
         break;
       }
       case Step::Kind::kPublish:
-        JAX_UB_RETURN_IF_ERROR(Publish(*s, stream, step.peer, desc));
+        JAX_UB_RETURN_IF_ERROR(Publish(*s, memops, stream, step.peer, desc));
         break;
       case Step::Kind::kCopy:
         JAX_UB_CUDA(cudaMemcpyAsync(at(step.dst), at(step.src), step.bytes,
                                     cudaMemcpyDeviceToDevice, stream));
         break;
       case Step::Kind::kSignal:
+        // Ordered after the stream's earlier work, the copy it announces included.
         JAX_UB_RETURN_IF_ERROR(
-            Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, slot), e));
+            memops.Write(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, slot), e));
         break;
       case Step::Kind::kGemm:
         if (step.signals) {
@@ -208,7 +218,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         if (step.parts != 0) {
           JAX_UB_RETURN_IF_ERROR(EnqueueFlagGemm(*s, stream, sched, step, shape, ops.w,
                                                  ops.w_transposed, at(step.src), at(step.own),
-                                                 at(step.dst), e, &waits));
+                                                 at(step.dst), e, memops, &waits));
           break;
         }
         JAX_UB_RETURN_IF_ERROR(
@@ -228,6 +238,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         cudaEvent_t ev = step.on_lane == kComputeLane      ? s->ready[step.lane]
                          : step.on_lane == kSecondGemmLane ? s->second_gemm_done
                                                            : s->comm_done[step.on_lane];
+        JAX_UB_RETURN_IF_ERROR(memops.Flush(lane(step.on_lane)));
         JAX_UB_CUDA(cudaEventRecord(ev, lane(step.on_lane)));
         JAX_UB_CUDA(cudaStreamWaitEvent(stream, ev));
         break;
@@ -238,11 +249,13 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         outputs.regions[1] = {at(step.src), static_cast<size_t>(step.src_bytes)};
         if (step.aux.region != Region::kNone)  // laid out as out
           outputs.regions[2] = {at(step.aux), static_cast<size_t>(step.bytes)};
+        JAX_UB_RETURN_IF_ERROR(memops.Flush(compute));
         JAX_UB_RETURN_IF_ERROR(Verify(*s, compute, desc, outputs));
         break;
       }
     }
   }
+  JAX_UB_RETURN_IF_ERROR(memops.FlushAll());
   // Every copy lane joins the caller's stream in Finish.
   for (int r = 0; r < size; ++r)
     if (started[r]) JAX_UB_CUDA(cudaEventRecord(s->comm_done[r], s->comm[r]));
