@@ -27,9 +27,10 @@ Status LoadDriverOps(const DriverOps** out);
 
 // A call's stream memory operations (flag waits and writes), gathered per stream: each
 // stream's run goes to the driver as one cuStreamBatchMemOp, in order, when the caller
-// flushes that stream. A call at tp=8 enqueues some 35 of them, mostly in runs of 2-5 on
-// one stream, each otherwise a driver call of its own. The caller flushes a stream before
-// it enqueues anything else on it or records an event on it, and every stream at the end.
+// flushes that stream. A call at tp=8 has 35 such steps (a descriptor's is 5 writes),
+// in 17 (reduce-scatter) or 22 (all-gather) runs, each otherwise a driver call of its own. The
+// caller flushes a stream before it enqueues anything else on it or records an event on it,
+// and every stream at the end.
 class MemOpRuns {
  public:
   // Holds `stream` until the 64-bit word at `flag` is at least `target`.
