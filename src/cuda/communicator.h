@@ -173,6 +173,8 @@ class CudaCommunicator {
     cudaEvent_t start = nullptr, compute_done = nullptr;
     std::vector<cudaEvent_t> comm_done;  // by peer rank
     std::vector<cudaEvent_t> ready;      // by peer rank: its partial (or gathered copy) is done
+    // The call's stream memory operations, gathered per lane (reused: no allocation a call).
+    MemOpRuns memops;
     std::unique_ptr<CublasLtGemm> gemm;
     // The reduce-scatter's GEMMs where they take cuBLASLt's heuristic pick while the
     // all-gather's are autotuned (CommOptions::autotune_reduce_scatter); else null.

@@ -70,6 +70,10 @@ Status MemOpRuns::Flush(cudaStream_t stream) {
   return Status::Ok();
 }
 
+void MemOpRuns::Drop() {
+  for (auto& run : runs_) run.second.clear();
+}
+
 Status MemOpRuns::FlushAll() {
   for (auto& run : runs_) JAX_UB_RETURN_IF_ERROR(Flush(run.first));
   return Status::Ok();

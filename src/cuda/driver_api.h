@@ -30,7 +30,7 @@ Status LoadDriverOps(const DriverOps** out);
 // flushes that stream. A call at tp=8 has 35 such steps (a descriptor's is 5 writes),
 // in 17 (reduce-scatter) or 22 (all-gather) runs, each otherwise a driver call of its own. The
 // caller flushes a stream before it enqueues anything else on it or records an event on it,
-// and every stream at the end.
+// and every stream at the end. Its buffers are kept from call to call.
 class MemOpRuns {
  public:
   // Holds `stream` until the 64-bit word at `flag` is at least `target`.
@@ -40,6 +40,8 @@ class MemOpRuns {
   Status Write(cudaStream_t stream, uint64_t* flag, uint64_t value);
   Status Flush(cudaStream_t stream);
   Status FlushAll();
+  // Forgets what is gathered, enqueueing none of it (a call that failed midway).
+  void Drop();
 
  private:
   // The driver takes fewer than 256 operations a batch.

@@ -170,7 +170,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   std::vector<Wait> waits;
   // Waits, signals and descriptors gather into one driver call per run on a lane: each lane is
   // flushed before anything else is enqueued on it, or an event recorded on it.
-  MemOpRuns memops;
+  MemOpRuns& memops = s->memops;
+  memops.Drop();  // what a failed call left
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
     cudaStream_t stream = lane(step.lane);
