@@ -41,6 +41,12 @@ OPTIONAL_SCHEDULES = {
     "all_gather_in_turn": ("ag", {"all_gather_in_turn": True}),
     "all_gather_in_turn_wide": ("ag", {"all_gather_in_turn": True}),
     "all_gather_at_once": ("ag", {"all_gather_in_turn": False}),
+    "reduce_scatter_batched_memory_ops": ("rs", {"batch_memory_ops": True}),
+    "all_gather_batched_memory_ops": ("ag", {"batch_memory_ops": True}),
+    "all_gather_in_turn_batched_memory_ops": (
+        "ag",
+        {"all_gather_in_turn": True, "batch_memory_ops": True},
+    ),
 }
 
 
@@ -57,7 +63,8 @@ def test_optional_schedule(tp, rows, dtype, schedule):
     all_gather_in_turn pushes to one peer at a time, each copy lane waiting for the one
     before, and multiplies each chunk as it lands (the default for this test's narrow w
     above 2 GPUs), or with a wide w (3584 local columns) runs of chunks a GEMM
-    (Schedule::InTurnSpans) on two GEMM lanes; off, every push at once. Blocks of 129 rows
+    (Schedule::InTurnSpans) on two GEMM lanes; off, every push at once; batch_memory_ops
+    sends each lane's run of flag waits and writes in one driver call. Blocks of 129 rows
     and 1 row make uneven and empty pieces; three calls reuse the buffer as epochs advance."""
     _finalize()  # communicators take the setting when they are created
     op_kind, settings = OPTIONAL_SCHEDULES[schedule]
@@ -163,15 +170,17 @@ def _skip_where_the_kernel_cannot_run(what: str, tp: int) -> None:
         pytest.skip(f"the {what}'s kernel is Hopper's (compute capability 9.0)")
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("tp", TPS)
-def test_flag_gemm_kernel(tp):
+def test_flag_gemm_kernel(tp, batched):
     """The all-gather in turn's flag GEMM in its kernel (FlagGemm: bf16, x's local rows a
     multiple of 256, a Hopper GPU): the forward's (w as [k, n]) and, in matmul_reduce_scatter's
     gradient, the backward's all-gather of dy (w read transposed), against XLA's, over calls
-    with new data; each call must have launched the kernel (its count rises)."""
+    with new data; each call must have launched the kernel (its count rises). `batched`: its
+    waits for the chunks go to the driver in one call (Tuning.batch_memory_ops)."""
     _skip_where_the_kernel_cannot_run("flag GEMM", tp)
     _finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True, batch_memory_ops=batched)
     try:
         mesh = _mesh(tp)
         key = jax.random.key(7 + tp)

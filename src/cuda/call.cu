@@ -62,9 +62,7 @@ Status CudaCommunicator::Publish(Slot& s, MemOpRuns& memops, cudaStream_t stream
                                  const CallDescriptor& desc) {
   const uint64_t* words = reinterpret_cast<const uint64_t*>(&desc);
   uint64_t* dst = s.peer_flags[p] + kDescFlag + s.rank * CallDescriptor::kWords;
-  for (int q = 0; q < CallDescriptor::kWords; ++q)
-    JAX_UB_RETURN_IF_ERROR(memops.Write(stream, dst + q, words[q]));
-  return Status::Ok();
+  return memops.Writes(stream, dst, words, CallDescriptor::kWords);
 }
 
 Status CudaCommunicator::Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc,

@@ -23,6 +23,7 @@ Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes,
   c->topology_ = std::move(topology);
   c->schedule_ = Schedule::Of(options);
   c->compute_on_caller_stream_ = options.compute_on_caller_stream;
+  c->batch_memory_ops_ = options.batch_memory_ops;
   JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, options.timeout_s, GemmOptions::From(options),
                                      options.autotune_reduce_scatter, multiprocess));
   // Across processes the peers' buffers arrive later, through Connect().

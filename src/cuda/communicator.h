@@ -285,6 +285,7 @@ class CudaCommunicator {
   double timeout_s_ = 0;
   Schedule schedule_;                         // the options' choices, see Create
   bool compute_on_caller_stream_ = false;     // CommOptions::compute_on_caller_stream
+  bool batch_memory_ops_ = false;             // CommOptions::batch_memory_ops
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;

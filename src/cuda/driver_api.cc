@@ -38,16 +38,30 @@ Status MemOpRuns::Wait(cudaStream_t stream, const uint64_t* flag, uint64_t targe
   op.waitValue.address = reinterpret_cast<CUdeviceptr>(flag);
   op.waitValue.value64 = target;
   op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-  return Add(stream, op);
+  JAX_UB_RETURN_IF_ERROR(Add(stream, op));
+  return Added(stream);
 }
 
-Status MemOpRuns::Write(cudaStream_t stream, uint64_t* flag, uint64_t value) {
+namespace {
+CUstreamBatchMemOpParams WriteOp(uint64_t* flag, uint64_t value) {
   CUstreamBatchMemOpParams op = {};
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
   op.writeValue.address = reinterpret_cast<CUdeviceptr>(flag);
   op.writeValue.value64 = value;
   op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  return Add(stream, op);
+  return op;
+}
+}  // namespace
+
+Status MemOpRuns::Write(cudaStream_t stream, uint64_t* flag, uint64_t value) {
+  JAX_UB_RETURN_IF_ERROR(Add(stream, WriteOp(flag, value)));
+  return Added(stream);
+}
+
+Status MemOpRuns::Writes(cudaStream_t stream, uint64_t* flags, const uint64_t* values, int count) {
+  for (int i = 0; i < count; ++i)
+    JAX_UB_RETURN_IF_ERROR(Add(stream, WriteOp(flags + i, values[i])));
+  return Added(stream);
 }
 
 Status MemOpRuns::Add(cudaStream_t stream, const CUstreamBatchMemOpParams& op) {
@@ -63,8 +77,17 @@ Status MemOpRuns::Flush(cudaStream_t stream) {
     if (s != stream || ops.empty()) continue;
     const DriverOps* driver;
     JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&driver));
-    JAX_UB_CU(driver->batch(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(ops.size()),
-                            ops.data(), 0));
+    const auto cu = reinterpret_cast<CUstream>(stream);
+    const CUstreamBatchMemOpParams& op = ops[0];
+    // One operation: the driver's call for it alone.
+    if (ops.size() == 1 && op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_64) {
+      JAX_UB_CU(driver->wait(cu, op.waitValue.address, op.waitValue.value64, op.waitValue.flags));
+    } else if (ops.size() == 1 && op.operation == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
+      JAX_UB_CU(
+          driver->write(cu, op.writeValue.address, op.writeValue.value64, op.writeValue.flags));
+    } else {
+      JAX_UB_CU(driver->batch(cu, static_cast<unsigned>(ops.size()), ops.data(), 0));
+    }
     ops.clear();
   }
   return Status::Ok();

@@ -168,10 +168,12 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   };
   if (compute != xs) JAX_UB_CUDA(cudaStreamWaitEvent(compute, s->start));
   std::vector<Wait> waits;
-  // Waits, signals and descriptors gather into one driver call per run on a lane: each lane is
-  // flushed before anything else is enqueued on it, or an event recorded on it.
+  // With CommOptions::batch_memory_ops, waits, signals and descriptors gather into one driver
+  // call per run on a lane: each lane is flushed before anything else is enqueued on it, or an
+  // event recorded on it (unbatched, the flushes find nothing).
   MemOpRuns& memops = s->memops;
   memops.Drop();  // what a failed call left
+  memops.set_batching(batch_memory_ops_);
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
     cudaStream_t stream = lane(step.lane);

@@ -38,6 +38,7 @@ struct CommOptions {
   bool compute_on_caller_stream;  // the compute lane is XLA's stream, not one of ours (CUDA)
   bool fp8_fast_accumulation;     // e4m3 x e4m3 GEMMs in cuBLASLt's FAST_ACCUM mode (CUDA)
   bool gemm_graphs;               // GEMMs replayed from CUDA graphs per operand set (CUDA)
+  bool batch_memory_ops;          // a lane's flag waits and writes in one driver call (CUDA)
   std::string gemm_cache;         // the kernel choice file, "" none (CUDA, with autotune_gemm)
 };
 
