@@ -364,12 +364,14 @@ def _report(row: dict, measured, args, variants, say) -> dict:
             f"jax_ub / jax_ub's GEMM alone = {t_ub / t_own:.3f}",
             flush=True,
         )
-    if measured.host_ms is not None:
-        # Host-bound when this approaches jax_ub's device time per call.
-        host_ms, await_ms = measured.host_ms
-        row.update(jax_ub_host_ms=host_ms, jax_ub_host_await_ms=await_ms)
+    for name, (host_ms, await_ms) in measured.host_ms.items():
+        # Host-bound when this approaches the row's device time per call.
+        if name == "jax_ub":
+            row.update(jax_ub_host_ms=host_ms, jax_ub_host_await_ms=await_ms)
+        else:
+            row.setdefault("variant_host_ms", {})[name] = [host_ms, await_ms]
         say(
-            f"  jax_ub host time per call and GPU: {host_ms:.3f} ms "
+            f"  {name} host time per call and GPU: {host_ms:.3f} ms "
             f"({await_ms:.3f} ms of it waiting for the process's other GPUs)",
             flush=True,
         )

@@ -75,16 +75,16 @@ def rel_err(a, b) -> float:
 class Measured:
     """One op and shape, per implementation: medians over rounds of the loop time (ms per
     call), the spread of the rounds ((max - min) / median), how long the host took to issue
-    each loop (ms per call), the error against the reference, the calls per loop; and
-    jax_ub's host time per call and GPU (ms; of it, waiting for the process's other
-    GPUs), where measured."""
+    each loop (ms per call), the error against the reference, the calls per loop; and the
+    host time per call and GPU of jax_ub and of each of its variants (ms; of it, waiting for
+    the process's other GPUs), by row, where measured."""
 
     times: dict
     spread: dict
     issued: dict
     errs: dict
     calls: dict = dataclasses.field(default_factory=dict)
-    host_ms: tuple[float, float] | None = None
+    host_ms: dict = dataclasses.field(default_factory=dict)
 
 
 # bench's rows that are not the op
@@ -131,17 +131,18 @@ def measure(
         calls = {n: calls_lasting(f, args, loop_seconds, iters) for n, (f, args) in live.items()}
     samples = {n: [] for n in live}
     issued = {n: [] for n in live}
-    host = []  # jax_ub's host time per call and GPU, each round
+    # jax_ub's and its variants' host time per call and GPU, each round
+    host = {n: [] for n in live if n == "jax_ub" or n.startswith("jax_ub[")}
     for r in range(rounds):
         order = round_order(live, r)
         if say is not None:
             say(f"  round {r + 1}/{rounds}: {', '.join(order)}")
         for name in order:
             f, args = live[name]
-            before = host_times() if name == "jax_ub" else None
+            before = host_times() if name in host else None
             samples[name].append(loop_time_ms(f, args, calls[name], issued[name]))
             if before is not None:
-                host.append(_host_ms_per_call(before, host_times()))
+                host[name].append(_host_ms_per_call(before, host_times()))
     times = {n: statistics.median(v) for n, v in samples.items()}
     return Measured(
         calls=calls,
@@ -149,11 +150,11 @@ def measure(
         spread={n: (max(v) - min(v)) / times[n] for n, v in samples.items()},
         issued={n: statistics.median(v) for n, v in issued.items()},
         errs=errs,
-        host_ms=(
-            (statistics.median(h[0] for h in host), statistics.median(h[1] for h in host))
-            if host and all(h is not None for h in host)
-            else None
-        ),
+        host_ms={
+            n: (statistics.median(x[0] for x in h), statistics.median(x[1] for x in h))
+            for n, h in host.items()
+            if h and all(x is not None for x in h)
+        },
     )
 
 
