@@ -47,22 +47,21 @@ Status CudaCommunicator::Begin(int device, const char* op, int64_t need_bytes, S
   return Status::Ok();
 }
 
-Status CudaCommunicator::WaitFlag(Slot& s, MemOpRuns& memops, cudaStream_t stream, int flag_index,
-                                  uint64_t target, int peer, const char* what,
-                                  std::vector<Wait>* waits, int progress_index) {
+Status CudaCommunicator::WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target,
+                                  int peer, const char* what, std::vector<Wait>* waits,
+                                  int progress_index) {
   if (target == 0) return Status::Ok();  // first call: nothing to wait for
   uint64_t* flag = s.flags + flag_index;
-  JAX_UB_RETURN_IF_ERROR(memops.Wait(stream, flag, target));
+  JAX_UB_RETURN_IF_ERROR(s.memops.Wait(stream, flag, target));
   const uint64_t* progress = progress_index < 0 ? flag : s.flags + progress_index;
   waits->push_back(Wait{peer, flag, target, what, progress});
   return Status::Ok();
 }
 
-Status CudaCommunicator::Publish(Slot& s, MemOpRuns& memops, cudaStream_t stream, int p,
-                                 const CallDescriptor& desc) {
+Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc) {
   const uint64_t* words = reinterpret_cast<const uint64_t*>(&desc);
   uint64_t* dst = s.peer_flags[p] + kDescFlag + s.rank * CallDescriptor::kWords;
-  return memops.Writes(stream, dst, words, CallDescriptor::kWords);
+  return s.memops.Writes(stream, dst, words, CallDescriptor::kWords);
 }
 
 Status CudaCommunicator::Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc,

@@ -227,12 +227,11 @@ Status CudaCommunicator::Wire() {
     Slot& s = *sp;
     if (!s.local) continue;
     JAX_UB_CUDA(cudaSetDevice(s.device));
-    MemOpRuns memops;
     for (int r = 0; r < size; ++r) {
       if (r == s.rank) continue;
-      JAX_UB_RETURN_IF_ERROR(memops.Write(s.compute, s.peer_flags[r] + kCreditFlag + s.rank, 0));
+      JAX_UB_RETURN_IF_ERROR(s.memops.Write(s.compute, s.peer_flags[r] + kCreditFlag + s.rank, 0));
     }
-    JAX_UB_RETURN_IF_ERROR(memops.Flush(s.compute));
+    JAX_UB_RETURN_IF_ERROR(s.memops.Flush(s.compute));
     JAX_UB_CUDA(cudaStreamSynchronize(s.compute));
     JAX_UB_CUDA(cudaDeviceSynchronize());
   }

@@ -225,8 +225,7 @@ class CudaCommunicator {
   // added to `waits`.
   Status EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched, const Step& step,
                          const CallShape& shape, const void* w, bool w_transposed, const void* src,
-                         const void* own, void* dst, uint64_t epoch, MemOpRuns& memops,
-                         std::vector<Wait>* waits);
+                         const void* own, void* dst, uint64_t epoch, std::vector<Wait>* waits);
   // A kGemm step that signals its blocks (Step::signals): SignalGemm on `stream`, over `src`
   // into `dst`, raising this slot's block flags to `epoch`.
   Status EnqueueSignalGemm(Slot& s, cudaStream_t stream, const Schedule& sched, const Step& step,
@@ -237,14 +236,14 @@ class CudaCommunicator {
   // Marks the communicator broken when a call that has begun (`s` not null) fails, and
   // counts the call's host time from `since`.
   Status EndCall(Slot* s, const char* op, std::chrono::steady_clock::time_point since, Status st);
-  // Adds to `memops` a wait of `stream` until flag `flag_index` reaches `target`, recorded in
-  // `waits` for the watchdog; `progress_index` (default: the flag itself) is Wait::progress.
-  Status WaitFlag(Slot& s, MemOpRuns& memops, cudaStream_t stream, int flag_index, uint64_t target,
-                  int peer, const char* what, std::vector<Wait>* waits, int progress_index = -1);
-  // Adds to `memops` the writes of `desc` into peer `p`'s descriptor words for this slot's
-  // rank (no SMs; ordered before the data flag that follows on `stream`).
-  Status Publish(Slot& s, MemOpRuns& memops, cudaStream_t stream, int p,
-                 const CallDescriptor& desc);
+  // Adds to the slot's memops a wait of `stream` until flag `flag_index` reaches `target`,
+  // recorded in `waits` for the watchdog; `progress_index` (default: the flag itself) is
+  // Wait::progress.
+  Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
+                  const char* what, std::vector<Wait>* waits, int progress_index = -1);
+  // Adds to the slot's memops the writes of `desc` into peer `p`'s descriptor words for this
+  // slot's rank (no SMs; ordered before the data flag that follows on `stream`).
+  Status Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc);
   // On the compute stream, after every peer's chunk has landed: compare the peers'
   // descriptors with `desc`; on a mismatch, or once the slot is unhealthy, fill the
   // outputs with NaN and report. Outputs of a failed call are never plausible numbers.

@@ -39,8 +39,7 @@ int CudaCommunicator::FlagIndex(Flag flag, int rank) {
 Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Schedule& sched,
                                          const Step& step, const CallShape& shape, const void* w,
                                          bool w_transposed, const void* src, const void* own,
-                                         void* dst, uint64_t epoch, MemOpRuns& memops,
-                                         std::vector<Wait>* waits) {
+                                         void* dst, uint64_t epoch, std::vector<Wait>* waits) {
   if (own == nullptr) return Internal("FlagGemm: a call without its own block's place (x)");
   FlagGemmCall c;
   static_cast<BlockGemmCall&>(c) = BlockCall(sched, step, shape, w, w_transposed, src, dst);
@@ -63,17 +62,16 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
     // may wait for. The kernel's own waits are listed for the watchdog, which names an
     // overdue one and releases it by raising its flag.
     if (s.shares_gpu) {
-      JAX_UB_RETURN_IF_ERROR(
-          WaitFlag(s, memops, stream, index, epoch, j, "deliver its chunk", waits));
+      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, stream, index, epoch, j, "deliver its chunk", waits));
     } else if (epoch > 0) {
       constexpr int kEpochWord = offsetof(CallDescriptor, epoch) / sizeof(uint64_t);
-      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, memops, stream,
+      JAX_UB_RETURN_IF_ERROR(WaitFlag(s, stream,
                                       kDescFlag + j * CallDescriptor::kWords + kEpochWord, epoch, j,
                                       "begin the call (publish its descriptor)", waits));
       waits->push_back(Wait{j, s.flags + index, epoch, "deliver its chunk", s.flags + index});
     }
   }
-  JAX_UB_RETURN_IF_ERROR(memops.Flush(stream));
+  JAX_UB_RETURN_IF_ERROR(s.memops.Flush(stream));
   JAX_UB_RETURN_IF_ERROR(LaunchFlagGemm(c, s.device, s.sm_count, stream));
   s.flag_gemm_calls.fetch_add(1, std::memory_order_relaxed);
   return Status::Ok();
@@ -193,14 +191,14 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         // Our own GEMM's block flag is not the watchdog's to release (its push would send a
         // partial not yet written): a call stuck there is named as a whole.
         std::vector<Wait> own_gemm;
-        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, memops, stream, FlagIndex(step.flag, slot),
-                                        e - Lag(step.flag), step.peer, step.what,
+        JAX_UB_RETURN_IF_ERROR(WaitFlag(*s, stream, FlagIndex(step.flag, slot), e - Lag(step.flag),
+                                        step.peer, step.what,
                                         step.flag == Flag::kBlock ? &own_gemm : &waits,
                                         FlagIndex(ProgressFlag(step.flag), slot)));
         break;
       }
       case Step::Kind::kPublish:
-        JAX_UB_RETURN_IF_ERROR(Publish(*s, memops, stream, step.peer, desc));
+        JAX_UB_RETURN_IF_ERROR(Publish(*s, stream, step.peer, desc));
         break;
       case Step::Kind::kCopy:
         JAX_UB_CUDA(cudaMemcpyAsync(at(step.dst), at(step.src), step.bytes,
@@ -221,7 +219,7 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         if (step.parts != 0) {
           JAX_UB_RETURN_IF_ERROR(EnqueueFlagGemm(*s, stream, sched, step, shape, ops.w,
                                                  ops.w_transposed, at(step.src), at(step.own),
-                                                 at(step.dst), e, memops, &waits));
+                                                 at(step.dst), e, &waits));
           break;
         }
         JAX_UB_RETURN_IF_ERROR(
