@@ -20,7 +20,7 @@ cudaGraphExec_t GemmGraphs::Find(const Operands& ops, bool* capture) {
     *capture = true;  // seen before: worth a graph
     return nullptr;
   }
-  Entry& seen = Slot(false, kSeen);
+  Entry& seen = EntryToFill(false, kSeen);
   seen.ops = ops;
   seen.used = finds_;
   return nullptr;
@@ -32,14 +32,14 @@ void GemmGraphs::Add(const Operands& ops, cudaGraphExec_t exec) {
       entries_.erase(it);  // no longer only seen
       break;
     }
-  Entry& kept = Slot(true, kGraphs);
+  Entry& kept = EntryToFill(true, kGraphs);
   if (kept.exec != nullptr) cudaGraphExecDestroy(kept.exec);
   kept.ops = ops;
   kept.exec = exec;
   kept.used = finds_;
 }
 
-GemmGraphs::Entry& GemmGraphs::Slot(bool captured, size_t most) {
+GemmGraphs::Entry& GemmGraphs::EntryToFill(bool captured, size_t most) {
   Entry* oldest = nullptr;
   size_t count = 0;
   for (Entry& e : entries_) {

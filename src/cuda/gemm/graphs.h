@@ -55,7 +55,7 @@ class GemmGraphs {
   };
   // The entry to replace among those with (exec != nullptr) == `captured`: the least recently
   // used once there are `most` of them, else a new one.
-  Entry& Slot(bool captured, size_t most);
+  Entry& EntryToFill(bool captured, size_t most);
   std::vector<Entry> entries_;
   uint64_t finds_ = 0;
   int64_t launches_ = 0;  // Finds that returned a graph
