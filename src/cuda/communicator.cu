@@ -231,7 +231,7 @@ Status CudaCommunicator::Wire() {
       if (r == s.rank) continue;
       JAX_UB_RETURN_IF_ERROR(s.memops.Write(s.compute, s.peer_flags[r] + kCreditFlag + s.rank, 0));
     }
-    JAX_UB_RETURN_IF_ERROR(s.memops.Flush(s.compute));
+    JAX_UB_RETURN_IF_ERROR(s.memops.Flush());
     JAX_UB_CUDA(cudaStreamSynchronize(s.compute));
     JAX_UB_CUDA(cudaDeviceSynchronize());
   }

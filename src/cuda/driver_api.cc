@@ -1,7 +1,5 @@
 #include "cuda/driver_api.h"
 
-#include <algorithm>
-
 #include "cuda/check.h"
 
 namespace jax_ub {
@@ -39,7 +37,7 @@ Status MemOpRuns::Wait(cudaStream_t stream, const uint64_t* flag, uint64_t targe
   op.waitValue.value64 = target;
   op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
   JAX_UB_RETURN_IF_ERROR(Add(stream, op));
-  return Added(stream);
+  return Added();
 }
 
 namespace {
@@ -55,50 +53,37 @@ CUstreamBatchMemOpParams WriteOp(uint64_t* flag, uint64_t value) {
 
 Status MemOpRuns::Write(cudaStream_t stream, uint64_t* flag, uint64_t value) {
   JAX_UB_RETURN_IF_ERROR(Add(stream, WriteOp(flag, value)));
-  return Added(stream);
+  return Added();
 }
 
 Status MemOpRuns::Writes(cudaStream_t stream, uint64_t* flags, const uint64_t* values, int count) {
   for (int i = 0; i < count; ++i)
     JAX_UB_RETURN_IF_ERROR(Add(stream, WriteOp(flags + i, values[i])));
-  return Added(stream);
+  return Added();
 }
 
 Status MemOpRuns::Add(cudaStream_t stream, const CUstreamBatchMemOpParams& op) {
-  auto run =
-      std::find_if(runs_.begin(), runs_.end(), [&](const auto& r) { return r.first == stream; });
-  if (run == runs_.end()) run = runs_.insert(run, {stream, {}});
-  run->second.push_back(op);
-  return run->second.size() < kMostABatch ? Status::Ok() : Flush(stream);
+  if (!ops_.empty() && stream != stream_) JAX_UB_RETURN_IF_ERROR(Flush());
+  stream_ = stream;
+  ops_.push_back(op);
+  return ops_.size() < kMostABatch ? Status::Ok() : Flush();
 }
 
-Status MemOpRuns::Flush(cudaStream_t stream) {
-  for (auto& [s, ops] : runs_) {
-    if (s != stream || ops.empty()) continue;
-    const DriverOps* driver;
-    JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&driver));
-    const auto cu = reinterpret_cast<CUstream>(stream);
-    const CUstreamBatchMemOpParams& op = ops[0];
-    // One operation: the driver's call for it alone.
-    if (ops.size() == 1 && op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_64) {
-      JAX_UB_CU(driver->wait(cu, op.waitValue.address, op.waitValue.value64, op.waitValue.flags));
-    } else if (ops.size() == 1 && op.operation == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
-      JAX_UB_CU(
-          driver->write(cu, op.writeValue.address, op.writeValue.value64, op.writeValue.flags));
-    } else {
-      JAX_UB_CU(driver->batch(cu, static_cast<unsigned>(ops.size()), ops.data(), 0));
-    }
-    ops.clear();
+Status MemOpRuns::Flush() {
+  if (ops_.empty()) return Status::Ok();
+  const DriverOps* driver;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&driver));
+  const auto cu = reinterpret_cast<CUstream>(stream_);
+  const CUstreamBatchMemOpParams& op = ops_[0];
+  // One operation: the driver's call for it alone.
+  if (ops_.size() == 1 && op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_64) {
+    JAX_UB_CU(driver->wait(cu, op.waitValue.address, op.waitValue.value64, op.waitValue.flags));
+  } else if (ops_.size() == 1 && op.operation == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
+    JAX_UB_CU(driver->write(cu, op.writeValue.address, op.writeValue.value64, op.writeValue.flags));
+  } else {
+    JAX_UB_CU(driver->batch(cu, static_cast<unsigned>(ops_.size()), ops_.data(), 0));
   }
-  return Status::Ok();
-}
-
-void MemOpRuns::Drop() {
-  for (auto& run : runs_) run.second.clear();
-}
-
-Status MemOpRuns::FlushAll() {
-  for (auto& run : runs_) JAX_UB_RETURN_IF_ERROR(Flush(run.first));
+  ops_.clear();
   return Status::Ok();
 }
 

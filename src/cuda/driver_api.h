@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "protocol/status.h"
@@ -25,13 +24,16 @@ struct DriverOps {
 // The process-wide entry points (resolved on the first call), or why they are missing.
 Status LoadDriverOps(const DriverOps** out);
 
-// A call's stream memory operations (flag waits and writes). With batching on they gather
-// per stream, and each stream's run goes to the driver as one cuStreamBatchMemOp, in order,
-// when the caller flushes that stream: a call at tp=8 has 35 such steps (a descriptor's is
-// 5 writes), in 17 (reduce-scatter) or 22 (all-gather) runs, each otherwise a driver call of
-// its own. The caller flushes a stream before it enqueues anything else on it or records an
-// event on it, and every stream at the end. Off (the default), each goes to the driver at
-// once (a descriptor's words in one batch). Its buffers are kept from call to call.
+// A call's stream memory operations (flag waits and writes). With batching on, those that
+// follow one another on one stream in the call's step order go to the driver as one
+// cuStreamBatchMemOp: the caller flushes the run before it enqueues anything else, and a
+// Wait or Write on another stream flushes it too. So every operation enters the GPU's queues
+// in the same order, relative to every stream's work, as when sent one by one: held back
+// past other streams' work (a lane's run sent only before its own next step), the ops'
+// signals hung ranks sharing a GPU (N = 4 and 8 on an H100), as streams share hardware
+// queues and a wait enqueued ahead of the signal a peer needs can hold it. Off (the
+// default), each goes to the driver at once (a descriptor's words in one batch). Its buffer
+// is kept from call to call.
 class MemOpRuns {
  public:
   void set_batching(bool on) { batching_ = on; }
@@ -42,19 +44,20 @@ class MemOpRuns {
   Status Write(cudaStream_t stream, uint64_t* flag, uint64_t value);
   // Write for each of `count` consecutive words at `flags`, from `values`.
   Status Writes(cudaStream_t stream, uint64_t* flags, const uint64_t* values, int count);
-  Status Flush(cudaStream_t stream);
-  Status FlushAll();
-  // Forgets what is gathered, enqueueing none of it (a call that failed midway).
-  void Drop();
+  // Sends the run gathered so far, if any.
+  Status Flush();
+  // Forgets the run, enqueueing none of it (a call that failed midway).
+  void Drop() { ops_.clear(); }
 
  private:
   // The driver takes fewer than 256 operations a batch.
   static constexpr size_t kMostABatch = 255;
   Status Add(cudaStream_t stream, const CUstreamBatchMemOpParams& op);
   // After an operation's Adds: unbatched, it goes to the driver now.
-  Status Added(cudaStream_t stream) { return batching_ ? Status::Ok() : Flush(stream); }
+  Status Added() { return batching_ ? Status::Ok() : Flush(); }
   bool batching_ = false;
-  std::vector<std::pair<cudaStream_t, std::vector<CUstreamBatchMemOpParams>>> runs_;
+  cudaStream_t stream_ = nullptr;  // the run's
+  std::vector<CUstreamBatchMemOpParams> ops_;
 };
 
 }  // namespace jax_ub

@@ -71,7 +71,7 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
       waits->push_back(Wait{j, s.flags + index, epoch, "deliver its chunk", s.flags + index});
     }
   }
-  JAX_UB_RETURN_IF_ERROR(s.memops.Flush(stream));
+  JAX_UB_RETURN_IF_ERROR(s.memops.Flush());
   JAX_UB_RETURN_IF_ERROR(LaunchFlagGemm(c, s.device, s.sm_count, stream));
   s.flag_gemm_calls.fetch_add(1, std::memory_order_relaxed);
   return Status::Ok();
@@ -166,9 +166,9 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   };
   if (compute != xs) JAX_UB_CUDA(cudaStreamWaitEvent(compute, s->start));
   std::vector<Wait> waits;
-  // With CommOptions::batch_memory_ops, waits, signals and descriptors gather into one driver
-  // call per run on a lane: each lane is flushed before anything else is enqueued on it, or an
-  // event recorded on it (unbatched, the flushes find nothing).
+  // With CommOptions::batch_memory_ops, consecutive waits, signals and descriptors of one lane
+  // go to the driver as one call (MemOpRuns), sent before any other CUDA call (unbatched, the
+  // flushes find nothing).
   MemOpRuns& memops = s->memops;
   memops.Drop();  // what a failed call left
   memops.set_batching(batch_memory_ops_);
@@ -178,13 +178,15 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
     const int slot = FlagSlot(step, s->rank);  // a wait's or signal's flag word
     const bool mem_op = step.kind == Step::Kind::kWait || step.kind == Step::Kind::kSignal ||
                         step.kind == Step::Kind::kPublish;
-    if (!mem_op) JAX_UB_RETURN_IF_ERROR(memops.Flush(stream));
-    if (step.lane >= 0 && !started[step.lane]) {
+    const bool starts = (step.lane >= 0 && !started[step.lane]) ||
+                        (step.lane == kSecondGemmLane && !second_started);
+    if (!mem_op || starts) JAX_UB_RETURN_IF_ERROR(memops.Flush());
+    if (starts) {
       JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
-      started[step.lane] = true;
-    } else if (step.lane == kSecondGemmLane && !second_started) {
-      JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
-      second_started = true;
+      if (step.lane >= 0)
+        started[step.lane] = true;
+      else
+        second_started = true;
     }
     switch (step.kind) {
       case Step::Kind::kWait: {
@@ -239,7 +241,6 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         cudaEvent_t ev = step.on_lane == kComputeLane      ? s->ready[step.lane]
                          : step.on_lane == kSecondGemmLane ? s->second_gemm_done
                                                            : s->comm_done[step.on_lane];
-        JAX_UB_RETURN_IF_ERROR(memops.Flush(lane(step.on_lane)));
         JAX_UB_CUDA(cudaEventRecord(ev, lane(step.on_lane)));
         JAX_UB_CUDA(cudaStreamWaitEvent(stream, ev));
         break;
@@ -250,13 +251,12 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
         outputs.regions[1] = {at(step.src), static_cast<size_t>(step.src_bytes)};
         if (step.aux.region != Region::kNone)  // laid out as out
           outputs.regions[2] = {at(step.aux), static_cast<size_t>(step.bytes)};
-        JAX_UB_RETURN_IF_ERROR(memops.Flush(compute));
         JAX_UB_RETURN_IF_ERROR(Verify(*s, compute, desc, outputs));
         break;
       }
     }
   }
-  JAX_UB_RETURN_IF_ERROR(memops.FlushAll());
+  JAX_UB_RETURN_IF_ERROR(memops.Flush());
   // Every copy lane joins the caller's stream in Finish.
   for (int r = 0; r < size; ++r)
     if (started[r]) JAX_UB_CUDA(cudaEventRecord(s->comm_done[r], s->comm[r]));
