@@ -41,12 +41,6 @@ OPTIONAL_SCHEDULES = {
     "all_gather_in_turn": ("ag", {"all_gather_in_turn": True}),
     "all_gather_in_turn_wide": ("ag", {"all_gather_in_turn": True}),
     "all_gather_at_once": ("ag", {"all_gather_in_turn": False}),
-    "reduce_scatter_batched_memory_ops": ("rs", {"batch_memory_ops": True}),
-    "all_gather_batched_memory_ops": ("ag", {"batch_memory_ops": True}),
-    "all_gather_in_turn_batched_memory_ops": (
-        "ag",
-        {"all_gather_in_turn": True, "batch_memory_ops": True},
-    ),
 }
 
 
@@ -63,8 +57,7 @@ def test_optional_schedule(tp, rows, dtype, schedule):
     all_gather_in_turn pushes to one peer at a time, each copy lane waiting for the one
     before, and multiplies each chunk as it lands (the default for this test's narrow w
     above 2 GPUs), or with a wide w (3584 local columns) runs of chunks a GEMM
-    (Schedule::InTurnSpans) on two GEMM lanes; off, every push at once; batch_memory_ops
-    sends each lane's run of flag waits and writes in one driver call. Blocks of 129 rows
+    (Schedule::InTurnSpans) on two GEMM lanes; off, every push at once. Blocks of 129 rows
     and 1 row make uneven and empty pieces; three calls reuse the buffer as epochs advance."""
     _finalize()  # communicators take the setting when they are created
     op_kind, settings = OPTIONAL_SCHEDULES[schedule]
@@ -170,17 +163,15 @@ def _skip_where_the_kernel_cannot_run(what: str, tp: int) -> None:
         pytest.skip(f"the {what}'s kernel is Hopper's (compute capability 9.0)")
 
 
-@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("tp", TPS)
-def test_flag_gemm_kernel(tp, batched):
+def test_flag_gemm_kernel(tp):
     """The all-gather in turn's flag GEMM in its kernel (FlagGemm: bf16, x's local rows a
     multiple of 256, a Hopper GPU): the forward's (w as [k, n]) and, in matmul_reduce_scatter's
     gradient, the backward's all-gather of dy (w read transposed), against XLA's, over calls
-    with new data; each call must have launched the kernel (its count rises). `batched`: its
-    waits for the chunks go to the driver in one call (Tuning.batch_memory_ops)."""
+    with new data; each call must have launched the kernel (its count rises)."""
     _skip_where_the_kernel_cannot_run("flag GEMM", tp)
     _finalize()  # communicators take the setting when they are created
-    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True, batch_memory_ops=batched)
+    use_tuning(all_gather_in_turn=True, all_gather_flag_gemm=True)
     try:
         mesh = _mesh(tp)
         key = jax.random.key(7 + tp)
@@ -252,45 +243,5 @@ def test_signal_gemm_kernel(tp):
             dx = ag_grad("ub")(x, w, g * (call + 1))
             assert gpu_rel_err(dx, dx_ref * (call + 1)) < 2e-2
             assert _flag_gemm_calls(signals=True) > before, call
-    finally:
-        _finalize()
-
-
-def _gemm_graph_launches() -> int:
-    """GEMMs this process's live CUDA communicators launched from CUDA graphs."""
-    launches = extension.module_for("cuda").gemm_graph_launches
-    return sum(n for c in live_communicators() if c.platform == "cuda" for _, n in launches(c.id))
-
-
-@pytest.mark.parametrize("tp", TPS)
-def test_gemm_graphs(tp):
-    """Tuning.gemm_graphs: a GEMM whose operand addresses recur is replayed from a CUDA graph
-    captured at their second run. The all-gather, the reduce-scatter and the all-gather's
-    gradient (w read transposed; XLA's temporaries at the addresses of the run before) against
-    XLA's, on the same arrays call after call (graphs launch: the count rises), then on new
-    data (the values follow the data, whatever graph runs)."""
-    _finalize()  # communicators take the setting when they are created
-    use_tuning(gemm_graphs=True)
-    try:
-        mesh = _mesh(tp)
-        x, w, h, v, g = _data(
-            jax.random.key(13 + tp),
-            [(tp * 64, 256), (256, tp * 128), (tp * 64, tp * 64), (tp * 64, 256), (tp * 64, 128)],
-            jnp.bfloat16,
-        )
-        loss = lambda x, w, dy: jnp.sum(_ag(mesh, "ub")(x, w).astype(jnp.float32) * dy)  # noqa: E731
-        loss_ref = lambda x, w, dy: jnp.sum(_ag(mesh, "xla")(x, w).astype(jnp.float32) * dy)  # noqa: E731
-        ag, rs, ag_grad = _ag(mesh, "ub"), _rs(mesh, "ub"), jax.jit(jax.grad(loss))
-        with jax.default_matmul_precision("highest"):
-            ag_ref = jax.block_until_ready(_ag(mesh, "xla")(x, w))
-            rs_ref = jax.block_until_ready(_rs(mesh, "xla")(h, v))
-            dx_ref = jax.block_until_ready(jax.jit(jax.grad(loss_ref))(x, w, g))
-        for call in range(6):
-            c = 1 if call < 4 else call  # the same arrays, then new data
-            assert gpu_rel_err(ag(x * c if c > 1 else x, w), ag_ref * c) < 2e-2, call
-            assert gpu_rel_err(rs(h * c if c > 1 else h, v), rs_ref * c) < 2e-2, call
-            assert gpu_rel_err(ag_grad(x, w, g * c if c > 1 else g), dx_ref * c) < 2e-2, call
-            if call == 3:
-                assert _gemm_graph_launches() > 0, "no GEMM ran from a graph over 4 equal calls"
     finally:
         _finalize()

@@ -104,10 +104,6 @@ NB_MODULE(_cuda, m) {
     return jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id)->FlagGemmCalls(true);
   });
   m.def("flag_gemm_built", [] { return jax_ub::FlagGemmBuilt(); });
-  // [(device, GEMMs launched from CUDA graphs)] (Tuning.gemm_graphs).
-  m.def("gemm_graph_launches", [](int64_t id) {
-    return jax_ub::FindCommunicator<jax_ub::CudaCommunicator>(id)->GemmGraphLaunches();
-  });
   // [(device, m, k, n, row description, place in cuBLASLt's heuristic list, trials still
   // comparing)]: each local GPU's kernel per GEMM shape.
   m.def("kernel_choices", [](int64_t id) {

@@ -67,8 +67,6 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
                                                 "reduce_scatter_signal_gemm",
                                                 "compute_on_caller_stream",
                                                 "fp8_fast_accumulation",
-                                                "gemm_graphs",
-                                                "batch_memory_ops",
                                                 "gemm_cache"};
   for (auto item : d) {
     std::string key = nb::cast<std::string>(item.first);
@@ -91,8 +89,6 @@ inline CommOptions OptionsFromDict(const nanobind::dict& d) {
   o.gemm_hold_first_pick = nb::cast<bool>(get("gemm_hold_first_pick"));
   o.autotune_reduce_scatter = nb::cast<bool>(get("autotune_reduce_scatter"));
   o.fp8_fast_accumulation = nb::cast<bool>(get("fp8_fast_accumulation"));
-  o.gemm_graphs = nb::cast<bool>(get("gemm_graphs"));
-  o.batch_memory_ops = nb::cast<bool>(get("batch_memory_ops"));
   o.compute_on_caller_stream = nb::cast<bool>(get("compute_on_caller_stream"));
   const std::string order = nb::cast<std::string>(get("gemm_order"));
   if (order == "auto") {

@@ -51,17 +51,41 @@ Status CudaCommunicator::WaitFlag(Slot& s, cudaStream_t stream, int flag_index, 
                                   int peer, const char* what, std::vector<Wait>* waits,
                                   int progress_index) {
   if (target == 0) return Status::Ok();  // first call: nothing to wait for
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
   uint64_t* flag = s.flags + flag_index;
-  JAX_UB_RETURN_IF_ERROR(s.memops.Wait(stream, flag, target));
+  JAX_UB_CU(ops->wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(flag),
+                      target, CU_STREAM_WAIT_VALUE_GEQ));
   const uint64_t* progress = progress_index < 0 ? flag : s.flags + progress_index;
   waits->push_back(Wait{peer, flag, target, what, progress});
   return Status::Ok();
 }
 
+Status CudaCommunicator::Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value) {
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
+  // The default flags order this write after all earlier work of the stream, including
+  // the data copy it announces, with a memory barrier.
+  JAX_UB_CU(ops->write(reinterpret_cast<CUstream>(stream),
+                       reinterpret_cast<CUdeviceptr>(remote_flag), value,
+                       CU_STREAM_WRITE_VALUE_DEFAULT));
+  return Status::Ok();
+}
+
 Status CudaCommunicator::Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc) {
+  const DriverOps* ops;
+  JAX_UB_RETURN_IF_ERROR(LoadDriverOps(&ops));
   const uint64_t* words = reinterpret_cast<const uint64_t*>(&desc);
   uint64_t* dst = s.peer_flags[p] + kDescFlag + s.rank * CallDescriptor::kWords;
-  return s.memops.Writes(stream, dst, words, CallDescriptor::kWords);
+  CUstreamBatchMemOpParams params[CallDescriptor::kWords] = {};
+  for (int q = 0; q < CallDescriptor::kWords; ++q) {
+    params[q].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    params[q].writeValue.address = reinterpret_cast<CUdeviceptr>(dst + q);
+    params[q].writeValue.value64 = words[q];
+    params[q].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  }
+  JAX_UB_CU(ops->batch(reinterpret_cast<CUstream>(stream), CallDescriptor::kWords, params, 0));
+  return Status::Ok();
 }
 
 Status CudaCommunicator::Verify(Slot& s, cudaStream_t stream, const CallDescriptor& desc,
@@ -177,18 +201,6 @@ std::vector<std::pair<int, int64_t>> CudaCommunicator::FlagGemmCalls(bool signal
     if (sp && sp->local)
       out.emplace_back(sp->device,
                        signals ? sp->signal_gemm_calls.load() : sp->flag_gemm_calls.load());
-  return out;
-}
-
-std::vector<std::pair<int, int64_t>> CudaCommunicator::GemmGraphLaunches() const {
-  std::vector<std::pair<int, int64_t>> out;
-  for (const auto& sp : slots_) {
-    if (!sp || !sp->local) continue;
-    int64_t n = 0;
-    for (const CublasLtGemm* g : {sp->gemm.get(), sp->reduce_scatter_gemm.get()})
-      if (g != nullptr) n += g->GraphLaunches();
-    out.emplace_back(sp->device, n);
-  }
   return out;
 }
 

@@ -23,7 +23,6 @@ Status CudaCommunicator::Create(Topology topology, size_t capacity_bytes,
   c->topology_ = std::move(topology);
   c->schedule_ = Schedule::Of(options);
   c->compute_on_caller_stream_ = options.compute_on_caller_stream;
-  c->batch_memory_ops_ = options.batch_memory_ops;
   JAX_UB_RETURN_IF_ERROR(c->Allocate(capacity_bytes, options.timeout_s, GemmOptions::From(options),
                                      options.autotune_reduce_scatter, multiprocess));
   // Across processes the peers' buffers arrive later, through Connect().
@@ -229,9 +228,8 @@ Status CudaCommunicator::Wire() {
     JAX_UB_CUDA(cudaSetDevice(s.device));
     for (int r = 0; r < size; ++r) {
       if (r == s.rank) continue;
-      JAX_UB_RETURN_IF_ERROR(s.memops.Write(s.compute, s.peer_flags[r] + kCreditFlag + s.rank, 0));
+      JAX_UB_RETURN_IF_ERROR(Signal(s.compute, s.peer_flags[r] + kCreditFlag + s.rank, 0));
     }
-    JAX_UB_RETURN_IF_ERROR(s.memops.Flush());
     JAX_UB_CUDA(cudaStreamSynchronize(s.compute));
     JAX_UB_CUDA(cudaDeviceSynchronize());
   }

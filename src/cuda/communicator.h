@@ -25,7 +25,6 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/driver_api.h"
 #include "cuda/gemm/cublaslt_gemm.h"
 #include "cuda/release.h"
 #include "protocol/broken_state.h"
@@ -74,9 +73,6 @@ class CudaCommunicator {
   // How many FlagGemm (with `signals`: SignalGemm) kernels each local GPU has launched:
   // (device, launches).
   std::vector<std::pair<int, int64_t>> FlagGemmCalls(bool signals = false) const;
-  // How many GEMMs each local GPU has launched from CUDA graphs (CommOptions::gemm_graphs):
-  // (device, launches). Read while no call is enqueued, as KernelChoices.
-  std::vector<std::pair<int, int64_t>> GemmGraphLaunches() const;
 
   // Every local GPU's GEMM kernel per shape (CublasLtGemm::Choices), for tests and tools.
   struct KernelChoice {
@@ -173,8 +169,6 @@ class CudaCommunicator {
     cudaEvent_t start = nullptr, compute_done = nullptr;
     std::vector<cudaEvent_t> comm_done;  // by peer rank
     std::vector<cudaEvent_t> ready;      // by peer rank: its partial (or gathered copy) is done
-    // The call's stream memory operations, gathered per lane (reused: no allocation a call).
-    MemOpRuns memops;
     std::unique_ptr<CublasLtGemm> gemm;
     // The reduce-scatter's GEMMs where they take cuBLASLt's heuristic pick while the
     // all-gather's are autotuned (CommOptions::autotune_reduce_scatter); else null.
@@ -236,13 +230,13 @@ class CudaCommunicator {
   // Marks the communicator broken when a call that has begun (`s` not null) fails, and
   // counts the call's host time from `since`.
   Status EndCall(Slot* s, const char* op, std::chrono::steady_clock::time_point since, Status st);
-  // Adds to the slot's memops a wait of `stream` until flag `flag_index` reaches `target`,
-  // recorded in `waits` for the watchdog; `progress_index` (default: the flag itself) is
-  // Wait::progress.
+  // Enqueues a wait on `stream` until flag `flag_index` reaches `target`, recorded in
+  // `waits` for the watchdog; `progress_index` (default: the flag itself) is Wait::progress.
   Status WaitFlag(Slot& s, cudaStream_t stream, int flag_index, uint64_t target, int peer,
                   const char* what, std::vector<Wait>* waits, int progress_index = -1);
-  // Adds to the slot's memops the writes of `desc` into peer `p`'s descriptor words for this
-  // slot's rank (no SMs; ordered before the data flag that follows on `stream`).
+  Status Signal(cudaStream_t stream, uint64_t* remote_flag, uint64_t value);
+  // Write `desc` into peer `p`'s descriptor words for this slot's rank (stream memory
+  // operations: no SMs, ordered before the data flag that follows on `stream`).
   Status Publish(Slot& s, cudaStream_t stream, int p, const CallDescriptor& desc);
   // On the compute stream, after every peer's chunk has landed: compare the peers'
   // descriptors with `desc`; on a mismatch, or once the slot is unhealthy, fill the
@@ -284,7 +278,6 @@ class CudaCommunicator {
   double timeout_s_ = 0;
   Schedule schedule_;                         // the options' choices, see Create
   bool compute_on_caller_stream_ = false;     // CommOptions::compute_on_caller_stream
-  bool batch_memory_ops_ = false;             // CommOptions::batch_memory_ops
   std::vector<std::unique_ptr<Slot>> slots_;  // by slot index; null where not local
 
   BrokenState broken_;

@@ -71,7 +71,6 @@ Status CudaCommunicator::EnqueueFlagGemm(Slot& s, cudaStream_t stream, const Sch
       waits->push_back(Wait{j, s.flags + index, epoch, "deliver its chunk", s.flags + index});
     }
   }
-  JAX_UB_RETURN_IF_ERROR(s.memops.Flush());
   JAX_UB_RETURN_IF_ERROR(LaunchFlagGemm(c, s.device, s.sm_count, stream));
   s.flag_gemm_calls.fetch_add(1, std::memory_order_relaxed);
   return Status::Ok();
@@ -166,27 +165,16 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
   };
   if (compute != xs) JAX_UB_CUDA(cudaStreamWaitEvent(compute, s->start));
   std::vector<Wait> waits;
-  // With CommOptions::batch_memory_ops, consecutive waits, signals and descriptors of one lane
-  // go to the driver as one call (MemOpRuns), sent before any other CUDA call (unbatched, the
-  // flushes find nothing).
-  MemOpRuns& memops = s->memops;
-  memops.Drop();  // what a failed call left
-  memops.set_batching(batch_memory_ops_);
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
     cudaStream_t stream = lane(step.lane);
     const int slot = FlagSlot(step, s->rank);  // a wait's or signal's flag word
-    const bool mem_op = step.kind == Step::Kind::kWait || step.kind == Step::Kind::kSignal ||
-                        step.kind == Step::Kind::kPublish;
-    const bool starts = (step.lane >= 0 && !started[step.lane]) ||
-                        (step.lane == kSecondGemmLane && !second_started);
-    if (!mem_op || starts) JAX_UB_RETURN_IF_ERROR(memops.Flush());
-    if (starts) {
+    if (step.lane >= 0 && !started[step.lane]) {
       JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
-      if (step.lane >= 0)
-        started[step.lane] = true;
-      else
-        second_started = true;
+      started[step.lane] = true;
+    } else if (step.lane == kSecondGemmLane && !second_started) {
+      JAX_UB_CUDA(cudaStreamWaitEvent(stream, s->start));
+      second_started = true;
     }
     switch (step.kind) {
       case Step::Kind::kWait: {
@@ -207,9 +195,8 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
                                     cudaMemcpyDeviceToDevice, stream));
         break;
       case Step::Kind::kSignal:
-        // Ordered after the stream's earlier work, the copy it announces included.
         JAX_UB_RETURN_IF_ERROR(
-            memops.Write(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, slot), e));
+            Signal(stream, s->peer_flags[step.peer] + FlagIndex(step.flag, slot), e));
         break;
       case Step::Kind::kGemm:
         if (step.signals) {
@@ -256,7 +243,6 @@ Status CudaCommunicator::Enqueue(int device, cudaStream_t xs, OpKind op, const C
       }
     }
   }
-  JAX_UB_RETURN_IF_ERROR(memops.Flush());
   // Every copy lane joins the caller's stream in Finish.
   for (int r = 0; r < size; ++r)
     if (started[r]) JAX_UB_CUDA(cudaEventRecord(s->comm_done[r], s->comm[r]));

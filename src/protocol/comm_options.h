@@ -37,8 +37,6 @@ struct CommOptions {
   ScheduleChoice reduce_scatter_signal_gemm;  // Schedule::signal_gemm; each rank may choose its own
   bool compute_on_caller_stream;  // the compute lane is XLA's stream, not one of ours (CUDA)
   bool fp8_fast_accumulation;     // e4m3 x e4m3 GEMMs in cuBLASLt's FAST_ACCUM mode (CUDA)
-  bool gemm_graphs;               // GEMMs replayed from CUDA graphs per operand set (CUDA)
-  bool batch_memory_ops;          // a lane's flag waits and writes in one driver call (CUDA)
   std::string gemm_cache;         // the kernel choice file, "" none (CUDA, with autotune_gemm)
 };
 

@@ -146,18 +146,6 @@ class Tuning:
         without promoting partial sums to float32 along k, as XLA's fp8 dots at default
         precision and TransformerEngine's forward GEMMs do; GEMMs with an ``e5m2``
         gradient (the backward's) always promote. Off: every fp8 GEMM promotes.
-      gemm_graphs: on GPUs, a GEMM whose operands (addresses) recur is replayed from a CUDA
-        graph of its kernels, captured the second time they are seen, instead of calling
-        cuBLASLt each time (src/cuda/gemm/graphs.h): cublasLtMatmul costs the host 11-20 us a
-        call on an H200's host, a graph launch a few, and a chunked op makes one GEMM call a
-        chunk (tp at tp=8), which can leave the GPU waiting for the host on short GEMMs.
-        Off by default: not yet measured (benchmarks/tools/solo_schedule.cu times the
-        same, its GEMMs from graphs).
-      batch_memory_ops: on GPUs, a call's flag waits, flag writes and descriptor words that
-        follow one another on a stream go to the driver as one cuStreamBatchMemOp
-        (src/cuda/driver_api.h), each stream's run enqueued before anything else on it: at
-        tp=8 a reduce-scatter's 35 such operations in 17 driver calls, an all-gather's in 22.
-        Off (the default): one driver call each. Not yet measured.
     """
 
     autotune_gemm: bool = True
@@ -176,8 +164,6 @@ class Tuning:
     dgelu_epilogue: bool = True
     compute_on_caller_stream: bool = True
     fp8_fast_accumulation: bool = True
-    gemm_graphs: bool = False
-    batch_memory_ops: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -269,8 +255,6 @@ class Options:
     reduce_scatter_signal_gemm: bool | None
     compute_on_caller_stream: bool
     fp8_fast_accumulation: bool
-    gemm_graphs: bool
-    batch_memory_ops: bool
     gemm_cache: str
 
     def to_dict(self) -> dict[str, object]:

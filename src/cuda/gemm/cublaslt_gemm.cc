@@ -101,7 +101,6 @@ Status CublasLtGemm::Create(GemmOptions options, CublasLtGemm** out) {
 
 CublasLtGemm::~CublasLtGemm() {
   for (auto& [key, p] : plans_) Destroy(p);
-  if (capture_ != nullptr) cudaStreamDestroy(capture_);
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (second_workspace_ != nullptr) cudaFree(second_workspace_);
   if (ones_ != nullptr) cudaFree(ones_);
@@ -270,49 +269,7 @@ Status CublasLtGemm::Matmul(Plan* p, const void* a, const void* b, void* c, cuda
                             const GemmArgs& args) {
   if (p == nullptr) return Status::Ok();  // an empty shape
   if (p->trial != nullptr) return TrialMatmul(*p, a, b, c, stream, args);
-  if (options_.graphs) return GraphMatmul(*p, a, b, c, stream, args);
   return Run(*p, p->algo, a, b, c, stream, args);
-}
-
-Status CublasLtGemm::GraphMatmul(Plan& p, const void* a, const void* b, void* c,
-                                 cudaStream_t stream, const GemmArgs& args) {
-  if (p.graphs == nullptr) p.graphs = std::make_unique<GemmGraphs>();
-  GemmGraphs::Operands ops;
-  ops.a = a;
-  ops.b = b;
-  ops.c = c;
-  ops.addend = args.addend;
-  ops.scales = p.scaled ? args.scales : nullptr;
-  ops.bias = p.epilogue.bias ? args.bias : nullptr;
-  ops.aux = p.epilogue.UsesAux() ? args.aux : nullptr;
-  ops.second_workspace = args.second_workspace;
-  bool capture = false;
-  if (cudaGraphExec_t g = p.graphs->Find(ops, &capture))
-    return CudaStatus(cudaGraphLaunch(g, stream), "cudaGraphLaunch (a GEMM's graph)");
-  if (!capture) return Run(p, p.algo, a, b, c, stream, args);
-  // Captured on a stream of its own, so nothing else of the op's enters the graph; relaxed,
-  // so that other threads' CUDA calls meanwhile are not refused as unsafe during a capture.
-  if (capture_ == nullptr) JAX_UB_CUDA(cudaStreamCreateWithFlags(&capture_, cudaStreamNonBlocking));
-  JAX_UB_CUDA(cudaStreamBeginCapture(capture_, cudaStreamCaptureModeRelaxed));
-  const Status ran = Run(p, p.algo, a, b, c, capture_, args);
-  cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(capture_, &graph);
-  cudaGraphExec_t exec = nullptr;
-  cudaError_t made = cudaErrorUnknown;
-  if (ran.ok() && ended == cudaSuccess) made = cudaGraphInstantiate(&exec, graph, 0);
-  if (graph != nullptr) cudaGraphDestroy(graph);
-  JAX_UB_RETURN_IF_ERROR(ran);
-  JAX_UB_RETURN_IF_ERROR(CudaStatus(ended, "cudaStreamEndCapture (a GEMM's graph)"));
-  JAX_UB_RETURN_IF_ERROR(CudaStatus(made, "cudaGraphInstantiate (a GEMM's graph)"));
-  p.graphs->Add(ops, exec);
-  return CudaStatus(cudaGraphLaunch(exec, stream), "cudaGraphLaunch (a GEMM's graph)");
-}
-
-int64_t CublasLtGemm::GraphLaunches() const {
-  int64_t n = 0;
-  for (const auto& [key, p] : plans_)
-    if (p.graphs != nullptr) n += p.graphs->launches();
-  return n;
 }
 
 }  // namespace jax_ub

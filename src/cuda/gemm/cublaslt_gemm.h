@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "cuda/gemm/choice_file.h"
-#include "cuda/gemm/graphs.h"
 #include "protocol/comm_options.h"
 #include "protocol/dtype.h"
 #include "protocol/epilogue.h"
@@ -50,14 +49,10 @@ struct GemmOptions {
   // With autotuning: cuBLASLt's first pick holds unless tuning's fastest clearly beats it
   // (KeptCandidate); false: the fastest is kept however small its lead.
   bool hold_first_pick = true;
-  // Runs after a plan's trial replay CUDA graphs of its kernels, one per operand set seen
-  // twice (graphs.h): the host's cost of a GEMM is then a graph launch, not cuBLASLt's call.
-  bool graphs = false;
 
   static GemmOptions From(const CommOptions& o) {
-    return GemmOptions{o.allow_tf32,           o.autotune_gemm, o.gemm_order,
-                       o.gemm_trials,          o.gemm_cache,    o.fp8_fast_accumulation,
-                       o.gemm_hold_first_pick, o.gemm_graphs};
+    return GemmOptions{o.allow_tf32, o.autotune_gemm,         o.gemm_order,          o.gemm_trials,
+                       o.gemm_cache, o.fp8_fast_accumulation, o.gemm_hold_first_pick};
   }
 };
 
@@ -131,10 +126,9 @@ class CublasLtGemm {
     bool scaled = false;           // fp8: every run sets its operands' scale pointers
     Epilogue epilogue;             // every run sets its bias and aux pointers
     int64_t m = 0, k = 0, n = 0;
-    std::unique_ptr<Trial> trial;        // while the op's calls still compare candidates
-    std::string choice_key;              // its line's key in the choice file, once chosen; "": none
-    int choice_index = -1;               // algo's place in cuBLASLt's heuristic list (choice file)
-    std::unique_ptr<GemmGraphs> graphs;  // GemmOptions::graphs: its runs' graphs
+    std::unique_ptr<Trial> trial;  // while the op's calls still compare candidates
+    std::string choice_key;        // its line's key in the choice file, once chosen; "": none
+    int choice_index = -1;         // algo's place in cuBLASLt's heuristic list (choice file)
   };
 
   // The plan for this GEMM's shape. A shape's first call chooses it and runs it once on
@@ -210,9 +204,6 @@ class CublasLtGemm {
   Status Matmul(Plan* plan, const void* a, const void* b, void* c, cudaStream_t stream,
                 const GemmArgs& args = {});
 
-  // Graph launches so far (GemmOptions::graphs), over every plan.
-  int64_t GraphLaunches() const;
-
  private:
   // What a plan is made for, one plan per key: operand types, shape, b's layout, epilogue.
   struct PlanKey {
@@ -250,10 +241,6 @@ class CublasLtGemm {
   // Enqueues one GEMM of `p`'s shape with `algo`.
   Status Run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b, void* c,
              cudaStream_t stream, const GemmArgs& args = {});
-  // Matmul with options_.graphs, once `p` has no trial: from its operand set's graph, or
-  // captured into one on the set's second run, or run as it is.
-  Status GraphMatmul(Plan& p, const void* a, const void* b, void* c, cudaStream_t stream,
-                     const GemmArgs& args);
 
   // Choosing a new shape's kernel (kernel_choice.cc).
 
@@ -332,7 +319,6 @@ class CublasLtGemm {
   bool choices_failed_ = false;  // a failed write was reported
   void* workspace_ = nullptr;
   void* second_workspace_ = nullptr;  // AddSecondWorkspace's, workspace_bytes_ too
-  cudaStream_t capture_ = nullptr;    // GraphMatmul's captures run here (made at the first)
   // Device floats of 1 laid out as Matmul's scales: fp8 plans' scales wherever a run has none
   // (heuristics and tuning included, as cuBLASLt may pick kernels that cannot scale when none is
   // set).
