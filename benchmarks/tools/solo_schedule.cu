@@ -107,6 +107,13 @@ void MarkDone(Run& r, const jax_ub::Step& g, cudaStream_t stream, uint64_t epoch
           "cuStreamWriteValue64 of a Done word");
 }
 
+// GEMM step i on `stream`, as the library runs it.
+void StepGemm(Run& r, size_t i, cudaStream_t stream) {
+  const jax_ub::Step& g = r.steps[i];
+  Check(r.gemm->Matmul(r.plans[i], At(r, g.src), r.ops.w, At(r, g.dst), stream, Args(r, g)),
+        "Matmul");
+}
+
 // One call of the schedule: its compute-side steps, on their lanes.
 void Schedule(Run& r) {
   const uint64_t epoch = ++r.epoch;
@@ -126,9 +133,7 @@ void Schedule(Run& r) {
         if (r.gemm_graphs_on && r.gemm_graphs[i] != nullptr)
           Check(cudaGraphLaunch(r.gemm_graphs[i], stream), "cudaGraphLaunch (a GEMM)");
         else
-          Check(r.gemm->Matmul(r.plans[i], At(r, step.src), r.ops.w, At(r, step.dst), stream,
-                               Args(r, step)),
-                "Matmul");
+          StepGemm(r, i, stream);
         if (r.link != nullptr) MarkDone(r, step, stream, epoch);
         break;
       case jax_ub::Step::Kind::kWait:
@@ -292,19 +297,10 @@ int main(int argc, char** argv) {
   // Graphs: each GEMM step's cuBLASLt call captured alone, and the whole call where nothing in
   // it carries the call's epoch (unpaced, without the signal GEMM), its second GEMM lane joined
   // back into the compute lane at its end (every lane a capture forks must end joined).
-  cudaStream_t capture;
-  Check(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking), "stream");
   r.gemm_graphs.assign(r.steps.size(), nullptr);
-  bool gemm_graphs = false;
-  for (size_t i = 0; i < r.steps.size(); ++i) {
-    const jax_ub::Step& g = r.steps[i];
-    if (r.plans[i] == nullptr) continue;
-    r.gemm_graphs[i] = solo::CaptureGraph(capture, [&] {
-      Check(r.gemm->Matmul(r.plans[i], At(r, g.src), r.ops.w, At(r, g.dst), capture, Args(r, g)),
-            "Matmul (captured)");
-    });
-    gemm_graphs = true;
-  }
+  for (size_t i = 0; i < r.steps.size(); ++i)
+    if (r.plans[i] != nullptr)
+      r.gemm_graphs[i] = solo::CaptureGraph(r.compute, [&] { StepGemm(r, i, r.compute); });
   if (r.link == nullptr && variant != "signal")
     r.call_graph = solo::CaptureGraph(r.compute, [&] {
       Schedule(r);
@@ -319,7 +315,7 @@ int main(int argc, char** argv) {
   // whole call replayed from one (the GPU's side of the schedule with almost no host's).
   std::vector<jax_ub_tool::Timed> timed = {{"whole", r.compute, [&] { Whole(r); }},
                                            {"schedule", r.compute, [&] { Schedule(r); }}};
-  if (gemm_graphs)
+  if (std::any_of(r.gemm_graphs.begin(), r.gemm_graphs.end(), [](auto g) { return g != nullptr; }))
     timed.push_back({"GEMMs as graphs", r.compute, [&] {
                        r.gemm_graphs_on = true;
                        Schedule(r);
@@ -394,7 +390,6 @@ int main(int argc, char** argv) {
   for (cudaGraphExec_t g : r.gemm_graphs)
     if (g != nullptr) Check(cudaGraphExecDestroy(g), "cudaGraphExecDestroy");
   if (r.call_graph != nullptr) Check(cudaGraphExecDestroy(r.call_graph), "cudaGraphExecDestroy");
-  Check(cudaStreamDestroy(capture), "cudaStreamDestroy");
   delete r.link;
   delete r.gemm;
   for (cudaStream_t s : r.lanes) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
