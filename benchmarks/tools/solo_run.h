@@ -45,9 +45,8 @@ struct Run {
   const jax_ub::DriverOps* driver = nullptr;
   uint64_t epoch = 0;  // calls so far: the link's flags and our Done words carry it
   // Graphs (the `graphs` timings): each GEMM step's cuBLASLt call captured alone (by step;
-  // null for other steps), launched in its place while `gemm_graphs_on`; and the whole call.
+  // null for other steps), launched in its place by Schedule(r, true); and the whole call.
   std::vector<cudaGraphExec_t> gemm_graphs;
-  bool gemm_graphs_on = false;
   cudaGraphExec_t call_graph = nullptr;
 };
 
